@@ -1,0 +1,1 @@
+"""Command line entry point: ``extproc serve|sim|envoy-config|demo``."""
