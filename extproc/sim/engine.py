@@ -1,0 +1,369 @@
+"""A shape-realistic model of vLLM's continuous-batching engine, without a GPU.
+
+The model
+---------
+* Requests enter a FIFO *waiting* queue (vLLM's default ``fcfs`` policy).
+* The engine runs *steps* back to back while there is work. At the start of a
+  step the scheduler admits requests from the head of the waiting queue while
+  fewer than ``max_num_seqs`` are running and the head's KV reservation fits in
+  the free KV capacity. If the head does not fit, nothing behind it is admitted
+  either (head-of-line blocking, as in vLLM's FCFS scheduler): this is exactly
+  the behaviour a fair scheduler in front of the engine has to work around.
+* A step lasts ``step_ms + step_ms_per_seq * running`` plus
+  ``prefill_ms_per_token * prompt_tokens`` for each request admitted in it, all
+  multiplied by ``time_scale``. So a big batch makes everyone's tokens slower,
+  and a long prompt admitted into the batch stalls every running stream once.
+* At the end of a step every running sequence emits one token. A request's
+  first token therefore arrives at the end of the step that prefilled it, as in
+  vLLM where the prefill step also samples the first token.
+* A request finishes after exactly ``max_tokens`` tokens (finish reason
+  ``length``) and frees its KV at once. Aborted requests (client gone) leave the
+  waiting queue or the batch immediately and free their KV too.
+
+Simplified compared with real vLLM
+----------------------------------
+* KV is reserved whole at admission (``prompt_tokens + max_tokens``) instead of
+  growing block by block, so there is never preemption or recomputation; the
+  KV usage gauge is the reserved fraction. Real vLLM admits more optimistically
+  and preempts under pressure; the reservation keeps the model predictable.
+* No chunked prefill, prefix caching, speculative decoding, stop strings/EOS,
+  or ``n > 1``. Output length is always ``max_tokens``.
+* Token counts are estimated from characters by the caller, not tokenized.
+* Step durations are deterministic (no jitter); only the generated words use
+  the seeded RNG.
+* ``kv_cache_tokens`` doubles as the maximum model length: a request whose
+  reservation could never fit is rejected at submission (:class:`RequestTooLong`),
+  like vLLM's HTTP 400 for prompts plus ``max_tokens`` over the context length.
+
+:class:`Scheduler` is the pure, synchronous part (time is passed in);
+:class:`SimEngine` drives it with an injected clock and sleep so tests can run
+it on a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+# Finish reasons as vLLM spells them (vllm/v1/engine/__init__.py).
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+# Words the simulated model "generates"; one word is one token.
+_VOCABULARY = (
+    "the", "model", "token", "fair", "queue", "batch", "cache", "tenant",
+    "request", "latency", "stream", "engine", "prompt", "answer", "step", "share",
+)
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """Everything that shapes one simulated engine (mirrors the CLI options).
+
+    Durations are in milliseconds of *simulated GPU time*; ``time_scale``
+    converts them to wall-clock time (0.1 runs ten times faster than "real").
+    """
+
+    model: str
+    max_num_seqs: int = 32
+    kv_cache_tokens: int = 65536
+    prefill_ms_per_token: float = 0.05
+    step_ms: float = 20.0
+    step_ms_per_seq: float = 0.5
+    time_scale: float = 1.0
+    default_max_tokens: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model name must not be empty")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.kv_cache_tokens < 2:
+            raise ValueError("kv_cache_tokens must hold at least one prompt token and one output token")
+        if min(self.prefill_ms_per_token, self.step_ms, self.step_ms_per_seq) < 0:
+            raise ValueError("durations must not be negative")
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be positive")
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be at least 1")
+
+
+class RequestTooLong(ValueError):
+    """The request's KV reservation exceeds the whole cache, so it could never run."""
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One generation request and its timeline (times are clock readings, seconds).
+
+    Compared by identity: two requests with equal sizes are still different requests.
+    """
+
+    prompt_tokens: int
+    max_tokens: int
+    arrival: float
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_generated: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV slots reserved while running: the prompt plus every token it may generate."""
+        return self.prompt_tokens + self.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """What the scheduler decided at the start of a step."""
+
+    admitted: tuple[SimRequest, ...]
+    duration: float  # wall-clock seconds, already scaled
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One token emitted at the end of a step.
+
+    ``since_previous`` is the gap since the request's previous token, or since
+    its arrival for the first token: i.e. the TTFT for ``index == 0`` and an
+    inter-token latency otherwise.
+    """
+
+    request: SimRequest
+    index: int
+    since_previous: float
+
+
+class Scheduler:
+    """The pure continuous-batching state machine: no I/O, time is passed in."""
+
+    def __init__(self, settings: SimSettings) -> None:
+        self.max_num_seqs = settings.max_num_seqs
+        self.kv_capacity = settings.kv_cache_tokens
+        scale = settings.time_scale / 1000.0
+        self._step_s = settings.step_ms * scale
+        self._per_seq_s = settings.step_ms_per_seq * scale
+        self._prefill_per_token_s = settings.prefill_ms_per_token * scale
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.kv_used = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV cache reserved by running requests (0..1)."""
+        return self.kv_used / self.kv_capacity
+
+    def add(self, request: SimRequest) -> None:
+        """Queue a request; reject it now if it could never be admitted."""
+        if request.kv_tokens > self.kv_capacity:
+            raise RequestTooLong(
+                f"This model's maximum context length is {self.kv_capacity} tokens. "
+                f"However, you requested {request.max_tokens} output tokens and your prompt "
+                f"contains at least {request.prompt_tokens} input tokens, for a total of at "
+                f"least {request.kv_tokens} tokens."
+            )
+        self.waiting.append(request)
+
+    def abort(self, request: SimRequest) -> bool:
+        """Drop a request wherever it is and free its KV; False if it had already finished."""
+        if request.finished:
+            return False
+        if request in self.running:
+            self.running.remove(request)
+            self.kv_used -= request.kv_tokens
+        else:
+            self.waiting.remove(request)
+        request.finish_reason = FINISH_ABORT
+        return True
+
+    def schedule(self, now: float) -> ScheduledStep:
+        """Start a step: admit from the queue head and work out how long the step takes."""
+        admitted: list[SimRequest] = []
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            head = self.waiting[0]
+            if self.kv_used + head.kv_tokens > self.kv_capacity:
+                break
+            self.waiting.popleft()
+            head.scheduled_at = now
+            self.running.append(head)
+            self.kv_used += head.kv_tokens
+            admitted.append(head)
+        prefill_tokens = sum(r.prompt_tokens for r in admitted)
+        duration = (
+            self._step_s
+            + self._per_seq_s * len(self.running)
+            + self._prefill_per_token_s * prefill_tokens
+        )
+        return ScheduledStep(tuple(admitted), duration)
+
+    def complete(self, now: float) -> list[TokenEvent]:
+        """End a step: every running request emits a token; finished ones free their KV.
+
+        Requests aborted while the step ran are simply no longer in the batch.
+        """
+        events: list[TokenEvent] = []
+        still_running: list[SimRequest] = []
+        for request in self.running:
+            previous = request.arrival if request.last_token_at is None else request.last_token_at
+            events.append(TokenEvent(request, request.num_generated, now - previous))
+            if request.first_token_at is None:
+                request.first_token_at = now
+            request.last_token_at = now
+            request.num_generated += 1
+            if request.num_generated >= request.max_tokens:
+                request.finish_reason = FINISH_LENGTH
+                self.kv_used -= request.kv_tokens
+            else:
+                still_running.append(request)
+        self.running = still_running
+        return events
+
+
+class EngineObserver(Protocol):
+    """Receives the engine's events, e.g. to record Prometheus metrics."""
+
+    def on_scheduled(self, request: SimRequest) -> None: ...
+
+    def on_token(self, event: TokenEvent) -> None: ...
+
+    def on_finished(self, request: SimRequest) -> None: ...
+
+
+class _NoObserver:
+    """Default observer, so the driver never has to check for ``None``."""
+
+    def on_scheduled(self, request: SimRequest) -> None:
+        pass
+
+    def on_token(self, event: TokenEvent) -> None:
+        pass
+
+    def on_finished(self, request: SimRequest) -> None:
+        pass
+
+
+class RequestHandle:
+    """A submitted request as its consumer sees it: an async iterator of token texts.
+
+    Iteration ends when the request finishes or is aborted; check
+    ``request.finish_reason`` to tell which.
+    """
+
+    def __init__(self, engine: SimEngine, request: SimRequest) -> None:
+        self.request = request
+        self._engine = engine
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> str:
+        piece = await self._queue.get()
+        if piece is None:
+            self._queue.put_nowait(None)  # keep later iterations ending too
+            raise StopAsyncIteration
+        return piece
+
+    def abort(self) -> None:
+        """Cancel the request (no-op once finished), as vLLM does on client disconnect."""
+        self._engine.abort(self)
+
+    def _push(self, piece: str | None) -> None:
+        self._queue.put_nowait(piece)
+
+
+class SimEngine:
+    """Drives a :class:`Scheduler` in real (or injected) time and streams tokens.
+
+    The driver task sleeps on an event while idle, so an idle simulator costs
+    nothing; ``clock`` and ``sleep`` are injectable for deterministic tests.
+    """
+
+    def __init__(
+        self,
+        settings: SimSettings,
+        observer: EngineObserver | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.settings = settings
+        self.scheduler = Scheduler(settings)
+        # Public and settable: the metrics need ``self.scheduler``, so they can only
+        # be attached after construction.
+        self.observer: EngineObserver = observer if observer is not None else _NoObserver()
+        self._clock = clock
+        self._sleep = sleep
+        self._rng = random.Random(settings.seed)
+        self._handles: dict[SimRequest, RequestHandle] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the driver task on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    async def close(self) -> None:
+        """Stop the driver and abort everything still queued or running."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for handle in list(self._handles.values()):
+            self.abort(handle)
+
+    def submit(self, prompt_tokens: int, max_tokens: int) -> RequestHandle:
+        """Queue a request; raises :class:`RequestTooLong` if it can never fit."""
+        request = SimRequest(prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=self._clock())
+        self.scheduler.add(request)
+        handle = RequestHandle(self, request)
+        self._handles[request] = handle
+        self._wakeup.set()
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        if self.scheduler.abort(handle.request):
+            del self._handles[handle.request]
+            handle._push(None)
+            self.observer.on_finished(handle.request)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self.scheduler.has_work:
+                await self._step()
+
+    async def _step(self) -> None:
+        step = self.scheduler.schedule(self._clock())
+        for request in step.admitted:
+            self.observer.on_scheduled(request)
+        await self._sleep(step.duration)
+        for event in self.scheduler.complete(self._clock()):
+            handle = self._handles[event.request]
+            handle._push(" " + self._rng.choice(_VOCABULARY))
+            self.observer.on_token(event)
+            if event.request.finished:
+                del self._handles[event.request]
+                handle._push(None)
+                self.observer.on_finished(event.request)
