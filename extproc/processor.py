@@ -1,0 +1,207 @@
+"""The ext_proc stream: one gRPC stream per HTTP request passing through Envoy.
+
+Life of a stream (processing mode: request headers SEND, response trailers
+SEND, everything else off):
+
+1. Envoy sends the request headers, with the body's ``model`` (and
+   ``max_tokens``) already in dynamic metadata by its json_to_metadata filter:
+   the prompt never passes through Python.
+2. We work out model, tenant and priority, queue the request and — if it has
+   to wait — tell Envoy to extend its message timeout while we hold it.
+3. When the dispatcher releases it we answer CONTINUE, setting the routing
+   header to the model from the body (a client-sent header is overwritten)
+   and clearing Envoy's route cache so it routes on it.
+4. The stream then stays open, silent, until the response has finished or
+   the client has gone; its end is the request's completion, which keeps the
+   gate's in-flight count exact at no per-chunk cost.
+
+A client that leaves while queued cancels the stream; the cancellation
+removes its entry from the queue at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import duration_pb2
+
+from extproc.config import Config
+from extproc.dispatcher import ModelDispatcher, Rejected
+from extproc.telemetry import Telemetry
+
+# Dynamic-metadata namespace that Envoy's json_to_metadata filter writes the body fields into.
+METADATA_NAMESPACE = "extproc"
+# Headers the processor adds to what it answers, so clients and logs can see why.
+REASON_HEADER = "x-extproc-reason"
+QUEUE_WAIT_HEADER = "x-extproc-queue-wait-ms"
+# Envoy's override of the per-message timeout must outlast our own queue timeout.
+HOLD_MARGIN_S = 10
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error"}
+
+
+@dataclass(frozen=True)
+class Admission:
+    model: str
+    tenant: str
+    band: int
+
+
+def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=name, raw_value=value.encode()), append_action=_OVERWRITE
+    )
+
+
+def error_response(rejection: Rejected) -> pb.ProcessingResponse:
+    """An OpenAI-style JSON error that Envoy sends to the client in place of the engine's answer."""
+    body = {
+        "error": {
+            "message": rejection.message,
+            "type": _ERROR_TYPES.get(rejection.status, "server_error"),
+            "param": None,
+            "code": rejection.reason,
+        }
+    }
+    headers = [_header("content-type", "application/json"), _header(REASON_HEADER, rejection.reason)]
+    if rejection.retry_after_s is not None:
+        headers.append(_header("retry-after", str(rejection.retry_after_s)))
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=rejection.status),
+            headers=pb.HeaderMutation(set_headers=headers),
+            body=json.dumps(body).encode(),
+            details=rejection.reason,
+        )
+    )
+
+
+def _models_response(config: Config) -> pb.ProcessingResponse:
+    """``GET /v1/models`` answered from the configuration: the models this gateway routes."""
+    body = {"object": "list", "data": [{"id": m.name, "object": "model", "owned_by": "extproc"} for m in config.models]}
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=200),
+            headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
+            body=json.dumps(body).encode(),
+        )
+    )
+
+
+def _headers_of(message: pb.HttpHeaders) -> dict[str, str]:
+    # Envoy fills raw_value (bytes); value is only used by older Envoys.
+    return {h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+            for h in message.headers.headers}
+
+
+def _body_model(request: pb.ProcessingRequest) -> str | None:
+    fields = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
+    if fields is None or "model" not in fields.fields:
+        return None
+    value = fields.fields["model"]
+    return value.string_value if value.WhichOneof("kind") == "string_value" else None
+
+
+class Processor(pb_grpc.ExternalProcessorServicer):
+    """The gRPC servicer Envoy's ext_proc filter talks to."""
+
+    def __init__(self, config: Config, dispatchers: dict[str, ModelDispatcher], telemetry: Telemetry) -> None:
+        self._config = config
+        self._dispatchers = dispatchers
+        self._telemetry = telemetry
+        self._hold_timeout = {
+            m.name: duration_pb2.Duration(seconds=math.ceil(m.max_queue_wait_s) + HOLD_MARGIN_S) for m in config.models
+        }
+        self.draining = False
+
+    def admit(self, headers: dict[str, str], body_model: str | None) -> Admission:
+        """Who asks, for which model, how urgently — or why not (raises Rejected)."""
+        identity = self._config.identity
+        if self.draining:
+            raise Rejected(503, "shutting_down", "the gateway is restarting; retry shortly", retry_after_s=1)
+        if body_model is None:
+            raise Rejected(
+                400, "model_missing",
+                "the request body must be JSON (content-type: application/json) with a 'model' field",
+            )
+        if body_model not in self._dispatchers:
+            known = ", ".join(sorted(self._dispatchers))
+            raise Rejected(404, "model_not_found", f"the model {body_model!r} does not exist; served models: {known}")
+        tenant = headers.get(identity.tenant_header) or identity.default_tenant
+        priority = headers.get(identity.priority_header, "").strip().lower()
+        priorities = self._config.priorities
+        band = priorities.index(priority if priority in priorities else self._config.default_priority)
+        return Admission(body_model, tenant, band)
+
+    async def Process(  # noqa: N802 (gRPC method name)
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        messages = aiter(request_iterator)
+        first = await anext(messages, None)
+        if first is None:
+            return
+        if not first.HasField("request_headers"):  # not our processing mode: stay out of the way
+            yield _continue(first)
+            async for message in messages:
+                yield _continue(message)
+            return
+        headers = _headers_of(first.request_headers)
+        if headers.get(":method") == "GET" and headers.get(":path", "").split("?")[0] == "/v1/models":
+            yield _models_response(self._config)
+            return
+        try:
+            admission = self.admit(headers, _body_model(first))
+        except Rejected as rejection:
+            self._telemetry.rejected.labels(_body_model(first) or "", rejection.reason).inc()
+            yield error_response(rejection)
+            return
+
+        dispatcher = self._dispatchers[admission.model]
+        held = dispatcher.submit(admission.tenant, admission.band)
+        # One try for the whole hold: the stream can be cancelled (client gone) at
+        # any await or yield, and the request must leave the queue or the gate then.
+        try:
+            if not held.future.done():
+                yield pb.ProcessingResponse(override_message_timeout=self._hold_timeout[admission.model])
+            try:
+                waited = await held.future
+            except Rejected as rejection:
+                yield error_response(rejection)
+                return
+            yield pb.ProcessingResponse(
+                request_headers=pb.HeadersResponse(
+                    response=pb.CommonResponse(
+                        header_mutation=pb.HeaderMutation(
+                            set_headers=[
+                                _header(self._config.identity.model_header, admission.model),
+                                _header(QUEUE_WAIT_HEADER, str(round(waited * 1000))),
+                            ]
+                        ),
+                        clear_route_cache=True,
+                    )
+                )
+            )
+            async for message in messages:
+                yield _continue(message)
+        finally:
+            dispatcher.end(held)
+
+
+def _continue(message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    """A no-op answer to whatever phase Envoy sent (e.g. response trailers)."""
+    phase = message.WhichOneof("request")
+    if phase in ("request_headers", "response_headers"):
+        return pb.ProcessingResponse(**{phase: pb.HeadersResponse()})
+    if phase in ("request_body", "response_body"):
+        return pb.ProcessingResponse(**{phase: pb.BodyResponse()})
+    return pb.ProcessingResponse(**{phase: pb.TrailersResponse()})
