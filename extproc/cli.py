@@ -1,1 +1,92 @@
-"""Command line entry point: ``extproc serve|sim|envoy-config|demo``."""
+"""Command line entry point: ``extproc serve|sim|envoy-config|demo``.
+
+The gRPC server and the demo runtime are imported only when chosen, so
+``extproc sim`` and ``extproc envoy-config`` start without loading gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from extproc.config import ConfigError, load_config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from extproc.server import serve
+
+    config = load_config(args.config)
+    uvloop.run(serve(config, args.drain_seconds))
+    return 0
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from extproc.sim.server import run
+
+    return run(args)
+
+
+def _envoy_config(args: argparse.Namespace) -> int:
+    from extproc.envoy_config import main_envoy_config
+
+    return main_envoy_config(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from extproc.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="extproc", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the ext_proc fair-queueing server")
+    serve.add_argument("--config", required=True, help="YAML configuration file")
+    serve.add_argument(
+        "--drain-seconds", type=float, default=30.0,
+        help="on SIGTERM, how long queued and in-flight requests may take to finish (default 30)",
+    )
+    serve.set_defaults(func=_serve)
+
+    from extproc.sim.server import add_arguments as add_sim_arguments
+
+    sim = commands.add_parser("sim", help="run the vLLM simulator (OpenAI API + vLLM /metrics)")
+    add_sim_arguments(sim)
+    sim.set_defaults(func=_sim)
+
+    from extproc.envoy_config import add_arguments as add_envoy_arguments
+
+    envoy = commands.add_parser("envoy-config", help="print an Envoy bootstrap (or --drop-in pieces) for a config")
+    add_envoy_arguments(envoy)
+    envoy.set_defaults(func=_envoy_config)
+
+    from extproc.demo import add_arguments as add_demo_arguments
+
+    demo = commands.add_parser("demo", help="run the power-user demo on a real Envoy, then keep serving")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

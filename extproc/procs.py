@@ -1,0 +1,100 @@
+"""Child processes for the demo and the tests: start, wait until ready, stop.
+
+Each child logs to a file; when it dies or never becomes ready the error ends
+with the tail of that log, which is usually the whole diagnosis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import aiohttp
+
+LOG_TAIL_LINES = 40
+
+
+class ProcessStartError(RuntimeError):
+    """A child exited or never became ready; the message ends with its log's tail."""
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+class ManagedProcess:
+    """A running child; stop it with ``await stop()`` or ``async with``."""
+
+    def __init__(self, name: str, process: asyncio.subprocess.Process, log_path: Path) -> None:
+        self.name = name
+        self.process = process
+        self.log_path = log_path
+
+    @classmethod
+    async def start(
+        cls,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        *,
+        ready_url: str,
+        timeout: float = 30.0,
+    ) -> ManagedProcess:
+        """Run ``argv`` and wait until ``ready_url`` answers 200."""
+        with open(log_path, "ab") as log:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT
+            )
+        child = cls(name, process, log_path)
+        try:
+            await child._wait_ready(ready_url, timeout)
+        except BaseException:
+            await child.stop()
+            raise
+        return child
+
+    async def _wait_ready(self, url: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
+            while time.monotonic() < deadline:
+                if self.process.returncode is not None:
+                    raise ProcessStartError(
+                        f"{self.name} exited with code {self.process.returncode}:\n{log_tail(self.log_path)}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with session.get(url) as response:
+                        if response.status == 200:
+                            return
+                await asyncio.sleep(0.05)
+        raise ProcessStartError(f"{self.name} not ready at {url} after {timeout:.0f}s:\n{log_tail(self.log_path)}")
+
+    async def stop(self, timeout: float = 10.0, sig: int = signal.SIGTERM) -> int:
+        """Signal, wait up to ``timeout``, then kill. Returns the exit code; safe to call twice."""
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(sig)
+            try:
+                await asyncio.wait_for(self.process.wait(), timeout)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.process.kill()
+                await self.process.wait()
+        assert self.process.returncode is not None
+        return self.process.returncode
+
+    async def __aenter__(self) -> ManagedProcess:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()

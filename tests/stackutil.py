@@ -1,0 +1,55 @@
+"""Helpers for tests that run the real stack: configs on free ports, metric reads."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+API_KEYS = {"key-alice": "alice", "key-bob": "bob", "key-carol": "carol", "key-dave": "dave"}
+TENANT_KEYS = {tenant: key for key, tenant in API_KEYS.items()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(tmp_path: Path, models: tuple[str, ...] = ("m1",), **model_overrides: Any) -> Path:
+    """A config on free ports, one simulator endpoint per model."""
+    doc = {
+        "listen": {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"},
+        "priorities": ["interactive", "standard", "batch"],
+        "default_priority": "standard",
+        "models": [
+            {"name": name, "endpoints": [f"http://127.0.0.1:{free_port()}"], **model_overrides} for name in models
+        ],
+        "envoy": {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}", "api_keys": API_KEYS},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+async def read_metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus page, keyed by (name, sorted labels)."""
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        text = await response.text()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    """Sum of the samples named ``name`` whose labels include ``labels``."""
+    return sum(
+        value for (n, lbls), value in samples.items()
+        if n == name and all(dict(lbls).get(k) == v for k, v in labels.items())
+    )
