@@ -15,8 +15,10 @@ The request path through Envoy's HTTP filters:
    key. Without API keys every request has no tenant header.
 2. ``json_to_metadata`` copies the body's ``model`` and ``max_tokens`` into
    dynamic metadata namespace ``extproc``. It buffers the body first, so the
-   metadata exists when ext_proc sends the request headers. Like Envoy's
-   default, only ``Content-Type: application/json`` bodies are parsed.
+   metadata exists when ext_proc sends the request headers. Only JSON bodies
+   are parsed (``application/json``, also with ``charset=utf-8``, since the
+   filter compares the whole header); anything else is answered 400 by the
+   processor because it names no model.
 3. ``ext_proc`` sends the request headers (with that metadata) to the
    processor, which holds the request while it is queued (extending Envoy's
    short per-message timeout with ``override_message_timeout``), then sets the
@@ -65,6 +67,8 @@ MIN_IDLE_TIMEOUT_S = 600.0
 # Envoy's default 1 MiB per-connection buffer a longer prompt gets 413.
 BUFFER_LIMIT_BYTES = 16 * 1024 * 1024
 EXTPROC_CONNECT_TIMEOUT_S = 0.25
+# json_to_metadata compares the whole Content-Type: list the spellings SDKs send.
+JSON_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8", "application/json;charset=utf-8")
 MODEL_CONNECT_TIMEOUT_S = 5.0
 
 HEADER = (
@@ -210,8 +214,8 @@ def _json_to_metadata_filter() -> dict[str, Any]:
         "name": "envoy.filters.http.json_to_metadata",
         "typed_config": {
             "@type": _TYPE + "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
-            # Only `Content-Type: application/json` bodies are parsed (the default).
             "request_rules": {
+                "allow_content_types": list(JSON_CONTENT_TYPES),
                 "rules": [
                     rule("model", "model", "STRING"),
                     rule("max_tokens", "max_tokens", "NUMBER"),

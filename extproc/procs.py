@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import aiohttp
 
@@ -48,7 +49,7 @@ class ManagedProcess:
         *,
         ready_url: str,
         timeout: float = 30.0,
-    ) -> ManagedProcess:
+    ) -> Self:
         """Run ``argv`` and wait until ``ready_url`` answers 200."""
         with open(log_path, "ab") as log:
             process = await asyncio.create_subprocess_exec(
@@ -61,6 +62,10 @@ class ManagedProcess:
             await child.stop()
             raise
         return child
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
 
     async def _wait_ready(self, url: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -91,7 +96,7 @@ class ManagedProcess:
         assert self.process.returncode is not None
         return self.process.returncode
 
-    async def __aenter__(self) -> ManagedProcess:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(

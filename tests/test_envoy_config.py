@@ -31,7 +31,8 @@ from extproc.envoy_config import (
     model_cluster_name,
     render,
 )
-from extproc.envoy_proc import EnvoyStartError, start_envoy
+from extproc.envoy_proc import start_envoy
+from extproc.procs import ProcessStartError
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = ROOT / "extproc" / "data" / "demo.yaml"
@@ -361,7 +362,7 @@ async def test_start_envoy_reports_a_bad_bootstrap(tmp_path: Path) -> None:
     config = free_port_config()
     doc = bootstrap(config)
     doc["static_resources"]["clusters"][0]["connect_timeout"] = "soon"
-    with pytest.raises(EnvoyStartError, match="exited") as info:
+    with pytest.raises(ProcessStartError, match="exited") as info:
         await start_envoy(doc, tmp_path)
     assert "connect_timeout" in str(info.value) or "soon" in str(info.value)
 

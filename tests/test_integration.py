@@ -112,6 +112,15 @@ async def test_the_body_decides_the_model_not_a_client_header(stack: Stack) -> N
     assert outcome.status == 200, outcome.error  # m2's engine would have answered 404
 
 
+async def test_json_with_a_charset_is_still_json(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as session:
+        outcome = await chat(
+            session, stack.envoy_url, "bob", "m1", api_key=TENANT_KEYS["bob"], max_tokens=4,
+            extra_headers={"content-type": "application/json; charset=utf-8"},
+        )
+    assert outcome.status == 200, outcome.error
+
+
 @pytest.mark.parametrize(
     ("body", "status", "code"),
     [
