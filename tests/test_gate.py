@@ -28,7 +28,7 @@ vllm:time_to_first_token_seconds_sum{engine="0",model_name="demo-llama"} 0.4
 
 
 def test_parse_vllm_exposition() -> None:
-    assert parse_load("vllm", VLLM_TEXT, "demo-llama") == EngineLoad(waiting=2.0, running=7.0)
+    assert parse_load("vllm", VLLM_TEXT, "demo-llama") == EngineLoad(waiting=2.0, running=7.0, kv_usage=0.25)
 
 
 def test_other_models_samples_are_not_ours() -> None:
