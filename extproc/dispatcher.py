@@ -218,6 +218,8 @@ class ModelDispatcher:
         degraded = set(self.gate.degraded(now))
         for endpoint in degraded - self._degraded:
             self._telemetry.endpoint_degraded.labels(self.model.name, endpoint).set(1)
+            if self.gate.last_good(endpoint) is None:
+                continue  # not scraped yet (start-up, a new DNS member): the scraper reports failures
             log.warning("model %s: metrics of %s unusable (failing or stale), capping it at %d in flight",
                         self.model.name, endpoint, self.gate.fallback_limit(endpoint))
         for endpoint in self._degraded - degraded:
@@ -228,7 +230,7 @@ class ModelDispatcher:
         if mode is not self._mode:
             fallback = mode is GateMode.FALLBACK
             self._telemetry.gate_fallback.labels(self.model.name).set(1 if fallback else 0)
-            if fallback:
+            if fallback and self._mode is not None:
                 log.warning("model %s: gating on the fallback in-flight limits", self.model.name)
             elif self._mode is not None:
                 log.info("model %s: engine metrics usable again, gating on the engine queue", self.model.name)

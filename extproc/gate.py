@@ -45,9 +45,10 @@ is one unit: one degraded endpoint degrades the pool (Envoy spreads requests
 over all endpoints, so ours cannot be attributed).
 
 **Endpoint picking** (``endpoint_picking: true``): each release is assigned
-an endpoint — the key's rendezvous-hash favourite while its engine would not
-queue the request (prefix-cache reuse), else the endpoint with the most room
-— and the accounting above runs per endpoint.
+an endpoint — the affinity key's rendezvous-hash favourite (prefix-cache
+reuse) while its room is within ``target_waiting`` of the emptiest endpoint's,
+else the endpoint with the most room — and the accounting above runs per
+endpoint.
 
 Pure: the caller passes ``now`` (a monotonic clock) to every method.
 """
@@ -231,6 +232,10 @@ class Gate:
         """In-flight cap on a degraded endpoint, derived from its last good state."""
         return max(self.fallback_max_in_flight, int(self._state[endpoint].last_running // 2))
 
+    def last_good(self, endpoint: str) -> EngineLoad | None:
+        """The endpoint's last usable scrape (None: never scraped successfully)."""
+        return self._state[endpoint].load
+
     def limit(self, endpoint: str) -> float:
         """The learned adaptive limit (requests the engine should hold)."""
         return self._state[endpoint].limit.limit
@@ -315,8 +320,10 @@ class Gate:
         """The endpoint for the next release of requests with affinity ``key``.
 
         The key's rendezvous-hash favourite keeps it (its prefix cache is warm)
-        while that engine would not queue the request; otherwise the endpoint
-        with the most room, ties broken by the hash order.
+        while that endpoint has room and at most ``target_waiting`` less room
+        than the emptiest one (bounded-load stickiness: a tenant's flood spills
+        over instead of queueing on one engine); otherwise the endpoint with
+        the most room, ties broken by the hash order.
         """
         ranked = sorted(self._state, key=lambda e: hashlib.blake2b(f"{key}\0{e}".encode(), digest_size=8).digest(),
                         reverse=True)
@@ -324,6 +331,6 @@ class Gate:
         if not ranked or max(room.values()) < 1:
             return None
         favourite = ranked[0]
-        if room[favourite] >= max(1, self.target_waiting):
+        if room[favourite] >= 1 and max(room.values()) - room[favourite] <= self.target_waiting:
             return favourite
         return max(ranked, key=lambda e: room[e])  # max() keeps the first of equals: hash order
