@@ -15,7 +15,11 @@ with what it knows exactly:
   ``VISIBILITY_GRACE_S`` after it (the Envoy hop to the engine is ~1 ms; the
   grace over-counts for a moment rather than under-counts).
 * **finished since the scrape** (``finished``): a request that was in the
-  snapshot and has finished since frees its place in the engine.
+  snapshot and has finished since frees its place in the engine. The end of a
+  response reaches us a little after the engine let go of it, so a finish
+  within ``VISIBILITY_GRACE_S`` of the scrape's start may already be in the
+  snapshot and is not counted (counting it twice would overfill the engine;
+  the next scrape shows it either way).
 
 Variants (``gate:`` in the model config), all on the same accounting:
 
@@ -261,7 +265,7 @@ class Gate:
         horizon = snapshot - VISIBILITY_GRACE_S
         counts = _Counts()
         for done, released, ep in self._finished:
-            if (endpoint is None or ep == endpoint) and done > snapshot and released < horizon:
+            if (endpoint is None or ep == endpoint) and done > snapshot + VISIBILITY_GRACE_S and released < horizon:
                 counts.finished += 1
         for released, ep in reversed(self._in_flight.values()):
             if released < horizon:

@@ -188,9 +188,9 @@ def test_adaptive_refills_a_completion_at_once_where_the_waiting_rule_waits_for_
         assert gate.allowance(0.2) == 3
         for i in range(100, 103):
             gate.record_release(i, 0.2)
-        gate.record_finish(0, 0.25)
-    assert adaptive.allowance(0.25) == 1  # a slot freed; the engine has no queue to absorb it
-    assert waiting.allowance(0.25) == 0
+        gate.record_finish(0, 0.3)
+    assert adaptive.allowance(0.3) == 1  # a slot freed; the engine has no queue to absorb it
+    assert waiting.allowance(0.3) == 0
 
 
 def test_bypass_traffic_in_the_engine_queue_stops_releases_at_the_next_scrape() -> None:
