@@ -38,6 +38,14 @@ async def flood(session: aiohttp.ClientSession, url: str, model: str, n: int, te
     )
 
 
+async def trickle_requests(session: aiohttp.ClientSession, url: str) -> None:
+    """One short request after another, until cancelled."""
+    while True:
+        outcome = await chat(session, url, "bob", "m1", api_key=TENANT_KEYS["bob"], max_tokens=2)
+        assert outcome.status == 200, outcome.error
+        await asyncio.sleep(0.05)
+
+
 async def test_every_engine_dialect_is_gated_end_to_end(tmp_path: Path) -> None:
     """One model per engine, each on a simulator speaking that engine's /metrics."""
     models = tuple(f"m-{engine}" for engine in ENGINES)
@@ -104,7 +112,11 @@ async def test_broken_metrics_degrade_to_a_cap_and_recover(tmp_path: Path) -> No
                 for _ in range(2):
                     outcomes = await flood(session, stack.envoy_url, "m1", 6)
                     assert all(o.status == 200 for o in outcomes), (mode, outcomes)
+                # A trickle of requests meanwhile (a frozen page is noticed once requests sent
+                # after it froze leave no trace on it).
+                trickle = asyncio.create_task(trickle_requests(session, stack.envoy_url))
                 degraded = await wait_for(stack.metrics_url, "extproc_endpoint_degraded", lambda v: v == 1)
+                trickle.cancel()
                 assert degraded == 1, mode
                 assert metric(await read_metrics(stack.metrics_url), "extproc_gate_fallback", model="m1") == 1
                 async with session.put(f"{sim}/sim/metrics-fault", json={"mode": "ok"}) as response:
