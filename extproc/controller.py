@@ -17,11 +17,8 @@ What is learned, and from which signal (every scrape, newest sample):
    lengths). ``limit = running + target_waiting`` — exactly the old
    waiting-target rule. Growing beyond the current limit this way is bounded
    like 3.
-3. **The engine ran everything** (waiting = 0) while the gate was holding
-   requests back at the limit since the last scrape (or the engine holds
-   about as much as the limit allows): it has spare capacity, so additive
-   increase. (Short requests come and go between two scrapes, so the snapshot
-   alone cannot tell that the limit was binding; the gate reports it.) The step is
+3. **The engine ran everything** (waiting = 0) and holds about as much as the
+   limit allows: it has spare capacity, so additive increase. The step is
    ``target_waiting`` (a queue that size is what the gate tolerates anyway, so
    a probe can never overfill the engine by more), 1 when a ceiling is
    within 50-90 % of its value, 0 above 90 %.
@@ -124,11 +121,8 @@ class ConcurrencyLimit:
             ratios.append(load.kv_usage / self._max_kv)
         return max(ratios)
 
-    def observe(self, load: EngineLoad, at: float, blocked: bool = False) -> None:
-        """Update the limit from a scrape that started at ``at``.
-
-        ``blocked``: since the previous scrape the gate held requests because this limit was reached.
-        """
+    def observe(self, load: EngineLoad, at: float) -> None:
+        """Update the limit from a scrape that started at ``at``."""
         if load.itl_sum is not None and load.itl_count is not None:
             self.itl.add(at, load.itl_sum, load.itl_count)
         self.pressure = pressure = self._pressure(load)
@@ -142,8 +136,6 @@ class ConcurrencyLimit:
         elif load.waiting > 0:
             measured = load.running + self._target
             self.limit = measured if measured <= self.limit else max(self.limit, load.running + step)
-        elif blocked:
-            self.limit = max(self.limit + step, load.running + step)
         elif held >= self.limit - self._target / 2:
             self.limit = max(self.limit, load.running + step)
         if self._cap is not None:

@@ -175,8 +175,6 @@ class ModelDispatcher:
             self._telemetry.released.labels(self.model.name, priority).inc()
             self._telemetry.queue_wait.labels(self.model.name, priority).observe(now - held.enqueued_at)
             allowance -= 1
-        if len(self._queue):
-            self.gate.record_blocked()
         self._telemetry.in_flight.labels(self.model.name).set(self.gate.in_flight)
         self._schedule_wakeup(now)
 

@@ -90,8 +90,6 @@ class _Endpoint:
     last_running: float = 0.0
     # First release to this endpoint after its current page content appeared.
     release_after_content: float | None = None
-    # The gate held requests at its limit since this endpoint's last scrape.
-    blocked: bool = False
 
 
 @dataclass
@@ -192,8 +190,7 @@ class Gate:
         if load != state.load:
             state.release_after_content = None
         state.load, state.started_at, state.last_running = load, started_at, load.running
-        state.limit.observe(load, started_at, state.blocked)
-        state.blocked = False
+        state.limit.observe(load, started_at)
         self._prune(started_at)
 
     def record_release(self, request: Hashable, now: float, endpoint: str | None = None) -> None:
@@ -206,11 +203,6 @@ class Gate:
         if self._bucket is not None:
             self._bucket.refill(now)
             self._bucket.tokens -= 1
-
-    def record_blocked(self) -> None:
-        """Requests are waiting and the allowance is used up: the limits are binding."""
-        for state in self._state.values():
-            state.blocked = True
 
     def record_finish(self, request: Hashable, now: float) -> None:
         released_at, endpoint = self._in_flight.pop(request)
