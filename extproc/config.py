@@ -18,7 +18,9 @@ import yaml
 
 T = TypeVar("T")
 
-ENGINES = ("vllm",)
+# Metric dialects (extproc/engine_metrics.py) and gate variants (extproc/gate.py).
+ENGINES = ("vllm", "sglang", "tgi", "llamacpp", "trtllm")
+GATE_KINDS = ("adaptive", "waiting_target", "static_concurrency", "static_rate")
 
 
 class ConfigError(ValueError):
@@ -62,6 +64,23 @@ class ModelConfig:
     fallback_max_in_flight: int = 4
     # A request still queued after this long is answered 503 instead of held.
     max_queue_wait_s: float = 120.0
+    # How releases are decided (docs/gate.md): adaptive | waiting_target |
+    # static_concurrency | static_rate.
+    gate: str = "adaptive"
+    # Optional ceilings for the adaptive gate.
+    max_inter_token_latency_ms: float | None = None
+    max_kv_usage: float | None = None
+    # Inter-token latency is averaged over this much recent time.
+    itl_window_s: float = 2.0
+    # Per endpoint: hard cap on what the engine may hold (adaptive), or on our
+    # in-flight requests (static_concurrency, where it is required).
+    max_in_flight: int | None = None
+    # Requests per second for the whole pool (static_rate, required there).
+    release_rate: float | None = None
+    # Pick the endpoint of each release and tell Envoy (x-gateway-destination-endpoint).
+    endpoint_picking: bool = False
+    # Endpoints given by host name are resolved this often; each address is an endpoint.
+    dns_refresh_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +171,18 @@ def _positive_float(value: Any, path: str) -> float:
     return float(value)
 
 
+def _fraction(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise _fail(path, f"must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(path, f"must be true or false, got {value!r}")
+    return value
+
+
 def _endpoint(value: Any, path: str) -> str:
     text = _string(value, path)
     parts = urlsplit(text)
@@ -191,14 +222,35 @@ def _identity(raw: Any) -> Identity:
 def _model(raw: Any, path: str) -> ModelConfig:
     keys = {
         "name", "engine", "endpoints", "target_waiting", "scrape_interval_s",
-        "stale_after_s", "fallback_max_in_flight", "max_queue_wait_s",
+        "stale_after_s", "fallback_max_in_flight", "max_queue_wait_s", "gate",
+        "max_inter_token_latency_ms", "max_kv_usage", "itl_window_s", "max_in_flight",
+        "release_rate", "endpoint_picking", "dns_refresh_s",
     }
     data = _mapping(raw, path, keys)
     engine = _get(data, "engine", path, _string, ModelConfig.engine)
     if engine not in ENGINES:
         raise _fail(f"{path}.engine", f"must be one of {', '.join(ENGINES)}, got {engine!r}")
+    gate = _get(data, "gate", path, _string, ModelConfig.gate)
+    if gate not in GATE_KINDS:
+        raise _fail(f"{path}.gate", f"must be one of {', '.join(GATE_KINDS)}, got {gate!r}")
+    for required, kind in (("max_in_flight", "static_concurrency"), ("release_rate", "static_rate")):
+        if gate == kind and required not in data:
+            raise _fail(f"{path}.{required}", f"is required with gate: {kind}")
+    picking = _get(data, "endpoint_picking", path, _bool, False)
+    if picking and gate == "static_rate":
+        raise _fail(f"{path}.endpoint_picking", "does not work with gate: static_rate (no per-endpoint state)")
     endpoints = _get(data, "endpoints", path, _list)
+    if picking and any(str(e).startswith("https:") for e in endpoints):
+        raise _fail(f"{path}.endpoint_picking", "needs http:// endpoints (the picked-endpoint cluster is plain HTTP)")
+    optional = {"max_inter_token_latency_ms": _positive_float, "max_kv_usage": _fraction,
+                "max_in_flight": _int_at_least(1), "release_rate": _positive_float}
+    extra = {key: check(data[key], f"{path}.{key}") for key, check in optional.items() if key in data}
     return ModelConfig(
+        gate=gate,
+        endpoint_picking=picking,
+        itl_window_s=_get(data, "itl_window_s", path, _positive_float, ModelConfig.itl_window_s),
+        dns_refresh_s=_get(data, "dns_refresh_s", path, _positive_float, ModelConfig.dns_refresh_s),
+        **extra,
         name=_get(data, "name", path, _string),
         engine=engine,
         endpoints=tuple(_endpoint(e, f"{path}.endpoints[{i}]") for i, e in enumerate(endpoints)),

@@ -28,9 +28,15 @@ The request path through Envoy's HTTP filters:
    upstream without trailers yields no ``response_trailers`` message; the
    stream just ends, by half-close or by cancellation, when the response is
    done.) An unreachable processor fails the request with 503.
-4. ``router``: one route per model, matching the model header exactly, which
-   copies the processor's queue-wait request header onto the response; any
-   other request gets an OpenAI-style 404.
+4. ``router``: a request carrying ``x-gateway-destination-endpoint`` (set
+   only by the processor, when the model picks endpoints; a client-sent one is
+   removed in step 1) goes to the ORIGINAL_DST cluster ``picked_endpoint``,
+   which connects to exactly that HOST:PORT (the Gateway API Inference
+   Extension convention). Otherwise one route per model, matching the model
+   header exactly, balances over the model's cluster. So the same bootstrap
+   works with and without endpoint picking. Routes copy the processor's
+   queue-wait request header onto the response; any other request gets an
+   OpenAI-style 404.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ from extproc.config import Config, ConfigError, load_config
 
 METADATA_NAMESPACE = "extproc"
 EXTPROC_CLUSTER = "extproc"
+# Endpoint picking (Gateway API Inference Extension): header and ORIGINAL_DST cluster.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+PICKED_CLUSTER = "picked_endpoint"
 # Request headers the processor sets that Envoy copies onto the response, so
 # clients see them (ext_proc itself skips response headers). Same name as
 # extproc.processor.QUEUE_WAIT_HEADER.
@@ -177,7 +186,7 @@ def _sanitise_filter(config: Config) -> dict[str, Any]:
     into the processor or the router. The tenant header is stripped too
     (api_key_auth, when configured, sets it afterwards).
     """
-    remove = [config.identity.model_header, config.identity.tenant_header, *ECHOED_HEADERS]
+    remove = [config.identity.model_header, config.identity.tenant_header, DESTINATION_HEADER, *ECHOED_HEADERS]
     return {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
@@ -221,6 +230,8 @@ def _json_to_metadata_filter() -> dict[str, Any]:
                     rule("max_tokens", "max_tokens", "NUMBER"),
                     # OpenAI's newer name wins when both are present (as in vLLM).
                     rule("max_completion_tokens", "max_tokens", "NUMBER"),
+                    # Prefix-cache affinity for endpoint picking (OpenAI's field).
+                    rule("prompt_cache_key", "prompt_cache_key", "STRING"),
                 ]
             },
         },
@@ -281,15 +292,13 @@ def routes(config: Config) -> list[dict[str, Any]]:
     """One route per model on the model header, then the 404 catch-all."""
     idle = _duration(_idle_timeout_s(config))
     clusters = _cluster_names(config)
-    result: list[dict[str, Any]] = [
-        {
-            "name": clusters[model.name],
-            "match": {
-                "prefix": "/",
-                "headers": [{"name": config.identity.model_header, "string_match": {"exact": model.name}}],
-            },
+
+    def route(route_name: str, header: dict[str, Any], cluster: str) -> dict[str, Any]:
+        return {
+            "name": route_name,
+            "match": {"prefix": "/", "headers": [header]},
             # No overall limit: a long generation is fine while bytes flow.
-            "route": {"cluster": clusters[model.name], "timeout": "0s", "idle_timeout": idle},
+            "route": {"cluster": cluster, "timeout": "0s", "idle_timeout": idle},
             # Omitted when the processor did not set it (empty value).
             "response_headers_to_add": [
                 {
@@ -299,6 +308,14 @@ def routes(config: Config) -> list[dict[str, Any]]:
                 for name in ECHOED_HEADERS
             ],
         }
+
+    result = [route(PICKED_CLUSTER, {"name": DESTINATION_HEADER, "present_match": True}, PICKED_CLUSTER)]
+    result += [
+        route(
+            clusters[model.name],
+            {"name": config.identity.model_header, "string_match": {"exact": model.name}},
+            clusters[model.name],
+        )
         for model in config.models
     ]
     # Defence in depth: the processor normally rejects unknown models itself.
@@ -374,9 +391,22 @@ def _model_cluster(config: Config, index: int, name: str) -> dict[str, Any]:
     return cluster
 
 
+def picked_cluster() -> dict[str, Any]:
+    """ORIGINAL_DST: connect to the HOST:PORT in the processor's destination header."""
+    return {
+        "name": PICKED_CLUSTER,
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": _duration(MODEL_CONNECT_TIMEOUT_S),
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+        "typed_extension_protocol_options": _protocol_options(http2=False),
+        "circuit_breakers": _circuit_breakers(),
+    }
+
+
 def clusters(config: Config) -> list[dict[str, Any]]:
     names = _cluster_names(config)
-    return [extproc_cluster(config)] + [
+    return [extproc_cluster(config), picked_cluster()] + [
         _model_cluster(config, i, names[m.name]) for i, m in enumerate(config.models)
     ]
 

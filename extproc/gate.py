@@ -1,50 +1,77 @@
 """The release gate: how many held requests may go to a model pool *now*.
 
 Fairness only survives if the engine's own FIFO stays short: whatever waits
-inside vLLM is served in arrival order, whoever sent it. So the gate keeps the
-engine's waiting queue near ``target_waiting`` and holds the rest in our fair
-queues, where order can still change.
+inside the engine is served in arrival order, whoever sent it. So the gate
+keeps the engine's waiting queue near ``target_waiting`` and holds the rest in
+our fair queues, where order can still change.
 
 The engine reports its queue through ``/metrics``, but a scrape is a snapshot
 that is already old when it arrives. Between two scrapes the gate corrects it
 with what it knows exactly:
 
-* **released but not yet visible**: requests we released shortly before the
-  scrape started, or after it, cannot be in that snapshot. They count as
-  waiting. A release is taken to be visible to a scrape that started at least
+* **released but not yet visible** (``unseen``): requests we released shortly
+  before the scrape started, or after it, cannot be in that snapshot. A
+  release is taken to be visible to a scrape that started at least
   ``VISIBILITY_GRACE_S`` after it (the Envoy hop to the engine is ~1 ms; the
   grace over-counts for a moment rather than under-counts).
-* **finished since the scrape**: when the engine has a waiting queue, every
-  request that finishes frees a slot that the head of that queue takes, so a
-  completion seen after the snapshot lowers the estimated waiting by one.
+* **finished since the scrape** (``finished``): a request that was in the
+  snapshot and has finished since frees its place in the engine. The end of a
+  response reaches us a little after the engine let go of it, so a finish
+  within ``VISIBILITY_GRACE_S`` of the scrape's start may already be in the
+  snapshot and is not counted (counting it twice would overfill the engine;
+  the next scrape shows it either way).
 
-    estimated_waiting = max(0, scraped_waiting - finished_since) + unseen
-    allowance         = target_waiting * endpoints - estimated_waiting
+Variants (``gate:`` in the model config), all on the same accounting:
 
-With no usable metrics (never scraped, failing, or older than
-``stale_after_s``) the gate falls back to a fixed in-flight ceiling of
-``fallback_max_in_flight`` per endpoint: traffic keeps flowing, slowly, and a
-broken scrape can never open the flood gates.
+``adaptive`` (default)
+    ``allowance = limit - (running + waiting - finished + unseen)`` per
+    endpoint, with ``limit`` learned online by
+    :class:`extproc.controller.ConcurrencyLimit`: the engine's capacity plus
+    ``target_waiting``, cut by the optional inter-token latency and KV usage
+    ceilings. A completion is refilled at once.
+``waiting_target``
+    The original rule: ``allowance = target_waiting - (max(0, waiting -
+    finished) + unseen)``. While the engine does not queue it releases at most
+    ``target_waiting`` per scrape.
+``static_concurrency``
+    At most ``max_in_flight`` of our requests per endpoint; metrics unused.
+``static_rate``
+    At most ``release_rate`` requests per second for the pool; metrics unused.
+
+**Degraded endpoints.** An endpoint whose last scrape failed, or whose last
+good scrape is older than ``stale_after_s``, is *degraded*: the metric-driven
+variants then cap our in-flight requests on it at
+``max(fallback_max_in_flight, last good running / 2)`` — half of what the
+engine ran when we could last see it, never less than the configured floor.
+Traffic keeps flowing, a broken scrape can never open the flood gates, and the
+next good scrape restores the normal rule. Without endpoint picking the pool
+is one unit: one degraded endpoint degrades the pool (Envoy spreads requests
+over all endpoints, so ours cannot be attributed).
+
+**Endpoint picking** (``endpoint_picking: true``): each release is assigned
+an endpoint — the affinity key's rendezvous-hash favourite (prefix-cache
+reuse) while its room is within ``target_waiting`` of the emptiest endpoint's,
+else the endpoint with the most room — and the accounting above runs per
+endpoint.
 
 Pure: the caller passes ``now`` (a monotonic clock) to every method.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
+from extproc.controller import ConcurrencyLimit, EngineLoad
+
+__all__ = ["EngineLoad", "Gate", "GateMode", "GATE_KINDS", "VISIBILITY_GRACE_S"]
+
 VISIBILITY_GRACE_S = 0.05
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """One endpoint's queue as its ``/metrics`` reported it."""
-
-    waiting: float
-    running: float
+GATE_KINDS = ("adaptive", "waiting_target", "static_concurrency", "static_rate")
+_METRIC_KINDS = ("adaptive", "waiting_target")
 
 
 class GateMode(Enum):
@@ -52,26 +79,96 @@ class GateMode(Enum):
     FALLBACK = "fallback"
 
 
+@dataclass
+class _Endpoint:
+    """What the gate knows about one endpoint."""
+
+    limit: ConcurrencyLimit
+    load: EngineLoad | None = None  # last good scrape
+    started_at: float = float("-inf")  # when that scrape started
+    failing: bool = True  # the latest scrape failed (or there was none yet)
+    last_running: float = 0.0
+    # First release to this endpoint after its current page content appeared.
+    release_after_content: float | None = None
+
+
+@dataclass
+class _Bucket:
+    """Token bucket for ``static_rate``: one request of burst."""
+
+    rate: float
+    tokens: float = 1.0
+    at: float | None = None
+
+    def refill(self, now: float) -> None:
+        if self.at is not None:
+            self.tokens = min(1.0, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+
+
+@dataclass
+class _Counts:
+    """Corrections to a snapshot: requests finished since it, released but unseen by it."""
+
+    finished: int = 0
+    unseen: int = 0
+    in_flight: int = 0
+
+
+@dataclass
 class Gate:
     """Release accounting for one model pool (one or more engine endpoints)."""
 
-    def __init__(
-        self,
-        endpoints: Sequence[str],
-        *,
-        target_waiting: int,
-        fallback_max_in_flight: int,
-        stale_after_s: float,
-    ) -> None:
-        self._target = target_waiting * len(endpoints)
-        self._fallback_limit = fallback_max_in_flight * len(endpoints)
-        self._stale_after_s = stale_after_s
-        # endpoint -> (load, monotonic time the scrape started); None: no usable sample.
-        self._samples: dict[str, tuple[EngineLoad, float] | None] = dict.fromkeys(endpoints)
-        # Released and not finished, in release order: request -> release time.
-        self._in_flight: dict[Hashable, float] = {}
-        # (finished at, released at) of requests finished since the oldest snapshot.
-        self._finished: deque[tuple[float, float]] = deque()
+    endpoints: Sequence[str]
+    target_waiting: int
+    fallback_max_in_flight: int
+    stale_after_s: float
+    kind: str = "adaptive"
+    max_in_flight: int | None = None
+    release_rate: float | None = None
+    max_itl_s: float | None = None
+    max_kv_usage: float | None = None
+    itl_window_s: float = 2.0
+    pick_endpoints: bool = False
+    _state: dict[str, _Endpoint] = field(init=False, default_factory=dict)
+    # Released and not finished, in release order: request -> (release time, endpoint or None).
+    _in_flight: dict[Hashable, tuple[float, str | None]] = field(init=False, default_factory=dict)
+    # (finished at, released at, endpoint) of requests that may still correct a snapshot.
+    _finished: deque[tuple[float, float, str | None]] = field(init=False, default_factory=deque)
+    _bucket: _Bucket | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.kind not in GATE_KINDS:
+            raise ValueError(f"unknown gate kind {self.kind!r}")
+        if self.kind == "static_concurrency" and self.max_in_flight is None:
+            raise ValueError("static_concurrency needs max_in_flight")
+        if self.kind == "static_rate":
+            if self.release_rate is None:
+                raise ValueError("static_rate needs release_rate")
+            if self.pick_endpoints:
+                raise ValueError("static_rate does not pick endpoints (it has no per-endpoint state)")
+            self._bucket = _Bucket(self.release_rate)
+        self.set_endpoints(self.endpoints)
+
+    # --- membership and events -------------------------------------------------
+
+    def set_endpoints(self, endpoints: Sequence[str]) -> None:
+        """The pool's endpoints changed (DNS); new ones start degraded until scraped."""
+        self.endpoints = tuple(endpoints)
+        self._state = {e: self._state.get(e) or self._new_endpoint() for e in self.endpoints}
+
+    def _new_endpoint(self) -> _Endpoint:
+        # Nothing known yet: assume no spare batch capacity, so the first releases
+        # can at most fill the engine's queue to target; the limit grows from there.
+        limit = ConcurrencyLimit(
+            self.target_waiting,
+            target_waiting=self.target_waiting,
+            max_itl_s=self.max_itl_s,
+            max_kv_usage=self.max_kv_usage,
+            itl_window_s=self.itl_window_s,
+            cap=self.max_in_flight,
+        )
+        return _Endpoint(limit)
 
     @property
     def in_flight(self) -> int:
@@ -79,56 +176,165 @@ class Gate:
 
     def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float) -> None:
         """A scrape of ``endpoint`` that started at ``started_at`` returned ``load`` (None: failed)."""
-        self._samples[endpoint] = None if load is None else (load, started_at)
-        oldest = self._oldest_snapshot()
-        if oldest is not None:
-            while self._finished and self._finished[0][0] <= oldest:
-                self._finished.popleft()
+        state = self._state.get(endpoint)
+        if state is None:  # removed from the pool while the scrape ran
+            return
+        state.failing = load is None
+        if load is None:
+            return
+        sent = state.release_after_content
+        if load == state.load and sent is not None and sent < started_at - VISIBILITY_GRACE_S:
+            # Work was sent and the page did not move: it is frozen (a cache, a hung
+            # exporter); its data is as old as its first appearance and goes stale.
+            return
+        if load != state.load:
+            state.release_after_content = None
+        state.load, state.started_at, state.last_running = load, started_at, load.running
+        state.limit.observe(load, started_at)
+        self._prune(started_at)
 
-    def record_release(self, request: Hashable, now: float) -> None:
-        self._in_flight[request] = now
+    def record_release(self, request: Hashable, now: float, endpoint: str | None = None) -> None:
+        self._in_flight[request] = (now, endpoint)
+        # Only a release that surely went to an endpoint can prove its page frozen.
+        target = endpoint if endpoint is not None else self.endpoints[0] if len(self.endpoints) == 1 else None
+        state = self._state.get(target) if target is not None else None
+        if state is not None and state.release_after_content is None:
+            state.release_after_content = now
+        if self._bucket is not None:
+            self._bucket.refill(now)
+            self._bucket.tokens -= 1
 
     def record_finish(self, request: Hashable, now: float) -> None:
-        released_at = self._in_flight.pop(request)
-        self._finished.append((now, released_at))
+        released_at, endpoint = self._in_flight.pop(request)
+        self._finished.append((now, released_at, endpoint))
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        """Forget finishes no usable snapshot can still be corrected by."""
+        usable = [s.started_at for s in self._state.values() if self._healthy(s, now)]
+        cutoff = min(usable) if usable else now - self.stale_after_s
+        while self._finished and self._finished[0][0] <= cutoff:
+            self._finished.popleft()
+
+    # --- health ------------------------------------------------------------------
+
+    def _healthy(self, state: _Endpoint, now: float) -> bool:
+        return not state.failing and now - state.started_at <= self.stale_after_s
+
+    def degraded(self, now: float) -> list[str]:
+        """Endpoints whose metrics are unusable now (static variants do not use metrics)."""
+        if self.kind not in _METRIC_KINDS:
+            return []
+        return [e for e, s in self._state.items() if not self._healthy(s, now)]
 
     def mode(self, now: float) -> GateMode:
-        for sample in self._samples.values():
-            if sample is None or now - sample[1] > self._stale_after_s:
-                return GateMode.FALLBACK
+        if self.degraded(now):
+            return GateMode.FALLBACK
         return GateMode.METRICS
+
+    def fallback_limit(self, endpoint: str) -> int:
+        """In-flight cap on a degraded endpoint, derived from its last good state."""
+        return max(self.fallback_max_in_flight, int(self._state[endpoint].last_running // 2))
+
+    def last_good(self, endpoint: str) -> EngineLoad | None:
+        """The endpoint's last usable scrape (None: never scraped successfully)."""
+        return self._state[endpoint].load
+
+    def limit(self, endpoint: str) -> float:
+        """The learned adaptive limit (requests the engine should hold)."""
+        return self._state[endpoint].limit.limit
+
+    def pressure(self, endpoint: str) -> float:
+        """Use of the tightest latency/KV ceiling at the last scrape (1.0 = at it)."""
+        return self._state[endpoint].limit.pressure
+
+    def itl(self, endpoint: str) -> float | None:
+        return self._state[endpoint].limit.itl.value()
 
     def engine_load(self) -> EngineLoad | None:
         """The pool's last scraped load (sum over endpoints), if every endpoint has one."""
-        samples = list(self._samples.values())
-        if any(s is None for s in samples):
+        loads = [s.load for s in self._state.values()]
+        if not loads or any(load is None for load in loads):
             return None
-        return EngineLoad(
-            waiting=sum(s[0].waiting for s in samples if s),
-            running=sum(s[0].running for s in samples if s),
-        )
+        return EngineLoad(waiting=sum(x.waiting for x in loads if x), running=sum(x.running for x in loads if x))
 
-    def estimated_waiting(self) -> float:
-        """The engine's waiting queue now, by the correction in the module docstring."""
-        oldest = self._oldest_snapshot()
-        load = self.engine_load()
-        if oldest is None or load is None:
-            raise ValueError("no complete snapshot to estimate from")
-        horizon = oldest - VISIBILITY_GRACE_S
-        finished_since = sum(1 for done, released in self._finished if done > oldest and released < horizon)
-        unseen = 0
-        for released in reversed(self._in_flight.values()):
+    # --- the decision ------------------------------------------------------------
+
+    def _counts(self, snapshot: float, endpoint: str | None) -> _Counts:
+        """Finished/unseen corrections to a snapshot taken at ``snapshot`` (None: whole pool)."""
+        horizon = snapshot - VISIBILITY_GRACE_S
+        counts = _Counts()
+        for done, released, ep in self._finished:
+            if (endpoint is None or ep == endpoint) and done > snapshot + VISIBILITY_GRACE_S and released < horizon:
+                counts.finished += 1
+        for released, ep in reversed(self._in_flight.values()):
             if released < horizon:
                 break
-            unseen += 1
-        return max(0.0, load.waiting - finished_since) + unseen
+            if endpoint is None or ep == endpoint:
+                counts.unseen += 1
+        return counts
+
+    def _mine(self, endpoint: str) -> int:
+        return sum(1 for _, ep in self._in_flight.values() if ep == endpoint)
+
+    def _headroom(self, loads: Sequence[_Endpoint], counts: _Counts) -> float:
+        waiting = sum(s.load.waiting for s in loads if s.load)
+        running = sum(s.load.running for s in loads if s.load)
+        if self.kind == "waiting_target":
+            estimated = max(0.0, waiting - counts.finished) + counts.unseen
+            return self.target_waiting * len(loads) - estimated
+        limit = sum(s.limit.limit for s in loads)
+        return limit - (running + waiting - counts.finished + counts.unseen)
+
+    def endpoint_allowance(self, endpoint: str, now: float) -> int:
+        """How many more requests ``endpoint`` may get now (endpoint picking)."""
+        state = self._state[endpoint]
+        if self.kind == "static_concurrency":
+            assert self.max_in_flight is not None
+            return max(0, self.max_in_flight - self._mine(endpoint))
+        if not self._healthy(state, now):
+            return max(0, self.fallback_limit(endpoint) - self._mine(endpoint))
+        return max(0, int(self._headroom([state], self._counts(state.started_at, endpoint))))
 
     def allowance(self, now: float) -> int:
         """How many requests may be released now (never negative)."""
+        if self._bucket is not None:
+            self._bucket.refill(now)
+            return max(0, int(self._bucket.tokens))
+        if self.pick_endpoints:
+            return sum(self.endpoint_allowance(e, now) for e in self._state)
+        if self.kind == "static_concurrency":
+            assert self.max_in_flight is not None
+            return max(0, self.max_in_flight * len(self._state) - len(self._in_flight))
         if self.mode(now) is GateMode.FALLBACK:
-            return max(0, self._fallback_limit - len(self._in_flight))
-        return max(0, int(self._target - self.estimated_waiting()))
+            cap = sum(self.fallback_limit(e) for e in self._state)
+            return max(0, cap - len(self._in_flight))
+        states = list(self._state.values())
+        oldest = min(s.started_at for s in states)
+        return max(0, int(self._headroom(states, self._counts(oldest, None))))
 
-    def _oldest_snapshot(self) -> float | None:
-        starts = [s[1] for s in self._samples.values() if s is not None]
-        return min(starts) if len(starts) == len(self._samples) else None
+    def next_change_in(self, now: float) -> float | None:
+        """Seconds until the allowance grows without any event (``static_rate``), else None."""
+        if self._bucket is None:
+            return None
+        self._bucket.refill(now)
+        return max(0.0, (1.0 - self._bucket.tokens) / self._bucket.rate)
+
+    def pick(self, key: str, now: float) -> str | None:
+        """The endpoint for the next release of requests with affinity ``key``.
+
+        The key's rendezvous-hash favourite keeps it (its prefix cache is warm)
+        while that endpoint has room and at most ``target_waiting`` less room
+        than the emptiest one (bounded-load stickiness: a tenant's flood spills
+        over instead of queueing on one engine); otherwise the endpoint with
+        the most room, ties broken by the hash order.
+        """
+        ranked = sorted(self._state, key=lambda e: hashlib.blake2b(f"{key}\0{e}".encode(), digest_size=8).digest(),
+                        reverse=True)
+        room = {e: self.endpoint_allowance(e, now) for e in ranked}
+        if not ranked or max(room.values()) < 1:
+            return None
+        favourite = ranked[0]
+        if room[favourite] >= 1 and max(room.values()) - room[favourite] <= self.target_waiting:
+            return favourite
+        return max(ranked, key=lambda e: room[e])  # max() keeps the first of equals: hash order

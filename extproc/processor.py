@@ -22,10 +22,12 @@ removes its entry from the queue at once.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -43,6 +45,9 @@ METADATA_NAMESPACE = "extproc"
 # Headers the processor adds to what it answers, so clients and logs can see why.
 REASON_HEADER = "x-extproc-reason"
 QUEUE_WAIT_HEADER = "x-extproc-queue-wait-ms"
+# Gateway API Inference Extension convention: the endpoint picked for a request
+# (HOST:PORT); Envoy routes requests carrying it to an ORIGINAL_DST cluster.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # Envoy's override of the per-message timeout must outlast our own queue timeout.
 HOLD_MARGIN_S = 10
 
@@ -55,6 +60,7 @@ class Admission:
     model: str
     tenant: str
     band: int
+    affinity: str = ""
 
 
 def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
@@ -104,12 +110,27 @@ def _headers_of(message: pb.HttpHeaders) -> dict[str, str]:
             for h in message.headers.headers}
 
 
-def _body_model(request: pb.ProcessingRequest) -> str | None:
+def _body_field(request: pb.ProcessingRequest, name: str) -> str | None:
     fields = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
-    if fields is None or "model" not in fields.fields:
+    if fields is None or name not in fields.fields:
         return None
-    value = fields.fields["model"]
+    value = fields.fields[name]
     return value.string_value if value.WhichOneof("kind") == "string_value" else None
+
+
+def _body_model(request: pb.ProcessingRequest) -> str | None:
+    return _body_field(request, "model")
+
+
+def _host_port(endpoint: str) -> str | None:
+    """``http://10.0.0.7:8000`` -> ``10.0.0.7:8000``; None for a host name (ORIGINAL_DST needs an address)."""
+    parts = urlsplit(endpoint)
+    try:
+        address = ipaddress.ip_address(parts.hostname or "")
+    except ValueError:
+        return None
+    host = f"[{address}]" if address.version == 6 else str(address)
+    return f"{host}:{parts.port}"
 
 
 class Processor(pb_grpc.ExternalProcessorServicer):
@@ -170,7 +191,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return
 
         dispatcher = self._dispatchers[admission.model]
-        held = dispatcher.submit(admission.tenant, admission.band)
+        # OpenAI's prompt_cache_key names requests that share a prompt prefix; without it,
+        # a tenant's requests stick together (they often share a system prompt).
+        held = dispatcher.submit(admission.tenant, admission.band, _body_field(first, "prompt_cache_key") or "")
         # One try for the whole hold: the stream can be cancelled (client gone) at
         # any await or yield, and the request must leave the queue or the gate then.
         try:
@@ -181,15 +204,17 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             except Rejected as rejection:
                 yield error_response(rejection)
                 return
+            headers = [
+                _header(self._config.identity.model_header, admission.model),
+                _header(QUEUE_WAIT_HEADER, str(round(waited * 1000))),
+            ]
+            destination = _host_port(held.endpoint) if held.endpoint else None
+            if destination:
+                headers.append(_header(DESTINATION_HEADER, destination))
             yield pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(
                     response=pb.CommonResponse(
-                        header_mutation=pb.HeaderMutation(
-                            set_headers=[
-                                _header(self._config.identity.model_header, admission.model),
-                                _header(QUEUE_WAIT_HEADER, str(round(waited * 1000))),
-                            ]
-                        ),
+                        header_mutation=pb.HeaderMutation(set_headers=headers),
                         clear_route_cache=True,
                     )
                 )

@@ -50,6 +50,7 @@ async def chat(
     api_key: str | None,
     max_tokens: int,
     extra_headers: Mapping[str, str] | None = None,
+    extra_body: Mapping[str, object] | None = None,
 ) -> Outcome:
     """One streaming chat completion; never raises for HTTP or connection errors."""
     headers = {"content-type": "application/json", **(extra_headers or {})}
@@ -60,6 +61,7 @@ async def chat(
         "messages": [{"role": "user", "content": f"Hello from {tenant}, please answer at length."}],
         "max_tokens": max_tokens,
         "stream": True,
+        **(extra_body or {}),
     }
     start = time.monotonic()
     ttft: float | None = None

@@ -26,7 +26,7 @@ from prometheus_client import start_http_server
 from extproc.config import Config
 from extproc.dispatcher import ModelDispatcher, Rejected
 from extproc.processor import Processor
-from extproc.scraper import scrape_endpoint
+from extproc.discovery import watch_pool
 from extproc.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,7 @@ class ProcessorServer:
         self._metrics_server, _ = start_http_server(int(port), host, registry=self.telemetry.registry)
         self._session = aiohttp.ClientSession()
         for dispatcher in self.dispatchers.values():
-            for endpoint in dispatcher.model.endpoints:
-                self._tasks.append(asyncio.create_task(scrape_endpoint(self._session, dispatcher, endpoint)))
+            self._tasks.append(asyncio.create_task(watch_pool(self._session, dispatcher)))
         for service in ("", EXT_PROC_SERVICE):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving ext_proc on %s, metrics on %s", self.config.listen.grpc, self.config.listen.metrics)

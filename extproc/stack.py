@@ -67,8 +67,9 @@ async def start_stack(
 ) -> Stack:
     """Start a simulator per model endpoint, ``extproc serve`` and Envoy.
 
-    ``sim_args`` are extra ``extproc sim`` options (batch size, time scale, …)
-    given to every simulator; ``serve_args`` extra ``extproc serve`` options.
+    Each simulator speaks its model's ``engine`` metric dialect. ``sim_args``
+    are extra ``extproc sim`` options (batch size, time scale, …) given to
+    every simulator; ``serve_args`` extra ``extproc serve`` options.
     """
     config = load_config(config_path)
     stack = Stack(config)
@@ -76,7 +77,10 @@ async def start_stack(
         for model in config.models:
             for endpoint in model.endpoints:
                 host, _, port = endpoint.removeprefix("http://").rpartition(":")
-                argv = [*PYTHON, "sim", "--host", host, "--port", port, "--model", model.name, *sim_args]
+                argv = [
+                    *PYTHON, "sim", "--host", host, "--port", port, "--model", model.name,
+                    "--dialect", model.engine, *sim_args,
+                ]
                 stack.sims.append(
                     await ManagedProcess.start(
                         f"sim {model.name}", argv, workdir / f"sim-{model.name}-{port}.log", ready_url=f"{endpoint}/health"

@@ -62,9 +62,38 @@ class Telemetry:
             ["model", "endpoint"],
             registry=r,
         )
+        self.engine_kv_usage = Gauge(
+            "extproc_engine_kv_usage",
+            "Engine KV-cache usage (0..1) from the last good scrape, where the engine reports it.",
+            ["model", "endpoint"],
+            registry=r,
+        )
+        self.engine_itl = Gauge(
+            "extproc_engine_inter_token_latency_seconds",
+            "Mean inter-token latency over the gate's short window (histogram deltas).",
+            ["model", "endpoint"],
+            registry=r,
+        )
+        self.gate_limit = Gauge(
+            "extproc_gate_limit",
+            "Requests the adaptive gate lets the endpoint hold (running + waiting), learned online.",
+            ["model", "endpoint"],
+            registry=r,
+        )
+        self.endpoint_degraded = Gauge(
+            "extproc_endpoint_degraded",
+            "1 while the endpoint's metrics are failing, garbage or stale (capped at its fallback limit).",
+            ["model", "endpoint"],
+            registry=r,
+        )
         self.gate_fallback = Gauge(
             "extproc_gate_fallback",
             "1 while the gate runs on its fallback in-flight limit (engine metrics unusable).",
             ["model"],
             registry=r,
         )
+
+    def per_endpoint_gauges(self) -> tuple[Gauge, ...]:
+        """Gauges labelled (model, endpoint): cleared when an endpoint leaves its pool."""
+        return (self.engine_waiting, self.engine_running, self.engine_kv_usage, self.engine_itl,
+                self.gate_limit, self.endpoint_degraded)

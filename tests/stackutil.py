@@ -20,14 +20,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(tmp_path: Path, models: tuple[str, ...] = ("m1",), **model_overrides: Any) -> Path:
-    """A config on free ports, one simulator endpoint per model."""
+def write_config(
+    tmp_path: Path, models: tuple[str, ...] = ("m1",), replicas: int = 1, per_model: dict[str, dict] | None = None,
+    **model_overrides: Any,
+) -> Path:
+    """A config on free ports, ``replicas`` simulator endpoints per model.
+
+    ``per_model`` adds settings to single models (e.g. their ``engine``).
+    """
     doc = {
         "listen": {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"},
         "priorities": ["interactive", "standard", "batch"],
         "default_priority": "standard",
         "models": [
-            {"name": name, "endpoints": [f"http://127.0.0.1:{free_port()}"], **model_overrides} for name in models
+            {
+                "name": name,
+                "endpoints": [f"http://127.0.0.1:{free_port()}" for _ in range(replicas)],
+                **model_overrides,
+                **(per_model or {}).get(name, {}),
+            }
+            for name in models
         ],
         "envoy": {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}", "api_keys": API_KEYS},
     }

@@ -208,8 +208,16 @@ def test_routes_and_clusters_per_model() -> None:
     config = free_port_config()
     doc = bootstrap(config)
     routes = hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
-    assert [r["match"]["headers"][0]["string_match"]["exact"] for r in routes[:-1]] == ["m-one", "m/two"]
-    assert [r["route"]["cluster"] for r in routes[:-1]] == ["model_m-one", "model_m_two"]
+    # First: requests whose endpoint the processor picked go where it says.
+    assert routes[0]["match"]["headers"] == [{"name": "x-gateway-destination-endpoint", "present_match": True}]
+    assert routes[0]["route"]["cluster"] == "picked_endpoint"
+    picked = cluster(doc, "picked_endpoint")
+    assert picked["type"] == "ORIGINAL_DST" and picked["lb_policy"] == "CLUSTER_PROVIDED"
+    assert picked["original_dst_lb_config"] == {
+        "use_http_header": True, "http_header_name": "x-gateway-destination-endpoint"
+    }
+    assert [r["match"]["headers"][0]["string_match"]["exact"] for r in routes[1:-1]] == ["m-one", "m/two"]
+    assert [r["route"]["cluster"] for r in routes[1:-1]] == ["model_m-one", "model_m_two"]
     assert routes[-1]["direct_response"]["status"] == 404
     error = yaml.safe_load(routes[-1]["direct_response"]["body"]["inline_string"])
     assert error["error"]["code"] == "model_not_found"
@@ -231,7 +239,7 @@ def test_cluster_names_are_sanitised_and_unique() -> None:
         ]
     )
     names = [c["name"] for c in bootstrap(config)["static_resources"]["clusters"]]
-    assert names == ["extproc", "model_a_b", "model_a_b_2"]
+    assert names == ["extproc", "picked_endpoint", "model_a_b", "model_a_b_2"]
 
 
 @pytest.mark.parametrize("api_keys", [{}, {"k": "t"}])
@@ -240,7 +248,9 @@ def test_client_cannot_set_tenant_or_model_headers(api_keys: dict[str, str]) -> 
     filters = hcm(bootstrap(config))["http_filters"]
     assert filters[0]["name"] == "envoy.filters.http.header_mutation"
     removed = [m["remove"] for m in filters[0]["typed_config"]["mutations"]["request_mutations"]]
-    assert {config.identity.tenant_header, config.identity.model_header} <= set(removed)
+    assert {config.identity.tenant_header, config.identity.model_header, "x-gateway-destination-endpoint"} <= set(
+        removed
+    )
     has_auth = "envoy.filters.http.api_key_auth" in [f["name"] for f in filters]
     assert has_auth == bool(api_keys)
 
@@ -281,7 +291,7 @@ def test_drop_in_is_yaml_with_ext_proc_and_http2_cluster() -> None:
     filters = [f["name"] for f in doc["http_filters"]]
     assert filters.index("envoy.filters.http.ext_proc") < filters.index("envoy.filters.http.router")
     extproc = doc["clusters"][0]
-    assert [c["name"] for c in doc["clusters"]] == ["extproc", "model_demo-llama", "model_demo-qwen"]
+    assert [c["name"] for c in doc["clusters"]] == ["extproc", "picked_endpoint", "model_demo-llama", "model_demo-qwen"]
     explicit = extproc["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert "http2_protocol_options" in explicit["explicit_http_config"]
     assert doc["routes"][-1]["direct_response"]["status"] == 404

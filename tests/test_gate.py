@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from extproc.controller import ConcurrencyLimit, ItlWindow
 from extproc.engine_metrics import MetricsError, parse_load
 from extproc.gate import VISIBILITY_GRACE_S, EngineLoad, Gate, GateMode
 
@@ -28,7 +29,7 @@ vllm:time_to_first_token_seconds_sum{engine="0",model_name="demo-llama"} 0.4
 
 
 def test_parse_vllm_exposition() -> None:
-    assert parse_load("vllm", VLLM_TEXT, "demo-llama") == EngineLoad(waiting=2.0, running=7.0)
+    assert parse_load("vllm", VLLM_TEXT, "demo-llama") == EngineLoad(waiting=2.0, running=7.0, kv_usage=0.25)
 
 
 def test_other_models_samples_are_not_ours() -> None:
@@ -51,8 +52,12 @@ def test_garbage_is_an_error_not_a_number(text: str) -> None:
         parse_load("vllm", text, "demo-llama")
 
 
-def make_gate(endpoints: tuple[str, ...] = ("e1",), target: int = 3, fallback: int = 4) -> Gate:
-    return Gate(endpoints, target_waiting=target, fallback_max_in_flight=fallback, stale_after_s=1.0)
+def make_gate(
+    endpoints: tuple[str, ...] = ("e1",), target: int = 3, fallback: int = 4, kind: str = "adaptive",
+    pick: bool = False, **options: float,
+) -> Gate:
+    return Gate(endpoints, target_waiting=target, fallback_max_in_flight=fallback, stale_after_s=1.0, kind=kind,
+                pick_endpoints=pick, **options)  # type: ignore[arg-type]
 
 
 def test_without_metrics_the_gate_falls_back_to_a_small_in_flight_ceiling() -> None:
@@ -111,3 +116,164 @@ def test_a_pool_is_healthy_only_when_every_endpoint_is() -> None:
     gate.record_scrape("e2", EngineLoad(waiting=2, running=0), started_at=0.0)
     assert gate.engine_load() == EngineLoad(waiting=3, running=0)
     assert gate.allowance(0.0) == 3  # target 3 per endpoint, 3 already waiting
+
+
+# --- the adaptive controller -------------------------------------------------------
+
+
+def test_itl_window_is_the_mean_of_recent_tokens_only() -> None:
+    window = ItlWindow(window_s=1.0)
+    window.add(0.0, total_s=100.0, count=1000)  # a long history at 100 ms a token...
+    assert window.value() is None
+    window.add(0.5, total_s=100.5, count=1050)
+    assert window.value() == pytest.approx(0.01)  # ...does not count: 10 ms a token now
+    window.add(1.5, total_s=101.5, count=1060)
+    window.add(2.0, total_s=102.0, count=1070)
+    assert window.value() == pytest.approx(1.5 / 20)  # the window slid past t=0.5
+    window.add(2.5, total_s=0.2, count=10)  # engine restarted: counters reset
+    assert window.value() is None
+    window.add(3.0, total_s=0.4, count=20)
+    assert window.value() == pytest.approx(0.02)
+
+
+def test_the_limit_learns_capacity_from_the_engine_queue() -> None:
+    limit = ConcurrencyLimit(3, target_waiting=3)
+    limit.observe(EngineLoad(waiting=0, running=3), at=0.1)  # ran all we allowed: probe upward
+    assert limit.limit == 6
+    limit.observe(EngineLoad(waiting=0, running=6), at=0.2)
+    assert limit.limit == 9
+    limit.observe(EngineLoad(waiting=2, running=7), at=0.3)  # full at 7: capacity 7 + a queue of 3
+    assert limit.limit == 10
+    limit.observe(EngineLoad(waiting=0, running=2), at=0.4)  # demand fell: no evidence, no change
+    assert limit.limit == 10
+    limit.observe(EngineLoad(waiting=6, running=4), at=0.5)  # capacity fell (KV): follow at once
+    assert limit.limit == 7
+
+
+def test_an_itl_ceiling_cuts_the_limit_once_per_window_and_only_if_it_is_to_blame() -> None:
+    limit = ConcurrencyLimit(20, target_waiting=3, max_itl_s=0.05, itl_window_s=1.0)
+    limit.observe(EngineLoad(0, 18, itl_sum=0.0, itl_count=0), at=0.0)
+    limit.observe(EngineLoad(0, 20, itl_sum=8.0, itl_count=100), at=0.5)  # 80 ms a token
+    assert limit.pressure == pytest.approx(1.6)
+    assert limit.limit == pytest.approx(16)  # x0.8
+    limit.observe(EngineLoad(0, 20, itl_sum=16.0, itl_count=200), at=0.7)
+    assert limit.limit == pytest.approx(16)  # still running 20 > 16: the old batch, not the limit
+    limit.observe(EngineLoad(0, 16, itl_sum=24.0, itl_count=300), at=1.0)
+    assert limit.limit == pytest.approx(16)  # within the cooldown
+    limit.observe(EngineLoad(0, 16, itl_sum=32.0, itl_count=400), at=1.6)
+    assert limit.limit == pytest.approx(12.8)
+    # Near the ceiling the probe slows to +1; far below it, +target.
+    limit.observe(EngineLoad(0, 13, itl_sum=36.0, itl_count=500), at=2.0)  # 40 ms: 80 % of the ceiling
+    assert limit.limit == pytest.approx(14)
+    limit.observe(EngineLoad(0, 14, itl_sum=36.5, itl_count=1000), at=2.4)  # 7.5 ms
+    assert limit.limit == pytest.approx(17)
+
+
+def test_a_kv_ceiling_cuts_the_limit() -> None:
+    limit = ConcurrencyLimit(10, target_waiting=3, max_kv_usage=0.8)
+    limit.observe(EngineLoad(0, 10, kv_usage=0.95), at=0.0)
+    assert limit.limit == pytest.approx(8)
+    limit.observe(EngineLoad(0, 8, kv_usage=0.75), at=3.0)  # 94 % of the ceiling: hold
+    assert limit.limit == pytest.approx(8)
+
+
+def test_adaptive_refills_a_completion_at_once_where_the_waiting_rule_waits_for_a_scrape() -> None:
+    adaptive, waiting = make_gate(), make_gate(kind="waiting_target")
+    for gate in (adaptive, waiting):
+        gate.record_scrape("e1", EngineLoad(waiting=0, running=10), started_at=0.0)
+        gate.record_scrape("e1", EngineLoad(waiting=0, running=10), started_at=0.1)
+        for i in range(gate.allowance(0.1)):
+            gate.record_release(i, 0.1)
+        gate.record_scrape("e1", EngineLoad(waiting=0, running=10 + gate.in_flight), started_at=0.2)
+        assert gate.allowance(0.2) == 3
+        for i in range(100, 103):
+            gate.record_release(i, 0.2)
+        gate.record_finish(0, 0.3)
+    assert adaptive.allowance(0.3) == 1  # a slot freed; the engine has no queue to absorb it
+    assert waiting.allowance(0.3) == 0
+
+
+def test_bypass_traffic_in_the_engine_queue_stops_releases_at_the_next_scrape() -> None:
+    gate = make_gate()
+    gate.record_scrape("e1", EngineLoad(waiting=0, running=8), started_at=0.0)
+    assert gate.allowance(0.0) > 0
+    gate.record_scrape("e1", EngineLoad(waiting=12, running=8), started_at=0.1)  # someone went around us
+    assert gate.allowance(0.1) == 0
+
+
+@pytest.mark.parametrize("kind", ["static_concurrency", "static_rate"])
+def test_static_variants_ignore_metrics(kind: str) -> None:
+    gate = make_gate(kind=kind, max_in_flight=2, release_rate=10.0)
+    gate.record_scrape("e1", EngineLoad(waiting=50, running=50), started_at=0.0)
+    assert gate.mode(0.0) is GateMode.METRICS
+    assert gate.allowance(0.0) == (2 if kind == "static_concurrency" else 1)
+    gate.record_release("a", 0.0)
+    if kind == "static_rate":
+        assert gate.allowance(0.0) == 0
+        assert gate.next_change_in(0.0) == pytest.approx(0.1)
+        assert gate.allowance(0.1) == 1
+    else:
+        assert gate.allowance(0.0) == 1
+        assert gate.next_change_in(0.0) is None
+
+
+def test_a_degraded_endpoint_keeps_half_of_what_it_last_ran() -> None:
+    gate = make_gate(fallback=4)
+    gate.record_scrape("e1", EngineLoad(waiting=3, running=40), started_at=0.0)
+    gate.record_scrape("e1", None, started_at=0.1)  # failing from now on
+    assert gate.degraded(0.1) == ["e1"]
+    assert gate.fallback_limit("e1") == 20
+    assert gate.allowance(0.1) == 20
+    gate.record_scrape("e1", EngineLoad(waiting=0, running=20), started_at=0.5)  # recovers by itself
+    assert gate.degraded(0.5) == [] and gate.mode(0.5) is GateMode.METRICS
+
+
+def test_a_frozen_page_goes_stale_although_it_still_answers() -> None:
+    gate = make_gate(fallback=4)
+    frozen = EngineLoad(waiting=0, running=2, itl_sum=1.0, itl_count=10)
+    gate.record_scrape("e1", frozen, started_at=0.0)
+    gate.record_scrape("e1", frozen, started_at=0.5)  # idle engine: an unchanged page is fine
+    assert gate.mode(1.4) is GateMode.METRICS
+    gate.record_release("a", 1.4)
+    for t in (1.5, 2.0, 2.5):
+        gate.record_scrape("e1", frozen, started_at=t)  # work was sent, yet nothing moves
+    assert gate.mode(2.5) is GateMode.FALLBACK
+    gate.record_scrape("e1", EngineLoad(waiting=0, running=3, itl_sum=1.1, itl_count=11), started_at=2.6)
+    assert gate.mode(2.6) is GateMode.METRICS
+
+
+def test_picking_keeps_a_key_on_its_endpoint_within_bounded_load() -> None:
+    gate = make_gate(endpoints=("e1", "e2"), pick=True)
+    for e in ("e1", "e2"):
+        gate.record_scrape(e, EngineLoad(waiting=2, running=10), started_at=0.0)  # capacity 10: limit 13
+        gate.record_scrape(e, EngineLoad(waiting=0, running=2), started_at=0.1)  # 8 batch slots free
+    favourite = gate.pick("alice", 0.1)
+    assert favourite is not None and gate.pick("alice", 0.1) == favourite
+    other = "e2" if favourite == "e1" else "e1"
+    picks = []
+    for i in range(gate.allowance(0.1)):
+        endpoint = gate.pick("alice", 0.1)
+        assert endpoint is not None
+        picks.append(endpoint)
+        gate.record_release(i, 0.1, endpoint)
+    # alice stays on her engine (its prefix cache is warm there) until it has `target` more
+    # requests than the other; then the load is kept within that bound.
+    assert picks[:4] == [favourite] * 4 and picks[4] == other and len(picks) == 22
+    for n in range(len(picks)):
+        assert 0 <= picks[:n].count(favourite) - picks[:n].count(other) <= 4
+    assert picks.count(favourite) == picks.count(other) == 11
+    assert gate.pick("alice", 0.1) is None and gate.allowance(0.1) == 0
+    gate.record_finish(picks.index(other), 0.2)
+    assert gate.endpoint_allowance(other, 0.2) == 1 and gate.endpoint_allowance(favourite, 0.2) == 0
+
+
+def test_endpoints_can_join_and_leave_the_pool() -> None:
+    gate = make_gate(endpoints=("e1",), fallback=4)
+    gate.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
+    gate.set_endpoints(("e1", "e2"))
+    assert gate.degraded(0.0) == ["e2"]  # a newcomer is capped until scraped
+    assert gate.allowance(0.0) == 8
+    gate.record_scrape("e2", EngineLoad(waiting=0, running=0), started_at=0.0)
+    gate.set_endpoints(("e2",))
+    gate.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.1)  # late scrape of a leaver
+    assert gate.mode(0.1) is GateMode.METRICS and gate.allowance(0.1) == 3

@@ -15,6 +15,13 @@ Request handling, also as in vLLM:
   strings and sampling parameters are accepted and ignored; ``n`` must be 1;
 * a client that disconnects is aborted in the engine at once (aiohttp's handler
   cancellation), freeing its batch slot and KV, like vLLM's disconnect handling.
+
+``--dialect`` makes ``/metrics`` speak another engine's names
+(:mod:`extproc.sim.dialects`). For tests of broken metrics, ``/metrics`` can
+be made to fail: ``--metrics-fault`` at start, or at run time
+``PUT /sim/metrics-fault`` with ``{"mode": MODE}``; modes are ``ok``,
+``garbage`` (200 with unparseable text), ``error`` (HTTP 500), ``slow``
+(answers after 30 s) and ``frozen`` (the same page forever).
 """
 
 from __future__ import annotations
@@ -35,13 +42,17 @@ import uvloop
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
+from extproc.sim.dialects import DIALECT_NAMES, DialectMetrics
 from extproc.sim.engine import FINISH_ABORT, RequestHandle, RequestTooLong, SimEngine, SimSettings
 from extproc.sim.metrics import VllmMetrics
 
 logger = logging.getLogger(__name__)
 
+Metrics = VllmMetrics | DialectMetrics
 ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
-METRICS_KEY = web.AppKey("sim_metrics", VllmMetrics)
+METRICS_KEY = web.AppKey("sim_metrics", Metrics)
+METRICS_FAULTS = ("ok", "garbage", "error", "slow", "frozen")
+_SLOW_METRICS_S = 30.0
 
 _CHARS_PER_TOKEN = 4
 _MAX_BODY_BYTES = 32 * 1024 * 1024  # long prompts are the point of some tests
@@ -162,10 +173,12 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 class _Handlers:
     """Route handlers bound to one simulator's engine and settings."""
 
-    def __init__(self, settings: SimSettings, engine: SimEngine, metrics: VllmMetrics) -> None:
+    def __init__(self, settings: SimSettings, engine: SimEngine, metrics: Metrics, metrics_fault: str) -> None:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
+        self.metrics_fault = metrics_fault
+        self._frozen: web.Response | None = None
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -184,8 +197,32 @@ class _Handlers:
         return web.json_response({"object": "list", "data": [card]})
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        fault = self.metrics_fault
+        if fault == "error":
+            raise ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, "metrics exporter failed", "InternalServerError")
+        if fault == "garbage":
+            return web.Response(text="<html><body>502 Bad Gateway {{{ not prometheus</body></html>\n")
+        if fault == "slow":
+            await asyncio.sleep(_SLOW_METRICS_S)
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        return web.Response(body=encoder(self.metrics.registry), headers={"Content-Type": content_type})
+        page = web.Response(body=encoder(self.metrics.registry), headers={"Content-Type": content_type})
+        if fault == "frozen":
+            if self._frozen is None:
+                self._frozen = page
+            return web.Response(body=self._frozen.body, headers={"Content-Type": content_type})
+        self._frozen = None
+        return page
+
+    async def set_metrics_fault(self, request: web.Request) -> web.Response:
+        """Test hook: break or heal ``/metrics`` at run time."""
+        try:
+            mode = (await request.json())["mode"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise _bad_request('body must be {"mode": MODE}') from exc
+        if mode not in METRICS_FAULTS:
+            raise _bad_request(f"mode must be one of {', '.join(METRICS_FAULTS)}", "mode")
+        self.metrics_fault = mode
+        return web.json_response({"mode": mode})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_request(request)
@@ -311,12 +348,16 @@ async def _json_errors(
         return ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, "Internal server error", "InternalServerError").response()
 
 
-def create_app(settings: SimSettings) -> web.Application:
+def create_app(settings: SimSettings, dialect: str = "vllm", metrics_fault: str = "ok") -> web.Application:
     """Build the aiohttp app; its engine starts on app startup and stops on shutdown."""
     engine = SimEngine(settings)
-    metrics = VllmMetrics(settings.model, engine.scheduler)
+    metrics: Metrics = (
+        VllmMetrics(settings.model, engine.scheduler)
+        if dialect == "vllm"
+        else DialectMetrics(dialect, settings.model, engine.scheduler)
+    )
     engine.observer = metrics
-    handlers = _Handlers(settings, engine, metrics)
+    handlers = _Handlers(settings, engine, metrics, metrics_fault)
 
     app = web.Application(middlewares=[_json_errors], client_max_size=_MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
@@ -326,6 +367,7 @@ def create_app(settings: SimSettings) -> web.Application:
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.prometheus)
+    app.router.add_put("/sim/metrics-fault", handlers.set_metrics_fault)
 
     async def start_engine(_: web.Application) -> None:
         engine.start()
@@ -344,7 +386,7 @@ class RunningSim:
 
     settings: SimSettings
     engine: SimEngine
-    metrics: VllmMetrics
+    metrics: Metrics
     host: str
     port: int
     _runner: web.AppRunner
@@ -366,9 +408,11 @@ class RunningSim:
         await self.stop()
 
 
-async def start_sim(settings: SimSettings, host: str = "127.0.0.1", port: int = 0) -> RunningSim:
+async def start_sim(
+    settings: SimSettings, host: str = "127.0.0.1", port: int = 0, *, dialect: str = "vllm", metrics_fault: str = "ok"
+) -> RunningSim:
     """Start a simulator in the running event loop; ``port=0`` picks a free port."""
-    app = create_app(settings)
+    app = create_app(settings, dialect, metrics_fault)
     # handler_cancellation: a client disconnect cancels its handler, which aborts
     # the request in the engine, as vLLM does.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
@@ -419,6 +463,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=SimSettings.seed,
         help="seed for the generated words (default: %(default)s)",
     )
+    parser.add_argument(
+        "--dialect", choices=DIALECT_NAMES, default="vllm",
+        help="whose metric names /metrics uses (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--metrics-fault", choices=METRICS_FAULTS, default="ok",
+        help="make /metrics fail from the start, for tests (default: %(default)s)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> SimSettings:
@@ -442,17 +494,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("invalid simulator settings: %s", exc)
         return 2
-    uvloop.run(_serve_until_signalled(settings, args.host, args.port))
+    uvloop.run(_serve_until_signalled(settings, args.host, args.port, args.dialect, args.metrics_fault))
     return 0
 
 
-async def _serve_until_signalled(settings: SimSettings, host: str, port: int) -> None:
+async def _serve_until_signalled(settings: SimSettings, host: str, port: int, dialect: str, fault: str) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    sim = await start_sim(settings, host, port)
-    print(f"vLLM simulator serving {settings.model!r} on {sim.url}", flush=True)
+    sim = await start_sim(settings, host, port, dialect=dialect, metrics_fault=fault)
+    print(f"simulator ({dialect} metrics) serving {settings.model!r} on {sim.url}", flush=True)
     try:
         await stop.wait()
     finally:
