@@ -25,6 +25,8 @@ class EngineDialect:
     waiting: str
     running: str
     model_label: str
+    # Optional cumulative counter of generated tokens (sample name).
+    generation_tokens: str | None = None
 
 
 DIALECTS: dict[str, EngineDialect] = {
@@ -33,6 +35,7 @@ DIALECTS: dict[str, EngineDialect] = {
         waiting="vllm:num_requests_waiting",
         running="vllm:num_requests_running",
         model_label="model_name",
+        generation_tokens="vllm:generation_tokens_total",
     ),
 }
 
@@ -50,11 +53,12 @@ def parse_load(engine: str, text: str, model: str) -> EngineLoad:
     """
     dialect = DIALECTS[engine]
     wanted = (dialect.waiting, dialect.running)
+    optional = (dialect.generation_tokens,) if dialect.generation_tokens else ()
     totals: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(_relevant(text, wanted)):
+        for family in text_string_to_metric_families(_relevant(text, wanted + optional)):
             for sample in family.samples:
-                if sample.name not in wanted:
+                if sample.name not in wanted + optional:
                     continue
                 if sample.labels.get(dialect.model_label, model) != model:
                     continue
@@ -66,4 +70,5 @@ def parse_load(engine: str, text: str, model: str) -> EngineLoad:
         raise MetricsError(f"no {', '.join(missing)} for model {model!r}")
     if any(v != v or v < 0 for v in totals.values()):  # NaN or negative: not a queue length
         raise MetricsError(f"implausible values {totals}")
-    return EngineLoad(waiting=totals[dialect.waiting], running=totals[dialect.running])
+    generated = totals.get(dialect.generation_tokens) if dialect.generation_tokens else None
+    return EngineLoad(waiting=totals[dialect.waiting], running=totals[dialect.running], generation_tokens=generated)

@@ -132,7 +132,8 @@ def _cluster_names(config: Config) -> dict[str, str]:
 
 
 def _max_queue_wait(config: Config) -> float:
-    return max(m.max_queue_wait_s for m in config.models)
+    """The longest any request may stay queued, over every model and priority class."""
+    return max(config.longest_queue_wait_s(m) for m in config.models)
 
 
 def hold_timeout_s(config: Config) -> float:
