@@ -60,8 +60,10 @@ class CostWeights:
 
     input_weight: float = 1.0
     output_weight: float = 2.0
-    # Prompt tokens are estimated from the request's Content-Length.
+    # Prompt tokens are estimated from the request's Content-Length, less the
+    # body's JSON structure (model, role, max_tokens...), which is not prompt.
     bytes_per_token: float = 4.0
+    body_overhead_bytes: int = 80
     # Output estimate for a tenant's first request without max_tokens.
     default_output_tokens: int = 256
 
@@ -358,11 +360,14 @@ def _model(raw: Any, path: str) -> ModelConfig:
 
 
 def _cost(raw: Any, path: str) -> CostWeights:
-    data = _mapping(raw, path, {"input_weight", "output_weight", "bytes_per_token", "default_output_tokens"})
+    data = _mapping(
+        raw, path, {"input_weight", "output_weight", "bytes_per_token", "body_overhead_bytes", "default_output_tokens"}
+    )
     return CostWeights(
         input_weight=_get(data, "input_weight", path, _non_negative_float, CostWeights.input_weight),
         output_weight=_get(data, "output_weight", path, _non_negative_float, CostWeights.output_weight),
         bytes_per_token=_get(data, "bytes_per_token", path, _positive_float, CostWeights.bytes_per_token),
+        body_overhead_bytes=_get(data, "body_overhead_bytes", path, _int_at_least(0), CostWeights.body_overhead_bytes),
         default_output_tokens=_get(
             data, "default_output_tokens", path, _int_at_least(1), CostWeights.default_output_tokens
         ),

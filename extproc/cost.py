@@ -6,10 +6,11 @@ The processor sees only the request headers and Envoy's metadata, never the
 prompt or the answer (that is what keeps it cheap), so:
 
 At release (estimated)
-  * prompt tokens = Content-Length / bytes_per_token (default 4 bytes per
-    token, the usual rule of thumb for English text in JSON; the JSON framing
-    is counted too). Without a Content-Length (a chunked upload): the tenant's
-    running average prompt, else 0.
+  * prompt tokens = (Content-Length - body_overhead_bytes) / bytes_per_token
+    (defaults 80 and 4: a chat body's JSON structure is about 80 bytes, and 4
+    bytes per token is the usual rule of thumb for English text). Without a
+    Content-Length (a chunked upload): the tenant's running average prompt,
+    else 0.
   * output tokens = ``max_tokens`` (or ``max_completion_tokens``) when Envoy's
     json_to_metadata found it in the body; otherwise the tenant's running
     average of measured output, else ``default_output_tokens``.
@@ -73,7 +74,7 @@ class CostModel:
 
     def estimate(self, tenant: str, content_length: int | None, max_tokens: float | None) -> Estimate:
         if content_length is not None:
-            prompt = content_length / self._weights.bytes_per_token
+            prompt = max(0, content_length - self._weights.body_overhead_bytes) / self._weights.bytes_per_token
             self._prompt_avg[tenant] = _blend(self._prompt_avg.get(tenant), prompt)
         else:
             prompt = self._prompt_avg.get(tenant, 0.0)

@@ -288,8 +288,12 @@ def _priority_body(body: bytes, priority: int) -> pb.ProcessingResponse:
     rewritten = with_priority(body, priority)
     if rewritten is None:  # not a JSON object: the engine will say so itself
         return pb.ProcessingResponse(request_body=pb.BodyResponse())
+    # Envoy refuses a mutated body whose length disagrees with Content-Length (503).
+    length = pb.HeaderMutation(set_headers=[_header("content-length", str(len(rewritten)))])
     return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=rewritten)))
+        request_body=pb.BodyResponse(
+            response=pb.CommonResponse(header_mutation=length, body_mutation=pb.BodyMutation(body=rewritten))
+        )
     )
 
 

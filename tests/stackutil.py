@@ -53,3 +53,35 @@ def metric(samples: dict, name: str, **labels: str) -> float:
         value for (n, lbls), value in samples.items()
         if n == name and all(dict(lbls).get(k) == v for k, v in labels.items())
     )
+
+
+def write_stack_config(
+    tmp_path: Path, models: dict[str, dict[str, Any]], *, api_keys: dict[str, str] | None = None, **top: Any
+) -> Path:
+    """A config on free ports: one simulator endpoint per model, each with its own settings.
+
+    ``top`` adds or replaces top-level sections (tenants, bands, identity, ...);
+    ``api_keys=None`` means the test keys, ``{}`` none.
+    """
+    envoy: dict[str, Any] = {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}"}
+    keys = API_KEYS if api_keys is None else api_keys
+    if keys:
+        envoy["api_keys"] = keys
+    doc: dict[str, Any] = {
+        "listen": {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"},
+        "priorities": ["interactive", "standard", "batch"],
+        "default_priority": "standard",
+        "models": [
+            {"name": name, "endpoints": [f"http://127.0.0.1:{free_port()}"], **settings}
+            for name, settings in models.items()
+        ],
+        "envoy": envoy,
+    }
+    for key, value in top.items():
+        if key == "envoy":
+            envoy.update(value)
+        else:
+            doc[key] = value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
