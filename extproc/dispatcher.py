@@ -56,7 +56,8 @@ class Held:
     band: int
     enqueued_at: float
     future: asyncio.Future[float] = field(repr=False)
-    estimate: Estimate | None = None
+    # What the release is charged (vtc), corrected when its stream ends.
+    estimate: Estimate = field(repr=False)
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
     released: bool = False
     ended: bool = False
@@ -115,8 +116,7 @@ class ModelDispatcher:
         now = self._clock()
         self._check_caps(tenant, band, now)
         loop = asyncio.get_running_loop()
-        held = Held(tenant, band, now, loop.create_future())
-        held.estimate = self._cost.estimate(tenant, content_length, max_tokens)
+        held = Held(tenant, band, now, loop.create_future(), self._cost.estimate(tenant, content_length, max_tokens))
         self._queue.push(band, tenant, held)
         held.expiry = loop.call_later(self.queue_wait_s(band), self._expire, held)
         self.dispatch()
@@ -157,9 +157,8 @@ class ModelDispatcher:
         held.ended = True
         if held.released:
             occupancy = self.gate.record_finish(held, self._clock())
-            if held.estimate is not None:
-                measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
-                self._queue.correct(held.band, held.tenant, measured - held.estimate.cost)
+            measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
+            self._queue.correct(held.band, held.tenant, measured - held.estimate.cost)
             self._telemetry.in_flight.labels(self.model.name).set(self.gate.in_flight)
             self.dispatch()
         elif self._queue.remove(held.band, held.tenant, held):
@@ -203,8 +202,7 @@ class ModelDispatcher:
             held.released = True
             self.gate.record_release(held, now, into_free_slot=self._bands[band].idle_only)
             self._release_rate.record(now)
-            if held.estimate is not None:
-                self._queue.charge(band, tenant, held.estimate.cost)
+            self._queue.charge(band, tenant, held.estimate.cost)
             self._resolve(held)
             priority = self._priorities[band]
             self._telemetry.released.labels(self.model.name, priority).inc()
