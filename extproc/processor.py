@@ -223,10 +223,13 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if headers.get(":method") == "GET" and headers.get(":path", "").split("?")[0] == "/v1/models":
             yield _models_response(self._config)
             return
+        body_model = _body_model(first)
         try:
-            admission = self.admit(headers, _body_model(first))
+            admission = self.admit(headers, body_model)
         except Rejected as rejection:
-            self._telemetry.rejected.labels(_body_model(first) or "", rejection.reason).inc()
+            # Client-chosen names never become label values: unbounded series would sink Prometheus.
+            label = body_model if body_model in self._dispatchers else "(unknown)"
+            self._telemetry.rejected.labels(label, rejection.reason).inc()
             yield error_response(rejection)
             return
         priorities = self._config.priorities

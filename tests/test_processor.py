@@ -120,6 +120,9 @@ async def test_rejections_are_immediate_json_answers(message: pb.ProcessingReque
     assert answer.immediate_response.status.code == status
     assert f'"code": "{code}"'.encode() in answer.immediate_response.body
     assert dispatcher.queued == 0 and dispatcher.gate.in_flight == 0
+    samples = {s.labels["model"] for m in processor._telemetry.registry.collect() for s in m.samples
+               if m.name == "extproc_rejected"}
+    assert samples == {"(unknown)"}  # neither "other" nor "" became a label value
 
 
 async def test_unknown_priority_falls_back_to_the_default_band() -> None:
