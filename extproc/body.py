@@ -6,10 +6,11 @@ cache runs short, preempts the running request with the highest value first.
 The band decides the value; whatever the client wrote is replaced, so a client
 cannot raise its own priority inside the engine.
 
-The body can be large (a long prompt), and parsing it would stall the
-processor's event loop for every other stream. When the text ``"priority"``
-appears nowhere in it, the field is inserted right after the opening brace
-without parsing; otherwise the body is parsed and rewritten.
+When the text ``"priority"`` appears nowhere in the body, the field is
+inserted right after the opening brace: the client's bytes stay as they were
+and no object tree of a long prompt is built. Otherwise the body is parsed
+and rewritten. Either way costs about 2.5 ms per MB of body (measured), on
+the processor's event loop, for these models only.
 """
 
 from __future__ import annotations

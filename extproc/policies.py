@@ -26,6 +26,10 @@ counter differs from the real released cost by the errors of its in-flight
 requests, at most K * E together; the pick then adds at most U.) With exact
 estimates this is the classic one-request bound U.
 
+Picking is a scan of the backlogged tenants of the band: about 4 µs with 10
+of them, 160 µs with 1 000 (measured); a heap would be the next step if bands
+with thousands of backlogged tenants become common.
+
 Pure: no clock and no I/O, like the rest of the scheduling core.
 """
 
