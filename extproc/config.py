@@ -9,6 +9,7 @@ to its default is the kind of surprise an operator finds only under load.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -21,6 +22,10 @@ T = TypeVar("T")
 # Metric dialects (extproc/engine_metrics.py) and gate variants (extproc/gate.py).
 ENGINES = ("vllm", "sglang", "tgi", "llamacpp", "trtllm")
 GATE_KINDS = ("adaptive", "waiting_target", "static_concurrency", "static_rate")
+POLICIES = ("round_robin", "vtc")
+MISSING_TENANT = ("default", "reject")
+# The per-tenant template in `tenants:`; its fields are every other tenant's defaults.
+DEFAULT_TENANT_KEY = "default"
 
 
 class ConfigError(ValueError):
@@ -47,6 +52,53 @@ class Identity:
     priority_header: str = "x-priority"
     model_header: str = "x-model"
     default_tenant: str = "anonymous"
+    # A request without the tenant header: served as `default_tenant`, or refused with 401.
+    missing_tenant: str = "default"
+
+
+@dataclass(frozen=True)
+class CostWeights:
+    """How the `vtc` policy prices a request: input_weight x prompt + output_weight x output tokens."""
+
+    input_weight: float = 1.0
+    output_weight: float = 2.0
+    # Prompt tokens are estimated from the request's Content-Length, less the
+    # body's JSON structure (model, role, max_tokens...), which is not prompt.
+    bytes_per_token: float = 4.0
+    body_overhead_bytes: int = 80
+    # Output estimate for a tenant's first request without max_tokens.
+    default_output_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class Band:
+    """One priority class: its limits and how it may use the engine."""
+
+    name: str
+    # None: the model's max_queue_wait_s.
+    max_queue_wait_s: float | None = None
+    # Requests of this band a model may hold; None: only the model's cap.
+    max_queued: int | None = None
+    # Released only while no higher band waits and the engine is idle.
+    idle_only: bool = False
+    # "Idle": the engine's waiting queue is empty and it runs fewer than this
+    # share of the most requests it was ever seen running.
+    idle_running_share: float = 1.0
+    # Value written into the body's `priority` for engine_priority models (vLLM: lower runs first).
+    engine_priority: int = 0
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """What a tenant is entitled to."""
+
+    weight: float = 1.0
+    # Classes it may use, highest first; None: all.
+    priorities: tuple[str, ...] | None = None
+    # Class when the request names none (or one that does not exist); None: the global default.
+    default_priority: str | None = None
+    # Requests of this tenant a model may hold; one more is answered 429.
+    max_queued: int = 1_000
 
 
 @dataclass(frozen=True)
@@ -62,7 +114,8 @@ class ModelConfig:
     stale_after_s: float = 1.0
     # In-flight ceiling per endpoint while the engine's metrics cannot be read.
     fallback_max_in_flight: int = 4
-    # A request still queued after this long is answered 503 instead of held.
+    # A request still queued after this long is answered 503 instead of held
+    # (a band's own max_queue_wait_s overrides it).
     max_queue_wait_s: float = 120.0
     # How releases are decided (docs/gate.md): adaptive | waiting_target |
     # static_concurrency | static_rate.
@@ -81,6 +134,32 @@ class ModelConfig:
     endpoint_picking: bool = False
     # Endpoints given by host name are resolved this often; each address is an endpoint.
     dns_refresh_s: float = 10.0
+    # Which tenant goes next inside a band: request round-robin or virtual token counters.
+    policy: str = "round_robin"
+    # Requests this model may hold in all; one more is answered 503.
+    max_queued: int = 10_000
+    # Part of target_waiting that bands below the first may not fill, so the
+    # first band finds room in the engine's queue without waiting for a slot
+    # to free (costs some throughput when completions come in bursts).
+    reserved_waiting: int = 0
+    # Write the band's numeric priority into the body's `priority` (vLLM
+    # --scheduling-policy priority); only such models have their body sent to us.
+    engine_priority: bool = False
+    # The engine's batch size (vLLM --max-num-seqs), if known; else learned from its metrics.
+    max_running: int | None = None
+    cost: CostWeights = field(default_factory=CostWeights)
+
+
+@dataclass(frozen=True)
+class JwtSettings:
+    """Envoy's jwt_authn: a verified token's claim names the tenant."""
+
+    issuer: str
+    audiences: tuple[str, ...] = ()
+    # Exactly one: a JWKS document inline (JSON text), or the URL Envoy fetches it from.
+    jwks: str | None = None
+    jwks_uri: str | None = None
+    tenant_claim: str = "sub"
 
 
 @dataclass(frozen=True)
@@ -93,6 +172,8 @@ class EnvoySettings:
     api_keys: dict[str, str] = field(default_factory=dict)
     # Envoy's per-message timeout: short, so a dead processor is noticed fast.
     message_timeout_ms: int = 500
+    # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
+    jwt: JwtSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -103,9 +184,25 @@ class Config:
     default_priority: str
     models: tuple[ModelConfig, ...]
     envoy: EnvoySettings
+    # One per priority class, in the order of `priorities`.
+    bands: tuple[Band, ...] = ()
+    # Explicitly configured tenants; every other tenant gets `default_tenant`.
+    tenants: dict[str, Tenant] = field(default_factory=dict)
+    default_tenant: Tenant = field(default_factory=Tenant)
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def tenant(self, name: str) -> Tenant:
+        return self.tenants.get(name, self.default_tenant)
+
+    def queue_wait_s(self, model: ModelConfig, band: int) -> float:
+        """How long a request of ``band`` may stay queued for ``model``."""
+        own = self.bands[band].max_queue_wait_s if self.bands else None
+        return model.max_queue_wait_s if own is None else own
+
+    def longest_queue_wait_s(self, model: ModelConfig) -> float:
+        return max(self.queue_wait_s(model, b) for b in range(len(self.priorities)))
 
 
 # --- validation helpers ------------------------------------------------------
@@ -171,10 +268,22 @@ def _positive_float(value: Any, path: str) -> float:
     return float(value)
 
 
+def _non_negative_float(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise _fail(path, f"must be a number >= 0, got {value!r}")
+    return float(value)
+
+
 def _fraction(value: Any, path: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise _fail(path, f"must be a number in (0, 1], got {value!r}")
     return float(value)
+
+
+def _int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(path, f"must be an integer, got {value!r}")
+    return value
 
 
 def _bool(value: Any, path: str) -> bool:
@@ -183,12 +292,30 @@ def _bool(value: Any, path: str) -> bool:
     return value
 
 
+def _choice(options: tuple[str, ...]) -> Callable[[Any, str], str]:
+    def check(value: Any, path: str) -> str:
+        if value not in options:
+            raise _fail(path, f"must be one of {', '.join(options)}, got {value!r}")
+        return value
+
+    return check
+
+
 def _endpoint(value: Any, path: str) -> str:
     text = _string(value, path)
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
         raise _fail(path, f"must be an http(s)://HOST:PORT URL, got {value!r}")
     return text.rstrip("/")
+
+
+def _endpoint_url(value: Any, path: str) -> str:
+    """An http(s) URL whose port may be implied by its scheme."""
+    text = _string(value, path)
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _fail(path, f"must be an http(s) URL, got {value!r}")
+    return text
 
 
 def _list(value: Any, path: str) -> list[Any]:
@@ -209,9 +336,10 @@ def _listen(raw: Any) -> Listen:
 
 
 def _identity(raw: Any) -> Identity:
-    keys = {"tenant_header", "priority_header", "model_header", "default_tenant"}
+    keys = {"tenant_header", "priority_header", "model_header", "default_tenant", "missing_tenant"}
     data = _mapping(raw, "identity", keys)
     return Identity(
+        missing_tenant=_get(data, "missing_tenant", "identity", _choice(MISSING_TENANT), Identity.missing_tenant),
         tenant_header=_get(data, "tenant_header", "identity", _header, Identity.tenant_header),
         priority_header=_get(data, "priority_header", "identity", _header, Identity.priority_header),
         model_header=_get(data, "model_header", "identity", _header, Identity.model_header),
@@ -225,6 +353,7 @@ def _model(raw: Any, path: str) -> ModelConfig:
         "stale_after_s", "fallback_max_in_flight", "max_queue_wait_s", "gate",
         "max_inter_token_latency_ms", "max_kv_usage", "itl_window_s", "max_in_flight",
         "release_rate", "endpoint_picking", "dns_refresh_s",
+        "policy", "max_queued", "reserved_waiting", "engine_priority", "max_running", "cost",
     }
     data = _mapping(raw, path, keys)
     engine = _get(data, "engine", path, _string, ModelConfig.engine)
@@ -261,7 +390,97 @@ def _model(raw: Any, path: str) -> ModelConfig:
             data, "fallback_max_in_flight", path, _int_at_least(1), ModelConfig.fallback_max_in_flight
         ),
         max_queue_wait_s=_get(data, "max_queue_wait_s", path, _positive_float, ModelConfig.max_queue_wait_s),
+        policy=_get(data, "policy", path, _choice(POLICIES), ModelConfig.policy),
+        max_queued=_get(data, "max_queued", path, _int_at_least(1), ModelConfig.max_queued),
+        reserved_waiting=_get(data, "reserved_waiting", path, _int_at_least(0), ModelConfig.reserved_waiting),
+        engine_priority=_get(data, "engine_priority", path, _bool, ModelConfig.engine_priority),
+        max_running=_get(data, "max_running", path, _int_at_least(1), None),
+        cost=_cost(data.get("cost"), f"{path}.cost"),
     )
+
+
+def _cost(raw: Any, path: str) -> CostWeights:
+    data = _mapping(
+        raw, path, {"input_weight", "output_weight", "bytes_per_token", "body_overhead_bytes", "default_output_tokens"}
+    )
+    return CostWeights(
+        input_weight=_get(data, "input_weight", path, _non_negative_float, CostWeights.input_weight),
+        output_weight=_get(data, "output_weight", path, _non_negative_float, CostWeights.output_weight),
+        bytes_per_token=_get(data, "bytes_per_token", path, _positive_float, CostWeights.bytes_per_token),
+        body_overhead_bytes=_get(data, "body_overhead_bytes", path, _int_at_least(0), CostWeights.body_overhead_bytes),
+        default_output_tokens=_get(
+            data, "default_output_tokens", path, _int_at_least(1), CostWeights.default_output_tokens
+        ),
+    )
+
+
+def _bands(raw: Any, priorities: tuple[str, ...]) -> tuple[Band, ...]:
+    """Band settings by class name; the lowest of several classes is idle-only unless told otherwise."""
+    data = _mapping(raw, "bands", set(priorities))
+    keys = {"max_queue_wait_s", "max_queued", "idle_only", "idle_running_share", "engine_priority"}
+    bands = []
+    for index, name in enumerate(priorities):
+        path = f"bands.{name}"
+        band = _mapping(data.get(name), path, keys)
+        lowest = index == len(priorities) - 1 and len(priorities) > 1
+        bands.append(
+            Band(
+                name=name,
+                max_queue_wait_s=_get(band, "max_queue_wait_s", path, _positive_float, None),
+                max_queued=_get(band, "max_queued", path, _int_at_least(1), None),
+                idle_only=_get(band, "idle_only", path, _bool, lowest),
+                idle_running_share=_get(band, "idle_running_share", path, _fraction, Band.idle_running_share),
+                engine_priority=_get(band, "engine_priority", path, _int, index),
+            )
+        )
+    return tuple(bands)
+
+
+def _tenant(raw: Any, path: str, base: Tenant, priorities: tuple[str, ...]) -> Tenant:
+    data = _mapping(raw, path, {"weight", "priorities", "default_priority", "max_queued"})
+    allowed = base.priorities
+    if "priorities" in data:
+        names = [_string(p, f"{path}.priorities[{i}]") for i, p in enumerate(_list(data["priorities"], f"{path}.priorities"))]
+        for i, name in enumerate(names):
+            if name not in priorities:
+                raise _fail(f"{path}.priorities[{i}]", f"must be one of priorities {list(priorities)}, got {name!r}")
+        allowed = tuple(p for p in priorities if p in names)  # highest first, whatever the order written
+    default = _get(data, "default_priority", path, _string, base.default_priority)
+    if default is not None and default not in priorities:
+        raise _fail(f"{path}.default_priority", f"must be one of priorities {list(priorities)}, got {default!r}")
+    return Tenant(
+        weight=_get(data, "weight", path, _positive_float, base.weight),
+        priorities=allowed,
+        default_priority=default,
+        max_queued=_get(data, "max_queued", path, _int_at_least(1), base.max_queued),
+    )
+
+
+def _check_entitlement(tenant: Tenant, path: str, default_priority: str) -> None:
+    """A tenant's default class must be one it may use."""
+    default = tenant.default_priority or default_priority
+    if tenant.priorities is not None and default not in tenant.priorities:
+        raise _fail(
+            f"{path}.default_priority",
+            f"{default!r} is not among the tenant's priorities {list(tenant.priorities)}; set default_priority",
+        )
+
+
+def _tenants(raw: Any, priorities: tuple[str, ...], default_priority: str) -> tuple[Tenant, dict[str, Tenant]]:
+    """The `default` template (inherited field by field) and the named tenants."""
+    if raw is not None and not isinstance(raw, dict):
+        raise _fail("tenants", f"must be a mapping of tenant name to settings, got {type(raw).__name__}")
+    data = raw or {}
+    template = _tenant(data.get(DEFAULT_TENANT_KEY), f"tenants.{DEFAULT_TENANT_KEY}", Tenant(), priorities)
+    _check_entitlement(template, f"tenants.{DEFAULT_TENANT_KEY}", default_priority)
+    named = {}
+    for name, value in data.items():
+        if name == DEFAULT_TENANT_KEY:
+            continue
+        path = f"tenants.{_string(name, 'tenants')}"
+        named[name] = _tenant(value, path, template, priorities)
+        _check_entitlement(named[name], path, default_priority)
+    return template, named
 
 
 def _api_keys(value: Any, path: str) -> dict[str, str]:
@@ -269,9 +488,36 @@ def _api_keys(value: Any, path: str) -> dict[str, str]:
     return {_string(k, path): _string(v, f"{path}.{k}") for k, v in data.items()}
 
 
+def _jwt(raw: Any, path: str) -> JwtSettings:
+    data = _mapping(raw, path, {"issuer", "audiences", "jwks", "jwks_uri", "tenant_claim"})
+    jwks = data.get("jwks")
+    if isinstance(jwks, dict):  # a JWKS written as YAML
+        jwks = json.dumps(jwks, sort_keys=True)
+    if ("jwks" in data) == ("jwks_uri" in data):
+        raise _fail(path, "needs exactly one of jwks (an inline JWKS) or jwks_uri (where Envoy fetches it)")
+    if jwks is not None:
+        try:
+            keys = json.loads(_string(jwks, f"{path}.jwks")).get("keys")
+        except (ValueError, AttributeError):
+            keys = None
+        if not isinstance(keys, list) or not keys:
+            raise _fail(f"{path}.jwks", 'must be a JWKS: a JSON object with a non-empty "keys" list')
+    audiences = _get(data, "audiences", path, _list, [])
+    return JwtSettings(
+        issuer=_get(data, "issuer", path, _string),
+        audiences=tuple(_string(a, f"{path}.audiences[{i}]") for i, a in enumerate(audiences)),
+        jwks=jwks,
+        jwks_uri=_get(data, "jwks_uri", path, _endpoint_url, None),
+        tenant_claim=_get(data, "tenant_claim", path, _string, JwtSettings.tenant_claim),
+    )
+
+
 def _envoy(raw: Any) -> EnvoySettings:
-    data = _mapping(raw, "envoy", {"listen", "admin", "api_keys", "message_timeout_ms"})
+    data = _mapping(raw, "envoy", {"listen", "admin", "api_keys", "message_timeout_ms", "jwt"})
+    if data.get("api_keys") and data.get("jwt"):
+        raise _fail("envoy.jwt", "use either api_keys or jwt for identity, not both")
     return EnvoySettings(
+        jwt=_jwt(data["jwt"], "envoy.jwt") if data.get("jwt") is not None else None,
         listen=_get(data, "listen", "envoy", _address, EnvoySettings.listen),
         admin=_get(data, "admin", "envoy", _address, EnvoySettings.admin),
         api_keys=_get(data, "api_keys", "envoy", _api_keys, {}),
@@ -283,7 +529,9 @@ def _envoy(raw: Any) -> EnvoySettings:
 
 def parse_config(raw: Any) -> Config:
     """Validate an already-loaded YAML document."""
-    top = _mapping(raw, "", {"listen", "identity", "priorities", "default_priority", "models", "envoy"})
+    top = _mapping(
+        raw, "", {"listen", "identity", "priorities", "default_priority", "models", "envoy", "bands", "tenants"}
+    )
     priorities = tuple(
         _string(p, f"priorities[{i}]")
         for i, p in enumerate(_get(top, "priorities", "", _list, ["interactive", "standard", "batch"]))
@@ -298,6 +546,7 @@ def parse_config(raw: Any) -> Config:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise _fail(f"models[{i}].name", f"duplicate model name {name!r}")
+    default_tenant, tenants = _tenants(top.get("tenants"), priorities, default_priority)
     return Config(
         listen=_listen(top.get("listen")),
         identity=_identity(top.get("identity")),
@@ -305,6 +554,9 @@ def parse_config(raw: Any) -> Config:
         default_priority=default_priority,
         models=models,
         envoy=_envoy(top.get("envoy")),
+        bands=_bands(top.get("bands"), priorities),
+        tenants=tenants,
+        default_tenant=default_tenant,
     )
 
 

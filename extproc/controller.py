@@ -58,6 +58,8 @@ class EngineLoad:
     kv_usage: float | None = None
     itl_sum: float | None = None
     itl_count: float | None = None
+    # Cumulative generated tokens, where the dialect has the counter (the cost model's decode rate).
+    generation_tokens: float | None = None
 
 
 class ItlWindow:

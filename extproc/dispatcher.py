@@ -7,7 +7,14 @@ reported. There is no polling loop; an idle model costs nothing.
 
 Every request that enters ends exactly one way: released (future result),
 rejected (future exception :class:`Rejected`), or abandoned (its client left:
-the stream's task was cancelled and the entry is removed at once).
+the stream's task was cancelled and the entry is removed at once). A request
+over a queue cap is refused before it enters (``submit`` raises).
+
+Strict priority: only the highest band holding requests may release, each
+band within its own allowance (the first band the whole target, the others
+less ``reserved_waiting``, an idle-only band only into an idle engine; see
+gate.py). With ``policy: vtc`` each release is charged its estimated cost
+and corrected when its stream ends (cost.py).
 """
 
 from __future__ import annotations
@@ -18,9 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from extproc.config import ModelConfig
+from extproc.config import Band, ModelConfig, Tenant
+from extproc.cost import CostModel, DecodeRate, Estimate
 from extproc.gate import EngineLoad, Gate, GateMode
-from extproc.scheduler import FairQueue
+from extproc.limits import ReleaseRate
+from extproc.policies import VirtualTokenCounter
+from extproc.scheduler import FairQueue, TenantRoundRobin
 from extproc.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -34,6 +44,8 @@ class Rejected(Exception):
     reason: str
     message: str
     retry_after_s: int | None = None
+    # Set when the request was queued before it was refused (reported as a header).
+    queue_wait_s: float | None = None
 
 
 @dataclass(eq=False)
@@ -44,6 +56,8 @@ class Held:
     band: int
     enqueued_at: float
     future: asyncio.Future[float] = field(repr=False)
+    # What the release is charged (vtc), corrected when its stream ends.
+    estimate: Estimate = field(repr=False)
     expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
     released: bool = False
     ended: bool = False
@@ -59,12 +73,26 @@ class ModelDispatcher:
         priorities: tuple[str, ...],
         telemetry: Telemetry,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        bands: tuple[Band, ...] = (),
+        tenant: Callable[[str], Tenant] = lambda _: Tenant(),
     ) -> None:
         self.model = model
         self._priorities = priorities
+        self._bands = bands or tuple(Band(name) for name in priorities)
+        self._tenant = tenant
         self._telemetry = telemetry
         self._clock = clock
-        self._queue: FairQueue[Held] = FairQueue(len(priorities))
+        if model.policy == "vtc":
+            self._queue: FairQueue[Held] = FairQueue(
+                len(priorities), lambda: VirtualTokenCounter(lambda t: self._tenant(t).weight)
+            )
+        else:
+            self._queue = FairQueue(len(priorities), TenantRoundRobin)
+        self._cost = CostModel(model.cost)
+        self._decode_rate = DecodeRate()
+        self._release_rate = ReleaseRate()
+        self._capacity = None if model.max_running is None else model.max_running * len(model.endpoints)
         itl_ms = model.max_inter_token_latency_ms
         self.gate = Gate(
             model.endpoints,
@@ -88,19 +116,57 @@ class ModelDispatcher:
     def queued(self) -> int:
         return len(self._queue)
 
-    def submit(self, tenant: str, band: int, affinity: str = "") -> Held:
+    def queue_wait_s(self, band: int) -> float:
+        own = self._bands[band].max_queue_wait_s
+        return self.model.max_queue_wait_s if own is None else own
+
+    def submit(
+        self,
+        tenant: str,
+        band: int,
+        *,
+        content_length: int | None = None,
+        max_tokens: float | None = None,
+        affinity: str = "",
+    ) -> Held:
         """Queue a request and dispatch; the returned future may already be resolved.
 
         ``affinity`` groups requests that share a prompt prefix (endpoint picking
-        keeps them on one engine); empty means the tenant.
+        keeps them on one engine); empty means the tenant. Raises
+        :class:`Rejected` when a queue cap leaves no room.
         """
+        now = self._clock()
+        self._check_caps(tenant, band, now)
         loop = asyncio.get_running_loop()
-        held = Held(tenant, band, self._clock(), loop.create_future(), affinity=affinity or tenant)
+        estimate = self._cost.estimate(tenant, content_length, max_tokens)
+        held = Held(tenant, band, now, loop.create_future(), estimate, affinity=affinity or tenant)
         self._queue.push(band, tenant, held)
-        held.expiry = loop.call_later(self.model.max_queue_wait_s, self._expire, held)
+        held.expiry = loop.call_later(self.queue_wait_s(band), self._expire, held)
         self.dispatch()
         self._update_depth(band)
         return held
+
+    def _check_caps(self, tenant: str, band: int, now: float) -> None:
+        """Tenant first: when its own backlog is the cause, it should hear so (429)."""
+        name = self.model.name
+        own = self._queue.tenant_len(tenant)
+        if own >= self._tenant(tenant).max_queued:
+            raise self._overflow(429, "tenant_queue_full", own, now,
+                                 f"tenant {tenant!r} already has {own} requests queued for model {name!r}")
+        in_band = self._queue.band_len(band)
+        cap = self._bands[band].max_queued
+        if cap is not None and in_band >= cap:
+            raise self._overflow(503, "band_queue_full", in_band, now,
+                                 f"the {self._priorities[band]!r} queue for model {name!r} is full ({cap})")
+        queued = len(self._queue)
+        if queued >= self.model.max_queued:
+            raise self._overflow(503, "model_queue_full", queued, now,
+                                 f"the queue for model {name!r} is full ({self.model.max_queued})")
+
+    def _overflow(self, status: int, reason: str, backlog: int, now: float, message: str) -> Rejected:
+        self._telemetry.rejected.labels(self.model.name, reason).inc()
+        return Rejected(status, reason, message + "; retry later",
+                        retry_after_s=self._release_rate.retry_after_s(backlog, now))
 
     def end(self, held: Held) -> None:
         """The request's stream is over, whatever happened; safe to call more than once.
@@ -113,7 +179,9 @@ class ModelDispatcher:
             return
         held.ended = True
         if held.released:
-            self.gate.record_finish(held, self._clock())
+            occupancy = self.gate.record_finish(held, self._clock())
+            measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
+            self._queue.correct(held.band, held.tenant, measured - held.estimate.cost)
             self._telemetry.in_flight.labels(self.model.name).set(self.gate.in_flight)
             self.dispatch()
         elif self._queue.remove(held.band, held.tenant, held):
@@ -123,6 +191,8 @@ class ModelDispatcher:
 
     def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float) -> None:
         self.gate.record_scrape(endpoint, load, started_at)
+        if load is not None:
+            self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
         name = self.model.name
         if load is None:
             self._telemetry.scrape_errors.labels(name, endpoint).inc()
@@ -146,7 +216,6 @@ class ModelDispatcher:
                 except KeyError:
                     pass
         self.gate.set_endpoints(endpoints)
-        self.dispatch()
 
     def reject_all(self, rejection: Rejected) -> None:
         """End every queued request with ``rejection`` (used when draining runs out of time)."""
@@ -158,9 +227,13 @@ class ModelDispatcher:
     def dispatch(self) -> None:
         now = self._clock()
         self._note_mode(now)
-        allowance = self.gate.allowance(now)
-        while allowance > 0 and len(self._queue):
-            band, _, held = self._queue.pop()
+        allowance, allowance_band = 0, None
+        while (first := self._queue.first_band()) is not None:
+            if first != allowance_band:  # a higher band ran empty: ask again for this one
+                allowance, allowance_band = self._allowance(first, now), first
+            if allowance <= 0:
+                break
+            band, tenant, held = self._queue.pop()
             self._update_depth(band)
             if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
                 self._resolve(held)
@@ -169,7 +242,9 @@ class ModelDispatcher:
             held.released = True
             if self.model.endpoint_picking:
                 held.endpoint = self.gate.pick(held.affinity, now)
-            self.gate.record_release(held, now, held.endpoint)
+            self.gate.record_release(held, now, held.endpoint, into_free_slot=self._bands[band].idle_only)
+            self._release_rate.record(now)
+            self._queue.charge(band, tenant, held.estimate.cost)
             self._resolve(held)
             priority = self._priorities[band]
             self._telemetry.released.labels(self.model.name, priority).inc()
@@ -189,15 +264,27 @@ class ModelDispatcher:
 
         self._wakeup = asyncio.get_running_loop().call_later(due, wake)
 
+    def _allowance(self, band: int, now: float) -> int:
+        settings = self._bands[band]
+        if settings.idle_only:
+            return self.gate.idle_allowance(
+                now, settings.idle_running_share, self.model.reserved_waiting, self._capacity
+            )
+        return self.gate.allowance(now, 0 if band == 0 else self.model.reserved_waiting)
+
     def _expire(self, held: Held) -> None:
         if self._queue.remove(held.band, held.tenant, held):
-            waited = self._clock() - held.enqueued_at
+            now = self._clock()
+            waited = now - held.enqueued_at
+            priority = self._priorities[held.band]
             self._telemetry.rejected.labels(self.model.name, "queue_timeout").inc()
-            self._telemetry.queue_wait.labels(self.model.name, self._priorities[held.band]).observe(waited)
+            self._telemetry.queue_wait.labels(self.model.name, priority).observe(waited)
+            retry = self._release_rate.retry_after_s(self._queue.band_len(held.band), now)
             self._resolve(
                 held,
-                Rejected(503, "queue_timeout", f"request waited {waited:.0f}s in the queue for model "
-                         f"{self.model.name!r} without capacity", retry_after_s=10),
+                Rejected(503, "queue_timeout", f"request waited {waited:.1f}s in the {priority!r} queue for model "
+                         f"{self.model.name!r} without capacity; retry later", retry_after_s=retry,
+                         queue_wait_s=waited),
             )
             self._update_depth(held.band)
 

@@ -62,6 +62,8 @@ class EngineDialect:
     itl: tuple[tuple[str, str], ...] = ()
     model_label: str | None = "model_name"
     replica_labels: tuple[str, ...] = ()
+    # Cumulative generated-token counter: the cost model's decode rate per sequence.
+    generation_tokens: tuple[str, ...] = ()
 
 
 DIALECTS: dict[str, EngineDialect] = {
@@ -73,6 +75,7 @@ DIALECTS: dict[str, EngineDialect] = {
             ("vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count"),
             ("vllm:time_per_output_token_seconds_sum", "vllm:time_per_output_token_seconds_count"),
         ),
+        generation_tokens=("vllm:generation_tokens_total",),
     ),
     "sglang": EngineDialect(
         waiting=("sglang:num_queue_reqs",),
@@ -83,6 +86,7 @@ DIALECTS: dict[str, EngineDialect] = {
             ("sglang:time_per_output_token_seconds_sum", "sglang:time_per_output_token_seconds_count"),
         ),
         replica_labels=("tp_rank", "pp_rank"),
+        generation_tokens=("sglang:generation_tokens_total",),
     ),
     "tgi": EngineDialect(
         waiting=("tgi_queue_size",),
@@ -98,6 +102,7 @@ DIALECTS: dict[str, EngineDialect] = {
         kv_usage=("llamacpp:kv_cache_usage_ratio",),
         itl=(("llamacpp:tokens_predicted_seconds_total", "llamacpp:tokens_predicted_total"),),
         model_label=None,
+        generation_tokens=("llamacpp:tokens_predicted_total",),
     ),
     "trtllm": EngineDialect(
         waiting=("trtllm_num_requests_waiting",),
@@ -110,7 +115,7 @@ DIALECTS: dict[str, EngineDialect] = {
 
 def _wanted(dialect: EngineDialect) -> frozenset[str]:
     pairs = [name for pair in dialect.itl for name in pair]
-    return frozenset((*dialect.waiting, *dialect.running, *dialect.kv_usage, *pairs))
+    return frozenset((*dialect.waiting, *dialect.running, *dialect.kv_usage, *pairs, *dialect.generation_tokens))
 
 
 def _relevant(text: str, wanted: frozenset[str]) -> str:
@@ -187,4 +192,5 @@ def parse_load(engine: str, text: str, model: str) -> EngineLoad:
         kv_usage=_plausible(_first(totals, dialect.kv_usage)),
         itl_sum=itl_sum if itl_count is not None else None,
         itl_count=itl_count if itl_sum is not None else None,
+        generation_tokens=_plausible(_first(totals, dialect.generation_tokens)),
     )

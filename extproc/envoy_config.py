@@ -12,7 +12,11 @@ The request path through Envoy's HTTP filters:
    the processor's queue-wait header;
    then ``api_key_auth`` (only with ``envoy.api_keys``) maps
    ``Authorization: Bearer <key>`` to the tenant header, 401 without a known
-   key. Without API keys every request has no tenant header.
+   key; or ``jwt_authn`` (only with ``envoy.jwt``) verifies a bearer JWT
+   (issuer, audiences, signature against the JWKS inline or fetched from
+   ``jwks_uri``), 401 without a valid one, and copies the tenant claim into
+   the tenant header (``claim_to_headers``). With neither, every request has
+   no tenant header.
 2. ``json_to_metadata`` copies the body's ``model`` and ``max_tokens`` into
    dynamic metadata namespace ``extproc``. It buffers the body first, so the
    metadata exists when ext_proc sends the request headers. Only JSON bodies
@@ -57,6 +61,10 @@ EXTPROC_CLUSTER = "extproc"
 # Endpoint picking (Gateway API Inference Extension): header and ORIGINAL_DST cluster.
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 PICKED_CLUSTER = "picked_endpoint"
+JWKS_CLUSTER = "jwks"
+JWT_PROVIDER = "tenant"
+JWKS_FETCH_TIMEOUT_S = 5.0
+JWKS_CACHE_S = 600.0
 # Request headers the processor sets that Envoy copies onto the response, so
 # clients see them (ext_proc itself skips response headers). Same name as
 # extproc.processor.QUEUE_WAIT_HEADER.
@@ -141,7 +149,8 @@ def _cluster_names(config: Config) -> dict[str, str]:
 
 
 def _max_queue_wait(config: Config) -> float:
-    return max(m.max_queue_wait_s for m in config.models)
+    """The longest any request may stay queued, over every model and priority class."""
+    return max(config.longest_queue_wait_s(m) for m in config.models)
 
 
 def hold_timeout_s(config: Config) -> float:
@@ -212,6 +221,62 @@ def _api_key_auth_filter(config: Config) -> dict[str, Any]:
     }
 
 
+def _jwt_authn_filter(config: Config) -> dict[str, Any]:
+    jwt = config.envoy.jwt
+    assert jwt is not None
+    provider: dict[str, Any] = {
+        "issuer": jwt.issuer,
+        # The token is not passed on to the model servers.
+        "forward": False,
+        # Written after header_mutation removed any client-sent tenant header.
+        "claim_to_headers": [{"header_name": config.identity.tenant_header, "claim_name": jwt.tenant_claim}],
+    }
+    if jwt.audiences:
+        provider["audiences"] = list(jwt.audiences)
+    if jwt.jwks is not None:
+        provider["local_jwks"] = {"inline_string": jwt.jwks}
+    else:
+        provider["remote_jwks"] = {
+            "http_uri": {"uri": jwt.jwks_uri, "cluster": JWKS_CLUSTER, "timeout": _duration(JWKS_FETCH_TIMEOUT_S)},
+            "cache_duration": _duration(JWKS_CACHE_S),
+            # Fetched at start-up and refreshed in the background, not on a request's path.
+            "async_fetch": {},
+        }
+    return {
+        "name": "envoy.filters.http.jwt_authn",
+        "typed_config": {
+            "@type": _TYPE + "envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+            "providers": {JWT_PROVIDER: provider},
+            # Every request needs a valid token (Authorization: Bearer <jwt>); else 401.
+            "rules": [{"match": {"prefix": "/"}, "requires": {"provider_name": JWT_PROVIDER}}],
+        },
+    }
+
+
+def _jwks_cluster(uri: str) -> dict[str, Any]:
+    """Where Envoy fetches the JWKS from (remote_jwks)."""
+    parts = urlsplit(uri)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    cluster: dict[str, Any] = {
+        "name": JWKS_CLUSTER,
+        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+        "connect_timeout": _duration(MODEL_CONNECT_TIMEOUT_S),
+        "load_assignment": {
+            "cluster_name": JWKS_CLUSTER,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket_address(host, port)}}]}],
+        },
+    }
+    if cluster["type"] == "STRICT_DNS":
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+    if parts.scheme == "https":
+        tls: dict[str, Any] = {"@type": _TYPE + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"}
+        if not _is_ip(host):
+            tls["sni"] = host
+        cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": tls}
+    return cluster
+
+
 def _json_to_metadata_filter() -> dict[str, Any]:
     def rule(body_key: str, metadata_key: str, value_type: str) -> dict[str, Any]:
         return {
@@ -276,6 +341,8 @@ def _router_filter() -> dict[str, Any]:
 def http_filters(config: Config) -> list[dict[str, Any]]:
     """The HTTP filter chain, in order."""
     identity = [_api_key_auth_filter(config)] if config.envoy.api_keys else []
+    if config.envoy.jwt is not None:
+        identity.append(_jwt_authn_filter(config))
     return [
         _sanitise_filter(config),
         *identity,
@@ -406,9 +473,11 @@ def picked_cluster() -> dict[str, Any]:
 
 def clusters(config: Config) -> list[dict[str, Any]]:
     names = _cluster_names(config)
+    jwt = config.envoy.jwt
+    jwks = [_jwks_cluster(jwt.jwks_uri)] if jwt is not None and jwt.jwks_uri is not None else []
     return [extproc_cluster(config), picked_cluster()] + [
         _model_cluster(config, i, names[m.name]) for i, m in enumerate(config.models)
-    ]
+    ] + jwks
 
 
 def _hcm_timeouts(config: Config) -> dict[str, str]:

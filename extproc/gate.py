@@ -54,12 +54,48 @@ reuse) while its room is within ``target_waiting`` of the emptiest endpoint's,
 else the endpoint with the most room — and the accounting above runs per
 endpoint.
 
+Bands share the engine without sharing a ceiling (see docs/policies.md):
+
+* bands below the first may use the allowance only down to ``reserve``
+  (``allowance(now, reserve)``), so a burst of the first band always finds
+  room in the engine's queue, however deep the lower bands' backlog;
+* an idle-only band (``idle_allowance``) is released only into an *idle*
+  engine: the estimated waiting queue is empty and the estimated occupancy
+  (running + waiting, corrected like waiting) is below ``share`` of the
+  engine's capacity — ``max_running`` when configured, else the most requests
+  it was ever seen running. Such releases are sized to free slots, so they
+  are not counted as unseen *waiting* and never eat the allowance of the
+  bands above. With ``share`` 1 and no configured capacity the band also
+  probes past the learned capacity, one request per scrape (doubling until the
+  engine first shows a waiting queue), so it finds the engine's real size;
+  a probe that does not fit waits in the engine and stops the band until
+  the queue is empty again.
+
+**Priority bands** share the engine without sharing a ceiling (see
+docs/policies.md):
+
+* bands below the first may use the allowance only down to ``reserve``
+  (``allowance(now, reserve)``), so a burst of the first band always finds
+  room in the engine's queue, however deep the lower bands' backlog;
+* an idle-only band (``idle_allowance``) is released only into an *idle*
+  engine: the estimated waiting queue is empty and the estimated occupancy
+  (running + waiting, corrected like waiting) is below ``share`` of the
+  engine's capacity — ``max_running`` when configured, else the most requests
+  it was ever seen running. Such releases are sized to free slots, so they
+  are not counted as unseen *waiting* and never eat the allowance of the
+  bands above. With ``share`` 1 and no configured capacity the band also
+  probes past the learned capacity (doubling until the engine first shows a
+  waiting queue, then one request per scrape), so it finds the engine's real
+  size; a probe that does not fit waits in the engine and stops the band
+  until the queue is empty again.
+
 Pure: the caller passes ``now`` (a monotonic clock) to every method.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -108,11 +144,15 @@ class _Bucket:
 
 @dataclass
 class _Counts:
-    """Corrections to a snapshot: requests finished since it, released but unseen by it."""
+    """Corrections to a snapshot: requests finished since it, released but unseen by it.
+
+    ``unseen_into_slots`` are the unseen releases of idle-only bands, sized to
+    free batch slots: they occupy the engine but are not expected to wait.
+    """
 
     finished: int = 0
     unseen: int = 0
-    in_flight: int = 0
+    unseen_into_slots: int = 0
 
 
 @dataclass
@@ -131,11 +171,15 @@ class Gate:
     itl_window_s: float = 2.0
     pick_endpoints: bool = False
     _state: dict[str, _Endpoint] = field(init=False, default_factory=dict)
-    # Released and not finished, in release order: request -> (release time, endpoint or None).
-    _in_flight: dict[Hashable, tuple[float, str | None]] = field(init=False, default_factory=dict)
+    # Released and not finished, in release order:
+    # request -> (release time, endpoint or None, released into a free slot).
+    _in_flight: dict[Hashable, tuple[float, str | None, bool]] = field(init=False, default_factory=dict)
     # (finished at, released at, endpoint) of requests that may still correct a snapshot.
     _finished: deque[tuple[float, float, str | None]] = field(init=False, default_factory=deque)
     _bucket: _Bucket | None = field(init=False, default=None)
+    # The most requests the pool was seen running, and whether it was ever seen queueing.
+    _peak_running: float = field(init=False, default=0.0)
+    _seen_waiting: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if self.kind not in GATE_KINDS:
@@ -191,10 +235,16 @@ class Gate:
             state.release_after_content = None
         state.load, state.started_at, state.last_running = load, started_at, load.running
         state.limit.observe(load, started_at)
+        pool = self.engine_load()
+        if pool is not None:
+            self._peak_running = max(self._peak_running, pool.running)
+            self._seen_waiting = self._seen_waiting or pool.waiting > 0
         self._prune(started_at)
 
-    def record_release(self, request: Hashable, now: float, endpoint: str | None = None) -> None:
-        self._in_flight[request] = (now, endpoint)
+    def record_release(
+        self, request: Hashable, now: float, endpoint: str | None = None, *, into_free_slot: bool = False
+    ) -> None:
+        self._in_flight[request] = (now, endpoint, into_free_slot)
         # Only a release that surely went to an endpoint can prove its page frozen.
         target = endpoint if endpoint is not None else self.endpoints[0] if len(self.endpoints) == 1 else None
         state = self._state.get(target) if target is not None else None
@@ -204,10 +254,12 @@ class Gate:
             self._bucket.refill(now)
             self._bucket.tokens -= 1
 
-    def record_finish(self, request: Hashable, now: float) -> None:
-        released_at, endpoint = self._in_flight.pop(request)
+    def record_finish(self, request: Hashable, now: float) -> float:
+        """Note a finished request; returns how long it was released (its occupancy)."""
+        released_at, endpoint, _ = self._in_flight.pop(request)
         self._finished.append((now, released_at, endpoint))
         self._prune(now)
+        return now - released_at
 
     def _prune(self, now: float) -> None:
         """Forget finishes no usable snapshot can still be corrected by."""
@@ -267,21 +319,22 @@ class Gate:
         for done, released, ep in self._finished:
             if (endpoint is None or ep == endpoint) and done > snapshot + VISIBILITY_GRACE_S and released < horizon:
                 counts.finished += 1
-        for released, ep in reversed(self._in_flight.values()):
+        for released, ep, into_slot in reversed(self._in_flight.values()):
             if released < horizon:
                 break
             if endpoint is None or ep == endpoint:
                 counts.unseen += 1
+                counts.unseen_into_slots += into_slot
         return counts
 
     def _mine(self, endpoint: str) -> int:
-        return sum(1 for _, ep in self._in_flight.values() if ep == endpoint)
+        return sum(1 for _, ep, _ in self._in_flight.values() if ep == endpoint)
 
     def _headroom(self, loads: Sequence[_Endpoint], counts: _Counts) -> float:
         waiting = sum(s.load.waiting for s in loads if s.load)
         running = sum(s.load.running for s in loads if s.load)
         if self.kind == "waiting_target":
-            estimated = max(0.0, waiting - counts.finished) + counts.unseen
+            estimated = max(0.0, waiting - counts.finished) + counts.unseen - counts.unseen_into_slots
             return self.target_waiting * len(loads) - estimated
         limit = sum(s.limit.limit for s in loads)
         return limit - (running + waiting - counts.finished + counts.unseen)
@@ -296,22 +349,50 @@ class Gate:
             return max(0, self.fallback_limit(endpoint) - self._mine(endpoint))
         return max(0, int(self._headroom([state], self._counts(state.started_at, endpoint))))
 
-    def allowance(self, now: float) -> int:
-        """How many requests may be released now (never negative)."""
+    def allowance(self, now: float, reserve: int = 0) -> int:
+        """How many requests may be released now (never negative), leaving ``reserve`` to higher bands."""
+        return max(0, self._allowance(now) - reserve)
+
+    def _allowance(self, now: float) -> int:
         if self._bucket is not None:
             self._bucket.refill(now)
-            return max(0, int(self._bucket.tokens))
+            return int(self._bucket.tokens)
         if self.pick_endpoints:
             return sum(self.endpoint_allowance(e, now) for e in self._state)
         if self.kind == "static_concurrency":
             assert self.max_in_flight is not None
-            return max(0, self.max_in_flight * len(self._state) - len(self._in_flight))
+            return self.max_in_flight * len(self._state) - len(self._in_flight)
         if self.mode(now) is GateMode.FALLBACK:
-            cap = sum(self.fallback_limit(e) for e in self._state)
-            return max(0, cap - len(self._in_flight))
+            return sum(self.fallback_limit(e) for e in self._state) - len(self._in_flight)
         states = list(self._state.values())
         oldest = min(s.started_at for s in states)
-        return max(0, int(self._headroom(states, self._counts(oldest, None))))
+        return int(self._headroom(states, self._counts(oldest, None)))
+
+    def idle_allowance(self, now: float, share: float, reserve: int, max_running: int | None) -> int:
+        """How many requests of an idle-only band fit in the engine now (see the module docstring).
+
+        Without usable metrics (or with a variant that ignores them) idleness
+        cannot be seen: the band gets the ordinary allowance less ``reserve``,
+        at least one slot, for the bands above.
+        """
+        if self.kind not in _METRIC_KINDS or self.mode(now) is GateMode.FALLBACK:
+            return self.allowance(now, max(1, reserve))
+        states = list(self._state.values())
+        oldest = min(s.started_at for s in states)
+        counts = self._counts(oldest, None)
+        waiting = sum(s.load.waiting for s in states if s.load)
+        running = sum(s.load.running for s in states if s.load)
+        if max(0.0, waiting - counts.finished) + counts.unseen - counts.unseen_into_slots > 0:
+            return 0
+        occupancy = max(0.0, waiting + running - counts.finished) + counts.unseen
+        capacity = max_running if max_running is not None else self._peak_running
+        free = math.ceil(share * capacity - occupancy)
+        if free >= 1:
+            return free
+        if share < 1 or max_running is not None or counts.unseen_into_slots:
+            return 0
+        # Probe: doubling until the engine first queued, then one more per scrape.
+        return 1 if self._seen_waiting else max(1, int(occupancy))
 
     def next_change_in(self, now: float) -> float | None:
         """Seconds until the allowance grows without any event (``static_rate``), else None."""

@@ -15,6 +15,19 @@ SEND, everything else off):
    the client has gone; its end is the request's completion, which keeps the
    gate's in-flight count exact at no per-chunk cost.
 
+For ``engine_priority`` models only, the CONTINUE also switches the stream to
+a buffered request body (ext_proc ``mode_override``): Envoy then sends the
+body, which comes back with the band's ``priority`` written in (body.py).
+Every other model stays headers-only.
+
+Who asks and how urgently: the tenant comes from the tenant header, which
+only Envoy's auth filter can set (missing: the default tenant, or 401 with
+``identity.missing_tenant: reject``). The class comes from the priority
+header, limited by the tenant's entitlement: a class it may not use is
+downgraded to the next lower one it may (counted in
+``extproc_priority_downgraded_total``), never upgraded; with no lower one the
+request is refused (403).
+
 A client that leaves while queued cancels the stream; the cancellation
 removes its entry from the queue at once.
 """
@@ -31,11 +44,13 @@ from urllib.parse import urlsplit
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
 
+from extproc.body import with_priority
 from extproc.config import Config
 from extproc.dispatcher import ModelDispatcher, Rejected
 from extproc.telemetry import Telemetry
@@ -52,7 +67,21 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 HOLD_MARGIN_S = 10
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "invalid_request_error", 429: "rate_limit_error",
+}
+_Mode = processing_mode_pb2.ProcessingMode
+# The filter's own mode (envoy_config.py) with the request body buffered: a
+# mode override replaces the whole mode, so every field is spelt out.
+_WITH_BODY = _Mode(
+    request_header_mode=_Mode.SEND,
+    response_header_mode=_Mode.SKIP,
+    request_body_mode=_Mode.BUFFERED,
+    response_body_mode=_Mode.NONE,
+    request_trailer_mode=_Mode.SKIP,
+    response_trailer_mode=_Mode.SEND,
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +89,8 @@ class Admission:
     model: str
     tenant: str
     band: int
-    affinity: str = ""
+    # The band the request asked for, when it was downgraded.
+    requested: int | None = None
 
 
 def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
@@ -82,6 +112,8 @@ def error_response(rejection: Rejected) -> pb.ProcessingResponse:
     headers = [_header("content-type", "application/json"), _header(REASON_HEADER, rejection.reason)]
     if rejection.retry_after_s is not None:
         headers.append(_header("retry-after", str(rejection.retry_after_s)))
+    if rejection.queue_wait_s is not None:
+        headers.append(_header(QUEUE_WAIT_HEADER, str(round(rejection.queue_wait_s * 1000))))
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=rejection.status),
@@ -131,6 +163,17 @@ def _host_port(endpoint: str) -> str | None:
         return None
     host = f"[{address}]" if address.version == 6 else str(address)
     return f"{host}:{parts.port}"
+def _body_max_tokens(request: pb.ProcessingRequest) -> float | None:
+    fields = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
+    if fields is None or "max_tokens" not in fields.fields:
+        return None
+    value = fields.fields["max_tokens"]
+    return value.number_value if value.WhichOneof("kind") == "number_value" and value.number_value > 0 else None
+
+
+def _content_length(headers: dict[str, str]) -> int | None:
+    value = headers.get("content-length", "")
+    return int(value) if value.isdigit() else None
 
 
 class Processor(pb_grpc.ExternalProcessorServicer):
@@ -141,7 +184,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._dispatchers = dispatchers
         self._telemetry = telemetry
         self._hold_timeout = {
-            m.name: duration_pb2.Duration(seconds=math.ceil(m.max_queue_wait_s) + HOLD_MARGIN_S) for m in config.models
+            m.name: duration_pb2.Duration(seconds=math.ceil(config.longest_queue_wait_s(m)) + HOLD_MARGIN_S)
+            for m in config.models
         }
         self.draining = False
 
@@ -158,11 +202,28 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if body_model not in self._dispatchers:
             known = ", ".join(sorted(self._dispatchers))
             raise Rejected(404, "model_not_found", f"the model {body_model!r} does not exist; served models: {known}")
-        tenant = headers.get(identity.tenant_header) or identity.default_tenant
-        priority = headers.get(identity.priority_header, "").strip().lower()
+        tenant = headers.get(identity.tenant_header)
+        if not tenant:
+            if identity.missing_tenant == "reject":
+                raise Rejected(401, "tenant_missing", "the request carries no tenant identity; authenticate first")
+            tenant = identity.default_tenant
+        return self._entitled(body_model, tenant, headers.get(identity.priority_header, "").strip().lower())
+
+    def _entitled(self, model: str, tenant: str, asked: str) -> Admission:
+        """The class ``tenant`` gets when it asks for ``asked`` (see the module docstring)."""
         priorities = self._config.priorities
-        band = priorities.index(priority if priority in priorities else self._config.default_priority)
-        return Admission(body_model, tenant, band)
+        entitlement = self._config.tenant(tenant)
+        allowed = entitlement.priorities or priorities
+        if asked not in priorities:  # none, or a class that does not exist
+            return Admission(model, tenant, priorities.index(entitlement.default_priority or self._config.default_priority))
+        requested = priorities.index(asked)
+        if asked in allowed:
+            return Admission(model, tenant, requested)
+        lower = [priorities.index(p) for p in allowed if priorities.index(p) > requested]
+        if not lower:
+            raise Rejected(403, "priority_not_allowed", f"tenant {tenant!r} may not use priority {asked!r}; "
+                           f"its classes are {', '.join(allowed)}")
+        return Admission(model, tenant, min(lower), requested=requested)
 
     async def Process(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -189,11 +250,25 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             self._telemetry.rejected.labels(label, rejection.reason).inc()
             yield error_response(rejection)
             return
+        priorities = self._config.priorities
+        if admission.requested is not None:
+            self._telemetry.priority_downgraded.labels(
+                admission.model, priorities[admission.requested], priorities[admission.band]
+            ).inc()
 
         dispatcher = self._dispatchers[admission.model]
-        # OpenAI's prompt_cache_key names requests that share a prompt prefix; without it,
-        # a tenant's requests stick together (they often share a system prompt).
-        held = dispatcher.submit(admission.tenant, admission.band, _body_field(first, "prompt_cache_key") or "")
+        try:
+            held = dispatcher.submit(
+                admission.tenant, admission.band,
+                content_length=_content_length(headers), max_tokens=_body_max_tokens(first),
+                # OpenAI's prompt_cache_key names requests that share a prompt prefix; without
+                # it, a tenant's requests stick together (they often share a system prompt).
+                affinity=_body_field(first, "prompt_cache_key") or "",
+            )
+        except Rejected as rejection:  # a queue cap; the dispatcher counted it
+            yield error_response(rejection)
+            return
+        engine_priority = self._engine_priority(admission)
         # One try for the whole hold: the stream can be cancelled (client gone) at
         # any await or yield, and the request must leave the queue or the gate then.
         try:
@@ -217,12 +292,35 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                         header_mutation=pb.HeaderMutation(set_headers=headers),
                         clear_route_cache=True,
                     )
-                )
+                ),
+                mode_override=_WITH_BODY if engine_priority is not None else None,
             )
             async for message in messages:
-                yield _continue(message)
+                if engine_priority is not None and message.HasField("request_body"):
+                    yield _priority_body(message.request_body.body, engine_priority)
+                else:
+                    yield _continue(message)
         finally:
             dispatcher.end(held)
+
+    def _engine_priority(self, admission: Admission) -> int | None:
+        """The body ``priority`` to write for this request, or None (model without engine_priority)."""
+        if not self._dispatchers[admission.model].model.engine_priority:
+            return None
+        return self._config.bands[admission.band].engine_priority
+
+
+def _priority_body(body: bytes, priority: int) -> pb.ProcessingResponse:
+    rewritten = with_priority(body, priority)
+    if rewritten is None:  # not a JSON object: the engine will say so itself
+        return pb.ProcessingResponse(request_body=pb.BodyResponse())
+    # Envoy refuses a mutated body whose length disagrees with Content-Length (503).
+    length = pb.HeaderMutation(set_headers=[_header("content-length", str(len(rewritten)))])
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(
+            response=pb.CommonResponse(header_mutation=length, body_mutation=pb.BodyMutation(body=rewritten))
+        )
+    )
 
 
 def _continue(message: pb.ProcessingRequest) -> pb.ProcessingResponse:

@@ -50,6 +50,7 @@ async def chat(
     api_key: str | None,
     max_tokens: int,
     extra_headers: Mapping[str, str] | None = None,
+    prompt: str | None = None,
     extra_body: Mapping[str, object] | None = None,
 ) -> Outcome:
     """One streaming chat completion; never raises for HTTP or connection errors."""
@@ -58,7 +59,7 @@ async def chat(
         headers["authorization"] = f"Bearer {api_key}"
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": f"Hello from {tenant}, please answer at length."}],
+        "messages": [{"role": "user", "content": prompt or f"Hello from {tenant}, please answer at length."}],
         "max_tokens": max_tokens,
         "stream": True,
         **(extra_body or {}),

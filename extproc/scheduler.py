@@ -14,13 +14,16 @@ Order of service:
   the back, so it is served before any tenant already in the rotation is
   served twice: a newcomer waits at most one round, however deep the flood in
   front of it. Returning tenants do not bank the time they were idle.
+  Cost-aware alternatives with the same interface live in ``policies.py``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
+
+from extproc.policies import BandPolicy
 
 Item = TypeVar("Item", bound=Hashable)
 
@@ -75,14 +78,24 @@ class TenantRoundRobin(Generic[Item]):
             self._rotation.remove(tenant)
         return True
 
+    def tenant_len(self, tenant: str) -> int:
+        queue = self._queues.get(tenant)
+        return len(queue) if queue is not None else 0
+
+    def charge(self, tenant: str, cost: float) -> None:
+        """Round-robin counts requests, not their cost."""
+
+    def correct(self, tenant: str, delta: float) -> None:
+        """Round-robin counts requests, not their cost."""
+
 
 class FairQueue(Generic[Item]):
     """All requests held for one model: priority bands of tenant rotations."""
 
-    def __init__(self, bands: int) -> None:
+    def __init__(self, bands: int, policy: Callable[[], BandPolicy[Item]] = TenantRoundRobin) -> None:
         if bands < 1:
             raise ValueError("a queue needs at least one priority band")
-        self._bands: list[TenantRoundRobin[Item]] = [TenantRoundRobin() for _ in range(bands)]
+        self._bands: list[BandPolicy[Item]] = [policy() for _ in range(bands)]
 
     def __len__(self) -> int:
         return sum(len(b) for b in self._bands)
@@ -93,13 +106,27 @@ class FairQueue(Generic[Item]):
     def push(self, band: int, tenant: str, item: Item) -> None:
         self._bands[band].push(tenant, item)
 
+    def first_band(self) -> int | None:
+        """The highest band holding a request (the only one strict priority may serve), or None."""
+        return next((index for index, band in enumerate(self._bands) if band), None)
+
     def pop(self) -> tuple[int, str, Item]:
         """The next request to release: (band, tenant, item). IndexError when empty."""
-        for index, band in enumerate(self._bands):
-            if band:
-                tenant, item = band.pop()
-                return index, tenant, item
-        raise IndexError("pop from an empty FairQueue")
+        index = self.first_band()
+        if index is None:
+            raise IndexError("pop from an empty FairQueue")
+        tenant, item = self._bands[index].pop()
+        return index, tenant, item
 
     def remove(self, band: int, tenant: str, item: Item) -> bool:
         return self._bands[band].remove(tenant, item)
+
+    def tenant_len(self, tenant: str) -> int:
+        """Requests of ``tenant`` queued in every band."""
+        return sum(band.tenant_len(tenant) for band in self._bands)
+
+    def charge(self, band: int, tenant: str, cost: float) -> None:
+        self._bands[band].charge(tenant, cost)
+
+    def correct(self, band: int, tenant: str, delta: float) -> None:
+        self._bands[band].correct(tenant, delta)

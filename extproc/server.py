@@ -49,7 +49,8 @@ class ProcessorServer:
         self.config = config
         self.telemetry = Telemetry()
         self.dispatchers = {
-            m.name: ModelDispatcher(m, config.priorities, self.telemetry) for m in config.models
+            m.name: ModelDispatcher(m, config.priorities, self.telemetry, bands=config.bands, tenant=config.tenant)
+            for m in config.models
         }
         self.processor = Processor(config, self.dispatchers, self.telemetry)
         self._health = health.aio.HealthServicer()

@@ -41,6 +41,12 @@ class Telemetry:
             ["model", "priority"],
             registry=r,
         )
+        self.priority_downgraded = Counter(
+            "extproc_priority_downgraded",
+            "Requests that asked for a priority class their tenant is not entitled to and got a lower one.",
+            ["model", "requested", "granted"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "extproc_in_flight", "Released requests whose response has not finished.", ["model"], registry=r
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,26 @@ API_KEYS = {"key-alice": "alice", "key-bob": "bob", "key-carol": "carol", "key-d
 TENANT_KEYS = {tenant: key for key, tenant in API_KEYS.items()}
 
 
+# Below Linux's ephemeral range (32768+): a port picked here cannot be taken
+# meanwhile by an outgoing connection's source port, which a busy test makes
+# hundreds of.
+_PORTS = range(10_000, 32_000)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, never the same twice in one test run."""
+    while True:
+        port = random.choice(_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
 
 
 def write_config(
@@ -65,3 +82,35 @@ def metric(samples: dict, name: str, **labels: str) -> float:
         value for (n, lbls), value in samples.items()
         if n == name and all(dict(lbls).get(k) == v for k, v in labels.items())
     )
+
+
+def write_stack_config(
+    tmp_path: Path, models: dict[str, dict[str, Any]], *, api_keys: dict[str, str] | None = None, **top: Any
+) -> Path:
+    """A config on free ports: one simulator endpoint per model, each with its own settings.
+
+    ``top`` adds or replaces top-level sections (tenants, bands, identity, ...);
+    ``api_keys=None`` means the test keys, ``{}`` none.
+    """
+    envoy: dict[str, Any] = {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}"}
+    keys = API_KEYS if api_keys is None else api_keys
+    if keys:
+        envoy["api_keys"] = keys
+    doc: dict[str, Any] = {
+        "listen": {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"},
+        "priorities": ["interactive", "standard", "batch"],
+        "default_priority": "standard",
+        "models": [
+            {"name": name, "endpoints": [f"http://127.0.0.1:{free_port()}"], **settings}
+            for name, settings in models.items()
+        ],
+        "envoy": envoy,
+    }
+    for key, value in top.items():
+        if key == "envoy":
+            envoy.update(value)
+        else:
+            doc[key] = value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path

@@ -22,14 +22,14 @@ FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
     ("engine", "page", "model", "expected"),
     [
         # Two data-parallel engines: counts add up, KV takes the fuller engine.
-        ("vllm", "vllm.txt", "meta-llama/Llama-3.1-8B-Instruct", EngineLoad(3, 58, 0.71, 26.0, 800)),
+        ("vllm", "vllm.txt", "meta-llama/Llama-3.1-8B-Instruct", EngineLoad(3, 58, 0.71, 26.0, 800, generation_tokens=800)),
         # vLLM v0 names: gpu_cache_usage_perc, time_per_output_token_seconds.
         ("vllm", "vllm_v0.txt", "mistralai/Mistral-7B-Instruct-v0.3", EngineLoad(4, 12, 0.93, 10.0, 250)),
         # Tensor parallel 2: both ranks report the same scheduler; not counted twice.
-        ("sglang", "sglang.txt", "Qwen/Qwen2.5-7B-Instruct", EngineLoad(5, 17, 0.28, 90.0, 3000)),
+        ("sglang", "sglang.txt", "Qwen/Qwen2.5-7B-Instruct", EngineLoad(5, 17, 0.28, 90.0, 3000, generation_tokens=7.557572e6)),
         # TGI has no KV gauge and no model label.
         ("tgi", "tgi.txt", "any", EngineLoad(4, 9, None, 4.2, 100)),
-        ("llamacpp", "llamacpp.txt", "any", EngineLoad(2, 4, None, 390.05, 7801)),
+        ("llamacpp", "llamacpp.txt", "any", EngineLoad(2, 4, None, 390.05, 7801, generation_tokens=7801)),
         ("trtllm", "trtllm.txt", "nvidia/Llama-3.1-8B-Instruct-FP8", EngineLoad(3, 64, 0.55, 0.8, 40)),
     ],
 )

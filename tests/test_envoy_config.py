@@ -37,6 +37,8 @@ from extproc.procs import ProcessStartError
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = ROOT / "extproc" / "data" / "demo.yaml"
 DEMO_BOOTSTRAP = ROOT / "envoy" / "demo-bootstrap.yaml"
+JWT_CONFIG = ROOT / "envoy" / "jwt-extproc.yaml"
+JWT_BOOTSTRAP = ROOT / "envoy" / "jwt-bootstrap.yaml"
 
 
 # --- helpers ------------------------------------------------------------------------
@@ -157,6 +159,38 @@ def test_checked_in_demo_bootstrap_is_generated() -> None:
     )
 
 
+def test_checked_in_jwt_bootstrap_is_generated() -> None:
+    expected = render(bootstrap(load_config(JWT_CONFIG)))
+    assert JWT_BOOTSTRAP.read_text(encoding="utf-8") == expected, (
+        "envoy/jwt-bootstrap.yaml is stale: regenerate with "
+        "`extproc envoy-config --config envoy/jwt-extproc.yaml > envoy/jwt-bootstrap.yaml`"
+    )
+
+
+def test_jwt_identity_replaces_api_keys_and_fetches_its_jwks() -> None:
+    config = load_config(JWT_CONFIG)
+    doc = bootstrap(config)
+    names = [f["name"] for f in hcm(doc)["http_filters"]]
+    assert names[:3] == [
+        "envoy.filters.http.header_mutation", "envoy.filters.http.jwt_authn", "envoy.filters.http.json_to_metadata"
+    ]
+    jwt = http_filter(doc, "envoy.filters.http.jwt_authn")["typed_config"]
+    [provider] = jwt["providers"].values()
+    assert provider["claim_to_headers"] == [{"header_name": "x-tenant-id", "claim_name": "tenant"}]
+    assert provider["forward"] is False and provider["remote_jwks"]["http_uri"]["cluster"] == "jwks"
+    assert jwt["rules"][0]["requires"]["provider_name"] in jwt["providers"]
+    assert cluster(doc, "jwks")["transport_socket"]["typed_config"]["sni"] == "auth.example.com"
+    # The client-sent tenant header is removed before jwt_authn writes the claim.
+    removed = http_filter(doc, "envoy.filters.http.header_mutation")["typed_config"]["mutations"]["request_mutations"]
+    assert {"remove": "x-tenant-id"} in removed
+
+
+def test_the_hold_outlasts_the_longest_class_wait() -> None:
+    config = free_port_config(bands={"batch": {"max_queue_wait_s": 900}})
+    ext = http_filter(bootstrap(config), "envoy.filters.http.ext_proc")["typed_config"]
+    assert seconds(ext["max_message_timeout"]) == 900 + 30
+
+
 def test_render_is_deterministic_and_round_trips() -> None:
     config = load_config(DEMO_CONFIG)
     text = render(bootstrap(config))
@@ -268,10 +302,15 @@ def test_hostnames_use_dns_and_mixed_schemes_are_refused() -> None:
         bootstrap(mixed)
 
 
-@pytest.mark.parametrize("variant", ["demo", "no-keys-hostnames", "https"])
+@pytest.mark.parametrize("variant", ["demo", "no-keys-hostnames", "https", "jwt-remote", "jwt-inline"])
 def test_envoy_validates_the_bootstrap(variant: str, tmp_path: Path) -> None:
     if variant == "demo":
         config = load_config(DEMO_CONFIG)
+    elif variant == "jwt-remote":
+        config = load_config(JWT_CONFIG)
+    elif variant == "jwt-inline":
+        jwks = {"keys": [{"kty": "oct", "kid": "k", "alg": "HS256", "k": "c2VjcmV0LXNlY3JldC1zZWNyZXQ"}]}
+        config = free_port_config(api_keys={}, envoy={"jwt": {"issuer": "me", "jwks": jwks}})
     elif variant == "no-keys-hostnames":
         config = free_port_config(
             api_keys={},

@@ -277,3 +277,56 @@ def test_endpoints_can_join_and_leave_the_pool() -> None:
     gate.set_endpoints(("e2",))
     gate.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.1)  # late scrape of a leaver
     assert gate.mode(0.1) is GateMode.METRICS and gate.allowance(0.1) == 3
+# --- bands: reserve and idle-only ---------------------------------------------------------
+
+
+def test_lower_bands_leave_the_reserve_to_the_first() -> None:
+    gate = make_gate(target=3, fallback=4)
+    gate.record_scrape("e1", EngineLoad(waiting=2, running=8), started_at=0.0)
+    assert gate.allowance(0.0) == 1
+    assert gate.allowance(0.0, reserve=1) == 0
+    assert gate.allowance(5.0, reserve=1) == 3  # stale: fallback ceiling less the reserve
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "waiting_target"])
+def test_an_idle_only_band_fills_free_slots_and_stops_at_a_queue(kind: str) -> None:
+    gate = make_gate(target=3, kind=kind)
+    # The engine was seen full once (8 running, a queue): the adaptive limit is 8 + 3.
+    gate.record_scrape("e1", EngineLoad(waiting=2, running=8), started_at=-1.0)
+    gate.record_scrape("e1", EngineLoad(waiting=0, running=2), started_at=0.0)
+    assert gate.idle_allowance(0.0, share=1.0, reserve=0, max_running=8) == 6
+    assert gate.idle_allowance(0.0, share=0.5, reserve=0, max_running=8) == 2
+    for i in range(6):
+        gate.record_release(i, 0.01, into_free_slot=True)
+    # Sized to free slots: not counted as waiting, so the bands above keep their allowance.
+    assert gate.allowance(0.02) == 3
+    assert gate.idle_allowance(0.02, share=1.0, reserve=0, max_running=8) == 0
+    gate.record_scrape("e1", EngineLoad(waiting=1, running=7), started_at=0.2)
+    assert gate.idle_allowance(0.2, share=1.0, reserve=0, max_running=8) == 0  # not idle: a queue
+    gate.record_finish(0, 0.3)  # the waiting one takes the freed slot: 7 of 8 in use
+    assert gate.idle_allowance(0.3, share=1.0, reserve=0, max_running=8) == 1
+
+
+def test_an_idle_only_band_probes_for_the_engine_size() -> None:
+    gate = make_gate(target=3)
+    now, released = 0.0, 0
+    sizes = []
+    capacity = 6  # the engine runs at most 6; more wait
+    for _ in range(6):
+        running = min(released, capacity)
+        gate.record_scrape("e1", EngineLoad(waiting=released - running, running=running), started_at=now)
+        grant = gate.idle_allowance(now, share=1.0, reserve=0, max_running=None)
+        sizes.append(grant)
+        for _ in range(grant):
+            gate.record_release(released, now, into_free_slot=True)
+            released += 1
+        now += 0.1
+    # Doubling until the engine first queues (1, 1, 2, 4 -> 8 > 6), then it waits for the queue to clear.
+    assert sizes == [1, 1, 2, 4, 0, 0]
+
+
+def test_an_idle_only_band_keeps_a_slot_for_the_others_without_metrics() -> None:
+    gate = make_gate(target=3, fallback=3)
+    assert gate.idle_allowance(0.0, share=1.0, reserve=0, max_running=None) == 2
+    gate.record_release("a", 0.0)
+    assert gate.idle_allowance(0.0, share=1.0, reserve=2, max_running=None) == 0

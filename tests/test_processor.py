@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -11,8 +12,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc.config import parse_config
-from extproc.dispatcher import ModelDispatcher
-from extproc.processor import Processor
+from extproc.dispatcher import ModelDispatcher, Rejected
+from extproc.processor import HOLD_MARGIN_S, Processor
 from extproc.telemetry import Telemetry
 
 CONFIG = parse_config(
@@ -130,3 +131,106 @@ async def test_unknown_priority_falls_back_to_the_default_band() -> None:
     assert processor.admit(headers, "m").band == CONFIG.priorities.index("standard")
     assert processor.admit({"x-priority": "Interactive"}, "m").band == 0
     assert processor.admit({}, "m").tenant == "anonymous"
+
+
+# --- entitlements, limits and engine priority -----------------------------------------------
+
+POLICY_CONFIG = parse_config(
+    {
+        "identity": {"missing_tenant": "reject"},
+        "bands": {"batch": {"max_queue_wait_s": 300}},
+        "tenants": {
+            "default": {"priorities": ["standard", "batch"], "max_queued": 1},
+            "vip": {"priorities": ["interactive", "batch"], "default_priority": "batch"},
+            "nightly": {"priorities": ["batch"], "default_priority": "batch"},
+            "chat": {"priorities": ["interactive"], "default_priority": "interactive"},
+        },
+        "models": [
+            {"name": "m", "endpoints": ["http://127.0.0.1:1"], "fallback_max_in_flight": 1},
+            {"name": "p", "endpoints": ["http://127.0.0.1:2"], "fallback_max_in_flight": 1, "engine_priority": True},
+        ],
+    }
+)
+
+
+def make_policy_processor() -> tuple[Processor, Telemetry]:
+    telemetry = Telemetry()
+    dispatchers = {
+        m.name: ModelDispatcher(m, POLICY_CONFIG.priorities, telemetry, bands=POLICY_CONFIG.bands,
+                                tenant=POLICY_CONFIG.tenant)
+        for m in POLICY_CONFIG.models
+    }
+    return Processor(POLICY_CONFIG, dispatchers, telemetry), telemetry
+
+
+@pytest.mark.parametrize(
+    ("tenant", "asked", "granted"),
+    [
+        ("someone", "interactive", "standard"),  # downgraded to the next class it may use
+        ("someone", "", "standard"),
+        ("someone", "batch", "batch"),
+        ("vip", "standard", "batch"),  # vip skips standard: the next lower class it has
+        ("vip", "interactive", "interactive"),
+        ("nightly", "", "batch"),
+        ("nightly", "interactive", "batch"),
+    ],
+)
+def test_a_class_beyond_the_entitlement_is_downgraded_never_upgraded(tenant: str, asked: str, granted: str) -> None:
+    processor, _ = make_policy_processor()
+    admission = processor.admit({"x-tenant-id": tenant, "x-priority": asked}, "m")
+    assert POLICY_CONFIG.priorities[admission.band] == granted
+    assert (admission.requested is not None) == (asked not in ("", granted))
+
+
+def test_no_lower_class_to_fall_back_to_and_no_tenant_are_refused() -> None:
+    processor, _ = make_policy_processor()
+    with pytest.raises(Rejected) as chat:  # asks below everything it may use: granting more would upgrade it
+        processor.admit({"x-tenant-id": "chat", "x-priority": "batch"}, "m")
+    assert (chat.value.status, chat.value.reason) == (403, "priority_not_allowed")
+    with pytest.raises(Rejected) as anonymous:
+        processor.admit({}, "m")
+    assert (anonymous.value.status, anonymous.value.reason) == (401, "tenant_missing")
+
+
+async def test_a_downgrade_is_counted_and_a_tenant_cap_answers_429() -> None:
+    processor, telemetry = make_policy_processor()
+    first = Stream(processor, headers_message(tenant="someone", priority="interactive"))
+    assert (await first.answers.get()).HasField("request_headers")  # released (fallback limit 1)
+    queued = Stream(processor, headers_message(tenant="someone"))
+    assert (await queued.answers.get()).HasField("override_message_timeout")
+    over = Stream(processor, headers_message(tenant="someone"))
+    answer = (await over.answers.get()).immediate_response
+    assert answer.status.code == 429 and b'"tenant_queue_full"' in answer.body
+    headers = {h.header.key: h.header.raw_value.decode() for h in answer.headers.set_headers}
+    assert headers["x-extproc-reason"] == "tenant_queue_full" and int(headers["retry-after"]) >= 1
+    value = telemetry.registry.get_sample_value(
+        "extproc_priority_downgraded_total", {"model": "m", "requested": "interactive", "granted": "standard"}
+    )
+    assert value == 1
+    for stream in (first, queued):
+        stream.task.cancel()
+    await settle()
+
+
+async def test_only_engine_priority_models_ask_for_the_body_and_get_it_rewritten() -> None:
+    processor, _ = make_policy_processor()
+    plain = Stream(processor, headers_message(tenant="vip", model="m"))
+    assert not (await plain.answers.get()).HasField("mode_override")  # headers-only
+    prio = Stream(processor, headers_message(tenant="vip", model="p", priority="interactive"))
+    released = await prio.answers.get()
+    assert released.mode_override.request_body_mode == released.mode_override.BUFFERED
+    assert released.mode_override.response_trailer_mode == released.mode_override.SEND  # completion still seen
+    prio._inbox.put_nowait(pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"model":"p","priority":-5}',
+                                                                         end_of_stream=True)))
+    mutation = (await prio.answers.get()).request_body.response
+    assert json.loads(mutation.body_mutation.body) == {"model": "p", "priority": 0}
+    [length] = mutation.header_mutation.set_headers
+    assert (length.header.key, length.header.raw_value) == ("content-length", str(len(mutation.body_mutation.body)).encode())
+    for stream in (plain, prio):
+        stream.close()
+    await settle()
+
+
+def test_the_hold_outlasts_the_longest_class_wait() -> None:
+    processor, _ = make_policy_processor()
+    assert processor._hold_timeout["m"].seconds == 300 + HOLD_MARGIN_S

@@ -61,6 +61,20 @@ def test_admits_fifo_up_to_max_num_seqs() -> None:
     assert all(r.scheduled_at == 1.0 for r in requests[:2])
 
 
+def test_priority_policy_orders_the_waiting_queue_by_priority_then_arrival() -> None:
+    scheduler = _scheduler(max_num_seqs=1, scheduling_policy="priority")
+    low, first, second, urgent = (
+        SimRequest(prompt_tokens=1, max_tokens=1, arrival=i, priority=p) for i, p in enumerate((2, 1, 1, 0))
+    )
+    for request in (low, first, second, urgent):
+        scheduler.add(request)
+    assert list(scheduler.waiting) == [urgent, first, second, low]
+    fcfs = _scheduler(max_num_seqs=1)
+    for request in (low, urgent):
+        fcfs.add(request)
+    assert list(fcfs.waiting) == [low, urgent]
+
+
 def test_step_duration_counts_batch_size_and_prefill() -> None:
     scheduler = _scheduler(step_ms=10, step_ms_per_seq=1, prefill_ms_per_token=0.5, time_scale=0.5)
     scheduler.add(_request(4, 3))
@@ -426,6 +440,8 @@ async def test_unknown_model_is_404_json(sim_factory: StartSim, http: aiohttp.Cl
         ("/v1/chat/completions", json.dumps(_chat(max_tokens=0)).encode()),
         ("/v1/chat/completions", json.dumps(_chat(max_tokens="5")).encode()),
         ("/v1/chat/completions", json.dumps(_chat(n=2)).encode()),
+        ("/v1/chat/completions", json.dumps(_chat(priority=1)).encode()),  # fcfs engine: as vLLM
+        ("/v1/chat/completions", json.dumps(_chat(priority="high")).encode()),
         ("/v1/completions", json.dumps({"model": MODEL}).encode()),
         ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["a", "b"]}).encode()),
         ("/v1/completions", json.dumps({"model": 5, "prompt": "a"}).encode()),
@@ -644,11 +660,13 @@ async def test_longer_prompt_costs_more_time_to_first_token(
 def test_cli_options_map_to_settings() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--model", "m", "--max-num-seqs", "4", "--time-scale", "0.5", "--port", "0"])
+    args = parser.parse_args(
+        ["--model", "m", "--max-num-seqs", "4", "--time-scale", "0.5", "--port", "0", "--scheduling-policy", "priority"]
+    )
 
     settings = settings_from_args(args)
 
-    assert settings == SimSettings(model="m", max_num_seqs=4, time_scale=0.5)
+    assert settings == SimSettings(model="m", max_num_seqs=4, time_scale=0.5, scheduling_policy="priority")
     assert (args.host, args.port) == ("127.0.0.1", 0)
 
 

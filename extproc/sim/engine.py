@@ -2,7 +2,10 @@
 
 The model
 ---------
-* Requests enter a FIFO *waiting* queue (vLLM's default ``fcfs`` policy).
+* Requests enter a FIFO *waiting* queue (vLLM's default ``fcfs`` policy), or,
+  with ``scheduling_policy="priority"`` (vLLM's ``--scheduling-policy
+  priority``), a queue ordered by the request's ``priority`` (lower first),
+  then arrival.
 * The engine runs *steps* back to back while there is work. At the start of a
   step the scheduler admits requests from the head of the waiting queue while
   fewer than ``max_num_seqs`` are running and the head's KV reservation fits in
@@ -26,6 +29,9 @@ Simplified compared with real vLLM
   growing block by block, so there is never preemption or recomputation; the
   KV usage gauge is the reserved fraction. Real vLLM admits more optimistically
   and preempts under pressure; the reservation keeps the model predictable.
+* Priority only orders the waiting queue: with KV reserved whole a running
+  request never needs more, so vLLM's priority preemption (of the running
+  request with the highest value, when KV runs short) never triggers.
 * No chunked prefill, prefix caching, speculative decoding, stop strings/EOS,
   or ``n > 1``. Output length is always ``max_tokens``.
 * Token counts are estimated from characters by the caller, not tokenized.
@@ -54,6 +60,9 @@ from typing import Protocol
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 
+# vLLM's --scheduling-policy choices.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 # Words the simulated model "generates"; one word is one token.
 _VOCABULARY = (
     "the", "model", "token", "fair", "queue", "batch", "cache", "tenant",
@@ -78,6 +87,7 @@ class SimSettings:
     time_scale: float = 1.0
     default_max_tokens: int = 128
     seed: int = 0
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -92,6 +102,8 @@ class SimSettings:
             raise ValueError("time_scale must be positive")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be at least 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
 
 
 class RequestTooLong(ValueError):
@@ -108,6 +120,7 @@ class SimRequest:
     prompt_tokens: int
     max_tokens: int
     arrival: float
+    priority: int = 0
     scheduled_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -151,6 +164,7 @@ class Scheduler:
 
     def __init__(self, settings: SimSettings) -> None:
         self.max_num_seqs = settings.max_num_seqs
+        self._by_priority = settings.scheduling_policy == "priority"
         self.kv_capacity = settings.kv_cache_tokens
         scale = settings.time_scale / 1000.0
         self._step_s = settings.step_ms * scale
@@ -178,7 +192,12 @@ class Scheduler:
                 f"contains at least {request.prompt_tokens} input tokens, for a total of at "
                 f"least {request.kv_tokens} tokens."
             )
-        self.waiting.append(request)
+        if self._by_priority:
+            # Behind every request of the same or a lower value (arrival order among equals).
+            index = next((i for i, r in enumerate(self.waiting) if r.priority > request.priority), len(self.waiting))
+            self.waiting.insert(index, request)
+        else:
+            self.waiting.append(request)
 
     def abort(self, request: SimRequest) -> bool:
         """Drop a request wherever it is and free its KV; False if it had already finished."""
@@ -332,9 +351,11 @@ class SimEngine:
         for handle in list(self._handles.values()):
             self.abort(handle)
 
-    def submit(self, prompt_tokens: int, max_tokens: int) -> RequestHandle:
+    def submit(self, prompt_tokens: int, max_tokens: int, priority: int = 0) -> RequestHandle:
         """Queue a request; raises :class:`RequestTooLong` if it can never fit."""
-        request = SimRequest(prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=self._clock())
+        request = SimRequest(
+            prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=self._clock(), priority=priority
+        )
         self.scheduler.add(request)
         handle = RequestHandle(self, request)
         self._handles[request] = handle

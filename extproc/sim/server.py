@@ -13,6 +13,9 @@ Request handling, also as in vLLM:
 * the output is exactly ``max_completion_tokens``/``max_tokens`` tokens (else
   ``--default-max-tokens``), finish reason ``length``; ``min_tokens``, stop
   strings and sampling parameters are accepted and ignored; ``n`` must be 1;
+* ``priority`` (an integer, lower first) orders the engine's waiting queue
+  with ``--scheduling-policy priority``; without it any value but 0 is
+  refused with 400, as vLLM does;
 * a client that disconnects is aborted in the engine at once (aiohttp's handler
   cancellation), freeing its batch slot and KV, like vLLM's disconnect handling.
 
@@ -43,7 +46,14 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 from extproc.sim.dialects import DIALECT_NAMES, DialectMetrics
-from extproc.sim.engine import FINISH_ABORT, RequestHandle, RequestTooLong, SimEngine, SimSettings
+from extproc.sim.engine import (
+    FINISH_ABORT,
+    SCHEDULING_POLICIES,
+    RequestHandle,
+    RequestTooLong,
+    SimEngine,
+    SimSettings,
+)
 from extproc.sim.metrics import VllmMetrics
 
 logger = logging.getLogger(__name__)
@@ -120,9 +130,10 @@ class _Params:
     max_tokens: int
     stream: bool
     include_usage: bool
+    priority: int = 0
 
 
-def _parse_params(body: dict[str, Any], default_max_tokens: int) -> _Params:
+def _parse_params(body: dict[str, Any], default_max_tokens: int, scheduling_policy: str = "fcfs") -> _Params:
     max_tokens = default_max_tokens
     for field in ("max_tokens", "max_completion_tokens"):  # the latter wins, as in vLLM
         value = body.get(field)
@@ -140,7 +151,13 @@ def _parse_params(body: dict[str, Any], default_max_tokens: int) -> _Params:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad_request("'stream_options' must be an object", "stream_options")
-    return _Params(max_tokens, bool(stream), bool(options.get("include_usage")))
+    priority = body.get("priority", 0)
+    if type(priority) is not int:
+        raise _bad_request("'priority' must be an integer", "priority")
+    if priority != 0 and scheduling_policy != "priority":
+        # vLLM's own error text for the same mistake.
+        raise _bad_request(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
+    return _Params(max_tokens, bool(stream), bool(options.get("include_usage")), priority)
 
 
 @dataclass(frozen=True)
@@ -250,9 +267,9 @@ class _Handlers:
     async def _generate(
         self, request: web.Request, api: _Api, body: dict[str, Any], prompt_tokens: int
     ) -> web.StreamResponse:
-        params = _parse_params(body, self.settings.default_max_tokens)
+        params = _parse_params(body, self.settings.default_max_tokens, self.settings.scheduling_policy)
         try:
-            handle = self.engine.submit(prompt_tokens, params.max_tokens)
+            handle = self.engine.submit(prompt_tokens, params.max_tokens, params.priority)
         except RequestTooLong as exc:
             raise _bad_request(str(exc)) from exc
         try:
@@ -471,6 +488,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-fault", choices=METRICS_FAULTS, default="ok",
         help="make /metrics fail from the start, for tests (default: %(default)s)",
     )
+    parser.add_argument(
+        "--scheduling-policy", choices=SCHEDULING_POLICIES, default=SimSettings.scheduling_policy,
+        help="waiting-queue order: arrival, or the body's priority (lower first) (default: %(default)s)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> SimSettings:
@@ -484,6 +505,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         time_scale=args.time_scale,
         default_max_tokens=args.default_max_tokens,
         seed=args.seed,
+        scheduling_policy=args.scheduling_policy,
     )
 
 

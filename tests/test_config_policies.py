@@ -1,0 +1,72 @@
+"""Config for the policies: bands, tenants, per-model policy settings and JWT identity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from extproc.config import ConfigError, parse_config
+
+MODEL = {"name": "m", "endpoints": ["http://127.0.0.1:1"]}
+JWKS = {"keys": [{"kty": "RSA", "kid": "k", "n": "AQAB", "e": "AQAB"}]}
+
+
+def config(**top: Any) -> Any:
+    return parse_config({"models": [MODEL], **top})
+
+
+def test_defaults_keep_the_old_behaviour_and_make_the_lowest_band_idle_only() -> None:
+    c = config()
+    assert [b.idle_only for b in c.bands] == [False, False, True]
+    assert [b.engine_priority for b in c.bands] == [0, 1, 2]
+    assert c.models[0].policy == "round_robin" and c.models[0].reserved_waiting == 0
+    assert c.tenant("anyone").priorities is None  # every class
+    assert c.queue_wait_s(c.models[0], 2) == c.models[0].max_queue_wait_s
+    assert not parse_config({"models": [MODEL], "priorities": ["only"], "default_priority": "only"}).bands[0].idle_only
+
+
+def test_band_settings_and_the_longest_wait() -> None:
+    c = config(bands={"batch": {"max_queue_wait_s": 900, "idle_only": False, "idle_running_share": 0.5},
+                      "interactive": {"max_queued": 10, "engine_priority": -1}})
+    assert c.bands[2].idle_running_share == 0.5 and not c.bands[2].idle_only
+    assert c.bands[0].max_queued == 10 and c.bands[0].engine_priority == -1
+    assert c.longest_queue_wait_s(c.models[0]) == 900
+
+
+def test_tenants_inherit_the_default_entry_field_by_field() -> None:
+    c = config(tenants={"default": {"weight": 2, "priorities": ["batch", "standard"], "max_queued": 5},
+                        "vip": {"priorities": ["interactive", "standard"], "default_priority": "interactive"}})
+    assert c.tenant("nobody").priorities == ("standard", "batch")  # highest first, whatever the order written
+    vip = c.tenant("vip")
+    assert (vip.weight, vip.max_queued, vip.priorities) == (2, 5, ("interactive", "standard"))
+
+
+@pytest.mark.parametrize(
+    ("top", "message"),
+    [
+        ({"models": [{**MODEL, "policy": "wfq"}]}, "models[0].policy: must be one of round_robin, vtc"),
+        ({"models": [{**MODEL, "cost": {"output_weight": -1}}]}, "models[0].cost.output_weight: must be a number >= 0"),
+        ({"models": [{**MODEL, "engine_priority": "yes"}]}, "models[0].engine_priority: must be true or false"),
+        ({"bands": {"urgent": {}}}, "bands.urgent: unknown key"),
+        ({"bands": {"batch": {"idle_running_share": 1.5}}}, "bands.batch.idle_running_share: must be a number in (0, 1]"),
+        ({"tenants": {"a": {"priorities": ["gold"]}}}, "tenants.a.priorities[0]: must be one of priorities"),
+        ({"tenants": {"a": {"priorities": ["batch"]}}}, "tenants.a.default_priority: 'standard' is not among"),
+        ({"tenants": {"a": {"weight": 0}}}, "tenants.a.weight: must be a number > 0"),
+        ({"identity": {"missing_tenant": "guess"}}, "identity.missing_tenant: must be one of default, reject"),
+        ({"envoy": {"jwt": {"issuer": "i"}}}, "envoy.jwt: needs exactly one of jwks"),
+        ({"envoy": {"jwt": {"issuer": "i", "jwks": "{}"}}}, "envoy.jwt.jwks: must be a JWKS"),
+        ({"envoy": {"jwt": {"issuer": "i", "jwks_uri": "ftp://x"}}}, "envoy.jwt.jwks_uri: must be an http(s) URL"),
+        ({"envoy": {"api_keys": {"k": "t"}, "jwt": {"issuer": "i", "jwks": JWKS}}}, "envoy.jwt: use either api_keys"),
+    ],
+)
+def test_mistakes_name_their_key_path(top: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        parse_config({"models": [MODEL], **top})
+    assert message in str(error.value)
+
+
+def test_jwt_accepts_an_inline_jwks_as_yaml_or_text() -> None:
+    as_yaml = config(envoy={"jwt": {"issuer": "i", "jwks": JWKS, "audiences": ["a"]}}).envoy.jwt
+    assert as_yaml is not None and as_yaml.tenant_claim == "sub" and as_yaml.audiences == ("a",)
+    assert '"keys"' in (as_yaml.jwks or "")
