@@ -170,8 +170,10 @@ class EnvoySettings:
     admin: str = "127.0.0.1:9901"
     # API key -> tenant, for Envoy's api_key_auth filter (demo-grade identity).
     api_keys: dict[str, str] = field(default_factory=dict)
-    # Envoy's per-message timeout: short, so a dead processor is noticed fast.
-    message_timeout_ms: int = 500
+    # Envoy's per-message timeout: short enough that a hung processor is noticed within
+    # seconds (a crashed one is noticed at once: its connection resets), long enough
+    # that a busy event loop under a burst does not turn into 504s.
+    message_timeout_ms: int = 2000
     # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
     jwt: JwtSettings | None = None
 
