@@ -9,10 +9,12 @@ to its default is the kind of surprise an operator finds only under load.
 
 from __future__ import annotations
 
+import ipaddress
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -26,6 +28,15 @@ POLICIES = ("round_robin", "vtc")
 MISSING_TENANT = ("default", "reject")
 # The per-tenant template in `tenants:`; its fields are every other tenant's defaults.
 DEFAULT_TENANT_KEY = "default"
+
+
+def is_ip_address(host: str) -> bool:
+    """True for a literal IPv4/IPv6 address, False for a host name (which needs DNS)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class ConfigError(ValueError):

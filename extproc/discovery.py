@@ -14,25 +14,17 @@ pool is never empty and traffic never stops).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 from urllib.parse import urlsplit
 
 import aiohttp
 
+from extproc.config import is_ip_address
 from extproc.dispatcher import ModelDispatcher
 from extproc.scraper import scrape_endpoint
 
 log = logging.getLogger(__name__)
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _url(scheme: str, address: str, port: int) -> str:
@@ -44,7 +36,7 @@ async def resolve(endpoint: str) -> list[str]:
     """The member URLs for one configured endpoint (itself if it is an address)."""
     parts = urlsplit(endpoint)
     host, port = parts.hostname or "", parts.port or 0
-    if _is_ip(host):
+    if is_ip_address(host):
         return [endpoint]
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return sorted({_url(parts.scheme, str(info[4][0]), port) for info in infos})
@@ -66,7 +58,7 @@ async def watch_pool(session: aiohttp.ClientSession, dispatcher: ModelDispatcher
     model = dispatcher.model
     resolved = {e: [e] for e in model.endpoints}
     tasks: dict[str, asyncio.Task[None]] = {}
-    needs_dns = not all(_is_ip(urlsplit(e).hostname or "") for e in model.endpoints)
+    needs_dns = not all(is_ip_address(urlsplit(e).hostname or "") for e in model.endpoints)
     try:
         while True:
             resolved = await _members(model.endpoints, resolved)

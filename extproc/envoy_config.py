@@ -46,7 +46,6 @@ The request path through Envoy's HTTP filters:
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import re
 import sys
 from typing import Any
@@ -54,7 +53,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from extproc.config import Config, ConfigError, load_config
+from extproc.config import Config, ConfigError, is_ip_address, load_config
 
 METADATA_NAMESPACE = "extproc"
 EXTPROC_CLUSTER = "extproc"
@@ -109,14 +108,6 @@ def _split_address(text: str) -> tuple[str, int]:
     """HOST:PORT (IPv6 in brackets allowed) -> (host, port)."""
     host, _, port = text.rpartition(":")
     return host.strip("[]"), int(port)
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _connectable(host: str) -> str:
@@ -260,7 +251,7 @@ def _jwks_cluster(uri: str) -> dict[str, Any]:
     port = parts.port or (443 if parts.scheme == "https" else 80)
     cluster: dict[str, Any] = {
         "name": JWKS_CLUSTER,
-        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+        "type": "STATIC" if is_ip_address(host) else "STRICT_DNS",
         "connect_timeout": _duration(MODEL_CONNECT_TIMEOUT_S),
         "load_assignment": {
             "cluster_name": JWKS_CLUSTER,
@@ -271,7 +262,7 @@ def _jwks_cluster(uri: str) -> dict[str, Any]:
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     if parts.scheme == "https":
         tls: dict[str, Any] = {"@type": _TYPE + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"}
-        if not _is_ip(host):
+        if not is_ip_address(host):
             tls["sni"] = host
         cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": tls}
     return cluster
@@ -416,7 +407,7 @@ def extproc_cluster(config: Config) -> dict[str, Any]:
     host = _connectable(host)
     return {
         "name": EXTPROC_CLUSTER,
-        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+        "type": "STATIC" if is_ip_address(host) else "STRICT_DNS",
         "connect_timeout": _duration(EXTPROC_CONNECT_TIMEOUT_S),
         "typed_extension_protocol_options": _protocol_options(http2=True),
         "circuit_breakers": _circuit_breakers(),
@@ -436,7 +427,7 @@ def _model_cluster(config: Config, index: int, name: str) -> dict[str, Any]:
     hosts = [(p.hostname or "", p.port or 0) for p in parts]
     cluster: dict[str, Any] = {
         "name": name,
-        "type": "STATIC" if all(_is_ip(h) for h, _ in hosts) else "STRICT_DNS",
+        "type": "STATIC" if all(is_ip_address(h) for h, _ in hosts) else "STRICT_DNS",
         "connect_timeout": _duration(MODEL_CONNECT_TIMEOUT_S),
         "lb_policy": "LEAST_REQUEST",
         "typed_extension_protocol_options": _protocol_options(http2=False),
@@ -452,7 +443,7 @@ def _model_cluster(config: Config, index: int, name: str) -> dict[str, Any]:
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     if schemes == {"https"}:
         tls: dict[str, Any] = {"@type": _TYPE + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"}
-        if not _is_ip(hosts[0][0]):
+        if not is_ip_address(hosts[0][0]):
             tls["sni"] = hosts[0][0]
         cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": tls}
     return cluster

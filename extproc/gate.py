@@ -54,23 +54,6 @@ reuse) while its room is within ``target_waiting`` of the emptiest endpoint's,
 else the endpoint with the most room — and the accounting above runs per
 endpoint.
 
-Bands share the engine without sharing a ceiling (see docs/policies.md):
-
-* bands below the first may use the allowance only down to ``reserve``
-  (``allowance(now, reserve)``), so a burst of the first band always finds
-  room in the engine's queue, however deep the lower bands' backlog;
-* an idle-only band (``idle_allowance``) is released only into an *idle*
-  engine: the estimated waiting queue is empty and the estimated occupancy
-  (running + waiting, corrected like waiting) is below ``share`` of the
-  engine's capacity — ``max_running`` when configured, else the most requests
-  it was ever seen running. Such releases are sized to free slots, so they
-  are not counted as unseen *waiting* and never eat the allowance of the
-  bands above. With ``share`` 1 and no configured capacity the band also
-  probes past the learned capacity, one request per scrape (doubling until the
-  engine first shows a waiting queue), so it finds the engine's real size;
-  a probe that does not fit waits in the engine and stops the band until
-  the queue is empty again.
-
 **Priority bands** share the engine without sharing a ceiling (see
 docs/policies.md):
 
@@ -81,9 +64,10 @@ docs/policies.md):
   engine: the estimated waiting queue is empty and the estimated occupancy
   (running + waiting, corrected like waiting) is below ``share`` of the
   engine's capacity — ``max_running`` when configured, else the most requests
-  it was ever seen running. Such releases are sized to free slots, so they
-  are not counted as unseen *waiting* and never eat the allowance of the
-  bands above. With ``share`` 1 and no configured capacity the band also
+  it was ever seen running. Such releases are sized to free slots: the
+  waiting rule does not count them as unseen *waiting*, and the adaptive
+  limit keeps ``target_waiting`` above the engine's capacity, so they never
+  eat the allowance of the bands above. With ``share`` 1 and no configured capacity the band also
   probes past the learned capacity (doubling until the engine first shows a
   waiting queue, then one request per scrape), so it finds the engine's real
   size; a probe that does not fit waits in the engine and stops the band

@@ -65,12 +65,52 @@ class BandPolicy(Protocol[Item]):
     def correct(self, tenant: str, delta: float) -> None: ...
 
 
-class VirtualTokenCounter(Generic[Item]):
+class TenantQueues(Generic[Item]):
+    """A FIFO per backlogged tenant: the bookkeeping every band policy shares.
+
+    Subclasses decide whose head goes next (``pop``) and extend ``_leave``,
+    called when a tenant's FIFO runs empty, for their own per-tenant state.
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[Item]] = {}
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def tenant_len(self, tenant: str) -> int:
+        queue = self._queues.get(tenant)
+        return len(queue) if queue is not None else 0
+
+    def remove(self, tenant: str, item: Item) -> bool:
+        """Drop a queued item (its client left). False if it is not queued here.
+
+        Linear in the tenant's own backlog, which is bounded by the queue caps;
+        removing is rare next to pushing and popping.
+        """
+        queue = self._queues.get(tenant)
+        if queue is None:
+            return False
+        try:
+            queue.remove(item)
+        except ValueError:
+            return False
+        self._size -= 1
+        if not queue:
+            self._leave(tenant)
+        return True
+
+    def _leave(self, tenant: str) -> None:
+        del self._queues[tenant]
+
+
+class VirtualTokenCounter(TenantQueues[Item]):
     """One band under cost-weighted fair queueing (see the module docstring)."""
 
     def __init__(self, weight: Callable[[str], float]) -> None:
+        super().__init__()
         self._weight = weight
-        self._queues: dict[str, deque[Item]] = {}
         # When each backlogged tenant (re)joined the backlog: the tie-break.
         self._joined: dict[str, int] = {}
         self._sequence = itertools.count()
@@ -79,17 +119,9 @@ class VirtualTokenCounter(Generic[Item]):
         # The counter of the last tenant picked (never decreases): where a
         # tenant joining an empty band starts.
         self._floor = 0.0
-        self._size = 0
-
-    def __len__(self) -> int:
-        return self._size
 
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, self._floor)
-
-    def tenant_len(self, tenant: str) -> int:
-        queue = self._queues.get(tenant)
-        return len(queue) if queue is not None else 0
 
     def push(self, tenant: str, item: Item) -> None:
         queue = self._queues.get(tenant)
@@ -116,19 +148,6 @@ class VirtualTokenCounter(Generic[Item]):
             self._sweep()
         return tenant, item
 
-    def remove(self, tenant: str, item: Item) -> bool:
-        queue = self._queues.get(tenant)
-        if queue is None:
-            return False
-        try:
-            queue.remove(item)
-        except ValueError:
-            return False
-        self._size -= 1
-        if not queue:
-            self._leave(tenant)
-        return True
-
     def charge(self, tenant: str, cost: float) -> None:
         """Add a release's estimated cost (before weighting) to the tenant's counter."""
         self._counters[tenant] = self.counter(tenant) + cost / self._weight(tenant)
@@ -138,7 +157,7 @@ class VirtualTokenCounter(Generic[Item]):
         self.charge(tenant, delta)
 
     def _leave(self, tenant: str) -> None:
-        del self._queues[tenant]
+        super()._leave(tenant)
         del self._joined[tenant]
 
     def _sweep(self) -> None:

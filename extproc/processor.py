@@ -34,7 +34,6 @@ removes its entry from the queue at once.
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import json
 import math

@@ -89,7 +89,7 @@ class ManagedProcess:
                 self.process.send_signal(sig)
             try:
                 await asyncio.wait_for(self.process.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     self.process.kill()
                 await self.process.wait()

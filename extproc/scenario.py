@@ -80,7 +80,7 @@ async def chat(
                     if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
                         ttft = time.monotonic() - start
             return Outcome(tenant, 200, ttft, time.monotonic() - start, queue_wait)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         return Outcome(tenant, 0, None, time.monotonic() - start, None, repr(exc))
 
 

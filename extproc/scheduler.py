@@ -23,21 +23,17 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-from extproc.policies import BandPolicy
+from extproc.policies import BandPolicy, TenantQueues
 
 Item = TypeVar("Item", bound=Hashable)
 
 
-class TenantRoundRobin(Generic[Item]):
+class TenantRoundRobin(TenantQueues[Item]):
     """One priority band: a FIFO per tenant, served in rotation."""
 
     def __init__(self) -> None:
-        self._queues: dict[str, deque[Item]] = {}
+        super().__init__()
         self._rotation: deque[str] = deque()
-        self._size = 0
-
-    def __len__(self) -> int:
-        return self._size
 
     def push(self, tenant: str, item: Item) -> None:
         queue = self._queues.get(tenant)
@@ -59,28 +55,9 @@ class TenantRoundRobin(Generic[Item]):
         self._size -= 1
         return tenant, item
 
-    def remove(self, tenant: str, item: Item) -> bool:
-        """Drop a queued item (its client left). False if it is not queued here.
-
-        Linear in the tenant's own backlog, which is bounded by the queue caps;
-        removing is rare next to pushing and popping.
-        """
-        queue = self._queues.get(tenant)
-        if queue is None:
-            return False
-        try:
-            queue.remove(item)
-        except ValueError:
-            return False
-        self._size -= 1
-        if not queue:
-            del self._queues[tenant]
-            self._rotation.remove(tenant)
-        return True
-
-    def tenant_len(self, tenant: str) -> int:
-        queue = self._queues.get(tenant)
-        return len(queue) if queue is not None else 0
+    def _leave(self, tenant: str) -> None:
+        super()._leave(tenant)
+        self._rotation.remove(tenant)
 
     def charge(self, tenant: str, cost: float) -> None:
         """Round-robin counts requests, not their cost."""

@@ -41,7 +41,7 @@ async def scrape_endpoint(session: aiohttp.ClientSession, dispatcher: ModelDispa
             load: EngineLoad | None = await asyncio.wait_for(
                 _scrape_once(session, url, model.engine, model.name), model.stale_after_s
             )
-        except (aiohttp.ClientError, asyncio.TimeoutError, MetricsError, UnicodeDecodeError) as exc:
+        except (TimeoutError, aiohttp.ClientError, MetricsError, UnicodeDecodeError) as exc:
             load = None
             if healthy is not False:
                 log.warning("model %s: cannot read %s: %s", model.name, url, exc or type(exc).__name__)

@@ -24,9 +24,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from extproc.config import Config
+from extproc.discovery import watch_pool
 from extproc.dispatcher import ModelDispatcher, Rejected
 from extproc.processor import Processor
-from extproc.discovery import watch_pool
 from extproc.telemetry import Telemetry
 
 log = logging.getLogger(__name__)

@@ -56,7 +56,7 @@ async def test_every_engine_dialect_is_gated_end_to_end(tmp_path: Path) -> None:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             results = await asyncio.gather(*(flood(session, stack.envoy_url, m, 8) for m in models))
         samples = await read_metrics(stack.metrics_url)
-    for model, outcomes in zip(models, results):
+    for model, outcomes in zip(models, results, strict=True):
         assert [o.status for o in outcomes] == [200] * 8, (model, [o.error for o in outcomes if o.error])
         assert metric(samples, "extproc_released_total", model=model) == 8
         # The gate read this engine's metrics (not the fallback) and held part of the flood.
@@ -86,13 +86,13 @@ async def test_two_replicas_with_endpoint_picking(tmp_path: Path) -> None:
                                          max_tokens=4, extra_body={"prompt_cache_key": key})
                     assert outcome.status == 200, outcome.error
                 after = await served()
-                assert sorted(a - b for a, b in zip(after, before)) == [0, 3], key
+                assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 3], key
             # A flood fills both engines.
             before = await served()
             outcomes = await flood(session, stack.envoy_url, "m1", 24)
             assert all(o.status == 200 for o in outcomes)
             after = await served()
-        share = [a - b for a, b in zip(after, before)]
+        share = [a - b for a, b in zip(after, before, strict=True)]
         assert sum(share) == 24 and min(share) >= 6, share
         samples = await read_metrics(stack.metrics_url)
         for url in sims:

@@ -15,8 +15,8 @@ from typing import Any
 
 import aiohttp
 import jwt
-from jwt.algorithms import RSAAlgorithm
 from cryptography.hazmat.primitives.asymmetric import rsa
+from jwt.algorithms import RSAAlgorithm
 
 from extproc.scenario import Outcome, chat, percentile
 from extproc.sim.server import estimate_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -136,7 +137,7 @@ def test_fifo_within_tenant_and_no_starvation(backlogs: list[tuple[str, int]]) -
     # once between two of its services.
     for tenant in sizes:
         positions = [i for i, (t, _) in enumerate(served) if t == tenant]
-        for a, b in zip(positions, positions[1:]):
+        for a, b in itertools.pairwise(positions):
             between = Counter(t for t, _ in served[a + 1 : b])
             assert all(n <= 1 for n in between.values())
 

@@ -14,7 +14,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from hypothesis import given, settings as hyp_settings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
