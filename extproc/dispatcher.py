@@ -106,6 +106,7 @@ class ModelDispatcher:
             max_kv_usage=model.max_kv_usage,
             itl_window_s=model.itl_window_s,
             pick_endpoints=model.endpoint_picking,
+            max_running=model.max_running,
         )
         self._mode: GateMode | None = None
         self._degraded: set[str] = set()

@@ -154,6 +154,9 @@ class Gate:
     max_kv_usage: float | None = None
     itl_window_s: float = 2.0
     pick_endpoints: bool = False
+    # The engine's batch size per endpoint, when the operator knows it: the adaptive
+    # limit then starts at it (+ target_waiting) instead of ramping up from target_waiting.
+    max_running: int | None = None
     _state: dict[str, _Endpoint] = field(init=False, default_factory=dict)
     # Released and not finished, in release order:
     # request -> (release time, endpoint or None, released into a free slot).
@@ -186,10 +189,11 @@ class Gate:
         self._state = {e: self._state.get(e) or self._new_endpoint() for e in self.endpoints}
 
     def _new_endpoint(self) -> _Endpoint:
-        # Nothing known yet: assume no spare batch capacity, so the first releases
-        # can at most fill the engine's queue to target; the limit grows from there.
+        # Nothing known yet (no max_running): assume no spare batch capacity, so the
+        # first releases can at most fill the engine's queue to target; the limit
+        # grows from there.
         limit = ConcurrencyLimit(
-            self.target_waiting,
+            self.target_waiting + (self.max_running or 0),
             target_waiting=self.target_waiting,
             max_itl_s=self.max_itl_s,
             max_kv_usage=self.max_kv_usage,

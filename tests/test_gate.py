@@ -330,3 +330,11 @@ def test_an_idle_only_band_keeps_a_slot_for_the_others_without_metrics() -> None
     assert gate.idle_allowance(0.0, share=1.0, reserve=0, max_running=None) == 2
     gate.record_release("a", 0.0)
     assert gate.idle_allowance(0.0, share=1.0, reserve=2, max_running=None) == 0
+
+
+def test_a_known_batch_size_starts_the_adaptive_limit_there() -> None:
+    learned, told = make_gate(), make_gate(max_running=64)
+    for gate in (learned, told):
+        gate.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
+    assert learned.allowance(0.0) == 3
+    assert told.allowance(0.0) == 67
