@@ -42,7 +42,7 @@ def test_jain_index_known_values() -> None:
 def test_a_tenant_is_backlogged_only_until_its_first_token() -> None:
     results = [result("a", 0, 2, 10), result("a", 1, 3, 5), result("a", 8, 1, 2)]
     # [0, 2) and [1, 4) merge; [8, 9) stands alone; streaming time does not count.
-    assert backlog_intervals(results, "a") == [(0, 4), (8, 9)]
+    assert backlog_intervals(results) == [(0, 4), (8, 9)]
 
 
 def test_fairness_compares_weighted_service_of_tenants_backlogged_through_a_window() -> None:
@@ -60,6 +60,18 @@ def test_fairness_compares_weighted_service_of_tenants_backlogged_through_a_wind
     # With b weighted 1/3, 10 tokens are worth 30: perfectly fair.
     weighted = fairness(results, weight=lambda t: 1 / 3 if t == "b" else 1.0, window=10.0)
     assert weighted["mean"] == pytest.approx(1.0)
+
+
+def test_fairness_compares_tenants_only_within_their_priority_class() -> None:
+    # x (batch) gets nothing while the interactive tenants are served: strict priority, not unfairness.
+    results = [
+        result("x", 0, 20, 21, priority="batch"),
+        result("u", 0, 0, 10, tokens=20, priority="interactive"),
+        result("u", 0, 10.5, 11, priority="interactive"),
+        result("v", 0, 0, 10, tokens=20, priority="interactive"),
+        result("v", 0, 10.5, 11, priority="interactive"),
+    ]
+    assert fairness(results, weight=lambda t: 1.0, window=10.0) == {"mean": 1.0, "min": 1.0, "windows": 1}
 
 
 def test_fairness_without_two_backlogged_tenants_has_no_windows() -> None:

@@ -25,11 +25,13 @@ Definitions (all times in model seconds, see :mod:`extproc.bench.runner`):
   received its first token (it waits in a queue, at the gateway or in the
   engine). A tenant whose requests are all streaming is not backlogged: it
   could not use more service than it gets.
-* **Jain's index** — for each window of ``JAIN_WINDOW_S`` in which at least
-  two tenants are backlogged throughout, J = (sum x)^2 / (n sum x^2) over
-  those tenants' weighted service x in the window; 1 is perfectly even, 1/n
-  is one tenant taking everything. Reported: the mean and the minimum over
-  such windows, and how many there were.
+* **Jain's index** — for each window of ``JAIN_WINDOW_S`` and each priority
+  class in which at least two tenants are backlogged throughout, J =
+  (sum x)^2 / (n sum x^2) over those tenants' weighted service x in the
+  window; 1 is perfectly even, 1/n is one tenant taking everything. Tenants
+  are compared only within their class: strict priority between classes is
+  meant to be unfair. Reported: the mean and the minimum over such
+  (window, class) pairs, and how many there were.
 """
 
 from __future__ import annotations
@@ -139,12 +141,9 @@ def _merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]
     return merged
 
 
-def backlog_intervals(results: Sequence[Result], tenant: str) -> list[tuple[float, float]]:
-    """When ``tenant`` had a request waiting for its first token (merged, sorted)."""
-    return _merge(
-        (r.sent, r.first_token_at if r.first_token_at is not None else r.done_at)
-        for r in results if r.tenant == tenant
-    )
+def backlog_intervals(results: Iterable[Result]) -> list[tuple[float, float]]:
+    """When one of ``results`` was waiting for its first token (merged, sorted)."""
+    return _merge((r.sent, r.first_token_at if r.first_token_at is not None else r.done_at) for r in results)
 
 
 def _covers(intervals: Sequence[tuple[float, float]], start: float, end: float) -> bool:
@@ -160,22 +159,23 @@ def jain(values: Sequence[float]) -> float:
 
 
 def fairness(results: Sequence[Result], weight: Callable[[str], float], window: float = JAIN_WINDOW_S) -> dict[str, object]:
-    """Jain's index over backlogged tenants' weighted service, per window (see module docstring)."""
+    """Jain's index over backlogged tenants' weighted service, per window and class (see module docstring)."""
     if not results:
         return {"mean": None, "min": None, "windows": 0}
-    tenants = sorted({r.tenant for r in results})
-    backlog = {t: backlog_intervals(results, t) for t in tenants}
+    flows: dict[tuple[str, str], list[Result]] = {}
+    for r in results:
+        flows.setdefault((priority_label(r), r.tenant), []).append(r)
+    backlog = {flow: backlog_intervals(mine) for flow, mine in flows.items()}
     end = max(r.done_at for r in results)
     indices = []
     for k in range(math.floor(end / window)):
         a, b = k * window, (k + 1) * window
-        busy = [t for t in tenants if _covers(backlog[t], a, b)]
-        if len(busy) < 2:
-            continue
-        served = [
-            sum(service_until(r, b) - service_until(r, a) for r in results if r.tenant == t) / weight(t) for t in busy
-        ]
-        indices.append(jain(served))
+        for cls in sorted({c for c, _ in flows}):
+            busy = [f for f in flows if f[0] == cls and _covers(backlog[f], a, b)]
+            if len(busy) < 2:
+                continue
+            served = [sum(service_until(r, b) - service_until(r, a) for r in flows[f]) / weight(f[1]) for f in busy]
+            indices.append(jain(served))
     if not indices:
         return {"mean": None, "min": None, "windows": 0}
     return {"mean": statistics.fmean(indices), "min": min(indices), "windows": len(indices)}

@@ -300,6 +300,9 @@ def plot_waiting(scenario: Scenario, runs: Sequence[ArmRun], path: Path) -> None
         ax.step([s.at for s in run.engine], [s.waiting for s in run.engine], where="post", label=run.arm, linewidth=1)
     ax.axhline(TARGET_WAITING, color="grey", linestyle="--", linewidth=0.8, label=f"target_waiting {TARGET_WAITING}")
     ax.set_yscale("symlog", linthresh=10)
+    peak = max((s.waiting for run in runs for s in run.engine), default=0)
+    ticks = [t for t in (0, TARGET_WAITING, 10, 30, 100, 300, 1000) if t <= max(peak, 10)]
+    ax.set_yticks(ticks, [str(t) for t in ticks])
     ax.set_xlabel("time (model s)")
     ax.set_ylabel("engine waiting requests")
     ax.set_title(f"{scenario.name}: vllm:num_requests_waiting", fontsize=10)
