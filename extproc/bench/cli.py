@@ -84,6 +84,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
 
     from extproc.bench.arms import ARMS, DIRECT
     from extproc.bench.metrics import common_horizon, summarize
+    from extproc.bench.overhead import ROUNDS as OVERHEAD_ROUNDS
     from extproc.bench.overhead import find_hey, run_overhead, summarize_overhead
     from extproc.bench.report import write_outputs
     from extproc.bench.runner import run_arm
@@ -112,7 +113,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     runs: dict[str, list[ArmRun]] = {}
     summaries: dict[str, dict[str, Any]] = {}
     overhead = None
-    total = sum(len(s.requests()) for s in scenarios) * len(arms) + (3 if with_overhead else 0)
+    total = sum(len(s.requests()) for s in scenarios) * len(arms) + (2 * OVERHEAD_ROUNDS if with_overhead else 0)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("starting", total=total)
@@ -132,9 +133,11 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
             summaries[scenario.name] = {run.arm: summarize(scenario, run, baseline, horizon) for run in scenario_runs}
         if with_overhead:
 
-            def step(path: str) -> None:
-                progress.update(task, description=f"overhead · {path}")
+            def step(label: str) -> None:
+                progress.update(task, description=f"overhead · {label}")
                 progress.advance(task)
+
+            progress.update(task, description="overhead · starting")
 
             overhead = summarize_overhead(
                 await run_overhead(workdir / "overhead", seconds=args.overhead_seconds, on_step=step)

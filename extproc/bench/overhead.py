@@ -10,13 +10,16 @@ vLLM page that reports an idle engine):
   is uncontended (``target_waiting`` far above any queue), so every request is
   held and released at once: the pure cost of the hop.
 
-Each path gets a warm-up, a fixed-rate run (``hey -q``: workers x rate per
-worker) and a run at the highest rate ``hey`` reaches with ``MAX_WORKERS``
-connections. ``hey`` (Debian package ``hey``) is closed-loop per worker and
-its rate-limited workers tick in step (k workers send bursts of k), so the
-fixed rate uses one worker: one keep-alive connection sending a request every
-1/300 s, which holds while answers take less than that. The load tool, both Envoys and the processor share
-the machine's cores; the max-rate figure is for this machine as a whole.
+All three run side by side. Each gets a warm-up, then fixed-rate runs
+(``hey -q``) and runs at the highest rate ``hey`` reaches with
+``MAX_WORKERS`` connections, each split into ``ROUNDS`` short runs that
+alternate between the paths, so a change in the machine's background load
+hits every path alike; latencies are pooled over the rounds. ``hey`` (Debian
+package ``hey``) is closed-loop per worker and its rate-limited workers tick
+in step (k workers send bursts of k), so the fixed rate uses one worker: one
+keep-alive connection sending a request every 1/300 s, which holds while
+answers take less than that. The load tool, the Envoys and the processor
+share the machine's cores: the max-rate figure is for this machine as a whole.
 
 CPU per request is the processor's (and the gateway Envoy's) user + system
 time during the run, from ``/proc``, divided by the requests completed.
@@ -25,10 +28,12 @@ time during the run, from ``/proc``, divided by the requests completed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import io
 import json
 import shutil
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,16 +41,18 @@ from typing import Any
 import yaml
 
 from extproc.bench.arms import MODEL, api_key, free_port
-from extproc.envoy_proc import EnvoyProcess, start_envoy
+from extproc.envoy_proc import start_envoy
 from extproc.procs import cpu_seconds
 from extproc.scenario import percentile
-from extproc.stack import Stack, start_stack
+from extproc.stack import start_stack
 
 FIXED_RATE = 300  # requests per second
 # hey's workers tick in step, so k workers send bursts of k: one worker paces
 # its requests evenly (as long as each answer comes within 1/FIXED_RATE).
 FIXED_WORKERS = 1
 MAX_WORKERS = 32
+# Each measurement is split into rounds that alternate between the paths.
+ROUNDS = 5
 TENANT = "bench"
 _TYPE = "type.googleapis.com/"
 _CHAT_RESPONSE = json.dumps({
@@ -170,76 +177,113 @@ def overhead_config(upstream_url: str) -> dict[str, Any]:
 @dataclass(frozen=True)
 class PathResult:
     path: str
-    fixed: HeyRun
-    max: HeyRun
-    # CPU microseconds per completed request, per process, in the fixed and max runs.
+    fixed: tuple[HeyRun, ...]  # one per round
+    max: tuple[HeyRun, ...]
+    # CPU microseconds per completed request, per process, over all fixed / max runs.
     cpu_us_fixed: dict[str, float]
     cpu_us_max: dict[str, float]
 
 
-async def _measure(url: str, pids: dict[str, int], seconds: float) -> tuple[HeyRun, HeyRun, dict[str, float], dict[str, float]]:
-    await run_hey(url, seconds=min(1.0, seconds), workers=8, rate_per_worker=50)  # warm-up: connections, caches
-
-    async def timed(**kw: Any) -> tuple[HeyRun, dict[str, float]]:
-        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        run = await run_hey(url, seconds=seconds, **kw)
-        return run, {name: (cpu_seconds(pid) - before[name]) * 1e6 / max(1, run.ok) for name, pid in pids.items()}
-
-    fixed, cpu_fixed = await timed(workers=FIXED_WORKERS, rate_per_worker=FIXED_RATE / FIXED_WORKERS)
-    fastest, cpu_max = await timed(workers=MAX_WORKERS)
-    return fixed, fastest, cpu_fixed, cpu_max
+@dataclass(frozen=True)
+class _Target:
+    path: str
+    url: str
+    pids: dict[str, int]
 
 
-async def run_overhead(workdir: Path, *, seconds: float = 10.0, on_step: Any = lambda label: None) -> list[PathResult]:
-    """Measure the three paths in turn (see module docstring)."""
+async def _rounds(
+    targets: list[_Target], rounds: int, seconds: float, on_step: Callable[[str], None], **hey: Any
+) -> tuple[dict[str, list[HeyRun]], dict[str, dict[str, float]]]:
+    """``rounds`` runs per target, interleaved (the order rotates), so a change in the machine's
+    background load during the benchmark hits every path alike."""
+    runs: dict[str, list[HeyRun]] = {t.path: [] for t in targets}
+    cpu: dict[str, dict[str, float]] = {t.path: dict.fromkeys(t.pids, 0.0) for t in targets}
+    for i in range(rounds):
+        for target in targets[i % len(targets):] + targets[: i % len(targets)]:
+            before = {name: cpu_seconds(pid) for name, pid in target.pids.items()}
+            runs[target.path].append(await run_hey(target.url, seconds=seconds, **hey))
+            for name, pid in target.pids.items():
+                cpu[target.path][name] += cpu_seconds(pid) - before[name]
+        on_step(f"round {i + 1}/{rounds}")
+    per_request = {
+        path: {name: used * 1e6 / max(1, sum(r.ok for r in runs[path])) for name, used in cpu[path].items()}
+        for path in runs
+    }
+    return runs, per_request
+
+
+async def run_overhead(
+    workdir: Path, *, seconds: float = 10.0, rounds: int = ROUNDS, on_step: Callable[[str], None] = lambda label: None
+) -> list[PathResult]:
+    """Measure the three paths (see module docstring): ``seconds`` per path and mode, in ``rounds`` rounds."""
     find_hey()
     workdir.mkdir(parents=True, exist_ok=True)
     up_port = free_port()
-    upstream: EnvoyProcess = await start_envoy(upstream_bootstrap(up_port, free_port()), workdir / "upstream")
-    results: list[PathResult] = []
-    try:
+    async with contextlib.AsyncExitStack() as running:
+        await running.enter_async_context(await start_envoy(upstream_bootstrap(up_port, free_port()), workdir / "upstream"))
         upstream_url = f"http://127.0.0.1:{up_port}"
-        config_path = workdir / "config.yaml"
-        config_path.write_text(yaml.safe_dump(overhead_config(upstream_url)), encoding="utf-8")
-        on_step("upstream")
-        measured = await _measure(upstream_url, {}, seconds)
-        results.append(PathResult("upstream", *measured))
+        targets = [_Target("upstream", upstream_url, {})]
         for path, gateway in (("envoy", "envoy"), ("envoy+extproc", "extproc")):
-            on_step(path)
-            (workdir / gateway).mkdir(exist_ok=True)
-            stack: Stack = await start_stack(config_path, workdir / gateway, gateway=gateway, engines=False)
-            async with stack:
-                assert stack.envoy is not None
-                pids = {"envoy": stack.envoy.process.pid}
-                if stack.processor is not None:
-                    pids["extproc"] = stack.processor.process.pid
-                measured = await _measure(stack.envoy_url, pids, seconds)
-            results.append(PathResult(path, *measured))
-    finally:
-        await upstream.stop()
-    return results
+            folder = workdir / gateway
+            folder.mkdir(exist_ok=True)
+            config_path = folder / "config.yaml"
+            config_path.write_text(yaml.safe_dump(overhead_config(upstream_url)), encoding="utf-8")
+            stack = await running.enter_async_context(
+                await start_stack(config_path, folder, gateway=gateway, engines=False)
+            )
+            assert stack.envoy is not None
+            pids = {"envoy": stack.envoy.process.pid}
+            if stack.processor is not None:
+                pids["extproc"] = stack.processor.process.pid
+            targets.append(_Target(path, stack.envoy_url, pids))
+        for target in targets:  # warm-up: connections, caches
+            await run_hey(target.url, seconds=min(1.0, seconds), workers=8, rate_per_worker=50)
+        share = seconds / rounds
+        fixed, cpu_fixed = await _rounds(
+            targets, rounds, share, on_step, workers=FIXED_WORKERS, rate_per_worker=FIXED_RATE / FIXED_WORKERS
+        )
+        fastest, cpu_max = await _rounds(targets, rounds, share, on_step, workers=MAX_WORKERS)
+    return [
+        PathResult(t.path, tuple(fixed[t.path]), tuple(fastest[t.path]), cpu_fixed[t.path], cpu_max[t.path])
+        for t in targets
+    ]
 
 
-def latency_ms(run: HeyRun) -> dict[str, float | None]:
-    values = run.latencies_s
-    return {q: (percentile(values, n) * 1000 if values else None) for q, n in (("p50", 50), ("p99", 99))}
+def latency_ms(latencies: Sequence[float]) -> dict[str, float | None]:
+    return {q: (percentile(latencies, n) * 1000 if latencies else None) for q, n in (("p50", 50), ("p99", 99))}
+
+
+def _pooled(runs: Sequence[HeyRun]) -> dict[str, Any]:
+    latencies = [x for run in runs for x in run.latencies_s]
+    seconds = sum(run.seconds for run in runs)
+    ok = sum(run.ok for run in runs)
+    return {"rate": ok / seconds, "sent": sum(run.sent for run in runs), "ok": ok, **latency_ms(latencies)}
 
 
 def summarize_overhead(paths: list[PathResult]) -> dict[str, Any]:
-    """Per path: rates, latency percentiles and CPU per request; then the differences that matter."""
+    """Per path: rates, latency percentiles (pooled over rounds) and CPU per request; then what ext_proc adds."""
     by_path = {
         p.path: {
-            "fixed": {"rate": p.fixed.rate, "sent": p.fixed.sent, "ok": p.fixed.ok, **latency_ms(p.fixed)},
-            "max": {"rate": p.max.rate, "sent": p.max.sent, "ok": p.max.ok, **latency_ms(p.max)},
+            "fixed": _pooled(p.fixed),
+            "max": _pooled(p.max),
             "cpu_us_per_request_fixed": p.cpu_us_fixed,
             "cpu_us_per_request_max": p.cpu_us_max,
         }
         for p in paths
     }
-    summary: dict[str, Any] = {"fixed_rate": FIXED_RATE, "max_workers": MAX_WORKERS, "paths": by_path}
-    if "envoy" in by_path and "envoy+extproc" in by_path:
+    summary: dict[str, Any] = {
+        "fixed_rate": FIXED_RATE, "max_workers": MAX_WORKERS, "rounds": len(paths[0].fixed), "paths": by_path,
+    }
+    runs = {p.path: p for p in paths}
+    if "envoy" in runs and "envoy+extproc" in runs:
         alone, hop = by_path["envoy"]["fixed"], by_path["envoy+extproc"]["fixed"]
-        summary["extproc_added_ms"] = {q: hop[q] - alone[q] for q in ("p50", "p99") if hop[q] is not None and alone[q] is not None}
+        summary["extproc_added_ms"] = {q: hop[q] - alone[q] for q in ("p50", "p99")}
+        # The same difference round by round shows how much the machine's background moved it.
+        per_round = [
+            latency_ms(b.latencies_s)["p50"] - latency_ms(a.latencies_s)["p50"]  # type: ignore[operator]
+            for a, b in zip(runs["envoy"].fixed, runs["envoy+extproc"].fixed)
+        ]
+        summary["extproc_added_p50_ms_by_round"] = per_round
         summary["extproc_max_rate"] = by_path["envoy+extproc"]["max"]["rate"]
-        summary["extproc_cpu_us_per_request"] = by_path["envoy+extproc"]["cpu_us_per_request_fixed"].get("extproc")
+        summary["extproc_cpu_us_per_request"] = by_path["envoy+extproc"]["cpu_us_per_request_fixed"]["extproc"]
     return summary

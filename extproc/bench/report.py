@@ -215,16 +215,17 @@ def overhead_markdown(overhead: Mapping[str, Any]) -> list[str]:
             ", ".join(f"{k} {v:,.0f}" for k, v in cpu_max.items()) or "–",
         ])
     lines = _table(
-        ["path", f"fixed rate (req/s)", "latency p50 / p99 (ms)", f"max rate ({overhead['max_workers']} conns, req/s)",
+        ["path", "fixed rate (req/s)", "latency p50 / p99 (ms)", f"max rate ({overhead['max_workers']} conns, req/s)",
          "latency p50 / p99 (ms)", "CPU µs/request (fixed)", "CPU µs/request (max)"],
         rows,
     )
     added = overhead.get("extproc_added_ms")
     if added:
+        by_round = ", ".join(f"{x:.1f}" for x in overhead["extproc_added_p50_ms_by_round"])
         lines += ["", f"ext_proc adds **{added['p50']:.2f} ms at p50** and **{added['p99']:.2f} ms at p99** at "
-                      f"{overhead['fixed_rate']} req/s; it held and released up to **{overhead['extproc_max_rate']:,.0f} "
-                      f"req/s** on this machine, using **{overhead['extproc_cpu_us_per_request']:,.0f} µs** of "
-                      f"processor CPU per request."]
+                      f"{overhead['fixed_rate']} req/s (p50 added per round: {by_round} ms); it held and released up "
+                      f"to **{overhead['extproc_max_rate']:,.0f} req/s** on this machine, using "
+                      f"**{overhead['extproc_cpu_us_per_request']:,.0f} µs** of processor CPU per request."]
     return lines
 
 
