@@ -123,12 +123,14 @@ def stream_requests(stream: Stream, rng: np.random.Generator) -> list[Planned]:
     times = [stream.start] * stream.burst + poisson_times(rng, stream.rate, stream.start, stream.end)
     prompts = stream.prompt.sample(rng, len(times))
     outputs = stream.output.sample(rng, len(times))
-    return [Planned(t, stream.tenant, stream.priority, p, o) for t, p, o in zip(times, prompts, outputs)]
+    return [Planned(t, stream.tenant, stream.priority, p, o) for t, p, o in zip(times, prompts, outputs, strict=True)]
 
 
 def plan(streams: Sequence[Stream], seed: int) -> list[Planned]:
     """Every request of ``streams``, in arrival order; the same seed gives the same plan."""
     children = np.random.SeedSequence(seed).spawn(len(streams))
-    requests = [r for s, child in zip(streams, children) for r in stream_requests(s, np.random.default_rng(child))]
+    requests = [
+        r for s, child in zip(streams, children, strict=True) for r in stream_requests(s, np.random.default_rng(child))
+    ]
     # Stable sort on time only: a burst keeps its order, streams keep theirs on ties.
     return sorted(requests, key=lambda r: r.at)

@@ -126,7 +126,9 @@ def service_until(result: Result, t: float) -> float:
     return W_IN * result.prompt_tokens + W_OUT * result.tokens * share
 
 
-def cumulative_service(results: Sequence[Result], tenant: str, times: Sequence[float], weight: float = 1.0) -> list[float]:
+def cumulative_service(
+    results: Sequence[Result], tenant: str, times: Sequence[float], weight: float = 1.0
+) -> list[float]:
     mine = [r for r in results if r.tenant == tenant]
     return [sum(service_until(r, t) for r in mine) / weight for t in times]
 
@@ -158,7 +160,9 @@ def jain(values: Sequence[float]) -> float:
     return sum(values) ** 2 / (len(values) * square_sum)
 
 
-def fairness(results: Sequence[Result], weight: Callable[[str], float], window: float = JAIN_WINDOW_S) -> dict[str, object]:
+def fairness(
+    results: Sequence[Result], weight: Callable[[str], float], window: float = JAIN_WINDOW_S
+) -> dict[str, object]:
     """Jain's index over backlogged tenants' weighted service, per window and class (see module docstring)."""
     if not results:
         return {"mean": None, "min": None, "windows": 0}

@@ -123,7 +123,10 @@ def upstream_bootstrap(listen_port: int, admin_port: int) -> dict[str, Any]:
         return {
             "direct_response": {"status": 200, "body": {"inline_string": body}},
             "response_headers_to_add": [
-                {"header": {"key": "content-type", "value": content_type}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                {
+                    "header": {"key": "content-type", "value": content_type},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                }
             ],
         }
 
@@ -148,7 +151,9 @@ def upstream_bootstrap(listen_port: int, admin_port: int) -> dict[str, Any]:
     listener = {
         "name": "upstream",
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
-        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+        ],
     }
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
@@ -220,7 +225,8 @@ async def run_overhead(
     workdir.mkdir(parents=True, exist_ok=True)
     up_port = free_port()
     async with contextlib.AsyncExitStack() as running:
-        await running.enter_async_context(await start_envoy(upstream_bootstrap(up_port, free_port()), workdir / "upstream"))
+        upstream = await start_envoy(upstream_bootstrap(up_port, free_port()), workdir / "upstream")
+        await running.enter_async_context(upstream)
         upstream_url = f"http://127.0.0.1:{up_port}"
         targets = [_Target("upstream", upstream_url, {})]
         for path, gateway in (("envoy", "envoy"), ("envoy+extproc", "extproc")):
@@ -260,6 +266,10 @@ def _pooled(runs: Sequence[HeyRun]) -> dict[str, Any]:
     return {"rate": ok / seconds, "sent": sum(run.sent for run in runs), "ok": ok, **latency_ms(latencies)}
 
 
+def _difference(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
 def summarize_overhead(paths: list[PathResult]) -> dict[str, Any]:
     """Per path: rates, latency percentiles (pooled over rounds) and CPU per request; then what ext_proc adds."""
     by_path = {
@@ -277,13 +287,12 @@ def summarize_overhead(paths: list[PathResult]) -> dict[str, Any]:
     runs = {p.path: p for p in paths}
     if "envoy" in runs and "envoy+extproc" in runs:
         alone, hop = by_path["envoy"]["fixed"], by_path["envoy+extproc"]["fixed"]
-        summary["extproc_added_ms"] = {q: hop[q] - alone[q] for q in ("p50", "p99")}
+        summary["extproc_added_ms"] = {q: _difference(hop[q], alone[q]) for q in ("p50", "p99")}
         # The same difference round by round shows how much the machine's background moved it.
-        per_round = [
-            latency_ms(b.latencies_s)["p50"] - latency_ms(a.latencies_s)["p50"]  # type: ignore[operator]
-            for a, b in zip(runs["envoy"].fixed, runs["envoy+extproc"].fixed)
+        summary["extproc_added_p50_ms_by_round"] = [
+            _difference(latency_ms(b.latencies_s)["p50"], latency_ms(a.latencies_s)["p50"])
+            for a, b in zip(runs["envoy"].fixed, runs["envoy+extproc"].fixed, strict=True)
         ]
-        summary["extproc_added_p50_ms_by_round"] = per_round
         summary["extproc_max_rate"] = by_path["envoy+extproc"]["max"]["rate"]
         summary["extproc_cpu_us_per_request"] = by_path["envoy+extproc"]["cpu_us_per_request_fixed"]["extproc"]
     return summary

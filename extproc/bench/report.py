@@ -126,7 +126,8 @@ def targets(
             "–" if slowdown is None else f"{slowdown:.1f}x ({_s(loaded)} s vs {_s(unloaded)} s)",
             None if slowdown is None else slowdown <= FLOOD_SLOWDOWN)
     added = _get(overhead, "extproc_added_ms", "p50")
-    add(f"ext_proc added p50 <= {ADDED_P50_MS:g} ms at 300 req/s", "envoy+extproc", added,
+    add(f"ext_proc added p50 <= {ADDED_P50_MS:g} ms at {_get(overhead, 'fixed_rate') or 300} req/s", "envoy+extproc",
+        added,
         "–" if added is None else f"{added:.2f} ms", None if added is None else added <= ADDED_P50_MS)
     return rows
 
@@ -221,8 +222,8 @@ def overhead_markdown(overhead: Mapping[str, Any]) -> list[str]:
     )
     added = overhead.get("extproc_added_ms")
     if added:
-        by_round = ", ".join(f"{x:.1f}" for x in overhead["extproc_added_p50_ms_by_round"])
-        lines += ["", f"ext_proc adds **{added['p50']:.2f} ms at p50** and **{added['p99']:.2f} ms at p99** at "
+        by_round = ", ".join(_num(x, 1) for x in overhead["extproc_added_p50_ms_by_round"])
+        lines += ["", f"ext_proc adds **{_num(added['p50'])} ms at p50** and **{_num(added['p99'])} ms at p99** at "
                       f"{overhead['fixed_rate']} req/s (p50 added per round: {by_round} ms); it held and released up "
                       f"to **{overhead['extproc_max_rate']:,.0f} req/s** on this machine, using "
                       f"**{overhead['extproc_cpu_us_per_request']:,.0f} µs** of processor CPU per request."]
@@ -304,10 +305,11 @@ def plot_waiting(scenario: Scenario, runs: Sequence[ArmRun], path: Path) -> None
     peak = max((s.waiting for run in runs for s in run.engine), default=0)
     ticks = [t for t in (0, TARGET_WAITING, 10, 30, 100, 300, 1000) if t <= max(peak, 10)]
     ax.set_yticks(ticks, [str(t) for t in ticks])
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("time (model s)")
     ax.set_ylabel("engine waiting requests")
     ax.set_title(f"{scenario.name}: vllm:num_requests_waiting", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper right")
     _save(fig, path)
 
 
@@ -316,7 +318,7 @@ def plot_service(scenario: Scenario, runs: Sequence[ArmRun], path: Path) -> None
     end = max((r.done_at for run in runs for r in run.results), default=1.0)
     times = [end * i / 200 for i in range(201)]
     fig, axes = plt.subplots(1, len(runs), figsize=(3.0 * len(runs) + 0.6, 3.0), sharey=True, squeeze=False)
-    for ax, run in zip(axes[0], runs):
+    for ax, run in zip(axes[0], runs, strict=True):
         for tenant in scenario.tenants:
             ax.plot(times, cumulative_service(run.results, tenant, times, scenario.weight(tenant)), label=tenant,
                     linewidth=1)
