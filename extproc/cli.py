@@ -1,4 +1,4 @@
-"""Command line entry point: ``extproc serve|sim|envoy-config|demo``.
+"""Command line entry point: ``extproc serve|sim|envoy-config|demo|bench``.
 
 The gRPC server and the demo runtime are imported only when chosen, so
 ``extproc sim`` and ``extproc envoy-config`` start without loading gRPC.
@@ -41,6 +41,12 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from extproc.bench.cli import run_bench
+
+    return run_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="extproc", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -71,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="run the power-user demo on a real Envoy, then keep serving")
     add_demo_arguments(demo)
     demo.set_defaults(func=_demo)
+
+    from extproc.bench.cli import add_arguments as add_bench_arguments
+
+    bench = commands.add_parser("bench", help="benchmark scenarios and the ext_proc overhead: tables and plots")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -329,16 +329,17 @@ def _router_filter() -> dict[str, Any]:
     }
 
 
-def http_filters(config: Config) -> list[dict[str, Any]]:
-    """The HTTP filter chain, in order."""
+def http_filters(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any]]:
+    """The HTTP filter chain, in order (``ext_proc=False``: the benchmark's Envoy-only baseline)."""
     identity = [_api_key_auth_filter(config)] if config.envoy.api_keys else []
     if config.envoy.jwt is not None:
         identity.append(_jwt_authn_filter(config))
+    processor = [_ext_proc_filter(config)] if ext_proc else []
     return [
         _sanitise_filter(config),
         *identity,
         _json_to_metadata_filter(),
-        _ext_proc_filter(config),
+        *processor,
         _router_filter(),
     ]
 
@@ -346,15 +347,28 @@ def http_filters(config: Config) -> list[dict[str, Any]]:
 # --- routes and clusters ----------------------------------------------------------
 
 
-def routes(config: Config) -> list[dict[str, Any]]:
-    """One route per model on the model header, then the 404 catch-all."""
+def _model_match(config: Config, model: str, ext_proc: bool) -> dict[str, Any]:
+    """Match the model header the processor sets or, without a processor, the body's model.
+
+    The metadata match works because json_to_metadata runs before anything
+    picks the route (checked with Envoy 1.40).
+    """
+    if ext_proc:
+        return {"prefix": "/", "headers": [{"name": config.identity.model_header, "string_match": {"exact": model}}]}
+    path = [{"key": "model"}]
+    value = {"string_match": {"exact": model}}
+    return {"prefix": "/", "dynamic_metadata": [{"filter": METADATA_NAMESPACE, "path": path, "value": value}]}
+
+
+def routes(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any]]:
+    """One route per model on the model header (or body model), then the 404 catch-all."""
     idle = _duration(_idle_timeout_s(config))
     clusters = _cluster_names(config)
 
-    def route(route_name: str, header: dict[str, Any], cluster: str) -> dict[str, Any]:
+    def route(route_name: str, match: dict[str, Any], cluster: str) -> dict[str, Any]:
         return {
             "name": route_name,
-            "match": {"prefix": "/", "headers": [header]},
+            "match": match,
             # No overall limit: a long generation is fine while bytes flow.
             "route": {"cluster": cluster, "timeout": "0s", "idle_timeout": idle},
             # Omitted when the processor did not set it (empty value).
@@ -367,13 +381,11 @@ def routes(config: Config) -> list[dict[str, Any]]:
             ],
         }
 
-    result = [route(PICKED_CLUSTER, {"name": DESTINATION_HEADER, "present_match": True}, PICKED_CLUSTER)]
+    # Only the processor sets the destination header (Envoy strips a client's).
+    picked = {"prefix": "/", "headers": [{"name": DESTINATION_HEADER, "present_match": True}]}
+    result = [route(PICKED_CLUSTER, picked, PICKED_CLUSTER)] if ext_proc else []
     result += [
-        route(
-            clusters[model.name],
-            {"name": config.identity.model_header, "string_match": {"exact": model.name}},
-            clusters[model.name],
-        )
+        route(clusters[model.name], _model_match(config, model.name, ext_proc), clusters[model.name])
         for model in config.models
     ]
     # Defence in depth: the processor normally rejects unknown models itself.
@@ -484,8 +496,13 @@ def _hcm_timeouts(config: Config) -> dict[str, str]:
 # --- documents -----------------------------------------------------------------
 
 
-def bootstrap(config: Config) -> dict[str, Any]:
-    """A complete Envoy bootstrap for this config."""
+def bootstrap(config: Config, *, ext_proc: bool = True) -> dict[str, Any]:
+    """A complete Envoy bootstrap for this config.
+
+    ``ext_proc=False`` is the same gateway without the processor (no
+    ext_proc filter; routes match the body's model in json_to_metadata's
+    metadata): the benchmark's baseline for what Envoy alone costs.
+    """
     listen_host, listen_port = _split_address(config.envoy.listen)
     admin_host, admin_port = _split_address(config.envoy.admin)
     ident = config.identity
@@ -517,9 +534,9 @@ def bootstrap(config: Config) -> dict[str, Any]:
         ],
         "route_config": {
             "name": "models",
-            "virtual_hosts": [{"name": "models", "domains": ["*"], "routes": routes(config)}],
+            "virtual_hosts": [{"name": "models", "domains": ["*"], "routes": routes(config, ext_proc=ext_proc)}],
         },
-        "http_filters": http_filters(config),
+        "http_filters": http_filters(config, ext_proc=ext_proc),
     }
     return {
         "admin": {"address": _socket_address(admin_host, admin_port)},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import time
 from collections.abc import Sequence
@@ -22,6 +23,15 @@ LOG_TAIL_LINES = 40
 
 class ProcessStartError(RuntimeError):
     """A child exited or never became ready; the message ends with its log's tail."""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time that process ``pid`` has used so far (Linux ``/proc``)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # Fields after the command name, which is in parentheses and may hold spaces.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    utime, stime = int(fields[11]), int(fields[12])
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

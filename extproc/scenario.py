@@ -39,6 +39,7 @@ class Outcome:
     total_s: float
     queue_wait_s: float | None  # None when not sent through the gateway
     error: str = ""
+    tokens: int = 0  # content chunks received (the simulator streams one token per chunk)
 
 
 async def chat(
@@ -66,6 +67,7 @@ async def chat(
     }
     start = time.monotonic()
     ttft: float | None = None
+    tokens = 0
     try:
         async with session.post(f"{base_url}/v1/chat/completions", json=body, headers=headers) as response:
             wait_ms = response.headers.get(QUEUE_WAIT_HEADER)
@@ -75,11 +77,14 @@ async def chat(
                 return Outcome(tenant, response.status, None, time.monotonic() - start, queue_wait, text[:200])
             async for raw in response.content:
                 line = raw.strip()
-                if ttft is None and line.startswith(b"data: {"):
-                    chunk = json.loads(line[6:])
-                    if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                    tokens += 1  # one token per content chunk (the simulator's, and vLLM's, default)
+                    if ttft is None:
                         ttft = time.monotonic() - start
-            return Outcome(tenant, 200, ttft, time.monotonic() - start, queue_wait)
+            return Outcome(tenant, 200, ttft, time.monotonic() - start, queue_wait, tokens=tokens)
     except (TimeoutError, aiohttp.ClientError) as exc:
         return Outcome(tenant, 0, None, time.monotonic() - start, None, repr(exc))
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Literal
 
 from extproc.config import Config, load_config
 from extproc.envoy_config import bootstrap
@@ -18,6 +19,10 @@ from extproc.envoy_proc import EnvoyProcess, start_envoy
 from extproc.procs import ManagedProcess
 
 PYTHON = [sys.executable, "-m", "extproc"]
+
+# What stands between clients and the simulators: nothing, Envoy alone
+# (routing on the body's model, no ext_proc filter), or Envoy + extproc.
+Gateway = Literal["direct", "envoy", "extproc"]
 
 
 @dataclass
@@ -64,17 +69,22 @@ async def start_stack(
     *,
     sim_args: Sequence[str] = (),
     serve_args: Sequence[str] = (),
+    gateway: Gateway = "extproc",
+    engines: bool = True,
 ) -> Stack:
     """Start a simulator per model endpoint, ``extproc serve`` and Envoy.
 
     Each simulator speaks its model's ``engine`` metric dialect. ``sim_args``
     are extra ``extproc sim`` options (batch size, time scale, …) given to
     every simulator; ``serve_args`` extra ``extproc serve`` options.
+    ``gateway`` leaves out the processor ("envoy") or both it and Envoy
+    ("direct"): the benchmark's baselines. ``engines=False`` starts no
+    simulator: the caller serves the model endpoints itself.
     """
     config = load_config(config_path)
     stack = Stack(config)
     try:
-        for model in config.models:
+        for model in config.models if engines else ():
             for endpoint in model.endpoints:
                 host, _, port = endpoint.removeprefix("http://").rpartition(":")
                 argv = [
@@ -86,13 +96,15 @@ async def start_stack(
                         f"sim {model.name}", argv, workdir / f"sim-{model.name}-{port}.log", ready_url=f"{endpoint}/health"
                     )
                 )
-        stack.processor = await ManagedProcess.start(
-            "extproc serve",
-            [*PYTHON, "serve", "--config", str(config_path), *serve_args],
-            workdir / "extproc.log",
-            ready_url=stack.metrics_url,
-        )
-        stack.envoy = await start_envoy(bootstrap(config), workdir)
+        if gateway == "extproc":
+            stack.processor = await ManagedProcess.start(
+                "extproc serve",
+                [*PYTHON, "serve", "--config", str(config_path), *serve_args],
+                workdir / "extproc.log",
+                ready_url=stack.metrics_url,
+            )
+        if gateway != "direct":
+            stack.envoy = await start_envoy(bootstrap(config, ext_proc=gateway == "extproc"), workdir)
     except BaseException:
         await stack.stop()
         raise

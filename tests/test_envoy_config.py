@@ -324,6 +324,27 @@ def test_envoy_validates_the_bootstrap(variant: str, tmp_path: Path) -> None:
     assert "OK" in result.stdout + result.stderr
 
 
+def test_bootstrap_without_ext_proc_routes_on_the_body_model(tmp_path: Path) -> None:
+    """The benchmark's Envoy-only baseline: same chain minus ext_proc, routes on json_to_metadata's model."""
+    config = load_config(DEMO_CONFIG)
+    doc = bootstrap(config, ext_proc=False)
+    assert [f["name"] for f in hcm(doc)["http_filters"]] == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.api_key_auth",
+        "envoy.filters.http.json_to_metadata",
+        "envoy.filters.http.router",
+    ]
+    routes = hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
+    for model, route in zip(config.models, routes[: len(config.models)], strict=True):
+        assert "headers" not in route["match"]
+        [matcher] = route["match"]["dynamic_metadata"]
+        assert matcher["filter"] == "extproc" and matcher["path"] == [{"key": "model"}]
+        assert matcher["value"] == {"string_match": {"exact": model.name}}
+    assert routes[-1]["direct_response"]["status"] == 404
+    result = validate(doc, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_drop_in_is_yaml_with_ext_proc_and_http2_cluster() -> None:
     config = load_config(DEMO_CONFIG)
     doc = yaml.safe_load(render(drop_in(config)))

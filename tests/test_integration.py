@@ -112,6 +112,22 @@ async def test_the_body_decides_the_model_not_a_client_header(stack: Stack) -> N
     assert outcome.status == 200, outcome.error  # m2's engine would have answered 404
 
 
+async def test_envoy_without_the_processor_routes_by_the_body_model(tmp_path: Path) -> None:
+    """The benchmark's Envoy-only baseline reaches each model's engine, and 404s an unknown model."""
+    config = write_config(tmp_path, models=("m1", "m2"))
+    async with await start_stack(config, tmp_path, sim_args=FAST_SIM, gateway="envoy") as gateway:
+        assert gateway.processor is None
+        async with aiohttp.ClientSession() as session:
+            for model in ("m1", "m2"):
+                body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+                headers = {"authorization": f"Bearer {TENANT_KEYS['bob']}"}
+                async with session.post(f"{gateway.envoy_url}/v1/chat/completions", json=body, headers=headers) as r:
+                    assert r.status == 200
+                    assert (await r.json())["model"] == model  # the simulator of that model answered
+            missing = await chat(session, gateway.envoy_url, "bob", "nope", api_key=TENANT_KEYS["bob"], max_tokens=2)
+            assert missing.status == 404
+
+
 async def test_json_with_a_charset_is_still_json(stack: Stack) -> None:
     async with aiohttp.ClientSession() as session:
         outcome = await chat(

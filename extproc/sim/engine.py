@@ -372,15 +372,26 @@ class SimEngine:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
+            start = self._clock()
             while self.scheduler.has_work:
-                await self._step()
+                start = await self._step(start)
 
-    async def _step(self) -> None:
-        step = self.scheduler.schedule(self._clock())
+    async def _step(self, start: float) -> float:
+        """Run one step that began at ``start``; returns when the next one begins.
+
+        Steps follow a deadline: time the host spends between steps (pushing
+        tokens, rendering /metrics) comes out of the next sleep instead of
+        adding to every step, so the simulated GPU keeps its pace at small
+        time scales. A host that falls more than a step behind restarts the
+        schedule from now: a GPU cannot bank idle time.
+        """
+        step = self.scheduler.schedule(start)
         for request in step.admitted:
             self.observer.on_scheduled(request)
-        await self._sleep(step.duration)
-        for event in self.scheduler.complete(self._clock()):
+        deadline = start + step.duration
+        await self._sleep(max(0.0, deadline - self._clock()))
+        now = self._clock()
+        for event in self.scheduler.complete(now):
             handle = self._handles[event.request]
             handle._push(" " + self._rng.choice(_VOCABULARY))
             self.observer.on_token(event)
@@ -388,3 +399,4 @@ class SimEngine:
                 del self._handles[event.request]
                 handle._push(None)
                 self.observer.on_finished(event.request)
+        return deadline if now - deadline < step.duration else now

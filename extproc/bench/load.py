@@ -1,0 +1,136 @@
+"""The open-loop load generator: who sends what, and when. Pure and seeded.
+
+Open loop means arrival times are fixed in advance, whatever the system under
+test does: a slow gateway cannot slow the clients down and so hide its own
+latency (the "coordinated omission" of closed-loop load tools). Every arm of a
+benchmark replays the very same plan.
+
+All times and durations are in *model seconds* (simulated GPU time): the
+runner multiplies them by the simulator's time scale, so a scenario keeps its
+shape at any speed.
+
+Each tenant stream draws from its own random generator, spawned from the
+scenario seed and the stream's position, so adding a stream never changes the
+requests of the others.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class Lengths(Protocol):
+    """A distribution of token counts."""
+
+    def sample(self, rng: np.random.Generator, n: int) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Fixed:
+    tokens: int
+
+    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
+        return [self.tokens] * n
+
+
+@dataclass(frozen=True)
+class LogNormal:
+    """Log-normal token counts, the usual fit for chat prompt and answer lengths.
+
+    ``median`` is e^mu; ``sigma`` the spread of the log (0.8 puts p99 at ~6x the
+    median). Clipped to [lo, hi] so one draw cannot exceed the engine's context.
+    """
+
+    median: float
+    sigma: float
+    lo: int = 1
+    hi: int = 1 << 20
+
+    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
+        draws = rng.lognormal(math.log(self.median), self.sigma, n)
+        return [int(x) for x in np.clip(np.rint(draws), self.lo, self.hi)]
+
+
+@dataclass(frozen=True)
+class Pareto:
+    """Pareto (power-law) token counts: most are near ``scale``, a few are huge.
+
+    ``alpha`` below 2 has infinite variance: document-sized prompts that
+    dominate the cost. Clipped to ``hi``.
+    """
+
+    scale: float
+    alpha: float
+    hi: int = 1 << 20
+
+    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
+        draws = self.scale * (1.0 + rng.pareto(self.alpha, n))
+        return [int(x) for x in np.clip(np.rint(draws), 1, self.hi)]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One tenant's traffic: a burst at ``start`` and/or Poisson arrivals in [start, end).
+
+    ``rate`` is requests per model second (0: burst only).
+    """
+
+    tenant: str
+    prompt: Lengths
+    output: Lengths
+    rate: float = 0.0
+    start: float = 0.0
+    end: float = 0.0
+    burst: int = 0
+    priority: str | None = None  # None: the gateway's default class
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One request of the plan."""
+
+    at: float
+    tenant: str
+    priority: str | None
+    prompt_tokens: int
+    max_tokens: int
+
+
+def poisson_times(rng: np.random.Generator, rate: float, start: float, end: float) -> list[float]:
+    """Arrival times of a Poisson process of ``rate`` per second in [start, end)."""
+    if rate <= 0 or end <= start:
+        return []
+    # Draw gaps in chunks until the window is covered; the expected count plus
+    # six standard deviations almost always suffices in one go.
+    expected = rate * (end - start)
+    times: list[float] = []
+    t = start
+    while True:
+        gaps = rng.exponential(1.0 / rate, int(expected + 6 * math.sqrt(expected) + 10))
+        for gap in gaps:
+            t += float(gap)
+            if t >= end:
+                return times
+            times.append(t)
+
+
+def stream_requests(stream: Stream, rng: np.random.Generator) -> list[Planned]:
+    times = [stream.start] * stream.burst + poisson_times(rng, stream.rate, stream.start, stream.end)
+    prompts = stream.prompt.sample(rng, len(times))
+    outputs = stream.output.sample(rng, len(times))
+    return [Planned(t, stream.tenant, stream.priority, p, o) for t, p, o in zip(times, prompts, outputs, strict=True)]
+
+
+def plan(streams: Sequence[Stream], seed: int) -> list[Planned]:
+    """Every request of ``streams``, in arrival order; the same seed gives the same plan."""
+    children = np.random.SeedSequence(seed).spawn(len(streams))
+    requests = [
+        r for s, child in zip(streams, children, strict=True) for r in stream_requests(s, np.random.default_rng(child))
+    ]
+    # Stable sort on time only: a burst keeps its order, streams keep theirs on ties.
+    return sorted(requests, key=lambda r: r.at)

@@ -1,0 +1,93 @@
+"""The open-loop load generator: seeded, independent streams, the distributions it claims."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from extproc.bench.load import Fixed, LogNormal, Pareto, Stream, plan, poisson_times
+from extproc.bench.scenarios import full_set, quick_set
+
+CHAT = (LogNormal(400, 1.0, 16, 8000), LogNormal(128, 0.8, 8, 1024))
+
+
+def test_same_seed_same_plan_other_seed_other_plan() -> None:
+    streams = [Stream("a", *CHAT, rate=2.0, end=30), Stream("b", *CHAT, burst=5, start=1.0)]
+    assert plan(streams, seed=7) == plan(streams, seed=7)
+    assert plan(streams, seed=7) != plan(streams, seed=8)
+
+
+def test_adding_a_stream_leaves_the_others_requests_unchanged() -> None:
+    a = Stream("a", *CHAT, rate=2.0, end=30)
+    b = Stream("b", *CHAT, rate=1.0, end=30)
+    alone = [r for r in plan([a, b], seed=3) if r.tenant == "a"]
+    more = [r for r in plan([a, b, Stream("c", *CHAT, rate=5.0, end=30)], seed=3) if r.tenant == "a"]
+    assert alone == more
+
+
+def test_plan_is_in_arrival_order_and_bursts_arrive_together() -> None:
+    requests = plan([Stream("flood", *CHAT, burst=50, start=2.0), Stream("p", *CHAT, rate=3.0, end=10)], seed=1)
+    times = [r.at for r in requests]
+    assert times == sorted(times)
+    flood = [r for r in requests if r.tenant == "flood"]
+    assert len(flood) == 50 and {r.at for r in flood} == {2.0}
+
+
+def test_poisson_arrivals_have_the_rate_and_stay_in_the_window() -> None:
+    rng = np.random.default_rng(0)
+    times = poisson_times(rng, rate=20.0, start=5.0, end=505.0)
+    assert all(5.0 <= t < 505.0 for t in times)
+    # 10,000 expected arrivals: the count is within 4 standard deviations (100).
+    assert abs(len(times) - 10_000) < 400
+    gaps = np.diff(times)
+    # Exponential gaps: mean = standard deviation = 1/rate.
+    assert statistics.fmean(gaps) == pytest.approx(0.05, rel=0.05)
+    assert statistics.stdev(gaps) == pytest.approx(0.05, rel=0.05)
+
+
+def test_poisson_with_no_rate_or_empty_window_sends_nothing() -> None:
+    rng = np.random.default_rng(0)
+    assert poisson_times(rng, 0.0, 0, 10) == []
+    assert poisson_times(rng, 5.0, 10, 10) == []
+
+
+def test_lognormal_lengths_have_the_median_a_heavy_tail_and_the_bounds() -> None:
+    draws = LogNormal(median=128, sigma=0.8, lo=8, hi=1024).sample(np.random.default_rng(1), 20_000)
+    assert statistics.median(draws) == pytest.approx(128, rel=0.05)
+    p99 = sorted(draws)[int(0.99 * len(draws))]
+    assert p99 > 4 * 128  # e^(2.33 * 0.8) ~ 6.4x the median
+    assert min(draws) >= 8 and max(draws) <= 1024
+    assert all(isinstance(d, int) for d in draws)
+
+
+def test_pareto_lengths_are_power_law_above_the_scale() -> None:
+    draws = Pareto(scale=1500, alpha=1.5, hi=100_000).sample(np.random.default_rng(2), 20_000)
+    assert min(draws) >= 1500
+    # P(X > 4 * scale) = 4^-1.5 = 1/8 for a Pareto with alpha 1.5.
+    share = sum(d > 4 * 1500 for d in draws) / len(draws)
+    assert share == pytest.approx(1 / 8, abs=0.01)
+
+
+def test_fixed_lengths() -> None:
+    assert Fixed(48).sample(np.random.default_rng(0), 3) == [48, 48, 48]
+
+
+def test_named_scenarios_are_well_formed() -> None:
+    scenarios = full_set()
+    assert [s.name for s in scenarios] == ["power-user", "steady-mix", "priority-mix", "noisy-neighbour", "join-leave"]
+    for scenario in [*scenarios, *quick_set()]:
+        requests = scenario.requests()
+        assert requests, scenario.name
+        assert any(scenario.in_focus(r.tenant, r.priority) for r in requests), scenario.name
+        # Every request fits the simulated engine's context (prompt + output <= KV cache).
+        assert max(r.prompt_tokens + r.max_tokens for r in requests) <= 65536
+    power = scenarios[0].requests()
+    assert sum(r.tenant == "alice" for r in power) == 200
+    assert sorted(r.tenant for r in power if r.tenant != "alice") == ["bob", "carol"]
+    noisy = scenarios[3]
+    rates = {s.tenant: s.rate for s in noisy.streams}
+    assert rates["noisy"] == pytest.approx(10 * rates["quiet1"])
+    assert math.isclose(scenarios[2].reference_before or 0, 15.0)

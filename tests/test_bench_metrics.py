@@ -1,0 +1,153 @@
+"""The benchmark's figures on hand-made runs: fairness, backlog, throughput, arms as config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from extproc.bench.arms import ARMS, Arm, arm_config
+from extproc.bench.load import Fixed, Stream
+from extproc.bench.metrics import (
+    W_IN,
+    W_OUT,
+    backlog_intervals,
+    common_horizon,
+    fairness,
+    jain,
+    service_until,
+    summarize,
+    throughput,
+    tokens_until,
+)
+from extproc.bench.overhead import parse_hey_csv
+from extproc.bench.runner import ArmRun, EngineSample, Result, prompt_text
+from extproc.bench.scenarios import Scenario
+from extproc.config import ConfigError, parse_config
+from extproc.sim.server import estimate_tokens
+
+
+def result(tenant: str, sent: float, ttft: float, e2e: float, tokens: int = 10, prompt: int = 0,
+           priority: str | None = None, queue_wait: float | None = None) -> Result:
+    return Result(tenant, priority, sent, sent, 200, ttft, e2e, queue_wait, prompt, tokens, tokens)
+
+
+def test_jain_index_known_values() -> None:
+    assert jain([5, 5, 5, 5]) == 1.0
+    assert jain([1, 0, 0, 0]) == pytest.approx(0.25)
+    assert jain([1, 2]) == pytest.approx(9 / 10)
+    assert jain([0, 0]) == 1.0
+
+
+def test_a_tenant_is_backlogged_only_until_its_first_token() -> None:
+    results = [result("a", 0, 2, 10), result("a", 1, 3, 5), result("a", 8, 1, 2)]
+    # [0, 2) and [1, 4) merge; [8, 9) stands alone; streaming time does not count.
+    assert backlog_intervals(results) == [(0, 4), (8, 9)]
+
+
+def test_fairness_compares_weighted_service_of_tenants_backlogged_through_a_window() -> None:
+    # a and b both wait through [0, 10): a is served 30 output tokens in the window, b 10.
+    results = [
+        result("a", 0, 0, 10, tokens=30),
+        result("a", 0, 10.5, 11),  # keeps a backlogged through the window
+        result("b", 0, 0, 10, tokens=10),
+        result("b", 0, 10.5, 11),
+        result("c", 0, 0.1, 1),  # backlogged only briefly: not part of the window
+    ]
+    even = fairness(results, weight=lambda t: 1.0, window=10.0)
+    assert even["windows"] == 1
+    assert even["mean"] == pytest.approx(jain([30, 10]))
+    # With b weighted 1/3, 10 tokens are worth 30: perfectly fair.
+    weighted = fairness(results, weight=lambda t: 1 / 3 if t == "b" else 1.0, window=10.0)
+    assert weighted["mean"] == pytest.approx(1.0)
+
+
+def test_fairness_compares_tenants_only_within_their_priority_class() -> None:
+    # x (batch) gets nothing while the interactive tenants are served: strict priority, not unfairness.
+    results = [
+        result("x", 0, 20, 21, priority="batch"),
+        result("u", 0, 0, 10, tokens=20, priority="interactive"),
+        result("u", 0, 10.5, 11, priority="interactive"),
+        result("v", 0, 0, 10, tokens=20, priority="interactive"),
+        result("v", 0, 10.5, 11, priority="interactive"),
+    ]
+    assert fairness(results, weight=lambda t: 1.0, window=10.0) == {"mean": 1.0, "min": 1.0, "windows": 1}
+
+
+def test_fairness_without_two_backlogged_tenants_has_no_windows() -> None:
+    results = [result("a", 0, 30, 31), result("b", 0, 0.1, 40)]
+    assert fairness(results, weight=lambda t: 1.0, window=10.0) == {"mean": None, "min": None, "windows": 0}
+
+
+def test_service_counts_prompt_at_first_token_and_output_as_it_streams() -> None:
+    r = result("a", 0, 2, 12, tokens=100, prompt=40)
+    assert service_until(r, 1.9) == 0
+    assert service_until(r, 2) == pytest.approx(W_IN * 40)
+    assert service_until(r, 7) == pytest.approx(W_IN * 40 + W_OUT * 50)
+    assert service_until(r, 99) == pytest.approx(W_IN * 40 + W_OUT * 100)
+    assert tokens_until([r], 7) == pytest.approx(50)
+
+
+def test_throughput_over_the_makespan_and_the_common_horizon() -> None:
+    fast = [result("a", 0, 1, 10, tokens=100), result("a", 1, 1, 9, tokens=100)]
+    slow = [result("a", 0, 1, 10, tokens=100), result("a", 1, 1, 17, tokens=100)]
+    tp = throughput(fast)
+    assert tp.makespan == 10 and tp.requests_per_s == pytest.approx(0.2) and tp.tokens_per_s == pytest.approx(20)
+    runs = [ArmRun("s", name, 1.0, tuple(rs), (), 1.0, {}) for name, rs in (("fast", fast), ("slow", slow))]
+    assert common_horizon(runs) == 10
+    # By t=10 the slow arm's second request has streamed half of its tokens.
+    assert tokens_until(slow, 10) == pytest.approx(150)
+
+
+def test_summary_of_a_run_relative_to_direct_fifo() -> None:
+    scenario = Scenario("s", "test", (Stream("a", Fixed(1), Fixed(1)),), focus="b", focus_tenants=frozenset({"b"}),
+                        reference_before=5.0)
+    fifo = ArmRun("s", "direct-fifo", 0.5, (result("a", 0, 1, 10), result("b", 6, 4, 8)),
+                  (EngineSample(1, 5, 16), EngineSample(2, 7, 16), EngineSample(30, 99, 0)), 10.0, {"engine": 2.0})
+    gated = ArmRun("s", "extproc-rr", 0.5,
+                   (result("a", 0, 1, 20, queue_wait=0.5), result("b", 1, 0.5, 3, queue_wait=0.25),
+                    result("b", 6, 1, 4, queue_wait=0.1)),
+                   (EngineSample(1, 2, 16), EngineSample(2, 3, 16)), 10.0, {"engine": 1.0, "extproc": 0.5})
+    horizon = common_horizon([fifo, gated])
+    summary = summarize(scenario, gated, fifo, horizon)
+    assert summary["ok"] == 3 and summary["errors"] == []
+    assert summary["focus"]["ttft"] == {"p50": 0.5, "p95": 1, "p99": 1}
+    assert summary["focus"]["queue_wait"]["p99"] == 0.25
+    assert summary["focus_unloaded"]["ttft"]["p99"] == 0.5 and summary["focus_loaded"]["ttft"]["p99"] == 1
+    assert summary["engine"]["waiting_max"] == 3
+    assert summary["throughput"]["horizon_s"] == 14
+    assert summary["cpu_share"] == {"engine": 0.1, "extproc": 0.05}
+    fifo_summary = summarize(scenario, fifo, fifo, horizon)
+    # Engine samples after the last response do not count.
+    assert fifo_summary["engine"]["waiting_max"] == 7
+    assert fifo_summary["throughput"]["requests_ratio"] == 1.0
+
+
+def test_prompt_text_is_counted_as_the_planned_tokens_by_the_simulator() -> None:
+    for tokens in (1, 7, 400, 16000):
+        assert estimate_tokens(prompt_text(tokens)) == tokens
+
+
+def test_arm_configs_are_valid_and_overrides_reach_the_model() -> None:
+    for arm in ARMS:
+        config = parse_config(arm_config(arm, ["alice", "bob"]))
+        assert config.envoy.api_keys == {"key-alice": "alice", "key-bob": "bob"}
+        assert config.models[0].target_waiting == 3
+    tuned = parse_config(arm_config(Arm("t", "extproc", "t", model={"target_waiting": 8}), ["a"]))
+    assert tuned.models[0].target_waiting == 8
+    # An arm with a setting this code does not have fails with the key path, before anything runs.
+    with pytest.raises(ConfigError, match=r"models\[0\]\.policy"):
+        parse_config(arm_config(Arm("lottery", "extproc", "lottery", model={"policy": "lottery"}), ["a"]))
+
+
+def test_hey_csv_rows_become_latencies_of_successful_requests(tmp_path: Path) -> None:
+    text = (
+        "response-time,DNS+dialup,DNS,Request-write,Response-delay,Response-read,status-code,offset\n"
+        "0.0012,0.0001,0.0000,0.0000,0.0011,0.0000,200,0.0010\n"
+        "0.0020,0.0000,0.0000,0.0000,0.0019,0.0000,503,0.0040\n"
+        "0.0009,0.0000,0.0000,0.0000,0.0008,0.0000,200,0.0070\n"
+    )
+    run = parse_hey_csv(text, seconds=0.5)
+    assert (run.sent, run.ok) == (3, 2)
+    assert run.latencies_s == (0.0012, 0.0009)
+    assert run.rate == 4.0

@@ -1,0 +1,44 @@
+"""The overhead benchmark's parts: the fast upstream, the uncontended config, and a short run with `hey`."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from extproc.bench.arms import MODEL, free_port
+from extproc.bench.overhead import REQUEST_BODY, overhead_config, run_overhead, summarize_overhead, upstream_bootstrap
+from extproc.config import parse_config
+from extproc.engine_metrics import parse_load
+from extproc.envoy_proc import start_envoy
+
+
+async def test_fast_upstream_answers_chat_and_reports_an_idle_engine(tmp_path: Path) -> None:
+    port = free_port()
+    async with await start_envoy(upstream_bootstrap(port, free_port()), tmp_path):
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{url}/metrics") as response:
+                load = parse_load("vllm", await response.text(), MODEL)
+            assert (load.waiting, load.running) == (0, 0)
+            headers = {"content-type": "application/json"}
+            async with session.post(f"{url}/v1/chat/completions", data=REQUEST_BODY, headers=headers) as response:
+                assert response.status == 200
+                assert (await response.json())["choices"][0]["message"]["content"]
+    config = parse_config(overhead_config(url))
+    assert config.models[0].target_waiting >= 1_000_000  # the gate never holds
+
+
+@pytest.mark.skipif(shutil.which("hey") is None, reason="the load tool `hey` is not installed (apt-get install hey)")
+async def test_short_overhead_run_measures_all_three_paths(tmp_path: Path) -> None:
+    summary = summarize_overhead(await run_overhead(tmp_path, seconds=0.5))
+    assert list(summary["paths"]) == ["upstream", "envoy", "envoy+extproc"]
+    for path, figures in summary["paths"].items():
+        for run in ("fixed", "max"):
+            assert figures[run]["ok"] == figures[run]["sent"] > 0, (path, run)
+            assert figures[run]["p50"] > 0
+    assert summary["extproc_max_rate"] > 0
+    assert summary["extproc_cpu_us_per_request"] > 0
+    assert set(summary["extproc_added_ms"]) == {"p50", "p99"}

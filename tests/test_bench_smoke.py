@@ -1,0 +1,48 @@
+"""CI smoke run of ``extproc bench --quick``: results are produced and sane (no performance claims)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ARMS = ("direct-fifo", "envoy", "extproc-rr")
+
+
+def test_quick_bench_writes_sane_results(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "extproc", "bench", "--quick", "--out", str(out), "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    results = json.loads((out / "results.json").read_text())
+    scenario = results["scenarios"]["power-user"]
+    assert tuple(scenario) == ARMS
+    for arm, summary in scenario.items():
+        # Every request of every arm was answered in full, through the real Envoy and processor.
+        assert summary["requests"] == summary["ok"] == 42, (arm, summary["errors"])
+        rates = summary["throughput"]
+        assert rates["tokens_per_s"] > 0 and rates["requests_per_s"] > 0
+        for ratio in ("requests_ratio", "tokens_ratio", "horizon_tokens_ratio"):
+            assert math.isfinite(rates[ratio]) and rates[ratio] > 0, (arm, ratio)
+        assert summary["focus"]["ttft"]["p50"] > 0
+        assert summary["engine"]["samples"] > 0
+    assert scenario["direct-fifo"]["throughput"]["tokens_ratio"] == 1.0
+    # Only the gateway with the processor reports a queue wait.
+    assert scenario["extproc-rr"]["focus"]["queue_wait"] is not None
+    assert scenario["direct-fifo"]["focus"]["queue_wait"] is None
+    assert {row["arm"] for row in results["targets"]} >= {"extproc-rr"}
+
+    summary_md = (out / "summary.md").read_text()
+    assert "### power-user" in summary_md and all(arm in summary_md for arm in ARMS)
+    for kind in ("ttft", "waiting", "service"):
+        png = out / f"power-user-{kind}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert png.stat().st_size < 150_000
+    # Raw per-request data and every process's log stay in the work folder.
+    raw = json.loads((tmp_path / "work" / "power-user" / "extproc-rr" / "raw.json").read_text())
+    assert len(raw["requests"]) == 42
