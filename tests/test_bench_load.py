@@ -8,7 +8,7 @@ import statistics
 import numpy as np
 import pytest
 
-from extproc.bench.load import Fixed, LogNormal, Pareto, Stream, plan, poisson_times
+from extproc.bench.load import LogNormal, Pareto, Stream, plan, poisson_times
 from extproc.bench.scenarios import full_set, quick_set
 
 CHAT = (LogNormal(400, 1.0, 16, 8000), LogNormal(128, 0.8, 8, 1024))
@@ -69,10 +69,6 @@ def test_pareto_lengths_are_power_law_above_the_scale() -> None:
     # P(X > 4 * scale) = 4^-1.5 = 1/8 for a Pareto with alpha 1.5.
     share = sum(d > 4 * 1500 for d in draws) / len(draws)
     assert share == pytest.approx(1 / 8, abs=0.01)
-
-
-def test_fixed_lengths() -> None:
-    assert Fixed(48).sample(np.random.default_rng(0), 3) == [48, 48, 48]
 
 
 def test_named_scenarios_are_well_formed() -> None:

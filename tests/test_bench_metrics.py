@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from extproc.bench.arms import ARMS, Arm, arm_config
-from extproc.bench.load import Fixed, Stream
+from extproc.bench.load import LogNormal, Stream
 from extproc.bench.metrics import (
     W_IN,
     W_OUT,
@@ -100,7 +100,8 @@ def test_throughput_over_the_makespan_and_the_common_horizon() -> None:
 
 
 def test_summary_of_a_run_relative_to_direct_fifo() -> None:
-    scenario = Scenario("s", "test", (Stream("a", Fixed(1), Fixed(1)),), focus="b", focus_tenants=frozenset({"b"}),
+    one_token = LogNormal(1, 0)
+    scenario = Scenario("s", "test", (Stream("a", one_token, one_token),), focus="b", focus_tenants=frozenset({"b"}),
                         reference_before=5.0)
     fifo = ArmRun("s", "direct-fifo", 0.5, (result("a", 0, 1, 10), result("b", 6, 4, 8)),
                   (EngineSample(1, 5, 16), EngineSample(2, 7, 16), EngineSample(30, 99, 0)), 10.0, {"engine": 2.0})

@@ -31,14 +31,6 @@ class Lengths(Protocol):
 
 
 @dataclass(frozen=True)
-class Fixed:
-    tokens: int
-
-    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
-        return [self.tokens] * n
-
-
-@dataclass(frozen=True)
 class LogNormal:
     """Log-normal token counts, the usual fit for chat prompt and answer lengths.
 

@@ -41,10 +41,6 @@ def _get(data: Any, *path: str) -> Any:
     return data
 
 
-def _ms(seconds: float | None) -> str:
-    return "–" if seconds is None else f"{seconds * 1000:,.0f}"
-
-
 def _s(seconds: float | None) -> str:
     if seconds is None:
         return "–"
