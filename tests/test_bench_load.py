@@ -8,6 +8,7 @@ import statistics
 import numpy as np
 import pytest
 
+from extproc.bench.arms import ARMS
 from extproc.bench.load import LogNormal, Pareto, Stream, plan, poisson_times
 from extproc.bench.scenarios import full_set, quick_set
 
@@ -73,11 +74,15 @@ def test_pareto_lengths_are_power_law_above_the_scale() -> None:
 
 def test_named_scenarios_are_well_formed() -> None:
     scenarios = full_set()
-    assert [s.name for s in scenarios] == ["power-user", "steady-mix", "priority-mix", "noisy-neighbour", "join-leave"]
+    assert [s.name for s in scenarios] == [
+        "power-user", "steady-mix", "priority-mix", "noisy-neighbour", "join-leave", "gate-mix"
+    ]
+    known_arms = {a.name for a in ARMS}
     for scenario in [*scenarios, *quick_set()]:
         requests = scenario.requests()
         assert requests, scenario.name
         assert any(scenario.in_focus(r.tenant, r.priority) for r in requests), scenario.name
+        assert "direct-fifo" in scenario.arms and set(scenario.arms) <= known_arms, scenario.name
         # Every request fits the simulated engine's context (prompt + output <= KV cache).
         assert max(r.prompt_tokens + r.max_tokens for r in requests) <= 65536
     power = scenarios[0].requests()

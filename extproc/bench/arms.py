@@ -41,11 +41,30 @@ class Arm:
 
 
 DIRECT = Arm("direct-fifo", "direct", "clients straight to the engine: its FIFO queue decides")
+# The gate comparison's static baselines are tuned by hand to the bench engine
+# (scenarios.Engine: 16 sequences) at the default time scale (0.25): the best
+# a static setting can do when someone measured the engine for it.
+STATIC_CONCURRENCY = 16 + TARGET_WAITING
+STATIC_RATE = 8.0  # released requests per wall-clock second: ~2 per model second, the gate-mix capacity
 ARMS: tuple[Arm, ...] = (
     DIRECT,
     Arm("envoy", "envoy", "through Envoy without ext_proc (routing on the body's model): Envoy's own cost"),
-    Arm("extproc-rr", "extproc", "Envoy + extproc, round-robin per tenant, gate on the engine's waiting queue"),
+    Arm("extproc-rr", "extproc", "Envoy + extproc, round-robin per tenant, adaptive gate (the defaults)"),
+    Arm("extproc-vtc", "extproc", "Envoy + extproc, cost-weighted fair queueing (vtc), adaptive gate",
+        model={"policy": "vtc"}),
+    Arm("gate-waiting", "extproc", "round-robin; gate: waiting_target (release while engine waiting < target)",
+        model={"gate": "waiting_target"}),
+    Arm("gate-static-concurrency", "extproc",
+        f"round-robin; gate: static_concurrency, {STATIC_CONCURRENCY} in flight (hand-tuned: batch + target)",
+        model={"gate": "static_concurrency", "max_in_flight": STATIC_CONCURRENCY}),
+    Arm("gate-static-rate", "extproc",
+        f"round-robin; gate: static_rate, {STATIC_RATE:g} req/s (hand-tuned to the gate-mix capacity)",
+        model={"gate": "static_rate", "release_rate": STATIC_RATE}),
 )
+# Which arms a scenario runs unless it names its own: the fairness comparison.
+FAIRNESS_ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc")
+# The gate comparison (gate-mix): the release rules against each other, same policy.
+GATE_ARMS = ("direct-fifo", "gate-static-concurrency", "gate-static-rate", "gate-waiting", "extproc-rr")
 
 
 def free_port() -> int:

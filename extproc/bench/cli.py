@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="CI smoke run: a small power-user scenario, no overhead benchmark")
     parser.add_argument("--scenarios", help="comma-separated scenario names (default: all; see docs/benchmarks.md)")
-    parser.add_argument("--arms", help="comma-separated arm names (default: all; direct-fifo always runs)")
+    parser.add_argument("--arms", help="comma-separated arm names (default: each scenario's own; direct-fifo "
+                        "always runs)")
     parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
                         help="simulator speed: 0.25 runs 4x faster than a real GPU (default %(default)s)")
     parser.add_argument("--out", default="bench-out", help="results folder (default %(default)s)")
@@ -113,12 +114,15 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     runs: dict[str, list[ArmRun]] = {}
     summaries: dict[str, dict[str, Any]] = {}
     overhead = None
-    total = sum(len(s.requests()) for s in scenarios) * len(arms) + (2 * OVERHEAD_ROUNDS if with_overhead else 0)
+    def arms_of(scenario: Scenario) -> list[Arm]:
+        return [a for a in arms if a == DIRECT or a.name in scenario.arms]
+
+    total = sum(len(s.requests()) * len(arms_of(s)) for s in scenarios) + (2 * OVERHEAD_ROUNDS if with_overhead else 0)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("starting", total=total)
         for scenario in scenarios:
-            for arm in arms:
+            for arm in arms_of(scenario):
                 progress.update(task, description=f"{scenario.name} · {arm.name}")
                 run = await run_arm(
                     scenario, arm, engine=engine, time_scale=args.time_scale,

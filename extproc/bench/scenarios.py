@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from extproc.bench.arms import FAIRNESS_ARMS, GATE_ARMS
 from extproc.bench.load import LogNormal, Pareto, Planned, Stream, plan
 
 
@@ -53,6 +54,8 @@ class Scenario:
     # Tenant weights for the weighted-service fairness index (default 1).
     weights: Mapping[str, float] = field(default_factory=dict)
     seed: int = 1
+    # The arms this scenario compares (direct FIFO always runs: it is the baseline).
+    arms: tuple[str, ...] = FAIRNESS_ARMS
 
     @property
     def tenants(self) -> list[str]:
@@ -146,8 +149,26 @@ def join_leave() -> Scenario:
     )
 
 
+# Heavy-tailed answers: a few are 10x the median.
+HEAVY_OUTPUT = LogNormal(median=128, sigma=1.2, lo=8, hi=2048)
+
+
+def gate_mix(duration: float = 40.0) -> Scenario:
+    tenants = [Stream(f"t{i}", CHAT_PROMPT, HEAVY_OUTPUT, rate=0.4, end=duration) for i in range(1, 7)]
+    return Scenario(
+        name="gate-mix",
+        description="6 tenants at 0.4 req/s with heavy-tailed answers (~1.2x capacity); "
+        "a newcomer from half-time: the release rules compared",
+        streams=(*tenants, Stream("newcomer", CHAT_PROMPT, CHAT_OUTPUT, rate=0.25, start=duration / 2, end=duration)),
+        focus="newcomer",
+        focus_tenants=frozenset({"newcomer"}),
+        seed=6,
+        arms=GATE_ARMS,
+    )
+
+
 def full_set() -> list[Scenario]:
-    return [power_user(), steady_mix(), priority_mix(), noisy_neighbour(), join_leave()]
+    return [power_user(), steady_mix(), priority_mix(), noisy_neighbour(), join_leave(), gate_mix()]
 
 
 def quick_set() -> list[Scenario]:
