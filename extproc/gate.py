@@ -67,11 +67,12 @@ docs/policies.md):
   it was ever seen running. Such releases are sized to free slots: the
   waiting rule does not count them as unseen *waiting*, and the adaptive
   limit keeps ``target_waiting`` above the engine's capacity, so they never
-  eat the allowance of the bands above. With ``share`` 1 and no configured capacity the band also
-  probes past the learned capacity (doubling until the engine first shows a
-  waiting queue, then one request per scrape), so it finds the engine's real
-  size; a probe that does not fit waits in the engine and stops the band
-  until the queue is empty again.
+  eat the allowance of the bands above. With ``share`` 1 and no configured
+  capacity the band also probes past the learned capacity (doubling, by at
+  most ``target_waiting`` a scrape, until the engine first shows a waiting
+  queue, then one request per scrape), so it finds the engine's real size; a
+  probe that does not fit waits in the engine and stops the band until the
+  queue is empty again.
 
 Pure: the caller passes ``now`` (a monotonic clock) to every method.
 """
@@ -379,8 +380,10 @@ class Gate:
             return free
         if share < 1 or max_running is not None or counts.unseen_into_slots:
             return 0
-        # Probe: doubling until the engine first queued, then one more per scrape.
-        return 1 if self._seen_waiting else max(1, int(occupancy))
+        # Probe: growing (doubling, at most target_waiting a scrape, so a probe
+        # that does not fit leaves no more than the target waiting) until the
+        # engine first queued, then one more per scrape.
+        return 1 if self._seen_waiting else max(1, min(int(occupancy), self.target_waiting))
 
     def next_change_in(self, now: float) -> float | None:
         """Seconds until the allowance grows without any event (``static_rate``), else None."""

@@ -321,8 +321,9 @@ def test_an_idle_only_band_probes_for_the_engine_size() -> None:
             gate.record_release(released, now, into_free_slot=True)
             released += 1
         now += 0.1
-    # Doubling until the engine first queues (1, 1, 2, 4 -> 8 > 6), then it waits for the queue to clear.
-    assert sizes == [1, 1, 2, 4, 0, 0]
+    # Doubling, by at most target (3) a scrape, until the engine first queues (1, 1, 2, 3 -> 7 > 6);
+    # then it waits for the queue to clear.
+    assert sizes == [1, 1, 2, 3, 0, 0]
 
 
 def test_an_idle_only_band_keeps_a_slot_for_the_others_without_metrics() -> None:
