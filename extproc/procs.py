@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +21,30 @@ from typing import Self
 import aiohttp
 
 LOG_TAIL_LINES = 40
+# Below Linux's ephemeral range (32768+): a port picked here cannot be taken
+# meanwhile by an outgoing connection's source port, which a busy run makes
+# hundreds of.
+_PORTS = range(10_000, 32_000)
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on, never the same twice in one process.
+
+    For the configs of child processes (tests, benchmark): the child binds it a
+    moment later, so it must not be handed out twice nor be an ephemeral port.
+    """
+    while True:
+        port = random.choice(_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
 
 
 class ProcessStartError(RuntimeError):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -11,30 +9,10 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.procs import free_port
+
 API_KEYS = {"key-alice": "alice", "key-bob": "bob", "key-carol": "carol", "key-dave": "dave"}
 TENANT_KEYS = {tenant: key for key, tenant in API_KEYS.items()}
-
-
-# Below Linux's ephemeral range (32768+): a port picked here cannot be taken
-# meanwhile by an outgoing connection's source port, which a busy test makes
-# hundreds of.
-_PORTS = range(10_000, 32_000)
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A port nothing listens on, never the same twice in one test run."""
-    while True:
-        port = random.choice(_PORTS)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
 
 
 def write_config(

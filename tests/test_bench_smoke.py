@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ARMS = ("direct-fifo", "envoy", "extproc-rr")
+ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc")
 
 
 def test_quick_bench_writes_sane_results(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import stat
 import subprocess
 from pathlib import Path
@@ -32,7 +31,7 @@ from extproc.envoy_config import (
     render,
 )
 from extproc.envoy_proc import start_envoy
-from extproc.procs import ProcessStartError
+from extproc.procs import ProcessStartError, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = ROOT / "extproc" / "data" / "demo.yaml"
@@ -45,17 +44,7 @@ JWT_BOOTSTRAP = ROOT / "envoy" / "jwt-bootstrap.yaml"
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct ports the kernel just handed out (free unless someone races us)."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    return [free_port() for _ in range(n)]
 
 
 def free_port_config(api_keys: dict[str, str] | None = None, **overrides: Any) -> Config:

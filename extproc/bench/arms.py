@@ -11,7 +11,6 @@ fails at start with the config error's key path.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from extproc.procs import free_port
 from extproc.stack import Gateway
 
 MODEL = "bench-model"
@@ -65,12 +65,6 @@ ARMS: tuple[Arm, ...] = (
 FAIRNESS_ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc")
 # The gate comparison (gate-mix): the release rules against each other, same policy.
 GATE_ARMS = ("direct-fifo", "gate-static-concurrency", "gate-static-rate", "gate-waiting", "extproc-rr")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def api_key(tenant: str) -> str:

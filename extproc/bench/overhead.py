@@ -40,9 +40,9 @@ from typing import Any
 
 import yaml
 
-from extproc.bench.arms import MODEL, api_key, free_port
+from extproc.bench.arms import MODEL, api_key
 from extproc.envoy_proc import start_envoy
-from extproc.procs import cpu_seconds
+from extproc.procs import cpu_seconds, free_port
 from extproc.scenario import percentile
 from extproc.stack import start_stack
 
