@@ -48,6 +48,11 @@ class Rejected(Exception):
     queue_wait_s: float | None = None
 
 
+def shutting_down() -> Rejected:
+    """The answer while the processor drains (a new exception each time: one is raised per request)."""
+    return Rejected(503, "shutting_down", "the gateway is restarting; retry shortly", retry_after_s=1)
+
+
 @dataclass(eq=False)
 class Held:
     """One request in the queue; identity-hashed so equal-looking requests stay distinct."""
@@ -92,7 +97,6 @@ class ModelDispatcher:
         self._cost = CostModel(model.cost)
         self._decode_rate = DecodeRate()
         self._release_rate = ReleaseRate()
-        self._capacity = None if model.max_running is None else model.max_running * len(model.endpoints)
         itl_ms = model.max_inter_token_latency_ms
         self.gate = Gate(
             model.endpoints,
@@ -192,12 +196,11 @@ class ModelDispatcher:
 
     def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float) -> None:
         self.gate.record_scrape(endpoint, load, started_at)
-        if load is not None:
-            self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
         name = self.model.name
         if load is None:
             self._telemetry.scrape_errors.labels(name, endpoint).inc()
         else:
+            self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
             self._telemetry.engine_waiting.labels(name, endpoint).set(load.waiting)
             self._telemetry.engine_running.labels(name, endpoint).set(load.running)
             if load.kv_usage is not None:
@@ -218,11 +221,11 @@ class ModelDispatcher:
                     pass
         self.gate.set_endpoints(endpoints)
 
-    def reject_all(self, rejection: Rejected) -> None:
-        """End every queued request with ``rejection`` (used when draining runs out of time)."""
+    def reject_all(self) -> None:
+        """End every queued request with 503 ``shutting_down`` (draining ran out of time)."""
         while len(self._queue):
             band, _, held = self._queue.pop()
-            self._resolve(held, rejection)
+            self._resolve(held, shutting_down())
             self._update_depth(band)
 
     def dispatch(self) -> None:
@@ -268,9 +271,7 @@ class ModelDispatcher:
     def _allowance(self, band: int, now: float) -> int:
         settings = self._bands[band]
         if settings.idle_only:
-            return self.gate.idle_allowance(
-                now, settings.idle_running_share, self.model.reserved_waiting, self._capacity
-            )
+            return self.gate.idle_allowance(now, settings.idle_running_share, self.model.reserved_waiting)
         return self.gate.allowance(now, 0 if band == 0 else self.model.reserved_waiting)
 
     def _expire(self, held: Held) -> None:

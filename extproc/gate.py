@@ -128,16 +128,24 @@ class _Bucket:
 
 
 @dataclass
-class _Counts:
-    """Corrections to a snapshot: requests finished since it, released but unseen by it.
+class _Estimate:
+    """A snapshot (summed over endpoints) and its corrections: requests finished
+    since it, and releases it cannot contain yet.
 
     ``unseen_into_slots`` are the unseen releases of idle-only bands, sized to
     free batch slots: they occupy the engine but are not expected to wait.
     """
 
+    waiting: float
+    running: float
     finished: int = 0
     unseen: int = 0
     unseen_into_slots: int = 0
+
+    @property
+    def waiting_now(self) -> float:
+        """The engine's waiting queue now (the waiting rule's estimate)."""
+        return max(0.0, self.waiting - self.finished) + self.unseen - self.unseen_into_slots
 
 
 @dataclass
@@ -156,7 +164,8 @@ class Gate:
     itl_window_s: float = 2.0
     pick_endpoints: bool = False
     # The engine's batch size per endpoint, when the operator knows it: the adaptive
-    # limit then starts at it (+ target_waiting) instead of ramping up from target_waiting.
+    # limit then starts at it (+ target_waiting) instead of ramping up from
+    # target_waiting, and an idle-only band fills up to it instead of probing.
     max_running: int | None = None
     _state: dict[str, _Endpoint] = field(init=False, default_factory=dict)
     # Released and not finished, in release order:
@@ -301,32 +310,34 @@ class Gate:
 
     # --- the decision ------------------------------------------------------------
 
-    def _counts(self, snapshot: float, endpoint: str | None) -> _Counts:
-        """Finished/unseen corrections to a snapshot taken at ``snapshot`` (None: whole pool)."""
+    def _estimate(self, states: Sequence[_Endpoint], endpoint: str | None) -> _Estimate:
+        """The states' last snapshot, corrected since the oldest of them (``endpoint`` None: whole pool)."""
+        snapshot = min(s.started_at for s in states)
         horizon = snapshot - VISIBILITY_GRACE_S
-        counts = _Counts()
+        estimate = _Estimate(
+            waiting=sum(s.load.waiting for s in states if s.load),
+            running=sum(s.load.running for s in states if s.load),
+        )
         for done, released, ep in self._finished:
             if (endpoint is None or ep == endpoint) and done > snapshot + VISIBILITY_GRACE_S and released < horizon:
-                counts.finished += 1
+                estimate.finished += 1
         for released, ep, into_slot in reversed(self._in_flight.values()):
             if released < horizon:
                 break
             if endpoint is None or ep == endpoint:
-                counts.unseen += 1
-                counts.unseen_into_slots += into_slot
-        return counts
+                estimate.unseen += 1
+                estimate.unseen_into_slots += into_slot
+        return estimate
 
     def _mine(self, endpoint: str) -> int:
         return sum(1 for _, ep, _ in self._in_flight.values() if ep == endpoint)
 
-    def _headroom(self, loads: Sequence[_Endpoint], counts: _Counts) -> float:
-        waiting = sum(s.load.waiting for s in loads if s.load)
-        running = sum(s.load.running for s in loads if s.load)
+    def _headroom(self, states: Sequence[_Endpoint], endpoint: str | None) -> float:
+        estimate = self._estimate(states, endpoint)
         if self.kind == "waiting_target":
-            estimated = max(0.0, waiting - counts.finished) + counts.unseen - counts.unseen_into_slots
-            return self.target_waiting * len(loads) - estimated
-        limit = sum(s.limit.limit for s in loads)
-        return limit - (running + waiting - counts.finished + counts.unseen)
+            return self.target_waiting * len(states) - estimate.waiting_now
+        limit = sum(s.limit.limit for s in states)
+        return limit - (estimate.running + estimate.waiting - estimate.finished + estimate.unseen)
 
     def endpoint_allowance(self, endpoint: str, now: float) -> int:
         """How many more requests ``endpoint`` may get now (endpoint picking)."""
@@ -336,7 +347,7 @@ class Gate:
             return max(0, self.max_in_flight - self._mine(endpoint))
         if not self._healthy(state, now):
             return max(0, self.fallback_limit(endpoint) - self._mine(endpoint))
-        return max(0, int(self._headroom([state], self._counts(state.started_at, endpoint))))
+        return max(0, int(self._headroom([state], endpoint)))
 
     def allowance(self, now: float, reserve: int = 0) -> int:
         """How many requests may be released now (never negative), leaving ``reserve`` to higher bands."""
@@ -353,11 +364,9 @@ class Gate:
             return self.max_in_flight * len(self._state) - len(self._in_flight)
         if self.mode(now) is GateMode.FALLBACK:
             return sum(self.fallback_limit(e) for e in self._state) - len(self._in_flight)
-        states = list(self._state.values())
-        oldest = min(s.started_at for s in states)
-        return int(self._headroom(states, self._counts(oldest, None)))
+        return int(self._headroom(list(self._state.values()), None))
 
-    def idle_allowance(self, now: float, share: float, reserve: int, max_running: int | None) -> int:
+    def idle_allowance(self, now: float, share: float, reserve: int) -> int:
         """How many requests of an idle-only band fit in the engine now (see the module docstring).
 
         Without usable metrics (or with a variant that ignores them) idleness
@@ -366,19 +375,18 @@ class Gate:
         """
         if self.kind not in _METRIC_KINDS or self.mode(now) is GateMode.FALLBACK:
             return self.allowance(now, max(1, reserve))
-        states = list(self._state.values())
-        oldest = min(s.started_at for s in states)
-        counts = self._counts(oldest, None)
-        waiting = sum(s.load.waiting for s in states if s.load)
-        running = sum(s.load.running for s in states if s.load)
-        if max(0.0, waiting - counts.finished) + counts.unseen - counts.unseen_into_slots > 0:
+        estimate = self._estimate(list(self._state.values()), None)
+        if estimate.waiting_now > 0:
             return 0
-        occupancy = max(0.0, waiting + running - counts.finished) + counts.unseen
-        capacity = max_running if max_running is not None else self._peak_running
+        occupancy = max(0.0, estimate.waiting + estimate.running - estimate.finished) + estimate.unseen
+        if self.max_running is not None:
+            capacity: float = self.max_running * len(self._state)
+        else:
+            capacity = self._peak_running
         free = math.ceil(share * capacity - occupancy)
         if free >= 1:
             return free
-        if share < 1 or max_running is not None or counts.unseen_into_slots:
+        if share < 1 or self.max_running is not None or estimate.unseen_into_slots:
             return 0
         # Probe: growing (doubling, at most target_waiting a scrape, so a probe
         # that does not fit leaves no more than the target waiting) until the

@@ -290,21 +290,21 @@ def test_lower_bands_leave_the_reserve_to_the_first() -> None:
 
 @pytest.mark.parametrize("kind", ["adaptive", "waiting_target"])
 def test_an_idle_only_band_fills_free_slots_and_stops_at_a_queue(kind: str) -> None:
-    gate = make_gate(target=3, kind=kind)
+    gate = make_gate(target=3, kind=kind, max_running=8)
     # The engine was seen full once (8 running, a queue): the adaptive limit is 8 + 3.
     gate.record_scrape("e1", EngineLoad(waiting=2, running=8), started_at=-1.0)
     gate.record_scrape("e1", EngineLoad(waiting=0, running=2), started_at=0.0)
-    assert gate.idle_allowance(0.0, share=1.0, reserve=0, max_running=8) == 6
-    assert gate.idle_allowance(0.0, share=0.5, reserve=0, max_running=8) == 2
+    assert gate.idle_allowance(0.0, share=1.0, reserve=0) == 6
+    assert gate.idle_allowance(0.0, share=0.5, reserve=0) == 2
     for i in range(6):
         gate.record_release(i, 0.01, into_free_slot=True)
     # Sized to free slots: not counted as waiting, so the bands above keep their allowance.
     assert gate.allowance(0.02) == 3
-    assert gate.idle_allowance(0.02, share=1.0, reserve=0, max_running=8) == 0
+    assert gate.idle_allowance(0.02, share=1.0, reserve=0) == 0
     gate.record_scrape("e1", EngineLoad(waiting=1, running=7), started_at=0.2)
-    assert gate.idle_allowance(0.2, share=1.0, reserve=0, max_running=8) == 0  # not idle: a queue
+    assert gate.idle_allowance(0.2, share=1.0, reserve=0) == 0  # not idle: a queue
     gate.record_finish(0, 0.3)  # the waiting one takes the freed slot: 7 of 8 in use
-    assert gate.idle_allowance(0.3, share=1.0, reserve=0, max_running=8) == 1
+    assert gate.idle_allowance(0.3, share=1.0, reserve=0) == 1
 
 
 def test_an_idle_only_band_probes_for_the_engine_size() -> None:
@@ -315,7 +315,7 @@ def test_an_idle_only_band_probes_for_the_engine_size() -> None:
     for _ in range(6):
         running = min(released, capacity)
         gate.record_scrape("e1", EngineLoad(waiting=released - running, running=running), started_at=now)
-        grant = gate.idle_allowance(now, share=1.0, reserve=0, max_running=None)
+        grant = gate.idle_allowance(now, share=1.0, reserve=0)
         sizes.append(grant)
         for _ in range(grant):
             gate.record_release(released, now, into_free_slot=True)
@@ -328,9 +328,9 @@ def test_an_idle_only_band_probes_for_the_engine_size() -> None:
 
 def test_an_idle_only_band_keeps_a_slot_for_the_others_without_metrics() -> None:
     gate = make_gate(target=3, fallback=3)
-    assert gate.idle_allowance(0.0, share=1.0, reserve=0, max_running=None) == 2
+    assert gate.idle_allowance(0.0, share=1.0, reserve=0) == 2
     gate.record_release("a", 0.0)
-    assert gate.idle_allowance(0.0, share=1.0, reserve=2, max_running=None) == 0
+    assert gate.idle_allowance(0.0, share=1.0, reserve=2) == 0
 
 
 def test_a_known_batch_size_starts_the_adaptive_limit_there() -> None:
