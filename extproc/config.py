@@ -30,6 +30,12 @@ MISSING_TENANT = ("default", "reject")
 DEFAULT_TENANT_KEY = "default"
 
 
+def split_address(text: str) -> tuple[str, int]:
+    """A validated ``HOST:PORT`` (IPv6 in brackets allowed) -> (host, port)."""
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 def is_ip_address(host: str) -> bool:
     """True for a literal IPv4/IPv6 address, False for a host name (which needs DNS)."""
     try:

@@ -53,21 +53,19 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from extproc.config import Config, ConfigError, is_ip_address, load_config
+from extproc.config import Config, ConfigError, is_ip_address, load_config, split_address
+from extproc.protocol import DESTINATION_HEADER, METADATA_NAMESPACE, QUEUE_WAIT_HEADER
 
-METADATA_NAMESPACE = "extproc"
 EXTPROC_CLUSTER = "extproc"
-# Endpoint picking (Gateway API Inference Extension): header and ORIGINAL_DST cluster.
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# Endpoint picking (Gateway API Inference Extension): the ORIGINAL_DST cluster.
 PICKED_CLUSTER = "picked_endpoint"
 JWKS_CLUSTER = "jwks"
 JWT_PROVIDER = "tenant"
 JWKS_FETCH_TIMEOUT_S = 5.0
 JWKS_CACHE_S = 600.0
 # Request headers the processor sets that Envoy copies onto the response, so
-# clients see them (ext_proc itself skips response headers). Same name as
-# extproc.processor.QUEUE_WAIT_HEADER.
-ECHOED_HEADERS = ("x-extproc-queue-wait-ms",)
+# clients see them (ext_proc itself skips response headers).
+ECHOED_HEADERS = (QUEUE_WAIT_HEADER,)
 
 # Held requests each keep a stream to the processor and to the model open;
 # Envoy's default circuit breakers (1024 requests) would refuse the rest.
@@ -102,12 +100,6 @@ def _duration(seconds: float) -> str:
     """Envoy's Duration text: `150s`, `0.5s`."""
     text = f"{seconds:.3f}".rstrip("0").rstrip(".")
     return f"{text}s"
-
-
-def _split_address(text: str) -> tuple[str, int]:
-    """HOST:PORT (IPv6 in brackets allowed) -> (host, port)."""
-    host, _, port = text.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 def _connectable(host: str) -> str:
@@ -415,7 +407,7 @@ def routes(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any]]:
 
 def extproc_cluster(config: Config) -> dict[str, Any]:
     """The processor's gRPC cluster (HTTP/2)."""
-    host, port = _split_address(config.listen.grpc)
+    host, port = split_address(config.listen.grpc)
     host = _connectable(host)
     return {
         "name": EXTPROC_CLUSTER,
@@ -503,8 +495,8 @@ def bootstrap(config: Config, *, ext_proc: bool = True) -> dict[str, Any]:
     ext_proc filter; routes match the body's model in json_to_metadata's
     metadata): the benchmark's baseline for what Envoy alone costs.
     """
-    listen_host, listen_port = _split_address(config.envoy.listen)
-    admin_host, admin_port = _split_address(config.envoy.admin)
+    listen_host, listen_port = split_address(config.envoy.listen)
+    admin_host, admin_port = split_address(config.envoy.admin)
     ident = config.identity
     access_log_format = {
         "start_time": "%START_TIME%",

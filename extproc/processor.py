@@ -47,21 +47,14 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import duration_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from extproc.body import with_priority
 from extproc.config import Config
-from extproc.dispatcher import ModelDispatcher, Rejected
+from extproc.dispatcher import ModelDispatcher, Rejected, shutting_down
+from extproc.protocol import DESTINATION_HEADER, METADATA_NAMESPACE, QUEUE_WAIT_HEADER, REASON_HEADER
 from extproc.telemetry import Telemetry
 
-# Dynamic-metadata namespace that Envoy's json_to_metadata filter writes the body fields into.
-METADATA_NAMESPACE = "extproc"
-# Headers the processor adds to what it answers, so clients and logs can see why.
-REASON_HEADER = "x-extproc-reason"
-QUEUE_WAIT_HEADER = "x-extproc-queue-wait-ms"
-# Gateway API Inference Extension convention: the endpoint picked for a request
-# (HOST:PORT); Envoy routes requests carrying it to an ORIGINAL_DST cluster.
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # Envoy's override of the per-message timeout must outlast our own queue timeout.
 HOLD_MARGIN_S = 10
 
@@ -141,12 +134,17 @@ def _headers_of(message: pb.HttpHeaders) -> dict[str, str]:
             for h in message.headers.headers}
 
 
-def _body_field(request: pb.ProcessingRequest, name: str) -> str | None:
+def _metadata_value(request: pb.ProcessingRequest, name: str) -> struct_pb2.Value | None:
+    """A body field that Envoy's json_to_metadata copied into our metadata namespace."""
     fields = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
     if fields is None or name not in fields.fields:
         return None
-    value = fields.fields[name]
-    return value.string_value if value.WhichOneof("kind") == "string_value" else None
+    return fields.fields[name]
+
+
+def _body_field(request: pb.ProcessingRequest, name: str) -> str | None:
+    value = _metadata_value(request, name)
+    return value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else None
 
 
 def _body_model(request: pb.ProcessingRequest) -> str | None:
@@ -162,12 +160,13 @@ def _host_port(endpoint: str) -> str | None:
         return None
     host = f"[{address}]" if address.version == 6 else str(address)
     return f"{host}:{parts.port}"
+
+
 def _body_max_tokens(request: pb.ProcessingRequest) -> float | None:
-    fields = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
-    if fields is None or "max_tokens" not in fields.fields:
+    value = _metadata_value(request, "max_tokens")
+    if value is None or value.WhichOneof("kind") != "number_value" or value.number_value <= 0:
         return None
-    value = fields.fields["max_tokens"]
-    return value.number_value if value.WhichOneof("kind") == "number_value" and value.number_value > 0 else None
+    return value.number_value
 
 
 def _content_length(headers: dict[str, str]) -> int | None:
@@ -192,7 +191,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         """Who asks, for which model, how urgently — or why not (raises Rejected)."""
         identity = self._config.identity
         if self.draining:
-            raise Rejected(503, "shutting_down", "the gateway is restarting; retry shortly", retry_after_s=1)
+            raise shutting_down()
         if body_model is None:
             raise Rejected(
                 400, "model_missing",

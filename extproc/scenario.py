@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from extproc.processor import QUEUE_WAIT_HEADER
+from extproc.protocol import QUEUE_WAIT_HEADER
 
 
 @dataclass(frozen=True)

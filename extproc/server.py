@@ -11,11 +11,9 @@ then does the gRPC server stop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator
 
 import aiohttp
 import grpc
@@ -23,9 +21,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from extproc.config import Config
+from extproc.config import Config, split_address
 from extproc.discovery import watch_pool
-from extproc.dispatcher import ModelDispatcher, Rejected
+from extproc.dispatcher import ModelDispatcher
 from extproc.processor import Processor
 from extproc.telemetry import Telemetry
 
@@ -66,8 +64,8 @@ class ProcessorServer:
             raise OSError(f"listen.grpc: cannot bind {self.config.listen.grpc}")
         await self._grpc.start()
         # Metrics last: once /metrics answers, the gRPC port is serving (readiness probe).
-        host, _, port = self.config.listen.metrics.rpartition(":")
-        self._metrics_server, _ = start_http_server(int(port), host, registry=self.telemetry.registry)
+        host, port = split_address(self.config.listen.metrics)
+        self._metrics_server, _ = start_http_server(port, host, registry=self.telemetry.registry)
         self._session = aiohttp.ClientSession()
         for dispatcher in self.dispatchers.values():
             self._tasks.append(asyncio.create_task(watch_pool(self._session, dispatcher)))
@@ -86,9 +84,8 @@ class ProcessorServer:
         # Polling at 50 ms is fine here: it runs once per process lifetime.
         while self.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        rejection = Rejected(503, "shutting_down", "the gateway is restarting; retry shortly", retry_after_s=1)
         for dispatcher in self.dispatchers.values():
-            dispatcher.reject_all(rejection)
+            dispatcher.reject_all()
         await self._grpc.stop(FINAL_GRACE_S)
         await self.close()
 
@@ -102,16 +99,6 @@ class ProcessorServer:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         await self._grpc.stop(0)
-
-
-@contextlib.asynccontextmanager
-async def running(config: Config) -> AsyncIterator[ProcessorServer]:
-    server = ProcessorServer(config)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.close()
 
 
 async def serve(config: Config, drain_seconds: float) -> None:

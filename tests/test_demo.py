@@ -9,14 +9,13 @@ import sys
 
 import openai
 
-from extproc.config import load_config
+from extproc.config import load_config, split_address
 from extproc.demo import DEMO_CONFIG
 
 
 def port_is_free(address: str) -> bool:
-    host, _, port = address.rpartition(":")
     with socket.socket() as s:
-        return s.connect_ex((host, int(port))) != 0
+        return s.connect_ex(split_address(address)) != 0
 
 
 async def test_demo_shows_the_table_serves_the_sdk_and_cleans_up() -> None:

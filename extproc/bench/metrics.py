@@ -43,12 +43,13 @@ from dataclasses import dataclass
 
 from extproc.bench.runner import ArmRun, EngineSample, Result
 from extproc.bench.scenarios import Scenario
+from extproc.config import CostWeights
 from extproc.scenario import percentile
 
-# Cost weights of prompt and output tokens in a tenant's service (VTC's defaults:
-# an output token costs about twice a prompt token on a GPU).
-W_IN = 1.0
-W_OUT = 2.0
+# Cost weights of prompt and output tokens in a tenant's service: the ones the
+# `vtc` policy charges by default, so the fairness index measures what it equalises.
+W_IN = CostWeights.input_weight
+W_OUT = CostWeights.output_weight
 JAIN_WINDOW_S = 10.0
 PERCENTILES = (50, 95, 99)
 
