@@ -13,7 +13,7 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -71,10 +71,11 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 class ManagedProcess:
     """A running child; stop it with ``await stop()`` or ``async with``."""
 
-    def __init__(self, name: str, process: asyncio.subprocess.Process, log_path: Path) -> None:
+    def __init__(self, name: str, process: asyncio.subprocess.Process, log_path: Path, *, group: bool = False) -> None:
         self.name = name
         self.process = process
         self.log_path = log_path
+        self.group = group
 
     @classmethod
     async def start(
@@ -85,13 +86,21 @@ class ManagedProcess:
         *,
         ready_url: str,
         timeout: float = 30.0,
+        env: Mapping[str, str] | None = None,
+        group: bool = False,
     ) -> Self:
-        """Run ``argv`` and wait until ``ready_url`` answers 200."""
+        """Run ``argv`` (in ``env``, else ours) and wait until ``ready_url`` answers 200.
+
+        ``group`` runs the child in a process group of its own that ``stop()``
+        ends whole: for servers whose worker processes would outlive a killed
+        parent (vLLM's engine core and worker do).
+        """
         with open(log_path, "ab") as log:
             process = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env,
+                start_new_session=group,
             )
-        child = cls(name, process, log_path)
+        child = cls(name, process, log_path, group=group)
         try:
             await child._wait_ready(ready_url, timeout)
         except BaseException:
@@ -129,8 +138,21 @@ class ManagedProcess:
                 with contextlib.suppress(ProcessLookupError):
                     self.process.kill()
                 await self.process.wait()
+        if self.group:
+            await self._end_group(timeout)
         assert self.process.returncode is not None
         return self.process.returncode
+
+    async def _end_group(self, timeout: float) -> None:
+        """Give the rest of the group ``timeout`` to exit after its leader (a clean exit frees shared memory), then kill it."""
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                os.killpg(self.process.pid, 0)
+                await asyncio.sleep(0.05)
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the group is gone
 
     async def __aenter__(self) -> Self:
         return self
