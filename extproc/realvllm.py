@@ -31,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -124,10 +126,15 @@ async def start_vllm(
     model = await build_model(python)
     private = workdir / f"vllm-{name}-{port}"
     private.mkdir(parents=True, exist_ok=True)
+    # vLLM's processes talk over ZMQ sockets in TMPDIR, whose paths may not pass 107
+    # characters: a deep workdir fails there, so TMPDIR is short (one per port).
+    tmp = Path(tempfile.gettempdir()) / f"extproc-vllm-{port}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     blocks = max_num_seqs * -(-MAX_MODEL_LEN // BLOCK_SIZE)
     env = {
         **os.environ, **_ENV,
-        "TMPDIR": str(private), "VLLM_CACHE_ROOT": str(private), "TORCHINDUCTOR_CACHE_DIR": str(private),
+        "TMPDIR": str(tmp), "VLLM_CACHE_ROOT": str(private), "TORCHINDUCTOR_CACHE_DIR": str(private),
     }
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -38,6 +38,8 @@ class Arm:
     description: str
     model: Mapping[str, Any] = field(default_factory=dict)
     top: Mapping[str, Any] = field(default_factory=dict)
+    # The engine's waiting-queue order (vLLM's --scheduling-policy; the simulator's too).
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
 
 DIRECT = Arm("direct-fifo", "direct", "clients straight to the engine: its FIFO queue decides")

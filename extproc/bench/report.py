@@ -233,12 +233,16 @@ def markdown(
     summaries: Mapping[str, Mapping[str, Any]],
     overhead: Mapping[str, Any] | None,
 ) -> str:
+    engine = meta["engine"]
+    on = (f"a real {engine['version']} server per arm, batch {engine['max_num_seqs']}, in real time"
+          if engine.get("kind") == "vllm" else
+          f"the simulator at time scale {meta['time_scale']} (latencies below are model seconds: wall clock / time scale)")
     lines = [
         "# Benchmark results",
         "",
         f"Run {meta['started']} on {meta['machine']['cpu']} ({meta['machine']['cores']} cores), "
-        f"load average before the run {meta['machine']['loadavg_before']}; time scale {meta['time_scale']} "
-        f"(latencies below are model seconds: wall clock / time scale); {meta['wall_s']:.0f} s in all.",
+        f"load average before the run {meta['machine']['loadavg_before']}; engine: {on}; "
+        f"{meta['wall_s']:.0f} s in all.",
         "",
         "Arms: " + "; ".join(f"`{a.name}`: {a.description}" for a in arms) + ".",
         "",

@@ -25,6 +25,8 @@ import aiohttp
 from extproc.bench.arms import MODEL, Arm, api_key, write_arm_config
 from extproc.bench.load import Planned
 from extproc.bench.scenarios import Engine, Scenario
+from extproc.bench.vllm import VllmEngine
+from extproc.config import load_config
 from extproc.engine_metrics import MetricsError, parse_load
 from extproc.procs import cpu_seconds
 from extproc.scenario import chat
@@ -32,7 +34,6 @@ from extproc.stack import start_stack
 
 # How often the engine's queue is sampled (wall clock).
 SAMPLE_INTERVAL_S = 0.05
-# The simulator counts ~4 characters per prompt token.
 _FILLER = "the quick brown fox jumps over the lazy dog; " * 2000
 
 
@@ -85,9 +86,9 @@ class ArmRun:
     cpu_s: dict[str, float]
 
 
-def prompt_text(tokens: int) -> str:
-    """A prompt the simulator counts as ``tokens`` tokens."""
-    chars = 4 * tokens
+def prompt_text(tokens: int, chars_per_token: int = 4) -> str:
+    """A prompt the engine counts as about ``tokens`` tokens."""
+    chars = chars_per_token * tokens
     repeats = -(-chars // len(_FILLER))
     return (_FILLER * repeats)[:chars]
 
@@ -113,6 +114,7 @@ async def replay(
     time_scale: float,
     api_keys: dict[str, str],
     t0: float,
+    engine: Engine | VllmEngine,
     on_done: Callable[[], None] = lambda: None,
 ) -> list[Result]:
     """Send every planned request at ``t0 + at * time_scale`` (open loop) and wait for all answers."""
@@ -124,7 +126,8 @@ async def replay(
             headers = {"x-priority": planned.priority} if planned.priority else None
             outcome = await chat(
                 session, base_url, planned.tenant, MODEL, api_key=api_keys.get(planned.tenant),
-                max_tokens=planned.max_tokens, extra_headers=headers, prompt=prompt_text(planned.prompt_tokens),
+                max_tokens=planned.max_tokens, extra_headers=headers, extra_body=engine.request_extras,
+                prompt=prompt_text(planned.prompt_tokens, engine.chars_per_token),
             )
             on_done()
             scale = 1.0 / time_scale
@@ -156,15 +159,27 @@ async def run_arm(
     scenario: Scenario,
     arm: Arm,
     *,
-    engine: Engine,
+    engine: Engine | VllmEngine,
     time_scale: float,
     workdir: Path,
     on_done: Callable[[], None] = lambda: None,
 ) -> ArmRun:
-    """Start the arm's stack, replay the scenario through it, stop everything."""
+    """Start the arm's engine and stack, replay the scenario through it, stop everything."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = write_arm_config(workdir / "config.yaml", arm, scenario.tenants)
-    stack = await start_stack(config, workdir, sim_args=engine.sim_args(time_scale), gateway=arm.gateway)
+    if isinstance(engine, VllmEngine):
+        # vLLM first: it takes tens of seconds to start, and the processor should find it up.
+        endpoint = load_config(config).models[0].endpoints[0]
+        vllm = await engine.start(MODEL, endpoint, workdir, arm.scheduling_policy)
+        try:
+            stack = await start_stack(config, workdir, gateway=arm.gateway, engines=False)
+        except BaseException:
+            await vllm.stop()
+            raise
+        stack.sims.append(vllm)
+    else:
+        sim_args = [*engine.sim_args(time_scale), "--scheduling-policy", arm.scheduling_policy]
+        stack = await start_stack(config, workdir, sim_args=sim_args, gateway=arm.gateway)
     async with stack:
         direct = arm.gateway == "direct"
         base_url = stack.sim_url(MODEL) if direct else stack.envoy_url
@@ -181,7 +196,8 @@ async def run_arm(
         sampler = asyncio.create_task(_sample_engine(stack.sim_url(MODEL), MODEL, t0, time_scale, stop))
         try:
             results = await replay(
-                base_url, scenario.requests(), time_scale=time_scale, api_keys=keys, t0=t0, on_done=on_done
+                base_url, scenario.requests(), time_scale=time_scale, api_keys=keys, t0=t0, engine=engine,
+                on_done=on_done,
             )
         finally:
             stop.set()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from extproc.bench.arms import FAIRNESS_ARMS, GATE_ARMS
 from extproc.bench.load import LogNormal, Pareto, Planned, Stream, plan
@@ -30,6 +31,9 @@ class Engine:
     step_ms: float = 20.0
     step_ms_per_seq: float = 0.5
     prefill_ms_per_token: float = 0.1
+    # The simulator counts ~4 characters a token.
+    chars_per_token: int = 4
+    request_extras: Mapping[str, Any] = field(default_factory=dict)
 
     def sim_args(self, time_scale: float) -> list[str]:
         return [
