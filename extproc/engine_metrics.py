@@ -6,9 +6,9 @@ takes. A :class:`EngineDialect` names them; :func:`parse_load` reads them into
 one :class:`~extproc.gate.EngineLoad`. The names were checked against each
 project's own source (see ``docs/gate.md`` for the file each comes from):
 
-* ``vllm``      vLLM v1 (``vllm/v1/metrics/loggers.py``), with the v0 names
-  ``vllm:gpu_cache_usage_perc`` and ``vllm:time_per_output_token_seconds`` as
-  fallbacks for older servers.
+* ``vllm``      vLLM v1 (``vllm/v1/metrics/loggers.py``, checked against a
+  running 0.32), with the names of older releases as fallbacks (see the
+  dialect's comments).
 * ``sglang``    SGLang (``python/sglang/srt/metrics/collector.py``).
 * ``tgi``       HuggingFace TGI router (``metrics::gauge!`` calls in the router
   queue/batcher); TGI exposes no KV usage.
@@ -68,12 +68,21 @@ class EngineDialect:
 
 DIALECTS: dict[str, EngineDialect] = {
     "vllm": EngineDialect(
+        # Since 0.11 also split by reason (num_requests_waiting_by_reason: capacity,
+        # deferred), which adds up to this total.
         waiting=("vllm:num_requests_waiting",),
         running=("vllm:num_requests_running",),
+        # gpu_cache_usage_perc: v0 and early v1.
         kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         itl=(
+            # Every gap between two outputs of a running request, observed each step: the
+            # inter-token latency clients see while streaming.
             ("vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count"),
+            # The same histogram under its name before 0.11 (v0 and v1; hidden in 0.12, gone in 0.13).
             ("vllm:time_per_output_token_seconds_sum", "vllm:time_per_output_token_seconds_count"),
+            # Since 0.11: each finished request's mean decode time per token. Observed
+            # when a request ends, so it lags by a request; only if the above are missing.
+            ("vllm:request_time_per_output_token_seconds_sum", "vllm:request_time_per_output_token_seconds_count"),
         ),
         generation_tokens=("vllm:generation_tokens_total",),
     ),
