@@ -85,7 +85,8 @@ def vllm_python() -> Path:
         )
     check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     if subprocess.run([python, "-c", check], capture_output=True, check=False).returncode != 0:
-        raise VllmUnavailable(f"no vLLM: {python} cannot import vllm (a failed install? see ./dev's message)")
+        where = "" if configured else f" (./dev's install failed? see {VENV_PYTHON.parents[1] / 'install.log'})"
+        raise VllmUnavailable(f"no vLLM: {python} cannot import vllm{where}")
     return python
 
 
