@@ -14,6 +14,8 @@ from extproc.config import parse_config
 from extproc.engine_metrics import parse_load
 from extproc.envoy_proc import start_envoy
 
+pytestmark = pytest.mark.integration
+
 
 async def test_fast_upstream_answers_chat_and_reports_an_idle_engine(tmp_path: Path) -> None:
     port = free_port()

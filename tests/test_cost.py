@@ -11,6 +11,8 @@ from extproc.config import CostWeights
 from extproc.cost import CostModel, DecodeRate
 from extproc.limits import MAX_RETRY_AFTER_S, RATE_WINDOW_S, ReleaseRate
 
+pytestmark = pytest.mark.unit
+
 
 def test_estimate_from_content_length_and_max_tokens() -> None:
     model = CostModel(CostWeights(input_weight=1, output_weight=2, bytes_per_token=4, body_overhead_bytes=80))

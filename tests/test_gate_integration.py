@@ -11,11 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from extproc.config import ENGINES
 from extproc.scenario import chat
 from extproc.stack import start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
+
+pytestmark = pytest.mark.integration
 
 # 4 sequences per batch, 10x faster than real time.
 FAST_SIM = ["--max-num-seqs", "4", "--step-ms", "20", "--time-scale", "0.1"]

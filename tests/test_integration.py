@@ -22,6 +22,8 @@ from extproc.scenario import PowerUser, chat, run_power_user, summarize
 from extproc.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
 
+pytestmark = pytest.mark.integration
+
 # A small, fast GPU: 4 sequences per batch, 10x faster than real time.
 FAST_SIM = ["--max-num-seqs", "4", "--step-ms", "20", "--time-scale", "0.1"]
 

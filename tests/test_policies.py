@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.policies import VirtualTokenCounter
 from extproc.scheduler import FairQueue, TenantRoundRobin
+
+pytestmark = pytest.mark.unit
 
 
 def vtc(weights: dict[str, float] | None = None) -> VirtualTokenCounter[int]:

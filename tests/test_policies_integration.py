@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import jwt
+import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
@@ -22,6 +23,8 @@ from extproc.scenario import Outcome, chat, percentile
 from extproc.sim.server import estimate_tokens
 from extproc.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
+
+pytestmark = pytest.mark.integration
 
 SIM = ["--step-ms", "20", "--time-scale", "0.1"]
 # Weights of the default cost model (input 1, output 2), applied to the simulator's own token counts.

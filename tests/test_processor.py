@@ -16,6 +16,8 @@ from extproc.dispatcher import ModelDispatcher, Rejected
 from extproc.processor import HOLD_MARGIN_S, Processor
 from extproc.telemetry import Telemetry
 
+pytestmark = pytest.mark.unit
+
 CONFIG = parse_config(
     {"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "fallback_max_in_flight": 1}]}
 )

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from extproc.scheduler import FairQueue, TenantRoundRobin
 
+pytestmark = pytest.mark.unit
+
 
 def drain(queue: FairQueue[int]) -> list[tuple[int, str, int]]:
     out = []
