@@ -19,12 +19,13 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from extproc.core.policies import POLICIES
+
 T = TypeVar("T")
 
 # Metric dialects (extproc/engine_metrics.py) and gate variants (extproc/gate.py).
 ENGINES = ("vllm", "sglang", "tgi", "llamacpp", "trtllm")
 GATE_KINDS = ("adaptive", "waiting_target", "static_concurrency", "static_rate")
-POLICIES = ("round_robin", "vtc")
 MISSING_TENANT = ("default", "reject")
 # The per-tenant template in `tenants:`; its fields are every other tenant's defaults.
 DEFAULT_TENANT_KEY = "default"
@@ -409,7 +410,7 @@ def _model(raw: Any, path: str) -> ModelConfig:
             data, "fallback_max_in_flight", path, _int_at_least(1), ModelConfig.fallback_max_in_flight
         ),
         max_queue_wait_s=_get(data, "max_queue_wait_s", path, _positive_float, ModelConfig.max_queue_wait_s),
-        policy=_get(data, "policy", path, _choice(POLICIES), ModelConfig.policy),
+        policy=_get(data, "policy", path, _choice(tuple(POLICIES)), ModelConfig.policy),
         max_queued=_get(data, "max_queued", path, _int_at_least(1), ModelConfig.max_queued),
         reserved_waiting=_get(data, "reserved_waiting", path, _int_at_least(0), ModelConfig.reserved_waiting),
         engine_priority=_get(data, "engine_priority", path, _bool, ModelConfig.engine_priority),

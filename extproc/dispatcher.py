@@ -26,11 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from extproc.config import Band, ModelConfig, Tenant
+from extproc.core.policies import POLICIES
 from extproc.cost import CostModel, DecodeRate, Estimate
 from extproc.gate import EngineLoad, Gate, GateMode
 from extproc.limits import ReleaseRate
-from extproc.policies import VirtualTokenCounter
-from extproc.scheduler import FairQueue, TenantRoundRobin
+from extproc.scheduler import FairQueue
 from extproc.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -88,12 +88,8 @@ class ModelDispatcher:
         self._tenant = tenant
         self._telemetry = telemetry
         self._clock = clock
-        if model.policy == "vtc":
-            self._queue: FairQueue[Held] = FairQueue(
-                len(priorities), lambda: VirtualTokenCounter(lambda t: self._tenant(t).weight)
-            )
-        else:
-            self._queue = FairQueue(len(priorities), TenantRoundRobin)
+        policy = POLICIES[model.policy]
+        self._queue: FairQueue[Held] = FairQueue(len(priorities), lambda: policy.new_band(lambda t: self._tenant(t).weight))
         self._cost = CostModel(model.cost)
         self._decode_rate = DecodeRate()
         self._release_rate = ReleaseRate()

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.scheduler import FairQueue, TenantRoundRobin
+from extproc.core.policies.round_robin import TenantRoundRobin
+from extproc.scheduler import FairQueue
 
 pytestmark = pytest.mark.unit
 
