@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from extproc.core.policies import POLICIES
+from extproc.cost import CostWeights
 
 T = TypeVar("T")
 
@@ -72,20 +73,6 @@ class Identity:
     default_tenant: str = "anonymous"
     # A request without the tenant header: served as `default_tenant`, or refused with 401.
     missing_tenant: str = "default"
-
-
-@dataclass(frozen=True)
-class CostWeights:
-    """How the `vtc` policy prices a request: input_weight x prompt + output_weight x output tokens."""
-
-    input_weight: float = 1.0
-    output_weight: float = 2.0
-    # Prompt tokens are estimated from the request's Content-Length, less the
-    # body's JSON structure (model, role, max_tokens...), which is not prompt.
-    bytes_per_token: float = 4.0
-    body_overhead_bytes: int = 80
-    # Output estimate for a tenant's first request without max_tokens.
-    default_output_tokens: int = 256
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,8 @@ from google.protobuf import duration_pb2, struct_pb2
 
 from extproc.body import with_priority
 from extproc.config import Config
-from extproc.dispatcher import ModelDispatcher, Rejected, shutting_down
+from extproc.core.outcomes import Refusal, Refused
+from extproc.dispatcher import ModelDispatcher, shutting_down
 from extproc.protocol import DESTINATION_HEADER, METADATA_NAMESPACE, QUEUE_WAIT_HEADER, REASON_HEADER
 from extproc.telemetry import Telemetry
 
@@ -59,10 +60,24 @@ from extproc.telemetry import Telemetry
 HOLD_MARGIN_S = 10
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-_ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "invalid_request_error", 429: "rate_limit_error",
+# What the client hears for each refusal: the HTTP status and OpenAI's error type.
+# 429 only where the tenant's own backlog is the cause (it sends faster than its
+# share: slow down); a full class or model, a timeout and draining are
+# server-side conditions, 503 for everyone.
+ANSWERS: dict[Refusal, tuple[int, str]] = {
+    Refusal.MODEL_MISSING: (400, "invalid_request_error"),
+    Refusal.MODEL_NOT_FOUND: (404, "invalid_request_error"),
+    Refusal.TENANT_MISSING: (401, "authentication_error"),
+    Refusal.PRIORITY_NOT_ALLOWED: (403, "permission_error"),
+    Refusal.TENANT_QUEUE_FULL: (429, "rate_limit_error"),
+    Refusal.BAND_QUEUE_FULL: (503, "server_error"),
+    Refusal.MODEL_QUEUE_FULL: (503, "server_error"),
+    Refusal.QUEUE_TIMEOUT: (503, "server_error"),
+    Refusal.SHUTTING_DOWN: (503, "server_error"),
 }
+# Retry-After: the refusing queue's drain time at the recent release rate, within these bounds.
+MIN_RETRY_AFTER_S = 1
+MAX_RETRY_AFTER_S = 60
 _Mode = processing_mode_pb2.ProcessingMode
 # The filter's own mode (envoy_config.py) with the request body buffered: a
 # mode override replaces the whole mode, so every field is spelt out.
@@ -91,27 +106,33 @@ def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def error_response(rejection: Rejected) -> pb.ProcessingResponse:
+def retry_after_s(refused: Refused) -> int | None:
+    """Seconds a client should wait before retrying, or None where retrying later does not help."""
+    if refused.refusal is Refusal.SHUTTING_DOWN:
+        return MIN_RETRY_AFTER_S  # another replica, or this one restarted, answers in a moment
+    if refused.drain_s is None:
+        return None
+    if math.isinf(refused.drain_s):  # nothing released lately: no estimate
+        return MAX_RETRY_AFTER_S
+    return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(refused.drain_s)))
+
+
+def error_response(refused: Refused) -> pb.ProcessingResponse:
     """An OpenAI-style JSON error that Envoy sends to the client in place of the engine's answer."""
-    body = {
-        "error": {
-            "message": rejection.message,
-            "type": _ERROR_TYPES.get(rejection.status, "server_error"),
-            "param": None,
-            "code": rejection.reason,
-        }
-    }
-    headers = [_header("content-type", "application/json"), _header(REASON_HEADER, rejection.reason)]
-    if rejection.retry_after_s is not None:
-        headers.append(_header("retry-after", str(rejection.retry_after_s)))
-    if rejection.queue_wait_s is not None:
-        headers.append(_header(QUEUE_WAIT_HEADER, str(round(rejection.queue_wait_s * 1000))))
+    status, error_type = ANSWERS[refused.refusal]
+    body = {"error": {"message": refused.message, "type": error_type, "param": None, "code": refused.refusal.value}}
+    headers = [_header("content-type", "application/json"), _header(REASON_HEADER, refused.refusal)]
+    retry_after = retry_after_s(refused)
+    if retry_after is not None:
+        headers.append(_header("retry-after", str(retry_after)))
+    if refused.queue_wait_s is not None:
+        headers.append(_header(QUEUE_WAIT_HEADER, str(round(refused.queue_wait_s * 1000))))
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=rejection.status),
+            status=http_status_pb2.HttpStatus(code=status),
             headers=pb.HeaderMutation(set_headers=headers),
             body=json.dumps(body).encode(),
-            details=rejection.reason,
+            details=refused.refusal.value,
         )
     )
 
@@ -185,25 +206,26 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             m.name: duration_pb2.Duration(seconds=math.ceil(config.longest_queue_wait_s(m)) + HOLD_MARGIN_S)
             for m in config.models
         }
+        self._engine_priority_models = {m.name for m in config.models if m.engine_priority}
         self.draining = False
 
     def admit(self, headers: dict[str, str], body_model: str | None) -> Admission:
-        """Who asks, for which model, how urgently — or why not (raises Rejected)."""
+        """Who asks, for which model, how urgently — or why not (raises Refused)."""
         identity = self._config.identity
         if self.draining:
             raise shutting_down()
         if body_model is None:
-            raise Rejected(
-                400, "model_missing",
+            raise Refused(
+                Refusal.MODEL_MISSING,
                 "the request body must be JSON (content-type: application/json) with a 'model' field",
             )
         if body_model not in self._dispatchers:
             known = ", ".join(sorted(self._dispatchers))
-            raise Rejected(404, "model_not_found", f"the model {body_model!r} does not exist; served models: {known}")
+            raise Refused(Refusal.MODEL_NOT_FOUND, f"the model {body_model!r} does not exist; served models: {known}")
         tenant = headers.get(identity.tenant_header)
         if not tenant:
             if identity.missing_tenant == "reject":
-                raise Rejected(401, "tenant_missing", "the request carries no tenant identity; authenticate first")
+                raise Refused(Refusal.TENANT_MISSING, "the request carries no tenant identity; authenticate first")
             tenant = identity.default_tenant
         return self._entitled(body_model, tenant, headers.get(identity.priority_header, "").strip().lower())
 
@@ -219,7 +241,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return Admission(model, tenant, requested)
         lower = [priorities.index(p) for p in allowed if priorities.index(p) > requested]
         if not lower:
-            raise Rejected(403, "priority_not_allowed", f"tenant {tenant!r} may not use priority {asked!r}; "
+            raise Refused(Refusal.PRIORITY_NOT_ALLOWED, f"tenant {tenant!r} may not use priority {asked!r}; "
                            f"its classes are {', '.join(allowed)}")
         return Admission(model, tenant, min(lower), requested=requested)
 
@@ -242,11 +264,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         body_model = _body_model(first)
         try:
             admission = self.admit(headers, body_model)
-        except Rejected as rejection:
+        except Refused as refused:
             # Client-chosen names never become label values: unbounded series would sink Prometheus.
             label = body_model if body_model in self._dispatchers else "(unknown)"
-            self._telemetry.rejected.labels(label, rejection.reason).inc()
-            yield error_response(rejection)
+            self._telemetry.rejected.labels(label, refused.refusal).inc()
+            yield error_response(refused)
             return
         priorities = self._config.priorities
         if admission.requested is not None:
@@ -263,8 +285,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 # it, a tenant's requests stick together (they often share a system prompt).
                 affinity=_body_field(first, "prompt_cache_key") or "",
             )
-        except Rejected as rejection:  # a queue cap; the dispatcher counted it
-            yield error_response(rejection)
+        except Refused as refused:  # a queue cap; the dispatcher counted it
+            yield error_response(refused)
             return
         engine_priority = self._engine_priority(admission)
         # One try for the whole hold: the stream can be cancelled (client gone) at
@@ -274,8 +296,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 yield pb.ProcessingResponse(override_message_timeout=self._hold_timeout[admission.model])
             try:
                 waited = await held.future
-            except Rejected as rejection:
-                yield error_response(rejection)
+            except Refused as refused:
+                yield error_response(refused)
                 return
             headers = [
                 _header(self._config.identity.model_header, admission.model),
@@ -303,7 +325,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
 
     def _engine_priority(self, admission: Admission) -> int | None:
         """The body ``priority`` to write for this request, or None (model without engine_priority)."""
-        if not self._dispatchers[admission.model].model.engine_priority:
+        if admission.model not in self._engine_priority_models:
             return None
         return self._config.bands[admission.band].engine_priority
 

@@ -23,9 +23,9 @@ from prometheus_client import start_http_server
 
 from extproc.config import Config, split_address
 from extproc.discovery import watch_pool
-from extproc.dispatcher import ModelDispatcher
 from extproc.processor import Processor
 from extproc.telemetry import Telemetry
+from extproc.wiring import build_dispatchers
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,7 @@ class ProcessorServer:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.telemetry = Telemetry()
-        self.dispatchers = {
-            m.name: ModelDispatcher(m, config.priorities, self.telemetry, bands=config.bands, tenant=config.tenant)
-            for m in config.models
-        }
+        self.dispatchers = build_dispatchers(config, self.telemetry)
         self.processor = Processor(config, self.dispatchers, self.telemetry)
         self._health = health.aio.HealthServicer()
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
@@ -67,8 +64,8 @@ class ProcessorServer:
         host, port = split_address(self.config.listen.metrics)
         self._metrics_server, _ = start_http_server(port, host, registry=self.telemetry.registry)
         self._session = aiohttp.ClientSession()
-        for dispatcher in self.dispatchers.values():
-            self._tasks.append(asyncio.create_task(watch_pool(self._session, dispatcher)))
+        for model in self.config.models:
+            self._tasks.append(asyncio.create_task(watch_pool(self._session, model, self.dispatchers[model.name])))
         for service in ("", EXT_PROC_SERVICE):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving ext_proc on %s, metrics on %s", self.config.listen.grpc, self.config.listen.metrics)

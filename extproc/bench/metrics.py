@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from extproc.bench.runner import ArmRun, EngineSample, Result
 from extproc.bench.scenarios import Scenario
-from extproc.config import CostWeights
+from extproc.cost import CostWeights
 from extproc.scenario import percentile
 
 # Cost weights of prompt and output tokens in a tenant's service: the ones the
