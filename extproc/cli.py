@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        for error in exc.errors:
+            print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -592,9 +592,10 @@ def main_envoy_config(args: argparse.Namespace) -> int:
         try:
             doc = drop_in(config) if args.drop_in else bootstrap(config)
         except ConfigError as exc:
-            raise ConfigError(f"{args.config}: {exc}") from exc
+            raise ConfigError(*(f"{args.config}: {error}" for error in exc.errors)) from exc
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        for error in exc.errors:
+            print(f"error: {error}", file=sys.stderr)
         return 2
     sys.stdout.write(render(doc))
     return 0

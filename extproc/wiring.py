@@ -13,7 +13,6 @@ from collections.abc import Callable
 from extproc.config import Config, ModelConfig
 from extproc.core.bands import BandRules
 from extproc.core.policies import POLICIES
-from extproc.cost import CostWeights
 from extproc.dispatcher import ModelDispatcher, TenantLimits
 from extproc.gate import Gate
 from extproc.telemetry import Telemetry
@@ -43,13 +42,11 @@ def build_dispatcher(
     )
     limits = {name: TenantLimits(t.weight, t.max_queued) for name, t in config.tenants.items()}
     default = TenantLimits(config.default_tenant.weight, config.default_tenant.max_queued)
-    cost = model.cost
     return ModelDispatcher(
         model.name, gate, bands, telemetry, clock,
         policy=POLICIES[model.policy],
         tenant=lambda name: limits.get(name, default),
-        cost=CostWeights(cost.input_weight, cost.output_weight, cost.bytes_per_token, cost.body_overhead_bytes,
-                         cost.default_output_tokens),
+        cost=model.cost.weights(),
         max_queued=model.max_queued,
         reserved_waiting=model.reserved_waiting,
     )
