@@ -53,11 +53,15 @@ from extproc.body import with_priority
 from extproc.config import Config
 from extproc.core.outcomes import Refusal, Refused
 from extproc.dispatcher import ModelDispatcher, shutting_down
-from extproc.protocol import DESTINATION_HEADER, METADATA_NAMESPACE, QUEUE_WAIT_HEADER, REASON_HEADER
+from extproc.protocol import (
+    DESTINATION_HEADER,
+    METADATA_NAMESPACE,
+    PROCESSING_MODE,
+    QUEUE_WAIT_HEADER,
+    REASON_HEADER,
+    hold_timeout_for,
+)
 from extproc.telemetry import Telemetry
-
-# Envoy's override of the per-message timeout must outlast our own queue timeout.
-HOLD_MARGIN_S = 10
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # What the client hears for each refusal: the HTTP status and OpenAI's error type.
@@ -78,17 +82,8 @@ ANSWERS: dict[Refusal, tuple[int, str]] = {
 # Retry-After: the refusing queue's drain time at the recent release rate, within these bounds.
 MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
-_Mode = processing_mode_pb2.ProcessingMode
-# The filter's own mode (envoy_config.py) with the request body buffered: a
-# mode override replaces the whole mode, so every field is spelt out.
-_WITH_BODY = _Mode(
-    request_header_mode=_Mode.SEND,
-    response_header_mode=_Mode.SKIP,
-    request_body_mode=_Mode.BUFFERED,
-    response_body_mode=_Mode.NONE,
-    request_trailer_mode=_Mode.SKIP,
-    response_trailer_mode=_Mode.SEND,
-)
+# The filter's own mode with the request body buffered (engine_priority models).
+_WITH_BODY = processing_mode_pb2.ProcessingMode(**{**PROCESSING_MODE, "request_body_mode": "BUFFERED"})
 
 
 @dataclass(frozen=True)
@@ -98,6 +93,12 @@ class Admission:
     band: int
     # The band the request asked for, when it was downgraded.
     requested: int | None = None
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    duration = duration_pb2.Duration()
+    duration.FromMilliseconds(round(seconds * 1000))
+    return duration
 
 
 def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
@@ -202,10 +203,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self._config = config
         self._dispatchers = dispatchers
         self._telemetry = telemetry
-        self._hold_timeout = {
-            m.name: duration_pb2.Duration(seconds=math.ceil(config.longest_queue_wait_s(m)) + HOLD_MARGIN_S)
-            for m in config.models
-        }
+        self._hold_timeout = {m.name: _duration(hold_timeout_for(config.longest_queue_wait_s(m))) for m in config.models}
         self._engine_priority_models = {m.name for m in config.models if m.engine_priority}
         self.draining = False
 

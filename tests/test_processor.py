@@ -14,7 +14,9 @@ from google.protobuf import struct_pb2
 from extproc.config import parse_config
 from extproc.core.outcomes import Refusal, Refused
 from extproc.dispatcher import ModelDispatcher
-from extproc.processor import ANSWERS, HOLD_MARGIN_S, Processor
+from extproc.envoy_config import hold_timeout_s
+from extproc.processor import ANSWERS, Processor
+from extproc.protocol import HOLD_MARGIN_S
 from extproc.telemetry import Telemetry
 from extproc.wiring import build_dispatcher, build_dispatchers
 
@@ -233,3 +235,12 @@ async def test_only_engine_priority_models_ask_for_the_body_and_get_it_rewritten
 def test_the_hold_outlasts_the_longest_class_wait() -> None:
     processor, _ = make_policy_processor()
     assert processor._hold_timeout["m"].seconds == 300 + HOLD_MARGIN_S
+
+
+def test_no_model_holds_longer_than_the_filter_allows() -> None:
+    """Envoy ignores an override above max_message_timeout: fractional waits must not round past it."""
+    config = parse_config({"models": [{"name": "a", "endpoints": ["http://127.0.0.1:1"], "max_queue_wait_s": 120.0004},
+                                      {"name": "b", "endpoints": ["http://127.0.0.1:2"], "max_queue_wait_s": 0.5}]})
+    processor = Processor(config, build_dispatchers(config, Telemetry()), Telemetry())
+    for hold in processor._hold_timeout.values():
+        assert hold.ToMilliseconds() / 1000 <= hold_timeout_s(config)
