@@ -126,20 +126,24 @@ Names = Annotated[tuple[NonEmpty, ...], Meta(min_length=1)]
 
 
 class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A mapping in the file: typed fields, unknown keys refused."""
+    """A mapping in the file: typed fields, unknown keys refused.
+
+    Subclasses inherit these options; they repeat ``frozen=True`` for the type
+    checker, which reads each class on its own.
+    """
 
 
 # --- the file's sections -----------------------------------------------------------------
 
 
-class Listen(_Section):
+class Listen(_Section, frozen=True):
     """Where the processor listens: gRPC for Envoy, HTTP for Prometheus."""
 
     grpc: Address = "127.0.0.1:50051"
     metrics: Address = "127.0.0.1:9464"
 
 
-class Identity(_Section):
+class Identity(_Section, frozen=True):
     """Headers that carry who is asking, for what, and how urgently.
 
     The tenant header must be set by a trusted Envoy auth filter (api_key_auth,
@@ -154,7 +158,7 @@ class Identity(_Section):
     missing_tenant: Literal["default", "reject"] = "default"
 
 
-class CostSettings(_Section):
+class CostSettings(_Section, frozen=True):
     """How the `vtc` policy prices a request (defaults: the core's :class:`~extproc.cost.CostWeights`)."""
 
     input_weight: NonNegative = CostWeights.input_weight
@@ -167,7 +171,7 @@ class CostSettings(_Section):
         return CostWeights(**msgspec.structs.asdict(self))
 
 
-class ModelConfig(_Section):
+class ModelConfig(_Section, frozen=True):
     """One model pool: the endpoints that serve it and how hard to fill them."""
 
     name: NonEmpty
@@ -223,7 +227,7 @@ class ModelConfig(_Section):
             yield "endpoint_picking", "needs http:// endpoints (the picked-endpoint cluster is plain HTTP)"
 
 
-class BandSettings(_Section):
+class BandSettings(_Section, frozen=True):
     """One priority class's settings as written; unset fields take the defaults :class:`Band` documents."""
 
     max_queue_wait_s: Positive | None = None
@@ -233,7 +237,7 @@ class BandSettings(_Section):
     engine_priority: int | None = None
 
 
-class TenantSettings(_Section):
+class TenantSettings(_Section, frozen=True):
     """A tenant's entry as written; unset fields are inherited from the `default` entry."""
 
     weight: Positive | None = None
@@ -242,7 +246,7 @@ class TenantSettings(_Section):
     max_queued: Count | None = None
 
 
-class JwtSettings(_Section):
+class JwtSettings(_Section, frozen=True):
     """Envoy's jwt_authn: a verified token's claim names the tenant."""
 
     issuer: NonEmpty
@@ -257,7 +261,7 @@ class JwtSettings(_Section):
             yield "", "needs exactly one of jwks (an inline JWKS) or jwks_uri (where Envoy fetches it)"
 
 
-class EnvoySettings(_Section):
+class EnvoySettings(_Section, frozen=True):
     """What `extproc envoy-config` needs to print a complete bootstrap."""
 
     listen: Address = "127.0.0.1:10000"
@@ -276,7 +280,7 @@ class EnvoySettings(_Section):
             yield "jwt", "use either api_keys or jwt for identity, not both"
 
 
-class ConfigFile(_Section):
+class ConfigFile(_Section, frozen=True):
     """The whole file, as written."""
 
     models: Annotated[tuple[ModelConfig, ...], Meta(min_length=1)]

@@ -164,7 +164,7 @@ def _circuit_breakers() -> dict[str, Any]:
 
 
 def _protocol_options(http2: bool) -> dict[str, Any]:
-    explicit = {"http2_protocol_options": {}} if http2 else {"http_protocol_options": {}}
+    explicit: dict[str, Any] = {"http2_protocol_options": {}} if http2 else {"http_protocol_options": {}}
     return {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": _TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",

@@ -39,6 +39,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
@@ -161,7 +162,8 @@ def _metadata_value(request: pb.ProcessingRequest, name: str) -> struct_pb2.Valu
     fields = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
     if fields is None or name not in fields.fields:
         return None
-    return fields.fields[name]
+    value: struct_pb2.Value = fields.fields[name]
+    return value
 
 
 def _body_field(request: pb.ProcessingRequest, name: str) -> str | None:
@@ -196,7 +198,7 @@ def _content_length(headers: dict[str, str]) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-class Processor(pb_grpc.ExternalProcessorServicer):
+class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the generated base is untyped
     """The gRPC servicer Envoy's ext_proc filter talks to."""
 
     def __init__(self, config: Config, dispatchers: dict[str, ModelDispatcher], telemetry: Telemetry) -> None:
@@ -244,7 +246,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         return Admission(model, tenant, min(lower), requested=requested)
 
     async def Process(  # noqa: N802 (gRPC method name)
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.ProcessingResponse]:
         messages = aiter(request_iterator)
         first = await anext(messages, None)
@@ -297,17 +299,17 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             except Refused as refused:
                 yield error_response(refused)
                 return
-            headers = [
+            routing = [
                 _header(self._config.identity.model_header, admission.model),
                 _header(QUEUE_WAIT_HEADER, str(round(waited * 1000))),
             ]
             destination = _host_port(held.endpoint) if held.endpoint else None
             if destination:
-                headers.append(_header(DESTINATION_HEADER, destination))
+                routing.append(_header(DESTINATION_HEADER, destination))
             yield pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(
                     response=pb.CommonResponse(
-                        header_mutation=pb.HeaderMutation(set_headers=headers),
+                        header_mutation=pb.HeaderMutation(set_headers=routing),
                         clear_route_cache=True,
                     )
                 ),

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import time
+from wsgiref.simple_server import WSGIServer
 
 import aiohttp
 import grpc
@@ -48,13 +49,13 @@ class ProcessorServer:
         self.telemetry = Telemetry()
         self.dispatchers = build_dispatchers(config, self.telemetry)
         self.processor = Processor(config, self.dispatchers, self.telemetry)
-        self._health = health.aio.HealthServicer()
+        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # grpc-stubs lack health.aio
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
-        self._metrics_server = None
+        self._metrics_server: WSGIServer | None = None
 
     async def start(self) -> None:
         if self._grpc.add_insecure_port(self.config.listen.grpc) == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -85,7 +86,7 @@ def test_retry_after_is_the_drain_time_within_bounds() -> None:
         {},
     ],
 )
-def test_priority_is_written_over_whatever_the_client_sent(body: dict) -> None:
+def test_priority_is_written_over_whatever_the_client_sent(body: dict[str, Any]) -> None:
     for raw in (json.dumps(body).encode(), b"  \n" + json.dumps(body, indent=2).encode()):
         rewritten = with_priority(raw, 2)
         assert rewritten is not None

@@ -51,7 +51,8 @@ def http_filter(doc: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def hcm(doc: dict[str, Any]) -> dict[str, Any]:
-    return doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    manager: dict[str, Any] = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return manager
 
 
 def cluster(doc: dict[str, Any], name: str) -> dict[str, Any]:

@@ -102,7 +102,7 @@ async def test_start_envoy_reports_a_bad_bootstrap(tmp_path: Path) -> None:
 
 
 
-class FakeProcessor(ext_proc_grpc.ExternalProcessorServicer):
+class FakeProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # untyped generated base
     """Records what Envoy sends; routes to the model named in `x-route-to`."""
 
     def __init__(self) -> None:

@@ -40,6 +40,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from extproc.bench.runner import ArmRun, EngineSample, Result
 from extproc.bench.scenarios import Scenario
@@ -195,7 +196,7 @@ def common_horizon(runs: Iterable[ArmRun]) -> float:
     return min(throughput(run.results).makespan for run in runs)
 
 
-def summarize(scenario: Scenario, run: ArmRun, baseline: ArmRun, horizon: float) -> dict[str, object]:
+def summarize(scenario: Scenario, run: ArmRun, baseline: ArmRun, horizon: float) -> dict[str, Any]:
     """Every figure of one scenario x arm; throughput relative to ``baseline`` (direct FIFO)."""
     results = list(run.results)
     focus = [r for r in results if scenario.in_focus(r.tenant, r.priority)]
