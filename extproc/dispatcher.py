@@ -52,9 +52,9 @@ def shutting_down() -> Refused:
 class TenantLimits:
     """What the core needs to know of a tenant."""
 
-    weight: float = 1.0
+    weight: float
     # Requests of this tenant a model may hold; one more is refused.
-    max_queued: int = 1_000
+    max_queued: int
 
 
 @dataclass(eq=False)
@@ -85,10 +85,10 @@ class ModelDispatcher:
         clock: Callable[[], float] = time.monotonic,
         *,
         policy: Policy,
-        tenant: Callable[[str], TenantLimits] = lambda _: TenantLimits(),
+        tenant: Callable[[str], TenantLimits],
         cost: CostWeights,
-        max_queued: int = 10_000,
-        reserved_waiting: int = 0,
+        max_queued: int,
+        reserved_waiting: int,
     ) -> None:
         self.name = name
         self.gate = gate

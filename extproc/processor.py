@@ -30,6 +30,11 @@ request is refused (403).
 
 A client that leaves while queued cancels the stream; the cancellation
 removes its entry from the queue at once.
+
+A request that does not reach the engine ends in one of the core's named
+refusals (``core/outcomes.py``); what the client hears for each — HTTP status,
+OpenAI-style JSON error, ``Retry-After`` — is chosen here (:data:`ANSWERS`,
+:func:`retry_after_s`).
 """
 
 from __future__ import annotations
@@ -123,7 +128,7 @@ def error_response(refused: Refused) -> pb.ProcessingResponse:
     """An OpenAI-style JSON error that Envoy sends to the client in place of the engine's answer."""
     status, error_type = ANSWERS[refused.refusal]
     body = {"error": {"message": refused.message, "type": error_type, "param": None, "code": refused.refusal.value}}
-    headers = [_header("content-type", "application/json"), _header(REASON_HEADER, refused.refusal)]
+    headers = [_header("content-type", "application/json"), _header(REASON_HEADER, refused.refusal.value)]
     retry_after = retry_after_s(refused)
     if retry_after is not None:
         headers.append(_header("retry-after", str(retry_after)))
