@@ -13,8 +13,9 @@ removed at once). A request over a queue cap is refused before it enters
 ext_proc adapter's choice.
 
 The dispatcher takes plain values (:class:`BandRules`, :class:`TenantLimits`,
-a :class:`~extproc.core.policies.base.Policy`, a built :class:`Gate`);
-``wiring.py`` makes them from the config.
+a :class:`~extproc.core.policies.base.Policy`, a built :class:`Gate`), which
+``wiring.py`` makes from the config, and reports through
+:class:`~extproc.core.report.DispatchReport`.
 
 Strict priority: only the highest band holding requests may release, each
 band within its own allowance (the first band the whole target, the others
@@ -34,11 +35,11 @@ from dataclasses import dataclass, field
 from extproc.core.bands import BandRules
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.policies import Policy
+from extproc.core.report import DispatchReport
 from extproc.cost import CostModel, CostWeights, DecodeRate, Estimate
 from extproc.gate import EngineLoad, Gate, GateMode
 from extproc.limits import ReleaseRate
 from extproc.scheduler import FairQueue
-from extproc.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class ModelDispatcher:
         name: str,
         gate: Gate,
         bands: tuple[BandRules, ...],
-        telemetry: Telemetry,
+        report: DispatchReport,
         clock: Callable[[], float] = time.monotonic,
         *,
         policy: Policy,
@@ -94,7 +95,7 @@ class ModelDispatcher:
         self.gate = gate
         self._bands = bands
         self._tenant = tenant
-        self._telemetry = telemetry
+        self._report = report
         self._clock = clock
         self._max_queued = max_queued
         self._reserved_waiting = reserved_waiting
@@ -155,7 +156,7 @@ class ModelDispatcher:
                                  f"the queue for model {name!r} is full ({self._max_queued})")
 
     def _overflow(self, refusal: Refusal, backlog: int, now: float, message: str) -> Refused:
-        self._telemetry.rejected.labels(self.name, refusal).inc()
+        self._report.refused(refusal)
         return Refused(refusal, message + "; retry later", drain_s=self._release_rate.drain_s(backlog, now))
 
     def end(self, held: Held) -> None:
@@ -172,38 +173,26 @@ class ModelDispatcher:
             occupancy = self.gate.record_finish(held, self._clock())
             measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
             self._queue.correct(held.band, held.tenant, measured - held.estimate.cost)
-            self._telemetry.in_flight.labels(self.name).set(self.gate.in_flight)
+            self._report.in_flight(self.gate.in_flight)
             self.dispatch()
         elif self._queue.remove(held.band, held.tenant, held):
             self._resolve(held)
-            self._telemetry.abandoned.labels(self.name, self._bands[held.band].name).inc()
+            self._report.abandoned(self._bands[held.band].name)
             self._update_depth(held.band)
 
     def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float) -> None:
         self.gate.record_scrape(endpoint, load, started_at)
-        name = self.name
         if load is None:
-            self._telemetry.scrape_errors.labels(name, endpoint).inc()
+            self._report.scrape_failed(endpoint)
         else:
             self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
-            self._telemetry.engine_waiting.labels(name, endpoint).set(load.waiting)
-            self._telemetry.engine_running.labels(name, endpoint).set(load.running)
-            if load.kv_usage is not None:
-                self._telemetry.engine_kv_usage.labels(name, endpoint).set(load.kv_usage)
-            itl = self.gate.itl(endpoint)
-            if itl is not None:
-                self._telemetry.engine_itl.labels(name, endpoint).set(itl)
-            self._telemetry.gate_limit.labels(name, endpoint).set(self.gate.limit(endpoint))
+            self._report.scraped(endpoint, load, self.gate.itl(endpoint), self.gate.limit(endpoint))
         self.dispatch()
 
     def set_endpoints(self, endpoints: tuple[str, ...]) -> None:
         """The pool's membership changed (DNS); forget the telemetry of endpoints that left."""
         for gone in set(self.gate.endpoints) - set(endpoints):
-            for gauge in self._telemetry.per_endpoint_gauges():
-                try:
-                    gauge.remove(self.name, gone)
-                except KeyError:
-                    pass
+            self._report.endpoint_left(gone)
         self.gate.set_endpoints(endpoints)
 
     def reject_all(self) -> None:
@@ -226,7 +215,7 @@ class ModelDispatcher:
             self._update_depth(band)
             if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
                 self._resolve(held)
-                self._telemetry.abandoned.labels(self.name, self._bands[band].name).inc()
+                self._report.abandoned(self._bands[band].name)
                 continue
             held.released = True
             if self.gate.pick_endpoints:
@@ -236,10 +225,10 @@ class ModelDispatcher:
             self._queue.charge(band, tenant, held.estimate.cost)
             self._resolve(held)
             priority = self._bands[band].name
-            self._telemetry.released.labels(self.name, priority).inc()
-            self._telemetry.queue_wait.labels(self.name, priority).observe(now - held.enqueued_at)
+            self._report.released(priority)
+            self._report.held(priority, now - held.enqueued_at)
             allowance -= 1
-        self._telemetry.in_flight.labels(self.name).set(self.gate.in_flight)
+        self._report.in_flight(self.gate.in_flight)
         self._schedule_wakeup(now)
 
     def _schedule_wakeup(self, now: float) -> None:
@@ -264,8 +253,8 @@ class ModelDispatcher:
             now = self._clock()
             waited = now - held.enqueued_at
             priority = self._bands[held.band].name
-            self._telemetry.rejected.labels(self.name, Refusal.QUEUE_TIMEOUT).inc()
-            self._telemetry.queue_wait.labels(self.name, priority).observe(waited)
+            self._report.refused(Refusal.QUEUE_TIMEOUT)
+            self._report.held(priority, waited)
             self._resolve(held, Refused(
                 Refusal.QUEUE_TIMEOUT,
                 f"request waited {waited:.1f}s in the {priority!r} queue for model {self.name!r} without capacity; "
@@ -285,24 +274,24 @@ class ModelDispatcher:
             held.future.set_exception(refused)
 
     def _update_depth(self, band: int) -> None:
-        self._telemetry.queue_depth.labels(self.name, self._bands[band].name).set(self._queue.band_len(band))
+        self._report.queue_depth(self._bands[band].name, self._queue.band_len(band))
 
     def _note_mode(self, now: float) -> None:
         degraded = set(self.gate.degraded(now))
         for endpoint in degraded - self._degraded:
-            self._telemetry.endpoint_degraded.labels(self.name, endpoint).set(1)
+            self._report.endpoint_degraded(endpoint, True)
             if self.gate.last_good(endpoint) is None:
                 continue  # not scraped yet (start-up, a new DNS member): the scraper reports failures
             log.warning("model %s: metrics of %s unusable (failing or stale), capping it at %d in flight",
                         self.name, endpoint, self.gate.fallback_limit(endpoint))
         for endpoint in self._degraded - degraded:
-            self._telemetry.endpoint_degraded.labels(self.name, endpoint).set(0)
+            self._report.endpoint_degraded(endpoint, False)
             log.info("model %s: metrics of %s usable again", self.name, endpoint)
         self._degraded = degraded
         mode = self.gate.mode(now)
         if mode is not self._mode:
             fallback = mode is GateMode.FALLBACK
-            self._telemetry.gate_fallback.labels(self.name).set(1 if fallback else 0)
+            self._report.fallback(fallback)
             if fallback and self._mode is not None:
                 log.warning("model %s: gating on the fallback in-flight limits", self.name)
             elif self._mode is not None:

@@ -272,7 +272,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the
         except Refused as refused:
             # Client-chosen names never become label values: unbounded series would sink Prometheus.
             label = body_model if body_model in self._dispatchers else "(unknown)"
-            self._telemetry.rejected.labels(label, refused.refusal).inc()
+            self._telemetry.rejected.labels(label, refused.refusal.value).inc()
             yield error_response(refused)
             return
         priorities = self._config.priorities

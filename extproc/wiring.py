@@ -15,7 +15,7 @@ from extproc.core.bands import BandRules
 from extproc.core.policies import POLICIES
 from extproc.dispatcher import ModelDispatcher, TenantLimits
 from extproc.gate import Gate
-from extproc.telemetry import Telemetry
+from extproc.telemetry import ModelTelemetry, Telemetry
 
 
 def build_dispatcher(
@@ -43,7 +43,7 @@ def build_dispatcher(
     limits = {name: TenantLimits(t.weight, t.max_queued) for name, t in config.tenants.items()}
     default = TenantLimits(config.default_tenant.weight, config.default_tenant.max_queued)
     return ModelDispatcher(
-        model.name, gate, bands, telemetry, clock,
+        model.name, gate, bands, ModelTelemetry(telemetry, model.name), clock,
         policy=POLICIES[model.policy],
         tenant=lambda name: limits.get(name, default),
         cost=model.cost.weights(),
