@@ -8,6 +8,8 @@ from extproc.controller import ConcurrencyLimit, ItlWindow
 from extproc.engine_metrics import MetricsError, parse_load
 from extproc.gate import EngineLoad, Gate, GateMode
 
+pytestmark = pytest.mark.unit
+
 # The shape of a vLLM v1 /metrics page (HELP/TYPE lines, model_name + engine labels).
 VLLM_TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -24,6 +24,8 @@ from extproc.sim import RunningSim, SimSettings, add_arguments, start_sim
 from extproc.sim.engine import RequestTooLong, Scheduler, SimEngine, SimRequest, TokenEvent
 from extproc.sim.server import estimate_tokens, run, settings_from_args
 
+pytestmark = pytest.mark.unit
+
 MODEL = "sim-model"
 # 2 ms decode steps: fast tests, yet slow enough that queues are observable.
 FAST = {"step_ms": 20.0, "step_ms_per_seq": 0.5, "prefill_ms_per_token": 0.05, "time_scale": 0.1}
