@@ -92,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     try:
-        return args.func(args)
+        code: int = args.func(args)
+        return code
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        for error in exc.errors:
+            print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

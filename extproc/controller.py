@@ -123,12 +123,19 @@ class ConcurrencyLimit:
             ratios.append(load.kv_usage / self._max_kv)
         return max(ratios)
 
-    def observe(self, load: EngineLoad, at: float) -> None:
-        """Update the limit from a scrape that started at ``at``."""
+    def observe(self, load: EngineLoad, at: float, *, held: float | None = None) -> None:
+        """Update the limit from a scrape that started at ``at``.
+
+        ``held`` is what the engine held then, when the caller knows better than
+        the scrape (it counts its own requests exactly, and a lagging scrape
+        misses some): rule 3 grows the limit only when the engine was as full
+        as the limit allows, and a lagging page would stall that.
+        """
         if load.itl_sum is not None and load.itl_count is not None:
             self.itl.add(at, load.itl_sum, load.itl_count)
         self.pressure = pressure = self._pressure(load)
-        held = load.running + load.waiting
+        if held is None:
+            held = load.running + load.waiting
         step = self._target if pressure < SLOW_ABOVE else 1 if pressure < HOLD_ABOVE else 0
         if pressure > 1.0:
             if held <= self.limit and at - self._last_decrease >= self._cooldown_s:

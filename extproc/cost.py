@@ -42,9 +42,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from extproc.config import CostWeights
-
 AVERAGE_WEIGHT = 0.2
+
+
+@dataclass(frozen=True)
+class CostWeights:
+    """How a request is priced: input_weight x prompt + output_weight x output tokens."""
+
+    input_weight: float = 1.0
+    output_weight: float = 2.0
+    # Prompt tokens are estimated from the request's Content-Length, less the
+    # body's JSON structure (model, role, max_tokens...), which is not prompt.
+    bytes_per_token: float = 4.0
+    body_overhead_bytes: int = 80
+    # Output estimate for a tenant's first request without max_tokens.
+    default_output_tokens: int = 256
 
 
 def _blend(old: float | None, new: float) -> float:

@@ -69,12 +69,13 @@ def _newcomer_speedup(gated: list[TenantSummary], direct: list[TenantSummary], s
     return total(direct) / total(gated)
 
 
-async def _wait_for_ctrl_c() -> None:
+def _ctrl_c() -> asyncio.Event:
+    """An event set by Ctrl-C or SIGTERM; installed before the prompt, so an early signal is not lost."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
 
 
 async def _demo(args: argparse.Namespace, console: Console) -> int:
@@ -102,6 +103,7 @@ async def _demo(args: argparse.Namespace, console: Console) -> int:
         console.print(f"logs: {workdir}")
         if args.once:
             return 0
+        stop = _ctrl_c()
         example_key = next(iter(config.envoy.api_keys))
         console.print(
             f"\nThe gateway keeps running at [bold]{stack.envoy_url}[/] (models: "
@@ -113,7 +115,7 @@ async def _demo(args: argparse.Namespace, console: Console) -> int:
             soft_wrap=True,  # no line breaks inside the command to copy
         )
         console.file.flush()  # when piped (e.g. to tee), the user must see this now, not at exit
-        await _wait_for_ctrl_c()
+        await stop.wait()
     return 0
 
 

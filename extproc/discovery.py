@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from extproc.config import is_ip_address
+from extproc.config import ModelConfig, is_ip_address
 from extproc.dispatcher import ModelDispatcher
 from extproc.scraper import scrape_endpoint
 
@@ -53,9 +53,8 @@ async def _members(configured: tuple[str, ...], previous: dict[str, list[str]]) 
     return result
 
 
-async def watch_pool(session: aiohttp.ClientSession, dispatcher: ModelDispatcher) -> None:
-    """Scrape every member of the pool, re-resolving host names, until cancelled."""
-    model = dispatcher.model
+async def watch_pool(session: aiohttp.ClientSession, model: ModelConfig, dispatcher: ModelDispatcher) -> None:
+    """Scrape every member of ``model``'s pool, re-resolving host names, until cancelled."""
     resolved = {e: [e] for e in model.endpoints}
     tasks: dict[str, asyncio.Task[None]] = {}
     needs_dns = not all(is_ip_address(urlsplit(e).hostname or "") for e in model.endpoints)
@@ -71,7 +70,7 @@ async def watch_pool(session: aiohttp.ClientSession, dispatcher: ModelDispatcher
                 dispatcher.set_endpoints(members)
                 for new in members:
                     if new not in tasks:
-                        tasks[new] = asyncio.create_task(scrape_endpoint(session, dispatcher, new))
+                        tasks[new] = asyncio.create_task(scrape_endpoint(session, model, dispatcher, new))
             if not needs_dns:
                 await asyncio.Event().wait()  # a static pool: nothing to refresh
             await asyncio.sleep(model.dns_refresh_s)

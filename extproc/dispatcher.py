@@ -6,9 +6,16 @@ something changed: a request arrived, a response finished, or a scrape
 reported. There is no polling loop; an idle model costs nothing.
 
 Every request that enters ends exactly one way: released (future result),
-rejected (future exception :class:`Rejected`), or abandoned (its client left:
-the stream's task was cancelled and the entry is removed at once). A request
-over a queue cap is refused before it enters (``submit`` raises).
+refused (future exception :class:`~extproc.core.outcomes.Refused`), or
+abandoned (its client left: the stream's task was cancelled and the entry is
+removed at once). A request over a queue cap is refused before it enters
+(``submit`` raises). Outcomes are named here; what the client hears is the
+ext_proc adapter's choice.
+
+The dispatcher takes plain values (:class:`BandRules`, :class:`TenantLimits`,
+a :class:`~extproc.core.policies.base.Policy`, a built :class:`Gate`), which
+``wiring.py`` makes from the config, and reports through
+:class:`~extproc.core.report.DispatchReport`.
 
 Strict priority: only the highest band holding requests may release, each
 band within its own allowance (the first band the whole target, the others
@@ -25,32 +32,30 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from extproc.config import Band, ModelConfig, Tenant
-from extproc.cost import CostModel, DecodeRate, Estimate
+from extproc.core.bands import BandRules
+from extproc.core.outcomes import Refusal, Refused
+from extproc.core.policies import Policy
+from extproc.core.report import DispatchReport
+from extproc.cost import CostModel, CostWeights, DecodeRate, Estimate
 from extproc.gate import EngineLoad, Gate, GateMode
 from extproc.limits import ReleaseRate
-from extproc.policies import VirtualTokenCounter
-from extproc.scheduler import FairQueue, TenantRoundRobin
-from extproc.telemetry import Telemetry
+from extproc.scheduler import FairQueue
 
 log = logging.getLogger(__name__)
 
 
+def shutting_down() -> Refused:
+    """The refusal while the processor drains (a new exception each time: one is raised per request)."""
+    return Refused(Refusal.SHUTTING_DOWN, "the gateway is restarting; retry shortly")
+
+
 @dataclass(frozen=True)
-class Rejected(Exception):
-    """The processor answers instead of the engine: HTTP status, reason code, message."""
+class TenantLimits:
+    """What the core needs to know of a tenant."""
 
-    status: int
-    reason: str
-    message: str
-    retry_after_s: int | None = None
-    # Set when the request was queued before it was refused (reported as a header).
-    queue_wait_s: float | None = None
-
-
-def shutting_down() -> Rejected:
-    """The answer while the processor drains (a new exception each time: one is raised per request)."""
-    return Rejected(503, "shutting_down", "the gateway is restarting; retry shortly", retry_after_s=1)
+    weight: float
+    # Requests of this tenant a model may hold; one more is refused.
+    max_queued: int
 
 
 @dataclass(eq=False)
@@ -74,44 +79,30 @@ class Held:
 class ModelDispatcher:
     def __init__(
         self,
-        model: ModelConfig,
-        priorities: tuple[str, ...],
-        telemetry: Telemetry,
+        name: str,
+        gate: Gate,
+        bands: tuple[BandRules, ...],
+        report: DispatchReport,
         clock: Callable[[], float] = time.monotonic,
         *,
-        bands: tuple[Band, ...] = (),
-        tenant: Callable[[str], Tenant] = lambda _: Tenant(),
+        policy: Policy,
+        tenant: Callable[[str], TenantLimits],
+        cost: CostWeights,
+        max_queued: int,
+        reserved_waiting: int,
     ) -> None:
-        self.model = model
-        self._priorities = priorities
-        self._bands = bands or tuple(Band(name) for name in priorities)
+        self.name = name
+        self.gate = gate
+        self._bands = bands
         self._tenant = tenant
-        self._telemetry = telemetry
+        self._report = report
         self._clock = clock
-        if model.policy == "vtc":
-            self._queue: FairQueue[Held] = FairQueue(
-                len(priorities), lambda: VirtualTokenCounter(lambda t: self._tenant(t).weight)
-            )
-        else:
-            self._queue = FairQueue(len(priorities), TenantRoundRobin)
-        self._cost = CostModel(model.cost)
+        self._max_queued = max_queued
+        self._reserved_waiting = reserved_waiting
+        self._queue: FairQueue[Held] = FairQueue(len(bands), lambda: policy.new_band(lambda t: self._tenant(t).weight))
+        self._cost = CostModel(cost)
         self._decode_rate = DecodeRate()
         self._release_rate = ReleaseRate()
-        itl_ms = model.max_inter_token_latency_ms
-        self.gate = Gate(
-            model.endpoints,
-            target_waiting=model.target_waiting,
-            fallback_max_in_flight=model.fallback_max_in_flight,
-            stale_after_s=model.stale_after_s,
-            kind=model.gate,
-            max_in_flight=model.max_in_flight,
-            release_rate=model.release_rate,
-            max_itl_s=None if itl_ms is None else itl_ms / 1000,
-            max_kv_usage=model.max_kv_usage,
-            itl_window_s=model.itl_window_s,
-            pick_endpoints=model.endpoint_picking,
-            max_running=model.max_running,
-        )
         self._mode: GateMode | None = None
         self._degraded: set[str] = set()
         # static_rate: a wake-up when the next release becomes due (no other event will come).
@@ -120,10 +111,6 @@ class ModelDispatcher:
     @property
     def queued(self) -> int:
         return len(self._queue)
-
-    def queue_wait_s(self, band: int) -> float:
-        own = self._bands[band].max_queue_wait_s
-        return self.model.max_queue_wait_s if own is None else own
 
     def submit(
         self,
@@ -138,7 +125,7 @@ class ModelDispatcher:
 
         ``affinity`` groups requests that share a prompt prefix (endpoint picking
         keeps them on one engine); empty means the tenant. Raises
-        :class:`Rejected` when a queue cap leaves no room.
+        :class:`~extproc.core.outcomes.Refused` when a queue cap leaves no room.
         """
         now = self._clock()
         self._check_caps(tenant, band, now)
@@ -146,39 +133,38 @@ class ModelDispatcher:
         estimate = self._cost.estimate(tenant, content_length, max_tokens)
         held = Held(tenant, band, now, loop.create_future(), estimate, affinity=affinity or tenant)
         self._queue.push(band, tenant, held)
-        held.expiry = loop.call_later(self.queue_wait_s(band), self._expire, held)
+        held.expiry = loop.call_later(self._bands[band].max_queue_wait_s, self._expire, held)
         self.dispatch()
         self._update_depth(band)
         return held
 
     def _check_caps(self, tenant: str, band: int, now: float) -> None:
-        """Tenant first: when its own backlog is the cause, it should hear so (429)."""
-        name = self.model.name
+        """Tenant first: when its own backlog is the cause, it should hear so."""
+        name = self.name
         own = self._queue.tenant_len(tenant)
         if own >= self._tenant(tenant).max_queued:
-            raise self._overflow(429, "tenant_queue_full", own, now,
+            raise self._overflow(Refusal.TENANT_QUEUE_FULL, own, now,
                                  f"tenant {tenant!r} already has {own} requests queued for model {name!r}")
         in_band = self._queue.band_len(band)
         cap = self._bands[band].max_queued
         if cap is not None and in_band >= cap:
-            raise self._overflow(503, "band_queue_full", in_band, now,
-                                 f"the {self._priorities[band]!r} queue for model {name!r} is full ({cap})")
+            raise self._overflow(Refusal.BAND_QUEUE_FULL, in_band, now,
+                                 f"the {self._bands[band].name!r} queue for model {name!r} is full ({cap})")
         queued = len(self._queue)
-        if queued >= self.model.max_queued:
-            raise self._overflow(503, "model_queue_full", queued, now,
-                                 f"the queue for model {name!r} is full ({self.model.max_queued})")
+        if queued >= self._max_queued:
+            raise self._overflow(Refusal.MODEL_QUEUE_FULL, queued, now,
+                                 f"the queue for model {name!r} is full ({self._max_queued})")
 
-    def _overflow(self, status: int, reason: str, backlog: int, now: float, message: str) -> Rejected:
-        self._telemetry.rejected.labels(self.model.name, reason).inc()
-        return Rejected(status, reason, message + "; retry later",
-                        retry_after_s=self._release_rate.retry_after_s(backlog, now))
+    def _overflow(self, refusal: Refusal, backlog: int, now: float, message: str) -> Refused:
+        self._report.refused(refusal)
+        return Refused(refusal, message + "; retry later", drain_s=self._release_rate.drain_s(backlog, now))
 
     def end(self, held: Held) -> None:
         """The request's stream is over, whatever happened; safe to call more than once.
 
         Queued: its client left, forget it now. Released: its response has
         finished (or failed, or its client left), which frees an engine slot.
-        Rejected: nothing left to do.
+        Refused: nothing left to do.
         """
         if held.ended:
             return
@@ -187,42 +173,30 @@ class ModelDispatcher:
             occupancy = self.gate.record_finish(held, self._clock())
             measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
             self._queue.correct(held.band, held.tenant, measured - held.estimate.cost)
-            self._telemetry.in_flight.labels(self.model.name).set(self.gate.in_flight)
+            self._report.in_flight(self.gate.in_flight)
             self.dispatch()
         elif self._queue.remove(held.band, held.tenant, held):
             self._resolve(held)
-            self._telemetry.abandoned.labels(self.model.name, self._priorities[held.band]).inc()
+            self._report.abandoned(self._bands[held.band].name)
             self._update_depth(held.band)
 
     def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float) -> None:
         self.gate.record_scrape(endpoint, load, started_at)
-        name = self.model.name
         if load is None:
-            self._telemetry.scrape_errors.labels(name, endpoint).inc()
+            self._report.scrape_failed(endpoint)
         else:
             self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
-            self._telemetry.engine_waiting.labels(name, endpoint).set(load.waiting)
-            self._telemetry.engine_running.labels(name, endpoint).set(load.running)
-            if load.kv_usage is not None:
-                self._telemetry.engine_kv_usage.labels(name, endpoint).set(load.kv_usage)
-            itl = self.gate.itl(endpoint)
-            if itl is not None:
-                self._telemetry.engine_itl.labels(name, endpoint).set(itl)
-            self._telemetry.gate_limit.labels(name, endpoint).set(self.gate.limit(endpoint))
+            self._report.scraped(endpoint, load, self.gate.itl(endpoint), self.gate.limit(endpoint))
         self.dispatch()
 
     def set_endpoints(self, endpoints: tuple[str, ...]) -> None:
         """The pool's membership changed (DNS); forget the telemetry of endpoints that left."""
         for gone in set(self.gate.endpoints) - set(endpoints):
-            for gauge in self._telemetry.per_endpoint_gauges():
-                try:
-                    gauge.remove(self.model.name, gone)
-                except KeyError:
-                    pass
+            self._report.endpoint_left(gone)
         self.gate.set_endpoints(endpoints)
 
     def reject_all(self) -> None:
-        """End every queued request with 503 ``shutting_down`` (draining ran out of time)."""
+        """Refuse every queued request with ``shutting_down`` (draining ran out of time)."""
         while len(self._queue):
             band, _, held = self._queue.pop()
             self._resolve(held, shutting_down())
@@ -241,20 +215,20 @@ class ModelDispatcher:
             self._update_depth(band)
             if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
                 self._resolve(held)
-                self._telemetry.abandoned.labels(self.model.name, self._priorities[band]).inc()
+                self._report.abandoned(self._bands[band].name)
                 continue
             held.released = True
-            if self.model.endpoint_picking:
+            if self.gate.pick_endpoints:
                 held.endpoint = self.gate.pick(held.affinity, now)
             self.gate.record_release(held, now, held.endpoint, into_free_slot=self._bands[band].idle_only)
             self._release_rate.record(now)
             self._queue.charge(band, tenant, held.estimate.cost)
             self._resolve(held)
-            priority = self._priorities[band]
-            self._telemetry.released.labels(self.model.name, priority).inc()
-            self._telemetry.queue_wait.labels(self.model.name, priority).observe(now - held.enqueued_at)
+            priority = self._bands[band].name
+            self._report.released(priority)
+            self._report.held(priority, now - held.enqueued_at)
             allowance -= 1
-        self._telemetry.in_flight.labels(self.model.name).set(self.gate.in_flight)
+        self._report.in_flight(self.gate.in_flight)
         self._schedule_wakeup(now)
 
     def _schedule_wakeup(self, now: float) -> None:
@@ -271,56 +245,55 @@ class ModelDispatcher:
     def _allowance(self, band: int, now: float) -> int:
         settings = self._bands[band]
         if settings.idle_only:
-            return self.gate.idle_allowance(now, settings.idle_running_share, self.model.reserved_waiting)
-        return self.gate.allowance(now, 0 if band == 0 else self.model.reserved_waiting)
+            return self.gate.idle_allowance(now, settings.idle_running_share, self._reserved_waiting)
+        return self.gate.allowance(now, 0 if band == 0 else self._reserved_waiting)
 
     def _expire(self, held: Held) -> None:
         if self._queue.remove(held.band, held.tenant, held):
             now = self._clock()
             waited = now - held.enqueued_at
-            priority = self._priorities[held.band]
-            self._telemetry.rejected.labels(self.model.name, "queue_timeout").inc()
-            self._telemetry.queue_wait.labels(self.model.name, priority).observe(waited)
-            retry = self._release_rate.retry_after_s(self._queue.band_len(held.band), now)
-            self._resolve(
-                held,
-                Rejected(503, "queue_timeout", f"request waited {waited:.1f}s in the {priority!r} queue for model "
-                         f"{self.model.name!r} without capacity; retry later", retry_after_s=retry,
-                         queue_wait_s=waited),
-            )
+            priority = self._bands[held.band].name
+            self._report.refused(Refusal.QUEUE_TIMEOUT)
+            self._report.held(priority, waited)
+            self._resolve(held, Refused(
+                Refusal.QUEUE_TIMEOUT,
+                f"request waited {waited:.1f}s in the {priority!r} queue for model {self.name!r} without capacity; "
+                "retry later",
+                drain_s=self._release_rate.drain_s(self._queue.band_len(held.band), now), queue_wait_s=waited,
+            ))
             self._update_depth(held.band)
 
-    def _resolve(self, held: Held, rejection: Rejected | None = None) -> None:
+    def _resolve(self, held: Held, refused: Refused | None = None) -> None:
         if held.expiry is not None:
             held.expiry.cancel()
         if held.future.done():
             return
-        if rejection is None:
+        if refused is None:
             held.future.set_result(self._clock() - held.enqueued_at)
         else:
-            held.future.set_exception(rejection)
+            held.future.set_exception(refused)
 
     def _update_depth(self, band: int) -> None:
-        self._telemetry.queue_depth.labels(self.model.name, self._priorities[band]).set(self._queue.band_len(band))
+        self._report.queue_depth(self._bands[band].name, self._queue.band_len(band))
 
     def _note_mode(self, now: float) -> None:
         degraded = set(self.gate.degraded(now))
         for endpoint in degraded - self._degraded:
-            self._telemetry.endpoint_degraded.labels(self.model.name, endpoint).set(1)
+            self._report.endpoint_degraded(endpoint, True)
             if self.gate.last_good(endpoint) is None:
                 continue  # not scraped yet (start-up, a new DNS member): the scraper reports failures
             log.warning("model %s: metrics of %s unusable (failing or stale), capping it at %d in flight",
-                        self.model.name, endpoint, self.gate.fallback_limit(endpoint))
+                        self.name, endpoint, self.gate.fallback_limit(endpoint))
         for endpoint in self._degraded - degraded:
-            self._telemetry.endpoint_degraded.labels(self.model.name, endpoint).set(0)
-            log.info("model %s: metrics of %s usable again", self.model.name, endpoint)
+            self._report.endpoint_degraded(endpoint, False)
+            log.info("model %s: metrics of %s usable again", self.name, endpoint)
         self._degraded = degraded
         mode = self.gate.mode(now)
         if mode is not self._mode:
             fallback = mode is GateMode.FALLBACK
-            self._telemetry.gate_fallback.labels(self.model.name).set(1 if fallback else 0)
+            self._report.fallback(fallback)
             if fallback and self._mode is not None:
-                log.warning("model %s: gating on the fallback in-flight limits", self.model.name)
+                log.warning("model %s: gating on the fallback in-flight limits", self.name)
             elif self._mode is not None:
-                log.info("model %s: engine metrics usable again, gating on the engine queue", self.model.name)
+                log.info("model %s: engine metrics usable again, gating on the engine queue", self.name)
             self._mode = mode

@@ -54,7 +54,14 @@ from urllib.parse import urlsplit
 import yaml
 
 from extproc.config import Config, ConfigError, is_ip_address, load_config, split_address
-from extproc.protocol import DESTINATION_HEADER, METADATA_NAMESPACE, QUEUE_WAIT_HEADER
+from extproc.protocol import (
+    DESTINATION_HEADER,
+    HOLD_MARGIN_S,
+    METADATA_NAMESPACE,
+    PROCESSING_MODE,
+    QUEUE_WAIT_HEADER,
+    hold_timeout_for,
+)
 
 EXTPROC_CLUSTER = "extproc"
 # Endpoint picking (Gateway API Inference Extension): the ORIGINAL_DST cluster.
@@ -70,8 +77,6 @@ ECHOED_HEADERS = (QUEUE_WAIT_HEADER,)
 # Held requests each keep a stream to the processor and to the model open;
 # Envoy's default circuit breakers (1024 requests) would refuse the rest.
 CIRCUIT_BREAKER_LIMIT = 100_000
-# Added to the longest queue wait: the most the processor may hold a message.
-HOLD_MARGIN_S = 30.0
 # Time on top of the hold for the client to upload its body.
 UPLOAD_MARGIN_S = 60.0
 # A stream may be silent this long (a non-streamed generation sends nothing
@@ -138,7 +143,7 @@ def _max_queue_wait(config: Config) -> float:
 
 def hold_timeout_s(config: Config) -> float:
     """The longest the processor may hold a message (ext_proc max_message_timeout)."""
-    return _max_queue_wait(config) + HOLD_MARGIN_S
+    return hold_timeout_for(_max_queue_wait(config))
 
 
 def _idle_timeout_s(config: Config) -> float:
@@ -159,7 +164,7 @@ def _circuit_breakers() -> dict[str, Any]:
 
 
 def _protocol_options(http2: bool) -> dict[str, Any]:
-    explicit = {"http2_protocol_options": {}} if http2 else {"http_protocol_options": {}}
+    explicit: dict[str, Any] = {"http2_protocol_options": {}} if http2 else {"http_protocol_options": {}}
     return {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": _TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
@@ -295,15 +300,7 @@ def _ext_proc_filter(config: Config) -> dict[str, Any]:
             # A processor that cannot be reached fails the request: 503.
             "failure_mode_allow": False,
             "status_on_error": {"code": "ServiceUnavailable"},
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "response_header_mode": "SKIP",
-                "request_body_mode": "NONE",
-                "response_body_mode": "NONE",
-                "request_trailer_mode": "SKIP",
-                # Keeps the ext_proc stream open until the response is done.
-                "response_trailer_mode": "SEND",
-            },
+            "processing_mode": dict(PROCESSING_MODE),
             # Short, so a dead processor is noticed fast; the processor holds
             # a queued request with override_message_timeout up to the maximum.
             "message_timeout": _duration(config.envoy.message_timeout_ms / 1000),
@@ -592,9 +589,10 @@ def main_envoy_config(args: argparse.Namespace) -> int:
         try:
             doc = drop_in(config) if args.drop_in else bootstrap(config)
         except ConfigError as exc:
-            raise ConfigError(f"{args.config}: {exc}") from exc
+            raise ConfigError(*(f"{args.config}: {error}" for error in exc.errors)) from exc
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        for error in exc.errors:
+            print(f"error: {error}", file=sys.stderr)
         return 2
     sys.stdout.write(render(doc))
     return 0

@@ -5,34 +5,43 @@ inside the engine is served in arrival order, whoever sent it. So the gate
 keeps the engine's waiting queue near ``target_waiting`` and holds the rest in
 our fair queues, where order can still change.
 
-The engine reports its queue through ``/metrics``, but a scrape is a snapshot
-that is already old when it arrives. Between two scrapes the gate corrects it
-with what it knows exactly:
+The engine reports its queue through ``/metrics``, but a scrape is old when
+it arrives, and an engine shows a new request there late: real vLLM 50-400 ms
+after it was sent (tokenising, the hand-over to the engine core, the next
+step's stats; measured in docs/gate.md), our simulator as long by default.
+Any fixed "a release is visible after X ms" would be tuned to one engine and
+machine, and each request it under-counts is one more waiting in the
+engine's FIFO. So the estimate rests on what the processor knows exactly:
 
-* **released but not yet visible** (``unseen``): requests we released shortly
-  before the scrape started, or after it, cannot be in that snapshot. A
-  release is taken to be visible to a scrape that started at least
-  ``VISIBILITY_GRACE_S`` after it (the Envoy hop to the engine is ~1 ms; the
-  grace over-counts for a moment rather than under-counts).
-* **finished since the scrape** (``finished``): a request that was in the
-  snapshot and has finished since frees its place in the engine. The end of a
-  response reaches us a little after the engine let go of it, so a finish
-  within ``VISIBILITY_GRACE_S`` of the scrape's start may already be in the
-  snapshot and is not counted (counting it twice would overfill the engine;
-  the next scrape shows it either way).
+* **ours** — our released requests that have not finished. The ext_proc
+  stream ends when the response ends, so this count is exact at every
+  moment, whatever any scrape shows.
+* **foreign** — what the engine holds that is not ours (traffic around the
+  gateway, another gateway), from the newest scrape: its running + waiting
+  less every request of ours that was in flight when that scrape started.
+  Where a scrape lags, our requests are missing from it and foreign reads
+  low (never below 0); where it is on time, foreign is exact. Without
+  foreign traffic, the error is nil.
+
+``held_now = ours + foreign`` is what the engine holds now; it never counts
+fewer of our own requests than are in flight, and traffic around the gateway
+shows up at the next scrape that sees it. The same numbers at the scrape's
+start (``max(scraped, ours then)``) feed the adaptive limit.
 
 Variants (``gate:`` in the model config), all on the same accounting:
 
 ``adaptive`` (default)
-    ``allowance = limit - (running + waiting - finished + unseen)`` per
-    endpoint, with ``limit`` learned online by
-    :class:`extproc.controller.ConcurrencyLimit`: the engine's capacity plus
-    ``target_waiting``, cut by the optional inter-token latency and KV usage
-    ceilings. A completion is refilled at once.
+    ``allowance = limit - held_now`` per endpoint, with ``limit`` learned
+    online by :class:`extproc.controller.ConcurrencyLimit`: the engine's
+    capacity plus ``target_waiting``, cut by the optional inter-token latency
+    and KV usage ceilings. A completion is refilled at once.
 ``waiting_target``
-    The original rule: ``allowance = target_waiting - (max(0, waiting -
-    finished) + unseen)``. While the engine does not queue it releases at most
-    ``target_waiting`` per scrape.
+    The original rule: ``allowance = target_waiting - waiting_now``, where
+    ``waiting_now = held_now - running`` (the engine runs what the scrape saw
+    running, plus the idle-band releases sent into free slots since). It never
+    learns capacity beyond what it has seen running: while the engine does not
+    queue it releases ``target_waiting`` more per scrape that shows the last
+    ones running.
 ``static_concurrency``
     At most ``max_in_flight`` of our requests per endpoint; metrics unused.
 ``static_rate``
@@ -61,11 +70,11 @@ docs/policies.md):
   (``allowance(now, reserve)``), so a burst of the first band always finds
   room in the engine's queue, however deep the lower bands' backlog;
 * an idle-only band (``idle_allowance``) is released only into an *idle*
-  engine: the estimated waiting queue is empty and the estimated occupancy
-  (running + waiting, corrected like waiting) is below ``share`` of the
+  engine: the estimated waiting queue is empty and ``held_now`` is below
+  ``share`` of the
   engine's capacity — ``max_running`` when configured, else the most requests
   it was ever seen running. Such releases are sized to free slots: the
-  waiting rule does not count them as unseen *waiting*, and the adaptive
+  waiting rule does not count them as waiting, and the adaptive
   limit keeps ``target_waiting`` above the engine's capacity, so they never
   eat the allowance of the bands above. With ``share`` 1 and no configured
   capacity the band also probes past the learned capacity (doubling, by at
@@ -81,16 +90,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from extproc.controller import ConcurrencyLimit, EngineLoad
 
-__all__ = ["EngineLoad", "Gate", "GateMode", "GATE_KINDS", "VISIBILITY_GRACE_S"]
+__all__ = ["EngineLoad", "Gate", "GateMode", "GATE_KINDS"]
 
-VISIBILITY_GRACE_S = 0.05
 GATE_KINDS = ("adaptive", "waiting_target", "static_concurrency", "static_rate")
 _METRIC_KINDS = ("adaptive", "waiting_target")
 
@@ -107,6 +115,9 @@ class _Endpoint:
     limit: ConcurrencyLimit
     load: EngineLoad | None = None  # last good scrape
     started_at: float = float("-inf")  # when that scrape started
+    # Our requests in flight when that scrape started: on this endpoint (endpoint
+    # picking) or in the whole pool (without picking, ours cannot be attributed).
+    ours_then: int = 0
     failing: bool = True  # the latest scrape failed (or there was none yet)
     last_running: float = 0.0
     # First release to this endpoint after its current page content appeared.
@@ -127,25 +138,22 @@ class _Bucket:
         self.at = now
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Estimate:
-    """A snapshot (summed over endpoints) and its corrections: requests finished
-    since it, and releases it cannot contain yet.
+    """What some endpoints hold now (see the module docstring).
 
-    ``unseen_into_slots`` are the unseen releases of idle-only bands, sized to
-    free batch slots: they occupy the engine but are not expected to wait.
+    ``slots`` is what they run: the newest scrapes' running plus the idle-band
+    releases sent into free slots since those scrapes started.
     """
 
-    waiting: float
-    running: float
-    finished: int = 0
-    unseen: int = 0
-    unseen_into_slots: int = 0
+    held: float
+    slots: float
+    into_slots_since: int
 
     @property
-    def waiting_now(self) -> float:
+    def waiting(self) -> float:
         """The engine's waiting queue now (the waiting rule's estimate)."""
-        return max(0.0, self.waiting - self.finished) + self.unseen - self.unseen_into_slots
+        return max(0.0, self.held - self.slots)
 
 
 @dataclass
@@ -171,7 +179,9 @@ class Gate:
     # Released and not finished, in release order:
     # request -> (release time, endpoint or None, released into a free slot).
     _in_flight: dict[Hashable, tuple[float, str | None, bool]] = field(init=False, default_factory=dict)
-    # (finished at, released at, endpoint) of requests that may still correct a snapshot.
+    _in_flight_on: Counter[str | None] = field(init=False, default_factory=Counter)
+    # (finished at, released at, endpoint) of requests a scrape still running may
+    # have seen in flight (a scrape takes at most stale_after_s).
     _finished: deque[tuple[float, float, str | None]] = field(init=False, default_factory=deque)
     _bucket: _Bucket | None = field(init=False, default=None)
     # The most requests the pool was seen running, and whether it was ever seen queueing.
@@ -216,6 +226,18 @@ class Gate:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def _attributed(self) -> bool:
+        """Whether each of our requests is known to be on one endpoint."""
+        return self.pick_endpoints or len(self._state) == 1
+
+    def _ours_at(self, t: float, endpoint: str | None) -> int:
+        """Our requests in flight at time ``t`` (on ``endpoint``; None: anywhere)."""
+        def counts(released: float, ep: str | None) -> bool:
+            return released < t and (endpoint is None or ep == endpoint)
+
+        ours = sum(1 for released, ep, _ in self._in_flight.values() if counts(released, ep))
+        return ours + sum(1 for done, released, ep in self._finished if done > t and counts(released, ep))
+
     def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float) -> None:
         """A scrape of ``endpoint`` that started at ``started_at`` returned ``load`` (None: failed)."""
         state = self._state.get(endpoint)
@@ -225,24 +247,28 @@ class Gate:
         if load is None:
             return
         sent = state.release_after_content
-        if load == state.load and sent is not None and sent < started_at - VISIBILITY_GRACE_S:
-            # Work was sent and the page did not move: it is frozen (a cache, a hung
-            # exporter); its data is as old as its first appearance and goes stale.
+        if load == state.load and sent is not None and sent < started_at - self.stale_after_s:
+            # Work was sent longer ago than any usable page may lag, and the page did
+            # not move: it is frozen (a cache, a hung exporter); its data is as old as
+            # its first appearance and goes stale.
             return
         if load != state.load:
             state.release_after_content = None
-        state.load, state.started_at, state.last_running = load, started_at, load.running
-        state.limit.observe(load, started_at)
+        ours_then = self._ours_at(started_at, endpoint if self.pick_endpoints else None)
+        state.load, state.started_at, state.ours_then, state.last_running = load, started_at, ours_then, load.running
+        # What the engine held when the scrape started: at least what we had in it.
+        held = max(load.running + load.waiting, ours_then) if self._attributed() else None
+        state.limit.observe(load, started_at, held=held)
         pool = self.engine_load()
         if pool is not None:
             self._peak_running = max(self._peak_running, pool.running)
             self._seen_waiting = self._seen_waiting or pool.waiting > 0
-        self._prune(started_at)
 
     def record_release(
         self, request: Hashable, now: float, endpoint: str | None = None, *, into_free_slot: bool = False
     ) -> None:
         self._in_flight[request] = (now, endpoint, into_free_slot)
+        self._in_flight_on[endpoint] += 1
         # Only a release that surely went to an endpoint can prove its page frozen.
         target = endpoint if endpoint is not None else self.endpoints[0] if len(self.endpoints) == 1 else None
         state = self._state.get(target) if target is not None else None
@@ -255,16 +281,11 @@ class Gate:
     def record_finish(self, request: Hashable, now: float) -> float:
         """Note a finished request; returns how long it was released (its occupancy)."""
         released_at, endpoint, _ = self._in_flight.pop(request)
+        self._in_flight_on[endpoint] -= 1
         self._finished.append((now, released_at, endpoint))
-        self._prune(now)
-        return now - released_at
-
-    def _prune(self, now: float) -> None:
-        """Forget finishes no usable snapshot can still be corrected by."""
-        usable = [s.started_at for s in self._state.values() if self._healthy(s, now)]
-        cutoff = min(usable) if usable else now - self.stale_after_s
-        while self._finished and self._finished[0][0] <= cutoff:
+        while self._finished and self._finished[0][0] < now - self.stale_after_s:
             self._finished.popleft()
+        return now - released_at
 
     # --- health ------------------------------------------------------------------
 
@@ -311,42 +332,40 @@ class Gate:
     # --- the decision ------------------------------------------------------------
 
     def _estimate(self, states: Sequence[_Endpoint], endpoint: str | None) -> _Estimate:
-        """The states' last snapshot, corrected since the oldest of them (``endpoint`` None: whole pool)."""
-        snapshot = min(s.started_at for s in states)
-        horizon = snapshot - VISIBILITY_GRACE_S
-        estimate = _Estimate(
-            waiting=sum(s.load.waiting for s in states if s.load),
-            running=sum(s.load.running for s in states if s.load),
-        )
-        for done, released, ep in self._finished:
-            if (endpoint is None or ep == endpoint) and done > snapshot + VISIBILITY_GRACE_S and released < horizon:
-                estimate.finished += 1
-        for released, ep, into_slot in reversed(self._in_flight.values()):
-            if released < horizon:
-                break
-            if endpoint is None or ep == endpoint:
-                estimate.unseen += 1
-                estimate.unseen_into_slots += into_slot
-        return estimate
+        """What ``states`` hold now: ours exactly, plus the foreign part of their newest scrapes.
 
-    def _mine(self, endpoint: str) -> int:
-        return sum(1 for _, ep, _ in self._in_flight.values() if ep == endpoint)
+        ``endpoint`` None: the whole pool, whose scrapes each recorded the pool's
+        in-flight count; the largest of those is subtracted once (the scrapes
+        started within a scrape interval of each other).
+        """
+        scraped = sum(s.load.running + s.load.waiting for s in states if s.load)
+        ours_then = max(s.ours_then for s in states) if endpoint is None else states[0].ours_then
+        ours_now = self.in_flight if endpoint is None else self._in_flight_on[endpoint]
+        snapshot = min(s.started_at for s in states)
+        into_slots = 0
+        for released, ep, into_slot in reversed(self._in_flight.values()):
+            if released < snapshot:
+                break
+            into_slots += into_slot and (endpoint is None or ep == endpoint)
+        running = sum(s.load.running for s in states if s.load)
+        return _Estimate(held=ours_now + max(0.0, scraped - ours_then), slots=running + into_slots,
+                         into_slots_since=into_slots)
 
     def _headroom(self, states: Sequence[_Endpoint], endpoint: str | None) -> float:
         estimate = self._estimate(states, endpoint)
         if self.kind == "waiting_target":
-            return self.target_waiting * len(states) - estimate.waiting_now
-        limit = sum(s.limit.limit for s in states)
-        return limit - (estimate.running + estimate.waiting - estimate.finished + estimate.unseen)
+            return self.target_waiting * len(states) - estimate.waiting
+        return sum(s.limit.limit for s in states) - estimate.held
 
     def endpoint_allowance(self, endpoint: str, now: float) -> int:
         """How many more requests ``endpoint`` may get now (endpoint picking)."""
         state = self._state[endpoint]
+        mine = self._in_flight_on[endpoint]
         if self.kind == "static_concurrency":
             assert self.max_in_flight is not None
-            return max(0, self.max_in_flight - self._mine(endpoint))
+            return max(0, self.max_in_flight - mine)
         if not self._healthy(state, now):
-            return max(0, self.fallback_limit(endpoint) - self._mine(endpoint))
+            return max(0, self.fallback_limit(endpoint) - mine)
         return max(0, int(self._headroom([state], endpoint)))
 
     def allowance(self, now: float, reserve: int = 0) -> int:
@@ -376,22 +395,21 @@ class Gate:
         if self.kind not in _METRIC_KINDS or self.mode(now) is GateMode.FALLBACK:
             return self.allowance(now, max(1, reserve))
         estimate = self._estimate(list(self._state.values()), None)
-        if estimate.waiting_now > 0:
+        if estimate.waiting > 0:
             return 0
-        occupancy = max(0.0, estimate.waiting + estimate.running - estimate.finished) + estimate.unseen
         if self.max_running is not None:
             capacity: float = self.max_running * len(self._state)
         else:
             capacity = self._peak_running
-        free = math.ceil(share * capacity - occupancy)
+        free = math.ceil(share * capacity - estimate.held)
         if free >= 1:
             return free
-        if share < 1 or self.max_running is not None or estimate.unseen_into_slots:
+        if share < 1 or self.max_running is not None or estimate.into_slots_since:
             return 0
         # Probe: growing (doubling, at most target_waiting a scrape, so a probe
         # that does not fit leaves no more than the target waiting) until the
         # engine first queued, then one more per scrape.
-        return 1 if self._seen_waiting else max(1, min(int(occupancy), self.target_waiting))
+        return 1 if self._seen_waiting else max(1, min(int(estimate.held), self.target_waiting))
 
     def next_change_in(self, now: float) -> float | None:
         """Seconds until the allowance grows without any event (``static_rate``), else None."""

@@ -30,6 +30,11 @@ request is refused (403).
 
 A client that leaves while queued cancels the stream; the cancellation
 removes its entry from the queue at once.
+
+A request that does not reach the engine ends in one of the core's named
+refusals (``core/outcomes.py``); what the client hears for each — HTTP status,
+OpenAI-style JSON error, ``Retry-After`` — is chosen here (:data:`ANSWERS`,
+:func:`retry_after_s`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
@@ -51,29 +57,39 @@ from google.protobuf import duration_pb2, struct_pb2
 
 from extproc.body import with_priority
 from extproc.config import Config
-from extproc.dispatcher import ModelDispatcher, Rejected, shutting_down
-from extproc.protocol import DESTINATION_HEADER, METADATA_NAMESPACE, QUEUE_WAIT_HEADER, REASON_HEADER
+from extproc.core.outcomes import Refusal, Refused
+from extproc.dispatcher import ModelDispatcher, shutting_down
+from extproc.protocol import (
+    DESTINATION_HEADER,
+    METADATA_NAMESPACE,
+    PROCESSING_MODE,
+    QUEUE_WAIT_HEADER,
+    REASON_HEADER,
+    hold_timeout_for,
+)
 from extproc.telemetry import Telemetry
 
-# Envoy's override of the per-message timeout must outlast our own queue timeout.
-HOLD_MARGIN_S = 10
-
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-_ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "invalid_request_error", 429: "rate_limit_error",
+# What the client hears for each refusal: the HTTP status and OpenAI's error type.
+# 429 only where the tenant's own backlog is the cause (it sends faster than its
+# share: slow down); a full class or model, a timeout and draining are
+# server-side conditions, 503 for everyone.
+ANSWERS: dict[Refusal, tuple[int, str]] = {
+    Refusal.MODEL_MISSING: (400, "invalid_request_error"),
+    Refusal.MODEL_NOT_FOUND: (404, "invalid_request_error"),
+    Refusal.TENANT_MISSING: (401, "authentication_error"),
+    Refusal.PRIORITY_NOT_ALLOWED: (403, "permission_error"),
+    Refusal.TENANT_QUEUE_FULL: (429, "rate_limit_error"),
+    Refusal.BAND_QUEUE_FULL: (503, "server_error"),
+    Refusal.MODEL_QUEUE_FULL: (503, "server_error"),
+    Refusal.QUEUE_TIMEOUT: (503, "server_error"),
+    Refusal.SHUTTING_DOWN: (503, "server_error"),
 }
-_Mode = processing_mode_pb2.ProcessingMode
-# The filter's own mode (envoy_config.py) with the request body buffered: a
-# mode override replaces the whole mode, so every field is spelt out.
-_WITH_BODY = _Mode(
-    request_header_mode=_Mode.SEND,
-    response_header_mode=_Mode.SKIP,
-    request_body_mode=_Mode.BUFFERED,
-    response_body_mode=_Mode.NONE,
-    request_trailer_mode=_Mode.SKIP,
-    response_trailer_mode=_Mode.SEND,
-)
+# Retry-After: the refusing queue's drain time at the recent release rate, within these bounds.
+MIN_RETRY_AFTER_S = 1
+MAX_RETRY_AFTER_S = 60
+# The filter's own mode with the request body buffered (engine_priority models).
+_WITH_BODY = processing_mode_pb2.ProcessingMode(**{**PROCESSING_MODE, "request_body_mode": "BUFFERED"})
 
 
 @dataclass(frozen=True)
@@ -85,33 +101,45 @@ class Admission:
     requested: int | None = None
 
 
+def _duration(seconds: float) -> duration_pb2.Duration:
+    duration = duration_pb2.Duration()
+    duration.FromMilliseconds(round(seconds * 1000))
+    return duration
+
+
 def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=name, raw_value=value.encode()), append_action=_OVERWRITE
     )
 
 
-def error_response(rejection: Rejected) -> pb.ProcessingResponse:
+def retry_after_s(refused: Refused) -> int | None:
+    """Seconds a client should wait before retrying, or None where retrying later does not help."""
+    if refused.refusal is Refusal.SHUTTING_DOWN:
+        return MIN_RETRY_AFTER_S  # another replica, or this one restarted, answers in a moment
+    if refused.drain_s is None:
+        return None
+    if math.isinf(refused.drain_s):  # nothing released lately: no estimate
+        return MAX_RETRY_AFTER_S
+    return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(refused.drain_s)))
+
+
+def error_response(refused: Refused) -> pb.ProcessingResponse:
     """An OpenAI-style JSON error that Envoy sends to the client in place of the engine's answer."""
-    body = {
-        "error": {
-            "message": rejection.message,
-            "type": _ERROR_TYPES.get(rejection.status, "server_error"),
-            "param": None,
-            "code": rejection.reason,
-        }
-    }
-    headers = [_header("content-type", "application/json"), _header(REASON_HEADER, rejection.reason)]
-    if rejection.retry_after_s is not None:
-        headers.append(_header("retry-after", str(rejection.retry_after_s)))
-    if rejection.queue_wait_s is not None:
-        headers.append(_header(QUEUE_WAIT_HEADER, str(round(rejection.queue_wait_s * 1000))))
+    status, error_type = ANSWERS[refused.refusal]
+    body = {"error": {"message": refused.message, "type": error_type, "param": None, "code": refused.refusal.value}}
+    headers = [_header("content-type", "application/json"), _header(REASON_HEADER, refused.refusal.value)]
+    retry_after = retry_after_s(refused)
+    if retry_after is not None:
+        headers.append(_header("retry-after", str(retry_after)))
+    if refused.queue_wait_s is not None:
+        headers.append(_header(QUEUE_WAIT_HEADER, str(round(refused.queue_wait_s * 1000))))
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=rejection.status),
+            status=http_status_pb2.HttpStatus(code=status),
             headers=pb.HeaderMutation(set_headers=headers),
             body=json.dumps(body).encode(),
-            details=rejection.reason,
+            details=refused.refusal.value,
         )
     )
 
@@ -139,7 +167,8 @@ def _metadata_value(request: pb.ProcessingRequest, name: str) -> struct_pb2.Valu
     fields = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
     if fields is None or name not in fields.fields:
         return None
-    return fields.fields[name]
+    value: struct_pb2.Value = fields.fields[name]
+    return value
 
 
 def _body_field(request: pb.ProcessingRequest, name: str) -> str | None:
@@ -174,36 +203,34 @@ def _content_length(headers: dict[str, str]) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-class Processor(pb_grpc.ExternalProcessorServicer):
+class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the generated base is untyped
     """The gRPC servicer Envoy's ext_proc filter talks to."""
 
     def __init__(self, config: Config, dispatchers: dict[str, ModelDispatcher], telemetry: Telemetry) -> None:
         self._config = config
         self._dispatchers = dispatchers
         self._telemetry = telemetry
-        self._hold_timeout = {
-            m.name: duration_pb2.Duration(seconds=math.ceil(config.longest_queue_wait_s(m)) + HOLD_MARGIN_S)
-            for m in config.models
-        }
+        self._hold_timeout = {m.name: _duration(hold_timeout_for(config.longest_queue_wait_s(m))) for m in config.models}
+        self._engine_priority_models = {m.name for m in config.models if m.engine_priority}
         self.draining = False
 
     def admit(self, headers: dict[str, str], body_model: str | None) -> Admission:
-        """Who asks, for which model, how urgently — or why not (raises Rejected)."""
+        """Who asks, for which model, how urgently — or why not (raises Refused)."""
         identity = self._config.identity
         if self.draining:
             raise shutting_down()
         if body_model is None:
-            raise Rejected(
-                400, "model_missing",
+            raise Refused(
+                Refusal.MODEL_MISSING,
                 "the request body must be JSON (content-type: application/json) with a 'model' field",
             )
         if body_model not in self._dispatchers:
             known = ", ".join(sorted(self._dispatchers))
-            raise Rejected(404, "model_not_found", f"the model {body_model!r} does not exist; served models: {known}")
+            raise Refused(Refusal.MODEL_NOT_FOUND, f"the model {body_model!r} does not exist; served models: {known}")
         tenant = headers.get(identity.tenant_header)
         if not tenant:
             if identity.missing_tenant == "reject":
-                raise Rejected(401, "tenant_missing", "the request carries no tenant identity; authenticate first")
+                raise Refused(Refusal.TENANT_MISSING, "the request carries no tenant identity; authenticate first")
             tenant = identity.default_tenant
         return self._entitled(body_model, tenant, headers.get(identity.priority_header, "").strip().lower())
 
@@ -219,12 +246,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             return Admission(model, tenant, requested)
         lower = [priorities.index(p) for p in allowed if priorities.index(p) > requested]
         if not lower:
-            raise Rejected(403, "priority_not_allowed", f"tenant {tenant!r} may not use priority {asked!r}; "
+            raise Refused(Refusal.PRIORITY_NOT_ALLOWED, f"tenant {tenant!r} may not use priority {asked!r}; "
                            f"its classes are {', '.join(allowed)}")
         return Admission(model, tenant, min(lower), requested=requested)
 
     async def Process(  # noqa: N802 (gRPC method name)
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.ProcessingResponse]:
         messages = aiter(request_iterator)
         first = await anext(messages, None)
@@ -242,11 +269,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         body_model = _body_model(first)
         try:
             admission = self.admit(headers, body_model)
-        except Rejected as rejection:
+        except Refused as refused:
             # Client-chosen names never become label values: unbounded series would sink Prometheus.
             label = body_model if body_model in self._dispatchers else "(unknown)"
-            self._telemetry.rejected.labels(label, rejection.reason).inc()
-            yield error_response(rejection)
+            self._telemetry.rejected.labels(label, refused.refusal.value).inc()
+            yield error_response(refused)
             return
         priorities = self._config.priorities
         if admission.requested is not None:
@@ -263,8 +290,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 # it, a tenant's requests stick together (they often share a system prompt).
                 affinity=_body_field(first, "prompt_cache_key") or "",
             )
-        except Rejected as rejection:  # a queue cap; the dispatcher counted it
-            yield error_response(rejection)
+        except Refused as refused:  # a queue cap; the dispatcher counted it
+            yield error_response(refused)
             return
         engine_priority = self._engine_priority(admission)
         # One try for the whole hold: the stream can be cancelled (client gone) at
@@ -274,20 +301,20 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 yield pb.ProcessingResponse(override_message_timeout=self._hold_timeout[admission.model])
             try:
                 waited = await held.future
-            except Rejected as rejection:
-                yield error_response(rejection)
+            except Refused as refused:
+                yield error_response(refused)
                 return
-            headers = [
+            routing = [
                 _header(self._config.identity.model_header, admission.model),
                 _header(QUEUE_WAIT_HEADER, str(round(waited * 1000))),
             ]
             destination = _host_port(held.endpoint) if held.endpoint else None
             if destination:
-                headers.append(_header(DESTINATION_HEADER, destination))
+                routing.append(_header(DESTINATION_HEADER, destination))
             yield pb.ProcessingResponse(
                 request_headers=pb.HeadersResponse(
                     response=pb.CommonResponse(
-                        header_mutation=pb.HeaderMutation(set_headers=headers),
+                        header_mutation=pb.HeaderMutation(set_headers=routing),
                         clear_route_cache=True,
                     )
                 ),
@@ -303,7 +330,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
 
     def _engine_priority(self, admission: Admission) -> int | None:
         """The body ``priority`` to write for this request, or None (model without engine_priority)."""
-        if not self._dispatchers[admission.model].model.engine_priority:
+        if admission.model not in self._engine_priority_models:
             return None
         return self._config.bands[admission.band].engine_priority
 

@@ -8,66 +8,24 @@ Order of service:
 * **Priority bands, strictly.** Band 0 (e.g. ``interactive``) is always served
   before band 1, and so on. A lower band only moves when every higher band
   is empty.
-* **Round-robin across tenants inside a band.** Each tenant has its own FIFO;
-  the backlogged tenants form a rotation, and serving a tenant moves it to the
-  back. A tenant that arrives (or returns after its queue ran empty) joins at
-  the back, so it is served before any tenant already in the rotation is
-  served twice: a newcomer waits at most one round, however deep the flood in
-  front of it. Returning tenants do not bank the time they were idle.
-  Cost-aware alternatives with the same interface live in ``policies.py``.
+* **A fairness policy inside each band** (``extproc/core/policies``): by
+  default round-robin across tenants, each with its own FIFO, so a newcomer
+  waits at most one round however deep the flood in front of it.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-from extproc.policies import BandPolicy, TenantQueues
+from extproc.core.policies.base import BandPolicy
+from extproc.core.policies.round_robin import TenantRoundRobin
 
 Item = TypeVar("Item", bound=Hashable)
 
 
-class TenantRoundRobin(TenantQueues[Item]):
-    """One priority band: a FIFO per tenant, served in rotation."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._rotation: deque[str] = deque()
-
-    def push(self, tenant: str, item: Item) -> None:
-        queue = self._queues.get(tenant)
-        if queue is None:
-            queue = self._queues[tenant] = deque()
-            self._rotation.append(tenant)
-        queue.append(item)
-        self._size += 1
-
-    def pop(self) -> tuple[str, Item]:
-        """Take the head of the next tenant's FIFO; raises IndexError when empty."""
-        tenant = self._rotation.popleft()
-        queue = self._queues[tenant]
-        item = queue.popleft()
-        if queue:
-            self._rotation.append(tenant)
-        else:
-            del self._queues[tenant]
-        self._size -= 1
-        return tenant, item
-
-    def _leave(self, tenant: str) -> None:
-        super()._leave(tenant)
-        self._rotation.remove(tenant)
-
-    def charge(self, tenant: str, cost: float) -> None:
-        """Round-robin counts requests, not their cost."""
-
-    def correct(self, tenant: str, delta: float) -> None:
-        """Round-robin counts requests, not their cost."""
-
-
 class FairQueue(Generic[Item]):
-    """All requests held for one model: priority bands of tenant rotations."""
+    """All requests held for one model: priority bands, each run by a band policy."""
 
     def __init__(self, bands: int, policy: Callable[[], BandPolicy[Item]] = TenantRoundRobin) -> None:
         if bands < 1:

@@ -15,6 +15,7 @@ import time
 
 import aiohttp
 
+from extproc.config import ModelConfig
 from extproc.dispatcher import ModelDispatcher
 from extproc.engine_metrics import MetricsError, parse_load
 from extproc.gate import EngineLoad
@@ -29,9 +30,10 @@ async def _scrape_once(session: aiohttp.ClientSession, url: str, engine: str, mo
         return parse_load(engine, await response.text(), model)
 
 
-async def scrape_endpoint(session: aiohttp.ClientSession, dispatcher: ModelDispatcher, endpoint: str) -> None:
-    """Scrape ``endpoint`` forever (until cancelled)."""
-    model = dispatcher.model
+async def scrape_endpoint(
+    session: aiohttp.ClientSession, model: ModelConfig, dispatcher: ModelDispatcher, endpoint: str
+) -> None:
+    """Scrape ``endpoint`` of ``model``'s pool forever (until cancelled)."""
     url = f"{endpoint}/metrics"
     # A scrape slower than the staleness limit is useless: give up on it then.
     healthy: bool | None = None

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import time
+from wsgiref.simple_server import WSGIServer
 
 import aiohttp
 import grpc
@@ -23,9 +24,9 @@ from prometheus_client import start_http_server
 
 from extproc.config import Config, split_address
 from extproc.discovery import watch_pool
-from extproc.dispatcher import ModelDispatcher
 from extproc.processor import Processor
 from extproc.telemetry import Telemetry
+from extproc.wiring import build_dispatchers
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +47,15 @@ class ProcessorServer:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.telemetry = Telemetry()
-        self.dispatchers = {
-            m.name: ModelDispatcher(m, config.priorities, self.telemetry, bands=config.bands, tenant=config.tenant)
-            for m in config.models
-        }
+        self.dispatchers = build_dispatchers(config, self.telemetry)
         self.processor = Processor(config, self.dispatchers, self.telemetry)
-        self._health = health.aio.HealthServicer()
+        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # grpc-stubs lack health.aio
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
         pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
-        self._metrics_server = None
+        self._metrics_server: WSGIServer | None = None
 
     async def start(self) -> None:
         if self._grpc.add_insecure_port(self.config.listen.grpc) == 0:
@@ -67,8 +65,8 @@ class ProcessorServer:
         host, port = split_address(self.config.listen.metrics)
         self._metrics_server, _ = start_http_server(port, host, registry=self.telemetry.registry)
         self._session = aiohttp.ClientSession()
-        for dispatcher in self.dispatchers.values():
-            self._tasks.append(asyncio.create_task(watch_pool(self._session, dispatcher)))
+        for model in self.config.models:
+            self._tasks.append(asyncio.create_task(watch_pool(self._session, model, self.dispatchers[model.name])))
         for service in ("", EXT_PROC_SERVICE):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving ext_proc on %s, metrics on %s", self.config.listen.grpc, self.config.listen.metrics)

@@ -1,12 +1,17 @@
 """The processor's own Prometheus metrics.
 
 One registry per server instance (not prometheus_client's global one) so that
-tests can run several processors in one Python process.
+tests can run several processors in one Python process. Each model's
+dispatcher reports through a :class:`ModelTelemetry` (the core's
+``DispatchReport``), which writes that model's series.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from extproc.controller import EngineLoad
+from extproc.core.outcomes import Refusal
 
 # Queue waits span milliseconds (idle engine) to minutes (a flood in batch).
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -103,3 +108,54 @@ class Telemetry:
         """Gauges labelled (model, endpoint): cleared when an endpoint leaves its pool."""
         return (self.engine_waiting, self.engine_running, self.engine_kv_usage, self.engine_itl,
                 self.gate_limit, self.endpoint_degraded)
+
+
+class ModelTelemetry:
+    """One model's series, written from what its dispatcher reports (``core/report.py``)."""
+
+    def __init__(self, telemetry: Telemetry, model: str) -> None:
+        self._t = telemetry
+        self._model = model
+
+    def refused(self, refusal: Refusal) -> None:
+        self._t.rejected.labels(self._model, refusal.value).inc()
+
+    def held(self, band: str, waited_s: float) -> None:
+        self._t.queue_wait.labels(self._model, band).observe(waited_s)
+
+    def released(self, band: str) -> None:
+        self._t.released.labels(self._model, band).inc()
+
+    def abandoned(self, band: str) -> None:
+        self._t.abandoned.labels(self._model, band).inc()
+
+    def queue_depth(self, band: str, depth: int) -> None:
+        self._t.queue_depth.labels(self._model, band).set(depth)
+
+    def in_flight(self, count: int) -> None:
+        self._t.in_flight.labels(self._model).set(count)
+
+    def scraped(self, endpoint: str, load: EngineLoad, itl_s: float | None, limit: float) -> None:
+        self._t.engine_waiting.labels(self._model, endpoint).set(load.waiting)
+        self._t.engine_running.labels(self._model, endpoint).set(load.running)
+        if load.kv_usage is not None:
+            self._t.engine_kv_usage.labels(self._model, endpoint).set(load.kv_usage)
+        if itl_s is not None:
+            self._t.engine_itl.labels(self._model, endpoint).set(itl_s)
+        self._t.gate_limit.labels(self._model, endpoint).set(limit)
+
+    def scrape_failed(self, endpoint: str) -> None:
+        self._t.scrape_errors.labels(self._model, endpoint).inc()
+
+    def endpoint_left(self, endpoint: str) -> None:
+        for gauge in self._t.per_endpoint_gauges():
+            try:
+                gauge.remove(self._model, endpoint)
+            except KeyError:
+                pass
+
+    def endpoint_degraded(self, endpoint: str, degraded: bool) -> None:
+        self._t.endpoint_degraded.labels(self._model, endpoint).set(1 if degraded else 0)
+
+    def fallback(self, active: bool) -> None:
+        self._t.gate_fallback.labels(self._model).set(1 if active else 0)

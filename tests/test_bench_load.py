@@ -12,6 +12,8 @@ from extproc.bench.arms import ARMS
 from extproc.bench.load import LogNormal, Pareto, Stream, plan, poisson_times
 from extproc.bench.scenarios import full_set, quick_set
 
+pytestmark = pytest.mark.unit
+
 CHAT = (LogNormal(400, 1.0, 16, 8000), LogNormal(128, 0.8, 8, 1024))
 
 

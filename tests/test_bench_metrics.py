@@ -26,6 +26,8 @@ from extproc.bench.scenarios import Scenario
 from extproc.config import ConfigError, parse_config
 from extproc.sim.server import estimate_tokens
 
+pytestmark = pytest.mark.unit
+
 
 def result(tenant: str, sent: float, ttft: float, e2e: float, tokens: int = 10, prompt: int = 0,
            priority: str | None = None, queue_wait: float | None = None) -> Result:

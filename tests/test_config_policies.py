@@ -8,6 +8,8 @@ import pytest
 
 from extproc.config import ConfigError, parse_config
 
+pytestmark = pytest.mark.unit
+
 MODEL = {"name": "m", "endpoints": ["http://127.0.0.1:1"]}
 JWKS = {"keys": [{"kty": "RSA", "kid": "k", "n": "AQAB", "e": "AQAB"}]}
 

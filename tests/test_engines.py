@@ -15,6 +15,8 @@ from extproc.sim.dialects import DIALECT_NAMES
 from extproc.sim.engine import SimSettings
 from extproc.sim.server import start_sim
 
+pytestmark = pytest.mark.unit
+
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 
 

@@ -31,7 +31,7 @@ from extproc.stack import Stack, start_stack
 from tests.conftest import FCFS_MODEL, PRIORITY_MODEL, VllmServers
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.vllm]
 # The servers live in the session's event loop; async tests and fixtures here run in it too.
 IN_SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
 

@@ -24,6 +24,8 @@ from extproc.sim import RunningSim, SimSettings, add_arguments, start_sim
 from extproc.sim.engine import RequestTooLong, Scheduler, SimEngine, SimRequest, TokenEvent
 from extproc.sim.server import estimate_tokens, run, settings_from_args
 
+pytestmark = pytest.mark.unit
+
 MODEL = "sim-model"
 # 2 ms decode steps: fast tests, yet slow enough that queues are observable.
 FAST = {"step_ms": 20.0, "step_ms_per_seq": 0.5, "prefill_ms_per_token": 0.05, "time_scale": 0.1}
@@ -213,7 +215,8 @@ class RecordingObserver:
 async def test_engine_streams_tokens_on_an_injected_clock_and_idles_without_stepping() -> None:
     fake, observer = FakeTime(), RecordingObserver()
     engine = SimEngine(
-        SimSettings(model=MODEL, max_num_seqs=1, step_ms=10, step_ms_per_seq=0, prefill_ms_per_token=0),
+        SimSettings(model=MODEL, max_num_seqs=1, step_ms=10, step_ms_per_seq=0, prefill_ms_per_token=0,
+                    visibility_delay_ms=0, visibility_delay_per_pending_ms=0),
         observer,
         clock=fake.clock,
         sleep=fake.sleep,
@@ -254,6 +257,25 @@ async def test_engine_abort_ends_the_stream_and_close_aborts_the_rest() -> None:
     assert queued.request.finish_reason == "abort"
     assert observer.finished == [streaming.request, queued.request]
     assert not engine.scheduler.has_work
+
+
+async def test_requests_reach_the_scheduler_late_as_in_vllm() -> None:
+    """One request is seen 60 ms after it arrives; seven at once, the last after 150 ms (measured 99-174)."""
+    fake = FakeTime()
+    engine = SimEngine(SimSettings(model=MODEL, max_num_seqs=1, step_ms=10, step_ms_per_seq=0,
+                                   prefill_ms_per_token=0), clock=fake.clock, sleep=fake.sleep)
+    engine.start()
+    try:
+        handles = [engine.submit(4, 1) for _ in range(7)]
+        assert not engine.scheduler.has_work  # on its way: not in /metrics yet
+        handles[3].abort()  # a client may leave before the engine saw its request
+        texts = [[piece async for piece in handle] for handle in handles]
+        assert [len(t) for t in texts] == [1, 1, 1, 0, 1, 1, 1]
+        scheduled = [h.request.scheduled_at for h in handles if h.request.scheduled_at is not None]
+        assert scheduled[0] == pytest.approx(0.060)
+        assert scheduled[-1] == pytest.approx(0.150)
+    finally:
+        await engine.close()
 
 
 # --------------------------------------------------------------------------
@@ -643,7 +665,7 @@ async def test_longer_prompt_costs_more_time_to_first_token(
     sim_factory: StartSim, http: aiohttp.ClientSession
 ) -> None:
     # The 2000-token prompt pays 200 ms of prefill; the 1-token one about one 2 ms step.
-    sim = await sim_factory(prefill_ms_per_token=1.0, time_scale=0.1)
+    sim = await sim_factory(prefill_ms_per_token=1.0, time_scale=0.1, visibility_delay_ms=0)
     ttfts = []
     for prompt in ("a", "a" * 8000):
         before = _value(await _metrics(http, sim), "vllm:time_to_first_token_seconds_sum")

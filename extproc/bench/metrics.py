@@ -40,10 +40,11 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from extproc.bench.runner import ArmRun, EngineSample, Result
 from extproc.bench.scenarios import Scenario
-from extproc.config import CostWeights
+from extproc.cost import CostWeights
 from extproc.scenario import percentile
 
 # Cost weights of prompt and output tokens in a tenant's service: the ones the
@@ -195,7 +196,7 @@ def common_horizon(runs: Iterable[ArmRun]) -> float:
     return min(throughput(run.results).makespan for run in runs)
 
 
-def summarize(scenario: Scenario, run: ArmRun, baseline: ArmRun, horizon: float) -> dict[str, object]:
+def summarize(scenario: Scenario, run: ArmRun, baseline: ArmRun, horizon: float) -> dict[str, Any]:
     """Every figure of one scenario x arm; throughput relative to ``baseline`` (direct FIFO)."""
     results = list(run.results)
     focus = [r for r in results if scenario.in_focus(r.tenant, r.priority)]

@@ -44,7 +44,7 @@ from extproc.bench.arms import MODEL, api_key
 from extproc.envoy_proc import start_envoy
 from extproc.procs import cpu_seconds, free_port
 from extproc.scenario import percentile
-from extproc.stack import start_stack
+from extproc.stack import Gateway, start_stack
 
 FIXED_RATE = 300  # requests per second
 # hey's workers tick in step, so k workers send bursts of k: one worker paces
@@ -229,7 +229,8 @@ async def run_overhead(
         await running.enter_async_context(upstream)
         upstream_url = f"http://127.0.0.1:{up_port}"
         targets = [_Target("upstream", upstream_url, {})]
-        for path, gateway in (("envoy", "envoy"), ("envoy+extproc", "extproc")):
+        paths: tuple[tuple[str, Gateway], ...] = (("envoy", "envoy"), ("envoy+extproc", "extproc"))
+        for path, gateway in paths:
             folder = workdir / gateway
             folder.mkdir(exist_ok=True)
             config_path = folder / "config.yaml"

@@ -17,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 from extproc.bench.arms import DIRECT, TARGET_WAITING, Arm  # noqa: E402
 from extproc.bench.metrics import cumulative_service  # noqa: E402
@@ -107,9 +108,9 @@ def targets(
             None if worst is None else worst[1] <= limit)
     for arm in gated:
         means = [_get(s, arm.name, "fairness", "mean") for s in summaries.values()]
-        known = [m for m in means if m is not None]
+        measured = [m for m in means if m is not None]
         vtc = arm.model.get("policy") == "vtc"
-        lowest = min(known) if known else None
+        lowest = min(measured) if measured else None
         add(f"Jain >= {JAIN_VTC} under vtc", arm.name, lowest,
             "–" if lowest is None else f"{lowest:.3f} (lowest scenario mean)" + ("" if vtc else "; not a vtc arm"),
             None if lowest is None or not vtc else lowest >= JAIN_VTC)
@@ -265,7 +266,7 @@ def markdown(
 # --- plots ------------------------------------------------------------------------------
 
 
-def _save(fig: plt.Figure, path: Path) -> None:
+def _save(fig: Figure, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)

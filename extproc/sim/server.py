@@ -492,6 +492,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scheduling-policy", choices=SCHEDULING_POLICIES, default=SimSettings.scheduling_policy,
         help="waiting-queue order: arrival, or the body's priority (lower first) (default: %(default)s)",
     )
+    parser.add_argument(
+        "--visibility-delay-ms", type=float, default=SimSettings.visibility_delay_ms,
+        help="wall-clock time from a request's arrival to the scheduler and /metrics, as in vLLM; "
+             "0 for none (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--visibility-delay-per-pending-ms", type=float, default=SimSettings.visibility_delay_per_pending_ms,
+        help="extra delay for each request still on its way (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--visibility-delay-max-ms", type=float, default=SimSettings.visibility_delay_max_ms,
+        help="cap of the delay (default: %(default)s)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> SimSettings:
@@ -506,6 +519,9 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         default_max_tokens=args.default_max_tokens,
         seed=args.seed,
         scheduling_policy=args.scheduling_policy,
+        visibility_delay_ms=args.visibility_delay_ms,
+        visibility_delay_per_pending_ms=args.visibility_delay_per_pending_ms,
+        visibility_delay_max_ms=args.visibility_delay_max_ms,
     )
 
 

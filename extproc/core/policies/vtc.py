@@ -1,12 +1,7 @@
-"""Which tenant goes next inside one priority band: the policies beside round-robin.
+"""``policy: vtc``: virtual token counters, tenants share weighted tokens rather than turns.
 
-A band policy holds a FIFO per tenant and picks whose head to release. Every
-policy has the same interface (:class:`BandPolicy`), so a model's bands can
-run any of them; ``charge`` and ``correct`` let cost-aware policies learn what
-each release really cost (round-robin ignores them).
-
-**Virtual token counters** (:class:`VirtualTokenCounter`, ``policy: vtc``)
-follow Sheng et al., *Fairness in Serving Large Language Models* (OSDI 2024):
+The counters follow Sheng et al., *Fairness in Serving Large Language Models*
+(OSDI 2024):
 
 * each tenant has a counter of the service it received, divided by its
   weight; the backlogged tenant with the smallest counter goes next (ties: the
@@ -17,8 +12,8 @@ follow Sheng et al., *Fairness in Serving Large Language Models* (OSDI 2024):
   the backlogged tenants (or, with none, to that of the last tenant picked), so
   idle time is not banked: a tenant that was away does not get a burst.
 
-Bound (checked by a property test): for two continuously backlogged tenants,
-let U be the largest weighted real cost of one request, E the largest weighted
+Bound (checked by the conformance test, whose service is cost / weight): for
+two continuously backlogged tenants, let U be the largest weighted real cost of one request, E the largest weighted
 error of one estimate and K the most requests in flight at once. At every
 moment the weighted real cost of everything released to the two differs by at
 most ``U + K * E``. (When tenant i is picked its counter is the smallest; each
@@ -37,8 +32,10 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Hashable
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Hashable
+from typing import TypeVar
+
+from extproc.core.policies.base import Policy, TenantQueues, TenantWeight
 
 Item = TypeVar("Item", bound=Hashable)
 
@@ -47,68 +44,10 @@ Item = TypeVar("Item", bound=Hashable)
 _SWEEP_SLACK = 64
 
 
-class BandPolicy(Protocol[Item]):
-    """What the fair queue needs from one band."""
-
-    def __len__(self) -> int: ...
-
-    def push(self, tenant: str, item: Item) -> None: ...
-
-    def pop(self) -> tuple[str, Item]: ...
-
-    def remove(self, tenant: str, item: Item) -> bool: ...
-
-    def tenant_len(self, tenant: str) -> int: ...
-
-    def charge(self, tenant: str, cost: float) -> None: ...
-
-    def correct(self, tenant: str, delta: float) -> None: ...
-
-
-class TenantQueues(Generic[Item]):
-    """A FIFO per backlogged tenant: the bookkeeping every band policy shares.
-
-    Subclasses decide whose head goes next (``pop``) and extend ``_leave``,
-    called when a tenant's FIFO runs empty, for their own per-tenant state.
-    """
-
-    def __init__(self) -> None:
-        self._queues: dict[str, deque[Item]] = {}
-        self._size = 0
-
-    def __len__(self) -> int:
-        return self._size
-
-    def tenant_len(self, tenant: str) -> int:
-        queue = self._queues.get(tenant)
-        return len(queue) if queue is not None else 0
-
-    def remove(self, tenant: str, item: Item) -> bool:
-        """Drop a queued item (its client left). False if it is not queued here.
-
-        Linear in the tenant's own backlog, which is bounded by the queue caps;
-        removing is rare next to pushing and popping.
-        """
-        queue = self._queues.get(tenant)
-        if queue is None:
-            return False
-        try:
-            queue.remove(item)
-        except ValueError:
-            return False
-        self._size -= 1
-        if not queue:
-            self._leave(tenant)
-        return True
-
-    def _leave(self, tenant: str) -> None:
-        del self._queues[tenant]
-
-
 class VirtualTokenCounter(TenantQueues[Item]):
     """One band under cost-weighted fair queueing (see the module docstring)."""
 
-    def __init__(self, weight: Callable[[str], float]) -> None:
+    def __init__(self, weight: TenantWeight) -> None:
         super().__init__()
         self._weight = weight
         # When each backlogged tenant (re)joined the backlog: the tie-break.
@@ -164,3 +103,6 @@ class VirtualTokenCounter(TenantQueues[Item]):
         """Forget idle tenants at or below the floor: their return lifts them there anyway."""
         for tenant in [t for t, c in self._counters.items() if t not in self._queues and c <= self._floor]:
             del self._counters[tenant]
+
+
+POLICY = Policy("vtc", VirtualTokenCounter, service=lambda cost, weight: cost / weight)
