@@ -31,6 +31,9 @@ from extproc.stack import Stack, start_stack
 from tests.conftest import FCFS_MODEL, PRIORITY_MODEL, VllmServers
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
 
+# The processor's /metrics, as tests.stackutil.read_metrics returns them: (name, labels) -> value.
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.vllm]
 # The servers live in the session's event loop; async tests and fixtures here run in it too.
 IN_SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
@@ -131,7 +134,7 @@ class FloodRun:
 @dataclass(frozen=True)
 class Floods:
     runs: list[FloodRun]
-    processor: dict  # the processor's metrics after the last flood
+    processor: Samples  # the processor's metrics after the last flood
 
     def of(self, path: str) -> list[FloodRun]:
         return [run for run in self.runs if run.path == path]
