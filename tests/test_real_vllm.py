@@ -85,6 +85,9 @@ class EngineState:
     waiting: float
     running: float
     finished: float
+    steps: float  # engine steps so far (vllm:iteration_tokens_total's count)
+    itl_sum: float
+    itl_count: float
 
 
 async def engine_state(http: aiohttp.ClientSession, engine: str) -> EngineState:
@@ -95,7 +98,9 @@ async def engine_state(http: aiohttp.ClientSession, engine: str) -> EngineState:
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return EngineState(
-        totals["vllm:num_requests_waiting"], totals["vllm:num_requests_running"], totals["vllm:request_success_total"]
+        totals["vllm:num_requests_waiting"], totals["vllm:num_requests_running"], totals["vllm:request_success_total"],
+        totals["vllm:iteration_tokens_total_count"], totals["vllm:inter_token_latency_seconds_sum"],
+        totals["vllm:inter_token_latency_seconds_count"],
     )
 
 
@@ -122,13 +127,30 @@ def all_complete(answers: Iterable[Answer], max_tokens: int) -> bool:
 
 @dataclass(frozen=True)
 class FloodRun:
+    """One flood on one path. Times are also given in vLLM's own step time.
+
+    vLLM, Envoy, the processor and the clients share two cores (and a busy
+    machine's neighbours), so the same step takes 10 ms in one flood and 80 in
+    the next. Divided by the flood's mean inter-token latency (one engine step
+    for every running request), a time counts engine steps: what a GPU would
+    spend, whatever the CPU was doing meanwhile.
+    """
+
     path: str  # "gateway" or "direct"
     span_s: float  # first flood request sent → last answer complete
     newcomer_s: float  # bob, sent once the whole flood had arrived → his answer complete
     overtaken: int  # flood requests that completed while bob's was under way
     waiting_max: float  # vLLM's num_requests_waiting, highest of the samples during the flood
-    running_max: float
+    steps: float  # engine steps vLLM took for the flood
+    step_s: float  # their mean duration (vLLM's inter-token latency during the flood)
     complete: bool  # every answer 200 and MAX_TOKENS long
+
+    def __str__(self) -> str:
+        return (
+            f"{self.path:8} span {self.span_s:5.2f}s = {self.span_s / self.step_s:4.0f} steps of {1000 * self.step_s:4.1f} ms "
+            f"(vLLM took {self.steps:3.0f}); bob {self.newcomer_s:5.2f}s = {self.newcomer_s / self.step_s:4.0f} steps, "
+            f"after {self.overtaken:2} of the flood; vLLM waiting max {self.waiting_max:2.0f}"
+        )
 
 
 @dataclass(frozen=True)
@@ -171,13 +193,15 @@ async def flood_round(http: aiohttp.ClientSession, stack: Stack, engine: str, pa
     answers = await asyncio.gather(*flood)
     stop.set()
     await watcher
+    after = await engine_state(http, engine)
     return FloodRun(
         path,
         span_s=max(a.done for a in answers) - min(a.sent for a in answers),
         newcomer_s=bob.done - bob.sent,
         overtaken=sum(bob.sent < a.done < bob.done for a in answers),
         waiting_max=max(s.waiting for s in seen),
-        running_max=max(s.running for s in seen),
+        steps=after.steps - before.steps,
+        step_s=(after.itl_sum - before.itl_sum) / (after.itl_count - before.itl_count),
         complete=all_complete([*answers, bob], MAX_TOKENS),
     )
 
@@ -195,21 +219,27 @@ async def floods(vllm: VllmServers, tmp_path_factory: pytest.TempPathFactory) ->
             for path in ("direct", "gateway") if round_ % 2 == 0 else ("gateway", "direct"):
                 runs.append(await flood_round(http, stack, vllm.fcfs, path))
         processor = await read_metrics(stack.metrics_url)
-        served = metric(await read_metrics(f"{vllm.fcfs}/metrics"), "vllm:request_success_total")
-    print(f"vLLM served {served}")
-    print(*(f"{r.path:8} span {r.span_s:5.2f}s newcomer {r.newcomer_s:5.2f}s after {r.overtaken:2} of the flood, "
-            f"vLLM waiting max {r.waiting_max:2.0f} running max {r.running_max:.0f}" for r in runs), sep="\n")
+    print(*runs, sep="\n")
     assert all(r.complete for r in runs), runs
     return Floods(runs, processor)
 
 
+def median_ratio(floods: Floods, value: Callable[[FloodRun], float]) -> float:
+    """Median over the paths' floods of ``value``, gateway over direct."""
+    gateway = statistics.median(value(r) for r in floods.of("gateway"))
+    return gateway / statistics.median(value(r) for r in floods.of("direct"))
+
+
 def test_a_newcomer_behind_a_flood_is_served_sooner_than_by_vllms_fifo(floods: Floods) -> None:
-    gateway = statistics.median(r.newcomer_s for r in floods.of("gateway"))
-    direct = statistics.median(r.newcomer_s for r in floods.of("direct"))
-    print(f"newcomer median: gateway {gateway:.2f}s, direct {direct:.2f}s, ratio {gateway / direct:.2f}")
-    # Straight to vLLM bob waits for all 40; through the gateway only for what is
-    # already inside vLLM (4 running + about 3 waiting): about a quarter of that.
-    assert gateway < 0.5 * direct, (gateway, direct)
+    in_steps = median_ratio(floods, lambda r: r.newcomer_s / r.step_s)
+    wall = median_ratio(floods, lambda r: r.newcomer_s)
+    overtaken = {path: statistics.median(r.overtaken for r in floods.of(path)) for path in ("gateway", "direct")}
+    print(f"newcomer, gateway over direct: {in_steps:.2f} in vLLM steps, {wall:.2f} in seconds; "
+          f"finished after {overtaken} of the flood (median)")
+    # Straight to vLLM bob waits for the whole flood; through the gateway only for what
+    # is already inside vLLM (4 running + 3 waiting): about a quarter of that.
+    assert in_steps < 0.5, in_steps
+    assert overtaken["gateway"] <= 2 * (4 + TARGET_WAITING) < overtaken["direct"], overtaken
     # The gate read vLLM's metrics throughout: no scrape error, never the fallback cap.
     assert metric(floods.processor, "extproc_scrape_errors_total", model=FCFS_MODEL) == 0
     assert metric(floods.processor, "extproc_released_total", model=FCFS_MODEL) == ROUNDS * (FLOOD + 1)
@@ -231,12 +261,28 @@ def test_vllms_own_queue_stays_near_target_waiting_in_every_flood(floods: Floods
 
 
 def test_throughput_through_the_gateway_is_that_of_vllms_fifo(floods: Floods) -> None:
-    gateway = sum(r.span_s for r in floods.of("gateway"))
-    direct = sum(r.span_s for r in floods.of("direct"))
-    print(f"flood spans: gateway {gateway:.1f}s, direct {direct:.1f}s, ratio {gateway / direct:.3f}")
-    # Same work on both paths; the gateway keeps vLLM's batch full, so it is not slower
-    # beyond noise (two cores shared with Envoy, the processor and the clients).
-    assert gateway < 1.25 * direct, (gateway, direct)
+    """The same floods take vLLM about as many steps, and about as long in step time, through the gateway.
+
+    Steps count the batching: a slot the gateway leaves empty while FIFO would
+    fill it costs vLLM extra steps. Step time counts idling too: a flood that
+    waits on the gateway's releases lasts more steps' worth of time. Seconds
+    are printed but not asserted: on two shared cores they follow the
+    machine's load (Envoy and the processor take their share there too, which
+    they would not take from a GPU).
+
+    The margins are wide because this engine's steps are short. The flood's
+    answers all have one length, so vLLM's 4 slots free up together; 3 wait
+    in vLLM, and the 4th slot waits for the gateway's next release (the end
+    of a stream seen by the processor, its release through Envoy, vLLM's
+    intake: a few 10 ms steps, ~1 step of a GPU's). Measured: 2-11 % more
+    steps per flood.
+    """
+    steps = sum(r.steps for r in floods.of("gateway")) / sum(r.steps for r in floods.of("direct"))
+    in_steps = median_ratio(floods, lambda r: r.span_s / r.step_s)
+    wall = median_ratio(floods, lambda r: r.span_s)
+    print(f"flood, gateway over direct: vLLM steps {steps:.3f}, span {in_steps:.3f} in vLLM steps, {wall:.3f} in seconds")
+    assert steps < 1.2, steps
+    assert in_steps < 1.3, in_steps
 
 
 # --- engine priority: vLLM's --scheduling-policy priority, fed by the gateway ------------------------------
