@@ -8,12 +8,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.config import ENGINES
-from extproc.engine_metrics import DIALECTS, MetricsError, parse_load
-from extproc.gate import EngineLoad
-from extproc.sim.dialects import DIALECT_NAMES
-from extproc.sim.engine import SimSettings
-from extproc.sim.server import start_sim
+from extproc.adapters.config import ENGINES
+from extproc.adapters.engines.dialects import DIALECTS, MetricsError, parse_load
+from extproc.core.engine_load import EngineLoad
+from extproc.tools.sim.dialects import DIALECT_NAMES
+from extproc.tools.sim.engine import SimSettings
+from extproc.tools.sim.server import start_sim
 
 pytestmark = pytest.mark.unit
 

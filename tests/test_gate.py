@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.controller import ConcurrencyLimit, ItlWindow
-from extproc.engine_metrics import MetricsError, parse_load
-from extproc.gate import EngineLoad, Gate, GateMode
+from extproc.adapters.engines.dialects import MetricsError, parse_load
+from extproc.core.adaptive_limit import ConcurrencyLimit, ItlWindow
+from extproc.core.engine_load import EngineLoad
+from extproc.core.gate import Gate, GateMode
 
 pytestmark = pytest.mark.unit
 

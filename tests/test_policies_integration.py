@@ -19,9 +19,9 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
-from extproc.scenario import Outcome, chat, percentile
-from extproc.sim.server import estimate_tokens
-from extproc.stack import Stack, start_stack
+from extproc.tools.power_user import Outcome, chat, percentile
+from extproc.tools.sim.server import estimate_tokens
+from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
 
 pytestmark = pytest.mark.integration

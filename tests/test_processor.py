@@ -11,14 +11,14 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.config import parse_config
+from extproc.adapters.config import parse_config
+from extproc.adapters.envoy_config import hold_timeout_s
+from extproc.adapters.ext_proc.contract import HOLD_MARGIN_S
+from extproc.adapters.ext_proc.servicer import ANSWERS, Processor
+from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.wiring import build_dispatcher, build_dispatchers
+from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.outcomes import Refusal, Refused
-from extproc.dispatcher import ModelDispatcher
-from extproc.envoy_config import hold_timeout_s
-from extproc.processor import ANSWERS, Processor
-from extproc.protocol import HOLD_MARGIN_S
-from extproc.telemetry import Telemetry
-from extproc.wiring import build_dispatcher, build_dispatchers
 
 pytestmark = pytest.mark.unit
 

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.sim import RunningSim, SimSettings, add_arguments, start_sim
-from extproc.sim.engine import RequestTooLong, Scheduler, SimEngine, SimRequest, TokenEvent
-from extproc.sim.server import estimate_tokens, run, settings_from_args
+from extproc.tools.sim import RunningSim, SimSettings, add_arguments, start_sim
+from extproc.tools.sim.engine import RequestTooLong, Scheduler, SimEngine, SimRequest, TokenEvent
+from extproc.tools.sim.server import estimate_tokens, run, settings_from_args
 
 pytestmark = pytest.mark.unit
 
@@ -708,7 +708,7 @@ async def test_run_serves_until_sigterm(http: aiohttp.ClientSession) -> None:
     """``run`` under uvloop, as ``extproc sim`` will call it, in a child process."""
     code = (
         "import argparse, sys\n"
-        "from extproc.sim import add_arguments, run\n"
+        "from extproc.tools.sim import add_arguments, run\n"
         "parser = argparse.ArgumentParser()\n"
         "add_arguments(parser)\n"
         "sys.exit(run(parser.parse_args(sys.argv[1:])))\n"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from extproc.controller import EngineLoad
+from extproc.core.engine_load import EngineLoad
 from extproc.core.outcomes import Refusal
 
 
