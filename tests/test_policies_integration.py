@@ -135,7 +135,7 @@ async def test_batch_fills_an_idle_engine_and_interactive_overtakes_within_a_slo
             return time.monotonic() - start, [o for _, o in outcomes]
 
         # The same flood in a normal class first: the yardstick, and the gate
-        # learns the engine's size (a fresh gate probes for it, see gate.py).
+        # learns the engine's size (a fresh gate probes for it, see core/bands.py).
         standard_span, _ = await flood("standard")
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_engine(stack.sim_url("m1"), stop))

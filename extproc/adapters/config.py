@@ -32,10 +32,10 @@ from msgspec import Meta
 from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.validate import Invalid, choice, convert
 from extproc.core.cost import CostWeights
-from extproc.core.gate import GATE_KINDS
 from extproc.core.policies import POLICIES
+from extproc.core.release import RULES
 
-# The engines whose /metrics the gate reads (engine_metrics.py owns the list).
+# The engines whose /metrics the gate reads (adapters/engines/dialects.py owns the list).
 ENGINES = tuple(DIALECTS)
 # The per-tenant template in `tenants:`; its fields are every other tenant's defaults.
 DEFAULT_TENANT_KEY = "default"
@@ -187,7 +187,7 @@ class ModelConfig(_Section, frozen=True):
     # (a band's own max_queue_wait_s overrides it).
     max_queue_wait_s: Positive = 120.0
     # How releases are decided (docs/gate.md).
-    gate: Annotated[str, choice(GATE_KINDS)] = "adaptive"
+    gate: Annotated[str, choice(RULES)] = "adaptive"
     # Optional ceilings for the adaptive gate.
     max_inter_token_latency_ms: Positive | None = None
     max_kv_usage: Share | None = None
@@ -218,11 +218,12 @@ class ModelConfig(_Section, frozen=True):
     cost: CostSettings = msgspec.field(default_factory=CostSettings)
 
     def problems(self) -> Iterator[tuple[str, str]]:
-        for required, kind in (("max_in_flight", "static_concurrency"), ("release_rate", "static_rate")):
-            if self.gate == kind and getattr(self, required) is None:
-                yield required, f"is required with gate: {kind}"
-        if self.endpoint_picking and self.gate == "static_rate":
-            yield "endpoint_picking", "does not work with gate: static_rate (no per-endpoint state)"
+        rule = RULES[self.gate]
+        for required in rule.requires:
+            if getattr(self, required) is None:
+                yield required, f"is required with gate: {rule.name}"
+        if self.endpoint_picking and not rule.per_endpoint:
+            yield "endpoint_picking", f"does not work with gate: {rule.name} (no per-endpoint state)"
         if self.endpoint_picking and any(e.startswith("https:") for e in self.endpoints):
             yield "endpoint_picking", "needs http:// endpoints (the picked-endpoint cluster is plain HTTP)"
 

@@ -72,7 +72,7 @@ class ProcessorServer:
         log.info("serving ext_proc on %s, metrics on %s", self.config.listen.grpc, self.config.listen.metrics)
 
     def busy(self) -> bool:
-        return any(d.queued or d.gate.in_flight for d in self.dispatchers.values())
+        return any(d.queued or d.in_flight for d in self.dispatchers.values())
 
     async def drain_and_stop(self, drain_seconds: float) -> None:
         log.info("draining for up to %.0fs", drain_seconds)

@@ -81,13 +81,14 @@ class Telemetry:
         )
         self.engine_itl = Gauge(
             "extproc_engine_inter_token_latency_seconds",
-            "Mean inter-token latency over the gate's short window (histogram deltas).",
+            "Mean inter-token latency over the adaptive rule's short window (histogram deltas).",
             ["model", "endpoint"],
             registry=r,
         )
         self.gate_limit = Gauge(
             "extproc_gate_limit",
-            "Requests the adaptive gate lets the endpoint hold (running + waiting), learned online.",
+            "Requests the release rule lets the endpoint hold (running + waiting): adaptive, learned online; "
+            "static_concurrency, max_in_flight.",
             ["model", "endpoint"],
             registry=r,
         )
@@ -135,14 +136,15 @@ class ModelTelemetry:
     def in_flight(self, count: int) -> None:
         self._t.in_flight.labels(self._model).set(count)
 
-    def scraped(self, endpoint: str, load: EngineLoad, itl_s: float | None, limit: float) -> None:
+    def scraped(self, endpoint: str, load: EngineLoad, itl_s: float | None, limit: float | None) -> None:
         self._t.engine_waiting.labels(self._model, endpoint).set(load.waiting)
         self._t.engine_running.labels(self._model, endpoint).set(load.running)
         if load.kv_usage is not None:
             self._t.engine_kv_usage.labels(self._model, endpoint).set(load.kv_usage)
         if itl_s is not None:
             self._t.engine_itl.labels(self._model, endpoint).set(itl_s)
-        self._t.gate_limit.labels(self._model, endpoint).set(limit)
+        if limit is not None:
+            self._t.gate_limit.labels(self._model, endpoint).set(limit)
 
     def scrape_failed(self, endpoint: str) -> None:
         self._t.scrape_errors.labels(self._model, endpoint).inc()

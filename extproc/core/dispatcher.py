@@ -1,9 +1,10 @@
-"""Per-model glue between held requests, the fair queue and the gate.
+"""Per-model loop between held requests, the fair queue and the release side.
 
 Each held request is an ``asyncio.Future`` that the ext_proc stream awaits.
-Dispatch — pop from the fair queue while the gate allows — runs only when
-something changed: a request arrived, a response finished, or a scrape
-reported. There is no polling loop; an idle model costs nothing.
+Dispatch — pop from the fair queue while the band's allowance lasts — runs
+only when something changed: a request arrived, a response finished, a scrape
+reported (or, for a rate, the next release fell due). There is no polling
+loop; an idle model costs nothing.
 
 Every request that enters ends exactly one way: released (future result),
 refused (future exception :class:`~extproc.core.outcomes.Refused`), or
@@ -12,51 +13,43 @@ removed at once). A request over a queue cap is refused before it enters
 (``submit`` raises). Outcomes are named here; what the client hears is the
 ext_proc adapter's choice.
 
-The dispatcher takes plain values (:class:`BandRules`, :class:`TenantLimits`,
-a :class:`~extproc.core.policies.base.Policy`, a built :class:`Gate`), which
-``wiring.py`` makes from the config, and reports through
-:class:`~extproc.core.report.DispatchReport`.
+The loop decides nothing itself; each question has its own module:
 
-Strict priority: only the highest band holding requests may release, each
-band within its own allowance (the first band the whole target, the others
-less ``reserved_waiting``, an idle-only band only into an idle engine; see
-gate.py). With ``policy: vtc`` each release is charged its estimated cost
-and corrected when its stream ends (cost.py).
+* which request goes next: ``fair_queue.py`` and the band's policy (``policies/``);
+* how many may go now: ``bands.py`` above the model's release rule (``release/``);
+* where each goes (endpoint picking) and what the engines hold: ``release/pool.py``;
+* whether a request may enter at all: ``caps.py``;
+* what a release costs (``policy: vtc``): ``cost.py``, estimated at release,
+  corrected when its stream ends;
+* when to retry after a refusal: ``drain_time.py``.
+
+It takes plain values (built by ``adapters/wiring.py`` from the config) and
+reports through :class:`~extproc.core.report.DispatchReport`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from extproc.core.bands import BandRules
+from extproc.core.bands import BandAdmission, BandRules
+from extproc.core.caps import QueueCaps, TenantLimits
 from extproc.core.cost import CostModel, CostWeights, DecodeRate, Estimate
 from extproc.core.drain_time import ReleaseRate
 from extproc.core.engine_load import EngineLoad
 from extproc.core.fair_queue import FairQueue
-from extproc.core.gate import Gate, GateMode
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.policies import Policy
+from extproc.core.release.health_log import HealthLog
+from extproc.core.release.pool import Pool
 from extproc.core.report import DispatchReport
-
-log = logging.getLogger(__name__)
 
 
 def shutting_down() -> Refused:
     """The refusal while the processor drains (a new exception each time: one is raised per request)."""
     return Refused(Refusal.SHUTTING_DOWN, "the gateway is restarting; retry shortly")
-
-
-@dataclass(frozen=True)
-class TenantLimits:
-    """What the core needs to know of a tenant."""
-
-    weight: float
-    # Requests of this tenant a model may hold; one more is refused.
-    max_queued: int
 
 
 @dataclass(eq=False)
@@ -81,7 +74,7 @@ class ModelDispatcher:
     def __init__(
         self,
         name: str,
-        gate: Gate,
+        pool: Pool,
         bands: tuple[BandRules, ...],
         report: DispatchReport,
         clock: Callable[[], float] = time.monotonic,
@@ -93,25 +86,28 @@ class ModelDispatcher:
         reserved_waiting: int,
     ) -> None:
         self.name = name
-        self.gate = gate
+        self.pool = pool
         self._bands = bands
-        self._tenant = tenant
         self._report = report
         self._clock = clock
-        self._max_queued = max_queued
-        self._reserved_waiting = reserved_waiting
-        self._queue: FairQueue[Held] = FairQueue(len(bands), lambda: policy.new_band(lambda t: self._tenant(t).weight))
+        self._admission = BandAdmission(bands, pool, reserved_waiting)
+        self._caps = QueueCaps(name, bands, tenant, max_queued)
+        self._health_log = HealthLog(name, pool, report)
+        self._queue: FairQueue[Held] = FairQueue(len(bands), lambda: policy.new_band(lambda t: tenant(t).weight))
         self._cost = CostModel(cost)
         self._decode_rate = DecodeRate()
         self._release_rate = ReleaseRate()
-        self._mode: GateMode | None = None
-        self._degraded: set[str] = set()
-        # static_rate: a wake-up when the next release becomes due (no other event will come).
+        # A wake-up when the next release falls due by time alone (a rate; no other event will come).
         self._wakeup: asyncio.TimerHandle | None = None
 
     @property
     def queued(self) -> int:
         return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        """Released requests whose streams have not ended."""
+        return self.pool.in_flight
 
     def submit(
         self,
@@ -129,7 +125,11 @@ class ModelDispatcher:
         :class:`~extproc.core.outcomes.Refused` when a queue cap leaves no room.
         """
         now = self._clock()
-        self._check_caps(tenant, band, now)
+        overflow = self._caps.check(self._queue, tenant, band)
+        if overflow is not None:
+            self._report.refused(overflow.refusal)
+            raise Refused(overflow.refusal, overflow.message + "; retry later",
+                          drain_s=self._release_rate.drain_s(overflow.backlog, now))
         loop = asyncio.get_running_loop()
         estimate = self._cost.estimate(tenant, content_length, max_tokens)
         held = Held(tenant, band, now, loop.create_future(), estimate, affinity=affinity or tenant)
@@ -138,27 +138,6 @@ class ModelDispatcher:
         self.dispatch()
         self._update_depth(band)
         return held
-
-    def _check_caps(self, tenant: str, band: int, now: float) -> None:
-        """Tenant first: when its own backlog is the cause, it should hear so."""
-        name = self.name
-        own = self._queue.tenant_len(tenant)
-        if own >= self._tenant(tenant).max_queued:
-            raise self._overflow(Refusal.TENANT_QUEUE_FULL, own, now,
-                                 f"tenant {tenant!r} already has {own} requests queued for model {name!r}")
-        in_band = self._queue.band_len(band)
-        cap = self._bands[band].max_queued
-        if cap is not None and in_band >= cap:
-            raise self._overflow(Refusal.BAND_QUEUE_FULL, in_band, now,
-                                 f"the {self._bands[band].name!r} queue for model {name!r} is full ({cap})")
-        queued = len(self._queue)
-        if queued >= self._max_queued:
-            raise self._overflow(Refusal.MODEL_QUEUE_FULL, queued, now,
-                                 f"the queue for model {name!r} is full ({self._max_queued})")
-
-    def _overflow(self, refusal: Refusal, backlog: int, now: float, message: str) -> Refused:
-        self._report.refused(refusal)
-        return Refused(refusal, message + "; retry later", drain_s=self._release_rate.drain_s(backlog, now))
 
     def end(self, held: Held) -> None:
         """The request's stream is over, whatever happened; safe to call more than once.
@@ -171,10 +150,10 @@ class ModelDispatcher:
             return
         held.ended = True
         if held.released:
-            occupancy = self.gate.record_finish(held, self._clock())
+            occupancy = self.pool.record_finish(held, self._clock())
             measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
             self._queue.correct(held.band, held.tenant, measured - held.estimate.cost)
-            self._report.in_flight(self.gate.in_flight)
+            self._report.in_flight(self.pool.in_flight)
             self.dispatch()
         elif self._queue.remove(held.band, held.tenant, held):
             self._resolve(held)
@@ -182,19 +161,20 @@ class ModelDispatcher:
             self._update_depth(held.band)
 
     def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float) -> None:
-        self.gate.record_scrape(endpoint, load, started_at)
+        self.pool.record_scrape(endpoint, load, started_at)
         if load is None:
             self._report.scrape_failed(endpoint)
         else:
             self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
-            self._report.scraped(endpoint, load, self.gate.itl(endpoint), self.gate.limit(endpoint))
+            snapshot = self.pool.rule.snapshot(endpoint)
+            self._report.scraped(endpoint, load, snapshot.itl_s, snapshot.limit)
         self.dispatch()
 
     def set_endpoints(self, endpoints: tuple[str, ...]) -> None:
         """The pool's membership changed (DNS); forget the telemetry of endpoints that left."""
-        for gone in set(self.gate.endpoints) - set(endpoints):
+        for gone in set(self.pool.endpoints) - set(endpoints):
             self._report.endpoint_left(gone)
-        self.gate.set_endpoints(endpoints)
+        self.pool.set_endpoints(endpoints)
 
     def reject_all(self) -> None:
         """Refuse every queued request with ``shutting_down`` (draining ran out of time)."""
@@ -205,11 +185,11 @@ class ModelDispatcher:
 
     def dispatch(self) -> None:
         now = self._clock()
-        self._note_mode(now)
+        self._health_log.note(now)
         allowance, allowance_band = 0, None
         while (first := self._queue.first_band()) is not None:
             if first != allowance_band:  # a higher band ran empty: ask again for this one
-                allowance, allowance_band = self._allowance(first, now), first
+                allowance, allowance_band = self._admission.allowance(first, now), first
             if allowance <= 0:
                 break
             band, tenant, held = self._queue.pop()
@@ -218,22 +198,24 @@ class ModelDispatcher:
                 self._resolve(held)
                 self._report.abandoned(self._bands[band].name)
                 continue
-            held.released = True
-            if self.gate.pick_endpoints:
-                held.endpoint = self.gate.pick(held.affinity, now)
-            self.gate.record_release(held, now, held.endpoint, into_free_slot=self._bands[band].idle_only)
-            self._release_rate.record(now)
-            self._queue.charge(band, tenant, held.estimate.cost)
-            self._resolve(held)
-            priority = self._bands[band].name
-            self._report.released(priority)
-            self._report.held(priority, now - held.enqueued_at)
+            self._release(band, tenant, held, now)
             allowance -= 1
-        self._report.in_flight(self.gate.in_flight)
+        self._report.in_flight(self.pool.in_flight)
         self._schedule_wakeup(now)
 
+    def _release(self, band: int, tenant: str, held: Held, now: float) -> None:
+        held.released = True
+        held.endpoint = self.pool.pick(held.affinity, now)
+        self.pool.record_release(held, now, held.endpoint, into_free_slot=self._bands[band].idle_only)
+        self._release_rate.record(now)
+        self._queue.charge(band, tenant, held.estimate.cost)
+        self._resolve(held)
+        priority = self._bands[band].name
+        self._report.released(priority)
+        self._report.held(priority, now - held.enqueued_at)
+
     def _schedule_wakeup(self, now: float) -> None:
-        due = self.gate.next_change_in(now)
+        due = self.pool.rule.next_change_in(now)
         if due is None or not len(self._queue) or self._wakeup is not None:
             return
 
@@ -242,12 +224,6 @@ class ModelDispatcher:
             self.dispatch()
 
         self._wakeup = asyncio.get_running_loop().call_later(due, wake)
-
-    def _allowance(self, band: int, now: float) -> int:
-        settings = self._bands[band]
-        if settings.idle_only:
-            return self.gate.idle_allowance(now, settings.idle_running_share, self._reserved_waiting)
-        return self.gate.allowance(now, 0 if band == 0 else self._reserved_waiting)
 
     def _expire(self, held: Held) -> None:
         if self._queue.remove(held.band, held.tenant, held):
@@ -276,25 +252,3 @@ class ModelDispatcher:
 
     def _update_depth(self, band: int) -> None:
         self._report.queue_depth(self._bands[band].name, self._queue.band_len(band))
-
-    def _note_mode(self, now: float) -> None:
-        degraded = set(self.gate.degraded(now))
-        for endpoint in degraded - self._degraded:
-            self._report.endpoint_degraded(endpoint, True)
-            if self.gate.last_good(endpoint) is None:
-                continue  # not scraped yet (start-up, a new DNS member): the scraper reports failures
-            log.warning("model %s: metrics of %s unusable (failing or stale), capping it at %d in flight",
-                        self.name, endpoint, self.gate.fallback_limit(endpoint))
-        for endpoint in self._degraded - degraded:
-            self._report.endpoint_degraded(endpoint, False)
-            log.info("model %s: metrics of %s usable again", self.name, endpoint)
-        self._degraded = degraded
-        mode = self.gate.mode(now)
-        if mode is not self._mode:
-            fallback = mode is GateMode.FALLBACK
-            self._report.fallback(fallback)
-            if fallback and self._mode is not None:
-                log.warning("model %s: gating on the fallback in-flight limits", self.name)
-            elif self._mode is not None:
-                log.info("model %s: engine metrics usable again, gating on the engine queue", self.name)
-            self._mode = mode

@@ -1,7 +1,7 @@
-"""The scheduling core: who goes next, among the requests held for one model.
+"""The fair queue: who goes next, among the requests held for one model.
 
-Pure data structures, no I/O and no clock: the adapters decide *when* to
-release (see ``gate.py``); this module decides *which* request.
+Pure data structures, no I/O and no clock: the release side decides *how
+many* may go now (``release/``, ``bands.py``); this module decides *which*.
 
 Order of service:
 

@@ -17,7 +17,7 @@ SEND, everything else off):
 
 For ``engine_priority`` models only, the CONTINUE also switches the stream to
 a buffered request body (ext_proc ``mode_override``): Envoy then sends the
-body, which comes back with the band's ``priority`` written in (body.py).
+body, which comes back with the band's ``priority`` written in (priority_body.py).
 Every other model stays headers-only.
 
 Who asks and how urgently: the tenant comes from the tenant header, which

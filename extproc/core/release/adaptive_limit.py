@@ -1,9 +1,10 @@
-"""The adaptive part of the gate: how many requests one engine endpoint should hold.
+"""The adaptive rule's limit: how many requests one engine endpoint should hold.
 
 :class:`ConcurrencyLimit` learns, per endpoint, ``limit`` = the number of
-requests the engine should hold at once (running + waiting). The gate releases
-while its estimate of what the engine holds is below the limit, so a
-completion is refilled at once, without waiting for the next scrape.
+requests the engine should hold at once (running + waiting). The adaptive
+rule (adaptive.py) releases while the load estimate of what the engine holds
+is below the limit, so a completion is refilled at once, without waiting for
+the next scrape.
 
 What is learned, and from which signal (every scrape, newest sample):
 
