@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from extproc.adapters.engines.dialects import DIALECTS
 from extproc.tools.sim.engine import FINISH_ABORT, Scheduler, SimRequest, TokenEvent
 
-DIALECT_NAMES = ("vllm", "sglang", "tgi", "llamacpp", "trtllm")
+# Every dialect the gateway reads; each needs its branch below (tests/test_engines.py checks that it speaks).
+DIALECT_NAMES = tuple(DIALECTS)
 
 # sglang/srt/metrics/collector.py TokenizerMetricsCollector defaults.
 _SGLANG_ITL_BUCKETS = [
@@ -91,7 +93,7 @@ class DialectMetrics:
             )
             Gauge("llamacpp:requests_processing", "Number of requests processing", registry=r).set_function(running)
             Gauge("llamacpp:requests_deferred", "Number of requests deferred", registry=r).set_function(waiting)
-        else:  # trtllm
+        elif dialect == "trtllm":
             labels = {"model_name": model_name, "engine_type": "trtllm"}
             for name, doc, fn in (
                 ("trtllm_num_requests_running", "Number of active requests", running),
@@ -103,6 +105,8 @@ class DialectMetrics:
                 "trtllm_time_per_output_token_seconds", "Histogram of time per output token in seconds.",
                 list(labels), buckets=_TRTLLM_TPOT_BUCKETS, registry=r,
             ).labels(**labels)
+        else:
+            raise ValueError(f"the simulator does not speak the {dialect!r} dialect yet (add it here)")
 
     def on_scheduled(self, request: SimRequest) -> None:
         pass

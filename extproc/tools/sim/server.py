@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 Metrics = VllmMetrics | DialectMetrics
 ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
-METRICS_KEY = web.AppKey("sim_metrics", Metrics)
+METRICS_KEY: web.AppKey[Metrics] = web.AppKey("sim_metrics")
 METRICS_FAULTS = ("ok", "garbage", "error", "slow", "frozen")
 _SLOW_METRICS_S = 30.0
 
