@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from extproc.procs import ManagedProcess, free_port
-from extproc.realvllm import VllmUnavailable, start_vllm, vllm_python
+from extproc.tools.procs import ManagedProcess, free_port
+from extproc.tools.realvllm import VllmUnavailable, start_vllm, vllm_python
 from tests.vllmutil import FCFS_MODEL, PRIORITY_MODEL, VllmServers
 
 

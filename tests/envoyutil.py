@@ -17,9 +17,9 @@ from typing import Any
 from envoy.config.bootstrap.v3.bootstrap_pb2 import Bootstrap
 from google.protobuf.json_format import ParseDict
 
-from extproc.config import Config, load_config, parse_config
-from extproc.envoy_config import bootstrap
-from extproc.procs import free_port
+from extproc.adapters.config import Config, load_config, parse_config
+from extproc.adapters.envoy_config import bootstrap
+from extproc.tools.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = ROOT / "extproc" / "data" / "demo.yaml"

@@ -9,7 +9,7 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.procs import free_port
+from extproc.tools.procs import free_port
 
 API_KEYS = {"key-alice": "alice", "key-bob": "bob", "key-carol": "carol", "key-dave": "dave"}
 TENANT_KEYS = {tenant: key for key, tenant in API_KEYS.items()}

@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from extproc.adapters.config import load_config
+from extproc.adapters.envoy_config import bootstrap, render
 from extproc.cli import build_parser
-from extproc.config import load_config
-from extproc.envoy_bin import find_envoy
-from extproc.envoy_config import bootstrap, render
+from extproc.tools.envoy_bin import find_envoy
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())

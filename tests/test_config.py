@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.config import ConfigError, load_config, parse_config
+from extproc.adapters.config import ConfigError, load_config, parse_config
 
 pytestmark = pytest.mark.unit
 

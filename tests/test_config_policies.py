@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from extproc.config import ConfigError, parse_config
+from extproc.adapters.config import ConfigError, parse_config
 
 pytestmark = pytest.mark.unit
 

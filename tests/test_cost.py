@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from extproc.body import with_priority
+from extproc.adapters.ext_proc.priority_body import with_priority
+from extproc.adapters.ext_proc.servicer import MAX_RETRY_AFTER_S, retry_after_s
+from extproc.core.cost import CostModel, CostWeights, DecodeRate
+from extproc.core.drain_time import RATE_WINDOW_S, ReleaseRate
 from extproc.core.outcomes import Refusal, Refused
-from extproc.cost import CostModel, CostWeights, DecodeRate
-from extproc.limits import RATE_WINDOW_S, ReleaseRate
-from extproc.processor import MAX_RETRY_AFTER_S, retry_after_s
 
 pytestmark = pytest.mark.unit
 

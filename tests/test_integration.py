@@ -19,8 +19,8 @@ import aiohttp
 import openai
 import pytest
 
-from extproc.scenario import Outcome, PowerUser, chat, run_power_user, summarize
-from extproc.stack import Stack, start_stack
+from extproc.tools.power_user import Outcome, PowerUser, chat, run_power_user, summarize
+from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
 
 pytestmark = pytest.mark.integration

@@ -1,9 +1,16 @@
-"""Arrows run one way: the scheduling core imports nothing from the adapters or the tools.
+"""Arrows run one way: tools -> adapters -> core, and the package names say which is which.
 
-The core (queues, policies, dispatcher, gate, cost) takes plain values and
-reports through core/report.py; the config, the ext_proc servicer, telemetry
-and the rest build it and read it. An import from the core into them would
-bring I/O and their settings into code that is tested as pure.
+* ``extproc/core`` (queues, policies, band and release rules, load estimate,
+  cost, the dispatcher) takes plain values and reports through
+  ``core/report.py``; it imports only the core. An import from the core into
+  the adapters would bring I/O and their settings into code tested as pure.
+* ``extproc/adapters`` (the ext_proc servicer, engine metrics and scraping,
+  Envoy config generation, telemetry, config, wiring, the server) import the
+  core and each other, never the tools: a served gateway must not depend on
+  the simulator, the benchmark or the local stack.
+* ``extproc/tools`` (simulator, benchmark, demo, local stack) may import anything.
+* The entry point (``extproc/cli.py``, ``__main__.py``) dispatches to adapters
+  and tools alike; it is the only module outside the three packages.
 """
 
 from __future__ import annotations
@@ -16,8 +23,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parent.parent / "extproc"
-# The core beside extproc/core/ itself, until the package layout moves them there.
-CORE = {"extproc.scheduler", "extproc.dispatcher", "extproc.gate", "extproc.controller", "extproc.cost", "extproc.limits"}
+ENTRY = {"extproc", "extproc.__main__", "extproc.cli"}
 
 
 def module_name(path: Path) -> str:
@@ -25,8 +31,10 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def in_core(name: str) -> bool:
-    return name in CORE or name == "extproc.core" or name.startswith("extproc.core.")
+def layer(name: str) -> str | None:
+    """``core``, ``adapters`` or ``tools`` for a module of ours; None for the entry point."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ("core", "adapters", "tools") else None
 
 
 def imports(path: Path) -> set[str]:
@@ -39,10 +47,25 @@ def imports(path: Path) -> set[str]:
     return {name for name in found if name == "extproc" or name.startswith("extproc.")}
 
 
-CORE_FILES = [p for p in sorted(PACKAGE.rglob("*.py")) if in_core(module_name(p))]
+MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", CORE_FILES, ids=lambda p: module_name(p))
+def in_layer(wanted: str) -> list[Path]:
+    return [p for p in MODULES if layer(module_name(p)) == wanted]
+
+
+def test_every_module_is_in_one_layer() -> None:
+    loose = [module_name(p) for p in MODULES if layer(module_name(p)) is None and module_name(p) not in ENTRY]
+    assert not loose, f"modules outside core/, adapters/ and tools/: {loose}"
+
+
+@pytest.mark.parametrize("path", in_layer("core"), ids=module_name)
 def test_the_core_imports_only_the_core(path: Path) -> None:
-    outside = sorted(name for name in imports(path) if not in_core(name))
+    outside = sorted(name for name in imports(path) if layer(name) != "core")
     assert not outside, f"{module_name(path)} imports {outside}"
+
+
+@pytest.mark.parametrize("path", in_layer("adapters"), ids=module_name)
+def test_adapters_do_not_import_tools(path: Path) -> None:
+    tools = sorted(name for name in imports(path) if layer(name) not in ("core", "adapters"))
+    assert not tools, f"{module_name(path)} imports {tools}"

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from extproc.core.fair_queue import FairQueue
 from extproc.core.policies.round_robin import TenantRoundRobin
 from extproc.core.policies.vtc import VirtualTokenCounter
-from extproc.scheduler import FairQueue
 
 pytestmark = pytest.mark.unit
 

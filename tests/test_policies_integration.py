@@ -19,9 +19,9 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
-from extproc.scenario import Outcome, chat, percentile
-from extproc.sim.server import estimate_tokens
-from extproc.stack import Stack, start_stack
+from extproc.tools.power_user import Outcome, chat, percentile
+from extproc.tools.sim.server import estimate_tokens
+from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
 
 pytestmark = pytest.mark.integration
@@ -135,7 +135,7 @@ async def test_batch_fills_an_idle_engine_and_interactive_overtakes_within_a_slo
             return time.monotonic() - start, [o for _, o in outcomes]
 
         # The same flood in a normal class first: the yardstick, and the gate
-        # learns the engine's size (a fresh gate probes for it, see gate.py).
+        # learns the engine's size (a fresh gate probes for it, see core/bands.py).
         standard_span, _ = await flood("standard")
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_engine(stack.sim_url("m1"), stop))

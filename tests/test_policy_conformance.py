@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.config import parse_config
+from extproc.adapters.config import parse_config
 from extproc.core.policies import POLICIES, BandPolicy, Policy
 
 pytestmark = [pytest.mark.unit, pytest.mark.parametrize("name", sorted(POLICIES))]

@@ -11,14 +11,14 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.config import parse_config
+from extproc.adapters.config import parse_config
+from extproc.adapters.envoy_config import hold_timeout_s
+from extproc.adapters.ext_proc.contract import HOLD_MARGIN_S
+from extproc.adapters.ext_proc.servicer import ANSWERS, Processor
+from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.wiring import build_dispatcher, build_dispatchers
+from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.outcomes import Refusal, Refused
-from extproc.dispatcher import ModelDispatcher
-from extproc.envoy_config import hold_timeout_s
-from extproc.processor import ANSWERS, Processor
-from extproc.protocol import HOLD_MARGIN_S
-from extproc.telemetry import Telemetry
-from extproc.wiring import build_dispatcher, build_dispatchers
 
 pytestmark = pytest.mark.unit
 
@@ -87,10 +87,10 @@ async def test_release_then_client_gone_before_continue_frees_the_slot() -> None
     # The first response finishes; the second is released — and its client leaves
     # in the same instant, before the stream could send CONTINUE.
     await asyncio.sleep(0)
-    assert dispatcher.gate.in_flight == 1 and dispatcher.queued == 0
+    assert dispatcher.in_flight == 1 and dispatcher.queued == 0
     second.task.cancel()
     await settle()
-    assert dispatcher.gate.in_flight == 0
+    assert dispatcher.in_flight == 0
     assert dispatcher.queued == 0
 
 
@@ -125,7 +125,7 @@ async def test_rejections_are_immediate_json_answers(message: pb.ProcessingReque
     answer = await stream.answers.get()
     assert answer.immediate_response.status.code == status
     assert f'"code": "{code}"'.encode() in answer.immediate_response.body
-    assert dispatcher.queued == 0 and dispatcher.gate.in_flight == 0
+    assert dispatcher.queued == 0 and dispatcher.in_flight == 0
     samples = {s.labels["model"] for m in processor._telemetry.registry.collect() for s in m.samples
                if m.name == "extproc_rejected"}
     assert samples == {"(unknown)"}  # neither "other" nor "" became a label value

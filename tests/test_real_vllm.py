@@ -26,8 +26,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from extproc.realvllm import REQUEST_EXTRAS
-from extproc.stack import Stack, start_stack
+from extproc.tools.realvllm import REQUEST_EXTRAS
+from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
 from tests.vllmutil import FCFS_MODEL, PRIORITY_MODEL, VllmServers
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.core.fair_queue import FairQueue
 from extproc.core.policies.round_robin import TenantRoundRobin
-from extproc.scheduler import FairQueue
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,7 @@
 The core names what happened (:class:`Refusal`) and the facts behind it
 (:class:`Refused`); what the client hears — the HTTP status, the
 OpenAI-style JSON body, ``Retry-After`` — is the ext_proc adapter's choice
-(``processor.py``). So another front end (a different proxy protocol, a
+(``adapters/ext_proc/servicer.py``). So another front end (a different proxy protocol, a
 batch API) can answer the same outcomes its own way.
 """
 

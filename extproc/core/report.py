@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from extproc.controller import EngineLoad
+from extproc.core.engine_load import EngineLoad
 from extproc.core.outcomes import Refusal
 
 
@@ -30,8 +30,8 @@ class DispatchReport(Protocol):
     def in_flight(self, count: int) -> None:
         """Released requests whose responses have not finished."""
 
-    def scraped(self, endpoint: str, load: EngineLoad, itl_s: float | None, limit: float) -> None:
-        """A good scrape, the inter-token latency over the gate's window, and the endpoint's limit now."""
+    def scraped(self, endpoint: str, load: EngineLoad, itl_s: float | None, limit: float | None) -> None:
+        """A good scrape, and what the release rule shows for the endpoint now (None: the rule has no such number)."""
 
     def scrape_failed(self, endpoint: str) -> None: ...
 
