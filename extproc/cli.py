@@ -10,13 +10,13 @@ import argparse
 import logging
 import sys
 
-from extproc.config import ConfigError, load_config
+from extproc.adapters.config import ConfigError, load_config
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvloop
 
-    from extproc.server import serve
+    from extproc.adapters.server import serve
 
     config = load_config(args.config)
     uvloop.run(serve(config, args.drain_seconds))
@@ -24,25 +24,25 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from extproc.sim.server import run
+    from extproc.tools.sim.server import run
 
     return run(args)
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from extproc.envoy_config import main_envoy_config
+    from extproc.adapters.envoy_config import main_envoy_config
 
     return main_envoy_config(args)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from extproc.demo import run_demo
+    from extproc.tools.demo import run_demo
 
     return run_demo(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from extproc.bench.cli import run_bench
+    from extproc.tools.bench.cli import run_bench
 
     return run_bench(args)
 
@@ -60,25 +60,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
-    from extproc.sim.server import add_arguments as add_sim_arguments
+    from extproc.tools.sim.server import add_arguments as add_sim_arguments
 
     sim = commands.add_parser("sim", help="run the vLLM simulator (OpenAI API + vLLM /metrics)")
     add_sim_arguments(sim)
     sim.set_defaults(func=_sim)
 
-    from extproc.envoy_config import add_arguments as add_envoy_arguments
+    from extproc.adapters.envoy_config import add_arguments as add_envoy_arguments
 
     envoy = commands.add_parser("envoy-config", help="print an Envoy bootstrap (or --drop-in pieces) for a config")
     add_envoy_arguments(envoy)
     envoy.set_defaults(func=_envoy_config)
 
-    from extproc.demo import add_arguments as add_demo_arguments
+    from extproc.tools.demo import add_arguments as add_demo_arguments
 
     demo = commands.add_parser("demo", help="run the power-user demo on a real Envoy, then keep serving")
     add_demo_arguments(demo)
     demo.set_defaults(func=_demo)
 
-    from extproc.bench.cli import add_arguments as add_bench_arguments
+    from extproc.tools.bench.cli import add_arguments as add_bench_arguments
 
     bench = commands.add_parser("bench", help="benchmark scenarios and the ext_proc overhead: tables and plots")
     add_bench_arguments(bench)
@@ -92,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     try:
-        return args.func(args)
+        code: int = args.func(args)
+        return code
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        for error in exc.errors:
+            print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -9,14 +9,14 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.procs import free_port
+from extproc.tools.procs import free_port
 
 API_KEYS = {"key-alice": "alice", "key-bob": "bob", "key-carol": "carol", "key-dave": "dave"}
 TENANT_KEYS = {tenant: key for key, tenant in API_KEYS.items()}
 
 
 def write_config(
-    tmp_path: Path, models: tuple[str, ...] = ("m1",), replicas: int = 1, per_model: dict[str, dict] | None = None,
+    tmp_path: Path, models: tuple[str, ...] = ("m1",), replicas: int = 1, per_model: dict[str, dict[str, Any]] | None = None,
     **model_overrides: Any,
 ) -> Path:
     """A config on free ports, ``replicas`` simulator endpoints per model.
@@ -54,11 +54,11 @@ async def read_metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]]
     }
 
 
-def metric(samples: dict, name: str, **labels: str) -> float:
+def metric(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
     """Sum of the samples named ``name`` whose labels include ``labels``."""
     return sum(
-        value for (n, lbls), value in samples.items()
-        if n == name and all(dict(lbls).get(k) == v for k, v in labels.items())
+        (value for (n, lbls), value in samples.items() if n == name and all(dict(lbls).get(k) == v for k, v in labels.items())),
+        0.0,
     )
 
 

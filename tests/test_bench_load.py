@@ -8,9 +8,11 @@ import statistics
 import numpy as np
 import pytest
 
-from extproc.bench.arms import ARMS
-from extproc.bench.load import LogNormal, Pareto, Stream, plan, poisson_times
-from extproc.bench.scenarios import full_set, quick_set
+from extproc.tools.bench.arms import ARMS
+from extproc.tools.bench.load import LogNormal, Pareto, Stream, plan, poisson_times
+from extproc.tools.bench.scenarios import full_set, quick_set
+
+pytestmark = pytest.mark.unit
 
 CHAT = (LogNormal(400, 1.0, 16, 8000), LogNormal(128, 0.8, 8, 1024))
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from extproc.bench.arms import ARMS, Arm, arm_config
-from extproc.bench.load import LogNormal, Stream
-from extproc.bench.metrics import (
+from extproc.adapters.config import ConfigError, parse_config
+from extproc.tools.bench.arms import ARMS, Arm, arm_config
+from extproc.tools.bench.load import LogNormal, Stream
+from extproc.tools.bench.metrics import (
     W_IN,
     W_OUT,
     backlog_intervals,
@@ -20,11 +21,12 @@ from extproc.bench.metrics import (
     throughput,
     tokens_until,
 )
-from extproc.bench.overhead import parse_hey_csv
-from extproc.bench.runner import ArmRun, EngineSample, Result, prompt_text
-from extproc.bench.scenarios import Scenario
-from extproc.config import ConfigError, parse_config
-from extproc.sim.server import estimate_tokens
+from extproc.tools.bench.overhead import parse_hey_csv
+from extproc.tools.bench.runner import ArmRun, EngineSample, Result, prompt_text
+from extproc.tools.bench.scenarios import Scenario
+from extproc.tools.sim.server import estimate_tokens
+
+pytestmark = pytest.mark.unit
 
 
 def result(tenant: str, sent: float, ttft: float, e2e: float, tokens: int = 10, prompt: int = 0,

@@ -8,11 +8,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.bench.arms import MODEL, free_port
-from extproc.bench.overhead import REQUEST_BODY, overhead_config, run_overhead, summarize_overhead, upstream_bootstrap
-from extproc.config import parse_config
-from extproc.engine_metrics import parse_load
-from extproc.envoy_proc import start_envoy
+from extproc.adapters.config import parse_config
+from extproc.adapters.engines.dialects import parse_load
+from extproc.tools.bench.arms import MODEL
+from extproc.tools.bench.overhead import REQUEST_BODY, overhead_config, run_overhead, summarize_overhead, upstream_bootstrap
+from extproc.tools.envoy_proc import start_envoy
+from extproc.tools.procs import free_port
+
+pytestmark = pytest.mark.integration
 
 
 async def test_fast_upstream_answers_chat_and_reports_an_idle_engine(tmp_path: Path) -> None:

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc")
 
 

@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from extproc.adapters.config import load_config
+from extproc.adapters.envoy_config import bootstrap, render
 from extproc.cli import build_parser
-from extproc.config import load_config
-from extproc.envoy_bin import find_envoy
-from extproc.envoy_config import bootstrap, render
+from extproc.tools.envoy_bin import find_envoy
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -39,6 +39,7 @@ def mounted(service: str, container_path: str) -> Path:
     return path
 
 
+@pytest.mark.unit
 def test_every_service_runs_the_project_image_with_a_valid_command() -> None:
     parser = build_parser()
     for name, service in SERVICES.items():
@@ -47,6 +48,7 @@ def test_every_service_runs_the_project_image_with_a_valid_command() -> None:
             parser.parse_args(service["command"])  # exits (SystemExit) on a bad command
 
 
+@pytest.mark.integration  # runs Envoy's validation
 def test_the_processor_config_and_the_envoy_bootstrap_belong_together() -> None:
     config_path = mounted("extproc", SERVICES["extproc"]["command"][2])
     config = load_config(config_path)
@@ -61,6 +63,7 @@ def test_the_processor_config_and_the_envoy_bootstrap_belong_together() -> None:
     assert config.listen.grpc.startswith("extproc:")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("model_index", [0, 1])
 def test_each_model_endpoint_is_a_simulator_service_serving_that_model(model_index: int) -> None:
     config = load_config(mounted("extproc", "/etc/extproc/config.yaml"))

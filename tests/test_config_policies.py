@@ -6,7 +6,9 @@ from typing import Any
 
 import pytest
 
-from extproc.config import ConfigError, parse_config
+from extproc.adapters.config import ConfigError, parse_config
+
+pytestmark = pytest.mark.unit
 
 MODEL = {"name": "m", "endpoints": ["http://127.0.0.1:1"]}
 JWKS = {"keys": [{"kty": "RSA", "kid": "k", "n": "AQAB", "e": "AQAB"}]}

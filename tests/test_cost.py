@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
-from extproc.body import with_priority
-from extproc.config import CostWeights
-from extproc.cost import CostModel, DecodeRate
-from extproc.limits import MAX_RETRY_AFTER_S, RATE_WINDOW_S, ReleaseRate
+from extproc.adapters.ext_proc.priority_body import with_priority
+from extproc.adapters.ext_proc.servicer import MAX_RETRY_AFTER_S, retry_after_s
+from extproc.core.cost import CostModel, CostWeights, DecodeRate
+from extproc.core.drain_time import RATE_WINDOW_S, ReleaseRate
+from extproc.core.outcomes import Refusal, Refused
+
+pytestmark = pytest.mark.unit
 
 
 def test_estimate_from_content_length_and_max_tokens() -> None:
@@ -58,13 +62,19 @@ def test_decode_rate_is_tokens_per_running_sequence() -> None:
 
 def test_retry_after_is_the_drain_time_within_bounds() -> None:
     rate = ReleaseRate()
-    assert rate.retry_after_s(5, now=0.0) == MAX_RETRY_AFTER_S  # nothing released lately
+
+    def retry_after(backlog: int, now: float) -> int | None:
+        return retry_after_s(Refused(Refusal.MODEL_QUEUE_FULL, "", drain_s=rate.drain_s(backlog, now)))
+
+    assert retry_after(5, now=0.0) == MAX_RETRY_AFTER_S  # nothing released lately
     for i in range(20):
         rate.record(i * 0.5)  # 2 per second
-    assert rate.retry_after_s(10, now=9.9) == 5
-    assert rate.retry_after_s(0, now=9.9) == 1
-    assert rate.retry_after_s(10_000, now=9.9) == MAX_RETRY_AFTER_S
+    assert retry_after(10, now=9.9) == 5
+    assert retry_after(0, now=9.9) == 1
+    assert retry_after(10_000, now=9.9) == MAX_RETRY_AFTER_S
     assert rate.per_second(now=10.0 + RATE_WINDOW_S) == 0
+    assert retry_after_s(Refused(Refusal.SHUTTING_DOWN, "")) == 1
+    assert retry_after_s(Refused(Refusal.MODEL_NOT_FOUND, "")) is None
 
 
 @pytest.mark.parametrize(
@@ -76,7 +86,7 @@ def test_retry_after_is_the_drain_time_within_bounds() -> None:
         {},
     ],
 )
-def test_priority_is_written_over_whatever_the_client_sent(body: dict) -> None:
+def test_priority_is_written_over_whatever_the_client_sent(body: dict[str, Any]) -> None:
     for raw in (json.dumps(body).encode(), b"  \n" + json.dumps(body, indent=2).encode()):
         rewritten = with_priority(raw, 2)
         assert rewritten is not None

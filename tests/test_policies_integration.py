@@ -15,13 +15,16 @@ from typing import Any
 
 import aiohttp
 import jwt
+import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
-from extproc.scenario import Outcome, chat, percentile
-from extproc.sim.server import estimate_tokens
-from extproc.stack import Stack, start_stack
+from extproc.tools.power_user import Outcome, chat, percentile
+from extproc.tools.sim.server import estimate_tokens
+from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
+
+pytestmark = pytest.mark.integration
 
 SIM = ["--step-ms", "20", "--time-scale", "0.1"]
 # Weights of the default cost model (input 1, output 2), applied to the simulator's own token counts.
@@ -72,7 +75,7 @@ def service_while_both_backlogged(runs: list[tuple[str, float, Outcome, int]]) -
     A request's release time is when it was sent plus the queue wait the
     gateway reported for it.
     """
-    released = {tenant: [] for tenant, *_ in runs}
+    released: dict[str, list[tuple[float, int]]] = {tenant: [] for tenant, *_ in runs}
     for tenant, sent, outcome, cost in runs:
         assert outcome.status == 200 and outcome.queue_wait_s is not None, outcome
         released[tenant].append((sent + outcome.queue_wait_s, cost))
@@ -132,7 +135,7 @@ async def test_batch_fills_an_idle_engine_and_interactive_overtakes_within_a_slo
             return time.monotonic() - start, [o for _, o in outcomes]
 
         # The same flood in a normal class first: the yardstick, and the gate
-        # learns the engine's size (a fresh gate probes for it, see gate.py).
+        # learns the engine's size (a fresh gate probes for it, see core/bands.py).
         standard_span, _ = await flood("standard")
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_engine(stack.sim_url("m1"), stop))
@@ -201,7 +204,7 @@ async def test_engine_priority_lets_interactive_overtake_inside_vllm_and_cannot_
 # --- limits ------------------------------------------------------------------------------------------
 
 
-async def post(http: aiohttp.ClientSession, stack: Stack, tenant: str, model: str) -> tuple[int, dict, dict]:
+async def post(http: aiohttp.ClientSession, stack: Stack, tenant: str, model: str) -> tuple[int, dict[str, str], dict[str, Any]]:
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
     headers = {"authorization": f"Bearer {TENANT_KEYS[tenant]}"}
     async with http.post(f"{stack.envoy_url}/v1/chat/completions", json=body, headers=headers) as response:
@@ -209,7 +212,7 @@ async def post(http: aiohttp.ClientSession, stack: Stack, tenant: str, model: st
         return response.status, headers, await response.json(content_type=None)
 
 
-def assert_rejection(result: tuple[int, dict, dict], status: int, reason: str, error_type: str) -> None:
+def assert_rejection(result: tuple[int, dict[str, str], dict[str, Any]], status: int, reason: str, error_type: str) -> None:
     code, headers, body = result
     assert code == status, result
     assert headers["content-type"] == "application/json"

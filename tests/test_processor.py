@@ -11,10 +11,16 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.config import parse_config
-from extproc.dispatcher import ModelDispatcher, Rejected
-from extproc.processor import HOLD_MARGIN_S, Processor
-from extproc.telemetry import Telemetry
+from extproc.adapters.config import parse_config
+from extproc.adapters.envoy_config import hold_timeout_s
+from extproc.adapters.ext_proc.contract import HOLD_MARGIN_S
+from extproc.adapters.ext_proc.servicer import ANSWERS, Processor
+from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.wiring import build_dispatcher, build_dispatchers
+from extproc.core.dispatcher import ModelDispatcher
+from extproc.core.outcomes import Refusal, Refused
+
+pytestmark = pytest.mark.unit
 
 CONFIG = parse_config(
     {"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "fallback_max_in_flight": 1}]}
@@ -23,7 +29,7 @@ CONFIG = parse_config(
 
 def make_processor() -> tuple[Processor, ModelDispatcher]:
     telemetry = Telemetry()
-    dispatcher = ModelDispatcher(CONFIG.models[0], CONFIG.priorities, telemetry)
+    dispatcher = build_dispatcher(CONFIG, CONFIG.models[0], telemetry)
     return Processor(CONFIG, {"m": dispatcher}, telemetry), dispatcher
 
 
@@ -81,10 +87,10 @@ async def test_release_then_client_gone_before_continue_frees_the_slot() -> None
     # The first response finishes; the second is released — and its client leaves
     # in the same instant, before the stream could send CONTINUE.
     await asyncio.sleep(0)
-    assert dispatcher.gate.in_flight == 1 and dispatcher.queued == 0
+    assert dispatcher.in_flight == 1 and dispatcher.queued == 0
     second.task.cancel()
     await settle()
-    assert dispatcher.gate.in_flight == 0
+    assert dispatcher.in_flight == 0
     assert dispatcher.queued == 0
 
 
@@ -119,7 +125,7 @@ async def test_rejections_are_immediate_json_answers(message: pb.ProcessingReque
     answer = await stream.answers.get()
     assert answer.immediate_response.status.code == status
     assert f'"code": "{code}"'.encode() in answer.immediate_response.body
-    assert dispatcher.queued == 0 and dispatcher.gate.in_flight == 0
+    assert dispatcher.queued == 0 and dispatcher.in_flight == 0
     samples = {s.labels["model"] for m in processor._telemetry.registry.collect() for s in m.samples
                if m.name == "extproc_rejected"}
     assert samples == {"(unknown)"}  # neither "other" nor "" became a label value
@@ -155,12 +161,7 @@ POLICY_CONFIG = parse_config(
 
 def make_policy_processor() -> tuple[Processor, Telemetry]:
     telemetry = Telemetry()
-    dispatchers = {
-        m.name: ModelDispatcher(m, POLICY_CONFIG.priorities, telemetry, bands=POLICY_CONFIG.bands,
-                                tenant=POLICY_CONFIG.tenant)
-        for m in POLICY_CONFIG.models
-    }
-    return Processor(POLICY_CONFIG, dispatchers, telemetry), telemetry
+    return Processor(POLICY_CONFIG, build_dispatchers(POLICY_CONFIG, telemetry), telemetry), telemetry
 
 
 @pytest.mark.parametrize(
@@ -184,12 +185,12 @@ def test_a_class_beyond_the_entitlement_is_downgraded_never_upgraded(tenant: str
 
 def test_no_lower_class_to_fall_back_to_and_no_tenant_are_refused() -> None:
     processor, _ = make_policy_processor()
-    with pytest.raises(Rejected) as chat:  # asks below everything it may use: granting more would upgrade it
+    with pytest.raises(Refused) as chat:  # asks below everything it may use: granting more would upgrade it
         processor.admit({"x-tenant-id": "chat", "x-priority": "batch"}, "m")
-    assert (chat.value.status, chat.value.reason) == (403, "priority_not_allowed")
-    with pytest.raises(Rejected) as anonymous:
+    assert chat.value.refusal is Refusal.PRIORITY_NOT_ALLOWED and ANSWERS[chat.value.refusal][0] == 403
+    with pytest.raises(Refused) as anonymous:
         processor.admit({}, "m")
-    assert (anonymous.value.status, anonymous.value.reason) == (401, "tenant_missing")
+    assert anonymous.value.refusal is Refusal.TENANT_MISSING and ANSWERS[anonymous.value.refusal][0] == 401
 
 
 async def test_a_downgrade_is_counted_and_a_tenant_cap_answers_429() -> None:
@@ -234,3 +235,12 @@ async def test_only_engine_priority_models_ask_for_the_body_and_get_it_rewritten
 def test_the_hold_outlasts_the_longest_class_wait() -> None:
     processor, _ = make_policy_processor()
     assert processor._hold_timeout["m"].seconds == 300 + HOLD_MARGIN_S
+
+
+def test_no_model_holds_longer_than_the_filter_allows() -> None:
+    """Envoy ignores an override above max_message_timeout: fractional waits must not round past it."""
+    config = parse_config({"models": [{"name": "a", "endpoints": ["http://127.0.0.1:1"], "max_queue_wait_s": 120.0004},
+                                      {"name": "b", "endpoints": ["http://127.0.0.1:2"], "max_queue_wait_s": 0.5}]})
+    processor = Processor(config, build_dispatchers(config, Telemetry()), Telemetry())
+    for hold in processor._hold_timeout.values():
+        assert hold.ToMilliseconds() / 1000 <= hold_timeout_s(config)

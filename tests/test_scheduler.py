@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.scheduler import FairQueue, TenantRoundRobin
+from extproc.core.fair_queue import FairQueue
+from extproc.core.policies.round_robin import TenantRoundRobin
+
+pytestmark = pytest.mark.unit
 
 
 def drain(queue: FairQueue[int]) -> list[tuple[int, str, int]]:
@@ -84,7 +88,7 @@ OPS = st.lists(
 
 @settings(max_examples=300)
 @given(OPS)
-def test_every_item_leaves_exactly_once_and_fifo_within_tenant(ops: list[tuple]) -> None:
+def test_every_item_leaves_exactly_once_and_fifo_within_tenant(ops: list[tuple[Any, ...]]) -> None:
     q: FairQueue[int] = FairQueue(bands=3)
     queued: dict[int, tuple[int, str]] = {}
     left: list[int] = []

@@ -20,9 +20,11 @@ from hypothesis import strategies as st
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.sim import RunningSim, SimSettings, add_arguments, start_sim
-from extproc.sim.engine import RequestTooLong, Scheduler, SimEngine, SimRequest, TokenEvent
-from extproc.sim.server import estimate_tokens, run, settings_from_args
+from extproc.tools.sim import RunningSim, SimSettings, add_arguments, start_sim
+from extproc.tools.sim.engine import RequestTooLong, Scheduler, SimEngine, SimRequest, TokenEvent
+from extproc.tools.sim.server import estimate_tokens, run, settings_from_args
+
+pytestmark = pytest.mark.unit
 
 MODEL = "sim-model"
 # 2 ms decode steps: fast tests, yet slow enough that queues are observable.
@@ -174,8 +176,8 @@ def test_scheduler_invariants(max_num_seqs: int, kv_cache_tokens: int, arrivals:
         step_no += 1
 
     assert all(r.num_generated == r.max_tokens and r.finish_reason == "length" for r in submitted)
-    admission = [r.scheduled_at for r in submitted]
-    assert admission == sorted(admission)  # FIFO: nobody overtakes
+    admission = [r.scheduled_at for r in submitted if r.scheduled_at is not None]
+    assert len(admission) == len(submitted) and admission == sorted(admission)  # FIFO: nobody overtakes
 
 
 class FakeTime:
@@ -579,7 +581,8 @@ async def _sample_while(
 async def _complete(http: aiohttp.ClientSession, sim: RunningSim, max_tokens: int) -> dict[str, Any]:
     async with http.post(f"{sim.url}/v1/chat/completions", json=_chat("hi", max_tokens=max_tokens)) as response:
         assert response.status == 200
-        return await response.json()
+        body: dict[str, Any] = await response.json()
+        return body
 
 
 async def test_batch_limit_makes_excess_requests_wait(sim_factory: StartSim, http: aiohttp.ClientSession) -> None:
@@ -706,7 +709,7 @@ async def test_run_serves_until_sigterm(http: aiohttp.ClientSession) -> None:
     """``run`` under uvloop, as ``extproc sim`` will call it, in a child process."""
     code = (
         "import argparse, sys\n"
-        "from extproc.sim import add_arguments, run\n"
+        "from extproc.tools.sim import add_arguments, run\n"
         "parser = argparse.ArgumentParser()\n"
         "add_arguments(parser)\n"
         "sys.exit(run(parser.parse_args(sys.argv[1:])))\n"

@@ -1,0 +1,14 @@
+"""The adapters: where the pure core meets Envoy, the engines, Prometheus and the config file.
+
+* ``ext_proc/``     the gRPC servicer Envoy calls for each request, and what
+  it and the generated Envoy config agree on;
+* ``engines/``      each engine's ``/metrics`` dialect, the scraper, pool
+  membership (DNS);
+* ``envoy_config.py`` the Envoy bootstrap generated from the config;
+* ``config.py``, ``validate.py`` the typed YAML configuration;
+* ``wiring.py``     the config turned into each model's dispatcher;
+* ``telemetry.py``  the processor's Prometheus series;
+* ``server.py``     ``extproc serve``: all of the above in one process.
+
+They import the core and each other, never ``extproc.tools`` (tests/test_layers.py).
+"""

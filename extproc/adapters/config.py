@@ -1,0 +1,480 @@
+"""The YAML configuration: typed, validated once at start-up.
+
+Every setting is read here and nowhere else, so mistakes are refused before
+the server binds a port, each with the key path of the offending value
+(``models[1].target_waiting: must be an integer >= 1, got 'three'``), all of
+them at once. The file's shape is the msgspec structs below, whose annotations
+carry the constraints; ``validate.py`` converts a document into them and
+collects the errors. Unknown keys are errors too: a misspelt
+``taget_waiting`` silently falling back to its default is the kind of
+surprise an operator finds only under load. Rules between fields are the
+``problems()`` methods, next to the fields they relate.
+
+:class:`ConfigFile` is the file as written; :class:`Config` is what the
+program reads, with the defaults that depend on other settings filled in (each
+priority class's band settings, each tenant's inherited entitlement).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import msgspec
+import yaml
+from msgspec import Meta
+
+from extproc.adapters.engines.dialects import DIALECTS
+from extproc.adapters.validate import Invalid, choice, convert
+from extproc.core.cost import CostWeights
+from extproc.core.policies import POLICIES
+from extproc.core.release import RULES
+
+# The engines whose /metrics the gate reads (adapters/engines/dialects.py owns the list).
+ENGINES = tuple(DIALECTS)
+# The per-tenant template in `tenants:`; its fields are every other tenant's defaults.
+DEFAULT_TENANT_KEY = "default"
+
+
+def split_address(text: str) -> tuple[str, int]:
+    """A validated ``HOST:PORT`` (IPv6 in brackets allowed) -> (host, port)."""
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def is_ip_address(host: str) -> bool:
+    """True for a literal IPv4/IPv6 address, False for a host name (which needs DNS)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class ConfigError(ValueError):
+    """Configuration values are missing or wrong; each line names a key path."""
+
+    def __init__(self, *errors: str) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+# --- value types: what a leaf must be -----------------------------------------------------
+
+
+def _header(value: str) -> str:
+    if not value.strip() or value != value.lower() or any(c.isspace() for c in value):
+        raise ValueError(value)
+    return value
+
+
+def _address(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(value)
+    return value
+
+
+def _endpoint(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:  # .port: ValueError if bad
+        raise ValueError(value)
+    return value.rstrip("/")
+
+
+def _http_url(value: str) -> str:
+    """An http(s) URL whose port may be implied by its scheme."""
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(value)
+    return value
+
+
+def _jwks_text(raw: Any) -> Any:
+    """A JWKS written as YAML becomes the JSON text Envoy takes inline."""
+    return json.dumps(raw, sort_keys=True) if isinstance(raw, dict) else raw
+
+
+def _jwks(value: str) -> str:
+    try:
+        keys = json.loads(value).get("keys")
+    except (ValueError, AttributeError):
+        keys = None
+    if not isinstance(keys, list) or not keys:
+        raise ValueError(value)
+    return value
+
+
+NonEmpty = Annotated[str, Meta(pattern=r"\S", description="a non-empty string")]
+Header = Annotated[str, Meta(description="a lower-case header name without spaces", extra={"check": _header})]
+Address = Annotated[str, Meta(description="HOST:PORT", extra={"check": _address})]
+Endpoint = Annotated[str, Meta(description="an http(s)://HOST:PORT URL", extra={"check": _endpoint})]
+HttpUrl = Annotated[str, Meta(description="an http(s) URL", extra={"check": _http_url})]
+Jwks = Annotated[str, Meta(description='a JWKS: a JSON object with a non-empty "keys" list',
+                           extra={"parse": _jwks_text, "check": _jwks})]
+Count = Annotated[int, Meta(ge=1)]
+Count0 = Annotated[int, Meta(ge=0)]
+Positive = Annotated[float, Meta(gt=0)]
+NonNegative = Annotated[float, Meta(ge=0)]
+Share = Annotated[float, Meta(gt=0, le=1)]
+Names = Annotated[tuple[NonEmpty, ...], Meta(min_length=1)]
+
+
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A mapping in the file: typed fields, unknown keys refused.
+
+    Subclasses inherit these options; they repeat ``frozen=True`` for the type
+    checker, which reads each class on its own.
+    """
+
+
+# --- the file's sections -----------------------------------------------------------------
+
+
+class Listen(_Section, frozen=True):
+    """Where the processor listens: gRPC for Envoy, HTTP for Prometheus."""
+
+    grpc: Address = "127.0.0.1:50051"
+    metrics: Address = "127.0.0.1:9464"
+
+
+class Identity(_Section, frozen=True):
+    """Headers that carry who is asking, for what, and how urgently.
+
+    The tenant header must be set by a trusted Envoy auth filter (api_key_auth,
+    jwt_authn) that overwrites anything the client sent.
+    """
+
+    tenant_header: Header = "x-tenant-id"
+    priority_header: Header = "x-priority"
+    model_header: Header = "x-model"
+    default_tenant: NonEmpty = "anonymous"
+    # A request without the tenant header: served as `default_tenant`, or refused with 401.
+    missing_tenant: Literal["default", "reject"] = "default"
+
+
+class CostSettings(_Section, frozen=True):
+    """How the `vtc` policy prices a request (defaults: the core's :class:`~extproc.core.cost.CostWeights`)."""
+
+    input_weight: NonNegative = CostWeights.input_weight
+    output_weight: NonNegative = CostWeights.output_weight
+    bytes_per_token: Positive = CostWeights.bytes_per_token
+    body_overhead_bytes: Count0 = CostWeights.body_overhead_bytes
+    default_output_tokens: Count = CostWeights.default_output_tokens
+
+    def weights(self) -> CostWeights:
+        return CostWeights(**msgspec.structs.asdict(self))
+
+
+class ModelConfig(_Section, frozen=True):
+    """One model pool: the endpoints that serve it and how hard to fill them."""
+
+    name: NonEmpty
+    endpoints: Annotated[tuple[Endpoint, ...], Meta(min_length=1)]
+    engine: Annotated[str, choice(ENGINES)] = "vllm"
+    target_waiting: Count = 3
+    scrape_interval_s: Positive = 0.1
+    # Metrics older than this are not trusted (the engine may have moved on).
+    stale_after_s: Positive = 1.0
+    # In-flight floor per endpoint while the engine's metrics cannot be read.
+    fallback_max_in_flight: Count = 4
+    # A request still queued after this long is answered 503 instead of held
+    # (a band's own max_queue_wait_s overrides it).
+    max_queue_wait_s: Positive = 120.0
+    # How releases are decided (docs/gate.md).
+    gate: Annotated[str, choice(RULES)] = "adaptive"
+    # Optional ceilings for the adaptive gate.
+    max_inter_token_latency_ms: Positive | None = None
+    max_kv_usage: Share | None = None
+    # Inter-token latency is averaged over this much recent time.
+    itl_window_s: Positive = 2.0
+    # Per endpoint: hard cap on what the engine may hold (adaptive), or on our
+    # in-flight requests (static_concurrency, where it is required).
+    max_in_flight: Count | None = None
+    # Requests per second for the whole pool (static_rate, required there).
+    release_rate: Positive | None = None
+    # Pick the endpoint of each release and tell Envoy (x-gateway-destination-endpoint).
+    endpoint_picking: bool = False
+    # Endpoints given by host name are resolved this often; each address is an endpoint.
+    dns_refresh_s: Positive = 10.0
+    # Which tenant goes next inside a band (extproc/core/policies).
+    policy: Annotated[str, choice(POLICIES)] = "round_robin"
+    # Requests this model may hold in all; one more is answered 503.
+    max_queued: Count = 10_000
+    # Part of target_waiting that bands below the first may not fill, so the
+    # first band finds room in the engine's queue without waiting for a slot
+    # to free (costs some throughput when completions come in bursts).
+    reserved_waiting: Count0 = 0
+    # Write the band's numeric priority into the body's `priority` (vLLM
+    # --scheduling-policy priority); only such models have their body sent to us.
+    engine_priority: bool = False
+    # The engine's batch size (vLLM --max-num-seqs), if known; else learned from its metrics.
+    max_running: Count | None = None
+    cost: CostSettings = msgspec.field(default_factory=CostSettings)
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        rule = RULES[self.gate]
+        for required in rule.requires:
+            if getattr(self, required) is None:
+                yield required, f"is required with gate: {rule.name}"
+        if self.endpoint_picking and not rule.per_endpoint:
+            yield "endpoint_picking", f"does not work with gate: {rule.name} (no per-endpoint state)"
+        if self.endpoint_picking and any(e.startswith("https:") for e in self.endpoints):
+            yield "endpoint_picking", "needs http:// endpoints (the picked-endpoint cluster is plain HTTP)"
+
+
+class BandSettings(_Section, frozen=True):
+    """One priority class's settings as written; unset fields take the defaults :class:`Band` documents."""
+
+    max_queue_wait_s: Positive | None = None
+    max_queued: Count | None = None
+    idle_only: bool | None = None
+    idle_running_share: Share = 1.0
+    engine_priority: int | None = None
+
+
+class TenantSettings(_Section, frozen=True):
+    """A tenant's entry as written; unset fields are inherited from the `default` entry."""
+
+    weight: Positive | None = None
+    priorities: Names | None = None
+    default_priority: NonEmpty | None = None
+    max_queued: Count | None = None
+
+
+class JwtSettings(_Section, frozen=True):
+    """Envoy's jwt_authn: a verified token's claim names the tenant."""
+
+    issuer: NonEmpty
+    audiences: tuple[NonEmpty, ...] = ()
+    # Exactly one: a JWKS document inline (JSON text, or YAML), or the URL Envoy fetches it from.
+    jwks: Jwks | None = None
+    jwks_uri: HttpUrl | None = None
+    tenant_claim: NonEmpty = "sub"
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if (self.jwks is None) == (self.jwks_uri is None):
+            yield "", "needs exactly one of jwks (an inline JWKS) or jwks_uri (where Envoy fetches it)"
+
+
+class EnvoySettings(_Section, frozen=True):
+    """What `extproc envoy-config` needs to print a complete bootstrap."""
+
+    listen: Address = "127.0.0.1:10000"
+    admin: Address = "127.0.0.1:9901"
+    # API key -> tenant, for Envoy's api_key_auth filter (demo-grade identity).
+    api_keys: dict[str, NonEmpty] = msgspec.field(default_factory=dict)
+    # Envoy's per-message timeout: short enough that a hung processor is noticed within
+    # seconds (a crashed one is noticed at once: its connection resets), long enough
+    # that a busy event loop under a burst does not turn into 504s.
+    message_timeout_ms: Count = 2000
+    # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
+    jwt: JwtSettings | None = None
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if self.api_keys and self.jwt is not None:
+            yield "jwt", "use either api_keys or jwt for identity, not both"
+
+
+class ConfigFile(_Section, frozen=True):
+    """The whole file, as written."""
+
+    models: Annotated[tuple[ModelConfig, ...], Meta(min_length=1)]
+    listen: Listen = msgspec.field(default_factory=Listen)
+    identity: Identity = msgspec.field(default_factory=Identity)
+    # Highest first.
+    priorities: Names = ("interactive", "standard", "batch")
+    # None: `standard` if there is one, else the lowest class.
+    default_priority: NonEmpty | None = None
+    envoy: EnvoySettings = msgspec.field(default_factory=EnvoySettings)
+    # By class name.
+    bands: dict[str, BandSettings] = msgspec.field(default_factory=dict)
+    # By tenant name; `default` is every other tenant's template.
+    tenants: dict[str, TenantSettings] = msgspec.field(default_factory=dict)
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        classes = self.priorities
+        if len(set(classes)) != len(classes):
+            yield "priorities", f"must not repeat a class, got {list(classes)}"
+        if self.default_priority is not None and self.default_priority not in classes:
+            yield "default_priority", f"must be one of priorities {list(classes)}, got {self.default_priority!r}"
+        names = [m.name for m in self.models]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                yield f"models[{i}].name", f"duplicate model name {name!r}"
+        for name in self.bands:
+            if name not in classes:
+                yield f"bands.{name}", f"unknown key (allowed: {', '.join(sorted(classes))})"
+        wrong = [p for name, tenant in self.tenants.items() for p in _tenant_problems(tenant, f"tenants.{name}", classes)]
+        yield from wrong
+        if not wrong and (self.default_priority is None or self.default_priority in classes):
+            yield from _entitlement_problems(self)
+
+
+def _tenant_problems(tenant: TenantSettings, path: str, classes: tuple[str, ...]) -> Iterator[tuple[str, str]]:
+    """A tenant may only name the configured classes."""
+    for i, name in enumerate(tenant.priorities or ()):
+        if name not in classes:
+            yield f"{path}.priorities[{i}]", f"must be one of priorities {list(classes)}, got {name!r}"
+    if tenant.default_priority is not None and tenant.default_priority not in classes:
+        yield f"{path}.default_priority", f"must be one of priorities {list(classes)}, got {tenant.default_priority!r}"
+
+
+def _entitlement_problems(file: ConfigFile) -> Iterator[tuple[str, str]]:
+    """A tenant's default class, inherited or not, must be one it may use."""
+    default = _default_priority(file)
+    template, named = _tenants(file)
+    for name, tenant in ((DEFAULT_TENANT_KEY, template), *named.items()):
+        own = tenant.default_priority or default
+        if tenant.priorities is not None and own not in tenant.priorities:
+            yield (f"tenants.{name}.default_priority",
+                   f"{own!r} is not among the tenant's priorities {list(tenant.priorities)}; set default_priority")
+
+
+# --- what the program reads --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Band:
+    """One priority class: its limits and how it may use the engine."""
+
+    name: str
+    # None: the model's max_queue_wait_s.
+    max_queue_wait_s: float | None = None
+    # Requests of this band a model may hold; None: only the model's cap.
+    max_queued: int | None = None
+    # Released only while no higher band waits and the engine is idle
+    # (default: the lowest of several classes).
+    idle_only: bool = False
+    # "Idle": the engine's waiting queue is empty and it runs fewer than this
+    # share of the most requests it was ever seen running.
+    idle_running_share: float = 1.0
+    # Value written into the body's `priority` for engine_priority models (vLLM:
+    # lower runs first; default: the class's position).
+    engine_priority: int = 0
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """What a tenant is entitled to."""
+
+    weight: float = 1.0
+    # Classes it may use, highest first; None: all.
+    priorities: tuple[str, ...] | None = None
+    # Class when the request names none (or one that does not exist); None: the global default.
+    default_priority: str | None = None
+    # Requests of this tenant a model may hold; one more is answered 429.
+    max_queued: int = 1_000
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: Listen
+    identity: Identity
+    priorities: tuple[str, ...]
+    default_priority: str
+    models: tuple[ModelConfig, ...]
+    envoy: EnvoySettings
+    # One per priority class, in the order of `priorities`.
+    bands: tuple[Band, ...]
+    # Explicitly configured tenants; every other tenant gets `default_tenant`.
+    tenants: dict[str, Tenant]
+    default_tenant: Tenant
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def tenant(self, name: str) -> Tenant:
+        return self.tenants.get(name, self.default_tenant)
+
+    def queue_wait_s(self, model: ModelConfig, band: int) -> float:
+        """How long a request of ``band`` may stay queued for ``model``."""
+        own = self.bands[band].max_queue_wait_s
+        return model.max_queue_wait_s if own is None else own
+
+    def longest_queue_wait_s(self, model: ModelConfig) -> float:
+        return max(self.queue_wait_s(model, b) for b in range(len(self.priorities)))
+
+
+def _default_priority(file: ConfigFile) -> str:
+    if file.default_priority is not None:
+        return file.default_priority
+    return "standard" if "standard" in file.priorities else file.priorities[-1]
+
+
+def _bands(file: ConfigFile) -> tuple[Band, ...]:
+    """Band settings by class; the lowest of several classes is idle-only unless told otherwise."""
+    bands = []
+    for index, name in enumerate(file.priorities):
+        written = file.bands.get(name, BandSettings())
+        lowest = index == len(file.priorities) - 1 and len(file.priorities) > 1
+        bands.append(Band(
+            name=name,
+            max_queue_wait_s=written.max_queue_wait_s,
+            max_queued=written.max_queued,
+            idle_only=lowest if written.idle_only is None else written.idle_only,
+            idle_running_share=written.idle_running_share,
+            engine_priority=index if written.engine_priority is None else written.engine_priority,
+        ))
+    return tuple(bands)
+
+
+def _tenant(written: TenantSettings, base: Tenant, classes: tuple[str, ...]) -> Tenant:
+    allowed = base.priorities
+    if written.priorities is not None:  # highest first, whatever the order written
+        allowed = tuple(p for p in classes if p in written.priorities)
+    return Tenant(
+        weight=base.weight if written.weight is None else written.weight,
+        priorities=allowed,
+        default_priority=written.default_priority or base.default_priority,
+        max_queued=base.max_queued if written.max_queued is None else written.max_queued,
+    )
+
+
+def _tenants(file: ConfigFile) -> tuple[Tenant, dict[str, Tenant]]:
+    """The `default` template (inherited field by field) and the named tenants."""
+    template = _tenant(file.tenants.get(DEFAULT_TENANT_KEY, TenantSettings()), Tenant(), file.priorities)
+    named = {name: _tenant(written, template, file.priorities)
+             for name, written in file.tenants.items() if name != DEFAULT_TENANT_KEY}
+    return template, named
+
+
+def parse_config(raw: Any) -> Config:
+    """Validate an already-loaded YAML document; a ConfigError lists every mistake."""
+    try:
+        file = convert(raw, ConfigFile)
+    except Invalid as exc:
+        raise ConfigError(*exc.errors) from None
+    default_tenant, tenants = _tenants(file)
+    return Config(
+        listen=file.listen,
+        identity=file.identity,
+        priorities=file.priorities,
+        default_priority=_default_priority(file),
+        models=file.models,
+        envoy=file.envoy,
+        bands=_bands(file),
+        tenants=tenants,
+        default_tenant=default_tenant,
+    )
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML file; every failure is a ConfigError naming the file on each line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    try:
+        return parse_config(raw)
+    except ConfigError as exc:
+        raise ConfigError(*(f"{path}: {error}" for error in exc.errors)) from None

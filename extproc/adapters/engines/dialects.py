@@ -1,0 +1,205 @@
+"""Reading an engine's load from its Prometheus ``/metrics`` text, per engine dialect.
+
+Every engine says the same few things under different names: how many
+requests wait, how many run, how full the KV cache is, and how long a token
+takes. A :class:`EngineDialect` names them; :func:`parse_load` reads them into
+one :class:`~extproc.core.engine_load.EngineLoad`. The names were checked against each
+project's own source (see ``docs/gate.md`` for the file each comes from):
+
+* ``vllm``      vLLM v1 (``vllm/v1/metrics/loggers.py``, checked against a
+  running 0.32), with the names of older releases as fallbacks (see the
+  dialect's comments).
+* ``sglang``    SGLang (``python/sglang/srt/metrics/collector.py``).
+* ``tgi``       HuggingFace TGI router (``metrics::gauge!`` calls in the router
+  queue/batcher); TGI exposes no KV usage.
+* ``llamacpp``  llama.cpp ``llama-server --metrics``; token time from the
+  ``tokens_predicted_seconds_total`` / ``tokens_predicted_total`` counters.
+* ``trtllm``    TensorRT-LLM ``trtllm-serve`` (``tensorrt_llm/metrics/collector.py``).
+
+Waiting and running are required: without them the gate cannot work and the
+scrape counts as failed. KV usage and inter-token latency are optional; an
+engine (or version) that lacks them just gives the controller fewer signals.
+
+Inter-token latency is read as two cumulative counters (a histogram's
+``_sum``/``_count``, or llama.cpp's seconds/tokens counters): the controller
+takes their deltas over a short window, which is the mean over the tokens
+generated *recently*, not since the engine started.
+
+Parsing is prometheus_client's own text parser; we only cut the exposition
+down to the families we read first, because a ``/metrics`` page is mostly
+histograms we do not need and the scrape runs every 100 ms per endpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.core.engine_load import EngineLoad
+
+
+class MetricsError(ValueError):
+    """The exposition cannot tell us the engine's queue (missing, garbage, wrong model)."""
+
+
+@dataclass(frozen=True)
+class EngineDialect:
+    """Which samples carry each quantity, for one engine.
+
+    Each field lists candidate sample names, most current first; the first one
+    present in the exposition is used. ``itl`` pairs are (seconds total, count).
+    ``replica_labels`` mark copies of one quantity (SGLang reports the same
+    scheduler gauge once per tensor/pipeline-parallel rank): samples that
+    differ only in those labels are not added up.
+    """
+
+    waiting: tuple[str, ...]
+    running: tuple[str, ...]
+    kv_usage: tuple[str, ...] = ()
+    itl: tuple[tuple[str, str], ...] = ()
+    model_label: str | None = "model_name"
+    replica_labels: tuple[str, ...] = ()
+    # Cumulative generated-token counter: the cost model's decode rate per sequence.
+    generation_tokens: tuple[str, ...] = ()
+
+
+DIALECTS: dict[str, EngineDialect] = {
+    "vllm": EngineDialect(
+        # Since 0.11 also split by reason (num_requests_waiting_by_reason: capacity,
+        # deferred), which adds up to this total.
+        waiting=("vllm:num_requests_waiting",),
+        running=("vllm:num_requests_running",),
+        # gpu_cache_usage_perc: v0 and early v1.
+        kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        itl=(
+            # Every gap between two outputs of a running request, observed each step: the
+            # inter-token latency clients see while streaming.
+            ("vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count"),
+            # The same histogram under its name before 0.11 (v0 and v1; hidden in 0.12, gone in 0.13).
+            ("vllm:time_per_output_token_seconds_sum", "vllm:time_per_output_token_seconds_count"),
+            # Since 0.11: each finished request's mean decode time per token. Observed
+            # when a request ends, so it lags by a request; only if the above are missing.
+            ("vllm:request_time_per_output_token_seconds_sum", "vllm:request_time_per_output_token_seconds_count"),
+        ),
+        generation_tokens=("vllm:generation_tokens_total",),
+    ),
+    "sglang": EngineDialect(
+        waiting=("sglang:num_queue_reqs",),
+        running=("sglang:num_running_reqs",),
+        kv_usage=("sglang:token_usage",),
+        itl=(
+            ("sglang:inter_token_latency_seconds_sum", "sglang:inter_token_latency_seconds_count"),
+            ("sglang:time_per_output_token_seconds_sum", "sglang:time_per_output_token_seconds_count"),
+        ),
+        replica_labels=("tp_rank", "pp_rank"),
+        generation_tokens=("sglang:generation_tokens_total",),
+    ),
+    "tgi": EngineDialect(
+        waiting=("tgi_queue_size",),
+        running=("tgi_batch_current_size",),
+        # Observed once per finished request (its mean time per token), so it lags.
+        itl=(("tgi_request_mean_time_per_token_duration_sum", "tgi_request_mean_time_per_token_duration_count"),),
+        model_label=None,
+    ),
+    "llamacpp": EngineDialect(
+        waiting=("llamacpp:requests_deferred",),
+        running=("llamacpp:requests_processing",),
+        # Only older llama-server builds report it.
+        kv_usage=("llamacpp:kv_cache_usage_ratio",),
+        itl=(("llamacpp:tokens_predicted_seconds_total", "llamacpp:tokens_predicted_total"),),
+        model_label=None,
+        generation_tokens=("llamacpp:tokens_predicted_total",),
+    ),
+    "trtllm": EngineDialect(
+        waiting=("trtllm_num_requests_waiting",),
+        running=("trtllm_num_requests_running",),
+        kv_usage=("trtllm_kv_cache_utilization",),
+        itl=(("trtllm_time_per_output_token_seconds_sum", "trtllm_time_per_output_token_seconds_count"),),
+    ),
+}
+
+
+def _wanted(dialect: EngineDialect) -> frozenset[str]:
+    pairs = [name for pair in dialect.itl for name in pair]
+    return frozenset((*dialect.waiting, *dialect.running, *dialect.kv_usage, *pairs, *dialect.generation_tokens))
+
+
+def _relevant(text: str, wanted: frozenset[str]) -> str:
+    """Only the sample lines we read, and the HELP/TYPE lines of their families."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and any(w.startswith(parts[2]) for w in wanted):
+                keep.append(line)
+        else:
+            name = line.split("{", 1)[0].split(None, 1)
+            if name and name[0] in wanted:
+                keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def _combine(values: dict[tuple[tuple[str, str], ...], float], replica_labels: tuple[str, ...], use_max: bool) -> float:
+    """One number from a metric's label sets: max over replicas, then sum (or max) over the rest."""
+    groups: dict[tuple[tuple[str, str], ...], float] = {}
+    for labels, value in values.items():
+        key = tuple((k, v) for k, v in labels if k not in replica_labels)
+        groups[key] = max(groups.get(key, value), value)
+    return max(groups.values()) if use_max else sum(groups.values())
+
+
+def _first(totals: dict[str, float], names: Iterable[str]) -> float | None:
+    return next((totals[n] for n in names if n in totals), None)
+
+
+def _plausible(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) and value >= 0 else None
+
+
+def parse_load(engine: str, text: str, model: str) -> EngineLoad:
+    """The load that ``text`` reports for ``model`` (raises :class:`MetricsError`).
+
+    Samples of other models on the same endpoint are ignored; samples without
+    the model label count (a single-model engine may omit it). Counts add up
+    over label sets (vLLM's data-parallel ``engine`` label); KV usage takes the
+    fullest one.
+    """
+    dialect = DIALECTS[engine]
+    wanted = _wanted(dialect)
+    by_name: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    try:
+        for family in text_string_to_metric_families(_relevant(text, wanted)):
+            for sample in family.samples:
+                if sample.name not in wanted:
+                    continue
+                if dialect.model_label and sample.labels.get(dialect.model_label, model) != model:
+                    continue
+                by_name.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    except ValueError as exc:
+        raise MetricsError(f"unparseable metrics: {exc}") from exc
+    kv_names = set(dialect.kv_usage)
+    totals = {
+        name: _combine(values, dialect.replica_labels, use_max=name in kv_names) for name, values in by_name.items()
+    }
+    waiting, running = _first(totals, dialect.waiting), _first(totals, dialect.running)
+    if waiting is None or running is None:
+        missing = dialect.waiting[0] if waiting is None else dialect.running[0]
+        raise MetricsError(f"no {missing} for model {model!r}")
+    if _plausible(waiting) is None or _plausible(running) is None:  # NaN or negative: not a queue length
+        raise MetricsError(f"implausible values waiting={waiting} running={running}")
+    itl_sum = itl_count = None
+    for sum_name, count_name in dialect.itl:
+        if sum_name in totals and count_name in totals:
+            itl_sum, itl_count = _plausible(totals[sum_name]), _plausible(totals[count_name])
+            break
+    return EngineLoad(
+        waiting=waiting,
+        running=running,
+        kv_usage=_plausible(_first(totals, dialect.kv_usage)),
+        itl_sum=itl_sum if itl_count is not None else None,
+        itl_count=itl_count if itl_sum is not None else None,
+        generation_tokens=_plausible(_first(totals, dialect.generation_tokens)),
+    )

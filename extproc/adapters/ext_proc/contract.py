@@ -1,0 +1,49 @@
+"""What the generated Envoy config and the processor must agree on: names, the processing mode, the hold.
+
+Kept in one light module (no gRPC import) so that the Envoy config generator,
+the processor and the clients read the same facts.
+"""
+
+import math
+from types import MappingProxyType
+
+# Dynamic-metadata namespace that Envoy's json_to_metadata filter writes the body fields into.
+METADATA_NAMESPACE = "extproc"
+# Set by the processor on released requests; Envoy copies it onto the response
+# (ext_proc itself skips response headers), so clients and logs see the wait.
+QUEUE_WAIT_HEADER = "x-extproc-queue-wait-ms"
+# On the processor's own answers: why it answered instead of the engine.
+REASON_HEADER = "x-extproc-reason"
+# Gateway API Inference Extension convention: the endpoint picked for a request
+# (HOST:PORT); Envoy routes requests carrying it to an ORIGINAL_DST cluster.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+
+# The ext_proc processing mode: the request headers in, and the response
+# trailers, which keep the stream open until the response is done (completion
+# seen without per-chunk messages). envoy_config.py writes it into the filter;
+# the processor's override for engine_priority models is the same with the
+# request body buffered (an override replaces the whole mode).
+PROCESSING_MODE = MappingProxyType({
+    "request_header_mode": "SEND",
+    "response_header_mode": "SKIP",
+    "request_body_mode": "NONE",
+    "response_body_mode": "NONE",
+    "request_trailer_mode": "SKIP",
+    "response_trailer_mode": "SEND",
+})
+
+# While it holds a request the processor extends Envoy's per-message timeout
+# (override_message_timeout) to the request's longest queue wait plus this
+# margin, and the generated filter allows up to the longest wait of any model
+# plus it (max_message_timeout): the processor answers a timed-out request
+# itself, well before Envoy would give up on it.
+HOLD_MARGIN_S = 30
+
+
+def hold_timeout_for(longest_wait_s: float) -> float:
+    """How long Envoy waits for the answer to a request that may be queued ``longest_wait_s``.
+
+    Whole milliseconds, rounded down, so a model's own hold never exceeds the
+    filter's maximum (Envoy ignores an override above it).
+    """
+    return math.floor((longest_wait_s + HOLD_MARGIN_S) * 1000) / 1000

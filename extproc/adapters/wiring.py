@@ -1,0 +1,64 @@
+"""Each model's dispatcher, built from the config: where settings become the core's plain values.
+
+The core (dispatcher, release rules, policies, cost) never reads the config:
+this module resolves each band's limits against the model's defaults, looks
+up the model's fairness policy and release rule by name, and hands over numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from extproc.adapters.config import Config, ModelConfig
+from extproc.adapters.telemetry import ModelTelemetry, Telemetry
+from extproc.core.bands import BandRules
+from extproc.core.caps import TenantLimits
+from extproc.core.dispatcher import ModelDispatcher
+from extproc.core.policies import POLICIES
+from extproc.core.release import RULES, RuleSettings
+from extproc.core.release.pool import Pool
+
+
+def build_pool(model: ModelConfig) -> Pool:
+    """The release side of ``model``'s pool: its rule by the config's ``gate:`` name, on the shared estimate."""
+    itl_ms = model.max_inter_token_latency_ms
+    settings = RuleSettings(
+        target_waiting=model.target_waiting,
+        max_in_flight=model.max_in_flight,
+        release_rate=model.release_rate,
+        max_itl_s=None if itl_ms is None else itl_ms / 1000,
+        max_kv_usage=model.max_kv_usage,
+        itl_window_s=model.itl_window_s,
+        max_running=model.max_running,
+    )
+    return Pool(
+        model.endpoints, RULES[model.gate], settings,
+        stale_after_s=model.stale_after_s,
+        fallback_max_in_flight=model.fallback_max_in_flight,
+        pick_endpoints=model.endpoint_picking,
+    )
+
+
+def build_dispatcher(
+    config: Config, model: ModelConfig, telemetry: Telemetry, clock: Callable[[], float] = time.monotonic
+) -> ModelDispatcher:
+    bands = tuple(
+        BandRules(band.name, config.queue_wait_s(model, index), band.max_queued, band.idle_only, band.idle_running_share)
+        for index, band in enumerate(config.bands)
+    )
+    limits = {name: TenantLimits(t.weight, t.max_queued) for name, t in config.tenants.items()}
+    default = TenantLimits(config.default_tenant.weight, config.default_tenant.max_queued)
+    return ModelDispatcher(
+        model.name, build_pool(model), bands, ModelTelemetry(telemetry, model.name), clock,
+        policy=POLICIES[model.policy],
+        tenant=lambda name: limits.get(name, default),
+        cost=model.cost.weights(),
+        max_queued=model.max_queued,
+        reserved_waiting=model.reserved_waiting,
+    )
+
+
+def build_dispatchers(config: Config, telemetry: Telemetry) -> dict[str, ModelDispatcher]:
+    """One dispatcher per configured model, by model name."""
+    return {model.name: build_dispatcher(config, model, telemetry) for model in config.models}

@@ -1,0 +1,11 @@
+"""The scheduling core: pure, no I/O, time passed in; it imports nothing from the adapters or the tools.
+
+* ``dispatcher.py`` the per-model loop: a request enters, waits, is released, ends;
+* ``caps.py``, ``fair_queue.py``, ``policies/`` whether it may enter, and who goes next;
+* ``bands.py``, ``release/`` how many may go now: the band rules above the model's release rule;
+* ``cost.py``, ``drain_time.py`` what a release costs (vtc), when a refused client may retry;
+* ``outcomes.py``, ``report.py``, ``engine_load.py`` the values it takes and gives: named refusals,
+  what it reports, what a scrape said.
+
+docs/architecture.md has the map and one request's path through it.
+"""

@@ -1,0 +1,87 @@
+"""Priority bands as the core sees them for one model: their limits, and how much of the engine each may use now.
+
+The bands share the engine without sharing a ceiling (docs/policies.md). All
+the band rules sit here, above the release rule, which knows nothing of bands:
+
+* the first band may use the rule's whole allowance;
+* bands below it only down to ``reserved_waiting``, so a burst of the first
+  band always finds room in the engine's queue, however deep the lower bands'
+  backlog;
+* an idle-only band is released only into an *idle* engine: the estimated
+  waiting queue is empty and what the engine holds is below ``share`` of its
+  capacity — ``max_running`` when configured, else the most requests it was
+  ever seen running. Such releases are sized to free slots: the load estimate
+  does not count them as waiting, and the adaptive limit keeps
+  ``target_waiting`` above the engine's capacity, so they never eat the
+  allowance of the bands above. With ``share`` 1 and no configured capacity
+  the band also probes past the learned capacity (doubling, by at most
+  ``target_waiting`` a scrape, until the engine first shows a waiting queue,
+  then one request per scrape), so it finds the engine's real size; a probe
+  that does not fit waits in the engine and stops the band until the queue
+  is empty again. Without usable metrics (or with a rule that ignores them)
+  idleness cannot be seen: the band gets the ordinary allowance less the
+  reserve, at least one slot, for the bands above.
+
+Strict priority itself (only the highest band holding requests may release)
+is the fair queue's (``fair_queue.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from extproc.core.release.pool import Pool
+
+
+@dataclass(frozen=True)
+class BandRules:
+    """One priority band of one model (the config's class settings, with the model's defaults applied)."""
+
+    name: str
+    # A request still queued after this long is refused (queue_timeout).
+    max_queue_wait_s: float
+    # Requests of this band the model may hold; None: only the model's cap.
+    max_queued: int | None = None
+    # Released only while no higher band waits and the engine is idle.
+    idle_only: bool = False
+    # "Idle": the engine's waiting queue is empty and it runs fewer than this
+    # share of its capacity.
+    idle_running_share: float = 1.0
+
+
+class BandAdmission:
+    """How many requests of each band may go now (see the module docstring)."""
+
+    def __init__(self, bands: tuple[BandRules, ...], pool: Pool, reserved_waiting: int) -> None:
+        self._bands = bands
+        self._pool = pool
+        self._reserved_waiting = reserved_waiting
+
+    def allowance(self, band: int, now: float) -> int:
+        rules = self._bands[band]
+        if rules.idle_only:
+            return self._idle_allowance(now, rules.idle_running_share)
+        reserve = 0 if band == 0 else self._reserved_waiting
+        return max(0, self._pool.allowance(now) - reserve)
+
+    def _idle_allowance(self, now: float, share: float) -> int:
+        pool, settings = self._pool, self._pool.settings
+        if not pool.rule.uses_metrics or pool.degraded(now):
+            return max(0, pool.allowance(now) - max(1, self._reserved_waiting))
+        estimate = pool.estimate.now()
+        if estimate.waiting > 0:
+            return 0
+        if settings.max_running is not None:
+            capacity: float = settings.max_running * len(pool.endpoints)
+        else:
+            capacity = pool.estimate.peak_running
+        free = math.ceil(share * capacity - estimate.held)
+        if free >= 1:
+            return free
+        if share < 1 or settings.max_running is not None or estimate.into_slots_since:
+            return 0
+        # Probe: growing (doubling, at most target_waiting a scrape, so a probe
+        # that does not fit leaves no more than the target waiting) until the
+        # engine first queued, then one more per scrape.
+        return 1 if pool.estimate.seen_waiting else max(1, min(int(estimate.held), settings.target_waiting))

@@ -1,0 +1,61 @@
+"""What may enter a model's queue: the tenant's, the band's and the model's caps, checked before a request is held.
+
+A request over a cap is refused at once rather than queued to time out. The
+tenant's own cap is checked first: when its own backlog is the cause, it
+should hear so (the ext_proc adapter answers that 429, the others 503).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from extproc.core.bands import BandRules
+from extproc.core.fair_queue import FairQueue
+from extproc.core.outcomes import Refusal
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """What the core needs to know of a tenant."""
+
+    weight: float
+    # Requests of this tenant a model may hold; one more is refused.
+    max_queued: int
+
+
+@dataclass(frozen=True)
+class Overflow:
+    """A cap a request does not fit under: which, the backlog behind it, and why in words."""
+
+    refusal: Refusal
+    backlog: int
+    message: str
+
+
+class QueueCaps:
+    def __init__(
+        self, model: str, bands: tuple[BandRules, ...], tenant: Callable[[str], TenantLimits], max_queued: int
+    ) -> None:
+        self._model = model
+        self._bands = bands
+        self._tenant = tenant
+        self._max_queued = max_queued
+
+    def check(self, queue: FairQueue[Any], tenant: str, band: int) -> Overflow | None:
+        """The cap a new request of ``tenant`` in ``band`` would exceed, or None if it fits."""
+        model = self._model
+        own = queue.tenant_len(tenant)
+        if own >= self._tenant(tenant).max_queued:
+            return Overflow(Refusal.TENANT_QUEUE_FULL, own,
+                            f"tenant {tenant!r} already has {own} requests queued for model {model!r}")
+        in_band = queue.band_len(band)
+        cap = self._bands[band].max_queued
+        if cap is not None and in_band >= cap:
+            return Overflow(Refusal.BAND_QUEUE_FULL, in_band,
+                            f"the {self._bands[band].name!r} queue for model {model!r} is full ({cap})")
+        queued = len(queue)
+        if queued >= self._max_queued:
+            return Overflow(Refusal.MODEL_QUEUE_FULL, queued, f"the queue for model {model!r} is full ({self._max_queued})")
+        return None

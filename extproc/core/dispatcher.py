@@ -1,0 +1,254 @@
+"""Per-model loop between held requests, the fair queue and the release side.
+
+Each held request is an ``asyncio.Future`` that the ext_proc stream awaits.
+Dispatch — pop from the fair queue while the band's allowance lasts — runs
+only when something changed: a request arrived, a response finished, a scrape
+reported (or, for a rate, the next release fell due). There is no polling
+loop; an idle model costs nothing.
+
+Every request that enters ends exactly one way: released (future result),
+refused (future exception :class:`~extproc.core.outcomes.Refused`), or
+abandoned (its client left: the stream's task was cancelled and the entry is
+removed at once). A request over a queue cap is refused before it enters
+(``submit`` raises). Outcomes are named here; what the client hears is the
+ext_proc adapter's choice.
+
+The loop decides nothing itself; each question has its own module:
+
+* which request goes next: ``fair_queue.py`` and the band's policy (``policies/``);
+* how many may go now: ``bands.py`` above the model's release rule (``release/``);
+* where each goes (endpoint picking) and what the engines hold: ``release/pool.py``;
+* whether a request may enter at all: ``caps.py``;
+* what a release costs (``policy: vtc``): ``cost.py``, estimated at release,
+  corrected when its stream ends;
+* when to retry after a refusal: ``drain_time.py``.
+
+It takes plain values (built by ``adapters/wiring.py`` from the config) and
+reports through :class:`~extproc.core.report.DispatchReport`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from extproc.core.bands import BandAdmission, BandRules
+from extproc.core.caps import QueueCaps, TenantLimits
+from extproc.core.cost import CostModel, CostWeights, DecodeRate, Estimate
+from extproc.core.drain_time import ReleaseRate
+from extproc.core.engine_load import EngineLoad
+from extproc.core.fair_queue import FairQueue
+from extproc.core.outcomes import Refusal, Refused
+from extproc.core.policies import Policy
+from extproc.core.release.health_log import HealthLog
+from extproc.core.release.pool import Pool
+from extproc.core.report import DispatchReport
+
+
+def shutting_down() -> Refused:
+    """The refusal while the processor drains (a new exception each time: one is raised per request)."""
+    return Refused(Refusal.SHUTTING_DOWN, "the gateway is restarting; retry shortly")
+
+
+@dataclass(eq=False)
+class Held:
+    """One request in the queue; identity-hashed so equal-looking requests stay distinct."""
+
+    tenant: str
+    band: int
+    enqueued_at: float
+    future: asyncio.Future[float] = field(repr=False)
+    # What the release is charged (vtc), corrected when its stream ends.
+    estimate: Estimate = field(repr=False)
+    expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
+    released: bool = False
+    ended: bool = False
+    # Prefix-cache affinity key (endpoint picking) and the endpoint picked on release.
+    affinity: str = ""
+    endpoint: str | None = None
+
+
+class ModelDispatcher:
+    def __init__(
+        self,
+        name: str,
+        pool: Pool,
+        bands: tuple[BandRules, ...],
+        report: DispatchReport,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        policy: Policy,
+        tenant: Callable[[str], TenantLimits],
+        cost: CostWeights,
+        max_queued: int,
+        reserved_waiting: int,
+    ) -> None:
+        self.name = name
+        self.pool = pool
+        self._bands = bands
+        self._report = report
+        self._clock = clock
+        self._admission = BandAdmission(bands, pool, reserved_waiting)
+        self._caps = QueueCaps(name, bands, tenant, max_queued)
+        self._health_log = HealthLog(name, pool, report)
+        self._queue: FairQueue[Held] = FairQueue(len(bands), lambda: policy.new_band(lambda t: tenant(t).weight))
+        self._cost = CostModel(cost)
+        self._decode_rate = DecodeRate()
+        self._release_rate = ReleaseRate()
+        # A wake-up when the next release falls due by time alone (a rate; no other event will come).
+        self._wakeup: asyncio.TimerHandle | None = None
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        """Released requests whose streams have not ended."""
+        return self.pool.in_flight
+
+    def submit(
+        self,
+        tenant: str,
+        band: int,
+        *,
+        content_length: int | None = None,
+        max_tokens: float | None = None,
+        affinity: str = "",
+    ) -> Held:
+        """Queue a request and dispatch; the returned future may already be resolved.
+
+        ``affinity`` groups requests that share a prompt prefix (endpoint picking
+        keeps them on one engine); empty means the tenant. Raises
+        :class:`~extproc.core.outcomes.Refused` when a queue cap leaves no room.
+        """
+        now = self._clock()
+        overflow = self._caps.check(self._queue, tenant, band)
+        if overflow is not None:
+            self._report.refused(overflow.refusal)
+            raise Refused(overflow.refusal, overflow.message + "; retry later",
+                          drain_s=self._release_rate.drain_s(overflow.backlog, now))
+        loop = asyncio.get_running_loop()
+        estimate = self._cost.estimate(tenant, content_length, max_tokens)
+        held = Held(tenant, band, now, loop.create_future(), estimate, affinity=affinity or tenant)
+        self._queue.push(band, tenant, held)
+        held.expiry = loop.call_later(self._bands[band].max_queue_wait_s, self._expire, held)
+        self.dispatch()
+        self._update_depth(band)
+        return held
+
+    def end(self, held: Held) -> None:
+        """The request's stream is over, whatever happened; safe to call more than once.
+
+        Queued: its client left, forget it now. Released: its response has
+        finished (or failed, or its client left), which frees an engine slot.
+        Refused: nothing left to do.
+        """
+        if held.ended:
+            return
+        held.ended = True
+        if held.released:
+            occupancy = self.pool.record_finish(held, self._clock())
+            measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
+            self._queue.correct(held.band, held.tenant, measured - held.estimate.cost)
+            self._report.in_flight(self.pool.in_flight)
+            self.dispatch()
+        elif self._queue.remove(held.band, held.tenant, held):
+            self._resolve(held)
+            self._report.abandoned(self._bands[held.band].name)
+            self._update_depth(held.band)
+
+    def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float) -> None:
+        self.pool.record_scrape(endpoint, load, started_at)
+        if load is None:
+            self._report.scrape_failed(endpoint)
+        else:
+            self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
+            snapshot = self.pool.rule.snapshot(endpoint)
+            self._report.scraped(endpoint, load, snapshot.itl_s, snapshot.limit)
+        self.dispatch()
+
+    def set_endpoints(self, endpoints: tuple[str, ...]) -> None:
+        """The pool's membership changed (DNS); forget the telemetry of endpoints that left."""
+        for gone in set(self.pool.endpoints) - set(endpoints):
+            self._report.endpoint_left(gone)
+        self.pool.set_endpoints(endpoints)
+
+    def reject_all(self) -> None:
+        """Refuse every queued request with ``shutting_down`` (draining ran out of time)."""
+        while len(self._queue):
+            band, _, held = self._queue.pop()
+            self._resolve(held, shutting_down())
+            self._update_depth(band)
+
+    def dispatch(self) -> None:
+        now = self._clock()
+        self._health_log.note(now)
+        allowance, allowance_band = 0, None
+        while (first := self._queue.first_band()) is not None:
+            if first != allowance_band:  # a higher band ran empty: ask again for this one
+                allowance, allowance_band = self._admission.allowance(first, now), first
+            if allowance <= 0:
+                break
+            band, tenant, held = self._queue.pop()
+            self._update_depth(band)
+            if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
+                self._resolve(held)
+                self._report.abandoned(self._bands[band].name)
+                continue
+            self._release(band, tenant, held, now)
+            allowance -= 1
+        self._report.in_flight(self.pool.in_flight)
+        self._schedule_wakeup(now)
+
+    def _release(self, band: int, tenant: str, held: Held, now: float) -> None:
+        held.released = True
+        held.endpoint = self.pool.pick(held.affinity, now)
+        self.pool.record_release(held, now, held.endpoint, into_free_slot=self._bands[band].idle_only)
+        self._release_rate.record(now)
+        self._queue.charge(band, tenant, held.estimate.cost)
+        self._resolve(held)
+        priority = self._bands[band].name
+        self._report.released(priority)
+        self._report.held(priority, now - held.enqueued_at)
+
+    def _schedule_wakeup(self, now: float) -> None:
+        due = self.pool.rule.next_change_in(now)
+        if due is None or not len(self._queue) or self._wakeup is not None:
+            return
+
+        def wake() -> None:
+            self._wakeup = None
+            self.dispatch()
+
+        self._wakeup = asyncio.get_running_loop().call_later(due, wake)
+
+    def _expire(self, held: Held) -> None:
+        if self._queue.remove(held.band, held.tenant, held):
+            now = self._clock()
+            waited = now - held.enqueued_at
+            priority = self._bands[held.band].name
+            self._report.refused(Refusal.QUEUE_TIMEOUT)
+            self._report.held(priority, waited)
+            self._resolve(held, Refused(
+                Refusal.QUEUE_TIMEOUT,
+                f"request waited {waited:.1f}s in the {priority!r} queue for model {self.name!r} without capacity; "
+                "retry later",
+                drain_s=self._release_rate.drain_s(self._queue.band_len(held.band), now), queue_wait_s=waited,
+            ))
+            self._update_depth(held.band)
+
+    def _resolve(self, held: Held, refused: Refused | None = None) -> None:
+        if held.expiry is not None:
+            held.expiry.cancel()
+        if held.future.done():
+            return
+        if refused is None:
+            held.future.set_result(self._clock() - held.enqueued_at)
+        else:
+            held.future.set_exception(refused)
+
+    def _update_depth(self, band: int) -> None:
+        self._report.queue_depth(self._bands[band].name, self._queue.band_len(band))

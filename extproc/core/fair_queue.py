@@ -1,0 +1,67 @@
+"""The fair queue: who goes next, among the requests held for one model.
+
+Pure data structures, no I/O and no clock: the release side decides *how
+many* may go now (``release/``, ``bands.py``); this module decides *which*.
+
+Order of service:
+
+* **Priority bands, strictly.** Band 0 (e.g. ``interactive``) is always served
+  before band 1, and so on. A lower band only moves when every higher band
+  is empty.
+* **A fairness policy inside each band** (``extproc/core/policies``): by
+  default round-robin across tenants, each with its own FIFO, so a newcomer
+  waits at most one round however deep the flood in front of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+from extproc.core.policies.base import BandPolicy
+from extproc.core.policies.round_robin import TenantRoundRobin
+
+Item = TypeVar("Item", bound=Hashable)
+
+
+class FairQueue(Generic[Item]):
+    """All requests held for one model: priority bands, each run by a band policy."""
+
+    def __init__(self, bands: int, policy: Callable[[], BandPolicy[Item]] = TenantRoundRobin) -> None:
+        if bands < 1:
+            raise ValueError("a queue needs at least one priority band")
+        self._bands: list[BandPolicy[Item]] = [policy() for _ in range(bands)]
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self._bands)
+
+    def band_len(self, band: int) -> int:
+        return len(self._bands[band])
+
+    def push(self, band: int, tenant: str, item: Item) -> None:
+        self._bands[band].push(tenant, item)
+
+    def first_band(self) -> int | None:
+        """The highest band holding a request (the only one strict priority may serve), or None."""
+        return next((index for index, band in enumerate(self._bands) if band), None)
+
+    def pop(self) -> tuple[int, str, Item]:
+        """The next request to release: (band, tenant, item). IndexError when empty."""
+        index = self.first_band()
+        if index is None:
+            raise IndexError("pop from an empty FairQueue")
+        tenant, item = self._bands[index].pop()
+        return index, tenant, item
+
+    def remove(self, band: int, tenant: str, item: Item) -> bool:
+        return self._bands[band].remove(tenant, item)
+
+    def tenant_len(self, tenant: str) -> int:
+        """Requests of ``tenant`` queued in every band."""
+        return sum(band.tenant_len(tenant) for band in self._bands)
+
+    def charge(self, band: int, tenant: str, cost: float) -> None:
+        self._bands[band].charge(tenant, cost)
+
+    def correct(self, band: int, tenant: str, delta: float) -> None:
+        self._bands[band].correct(tenant, delta)

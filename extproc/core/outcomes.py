@@ -1,0 +1,41 @@
+"""The ways a request ends without reaching the engine, by name.
+
+The core names what happened (:class:`Refusal`) and the facts behind it
+(:class:`Refused`); what the client hears — the HTTP status, the
+OpenAI-style JSON body, ``Retry-After`` — is the ext_proc adapter's choice
+(``adapters/ext_proc/servicer.py``). So another front end (a different proxy protocol, a
+batch API) can answer the same outcomes its own way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Refusal(StrEnum):
+    """Why the processor answered instead of the engine; the value is the reason on the wire and in metrics."""
+
+    MODEL_MISSING = "model_missing"  # the body names no model
+    MODEL_NOT_FOUND = "model_not_found"  # a model this gateway does not serve
+    TENANT_MISSING = "tenant_missing"  # no tenant identity, and the config refuses anonymous requests
+    PRIORITY_NOT_ALLOWED = "priority_not_allowed"  # no class the tenant may use at or below the one asked for
+    TENANT_QUEUE_FULL = "tenant_queue_full"  # the tenant's own backlog is at its cap
+    BAND_QUEUE_FULL = "band_queue_full"  # the priority class is full, for everyone
+    MODEL_QUEUE_FULL = "model_queue_full"  # the model's queue is full, for everyone
+    QUEUE_TIMEOUT = "queue_timeout"  # no room freed up within the class's longest wait
+    SHUTTING_DOWN = "shutting_down"  # the processor drains
+
+
+@dataclass(frozen=True)
+class Refused(Exception):
+    """A request the processor answers itself: the outcome, in words, with what a client can act on."""
+
+    refusal: Refusal
+    message: str
+    # How long the queue that refused it would take to drain at the recent
+    # release rate (inf: nothing was released lately); None where the queue
+    # is not the cause.
+    drain_s: float | None = None
+    # Set when the request was queued before it was refused.
+    queue_wait_s: float | None = None

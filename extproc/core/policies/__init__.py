@@ -1,0 +1,22 @@
+"""Fairness inside one priority band: the policies, registered by the name a model's ``policy:`` takes.
+
+One module per policy, each behind :class:`~extproc.core.policies.base.BandPolicy`:
+
+* ``round_robin`` (round_robin.py): tenants take turns, one request each;
+* ``vtc`` (vtc.py): virtual token counters, tenants share weighted cost.
+
+To add one: copy round_robin.py, give its ``POLICY`` a new name, and list it
+below. The config accepts the name from then on, and the shared conformance
+test (tests/test_policy_conformance.py) runs it: every request ends exactly
+once, each tenant's requests leave in order, no tenant starves, and the
+``U + K·E`` bound of :class:`~extproc.core.policies.base.Policy` holds.
+"""
+
+from __future__ import annotations
+
+from extproc.core.policies import round_robin, vtc
+from extproc.core.policies.base import BandPolicy, Policy, TenantWeight
+
+__all__ = ["POLICIES", "BandPolicy", "Policy", "TenantWeight"]
+
+POLICIES: dict[str, Policy] = {policy.name: policy for policy in (round_robin.POLICY, vtc.POLICY)}

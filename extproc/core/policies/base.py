@@ -1,0 +1,102 @@
+"""What every fairness policy is: the band-policy interface, its shared FIFO bookkeeping, its registry entry.
+
+A band policy holds the requests of one priority band, a FIFO per tenant,
+and decides whose head goes next. ``charge`` and ``correct`` tell it what
+each release cost (estimated at release, corrected at the end), for the
+policies that share cost rather than turns.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+Item = TypeVar("Item", bound=Hashable)
+# A tenant's weight (> 0; 1 when not configured).
+TenantWeight = Callable[[str], float]
+
+
+class BandPolicy(Protocol[Item]):
+    """What the fair queue needs from one band."""
+
+    def __len__(self) -> int: ...
+
+    def push(self, tenant: str, item: Item) -> None: ...
+
+    def pop(self) -> tuple[str, Item]:
+        """The next request and its tenant; IndexError when the band is empty."""
+        ...
+
+    def remove(self, tenant: str, item: Item) -> bool:
+        """Drop a queued item (its client left); False if it is not queued here."""
+        ...
+
+    def tenant_len(self, tenant: str) -> int: ...
+
+    def charge(self, tenant: str, cost: float) -> None:
+        """A request of ``tenant`` was released with this estimated cost."""
+        ...
+
+    def correct(self, tenant: str, delta: float) -> None:
+        """A released request's real cost turned out ``delta`` above its estimate (negative: below)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A policy as the registry knows it.
+
+    ``service`` is what the policy keeps equal between continuously
+    backlogged tenants, per release, from the request's cost and its tenant's
+    weight. Every policy promises the same bound in its own measure, which
+    the shared conformance test (tests/test_policy_conformance.py) checks:
+    the service released to two such tenants differs by at most ``U + K·E``,
+    where U is the most service one request gives, E the largest error of one
+    estimate (in service) and K the most requests in flight at once.
+    """
+
+    name: str
+    new_band: Callable[[TenantWeight], BandPolicy[Any]]
+    service: Callable[[float, float], float]
+
+
+class TenantQueues(Generic[Item]):
+    """A FIFO per backlogged tenant: the bookkeeping every band policy shares.
+
+    Subclasses decide whose head goes next (``pop``) and extend ``_leave``,
+    called when a tenant's FIFO runs empty, for their own per-tenant state.
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[Item]] = {}
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def tenant_len(self, tenant: str) -> int:
+        queue = self._queues.get(tenant)
+        return len(queue) if queue is not None else 0
+
+    def remove(self, tenant: str, item: Item) -> bool:
+        """Drop a queued item (its client left). False if it is not queued here.
+
+        Linear in the tenant's own backlog, which is bounded by the queue caps;
+        removing is rare next to pushing and popping.
+        """
+        queue = self._queues.get(tenant)
+        if queue is None:
+            return False
+        try:
+            queue.remove(item)
+        except ValueError:
+            return False
+        self._size -= 1
+        if not queue:
+            self._leave(tenant)
+        return True
+
+    def _leave(self, tenant: str) -> None:
+        del self._queues[tenant]

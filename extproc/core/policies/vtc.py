@@ -1,0 +1,108 @@
+"""``policy: vtc``: virtual token counters, tenants share weighted tokens rather than turns.
+
+The counters follow Sheng et al., *Fairness in Serving Large Language Models*
+(OSDI 2024):
+
+* each tenant has a counter of the service it received, divided by its
+  weight; the backlogged tenant with the smallest counter goes next (ties: the
+  one backlogged longest);
+* a release is charged its estimated cost at once, and corrected when the
+  response ends and its real cost is known;
+* a tenant that becomes backlogged again is lifted to the smallest counter of
+  the backlogged tenants (or, with none, to that of the last tenant picked), so
+  idle time is not banked: a tenant that was away does not get a burst.
+
+Bound (checked by the conformance test, whose service is cost / weight): for
+two continuously backlogged tenants, let U be the largest weighted real cost of one request, E the largest weighted
+error of one estimate and K the most requests in flight at once. At every
+moment the weighted real cost of everything released to the two differs by at
+most ``U + K * E``. (When tenant i is picked its counter is the smallest; each
+counter differs from the real released cost by the errors of its in-flight
+requests, at most K * E together; the pick then adds at most U.) With exact
+estimates this is the classic one-request bound U.
+
+Picking is a scan of the backlogged tenants of the band: about 4 µs with 10
+of them, 160 µs with 1 000 (measured); a heap would be the next step if bands
+with thousands of backlogged tenants become common.
+
+Pure: no clock and no I/O, like the rest of the scheduling core.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Hashable
+from typing import TypeVar
+
+from extproc.core.policies.base import Policy, TenantQueues, TenantWeight
+
+Item = TypeVar("Item", bound=Hashable)
+
+# Above this many idle entries the counters are swept of tenants that a return
+# would lift anyway; keeps memory bounded by the active tenants.
+_SWEEP_SLACK = 64
+
+
+class VirtualTokenCounter(TenantQueues[Item]):
+    """One band under cost-weighted fair queueing (see the module docstring)."""
+
+    def __init__(self, weight: TenantWeight) -> None:
+        super().__init__()
+        self._weight = weight
+        # When each backlogged tenant (re)joined the backlog: the tie-break.
+        self._joined: dict[str, int] = {}
+        self._sequence = itertools.count()
+        # Weighted service received. A tenant without an entry is at the floor.
+        self._counters: dict[str, float] = {}
+        # The counter of the last tenant picked (never decreases): where a
+        # tenant joining an empty band starts.
+        self._floor = 0.0
+
+    def counter(self, tenant: str) -> float:
+        return self._counters.get(tenant, self._floor)
+
+    def push(self, tenant: str, item: Item) -> None:
+        queue = self._queues.get(tenant)
+        if queue is None:
+            lift = min((self._counters[t] for t in self._queues), default=self._floor)
+            self._counters[tenant] = max(self.counter(tenant), lift)
+            queue = self._queues[tenant] = deque()
+            self._joined[tenant] = next(self._sequence)
+        queue.append(item)
+        self._size += 1
+
+    def pop(self) -> tuple[str, Item]:
+        """Head of the backlogged tenant with the least weighted service; IndexError when empty."""
+        if not self._queues:
+            raise IndexError("pop from an empty band")
+        tenant = min(self._queues, key=lambda t: (self._counters[t], self._joined[t]))
+        self._floor = max(self._floor, self._counters[tenant])
+        queue = self._queues[tenant]
+        item = queue.popleft()
+        if not queue:
+            self._leave(tenant)
+        self._size -= 1
+        if len(self._counters) > 2 * len(self._queues) + _SWEEP_SLACK:
+            self._sweep()
+        return tenant, item
+
+    def charge(self, tenant: str, cost: float) -> None:
+        """Add a release's estimated cost (before weighting) to the tenant's counter."""
+        self._counters[tenant] = self.counter(tenant) + cost / self._weight(tenant)
+
+    def correct(self, tenant: str, delta: float) -> None:
+        """Adjust by real cost minus the estimate charged (negative: it cost less)."""
+        self.charge(tenant, delta)
+
+    def _leave(self, tenant: str) -> None:
+        super()._leave(tenant)
+        del self._joined[tenant]
+
+    def _sweep(self) -> None:
+        """Forget idle tenants at or below the floor: their return lifts them there anyway."""
+        for tenant in [t for t, c in self._counters.items() if t not in self._queues and c <= self._floor]:
+            del self._counters[tenant]
+
+
+POLICY = Policy("vtc", VirtualTokenCounter, service=lambda cost, weight: cost / weight)

@@ -1,0 +1,136 @@
+"""The adaptive rule's limit: how many requests one engine endpoint should hold.
+
+:class:`ConcurrencyLimit` learns, per endpoint, ``limit`` = the number of
+requests the engine should hold at once (running + waiting). The adaptive
+rule (adaptive.py) releases while the load estimate of what the engine holds
+is below the limit, so a completion is refilled at once, without waiting for
+the next scrape.
+
+What is learned, and from which signal (every scrape, newest sample):
+
+1. **Ceiling breached** (inter-token latency over ``max_itl_s`` or KV usage
+   over ``max_kv_usage``) while the engine holds no more than the limit, so the
+   limit is what caused it: multiplicative decrease (``DECREASE``), at most
+   once per ITL window, and the ITL window restarts so the next decision sees
+   only tokens generated after the cut.
+2. **The engine queues** (waiting > 0): its batch is full, so the running
+   count *is* its capacity right now (it changes with KV pressure and request
+   lengths). ``limit = running + target_waiting`` — exactly the old
+   waiting-target rule. Growing beyond the current limit this way is bounded
+   like 3.
+3. **The engine ran everything** (waiting = 0) and holds about as much as the
+   limit allows: it has spare capacity, so additive increase. The step is
+   ``target_waiting`` (a queue that size is what the gate tolerates anyway, so
+   a probe can never overfill the engine by more), 1 when a ceiling is
+   within 50-90 % of its value, 0 above 90 %.
+
+Why AIMD and not a latency gradient (as in Netflix's Gradient2): a
+continuous-batching engine's step time grows smoothly with the batch, with no
+knee where throughput stops growing, so a gradient on latency would shrink the
+batch and lose throughput against plain FIFO. The engine tells us when it is
+full (it queues); latency only matters against an explicit ceiling. The
+numbers behind this are in ``docs/gate.md``.
+
+Pure: time is passed in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from extproc.core.engine_load import EngineLoad
+
+# Multiplicative decrease on a ceiling breach.
+DECREASE = 0.8
+# Fractions of a ceiling where additive increase slows to 1, then stops.
+SLOW_ABOVE = 0.5
+HOLD_ABOVE = 0.9
+
+
+class ItlWindow:
+    """Mean inter-token latency over the last ``window_s``, from cumulative counters."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._points: deque[tuple[float, float, float]] = deque()
+
+    def add(self, at: float, total_s: float, count: float) -> None:
+        if self._points and (count < self._points[-1][2] or total_s < self._points[-1][1]):
+            self._points.clear()  # the engine restarted: counters went back to zero
+        self._points.append((at, total_s, count))
+        # Keep one point at or before the window's start as the baseline.
+        while len(self._points) > 2 and self._points[1][0] <= at - self._window_s:
+            self._points.popleft()
+
+    def value(self) -> float | None:
+        """Seconds per token over the window; None if no token was generated in it."""
+        if len(self._points) < 2:
+            return None
+        (_, first_s, first_n), (_, last_s, last_n) = self._points[0], self._points[-1]
+        return (last_s - first_s) / (last_n - first_n) if last_n > first_n else None
+
+    def restart(self) -> None:
+        """Forget tokens generated so far: measure only from the newest point on."""
+        while len(self._points) > 1:
+            self._points.popleft()
+
+
+class ConcurrencyLimit:
+    """AIMD estimate of how many requests one endpoint should hold (see module docstring)."""
+
+    def __init__(
+        self,
+        initial: float,
+        *,
+        target_waiting: int,
+        max_itl_s: float | None = None,
+        max_kv_usage: float | None = None,
+        itl_window_s: float = 2.0,
+        cap: int | None = None,
+    ) -> None:
+        self._target = target_waiting
+        self._max_itl_s = max_itl_s
+        self._max_kv = max_kv_usage
+        self._cooldown_s = itl_window_s
+        self._cap = cap
+        self.itl = ItlWindow(itl_window_s)
+        self.limit = float(min(initial, cap) if cap is not None else initial)
+        self.pressure = 0.0
+        self._last_decrease = float("-inf")
+
+    def _pressure(self, load: EngineLoad) -> float:
+        """The highest ceiling use, 1.0 = at a ceiling; 0 without ceilings or data."""
+        ratios = [0.0]
+        itl = self.itl.value()
+        if self._max_itl_s is not None and itl is not None:
+            ratios.append(itl / self._max_itl_s)
+        if self._max_kv is not None and load.kv_usage is not None:
+            ratios.append(load.kv_usage / self._max_kv)
+        return max(ratios)
+
+    def observe(self, load: EngineLoad, at: float, *, held: float | None = None) -> None:
+        """Update the limit from a scrape that started at ``at``.
+
+        ``held`` is what the engine held then, when the caller knows better than
+        the scrape (it counts its own requests exactly, and a lagging scrape
+        misses some): rule 3 grows the limit only when the engine was as full
+        as the limit allows, and a lagging page would stall that.
+        """
+        if load.itl_sum is not None and load.itl_count is not None:
+            self.itl.add(at, load.itl_sum, load.itl_count)
+        self.pressure = pressure = self._pressure(load)
+        if held is None:
+            held = load.running + load.waiting
+        step = self._target if pressure < SLOW_ABOVE else 1 if pressure < HOLD_ABOVE else 0
+        if pressure > 1.0:
+            if held <= self.limit and at - self._last_decrease >= self._cooldown_s:
+                self.limit = max(1.0, self.limit * DECREASE)
+                self._last_decrease = at
+                self.itl.restart()
+        elif load.waiting > 0:
+            measured = load.running + self._target
+            self.limit = measured if measured <= self.limit else max(self.limit, load.running + step)
+        elif held >= self.limit - self._target / 2:
+            self.limit = max(self.limit, load.running + step)
+        if self._cap is not None:
+            self.limit = min(self.limit, float(self._cap))

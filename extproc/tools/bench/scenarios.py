@@ -1,0 +1,183 @@
+"""The named benchmark scenarios and the simulated GPU they run on.
+
+Times are model seconds (see :mod:`extproc.tools.bench.load`). The engine is a small
+GPU: 16 sequences per batch, ~20 ms decode steps, so a full batch makes ~570
+output tokens/s and a chat-sized request (median 128 output tokens, 400
+prompt tokens) costs ~0.35 s of engine time: capacity is ~2.8 such requests
+per second. The loads below are set against that capacity.
+
+Each scenario names a *focus* group: the requests whose time to first token
+the scheduler exists to protect (newcomers, interactive users, quiet tenants,
+late joiners). ``reference_before`` marks the focus requests sent before the
+disturbance starts: their latency is the scenario's own unloaded reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from extproc.tools.bench.arms import FAIRNESS_ARMS, GATE_ARMS
+from extproc.tools.bench.load import LogNormal, Pareto, Planned, Stream, plan
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The simulated GPU (``extproc sim`` options; durations in model milliseconds)."""
+
+    max_num_seqs: int = 16
+    kv_cache_tokens: int = 65536
+    step_ms: float = 20.0
+    step_ms_per_seq: float = 0.5
+    prefill_ms_per_token: float = 0.1
+    # The simulator counts ~4 characters a token.
+    chars_per_token: int = 4
+    request_extras: Mapping[str, Any] = field(default_factory=dict)
+
+    def sim_args(self, time_scale: float) -> list[str]:
+        return [
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--kv-cache-tokens", str(self.kv_cache_tokens),
+            "--step-ms", str(self.step_ms),
+            "--step-ms-per-seq", str(self.step_ms_per_seq),
+            "--prefill-ms-per-token", str(self.prefill_ms_per_token),
+            "--time-scale", str(time_scale),
+        ]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    streams: tuple[Stream, ...]
+    focus: str  # what the focus group is called in tables and plots
+    focus_tenants: frozenset[str] = frozenset()
+    focus_priority: str | None = None
+    reference_before: float | None = None
+    # Tenant weights for the weighted-service fairness index (default 1).
+    weights: Mapping[str, float] = field(default_factory=dict)
+    seed: int = 1
+    # The arms this scenario compares (direct FIFO always runs: it is the baseline).
+    arms: tuple[str, ...] = FAIRNESS_ARMS
+
+    @property
+    def tenants(self) -> list[str]:
+        return sorted({s.tenant for s in self.streams})
+
+    def in_focus(self, tenant: str, priority: str | None) -> bool:
+        return tenant in self.focus_tenants or (self.focus_priority is not None and priority == self.focus_priority)
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def requests(self) -> list[Planned]:
+        return plan(self.streams, self.seed)
+
+
+# Chat-sized requests: heavy-tailed but mostly short.
+CHAT_PROMPT = LogNormal(median=400, sigma=1.0, lo=16, hi=8000)
+CHAT_OUTPUT = LogNormal(median=128, sigma=0.8, lo=8, hi=1024)
+# Small interactive turns.
+TURN_PROMPT = LogNormal(median=200, sigma=0.8, lo=16, hi=4000)
+TURN_OUTPUT = LogNormal(median=64, sigma=0.6, lo=8, hi=512)
+# Long documents in, medium answers out: power-law prompt sizes.
+DOC_PROMPT = Pareto(scale=1500, alpha=1.5, hi=16000)
+DOC_OUTPUT = LogNormal(median=256, sigma=0.7, lo=16, hi=1024)
+
+
+def power_user(flood: int = 200) -> Scenario:
+    return Scenario(
+        name="power-user",
+        description=f"alice sends {flood} requests at once; bob and carol send one each 2 s later",
+        streams=(
+            Stream("alice", CHAT_PROMPT, CHAT_OUTPUT, burst=flood),
+            Stream("bob", CHAT_PROMPT, CHAT_OUTPUT, burst=1, start=2.0),
+            Stream("carol", CHAT_PROMPT, CHAT_OUTPUT, burst=1, start=2.0),
+        ),
+        focus="newcomers",
+        focus_tenants=frozenset({"bob", "carol"}),
+    )
+
+
+def steady_mix(duration: float = 60.0) -> Scenario:
+    chat = [Stream(f"chat{i}", CHAT_PROMPT, CHAT_OUTPUT, rate=0.35, end=duration) for i in range(1, 6)]
+    docs = [Stream(f"doc{i}", DOC_PROMPT, DOC_OUTPUT, rate=0.14, end=duration) for i in range(1, 4)]
+    return Scenario(
+        name="steady-mix",
+        description="5 chat tenants and 3 long-document tenants, Poisson arrivals near saturation",
+        streams=(*chat, *docs),
+        focus="chat tenants",
+        focus_tenants=frozenset(s.tenant for s in chat),
+        seed=2,
+    )
+
+
+def priority_mix(flood: int = 150, flood_at: float = 15.0, duration: float = 60.0) -> Scenario:
+    users = [
+        Stream(f"user{i}", TURN_PROMPT, TURN_OUTPUT, rate=0.25, end=duration, priority="interactive")
+        for i in range(1, 5)
+    ]
+    return Scenario(
+        name="priority-mix",
+        description=f"4 interactive users (1 req/s in all) throughout; a batch job of {flood} at {flood_at:g} s",
+        streams=(*users, Stream("etl", CHAT_PROMPT, CHAT_OUTPUT, burst=flood, start=flood_at, priority="batch")),
+        focus="interactive",
+        focus_priority="interactive",
+        reference_before=flood_at,
+        seed=3,
+    )
+
+
+def noisy_neighbour(duration: float = 40.0) -> Scenario:
+    quiet = [Stream(f"quiet{i}", CHAT_PROMPT, CHAT_OUTPUT, rate=0.25, end=duration) for i in range(1, 5)]
+    return Scenario(
+        name="noisy-neighbour",
+        description="4 quiet tenants at 0.25 req/s, one at 2.5 req/s (10x): 1.25x the engine's capacity",
+        streams=(*quiet, Stream("noisy", CHAT_PROMPT, CHAT_OUTPUT, rate=2.5, end=duration)),
+        focus="quiet tenants",
+        focus_tenants=frozenset(s.tenant for s in quiet),
+        seed=4,
+    )
+
+
+def join_leave() -> Scenario:
+    windows = {"t1": (0, 40), "t2": (0, 20), "t3": (10, 50), "t4": (20, 60), "t5": (30, 45), "t6": (40, 60)}
+    return Scenario(
+        name="join-leave",
+        description="6 tenants at 0.9 req/s each, active in staggered windows (2 to 4 at a time)",
+        streams=tuple(Stream(t, CHAT_PROMPT, CHAT_OUTPUT, rate=0.9, start=a, end=b) for t, (a, b) in windows.items()),
+        focus="late joiners",
+        focus_tenants=frozenset({"t4", "t6"}),
+        seed=5,
+    )
+
+
+# Heavy-tailed answers: a few are 10x the median.
+HEAVY_OUTPUT = LogNormal(median=128, sigma=1.2, lo=8, hi=2048)
+
+
+def gate_mix(duration: float = 40.0) -> Scenario:
+    tenants = [Stream(f"t{i}", CHAT_PROMPT, HEAVY_OUTPUT, rate=0.4, end=duration) for i in range(1, 7)]
+    return Scenario(
+        name="gate-mix",
+        description="6 tenants at 0.4 req/s with heavy-tailed answers (~1.2x capacity); "
+        "a newcomer from half-time: the release rules compared",
+        streams=(*tenants, Stream("newcomer", CHAT_PROMPT, CHAT_OUTPUT, rate=0.25, start=duration / 2, end=duration)),
+        focus="newcomer",
+        focus_tenants=frozenset({"newcomer"}),
+        seed=6,
+        arms=GATE_ARMS,
+    )
+
+
+def full_set() -> list[Scenario]:
+    return [power_user(), steady_mix(), priority_mix(), noisy_neighbour(), join_leave(), gate_mix()]
+
+
+def quick_set() -> list[Scenario]:
+    """For CI smoke runs: the power-user scenario, small."""
+    return [power_user(flood=40)]
+
+
+SCENARIOS = {s.name: s for s in full_set()}

@@ -1,0 +1,101 @@
+"""``extproc bench --engine vllm``: the fairness and priority scenarios on a real vLLM (CPU build).
+
+The simulator is what we believe an engine does; this is what vLLM does: its
+scheduler, its FIFO (or ``--scheduling-policy priority``), its ``/metrics``
+with their lag. Every arm gets a fresh vLLM server (no prefix cache or
+counters carried over) started by :func:`extproc.tools.realvllm.start_vllm`, serving
+the tiny local model with a batch of :data:`MAX_NUM_SEQS`.
+
+The scenarios are the simulator's ``power-user`` and ``priority-mix``, sized
+for this engine: the tiny model's context is 512 tokens, and on 2 cores,
+beside Envoy, the processor and the load generator, vLLM CPU serves only a
+few such requests a second, so the floods are small. Times are real seconds (time scale 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, Arm
+from extproc.tools.bench.load import LogNormal, Stream
+from extproc.tools.bench.scenarios import Scenario
+from extproc.tools.procs import ManagedProcess
+from extproc.tools.realvllm import REQUEST_EXTRAS, SchedulingPolicy, start_vllm
+
+MAX_NUM_SEQS = 4
+
+
+@dataclass(frozen=True)
+class VllmEngine:
+    """A real vLLM server per arm (see the module docstring)."""
+
+    max_num_seqs: int = MAX_NUM_SEQS
+    # The tiny model's BPE tokenizer reads the bench's filler text at ~2 characters a
+    # token (measured: 1,125 characters, 576 tokens).
+    chars_per_token: int = 2
+    request_extras: Mapping[str, Any] = field(default_factory=lambda: dict(REQUEST_EXTRAS))
+
+    async def start(self, model: str, endpoint: str, workdir: Path, policy: SchedulingPolicy) -> ManagedProcess:
+        port = int(endpoint.rsplit(":", 1)[1])
+        return await start_vllm(model, port, workdir, max_num_seqs=self.max_num_seqs, scheduling_policy=policy)
+
+
+# Prompt plus answer stay within the 512-token context (with the chat template's few tokens).
+PROMPT = LogNormal(median=100, sigma=0.6, lo=16, hi=200)
+OUTPUT = LogNormal(median=64, sigma=0.6, lo=8, hi=256)
+TURN_PROMPT = LogNormal(median=60, sigma=0.5, lo=16, hi=160)
+TURN_OUTPUT = LogNormal(median=32, sigma=0.5, lo=8, hi=128)
+
+# The operator knows vLLM's --max-num-seqs and says so (docs/real-vllm.md).
+_KNOWN_BATCH = {"max_running": MAX_NUM_SEQS, "target_waiting": TARGET_WAITING}
+ARMS: tuple[Arm, ...] = (
+    DIRECT,
+    Arm("extproc-rr", "extproc", "Envoy + extproc, round-robin per tenant, adaptive gate; vLLM fcfs",
+        model=_KNOWN_BATCH),
+    Arm("extproc-engine-priority", "extproc",
+        "as extproc-rr, with engine_priority: true and vLLM --scheduling-policy priority",
+        model={**_KNOWN_BATCH, "engine_priority": True}, scheduling_policy="priority"),
+    Arm("extproc-priority-reserve", "extproc",
+        "as extproc-engine-priority, and batch runs in at most 3 of the 4 slots (idle_running_share 0.75): "
+        "a slot stays free for an interactive arrival",
+        model={**_KNOWN_BATCH, "engine_priority": True}, scheduling_policy="priority",
+        top={"bands": {"batch": {"idle_running_share": 0.75}}}),
+)
+
+
+def power_user(flood: int = 60) -> Scenario:
+    return Scenario(
+        name="power-user",
+        description=f"alice sends {flood} requests at once; bob and carol send one each 1 s later",
+        streams=(
+            Stream("alice", PROMPT, OUTPUT, burst=flood),
+            Stream("bob", PROMPT, OUTPUT, burst=1, start=1.0),
+            Stream("carol", PROMPT, OUTPUT, burst=1, start=1.0),
+        ),
+        focus="newcomers",
+        focus_tenants=frozenset({"bob", "carol"}),
+        arms=("direct-fifo", "extproc-rr"),
+    )
+
+
+def priority_mix(flood: int = 120, flood_at: float = 10.0, duration: float = 40.0) -> Scenario:
+    users = [
+        Stream(f"user{i}", TURN_PROMPT, TURN_OUTPUT, rate=0.25, end=duration, priority="interactive")
+        for i in range(1, 9)
+    ]
+    return Scenario(
+        name="priority-mix",
+        description=f"8 interactive users (2 req/s in all) throughout; a batch job of {flood} at {flood_at:g} s",
+        streams=(*users, Stream("etl", PROMPT, OUTPUT, burst=flood, start=flood_at, priority="batch")),
+        focus="interactive",
+        focus_priority="interactive",
+        reference_before=flood_at,
+        seed=3,
+        arms=tuple(a.name for a in ARMS),
+    )
+
+
+SCENARIOS = {s.name: s for s in (power_user(), priority_mix())}

@@ -1,0 +1,113 @@
+"""Build a tiny random-weight Llama and its tokenizer for a real vLLM to serve.
+
+Run it with the vLLM venv's python (it needs only torch, transformers and
+tokenizers, which vLLM brings), not the project's: ``python realvllm_model.py
+OUT_DIR``. Nothing is downloaded: the weights are random (seeded) and the BPE
+tokenizer is trained on text generated here, so the same versions of those
+libraries build the same model on every machine.
+
+Why this model: the tests and the benchmark need an engine that behaves like
+vLLM (its scheduler, its FIFO, its ``/metrics``), not one that answers well.
+Its size sets one thing, the time of a decode step, and that must dominate
+the per-token work of vLLM's API server, as a real model's step on a GPU
+does. Eight layers of width 512 (29M parameters, 59 MB) take 10-30 ms a step
+on one core of a 2-core machine. At two layers of width 128 a step took 3 ms:
+the API server (tokenizing, streaming) fell so far behind that a flood of 40
+requests was finished inside the engine before the first answers reached
+their clients, and vLLM's /metrics stalled for up to a second.
+
+Every token of the vocabulary decodes to visible ASCII text (no byte
+fragments), so a streamed answer never waits on an incomplete character.
+
+The model is written to a sibling temporary folder and renamed into place at
+the end, so an interrupted build never leaves a half-written model behind, and
+of two concurrent builds the second one to finish just drops its copy.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+VOCAB_SIZE = 2048
+MAX_POSITIONS = 512
+SEED = 0
+BOS, EOS = "<s>", "</s>"
+# Roles as plain text (no special tokens), ending with the assistant's turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def corpus(lines: int = 4000) -> list[str]:
+    """Seeded pseudo-words made of syllables: enough distinct pairs for VOCAB_SIZE merges."""
+    rng = random.Random(SEED)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+    words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(3000)]
+    punctuation = [".", ",", "?", "!", ""]
+    return [
+        " ".join(rng.choices(words, k=rng.randint(4, 16))).capitalize() + rng.choice(punctuation)
+        for _ in range(lines)
+    ]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE without the 256-byte alphabet: every token is ASCII, so none decodes to nothing."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[BOS, EOS], show_progress=False)
+    tokenizer.train_from_iterator(corpus(), trainer)
+    if tokenizer.get_vocab_size() != VOCAB_SIZE:
+        raise SystemExit(f"tokenizer has {tokenizer.get_vocab_size()} tokens, the model {VOCAB_SIZE}")
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=EOS)
+    wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.model_max_length = MAX_POSITIONS
+    return wrapped
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    torch.manual_seed(SEED)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,  # head size 64: supported by every vLLM attention backend
+        num_key_value_heads=8,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def main(out: Path) -> None:
+    if (out / "config.json").exists():
+        return
+    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer).save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    try:
+        partial.rename(out)
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(partial)  # a concurrent build finished first, with the same files
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: realvllm_model.py OUT_DIR")
+    main(Path(sys.argv[1]))

@@ -1,0 +1,125 @@
+"""vLLM's Prometheus metrics, fed by the simulated engine.
+
+Names, HELP texts, label names and histogram buckets are transcribed from
+vLLM's ``vllm/v1/metrics/loggers.py`` (``PrometheusStatLogger``), so
+dashboards, recording rules and the fair scheduler's scraper see what a real
+vLLM v1 server exposes. Only the subset that the simulator can fill honestly is
+defined. Each simulator gets its own ``CollectorRegistry`` so several can run
+in one process.
+
+Differences worth knowing:
+
+* Timings are wall-clock seconds as the simulator experienced them, so with
+  ``time_scale=0.1`` every latency is about ten times smaller than the
+  simulated GPU time.
+* The three gauges are read from the scheduler at scrape time (vLLM sets them
+  after every engine step); a just-arrived request is therefore visible as
+  waiting until a step admits it.
+* Aborted requests count in ``vllm:request_success_total{finished_reason="abort"}``
+  but are not observed in the latency histograms.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from extproc.tools.sim.engine import FINISH_ABORT, Scheduler, SimRequest, TokenEvent
+
+# vllm/v1/engine/__init__.py FINISH_REASON_STRINGS; vLLM pre-creates a series per reason.
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+
+_LABELS = ["model_name", "engine"]
+_ENGINE_INDEX = "0"
+
+_TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]
+_ITL_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]
+_REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]
+
+
+class VllmMetrics:
+    """Implements ``EngineObserver`` by updating vLLM-named Prometheus metrics."""
+
+    def __init__(self, model_name: str, scheduler: Scheduler) -> None:
+        self.registry = CollectorRegistry()
+        labels = (model_name, _ENGINE_INDEX)
+
+        def gauge(name: str, documentation: str) -> Gauge:
+            return Gauge(name, documentation, _LABELS, registry=self.registry)
+
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, _LABELS, registry=self.registry).labels(*labels)
+
+        def histogram(name: str, documentation: str, buckets: list[float]) -> Histogram:
+            return Histogram(
+                name, documentation, _LABELS, registry=self.registry, buckets=buckets
+            ).labels(*labels)
+
+        gauge("vllm:num_requests_running", "Number of requests in model execution batches.").labels(
+            *labels
+        ).set_function(lambda: len(scheduler.running))
+        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.").labels(
+            *labels
+        ).set_function(lambda: len(scheduler.waiting))
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.").labels(
+            *labels
+        ).set_function(lambda: scheduler.kv_usage)
+
+        # prometheus_client appends "_total" to counter names on exposition.
+        self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self._generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*_LABELS, "finished_reason"],
+            registry=self.registry,
+        )
+        self._success = {reason: success.labels(*labels, reason) for reason in FINISH_REASONS}
+
+        self._ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            _TTFT_BUCKETS,
+        )
+        self._itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            _ITL_BUCKETS,
+        )
+        self._e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self._queue = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+
+    def on_scheduled(self, request: SimRequest) -> None:
+        self._prompt_tokens.inc(request.prompt_tokens)
+
+    def on_token(self, event: TokenEvent) -> None:
+        self._generation_tokens.inc()
+        (self._ttft if event.index == 0 else self._itl).observe(event.since_previous)
+
+    def on_finished(self, request: SimRequest) -> None:
+        reason = request.finish_reason
+        assert reason is not None, "on_finished called for a live request"
+        self._success[reason].inc()
+        if reason == FINISH_ABORT:
+            return
+        assert request.scheduled_at is not None and request.last_token_at is not None
+        self._queue.observe(request.scheduled_at - request.arrival)
+        self._e2e.observe(request.last_token_at - request.arrival)

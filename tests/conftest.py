@@ -1,0 +1,51 @@
+"""Session fixtures: the real vLLM servers, started once for every test that needs them.
+
+A vLLM server takes about 22 s to start on two cores (two processes
+importing torch and vLLM), so each configuration runs once per session and the
+tests share it. Both start concurrently: about 30 s for the two. Idle, they
+use 2 % of a core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from extproc.tools.procs import ManagedProcess, free_port
+from extproc.tools.realvllm import VllmUnavailable, start_vllm, vllm_python
+from tests.vllmutil import FCFS_MODEL, PRIORITY_MODEL, VllmServers
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmServers]:
+    """Both servers (4 sequences each), or a skip that says why there is no vLLM here.
+
+    With ``EXTPROC_VLLM=require`` (CI) a missing vLLM fails instead: there it
+    was installed on purpose, and a skip would hide that it is gone.
+    """
+    try:
+        vllm_python()
+    except VllmUnavailable as exc:
+        if os.environ.get("EXTPROC_VLLM") == "require":
+            pytest.fail(f"EXTPROC_VLLM=require: {exc}")
+        pytest.skip(str(exc))
+    workdir = tmp_path_factory.mktemp("vllm")
+    ports = free_port(), free_port()
+    started = await asyncio.gather(
+        start_vllm(FCFS_MODEL, ports[0], workdir),
+        start_vllm(PRIORITY_MODEL, ports[1], workdir, scheduling_policy="priority"),
+        return_exceptions=True,
+    )
+    servers = [s for s in started if isinstance(s, ManagedProcess)]
+    try:
+        for outcome in started:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        yield VllmServers(*(f"http://127.0.0.1:{port}" for port in ports))
+    finally:
+        for server in servers:
+            await server.stop()
