@@ -63,6 +63,10 @@ ARMS: tuple[Arm, ...] = (
         "a slot stays free for an interactive arrival",
         model={**_KNOWN_BATCH, "engine_priority": True}, scheduling_policy="priority",
         top={"bands": {"batch": {"idle_running_share": 0.75}}}),
+    Arm("extproc-priority-reserve-2", "extproc",
+        "as extproc-priority-reserve with two slots kept free (idle_running_share 0.5)",
+        model={**_KNOWN_BATCH, "engine_priority": True}, scheduling_policy="priority",
+        top={"bands": {"batch": {"idle_running_share": 0.5}}}),
 )
 
 
