@@ -20,6 +20,7 @@ from typing import Any
 
 from extproc.tools.bench.arms import FAIRNESS_ARMS, GATE_ARMS
 from extproc.tools.bench.load import LogNormal, Pareto, Planned, Stream, plan
+from extproc.tools.sim.engine import SimSettings
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class Engine:
     request_extras: Mapping[str, Any] = field(default_factory=dict)
 
     def sim_args(self, time_scale: float) -> list[str]:
+        # The simulator's visibility delay (vLLM's API-server lag) is wall-clock; the bench
+        # reports model seconds, so it is scaled like every other duration here: 60 ms of
+        # lag at time scale 0.25 would otherwise read as 240 ms.
+        delay = SimSettings(model="bench")
         return [
             "--max-num-seqs", str(self.max_num_seqs),
             "--kv-cache-tokens", str(self.kv_cache_tokens),
@@ -43,6 +48,9 @@ class Engine:
             "--step-ms-per-seq", str(self.step_ms_per_seq),
             "--prefill-ms-per-token", str(self.prefill_ms_per_token),
             "--time-scale", str(time_scale),
+            "--visibility-delay-ms", str(delay.visibility_delay_ms * time_scale),
+            "--visibility-delay-per-pending-ms", str(delay.visibility_delay_per_pending_ms * time_scale),
+            "--visibility-delay-max-ms", str(delay.visibility_delay_max_ms * time_scale),
         ]
 
 
