@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.tools.bench.arms import FAIRNESS_ARMS, GATE_ARMS
-from extproc.tools.bench.load import LogNormal, Pareto, Planned, Stream, plan
+from extproc.tools.bench.load import Lengths, LogNormal, Pareto, Planned, Stream, plan
 from extproc.tools.sim.engine import SimSettings
 
 
@@ -94,17 +94,37 @@ DOC_PROMPT = Pareto(scale=1500, alpha=1.5, hi=16000)
 DOC_OUTPUT = LogNormal(median=256, sigma=0.7, lo=16, hi=1024)
 
 
-def power_user(flood: int = 200) -> Scenario:
+@dataclass(frozen=True)
+class Sizes:
+    """Request sizes of a scenario: chat requests, and the short turns of interactive users.
+
+    The simulator's are a small GPU's; a real engine on this machine needs its own
+    (see :mod:`extproc.tools.bench.vllm`).
+    """
+
+    prompt: Lengths
+    output: Lengths
+    turn_prompt: Lengths
+    turn_output: Lengths
+
+
+SIM_SIZES = Sizes(CHAT_PROMPT, CHAT_OUTPUT, TURN_PROMPT, TURN_OUTPUT)
+
+
+def power_user(
+    flood: int = 200, *, newcomers_at: float = 2.0, sizes: Sizes = SIM_SIZES, arms: tuple[str, ...] = FAIRNESS_ARMS
+) -> Scenario:
     return Scenario(
         name="power-user",
-        description=f"alice sends {flood} requests at once; bob and carol send one each 2 s later",
+        description=f"alice sends {flood} requests at once; bob and carol send one each {newcomers_at:g} s later",
         streams=(
-            Stream("alice", CHAT_PROMPT, CHAT_OUTPUT, burst=flood),
-            Stream("bob", CHAT_PROMPT, CHAT_OUTPUT, burst=1, start=2.0),
-            Stream("carol", CHAT_PROMPT, CHAT_OUTPUT, burst=1, start=2.0),
+            Stream("alice", sizes.prompt, sizes.output, burst=flood),
+            Stream("bob", sizes.prompt, sizes.output, burst=1, start=newcomers_at),
+            Stream("carol", sizes.prompt, sizes.output, burst=1, start=newcomers_at),
         ),
         focus="newcomers",
         focus_tenants=frozenset({"bob", "carol"}),
+        arms=arms,
     )
 
 
@@ -121,19 +141,25 @@ def steady_mix(duration: float = 60.0) -> Scenario:
     )
 
 
-def priority_mix(flood: int = 150, flood_at: float = 15.0, duration: float = 60.0) -> Scenario:
-    users = [
-        Stream(f"user{i}", TURN_PROMPT, TURN_OUTPUT, rate=0.25, end=duration, priority="interactive")
-        for i in range(1, 5)
+def priority_mix(
+    flood: int = 150, flood_at: float = 15.0, duration: float = 60.0, *, users: int = 4, sizes: Sizes = SIM_SIZES,
+    arms: tuple[str, ...] = FAIRNESS_ARMS,
+) -> Scenario:
+    interactive = [
+        Stream(f"user{i}", sizes.turn_prompt, sizes.turn_output, rate=0.25, end=duration, priority="interactive")
+        for i in range(1, users + 1)
     ]
+    job = Stream("etl", sizes.prompt, sizes.output, burst=flood, start=flood_at, priority="batch")
     return Scenario(
         name="priority-mix",
-        description=f"4 interactive users (1 req/s in all) throughout; a batch job of {flood} at {flood_at:g} s",
-        streams=(*users, Stream("etl", CHAT_PROMPT, CHAT_OUTPUT, burst=flood, start=flood_at, priority="batch")),
+        description=f"{users} interactive users ({users * 0.25:g} req/s in all) throughout; a batch job of {flood} "
+        f"at {flood_at:g} s",
+        streams=(*interactive, job),
         focus="interactive",
         focus_priority="interactive",
         reference_before=flood_at,
         seed=3,
+        arms=arms,
     )
 
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from extproc.tools.bench import scenarios
 from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, Arm
-from extproc.tools.bench.load import LogNormal, Stream
+from extproc.tools.bench.load import LogNormal
 from extproc.tools.bench.scenarios import Scenario
 from extproc.tools.procs import ManagedProcess
 from extproc.tools.realvllm import REQUEST_EXTRAS, SchedulingPolicy, start_vllm
@@ -44,10 +45,12 @@ class VllmEngine:
 
 
 # Prompt plus answer stay within the 512-token context (with the chat template's few tokens).
-PROMPT = LogNormal(median=100, sigma=0.6, lo=16, hi=200)
-OUTPUT = LogNormal(median=64, sigma=0.6, lo=8, hi=256)
-TURN_PROMPT = LogNormal(median=60, sigma=0.5, lo=16, hi=160)
-TURN_OUTPUT = LogNormal(median=32, sigma=0.5, lo=8, hi=128)
+SIZES = scenarios.Sizes(
+    prompt=LogNormal(median=100, sigma=0.6, lo=16, hi=200),
+    output=LogNormal(median=64, sigma=0.6, lo=8, hi=256),
+    turn_prompt=LogNormal(median=60, sigma=0.5, lo=16, hi=160),
+    turn_output=LogNormal(median=32, sigma=0.5, lo=8, hi=128),
+)
 
 # The operator knows vLLM's --max-num-seqs and says so (docs/real-vllm.md).
 _KNOWN_BATCH = {"max_running": MAX_NUM_SEQS, "target_waiting": TARGET_WAITING}
@@ -70,36 +73,13 @@ ARMS: tuple[Arm, ...] = (
 )
 
 
-def power_user(flood: int = 60) -> Scenario:
-    return Scenario(
-        name="power-user",
-        description=f"alice sends {flood} requests at once; bob and carol send one each 1 s later",
-        streams=(
-            Stream("alice", PROMPT, OUTPUT, burst=flood),
-            Stream("bob", PROMPT, OUTPUT, burst=1, start=1.0),
-            Stream("carol", PROMPT, OUTPUT, burst=1, start=1.0),
-        ),
-        focus="newcomers",
-        focus_tenants=frozenset({"bob", "carol"}),
-        arms=("direct-fifo", "extproc-rr"),
-    )
+def power_user() -> Scenario:
+    return scenarios.power_user(60, newcomers_at=1.0, sizes=SIZES, arms=("direct-fifo", "extproc-rr"))
 
 
-def priority_mix(flood: int = 120, flood_at: float = 10.0, duration: float = 40.0) -> Scenario:
-    users = [
-        Stream(f"user{i}", TURN_PROMPT, TURN_OUTPUT, rate=0.25, end=duration, priority="interactive")
-        for i in range(1, 9)
-    ]
-    return Scenario(
-        name="priority-mix",
-        description=f"8 interactive users (2 req/s in all) throughout; a batch job of {flood} at {flood_at:g} s",
-        streams=(*users, Stream("etl", PROMPT, OUTPUT, burst=flood, start=flood_at, priority="batch")),
-        focus="interactive",
-        focus_priority="interactive",
-        reference_before=flood_at,
-        seed=3,
-        arms=tuple(a.name for a in ARMS),
-    )
+def priority_mix() -> Scenario:
+    return scenarios.priority_mix(120, flood_at=10.0, duration=40.0, users=8, sizes=SIZES,
+                                  arms=tuple(a.name for a in ARMS))
 
 
 SCENARIOS = {s.name: s for s in (power_user(), priority_mix())}
