@@ -9,6 +9,7 @@ from extproc.core.bands import BandAdmission, BandRules
 from extproc.core.engine_load import EngineLoad
 from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.adaptive_limit import ConcurrencyLimit, ItlWindow
+from extproc.core.release.estimate import LoadEstimate
 from extproc.core.release.pool import Pool
 
 pytestmark = pytest.mark.unit
@@ -423,3 +424,14 @@ def test_only_rules_with_per_endpoint_state_pick_endpoints() -> None:
         else:
             with pytest.raises(ValueError, match="does not pick endpoints"):
                 make_gate(("e1", "e2"), kind=name, pick=True, release_rate=1.0)
+
+
+def test_with_endpoint_picking_the_pool_estimate_adds_up_per_endpoint() -> None:
+    """Ours are counted per endpoint, so each endpoint's foreign part is its own scrape less its own ours."""
+    estimate = LoadEstimate(("e1", "e2"), stale_after_s=1.0, per_endpoint=True)
+    for i, endpoint in enumerate(("e1", "e1", "e2", "e2")):
+        estimate.record_release(i, 0.0, endpoint, into_free_slot=False)
+    estimate.record_scrape("e1", EngineLoad(waiting=0, running=2), started_at=0.5)
+    estimate.record_scrape("e2", EngineLoad(waiting=0, running=3), started_at=0.5)  # one not ours
+    assert estimate.now("e1").held == 2 and estimate.now("e2").held == 3
+    assert estimate.now().held == 5  # not 4 ours + (5 - the larger endpoint's 2)

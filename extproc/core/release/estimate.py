@@ -161,13 +161,18 @@ class LoadEstimate:
     def now(self, endpoint: str | None = None) -> LoadNow:
         """What ``endpoint`` (None: the whole pool) holds now: ours exactly, plus the foreign part of its scrapes.
 
-        For the whole pool, whose scrapes each recorded the pool's in-flight
-        count, the largest of those is subtracted once (the scrapes started
-        within a scrape interval of each other).
+        For the whole pool: with endpoint picking each scrape recorded ours on
+        its own endpoint, so the foreign parts add up per endpoint; without,
+        each recorded the pool's in-flight count, and the largest of those is
+        subtracted once (the scrapes started within a scrape interval of each
+        other).
         """
         states = list(self._scraped.values()) if endpoint is None else [self._scraped[endpoint]]
-        scraped = sum(s.load.running + s.load.waiting for s in states if s.load)
-        ours_then = max(s.ours_then for s in states) if endpoint is None else states[0].ours_then
+        if self._per_endpoint or endpoint is not None:
+            foreign = sum(max(0.0, s.load.running + s.load.waiting - s.ours_then) for s in states if s.load)
+        else:
+            scraped = sum(s.load.running + s.load.waiting for s in states if s.load)
+            foreign = max(0.0, scraped - max(s.ours_then for s in states))
         ours_now = self.in_flight if endpoint is None else self._in_flight_on[endpoint]
         snapshot = min(s.started_at for s in states)
         into_slots = 0
@@ -176,5 +181,5 @@ class LoadEstimate:
                 break
             into_slots += into_slot and (endpoint is None or ep == endpoint)
         running = sum(s.load.running for s in states if s.load)
-        return LoadNow(held=ours_now + max(0.0, scraped - ours_then), slots=running + into_slots,
+        return LoadNow(held=ours_now + foreign, slots=running + into_slots,
                        into_slots_since=into_slots)
