@@ -40,7 +40,6 @@ class Engine:
         # The simulator's visibility delay (vLLM's API-server lag) is wall-clock; the bench
         # reports model seconds, so it is scaled like every other duration here: 60 ms of
         # lag at time scale 0.25 would otherwise read as 240 ms.
-        delay = SimSettings(model="bench")
         return [
             "--max-num-seqs", str(self.max_num_seqs),
             "--kv-cache-tokens", str(self.kv_cache_tokens),
@@ -48,9 +47,9 @@ class Engine:
             "--step-ms-per-seq", str(self.step_ms_per_seq),
             "--prefill-ms-per-token", str(self.prefill_ms_per_token),
             "--time-scale", str(time_scale),
-            "--visibility-delay-ms", str(delay.visibility_delay_ms * time_scale),
-            "--visibility-delay-per-pending-ms", str(delay.visibility_delay_per_pending_ms * time_scale),
-            "--visibility-delay-max-ms", str(delay.visibility_delay_max_ms * time_scale),
+            "--visibility-delay-ms", str(SimSettings.visibility_delay_ms * time_scale),
+            "--visibility-delay-per-pending-ms", str(SimSettings.visibility_delay_per_pending_ms * time_scale),
+            "--visibility-delay-max-ms", str(SimSettings.visibility_delay_max_ms * time_scale),
         ]
 
 
