@@ -16,6 +16,7 @@ from google.protobuf.json_format import ParseError
 
 from extproc.adapters.config import ConfigError, load_config
 from extproc.adapters.envoy_config import (
+    LOCAL_REPLIES,
     add_arguments,
     bootstrap,
     drop_in,
@@ -280,6 +281,32 @@ def test_drop_in_is_yaml_with_ext_proc_and_http2_cluster() -> None:
     assert "http2_protocol_options" in explicit["explicit_http_config"]
     assert doc["routes"][-1]["direct_response"]["status"] == 404
     assert "stream_idle_timeout" in doc["http_connection_manager"]
+
+
+def test_every_envoy_local_reply_is_the_openai_error_object_with_a_reason() -> None:
+    config = load_config(DEMO_CONFIG)
+    generated = hcm(bootstrap(config))["local_reply_config"]
+    assert drop_in(config)["http_connection_manager"]["local_reply_config"] == generated
+    first, *mappers = generated["mappers"]
+    # The processor's own answers (JSON, with the reason header) pass untouched: only a filter, no rewrite.
+    assert first == {"filter": first["filter"]} and "x-extproc-reason" in yaml.safe_dump(first)
+    assert len(mappers) == len(LOCAL_REPLIES)
+    for mapper, reply in zip(mappers, LOCAL_REPLIES, strict=True):
+        error = mapper["body_format_override"]["json_format"]["error"]
+        assert error == {"message": reply.message, "type": reply.error_type, "param": None, "code": reply.reason}
+        headers = {h["header"]["key"]: h["header"]["value"] for h in mapper["headers_to_add"]}
+        assert headers["x-extproc-reason"] == reply.reason
+    reasons = [reply.reason for reply in LOCAL_REPLIES]
+    assert len(set(reasons)) == len(reasons)
+    # The catch-alls come last, so a specific cause is never hidden behind them.
+    assert reasons[-2:] == ["gateway_error", "bad_request"]
+
+
+def test_envoy_health_checks_the_processor_often_even_without_traffic() -> None:
+    [check] = cluster(bootstrap(free_port_config()), "extproc")["health_checks"]
+    assert check["grpc_health_check"] == {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"}
+    assert seconds(check["no_traffic_interval"]) == seconds(check["interval"]) <= 1
+    assert check["unhealthy_threshold"] >= 2  # one slow answer under a burst does not take it out
 
 
 # --- CLI -----------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -56,10 +57,12 @@ import yaml
 from extproc.adapters.config import Config, ConfigError, is_ip_address, load_config, split_address
 from extproc.adapters.ext_proc.contract import (
     DESTINATION_HEADER,
+    EXT_PROC_SERVICE,
     HOLD_MARGIN_S,
     METADATA_NAMESPACE,
     PROCESSING_MODE,
     QUEUE_WAIT_HEADER,
+    REASON_HEADER,
     hold_timeout_for,
 )
 
@@ -86,6 +89,10 @@ MIN_IDLE_TIMEOUT_S = 600.0
 # Envoy's default 1 MiB per-connection buffer a longer prompt gets 413.
 BUFFER_LIMIT_BYTES = 16 * 1024 * 1024
 EXTPROC_CONNECT_TIMEOUT_S = 0.25
+# Envoy asks the processor's gRPC health this often; two NOT_SERVING answers
+# (a draining processor) take it out of the extproc cluster's rotation.
+EXTPROC_HEALTH_INTERVAL_S = 1.0
+EXTPROC_UNHEALTHY_THRESHOLD = 2
 # json_to_metadata compares the whole Content-Type: list the spellings SDKs send.
 JSON_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8", "application/json;charset=utf-8")
 MODEL_CONNECT_TIMEOUT_S = 5.0
@@ -402,6 +409,27 @@ def routes(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any]]:
     return result
 
 
+def _extproc_health_check() -> dict[str, Any]:
+    """gRPC health checks on the processor, so Envoy stops opening streams to a draining one.
+
+    With several processors behind the cluster (a DNS name), new requests
+    move to the serving ones within about two intervals. A single processor
+    stays in use while it drains (Envoy's panic mode routes to unhealthy hosts
+    when too few are healthy), which is what we want: it answers new requests
+    503 ``shutting_down`` itself. ``no_traffic_interval`` is Envoy's 60 s
+    default otherwise, too slow to notice a drain on a quiet gateway.
+    """
+    interval = _duration(EXTPROC_HEALTH_INTERVAL_S)
+    return {
+        "timeout": interval,
+        "interval": interval,
+        "no_traffic_interval": interval,
+        "unhealthy_threshold": EXTPROC_UNHEALTHY_THRESHOLD,
+        "healthy_threshold": 1,
+        "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
+    }
+
+
 def extproc_cluster(config: Config) -> dict[str, Any]:
     """The processor's gRPC cluster (HTTP/2)."""
     host, port = split_address(config.listen.grpc)
@@ -412,6 +440,7 @@ def extproc_cluster(config: Config) -> dict[str, Any]:
         "connect_timeout": _duration(EXTPROC_CONNECT_TIMEOUT_S),
         "typed_extension_protocol_options": _protocol_options(http2=True),
         "circuit_breakers": _circuit_breakers(),
+        "health_checks": [_extproc_health_check()],
         "load_assignment": {
             "cluster_name": EXTPROC_CLUSTER,
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket_address(host, port)}}]}],
@@ -472,14 +501,117 @@ def clusters(config: Config) -> list[dict[str, Any]]:
     ] + jwks
 
 
-def _hcm_timeouts(config: Config) -> dict[str, str]:
+def _hcm_settings(config: Config) -> dict[str, Any]:
+    """Timeouts and Envoy's own answers for the HTTP connection manager."""
     return {
+        "local_reply_config": local_reply_config(),
         # The request is "received" only once ext_proc releases it, so the
         # whole queue wait counts here.
         "request_timeout": _duration(hold_timeout_s(config) + UPLOAD_MARGIN_S),
         # While held, nothing moves on the stream.
         "stream_idle_timeout": _duration(_idle_timeout_s(config)),
     }
+
+
+# --- Envoy's own answers ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LocalReply:
+    """One kind of answer Envoy gives itself, rewritten to the processor's OpenAI-style JSON error."""
+
+    reason: str  # the error's ``code`` and the reason header
+    match: dict[str, Any]  # an access-log filter (status, response flags or CEL on the details)
+    error_type: str  # OpenAI's error ``type``
+    message: str  # an Envoy format string
+    retry_after_s: int | None = None
+
+
+def _status_is(code: int) -> dict[str, Any]:
+    value = {"default_value": code, "runtime_key": f"extproc.local_reply.status_{code}"}
+    return {"status_code_filter": {"comparison": {"op": "EQ", "value": value}}}
+
+
+def _status_at_least(code: int) -> dict[str, Any]:
+    value = {"default_value": code, "runtime_key": f"extproc.local_reply.status_ge_{code}"}
+    return {"status_code_filter": {"comparison": {"op": "GE", "value": value}}}
+
+
+def _flags(*flags: str) -> dict[str, Any]:
+    return {"response_flag_filter": {"flags": list(flags)}}
+
+
+def _cel(expression: str) -> dict[str, Any]:
+    return {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                "@type": _TYPE + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                "expression": expression,
+            },
+        }
+    }
+
+
+# The processor's own answers carry the reason header and are JSON already:
+# the first mapper matches them and leaves them as they are.
+_PROCESSOR_ANSWER = _cel(f"'{REASON_HEADER}' in response.headers")
+# Tried in order after that; the first that matches wins. ext_proc's failures
+# (no response flag) are told apart by their details, the router's upstream
+# failures by their response flags.
+LOCAL_REPLIES = (
+    LocalReply("unauthenticated", _status_is(401), "authentication_error", "%LOCAL_REPLY_BODY%"),
+    LocalReply("permission_denied", _status_is(403), "permission_error", "%LOCAL_REPLY_BODY%"),
+    LocalReply(
+        "processor_timeout", _cel("response.code_details.startsWith('ext_proc_error_per-message_timeout')"),
+        "server_error", "The gateway's scheduler did not answer in time; retry shortly.", retry_after_s=1,
+    ),
+    LocalReply(
+        "processor_unavailable", _cel("response.code_details.startsWith('ext_proc')"),
+        "server_error", "The gateway's scheduler is unavailable; retry shortly.", retry_after_s=1,
+    ),
+    LocalReply(
+        "engine_unavailable", _flags("UF", "UH", "URX", "UO", "UR", "UC", "NC"),
+        "server_error", "The model server is unavailable; retry shortly.", retry_after_s=1,
+    ),
+    LocalReply("upstream_timeout", _flags("UT"), "server_error", "The model server did not answer in time."),
+    LocalReply("request_timeout", _status_is(408), "invalid_request_error", "The request timed out at the gateway."),
+    LocalReply(
+        "request_too_large", _status_is(413), "invalid_request_error",
+        "The request body is larger than the gateway accepts.",
+    ),
+    LocalReply(
+        "model_not_found", _status_is(404), "invalid_request_error",
+        "The requested model does not exist on this server.",
+    ),
+    LocalReply("gateway_error", _status_at_least(500), "server_error", "%LOCAL_REPLY_BODY%"),
+    LocalReply("bad_request", _status_at_least(400), "invalid_request_error", "%LOCAL_REPLY_BODY%"),
+)
+
+
+def _mapper(reply: LocalReply) -> dict[str, Any]:
+    error = {"message": reply.message, "type": reply.error_type, "param": None, "code": reply.reason}
+    headers = [(REASON_HEADER, reply.reason)]
+    if reply.retry_after_s is not None:
+        headers.append(("retry-after", str(reply.retry_after_s)))
+    return {
+        "filter": reply.match,
+        "body_format_override": {"json_format": {"error": error}},
+        "headers_to_add": [
+            {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            for key, value in headers
+        ],
+    }
+
+
+def local_reply_config() -> dict[str, Any]:
+    """HCM ``local_reply_config``: every answer Envoy gives itself as the OpenAI-style JSON error.
+
+    Envoy's own replies (an auth filter's 401, an unreachable processor or
+    engine, timeouts, a body too large) are plain text or empty; OpenAI
+    clients expect the error object and operators the reason header.
+    """
+    return {"mappers": [{"filter": _PROCESSOR_ANSWER}, *(_mapper(reply) for reply in LOCAL_REPLIES)]}
 
 
 # --- documents -----------------------------------------------------------------
@@ -511,7 +643,7 @@ def bootstrap(config: Config, *, ext_proc: bool = True) -> dict[str, Any]:
         "@type": _TYPE + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "ingress",
         "codec_type": "AUTO",
-        **_hcm_timeouts(config),
+        **_hcm_settings(config),
         "access_log": [
             {
                 "name": "envoy.access_loggers.stdout",
@@ -557,7 +689,7 @@ def drop_in(config: Config) -> dict[str, Any]:
     the model ones) and the routes for its virtual host.
     """
     return {
-        "http_connection_manager": _hcm_timeouts(config),
+        "http_connection_manager": _hcm_settings(config),
         "http_filters": http_filters(config),
         "clusters": clusters(config),
         "routes": routes(config),

@@ -7,6 +7,9 @@ the processor and the clients read the same facts.
 import math
 from types import MappingProxyType
 
+# The gRPC service the processor serves; its gRPC health status (grpc.health.v1)
+# turns NOT_SERVING while the processor drains, and Envoy's health check asks for it.
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Dynamic-metadata namespace that Envoy's json_to_metadata filter writes the body fields into.
 METADATA_NAMESPACE = "extproc"
 # Set by the processor on released requests; Envoy copies it onto the response
