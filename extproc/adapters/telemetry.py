@@ -104,6 +104,9 @@ class Telemetry:
             ["model"],
             registry=r,
         )
+        self.draining = Gauge(
+            "extproc_draining", "1 from SIGTERM until the process exits (health NOT_SERVING).", registry=r
+        )
 
     def per_endpoint_gauges(self) -> tuple[Gauge, ...]:
         """Gauges labelled (model, endpoint): cleared when an endpoint leaves its pool."""

@@ -180,6 +180,10 @@ class ModelDispatcher:
         """Refuse every queued request with ``shutting_down`` (draining ran out of time)."""
         while len(self._queue):
             band, _, held = self._queue.pop()
+            if held.future.done():  # its stream was cancelled a moment ago, as in dispatch()
+                self._report.abandoned(self._bands[band].name)
+            else:
+                self._report.refused(Refusal.SHUTTING_DOWN)
             self._resolve(held, shutting_down())
             self._update_depth(band)
 
