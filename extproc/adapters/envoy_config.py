@@ -31,7 +31,9 @@ The request path through Envoy's HTTP filters:
    of completion without per-chunk messages. (Seen with Envoy 1.40: an
    upstream without trailers yields no ``response_trailers`` message; the
    stream just ends, by half-close or by cancellation, when the response is
-   done.) An unreachable processor fails the request with 503.
+   done.) An unreachable processor fails the request with 503; the
+   ``extproc`` cluster health-checks it over gRPC, so a draining one (health
+   NOT_SERVING) leaves the rotation when another serves.
 4. ``router``: a request carrying ``x-gateway-destination-endpoint`` (set
    only by the processor, when the model picks endpoints; a client-sent one is
    removed in step 1) goes to the ORIGINAL_DST cluster ``picked_endpoint``,
@@ -41,6 +43,11 @@ The request path through Envoy's HTTP filters:
    works with and without endpoint picking. Routes copy the processor's
    queue-wait request header onto the response; any other request gets an
    OpenAI-style 404.
+
+Whatever Envoy answers itself (step 1's 401, step 3's 503 or 504, the
+router's 503 when an engine cannot be reached, 413, 408) becomes the
+processor's OpenAI-style JSON error with a reason header, through the HTTP
+connection manager's ``local_reply_config`` (:func:`local_reply_config`).
 """
 
 from __future__ import annotations
@@ -684,7 +691,7 @@ def bootstrap(config: Config, *, ext_proc: bool = True) -> dict[str, Any]:
 def drop_in(config: Config) -> dict[str, Any]:
     """What to add to an existing Envoy.
 
-    Timeouts for its HTTP connection manager, the HTTP filters in order (the
+    Timeouts and local replies for its HTTP connection manager, the HTTP filters in order (the
     router last), the clusters (`extproc`, then one per model: keep or replace
     the model ones) and the routes for its virtual host.
     """
