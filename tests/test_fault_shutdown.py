@@ -26,9 +26,9 @@ from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
 
 pytestmark = pytest.mark.integration
 
-# Two sequences at a time, real-time steps: a 250-token answer streams for about 5 s.
+# Two sequences at a time, real-time steps: a 400-token answer streams for about 8 s.
 SLOW_SIM = ["--max-num-seqs", "2", "--step-ms", "20", "--time-scale", "1"]
-LONG_ANSWER = 250
+LONG_ANSWER = 400
 # The gate lets exactly two requests into the engine; the rest stay queued here.
 TWO_IN_FLIGHT: dict[str, Any] = {"gate": "static_concurrency", "max_in_flight": 2}
 
@@ -90,6 +90,11 @@ async def test_sigterm_lets_streaming_responses_finish_and_answers_everyone_else
             process.send_signal(signal.SIGTERM)
             # The queue deadline (0.5 s) passes: every queued request is answered, none forwarded.
             queued_outcomes = await asyncio.gather(*queued)
+            # New arrivals after the queue deadline, while responses still stream: the processor answers.
+            late = await asyncio.gather(*(clients.send("carol", max_tokens=4) for _ in range(5)))
+            samples = await read_metrics(stack.metrics_url)
+            assert process.returncode is None, "the processor exited while responses were still streaming"
+            assert not any(task.done() for task in streaming), "the answers ended too soon for this test to mean much"
             # Envoy's health check sees NOT_SERVING; being the only processor, it is still used (panic mode).
             flags = ""
             for _ in range(100):
@@ -98,11 +103,6 @@ async def test_sigterm_lets_streaming_responses_finish_and_answers_everyone_else
                     break
                 await asyncio.sleep(0.1)
             assert "failed_active_hc" in flags
-            # New arrivals after the queue deadline, while responses still stream: the processor answers.
-            late = await asyncio.gather(*(clients.send("carol", max_tokens=4) for _ in range(5)))
-            samples = await read_metrics(stack.metrics_url)
-            assert process.returncode is None, "the processor exited while responses were still streaming"
-            assert not any(task.done() for task in streaming), "the answers ended too soon for this test to mean much"
 
             finished = await asyncio.gather(*streaming)
             exit_code = await asyncio.wait_for(process.wait(), 30)
@@ -141,7 +141,6 @@ async def test_the_hard_deadline_cuts_what_still_streams_and_exits(tmp_path: Pat
     assert exit_code == 0
     # Cut mid-stream: the client sees the response end early (a reset), not a completed answer.
     assert all(o.tokens < 2000 for o in cut), cut
-    assert all(o.status != 200 or o.tokens < 2000 for o in cut)
 
 
 async def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:

@@ -99,7 +99,7 @@ class ProcessorServer:
         """Drain as the module docstring says; ``force`` (a second signal) cuts it short at any point."""
         force = force or asyncio.Event()
         start = time.monotonic()
-        log.info("draining: %d queued, %d in flight; queue for up to %.0fs, responses for up to %.0fs",
+        log.info("draining: %d queued, %d in flight; queue for up to %gs, responses for up to %gs",
                  self.queued(), self.in_flight(), drain_seconds, deadline_seconds)
         self.processor.draining = True
         self.telemetry.draining.set(1)
