@@ -96,8 +96,10 @@ MIN_IDLE_TIMEOUT_S = 600.0
 # Envoy's default 1 MiB per-connection buffer a longer prompt gets 413.
 BUFFER_LIMIT_BYTES = 16 * 1024 * 1024
 EXTPROC_CONNECT_TIMEOUT_S = 0.25
-# Envoy asks the processor's gRPC health this often; two NOT_SERVING answers
-# (a draining processor) take it out of the extproc cluster's rotation.
+# Envoy asks the processor's gRPC health this often. A NOT_SERVING answer (a
+# draining processor) takes it out of the extproc cluster's rotation at once
+# (measured 0.9 s after SIGTERM); a check that fails or times out must fail
+# twice, so one slow answer during a burst does not.
 EXTPROC_HEALTH_INTERVAL_S = 1.0
 EXTPROC_UNHEALTHY_THRESHOLD = 2
 # json_to_metadata compares the whole Content-Type: list the spellings SDKs send.
