@@ -53,6 +53,7 @@ connection manager's ``local_reply_config`` (:func:`local_reply_config`).
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 import sys
 from dataclasses import dataclass
@@ -579,8 +580,12 @@ LOCAL_REPLIES = (
         "processor_unavailable", _cel("response.code_details.startsWith('ext_proc')"),
         "server_error", "The gateway's scheduler is unavailable; retry shortly.", retry_after_s=1,
     ),
+    # Circuit breakers (UO) or Envoy's overload manager (OM) shedding load.
     LocalReply(
-        "engine_unavailable", _flags("UF", "UH", "URX", "UO", "UR", "UC", "NC"),
+        "overloaded", _flags("UO", "OM"), "server_error", "The gateway is overloaded; retry shortly.", retry_after_s=1,
+    ),
+    LocalReply(
+        "engine_unavailable", _flags("UF", "UH", "URX", "UR", "UC", "NC"),
         "server_error", "The model server is unavailable; retry shortly.", retry_after_s=1,
     ),
     LocalReply("upstream_timeout", _flags("UT"), "server_error", "The model server did not answer in time."),
@@ -593,8 +598,15 @@ LOCAL_REPLIES = (
         "model_not_found", _status_is(404), "invalid_request_error",
         "The requested model does not exist on this server.",
     ),
-    LocalReply("gateway_error", _status_at_least(500), "server_error", "%LOCAL_REPLY_BODY%"),
-    LocalReply("bad_request", _status_at_least(400), "invalid_request_error", "%LOCAL_REPLY_BODY%"),
+    # Anything else: Envoy's details name the cause (its body may be empty).
+    LocalReply(
+        "gateway_error", _status_at_least(500), "server_error",
+        "The gateway could not complete the request (%RESPONSE_CODE_DETAILS%).",
+    ),
+    LocalReply(
+        "bad_request", _status_at_least(400), "invalid_request_error",
+        "The gateway refused the request (%RESPONSE_CODE_DETAILS%).",
+    ),
 )
 
 
@@ -604,7 +616,7 @@ def _mapper(reply: LocalReply) -> dict[str, Any]:
     if reply.retry_after_s is not None:
         headers.append(("retry-after", str(reply.retry_after_s)))
     return {
-        "filter": reply.match,
+        "filter": copy.deepcopy(reply.match),
         "body_format_override": {"json_format": {"error": error}},
         "headers_to_add": [
             {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
@@ -620,7 +632,8 @@ def local_reply_config() -> dict[str, Any]:
     engine, timeouts, a body too large) are plain text or empty; OpenAI
     clients expect the error object and operators the reason header.
     """
-    return {"mappers": [{"filter": _PROCESSOR_ANSWER}, *(_mapper(reply) for reply in LOCAL_REPLIES)]}
+    # Copies: each document owns its dicts (protobuf's ParseDict reorders the keys of what it reads).
+    return {"mappers": [{"filter": copy.deepcopy(_PROCESSOR_ANSWER)}, *(_mapper(reply) for reply in LOCAL_REPLIES)]}
 
 
 # --- documents -----------------------------------------------------------------
