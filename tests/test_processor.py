@@ -112,6 +112,32 @@ async def test_queued_client_gone_leaves_the_queue() -> None:
     assert waiting[2].answers.empty() and dispatcher.queued == 1
 
 
+async def test_draining_answers_the_queue_and_newcomers_once_each_and_counts_them() -> None:
+    """The drain deadline (reject_all) and arrivals while draining: 503 shutting_down, each counted once."""
+    processor, dispatcher = make_processor()
+    running = Stream(processor, headers_message())
+    assert (await running.answers.get()).HasField("request_headers")
+    queued = [Stream(processor, headers_message(tenant=f"t{i}")) for i in range(2)]
+    for stream in queued:
+        assert (await stream.answers.get()).HasField("override_message_timeout")
+    processor.draining = True
+    newcomer = Stream(processor, headers_message(tenant="late"))
+    dispatcher.reject_all()
+    await settle()
+    for stream in [*queued, newcomer]:
+        answer = (await stream.answers.get()).immediate_response
+        assert answer.status.code == 503 and json.loads(answer.body)["error"]["code"] == "shutting_down"
+        assert stream.answers.empty()
+    # The running response is untouched: it ends when its stream does.
+    assert running.answers.empty() and dispatcher.in_flight == 1 and dispatcher.queued == 0
+    rejected = [s.value for m in processor._telemetry.registry.collect() for s in m.samples
+                if s.name == "extproc_rejected_total" and s.labels["reason"] == "shutting_down"]
+    assert rejected == [3]
+    running.close()
+    await settle()
+    assert dispatcher.in_flight == 0
+
+
 @pytest.mark.parametrize(
     ("message", "status", "code"),
     [
