@@ -96,7 +96,7 @@ async def test_broken_metrics_degrade_to_a_cap_and_recover(tmp_path: Path) -> No
     async with await start_stack(config, tmp_path, sim_args=FAST_SIM) as stack:
         sim = stack.sim_url("m1")
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            for mode in ("garbage", "error", "slow", "frozen"):
+            for mode in ("garbage", "error", "slow", "frozen", "nan"):
                 async with session.put(f"{sim}/sim/metrics-fault", json={"mode": mode}) as response:
                     assert response.status == 200
                 # Traffic keeps flowing while the metrics are broken (a frozen page is only
@@ -115,7 +115,7 @@ async def test_broken_metrics_degrade_to_a_cap_and_recover(tmp_path: Path) -> No
                     assert response.status == 200
                 assert await wait_for_metric(stack.metrics_url, "extproc_endpoint_degraded", lambda v: v == 0) == 0, mode
     log = (tmp_path / "extproc.log").read_text()
-    assert log.count("unusable (failing or stale)") >= 4 and log.count("usable again") >= 4
+    assert log.count("unusable (failing or stale)") >= 5 and log.count("usable again") >= 5
 
 
 async def test_traffic_around_the_gateway_stops_releases(tmp_path: Path) -> None:
