@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--deadline-seconds", type=float, default=600.0,
-        help="on SIGTERM, the hard deadline: responses still running this long after it are cut and the "
-        "process exits (default 600)",
+        help="on SIGTERM, the hard deadline: the process exits this long after it even if responses still "
+        "stream (they go on through Envoy without the processor; default 600)",
     )
     serve.set_defaults(func=_serve)
 

@@ -6,10 +6,12 @@ The same documents run in a real Envoy in test_envoy_run.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import stat
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 from google.protobuf.json_format import ParseError
@@ -164,8 +166,8 @@ def test_filter_chain_order_and_settings() -> None:
     assert auth["forwarding"]["header"] == config.identity.tenant_header
 
     ext = http_filter(doc, "envoy.filters.http.ext_proc")["typed_config"]
-    assert ext["failure_mode_allow"] is False
-    assert ext["status_on_error"] == {"code": "ServiceUnavailable"}
+    # The routes, not the filter, keep unscheduled requests from the engine (processor_failure).
+    assert ext["failure_mode_allow"] is True
     assert ext["grpc_service"]["envoy_grpc"]["cluster_name"] == "extproc"
     assert ext["processing_mode"]["response_trailer_mode"] == "SEND"
     assert ext["processing_mode"]["request_body_mode"] == "NONE"
@@ -201,9 +203,10 @@ def test_routes_and_clusters_per_model() -> None:
     }
     assert [r["match"]["headers"][0]["string_match"]["exact"] for r in routes[1:-1]] == ["m-one", "m/two"]
     assert [r["route"]["cluster"] for r in routes[1:-1]] == ["model_m-one", "model_m_two"]
-    assert routes[-1]["direct_response"]["status"] == 404
+    # A request without the processor's model header was never answered by it: 503, JSON.
+    assert routes[-1]["direct_response"]["status"] == 503
     error = yaml.safe_load(routes[-1]["direct_response"]["body"]["inline_string"])
-    assert error["error"]["code"] == "model_not_found"
+    assert error["error"]["code"] == "processor_unavailable"
     for name in ("extproc", "model_m-one", "model_m_two"):
         limits = cluster(doc, name)["circuit_breakers"]["thresholds"][0]
         assert limits["max_requests"] >= 100_000
@@ -270,6 +273,20 @@ def test_bootstrap_without_ext_proc_routes_on_the_body_model() -> None:
     assert routes[-1]["direct_response"]["status"] == 404
 
 
+def test_processor_failure_open_routes_unanswered_requests_on_the_body_model() -> None:
+    config = load_config(DEMO_CONFIG)
+    opened = dataclasses.replace(config, envoy=msgspec.structs.replace(config.envoy, processor_failure="open"))
+    routes = hcm(bootstrap(opened))["route_config"]["virtual_hosts"][0]["routes"]
+    closed = hcm(bootstrap(config))["route_config"]["virtual_hosts"][0]["routes"]
+    # The scheduled routes first, unchanged; then one per model on json_to_metadata's model.
+    assert routes[: len(closed) - 1] == closed[:-1]
+    unscheduled = routes[len(closed) - 1 : -1]
+    assert [r["match"]["dynamic_metadata"][0]["value"]["string_match"]["exact"] for r in unscheduled] == [
+        m.name for m in config.models
+    ]
+    assert routes[-1]["direct_response"]["status"] == 404
+
+
 def test_drop_in_is_yaml_with_ext_proc_and_http2_cluster() -> None:
     config = load_config(DEMO_CONFIG)
     doc = yaml.safe_load(render(drop_in(config)))
@@ -279,7 +296,7 @@ def test_drop_in_is_yaml_with_ext_proc_and_http2_cluster() -> None:
     assert [c["name"] for c in doc["clusters"]] == ["extproc", "picked_endpoint", "model_demo-llama", "model_demo-qwen"]
     explicit = extproc["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert "http2_protocol_options" in explicit["explicit_http_config"]
-    assert doc["routes"][-1]["direct_response"]["status"] == 404
+    assert doc["routes"][-1]["direct_response"]["status"] == 503
     assert "stream_idle_timeout" in doc["http_connection_manager"]
 
 

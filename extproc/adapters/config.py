@@ -273,6 +273,10 @@ class EnvoySettings(_Section, frozen=True):
     # seconds (a crashed one is noticed at once: its connection resets), long enough
     # that a busy event loop under a burst does not turn into 504s.
     message_timeout_ms: Count = 2000
+    # When the processor cannot be reached (crashed, restarting, hung past the message
+    # timeout): "closed" answers 503 (nothing passes unscheduled); "open" forwards the
+    # request unscheduled, routed on the body's model (nothing is lost, fairness is).
+    processor_failure: Literal["closed", "open"] = "closed"
     # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
     jwt: JwtSettings | None = None
 

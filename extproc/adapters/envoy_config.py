@@ -31,9 +31,12 @@ The request path through Envoy's HTTP filters:
    of completion without per-chunk messages. (Seen with Envoy 1.40: an
    upstream without trailers yields no ``response_trailers`` message; the
    stream just ends, by half-close or by cancellation, when the response is
-   done.) An unreachable processor fails the request with 503; the
-   ``extproc`` cluster health-checks it over gRPC, so a draining one (health
-   NOT_SERVING) leaves the rotation when another serves.
+   done.) ``failure_mode_allow`` is on: when the processor cannot be
+   reached, the request goes on without the model header that only the
+   processor sets, and step 4 decides (``envoy.processor_failure``); a
+   released response keeps streaming if the processor dies meanwhile. The
+   ``extproc`` cluster health-checks the processor over gRPC, so a draining
+   one (health NOT_SERVING) leaves the rotation when another serves.
 4. ``router``: a request carrying ``x-gateway-destination-endpoint`` (set
    only by the processor, when the model picks endpoints; a client-sent one is
    removed in step 1) goes to the ORIGINAL_DST cluster ``picked_endpoint``,
@@ -41,19 +44,22 @@ The request path through Envoy's HTTP filters:
    Extension convention). Otherwise one route per model, matching the model
    header exactly, balances over the model's cluster. So the same bootstrap
    works with and without endpoint picking. Routes copy the processor's
-   queue-wait request header onto the response; any other request gets an
-   OpenAI-style 404.
+   queue-wait request header onto the response. A request with neither
+   header was not answered by the processor: an OpenAI-style 503
+   ``processor_unavailable`` (``processor_failure: closed``), or one route
+   per model on the body's model, unscheduled (``open``).
 
-Whatever Envoy answers itself (step 1's 401, step 3's 503 or 504, the
-router's 503 when an engine cannot be reached, 413, 408) becomes the
-processor's OpenAI-style JSON error with a reason header, through the HTTP
-connection manager's ``local_reply_config`` (:func:`local_reply_config`).
+Whatever Envoy answers itself (step 1's 401, the router's 503 when an
+engine cannot be reached, 413, 408) becomes the processor's
+OpenAI-style JSON error with a reason header, through the HTTP connection
+manager's ``local_reply_config`` (:func:`local_reply_config`).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import re
 import sys
 from dataclasses import dataclass
@@ -314,9 +320,11 @@ def _ext_proc_filter(config: Config) -> dict[str, Any]:
         "typed_config": {
             "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
-            # A processor that cannot be reached fails the request: 503.
-            "failure_mode_allow": False,
-            "status_on_error": {"code": "ServiceUnavailable"},
+            # Always allowed: a released request whose processor dies must run on (its
+            # stream only waits for the response's end). Whether a request the processor
+            # never answered may reach the engine is decided by the routes: without the
+            # model header it set, only processor_failure: open routes it (see routes()).
+            "failure_mode_allow": True,
             "processing_mode": dict(PROCESSING_MODE),
             # Short, so a dead processor is noticed fast; the processor holds
             # a queued request with override_message_timeout up to the maximum.
@@ -394,29 +402,40 @@ def routes(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any]]:
         route(clusters[model.name], _model_match(config, model.name, ext_proc), clusters[model.name])
         for model in config.models
     ]
-    # Defence in depth: the processor normally rejects unknown models itself.
-    result.append(
-        {
-            "name": "model_not_found",
-            "match": {"prefix": "/"},
-            "direct_response": {
-                "status": 404,
-                "body": {
-                    "inline_string": (
-                        '{"error":{"message":"The requested model does not exist on this server.",'
-                        '"type":"invalid_request_error","code":"model_not_found"}}'
-                    )
-                },
-            },
-            "response_headers_to_add": [
-                {
-                    "header": {"key": "content-type", "value": "application/json"},
-                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                }
-            ],
-        }
-    )
+    if ext_proc and config.envoy.processor_failure == "open":
+        # A request the processor never answered carries no model header: route it
+        # on the body's model, as the gateway without a processor would.
+        result += [
+            route(f"{clusters[model.name]}_unscheduled", _model_match(config, model.name, False), clusters[model.name])
+            for model in config.models
+        ]
+    if ext_proc and config.envoy.processor_failure == "closed":
+        # Only the processor sets the model header, so a request without one was never
+        # answered by it (crashed, restarting, silent past message_timeout): refuse it.
+        result.append(_json_reply("processor_unavailable", 503, "server_error",
+                                  "The scheduler is unavailable; retry shortly.", retry_after_s=1))
+    else:
+        # Defence in depth: the processor normally rejects unknown models itself.
+        result.append(_json_reply("model_not_found", 404, "invalid_request_error",
+                                  "The requested model does not exist on this server."))
     return result
+
+
+def _json_reply(code: str, status: int, error_type: str, message: str, *, retry_after_s: int | None = None) -> dict[str, Any]:
+    """A catch-all route answering Envoy's own OpenAI-style error, named by ``code``."""
+    error = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    headers = {"content-type": "application/json", REASON_HEADER: code}
+    if retry_after_s is not None:
+        headers["retry-after"] = str(retry_after_s)
+    return {
+        "name": code,
+        "match": {"prefix": "/"},
+        "direct_response": {"status": status, "body": {"inline_string": json.dumps(error, separators=(",", ":"))}},
+        "response_headers_to_add": [
+            {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            for key, value in headers.items()
+        ],
+    }
 
 
 def _extproc_health_check() -> dict[str, Any]:
@@ -572,14 +591,6 @@ _PROCESSOR_ANSWER = _cel(f"'{REASON_HEADER}' in response.headers")
 LOCAL_REPLIES = (
     LocalReply("unauthenticated", _status_is(401), "authentication_error", "%LOCAL_REPLY_BODY%"),
     LocalReply("permission_denied", _status_is(403), "permission_error", "%LOCAL_REPLY_BODY%"),
-    LocalReply(
-        "processor_timeout", _cel("response.code_details.startsWith('ext_proc_error_per-message_timeout')"),
-        "server_error", "The gateway's scheduler did not answer in time; retry shortly.", retry_after_s=1,
-    ),
-    LocalReply(
-        "processor_unavailable", _cel("response.code_details.startsWith('ext_proc')"),
-        "server_error", "The gateway's scheduler is unavailable; retry shortly.", retry_after_s=1,
-    ),
     # Circuit breakers (UO) or Envoy's overload manager (OM) shedding load.
     LocalReply(
         "overloaded", _flags("UO", "OM"), "server_error", "The gateway is overloaded; retry shortly.", retry_after_s=1,

@@ -9,15 +9,17 @@ Shutdown (SIGTERM or SIGINT) drains instead of dropping, in this order:
 2. Queued requests keep being released as the engine frees room, for up to
    ``drain_seconds``; whatever is still queued then is answered 503
    ``shutting_down``.
-3. The gRPC listener stays up while any released response runs: each
-   response's ext_proc stream stays open until its last byte, and stopping
-   the server earlier would cut it. The process exits when the last one ends,
-   or at the hard deadline, ``deadline_seconds`` after the signal, cutting
-   what still runs.
+3. The gRPC listener stays up while any released response runs, so that
+   arrivals keep getting ``shutting_down`` and the exit is clean. The process
+   exits when the last one ends, or at the hard deadline, ``deadline_seconds``
+   after the signal. Responses still streaming then are not cut: the ext_proc
+   filter runs with ``failure_mode_allow`` (envoy_config.py), so they go on
+   through Envoy without the processor, and a restarted processor sees them as
+   the engine's load.
 
 A second SIGTERM or SIGINT exits at once. Every request arriving while the
 listener is up gets the processor's JSON answer; after the exit Envoy's own
-JSON 503 ``processor_unavailable`` (envoy_config.py, ``local_reply_config``).
+JSON 503 ``processor_unavailable`` (envoy_config.py, ``routes``).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ class ProcessorServer:
             dispatcher.reject_all()
         await self._wait(lambda: self.in_flight() == 0, start + deadline_seconds, force)
         if self.in_flight():
-            log.warning("%s: cutting %d responses still running",
+            log.warning("%s: exiting with %d responses still streaming (they go on without the processor)",
                         "second signal" if force.is_set() else "hard deadline", self.in_flight())
         else:
             log.info("every response ended, %.1fs after the signal", time.monotonic() - start)
