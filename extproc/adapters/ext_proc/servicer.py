@@ -1,7 +1,7 @@
 """The ext_proc stream: one gRPC stream per HTTP request passing through Envoy.
 
-Life of a stream (processing mode: request headers SEND, response trailers
-SEND, everything else off):
+Life of a stream (processing mode: request headers SEND, response headers
+and trailers SEND, everything else off):
 
 1. Envoy sends the request headers, with the body's ``model`` (and
    ``max_tokens``) already in dynamic metadata by its json_to_metadata filter:
@@ -11,8 +11,10 @@ SEND, everything else off):
 3. When the dispatcher releases it we answer CONTINUE, setting the routing
    header to the model from the body (a client-sent header is overwritten)
    and clearing Envoy's route cache so it routes on it.
-4. The stream then stays open, silent, until the response has finished or
-   the client has gone; its end is the request's completion, which keeps the
+4. The response headers tell whether the release reached a live engine
+   (release_outcome.py); a failure marks the endpoint down at once. The
+   stream then stays open, silent, until the response has finished or the
+   client has gone; its end is the request's completion, which keeps the
    gate's in-flight count exact at no per-chunk cost.
 
 For ``engine_priority`` models only, the CONTINUE also switches the stream to
@@ -65,6 +67,7 @@ from extproc.adapters.ext_proc.contract import (
     hold_timeout_for,
 )
 from extproc.adapters.ext_proc.priority_body import with_priority
+from extproc.adapters.ext_proc.release_outcome import engine_answered
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher, shutting_down
 from extproc.core.outcomes import Refusal, Refused
@@ -323,6 +326,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the
             async for message in messages:
                 if engine_priority is not None and message.HasField("request_body"):
                     yield _priority_body(message.request_body.body, engine_priority)
+                elif message.HasField("response_headers"):
+                    dispatcher.record_response(held, engine_answered(_headers_of(message.response_headers)))
+                    yield _continue(message)
                 else:
                     yield _continue(message)
         finally:
