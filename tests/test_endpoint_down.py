@@ -2,7 +2,8 @@
 
 The state machine of ``core/release/health.py`` (down on a refused scrape or a
 failed release, up on a later answer) and what the pool and the dispatcher
-make of it, without a network: time is passed in.
+make of it, without a network: time is passed in. Also how the processor
+reads a failed release from the response headers (``release_outcome.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 
 import pytest
 
+from extproc.adapters.ext_proc.release_outcome import UPSTREAM_TIME_HEADER, engine_answered
 from extproc.core.bands import BandRules
 from extproc.core.caps import TenantLimits
 from extproc.core.cost import CostWeights
@@ -122,3 +124,13 @@ async def test_held_requests_wait_through_an_outage_and_go_when_the_engine_answe
         h.future.cancel()
         dispatcher.end(h)
     await asyncio.sleep(0)
+
+
+def test_the_response_headers_tell_a_live_engine_from_a_failed_release() -> None:
+    upstream = {UPSTREAM_TIME_HEADER: "12"}
+    assert engine_answered({":status": "200", **upstream})
+    assert engine_answered({":status": "400", **upstream})
+    assert engine_answered({":status": "500", **upstream})  # one request's error: the engine lives
+    assert not engine_answered({":status": "503", **upstream})  # the engine's own: overloaded, stopping
+    assert not engine_answered({":status": "503"})  # Envoy's: unreachable, reset before the response
+    assert not engine_answered({":status": "504"})

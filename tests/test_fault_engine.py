@@ -13,6 +13,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
+from aiohttp import web
 
 from extproc.tools.power_user import Outcome, chat
 from extproc.tools.stack import Stack, start_sim, start_stack
@@ -91,3 +93,51 @@ async def test_a_crashed_replica_leaves_its_queue_to_the_other(tmp_path: Path, p
     dead = stack.config.models[0].endpoints[0]
     assert metric(samples, "extproc_endpoint_up", model="m1", endpoint=dead) == 0
     assert metric(samples, "extproc_queue_depth", model="m1") == 0
+
+
+IDLE_PAGE = 'vllm:num_requests_running{model_name="m1"} 0\nvllm:num_requests_waiting{model_name="m1"} 0\n'
+
+
+@pytest.mark.parametrize("failure", ["reset", "503"])
+async def test_a_release_that_fails_before_the_engine_answers_is_seen_through_envoy(
+    tmp_path: Path, failure: str
+) -> None:
+    """An engine whose metrics answer but whose API resets the connection, or answers 503.
+
+    Envoy answers the reset itself (503, no upstream time); the engine's 503
+    passes through. Either way the processor reads the failure from the
+    response headers ext_proc shows it, not from a scrape.
+    """
+    attempts = 0
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=IDLE_PAGE)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        nonlocal attempts
+        attempts += 1
+        if failure == "reset":
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
+        return web.json_response({"error": {"message": "overloaded"}}, status=503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/chat/completions", completions)
+    config = write_config(tmp_path)
+    endpoint = yaml.safe_load(config.read_text())["models"][0]["endpoints"][0]
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", int(endpoint.rsplit(":", 1)[1])).start()
+    try:
+        async with await start_stack(config, tmp_path, engines=False) as stack:
+            async with aiohttp.ClientSession() as session:
+                outcome = await chat(session, stack.envoy_url, "alice", "m1", api_key=TENANT_KEYS["alice"], max_tokens=5)
+            samples = await read_metrics(stack.metrics_url)
+    finally:
+        await runner.cleanup()
+    assert outcome.status == 503
+    assert metric(samples, "extproc_release_failures_total", model="m1", endpoint=endpoint) == 1
+    # The engine had taken the request: not retried (the route retries only what never reached it).
+    assert attempts == 1
