@@ -20,6 +20,7 @@ from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES
+from extproc.core.release.health import CHECK_EVERY, PROBATION_S
 from tests.test_gate import make_gate
 
 pytestmark = pytest.mark.unit
@@ -134,3 +135,13 @@ def test_the_response_headers_tell_a_live_engine_from_a_failed_release() -> None
     assert not engine_answered({":status": "503", **upstream})  # the engine's own: overloaded, stopping
     assert not engine_answered({":status": "503"})  # Envoy's: unreachable, reset before the response
     assert not engine_answered({":status": "504"})
+
+
+def test_a_sample_of_releases_is_checked_and_every_one_after_a_return() -> None:
+    gate = make_gate(endpoints=("e1", "e2"), pick=True)
+    checked = [gate.check_release("e1", 0.0) for _ in range(3 * CHECK_EVERY)]
+    assert checked[0] and sum(checked) == 3
+    gate.record_scrape("e2", None, started_at=1.0, reachable=False)
+    gate.record_scrape("e2", IDLE, started_at=2.0)  # back: on probation
+    assert all(gate.check_release("e2", 2.0 + PROBATION_S * i / 10) for i in range(10))
+    assert sum(gate.check_release("e2", 2.0 + PROBATION_S) for _ in range(CHECK_EVERY)) == 1

@@ -68,6 +68,8 @@ class Held:
     # Prefix-cache affinity key (endpoint picking) and the endpoint picked on release.
     affinity: str = ""
     endpoint: str | None = None
+    # Whether its response's headers are read for a failed release (a sample: they cost a message).
+    checked: bool = False
 
 
 class ModelDispatcher:
@@ -224,6 +226,7 @@ class ModelDispatcher:
     def _release(self, band: int, tenant: str, held: Held, now: float) -> None:
         held.released = True
         held.endpoint = self.pool.pick(held.affinity, now)
+        held.checked = self.pool.check_release(held.endpoint, now)
         self.pool.record_release(held, now, held.endpoint, into_free_slot=self._bands[band].idle_only)
         self._release_rate.record(now)
         self._queue.charge(band, tenant, held.estimate.cost)

@@ -1,7 +1,7 @@
 """The ext_proc stream: one gRPC stream per HTTP request passing through Envoy.
 
-Life of a stream (processing mode: request headers SEND, response headers
-and trailers SEND, everything else off):
+Life of a stream (processing mode: request headers SEND, response trailers
+SEND, everything else off):
 
 1. Envoy sends the request headers, with the body's ``model`` (and
    ``max_tokens``) already in dynamic metadata by its json_to_metadata filter:
@@ -11,7 +11,8 @@ and trailers SEND, everything else off):
 3. When the dispatcher releases it we answer CONTINUE, setting the routing
    header to the model from the body (a client-sent header is overwritten)
    and clearing Envoy's route cache so it routes on it.
-4. The response headers tell whether the release reached a live engine
+4. For a release the gate checks (a sample; ``mode_override``), the
+   response headers tell whether it reached a live engine
    (release_outcome.py); a failure marks the endpoint down at once. The
    stream then stays open, silent, until the response has finished or the
    client has gone; its end is the request's completion, which keeps the
@@ -91,8 +92,17 @@ ANSWERS: dict[Refusal, tuple[int, str]] = {
 # Retry-After: the refusing queue's drain time at the recent release rate, within these bounds.
 MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
-# The filter's own mode with the request body buffered (engine_priority models).
-_WITH_BODY = processing_mode_pb2.ProcessingMode(**{**PROCESSING_MODE, "request_body_mode": "BUFFERED"})
+# The filter's own mode with, after a release, the request body buffered (engine_priority
+# models) and/or the response headers sent (a release the gate checks for failure); by
+# (body, response headers). Neither: no override.
+_OVERRIDES = {
+    (body, checked): processing_mode_pb2.ProcessingMode(**{
+        **PROCESSING_MODE,
+        **({"request_body_mode": "BUFFERED"} if body else {}),
+        **({"response_header_mode": "SEND"} if checked else {}),
+    })
+    for body in (False, True) for checked in (False, True) if body or checked
+}
 
 
 @dataclass(frozen=True)
@@ -321,7 +331,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the
                         clear_route_cache=True,
                     )
                 ),
-                mode_override=_WITH_BODY if engine_priority is not None else None,
+                mode_override=_OVERRIDES.get((engine_priority is not None, held.checked)),
             )
             async for message in messages:
                 if engine_priority is not None and message.HasField("request_body"):

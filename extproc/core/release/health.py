@@ -23,6 +23,14 @@ timeout) or go to an endpoint that is up. The endpoint is up again on the
 first sign of a live engine after it went down: a scrape that started later
 and got any HTTP answer, or a response from it that is not a failure.
 
+A failed release is read from the response's headers, which cost the
+processor one more message; so only some releases are checked
+(:meth:`EndpointHealth.check_release`): one in ``CHECK_EVERY``, and every
+release to an endpoint within ``PROBATION_S`` of its coming back up (an
+engine whose metrics answer while its API fails goes down again at its
+first failure, instead of after a sample's worth). A crashed engine is seen
+by its refused scrapes anyway.
+
 Pure: the caller passes ``now`` (a monotonic clock).
 """
 
@@ -32,6 +40,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from extproc.core.engine_load import EngineLoad
+
+# One release in this many has its response headers checked (the first one included).
+CHECK_EVERY = 8
+# Every release to an endpoint is checked for this long after it came back up.
+PROBATION_S = 5.0
 
 
 @dataclass
@@ -43,8 +56,9 @@ class _Health:
     good_at: float = float("-inf")  # when the last good scrape started
     # First release to this endpoint after its current page content appeared.
     release_after_content: float | None = None
-    # When the endpoint was marked down (None: up).
+    # When the endpoint was marked down (None: up), and when it last came back up.
     down_at: float | None = None
+    up_at: float = float("-inf")
 
 
 class EndpointHealth:
@@ -55,6 +69,7 @@ class EndpointHealth:
         self._stale_after_s = stale_after_s
         self._floor = fallback_max_in_flight
         self._health: dict[str, _Health] = {}
+        self._releases = 0
         self.set_endpoints(endpoints)
 
     def set_endpoints(self, endpoints: Sequence[str]) -> None:
@@ -82,7 +97,7 @@ class EndpointHealth:
         if not reachable:
             self.mark_down(endpoint, started_at)
         elif health.down_at is not None and started_at > health.down_at:
-            health.down_at = None
+            self._mark_up(health, started_at)
         health.failing = load is None
         if load is None:
             return False
@@ -102,7 +117,18 @@ class EndpointHealth:
         if not ok:
             self.mark_down(endpoint, now)
         elif health.down_at is not None and now > health.down_at:
-            health.down_at = None
+            self._mark_up(health, now)
+
+    @staticmethod
+    def _mark_up(health: _Health, now: float) -> None:
+        health.down_at, health.up_at = None, now
+
+    def check_release(self, endpoint: str | None, now: float) -> bool:
+        """Whether to read the response headers of a release to ``endpoint`` (None: anywhere in the pool)."""
+        self._releases += 1
+        targets = [endpoint] if endpoint is not None else self.endpoints
+        on_probation = any(now - self._health[e].up_at < PROBATION_S for e in targets if e in self._health)
+        return on_probation or self._releases % CHECK_EVERY == 1
 
     def mark_down(self, endpoint: str, now: float) -> None:
         health = self._health.get(endpoint)

@@ -67,6 +67,10 @@ class Pool:
         self.health.record_release(endpoint, now)
         self.rule.record_release(now)
 
+    def check_release(self, endpoint: str | None, now: float) -> bool:
+        """Whether the response headers of this release should be read for a failure (``health.py``)."""
+        return self.health.check_release(endpoint, now)
+
     def record_finish(self, request: Hashable, now: float) -> float:
         """Note a finished request; returns how long it was released (its occupancy)."""
         occupancy = self.estimate.record_finish(request, now)
