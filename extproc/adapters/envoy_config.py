@@ -31,9 +31,10 @@ The request path through Envoy's HTTP filters:
    of completion without per-chunk messages. (Seen with Envoy 1.40: an
    upstream without trailers yields no ``response_trailers`` message; the
    stream just ends, by half-close or by cancellation, when the response is
-   done.) ``response_header_mode: SEND`` shows the processor each response's
-   status: the router's own 503 for an unreachable engine marks the endpoint
-   down (``ext_proc/release_outcome.py``). An unreachable processor fails the
+   done.) On the releases it checks, the processor turns on
+   ``response_header_mode`` (``mode_override``) to see the response's status:
+   the router's own 503 for an unreachable engine marks the endpoint down
+   (``ext_proc/release_outcome.py``). An unreachable processor fails the
    request with 503.
 4. ``router``: a request carrying ``x-gateway-destination-endpoint`` (set
    only by the processor, when the model picks endpoints; a client-sent one is
@@ -462,6 +463,7 @@ def _model_cluster(config: Config, index: int, name: str) -> dict[str, Any]:
         "lb_policy": "LEAST_REQUEST",
         "typed_extension_protocol_options": _protocol_options(http2=False),
         "circuit_breakers": _circuit_breakers(),
+        "outlier_detection": _outlier_detection(),
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [
@@ -477,6 +479,24 @@ def _model_cluster(config: Config, index: int, name: str) -> dict[str, Any]:
             tls["sni"] = hosts[0][0]
         cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": tls}
     return cluster
+
+
+def _outlier_detection() -> dict[str, Any]:
+    """Eject an endpoint Envoy cannot connect to, so a retry lands on a live replica.
+
+    Without it, least-request balancing favours the dead endpoint (it holds
+    nothing) and a retry's ``previous_hosts`` re-picks often come back to it.
+    Only connection failures count (local origin); all endpoints ejected
+    means Envoy's panic routing tries them all again.
+    """
+    return {
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": 2,
+        "enforcing_consecutive_local_origin_failure": 100,
+        "interval": _duration(1.0),
+        "base_ejection_time": _duration(1.0),
+        "max_ejection_percent": 100,
+    }
 
 
 def picked_cluster() -> dict[str, Any]:
