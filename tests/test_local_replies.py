@@ -64,7 +64,9 @@ async def sdk_error(url: str, api_key: str = TENANT_KEYS["bob"]) -> openai.APISt
 
 
 async def test_auth_processor_and_engine_failures_are_json(tmp_path: Path) -> None:
-    async with await start_stack(write_config(tmp_path), tmp_path, sim_args=FAST_SIM) as stack:
+    # A short queue wait: with its engine down a request waits for it, then gets queue_timeout.
+    config = write_config(tmp_path, max_queue_wait_s=2)
+    async with await start_stack(config, tmp_path, sim_args=FAST_SIM) as stack:
         url = stack.envoy_url
         assert_error(await post(url, api_key="not-a-key"), 401, "unauthenticated")
         assert_error(await post(url, api_key=None), 401, "unauthenticated")
@@ -83,9 +85,11 @@ async def test_auth_processor_and_engine_failures_are_json(tmp_path: Path) -> No
 
         for sim in stack.sims:
             await sim.stop()
-        assert_error(await post(url), 503, "engine_unavailable", retry_after="1")
+        # The gate holds the request while the engine is down (docs/gate.md), then times it out.
+        status, headers, body = await post(url)
+        assert status == 503 and body["error"]["code"] == "queue_timeout", (status, body)
         engine_down = await sdk_error(url)
-        assert isinstance(engine_down, openai.InternalServerError) and engine_down.code == "engine_unavailable"
+        assert isinstance(engine_down, openai.InternalServerError) and engine_down.code == "queue_timeout"
 
         assert stack.processor is not None
         await stack.processor.stop()
@@ -128,11 +132,16 @@ async def test_a_processor_that_does_not_answer_is_a_json_503(mute_processor_con
         assert_error(answer, 503, "processor_unavailable", retry_after="1")
 
 
-async def test_envoy_alone_answers_an_unknown_model_and_a_missing_jwt_in_json(tmp_path: Path) -> None:
-    """No route (the Envoy-only baseline's catch-all) and jwt_authn's 401: no processor involved."""
+async def test_envoy_alone_answers_unknown_model_engine_down_and_missing_jwt_in_json(tmp_path: Path) -> None:
+    """No route, no engine (the Envoy-only baseline) and jwt_authn's 401: no processor involved."""
     demo = load_config(write_config(tmp_path))
     async with await start_envoy(bootstrap(demo, ext_proc=False), tmp_path / "plain"):
-        assert_error(await post(f"http://{demo.envoy.listen}", json={**CHAT, "model": "nope"}), 404, "model_not_found")
+        url = f"http://{demo.envoy.listen}"
+        assert_error(await post(url, json={**CHAT, "model": "nope"}), 404, "model_not_found")
+        # m1's engine is not running: connection refused, retried, then Envoy's 503.
+        assert_error(await post(url), 503, "engine_unavailable", retry_after="1")
+        engine_down = await sdk_error(url)
+        assert isinstance(engine_down, openai.InternalServerError) and engine_down.code == "engine_unavailable"
     jwks = {"keys": [{"kty": "oct", "kid": "k", "alg": "HS256", "k": "c2VjcmV0LXNlY3JldC1zZWNyZXQ"}]}
     jwt = free_port_config(api_keys={}, envoy={"jwt": {"issuer": "me", "jwks": jwks}})
     async with await start_envoy(bootstrap(jwt), tmp_path / "jwt"):

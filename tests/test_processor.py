@@ -242,7 +242,8 @@ async def test_a_downgrade_is_counted_and_a_tenant_cap_answers_429() -> None:
 async def test_only_engine_priority_models_ask_for_the_body_and_get_it_rewritten() -> None:
     processor, _ = make_policy_processor()
     plain = Stream(processor, headers_message(tenant="vip", model="m"))
-    assert not (await plain.answers.get()).HasField("mode_override")  # headers-only
+    plain_released = await plain.answers.get()
+    assert plain_released.mode_override.request_body_mode == plain_released.mode_override.NONE  # headers-only
     prio = Stream(processor, headers_message(tenant="vip", model="p", priority="interactive"))
     released = await prio.answers.get()
     assert released.mode_override.request_body_mode == released.mode_override.BUFFERED

@@ -41,5 +41,14 @@ class DispatchReport(Protocol):
     def endpoint_degraded(self, endpoint: str, degraded: bool) -> None:
         """The endpoint's metrics became unusable (True) or usable again (False)."""
 
+    def endpoint_up(self, endpoint: str, up: bool) -> None:
+        """The endpoint's engine became unreachable (False: nothing is released to it) or reachable again."""
+
+    def release_failed(self, endpoint: str | None) -> None:
+        """A released request failed before the engine answered it (or the engine answered 503).
+
+        ``endpoint`` is None where the pool cannot tell which endpoint it went to.
+        """
+
     def fallback(self, active: bool) -> None:
         """The model's gate runs on fallback limits (some endpoint degraded) or not."""

@@ -11,8 +11,11 @@ SEND, everything else off):
 3. When the dispatcher releases it we answer CONTINUE, setting the routing
    header to the model from the body (a client-sent header is overwritten)
    and clearing Envoy's route cache so it routes on it.
-4. The stream then stays open, silent, until the response has finished or
-   the client has gone; its end is the request's completion, which keeps the
+4. For a release the gate checks (a sample; ``mode_override``), the
+   response headers tell whether it reached a live engine
+   (release_outcome.py); a failure marks the endpoint down at once. The
+   stream then stays open, silent, until the response has finished or the
+   client has gone; its end is the request's completion, which keeps the
    gate's in-flight count exact at no per-chunk cost.
 
 For ``engine_priority`` models only, the CONTINUE also switches the stream to
@@ -65,6 +68,7 @@ from extproc.adapters.ext_proc.contract import (
     hold_timeout_for,
 )
 from extproc.adapters.ext_proc.priority_body import with_priority
+from extproc.adapters.ext_proc.release_outcome import engine_answered
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher, shutting_down
 from extproc.core.outcomes import Refusal, Refused
@@ -88,8 +92,17 @@ ANSWERS: dict[Refusal, tuple[int, str]] = {
 # Retry-After: the refusing queue's drain time at the recent release rate, within these bounds.
 MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
-# The filter's own mode with the request body buffered (engine_priority models).
-_WITH_BODY = processing_mode_pb2.ProcessingMode(**{**PROCESSING_MODE, "request_body_mode": "BUFFERED"})
+# The filter's own mode with, after a release, the request body buffered (engine_priority
+# models) and/or the response headers sent (a release the gate checks for failure); by
+# (body, response headers). Neither: no override.
+_OVERRIDES = {
+    (body, checked): processing_mode_pb2.ProcessingMode(**{
+        **PROCESSING_MODE,
+        **({"request_body_mode": "BUFFERED"} if body else {}),
+        **({"response_header_mode": "SEND"} if checked else {}),
+    })
+    for body in (False, True) for checked in (False, True) if body or checked
+}
 
 
 @dataclass(frozen=True)
@@ -318,11 +331,14 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the
                         clear_route_cache=True,
                     )
                 ),
-                mode_override=_WITH_BODY if engine_priority is not None else None,
+                mode_override=_OVERRIDES.get((engine_priority is not None, held.checked)),
             )
             async for message in messages:
                 if engine_priority is not None and message.HasField("request_body"):
                     yield _priority_body(message.request_body.body, engine_priority)
+                elif message.HasField("response_headers"):
+                    dispatcher.record_response(held, engine_answered(_headers_of(message.response_headers)))
+                    yield _continue(message)
                 else:
                     yield _continue(message)
         finally:
