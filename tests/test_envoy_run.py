@@ -178,7 +178,7 @@ async def test_envoy_with_a_processor_routes_and_forwards_metadata(tmp_path: Pat
         await runner.cleanup()
     routed, unrouted = processor.seen
     assert routed["headers"]["x-tenant-id"] == "alice"  # set by api_key_auth, not the client
-    assert routed["metadata"] == {"model": "m-one", "max_tokens": 9}  # max_completion_tokens wins
+    assert routed["metadata"] == {"model": "m-one", "max_tokens": 3, "max_completion_tokens": 9}
     assert "authorization" not in routed["headers"]  # hide_credentials
     assert "x-model" not in unrouted["headers"]
     assert unrouted["metadata"] == {"model": "nope"}

@@ -17,8 +17,10 @@ The request path through Envoy's HTTP filters:
    ``jwks_uri``), 401 without a valid one, and copies the tenant claim into
    the tenant header (``claim_to_headers``). With neither, every request has
    no tenant header.
-2. ``json_to_metadata`` copies the body's ``model`` and ``max_tokens`` into
-   dynamic metadata namespace ``extproc``. It buffers the body first, so the
+2. ``json_to_metadata`` copies the body's ``model``, ``max_tokens`` and
+   ``max_completion_tokens`` (each as the JSON value written, so the processor
+   can refuse a string or a negative limit) into dynamic metadata namespace
+   ``extproc``. It buffers the body first, so the
    metadata exists when ext_proc sends the request headers. Only JSON bodies
    are parsed (``application/json``, also with ``charset=utf-8``, since the
    filter compares the whole header); anything else is answered 400 by the
@@ -316,9 +318,10 @@ def _json_to_metadata_filter() -> dict[str, Any]:
                 "allow_content_types": list(JSON_CONTENT_TYPES),
                 "rules": [
                     rule("model", "model", "STRING"),
-                    rule("max_tokens", "max_tokens", "NUMBER"),
-                    # OpenAI's newer name wins when both are present (as in vLLM).
-                    rule("max_completion_tokens", "max_tokens", "NUMBER"),
+                    # As written (PROTOBUF_VALUE): NUMBER would turn "nan" and "inf"
+                    # into numbers and true into 1; the processor refuses those.
+                    rule("max_tokens", "max_tokens", "PROTOBUF_VALUE"),
+                    rule("max_completion_tokens", "max_completion_tokens", "PROTOBUF_VALUE"),
                     # Prefix-cache affinity for endpoint picking (OpenAI's field).
                     rule("prompt_cache_key", "prompt_cache_key", "STRING"),
                 ]
