@@ -73,8 +73,10 @@ def test_an_estimate_is_clamped_to_the_models_context(max_tokens: float, content
     estimate = CostModel(weights).estimate("t", content_length, max_tokens)
     assert 1 <= estimate.prompt_tokens <= 1000 and 1 <= estimate.output_tokens <= 1000
     assert 3 <= estimate.cost <= 3000
+    assert estimate.clamped == (content_length == 10**20 or not max_tokens <= 1000)
     # A whole number beyond the context is that context (the engine refuses it; we only must not overflow).
     assert CostModel(weights).estimate("t", 10**20, 1e308).cost == 3000
+    assert not CostModel(weights).estimate("t", 4080, 1000).clamped
 
 
 @pytest.mark.parametrize(("occupancy", "rate"), [(math.inf, 50.0), (math.nan, 50.0), (1.0, math.inf), (1.0, math.nan),

@@ -111,6 +111,7 @@ async def test_poisoned_max_tokens_do_not_delay_a_newcomer_and_metrics_stay_fini
         assert samples and all(math.isfinite(v) for v in samples.values()), {
             k: v for k, v in samples.items() if not math.isfinite(v)}
         assert metric(samples, "extproc_rejected_total", model="m1", reason="invalid_max_tokens") == len(INVALID)
+        assert metric(samples, "extproc_cost_clamped_total", model="m1") == 2 * len(POISON)
         # Every request ended once: the poison was released and answered by the engine.
         assert metric(samples, "extproc_released_total", model="m1") == 2 * len(POISON) + FLOOD + 1
         assert metric(samples, "extproc_queue_depth", model="m1") == 0

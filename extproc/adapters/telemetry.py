@@ -40,6 +40,13 @@ class Telemetry:
             ["model", "reason"],
             registry=r,
         )
+        self.cost_clamped = Counter(
+            "extproc_cost_clamped",
+            "Requests whose max_tokens or Content-Length was beyond the model's max_context_tokens "
+            "(the vtc cost counts at most the context).",
+            ["model"],
+            registry=r,
+        )
         self.abandoned = Counter(
             "extproc_abandoned",
             "Requests whose client left while they were queued.",
@@ -143,6 +150,9 @@ class ModelTelemetry:
 
     def released(self, band: str) -> None:
         self._t.released.labels(self._model, band).inc()
+
+    def cost_clamped(self) -> None:
+        self._t.cost_clamped.labels(self._model).inc()
 
     def abandoned(self, band: str) -> None:
         self._t.abandoned.labels(self._model, band).inc()

@@ -95,6 +95,9 @@ class Estimate:
     output_tokens: float
     max_tokens: float | None
     cost: float
+    # The client's max_tokens or Content-Length was beyond the context (or not
+    # a number): worth a metric, as it is a mistake or an attempt at poisoning.
+    clamped: bool = False
 
 
 class CostModel:
@@ -111,18 +114,21 @@ class CostModel:
     def estimate(self, tenant: str, content_length: int | None, max_tokens: float | None) -> Estimate:
         """What a release is charged; finite and bounded whatever the client sent (see Bounds)."""
         context = float(self.weights.max_context_tokens)
+        clamped = False
         if content_length is not None:
-            bytes_ = content_length - self.weights.body_overhead_bytes
-            prompt = _tokens(bytes_ / self.weights.bytes_per_token, context)
+            raw_prompt = (content_length - self.weights.body_overhead_bytes) / self.weights.bytes_per_token
+            prompt = _tokens(raw_prompt, context)
+            clamped = not raw_prompt <= context
             self._prompt_avg[tenant] = _blend(self._prompt_avg.get(tenant), prompt)
         else:
             prompt = _tokens(self._prompt_avg.get(tenant, 1.0), context)
         if max_tokens is not None:
+            clamped = clamped or not max_tokens <= context
             max_tokens = _tokens(max_tokens, context)
             output = max_tokens
         else:
             output = self._output_avg.get(tenant, _tokens(self.weights.default_output_tokens, context))
-        return Estimate(prompt, output, max_tokens, self.price(prompt, output))
+        return Estimate(prompt, output, max_tokens, self.price(prompt, output), clamped)
 
     def measure(self, tenant: str, estimate: Estimate, occupancy_s: float, decode_rate: float | None) -> float:
         """The request's cost as far as it can be measured (see the module docstring)."""

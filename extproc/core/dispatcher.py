@@ -134,6 +134,8 @@ class ModelDispatcher:
                           drain_s=self._release_rate.drain_s(overflow.backlog, now))
         loop = asyncio.get_running_loop()
         estimate = self._cost.estimate(tenant, content_length, max_tokens)
+        if estimate.clamped:
+            self._report.cost_clamped()
         held = Held(tenant, band, now, loop.create_future(), estimate, affinity=affinity or tenant)
         self._queue.push(band, tenant, held)
         held.expiry = loop.call_later(self._bands[band].max_queue_wait_s, self._expire, held)

@@ -22,6 +22,9 @@ class DispatchReport(Protocol):
 
     def released(self, band: str) -> None: ...
 
+    def cost_clamped(self) -> None:
+        """A request's max_tokens or Content-Length was beyond the model's context; its cost was clamped."""
+
     def abandoned(self, band: str) -> None:
         """A queued request's client left."""
 
