@@ -85,7 +85,6 @@ MIN_IDLE_TIMEOUT_S = 600.0
 # JSON bodies are buffered by json_to_metadata before ext_proc runs; with
 # Envoy's default 1 MiB per-connection buffer a longer prompt gets 413.
 BUFFER_LIMIT_BYTES = 16 * 1024 * 1024
-EXTPROC_CONNECT_TIMEOUT_S = 0.25
 # json_to_metadata compares the whole Content-Type: list the spellings SDKs send.
 JSON_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8", "application/json;charset=utf-8")
 MODEL_CONNECT_TIMEOUT_S = 5.0
@@ -409,7 +408,10 @@ def extproc_cluster(config: Config) -> dict[str, Any]:
     return {
         "name": EXTPROC_CLUSTER,
         "type": "STATIC" if is_ip_address(host) else "STRICT_DNS",
-        "connect_timeout": _duration(EXTPROC_CONNECT_TIMEOUT_S),
+        # The message timeout's budget: a refused connection (processor down) fails at once
+        # anyway, while under a burst Envoy itself handles the connect event late — a
+        # shorter timeout turned a cold burst into thousands of 503s (docs/reliability.md).
+        "connect_timeout": _duration(config.envoy.message_timeout_ms / 1000),
         "typed_extension_protocol_options": _protocol_options(http2=True),
         "circuit_breakers": _circuit_breakers(),
         "load_assignment": {

@@ -60,6 +60,7 @@ class ProcessorServer:
     async def start(self) -> None:
         if self._grpc.add_insecure_port(self.config.listen.grpc) == 0:
             raise OSError(f"listen.grpc: cannot bind {self.config.listen.grpc}")
+        self.processor.lag.start()
         await self._grpc.start()
         # Metrics last: once /metrics answers, the gRPC port is serving (readiness probe).
         host, port = split_address(self.config.listen.metrics)
@@ -88,6 +89,7 @@ class ProcessorServer:
         await self.close()
 
     async def close(self) -> None:
+        await self.processor.lag.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
