@@ -33,19 +33,35 @@ async def test_a_burst_is_answered_one_answer_each_never_bare(tmp_path: Path) ->
         report, held = await burst_and_hold(stack, n, settle_s=1.5)
     assert len(report.answers) == n
     assert report.bare == [], report.counts()
+    # Envoy's own overloaded answers (the admission bucket) get their JSON body from its local-reply mapping.
+    assert [a for a in report.not_json if a.reason != "overloaded"] == [], report.counts()
     assert held.held > 0
 
 
 @pytest.mark.integration
 @pytest.mark.slow
-@pytest.mark.xfail(reason="issue #10 items 2-3 not met yet: 10,000 at once still get bare 504s (streams wait in "
-                   "gRPC's accept path, before the processor sees them) and ~30 KB RSS per held request; "
-                   "see docs/reliability.md", strict=False)
+async def test_ten_thousand_at_once_each_answered_once_never_bare(tmp_path: Path) -> None:
+    """Beyond what the processor takes in within the message timeout, Envoy's admission bucket sheds: no 504."""
+    n = 10_000
+    config = holding_config(tmp_path, hold_s=10, max_queued=n)
+    async with await start_stack(config, tmp_path, sim_args=SIM) as stack:
+        report, held = await burst_and_hold(stack, n)
+    assert len(report.answers) == n
+    assert report.bare == [], report.counts()
+    assert held.held >= 1_000  # the bucket's burst at least was taken in and held
+    assert report.counts()[(503, "overloaded")] > 0
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.xfail(reason="issue #10 item 3 not met yet: ~28 KB of processor RSS per held request (gRPC per-stream "
+                   "state); see docs/reliability.md", strict=False)
 async def test_ten_thousand_held_each_answered_once_within_the_memory_bound(tmp_path: Path) -> None:
     n = 10_000
     config = holding_config(tmp_path, hold_s=30, max_queued=n)
     async with await start_stack(config, tmp_path, sim_args=SIM) as stack:
-        report, held = await burst_and_hold(stack, n)
+        # 800 a second: within the admission bucket (1,000 a second), so every one is held.
+        report, held = await burst_and_hold(stack, n, wave=800)
     assert len(report.answers) == n
     assert report.bare == [], report.counts()
     assert held.held >= 0.9 * n

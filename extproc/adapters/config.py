@@ -273,6 +273,12 @@ class EnvoySettings(_Section, frozen=True):
     # seconds (a crashed one is noticed at once: its connection resets), long enough
     # that a busy event loop under a burst does not turn into 504s.
     message_timeout_ms: Count = 2000
+    # Admission in front of the processor (Envoy's local rate limit, one token bucket):
+    # up to admission_burst requests at once, then admission_per_second. A burst larger
+    # than the processor can answer within message_timeout_ms is answered 503
+    # `overloaded` by Envoy at once, instead of 504s two seconds later.
+    admission_burst: Count = 1000
+    admission_per_second: Count = 1000
     # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
     jwt: JwtSettings | None = None
 

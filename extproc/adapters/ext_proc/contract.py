@@ -14,6 +14,9 @@ METADATA_NAMESPACE = "extproc"
 QUEUE_WAIT_HEADER = "x-extproc-queue-wait-ms"
 # On the processor's own answers: why it answered instead of the engine.
 REASON_HEADER = "x-extproc-reason"
+# The reason of a request shed on arrival, by Envoy's admission bucket or by the
+# processor itself (core/outcomes.py Refusal.OVERLOADED has the same value).
+OVERLOADED_REASON = "overloaded"
 # Gateway API Inference Extension convention: the endpoint picked for a request
 # (HOST:PORT); Envoy routes requests carrying it to an ORIGINAL_DST cluster.
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
