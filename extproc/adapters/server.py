@@ -36,6 +36,9 @@ GRPC_OPTIONS = [
     ("grpc.server.max_pending_requests", 100_000),
     ("grpc.max_concurrent_streams", 100_000),
     ("grpc.so_reuseport", 0),
+    # No optional filters (compression, census) in the server's channel stack: each held
+    # stream carries every filter's call data; measured 27.3 -> 25.5 KB of RSS per held request.
+    ("grpc.minimal_stack", 1),
 ]
 # After draining, how long in-flight streams get before the server stops for good.
 FINAL_GRACE_S = 5.0
