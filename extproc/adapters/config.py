@@ -291,6 +291,12 @@ class EnvoySettings(_Section, frozen=True):
     # timeout): "closed" answers 503 (nothing passes unscheduled); "open" forwards the
     # request unscheduled, routed on the body's model (nothing is lost, fairness is).
     processor_failure: Literal["closed", "open"] = "closed"
+    # Admission in front of the processor (Envoy's local rate limit, one token bucket):
+    # up to admission_burst requests at once, then admission_per_second. A burst larger
+    # than the processor can answer within message_timeout_ms is answered 503
+    # `overloaded` by Envoy at once, instead of 504s two seconds later.
+    admission_burst: Count = 1000
+    admission_per_second: Count = 1000
     # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
     jwt: JwtSettings | None = None
 

@@ -111,7 +111,6 @@ MIN_IDLE_TIMEOUT_S = 600.0
 # JSON bodies are buffered by json_to_metadata before ext_proc runs; with
 # Envoy's default 1 MiB per-connection buffer a longer prompt gets 413.
 BUFFER_LIMIT_BYTES = 16 * 1024 * 1024
-EXTPROC_CONNECT_TIMEOUT_S = 0.25
 # Envoy asks the processor's gRPC health this often. A NOT_SERVING answer (a
 # draining processor) takes it out of the extproc cluster's rotation at once
 # (measured 0.9 s after SIGTERM); a check that fails or times out must fail
@@ -352,6 +351,40 @@ def _ext_proc_filter(config: Config) -> dict[str, Any]:
     }
 
 
+def _admission_filter(config: Config) -> dict[str, Any]:
+    """A token bucket in front of the processor: a burst it cannot answer in time is shed here.
+
+    The processor takes in new streams at a bounded rate (each costs it about
+    0.4 ms of CPU); Envoy starts every stream's message timeout at once, so the
+    tail of a large enough burst would get a bare 504. Envoy answers the excess
+    itself, at once: 503, ``x-extproc-reason: overloaded``, ``Retry-After: 1``
+    (the JSON error comes from :func:`local_reply_config`, which knows the
+    filter's reply by its response flag ``RL``).
+    Held requests hold no token: the bucket limits arrivals, not the queue.
+    """
+    envoy = config.envoy
+
+    def always(key: str) -> dict[str, Any]:
+        return {"default_value": {"numerator": 100, "denominator": "HUNDRED"}, "runtime_key": key}
+
+    return {
+        "name": "envoy.filters.http.local_ratelimit",
+        "typed_config": {
+            "@type": _TYPE + "envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+            "stat_prefix": "extproc_admission",
+            "status": {"code": "ServiceUnavailable"},
+            "token_bucket": {
+                "max_tokens": envoy.admission_burst,
+                "tokens_per_fill": envoy.admission_per_second,
+                "fill_interval": "1s",
+            },
+            "filter_enabled": always("extproc_admission.enabled"),
+            "filter_enforced": always("extproc_admission.enforced"),
+            # The reason, Retry-After and JSON body come from local_reply_config (flag RL).
+        },
+    }
+
+
 def _router_filter() -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.router",
@@ -364,7 +397,7 @@ def http_filters(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any
     identity = [_api_key_auth_filter(config)] if config.envoy.api_keys else []
     if config.envoy.jwt is not None:
         identity.append(_jwt_authn_filter(config))
-    processor = [_ext_proc_filter(config)] if ext_proc else []
+    processor = [_admission_filter(config), _ext_proc_filter(config)] if ext_proc else []
     return [
         _sanitise_filter(config),
         *identity,
@@ -500,7 +533,10 @@ def extproc_cluster(config: Config) -> dict[str, Any]:
     return {
         "name": EXTPROC_CLUSTER,
         "type": "STATIC" if is_ip_address(host) else "STRICT_DNS",
-        "connect_timeout": _duration(EXTPROC_CONNECT_TIMEOUT_S),
+        # The message timeout's budget: a refused connection (processor down) fails at once
+        # anyway, while under a burst Envoy itself handles the connect event late — a
+        # shorter timeout turned a cold burst into thousands of 503s (docs/reliability.md).
+        "connect_timeout": _duration(config.envoy.message_timeout_ms / 1000),
         "typed_extension_protocol_options": _protocol_options(http2=True),
         "circuit_breakers": _circuit_breakers(),
         "health_checks": [_extproc_health_check()],
@@ -644,9 +680,9 @@ _PROCESSOR_ANSWER = _cel(f"'{REASON_HEADER}' in response.headers")
 LOCAL_REPLIES = (
     LocalReply("unauthenticated", _status_is(401), "authentication_error", "%LOCAL_REPLY_BODY%"),
     LocalReply("permission_denied", _status_is(403), "permission_error", "%LOCAL_REPLY_BODY%"),
-    # Circuit breakers (UO) or Envoy's overload manager (OM) shedding load.
+    # The admission bucket (RL), circuit breakers (UO) or Envoy's overload manager (OM) shedding load.
     LocalReply(
-        "overloaded", _flags("UO", "OM"), "server_error", "The gateway is overloaded; retry shortly.", retry_after_s=1,
+        "overloaded", _flags("RL", "UO", "OM"), "server_error", "The gateway is overloaded; retry shortly.", retry_after_s=1,
     ),
     LocalReply(
         "engine_unavailable", _flags("UF", "UH", "URX", "UR", "UC", "NC"),

@@ -51,6 +51,9 @@ GRPC_OPTIONS = [
     ("grpc.server.max_pending_requests", 100_000),
     ("grpc.max_concurrent_streams", 100_000),
     ("grpc.so_reuseport", 0),
+    # No optional filters (compression, census) in the server's channel stack: each held
+    # stream carries every filter's call data; measured 27.3 -> 25.5 KB of RSS per held request.
+    ("grpc.minimal_stack", 1),
 ]
 # Once nothing is queued or in flight: how long the last streams (refusals being
 # sent) get to finish before the gRPC server stops.
@@ -78,6 +81,7 @@ class ProcessorServer:
     async def start(self) -> None:
         if self._grpc.add_insecure_port(self.config.listen.grpc) == 0:
             raise OSError(f"listen.grpc: cannot bind {self.config.listen.grpc}")
+        self.processor.lag.start()
         await self._grpc.start()
         # Metrics last: once /metrics answers, the gRPC port is serving (readiness probe).
         host, port = split_address(self.config.listen.metrics)
@@ -126,6 +130,7 @@ class ProcessorServer:
             await asyncio.sleep(DRAIN_POLL_S)
 
     async def close(self) -> None:
+        await self.processor.lag.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

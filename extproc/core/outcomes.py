@@ -26,6 +26,7 @@ class Refusal(StrEnum):
     MODEL_QUEUE_FULL = "model_queue_full"  # the model's queue is full, for everyone
     QUEUE_TIMEOUT = "queue_timeout"  # no room freed up within the class's longest wait
     SHUTTING_DOWN = "shutting_down"  # the processor drains
+    OVERLOADED = "overloaded"  # a burst put the processor too far behind to answer in time: shed on arrival
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,11 @@ request is refused (403).
 A client that leaves while queued cancels the stream; the cancellation
 removes its entry from the queue at once.
 
+Under a burst the first reply must still reach Envoy within its
+``message_timeout``: while the event loop runs late (``loop_lag.py``) the
+stream is acknowledged (``override_message_timeout``) before any other work,
+and past the shed bound it is answered ``overloaded`` at once.
+
 A request that does not reach the engine ends in one of the core's named
 refusals (``core/outcomes.py``); what the client hears for each — HTTP status,
 OpenAI-style JSON error, ``Retry-After`` — is chosen here (:data:`ANSWERS`,
@@ -42,6 +47,7 @@ OpenAI-style JSON error, ``Retry-After`` — is chosen here (:data:`ANSWERS`,
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import math
@@ -67,6 +73,7 @@ from extproc.adapters.ext_proc.contract import (
     REASON_HEADER,
     hold_timeout_for,
 )
+from extproc.adapters.ext_proc.loop_lag import LoopLag
 from extproc.adapters.ext_proc.priority_body import with_priority
 from extproc.adapters.ext_proc.release_outcome import engine_answered
 from extproc.adapters.telemetry import Telemetry
@@ -89,10 +96,17 @@ ANSWERS: dict[Refusal, tuple[int, str]] = {
     Refusal.MODEL_QUEUE_FULL: (503, "server_error"),
     Refusal.QUEUE_TIMEOUT: (503, "server_error"),
     Refusal.SHUTTING_DOWN: (503, "server_error"),
+    Refusal.OVERLOADED: (503, "server_error"),
 }
 # Retry-After: the refusing queue's drain time at the recent release rate, within these bounds.
 MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
+# From this loop lag on, a stream is acknowledged before it is decided: the
+# acknowledgement is the cheapest reply that stops Envoy's message timer.
+ACK_LAG_S = 0.05
+# From this share of Envoy's message_timeout of loop lag on, a new stream is
+# shed (overloaded): its reply would come too close to Envoy's 504.
+SHED_LAG_SHARE = 0.5
 # The filter's own mode with, after a release, the request body buffered (engine_priority
 # models) and/or the response headers sent (a release the gate checks for failure); by
 # (body, response headers). Neither: no override.
@@ -129,8 +143,9 @@ def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
 
 def retry_after_s(refused: Refused) -> int | None:
     """Seconds a client should wait before retrying, or None where retrying later does not help."""
-    if refused.refusal is Refusal.SHUTTING_DOWN:
-        return MIN_RETRY_AFTER_S  # another replica, or this one restarted, answers in a moment
+    if refused.refusal in (Refusal.SHUTTING_DOWN, Refusal.OVERLOADED):
+        # Another replica, or this one restarted, answers in a moment; a burst passes in moments.
+        return MIN_RETRY_AFTER_S
     if refused.drain_s is None:
         return None
     if math.isinf(refused.drain_s):  # nothing released lately: no estimate
@@ -258,6 +273,14 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the
         self._hold_timeout = {m.name: _duration(hold_timeout_for(config.longest_queue_wait_s(m))) for m in config.models}
         self._engine_priority_models = {m.name for m in config.models if m.engine_priority}
         self.draining = False
+        self.lag = LoopLag()
+        self._shed_lag_s = SHED_LAG_SHARE * config.envoy.message_timeout_ms / 1000
+        # Prebuilt: under a burst these are sent to every arrival, so they cost no construction.
+        longest_hold = max(self._hold_timeout.values(), key=lambda d: d.ToMilliseconds())
+        self._acknowledgement = pb.ProcessingResponse(override_message_timeout=longest_hold)
+        self._overloaded = error_response(Refused(
+            Refusal.OVERLOADED, "the gateway received more requests at once than it can take in; retry shortly"
+        ))
 
     def admit(self, headers: dict[str, str], body_model: str | None) -> Admission:
         """Who asks, for which model, how urgently — or why not (raises Refused)."""
@@ -307,6 +330,16 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the
             async for message in messages:
                 yield _continue(message)
             return
+        lag = self.lag.seconds(asyncio.get_running_loop().time())
+        if lag >= self._shed_lag_s:
+            model = _body_model(first)
+            self._telemetry.rejected.labels(model if model in self._dispatchers else "(unknown)",
+                                            Refusal.OVERLOADED.value).inc()
+            yield self._overloaded
+            return
+        acknowledged = lag >= ACK_LAG_S
+        if acknowledged:
+            yield self._acknowledgement
         headers = _headers_of(first.request_headers)
         if headers.get(":method") == "GET" and headers.get(":path", "").split("?")[0] == "/v1/models":
             yield _models_response(self._config)
@@ -339,11 +372,13 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the
         except Refused as refused:  # a queue cap; the dispatcher counted it
             yield error_response(refused)
             return
+        # Not kept through the hold: a held request costs memory, 10,000 of them add up.
+        del first, headers
         engine_priority = self._engine_priority(admission)
         # One try for the whole hold: the stream can be cancelled (client gone) at
         # any await or yield, and the request must leave the queue or the gate then.
         try:
-            if not held.future.done():
+            if not held.future.done() and not acknowledged:
                 yield pb.ProcessingResponse(override_message_timeout=self._hold_timeout[admission.model])
             try:
                 waited = await held.future

@@ -1,0 +1,204 @@
+"""A burst of requests arriving at once, and what each client got back.
+
+Used by tests/test_fault_burst.py and, run as ``python -m extproc.tools.burst``,
+for the figures in docs/reliability.md: it starts the real stack (simulator,
+processor, Envoy with the generated config) with a gate that holds every
+request, fires ``--n`` requests at once, samples the processor's and Envoy's
+RSS while they are held, and counts the answers. An answer is *bare* when it
+is not the OpenAI-style JSON error with an ``x-extproc-reason`` header — e.g.
+Envoy's own 504 when the processor's first reply missed the message timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from extproc.adapters.ext_proc.contract import REASON_HEADER
+from extproc.tools.procs import cpu_seconds, free_port
+from extproc.tools.stack import Stack, start_stack
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    reason: str  # the x-extproc-reason header, "" when absent
+    json_error: bool  # the body is {"error": {...}}
+    details: str = ""  # what went wrong on the client's side, if no HTTP answer came
+
+
+@dataclass
+class BurstReport:
+    answers: list[Answer] = field(default_factory=list)
+
+    @property
+    def bare(self) -> list[Answer]:
+        """Failures that say no reason (e.g. Envoy's 504 for a missed message timeout), or no answer at all."""
+        return [a for a in self.answers if not (200 <= a.status < 300 or a.reason)]
+
+    @property
+    def not_json(self) -> list[Answer]:
+        """Failures whose body is not the OpenAI-style JSON error."""
+        return [a for a in self.answers if not (200 <= a.status < 300 or a.json_error)]
+
+    def counts(self) -> Counter[tuple[int, str]]:
+        return Counter((a.status, a.reason or a.details) for a in self.answers)
+
+
+async def _one(session: aiohttp.ClientSession, url: str, model: str) -> Answer:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    try:
+        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            text = await response.read()
+            try:
+                parsed = json.loads(text)
+            except ValueError:
+                parsed = None
+            json_error = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
+            return Answer(response.status, response.headers.get(REASON_HEADER, ""), json_error)
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return Answer(0, "", False, details=type(exc).__name__)
+
+
+async def fire(
+    url: str, model: str, n: int, *, while_held: Callable[[], Awaitable[None]] | None = None, wave: int | None = None,
+) -> BurstReport:
+    """``n`` requests, each on its own connection: at once, or ``wave`` per second; ``while_held`` runs meanwhile."""
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        requests = []
+        for start in range(0, n, wave or n):
+            if start:
+                await asyncio.sleep(1.0)
+            requests += [asyncio.ensure_future(_one(session, url, model)) for _ in range(min(wave or n, n - start))]
+        if while_held is not None:
+            await while_held()
+        return BurstReport(list(await asyncio.gather(*requests)))
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process ``pid`` (Linux ``/proc``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise LookupError(f"no VmRSS for pid {pid}")
+
+
+def holding_config(workdir: Path, *, hold_s: float, max_queued: int, envoy: dict[str, Any] | None = None) -> Path:
+    """A one-model config whose gate releases nothing: every admitted request waits ``hold_s``, then 503."""
+    doc: dict[str, Any] = {
+        "listen": {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"},
+        "models": [{
+            "name": "m1", "endpoints": [f"http://127.0.0.1:{free_port()}"],
+            # One release per thousand seconds: the first request goes, the rest stay queued.
+            "gate": "static_rate", "release_rate": 0.001,
+            "max_queue_wait_s": hold_s, "max_queued": max_queued,
+        }],
+        "tenants": {"default": {"max_queued": max_queued}},
+        "envoy": {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}", **(envoy or {})},
+    }
+    path = workdir / "config.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+async def queued(stack: Stack) -> float:
+    """The processor's queue depth for m1, from its /metrics."""
+    async with aiohttp.ClientSession() as session, session.get(stack.metrics_url) as response:
+        text = await response.text()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("extproc_queue_depth{"))
+
+
+@dataclass(frozen=True)
+class HeldFigures:
+    held: float  # requests queued when RSS was read
+    processor_idle: int
+    processor_held: int
+    envoy_idle: int
+    envoy_held: int
+    # CPU seconds each used from the first request until the queue stopped growing.
+    processor_cpu_s: float = 0.0
+    envoy_cpu_s: float = 0.0
+
+    @property
+    def processor_per_held(self) -> float:
+        return (self.processor_held - self.processor_idle) / max(self.held, 1)
+
+    @property
+    def envoy_per_held(self) -> float:
+        return (self.envoy_held - self.envoy_idle) / max(self.held, 1)
+
+
+async def burst_and_hold(
+    stack: Stack, n: int, *, settle_s: float = 3.0, wave: int | None = None
+) -> tuple[BurstReport, HeldFigures]:
+    """Fire ``n`` (see :func:`fire`); once the queue stops growing, read both RSS; then wait for every answer."""
+    assert stack.processor is not None and stack.envoy is not None
+    processor, envoy = stack.processor.process.pid, stack.envoy.process.pid
+    idle = rss_bytes(processor), rss_bytes(envoy)
+    cpu = cpu_seconds(processor), cpu_seconds(envoy)
+    figures: list[HeldFigures] = []
+
+    async def measure() -> None:
+        depth, since = -1.0, time.monotonic()
+        while time.monotonic() - since < settle_s:  # the queue has not changed for settle_s
+            await asyncio.sleep(0.5)
+            now = await queued(stack)
+            if now != depth:
+                depth, since = now, time.monotonic()
+        figures.append(HeldFigures(
+            depth, idle[0], rss_bytes(processor), idle[1], rss_bytes(envoy),
+            cpu_seconds(processor) - cpu[0], cpu_seconds(envoy) - cpu[1],
+        ))
+
+    report = await fire(stack.envoy_url, "m1", n, while_held=measure, wave=wave)
+    return report, figures[0]
+
+
+async def _main(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(args.workdir or tmp)
+        envoy = {key: value for key, value in (("admission_burst", args.admission_burst),
+                                               ("admission_per_second", args.admission_per_second)) if value}
+        config = holding_config(workdir, hold_s=args.hold_s, max_queued=max(args.n, 10_000), envoy=envoy)
+        async with await start_stack(config, workdir, sim_args=["--max-num-seqs", "1"]) as stack:
+            assert stack.processor is not None
+            print(f"processor pid {stack.processor.process.pid}, logs in {workdir}", flush=True)
+            if args.before_s:
+                await asyncio.sleep(args.before_s)
+            report, held = await burst_and_hold(stack, args.n, wave=args.wave)
+        print(f"n={args.n} held={held.held:.0f} bare={len(report.bare)} not-json={len(report.not_json)} "
+              f"answers={sorted(report.counts().items())}")
+        print(f"processor RSS idle {held.processor_idle / 2**20:.0f} MiB, held {held.processor_held / 2**20:.0f} MiB, "
+              f"{held.processor_per_held / 1024:.1f} KiB per held request")
+        print(f"envoy RSS idle {held.envoy_idle / 2**20:.0f} MiB, held {held.envoy_held / 2**20:.0f} MiB, "
+              f"{held.envoy_per_held / 1024:.1f} KiB per held request")
+        print(f"CPU until the queue settled: processor {held.processor_cpu_s:.1f} s, envoy {held.envoy_cpu_s:.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--n", type=int, default=10_000, help="requests fired at once")
+    parser.add_argument("--hold-s", type=float, default=30.0, help="how long each admitted request is held (then 503)")
+    parser.add_argument("--admission-burst", type=int, help="envoy.admission_burst (default: the config's)")
+    parser.add_argument("--admission-per-second", type=int, help="envoy.admission_per_second (default: the config's)")
+    parser.add_argument("--wave", type=int, help="send this many per second instead of all at once")
+    parser.add_argument("--workdir", help="keep configs and logs here (default: a temporary directory)")
+    parser.add_argument("--before-s", type=float, default=0.0, help="wait this long before firing (to attach a profiler)")
+    asyncio.run(_main(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
