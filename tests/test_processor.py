@@ -63,7 +63,7 @@ class Stream:
             yield message
 
     async def _run(self, processor: Processor) -> None:
-        async for answer in processor.Process(self._requests(), None):  # type: ignore[arg-type]
+        async for answer in processor.process(self._requests()):
             await self.answers.put(answer)
 
     def close(self) -> None:

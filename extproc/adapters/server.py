@@ -32,29 +32,22 @@ from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 import aiohttp
-import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from grpc_health.v1 import health_pb2
 from prometheus_client import start_http_server
 
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.engines.discovery import watch_pool
 from extproc.adapters.ext_proc.contract import EXT_PROC_SERVICE
+from extproc.adapters.ext_proc.h2grpc import GrpcServer, Method
+from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatchers
 
 log = logging.getLogger(__name__)
 
-GRPC_OPTIONS = [
-    # Every held request is an open stream; a burst must not be refused by gRPC itself.
-    ("grpc.server.max_pending_requests", 100_000),
-    ("grpc.max_concurrent_streams", 100_000),
-    ("grpc.so_reuseport", 0),
-    # No optional filters (compression, census) in the server's channel stack: each held
-    # stream carries every filter's call data; measured 27.3 -> 25.5 KB of RSS per held request.
-    ("grpc.minimal_stack", 1),
-]
+PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 # Once nothing is queued or in flight: how long the last streams (refusals being
 # sent) get to finish before the gRPC server stops.
 FINAL_GRACE_S = 1.0
@@ -70,19 +63,24 @@ class ProcessorServer:
         self.telemetry = Telemetry()
         self.dispatchers = build_dispatchers(config, self.telemetry)
         self.processor = Processor(config, self.dispatchers, self.telemetry)
-        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # grpc-stubs lack health.aio
-        self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
-        pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        self._health = Health()
+        # Every held request is an open stream: the transport never limits them, and
+        # keeps each small (h2grpc.py; measured per held request in docs/reliability.md).
+        self._grpc = GrpcServer({
+            PROCESS_PATH: Method(pb.ProcessingRequest.FromString, self.processor.process),
+            **self._health.methods(),
+        })
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._metrics_server: WSGIServer | None = None
 
     async def start(self) -> None:
-        if self._grpc.add_insecure_port(self.config.listen.grpc) == 0:
-            raise OSError(f"listen.grpc: cannot bind {self.config.listen.grpc}")
+        host, port = split_address(self.config.listen.grpc)
+        try:
+            await self._grpc.start(host, port)
+        except OSError as exc:
+            raise OSError(f"listen.grpc: cannot bind {self.config.listen.grpc}: {exc}") from exc
         self.processor.lag.start()
-        await self._grpc.start()
         # Metrics last: once /metrics answers, the gRPC port is serving (readiness probe).
         host, port = split_address(self.config.listen.metrics)
         self._metrics_server, _ = start_http_server(port, host, registry=self.telemetry.registry)
@@ -90,7 +88,7 @@ class ProcessorServer:
         for model in self.config.models:
             self._tasks.append(asyncio.create_task(watch_pool(self._session, model, self.dispatchers[model.name])))
         for service in ("", EXT_PROC_SERVICE):
-            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving ext_proc on %s, metrics on %s", self.config.listen.grpc, self.config.listen.metrics)
 
     def queued(self) -> int:
@@ -109,7 +107,7 @@ class ProcessorServer:
                  self.queued(), self.in_flight(), drain_seconds, deadline_seconds)
         self.processor.draining = True
         self.telemetry.draining.set(1)
-        await self._health.enter_graceful_shutdown()
+        self._health.enter_graceful_shutdown()
         await self._wait(lambda: self.queued() == 0, start + min(drain_seconds, deadline_seconds), force)
         if self.queued():
             log.info("drain deadline: answering %d queued requests shutting_down", self.queued())

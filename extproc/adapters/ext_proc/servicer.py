@@ -1,5 +1,8 @@
 """The ext_proc stream: one gRPC stream per HTTP request passing through Envoy.
 
+Transport-independent: :meth:`Processor.process` turns the stream's messages
+into replies; h2grpc.py carries them (server.py wires the two).
+
 Life of a stream (processing mode: request headers SEND, response trailers
 SEND, everything else off):
 
@@ -53,14 +56,11 @@ import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
-import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
@@ -263,8 +263,8 @@ def _content_length(headers: dict[str, str]) -> int | None:
     return int(value) if value.isascii() and value.isdigit() else None
 
 
-class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the generated base is untyped
-    """The gRPC servicer Envoy's ext_proc filter talks to."""
+class Processor:
+    """What Envoy's ext_proc filter talks to: one :meth:`process` per stream."""
 
     def __init__(self, config: Config, dispatchers: dict[str, ModelDispatcher], telemetry: Telemetry) -> None:
         self._config = config
@@ -318,10 +318,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the
                            f"its classes are {', '.join(allowed)}")
         return Admission(model, tenant, min(lower), requested=requested)
 
-    async def Process(  # noqa: N802 (gRPC method name)
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[pb.ProcessingResponse]:
-        messages = aiter(request_iterator)
+    async def process(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
+        messages = aiter(requests)
         first = await anext(messages, None)
         if first is None:
             return
