@@ -54,9 +54,8 @@ async def test_ten_thousand_at_once_each_answered_once_never_bare(tmp_path: Path
 
 @pytest.mark.integration
 @pytest.mark.slow
-@pytest.mark.xfail(reason="issue #10 item 3 not met yet: ~28 KB of processor RSS per held request (gRPC per-stream "
-                   "state); see docs/reliability.md", strict=False)
 async def test_ten_thousand_held_each_answered_once_within_the_memory_bound(tmp_path: Path) -> None:
+    """Issue #10: at most 10 KB per held request, 10,000 held under 200 MB (measured about 4.6 KB and 100 MB)."""
     n = 10_000
     config = holding_config(tmp_path, hold_s=30, max_queued=n)
     async with await start_stack(config, tmp_path, sim_args=SIM) as stack:
@@ -66,6 +65,7 @@ async def test_ten_thousand_held_each_answered_once_within_the_memory_bound(tmp_
     assert report.bare == [], report.counts()
     assert held.held >= 0.9 * n
     assert held.processor_per_held <= 10 * 1024, held
+    assert held.processor_held < 200 * 2**20, held
 
 
 @pytest.mark.unit

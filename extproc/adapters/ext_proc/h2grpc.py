@@ -196,9 +196,10 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def _start(self, stream_id: int, path: bytes) -> None:
-        method = self._server.methods.get(path.decode("ascii", "replace"))
+        name = path.decode("ascii", "replace")
+        method = self._server.methods.get(name)
         if method is None:
-            self._h2.send_headers(stream_id, [*_RESPONSE_HEADERS, *_trailers(UNIMPLEMENTED, f"no method {path!r}")],
+            self._h2.send_headers(stream_id, [*_RESPONSE_HEADERS, *_trailers(UNIMPLEMENTED, f"no method {name}")],
                                   end_stream=True)
             return
         call = _Call(self, stream_id, method)
@@ -286,9 +287,9 @@ class _Connection(asyncio.Protocol):
 def _trailers(status: int, message: str) -> list[tuple[bytes, bytes]]:
     trailers = [(b"grpc-status", str(status).encode())]
     if message:
-        # grpc-message is percent-encoded; ours are plain ASCII, so escaping '%' and non-ASCII suffices.
-        encoded = "".join(c if " " <= c <= "~" and c != "%" else f"%{ord(c):02X}" for c in message)
-        trailers.append((b"grpc-message", encoded.encode("ascii", "replace")))
+        # grpc-message is the UTF-8 bytes, percent-encoded outside printable ASCII (and '%' itself).
+        encoded = b"".join(bytes([b]) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in message.encode())
+        trailers.append((b"grpc-message", encoded))
     return trailers
 
 

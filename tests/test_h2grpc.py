@@ -1,0 +1,185 @@
+"""The ext_proc hop's own gRPC server (h2grpc.py), spoken to by grpcio's C-core client over real HTTP/2.
+
+grpcio is an independent implementation of the same protocol, so these check
+the wire behaviour Envoy relies on: replies and statuses, flow control for
+messages larger than the windows, cancellation on a client reset, no stream
+limit, and the health service's drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from google.protobuf import wrappers_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.adapters.ext_proc.h2grpc import MAX_MESSAGE_BYTES, GrpcError, GrpcServer, Method
+from extproc.adapters.ext_proc.health import Health
+from extproc.tools.procs import free_port
+
+pytestmark = pytest.mark.unit
+
+Bytes = wrappers_pb2.BytesValue
+ECHO, HOLD, FAIL, BROKEN = "/t.T/Echo", "/t.T/Hold", "/t.T/Fail", "/t.T/Broken"
+
+
+class Handlers:
+    def __init__(self) -> None:
+        self.holding = 0
+        self.ended = 0
+
+    async def echo(self, requests: AsyncIterator[Bytes]) -> AsyncIterator[Bytes]:
+        async for request in requests:
+            yield Bytes(value=request.value * 2)
+
+    async def hold(self, requests: AsyncIterator[Bytes]) -> AsyncIterator[Bytes]:
+        """Answers the first message, then waits for the client's end, as an ext_proc stream holding a request."""
+        async for _ in requests:
+            yield Bytes(value=b"held")
+            break
+        self.holding += 1
+        try:
+            async for _ in requests:
+                pass
+        finally:
+            self.holding -= 1
+            self.ended += 1
+
+    async def fail(self, requests: AsyncIterator[Bytes]) -> AsyncIterator[Bytes]:
+        async for _ in requests:
+            raise GrpcError(9, "no, because ünïcode 100%")
+        yield Bytes()
+
+    async def broken(self, requests: AsyncIterator[Bytes]) -> AsyncIterator[Bytes]:
+        async for _ in requests:
+            raise ValueError("a bug")
+        yield Bytes()
+
+
+async def _serving(handlers: Handlers, health: Health | None = None) -> tuple[GrpcServer, grpc.aio.Channel]:
+    methods = {path: Method(Bytes.FromString, fn) for path, fn in
+               ((ECHO, handlers.echo), (HOLD, handlers.hold), (FAIL, handlers.fail), (BROKEN, handlers.broken))}
+    server = GrpcServer({**methods, **(health.methods() if health else {})})
+    port = free_port()
+    await server.start("127.0.0.1", port)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 2**26)])
+    return server, channel
+
+
+def _stream(channel: grpc.aio.Channel, path: str) -> grpc.aio.StreamStreamMultiCallable:
+    return channel.stream_stream(path, request_serializer=Bytes.SerializeToString,
+                                 response_deserializer=Bytes.FromString)
+
+
+async def test_messages_larger_than_every_window_arrive_whole_both_ways() -> None:
+    """3 MiB in, 6 MiB out: more than the client's and our stream windows, so flow control must work."""
+    handlers = Handlers()
+    server, channel = await _serving(handlers)
+    try:
+        call = _stream(channel, ECHO)()
+        big = bytes(range(256)) * (3 * 4096)
+        await call.write(Bytes(value=big))
+        await call.write(Bytes(value=b"x"))
+        await call.done_writing()
+        replies = [r.value async for r in call]
+        assert replies == [big * 2, b"xx"]
+        assert await call.code() == grpc.StatusCode.OK
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_errors_end_the_call_with_a_status_the_client_reads() -> None:
+    handlers = Handlers()
+    server, channel = await _serving(handlers)
+    try:
+        for path, code, details in (
+            (FAIL, grpc.StatusCode.FAILED_PRECONDITION, "no, because ünïcode 100%"),
+            (BROKEN, grpc.StatusCode.INTERNAL, "internal error"),
+            ("/t.T/Missing", grpc.StatusCode.UNIMPLEMENTED, None),
+        ):
+            call = _stream(channel, path)()
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await call.write(Bytes(value=b"a"))  # an unknown method may end the call before this write
+                await call.read()
+            assert raised.value.code() == code, raised.value
+            if details is not None:
+                assert raised.value.details() == details
+        call = _stream(channel, ECHO)()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call.write(Bytes(value=b"a" * (MAX_MESSAGE_BYTES + 1)))
+            await call.read()
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # The connection still serves after every error above.
+        assert (await _stream(channel, ECHO)(iter([Bytes(value=b"ok")])).read()).value == b"okok"
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_thousands_of_held_streams_on_one_connection_and_a_reset_ends_each_handler_at_once() -> None:
+    """No concurrent-stream limit (held requests are streams); a client that leaves cancels its handler."""
+    handlers = Handlers()
+    server, channel = await _serving(handlers)
+    n = 2_000
+    try:
+        calls = [_stream(channel, HOLD)() for _ in range(n)]
+        for call in calls:
+            await call.write(Bytes(value=b"hi"))
+        replies = await asyncio.gather(*(call.read() for call in calls))
+        assert {r.value for r in replies} == {b"held"}
+        assert handlers.holding == n and server.calls() == n
+        for call in calls[: n // 2]:
+            call.cancel()  # RST_STREAM
+        for call in calls[n // 2:]:
+            await call.done_writing()  # END_STREAM: the request finished normally
+        for _ in range(200):
+            if handlers.ended == n:
+                break
+            await asyncio.sleep(0.01)
+        assert handlers.ended == n and handlers.holding == 0
+        assert server.calls() == 0
+        assert [await call.code() for call in calls[n // 2:]] == [grpc.StatusCode.OK] * (n - n // 2)
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_health_answers_per_service_and_turns_not_serving_for_good_on_drain() -> None:
+    health = Health()
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+    health.set("svc", health_pb2.HealthCheckResponse.SERVING)
+    server, channel = await _serving(Handlers(), health)
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        assert (await stub.Check(health_pb2.HealthCheckRequest(service="svc"))).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.Check(health_pb2.HealthCheckRequest(service="other"))
+        assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+        health.enter_graceful_shutdown()
+        health.set("svc", health_pb2.HealthCheckResponse.SERVING)  # ignored from now on
+        for service in ("", "svc"):
+            assert (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status == \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_stop_lets_running_calls_finish_within_the_grace_and_cuts_the_rest() -> None:
+    handlers = Handlers()
+    server, channel = await _serving(handlers)
+    try:
+        call = _stream(channel, HOLD)()
+        await call.write(Bytes(value=b"hi"))
+        await call.read()
+        await server.stop(0.1)  # the held call does not end by itself: cut after the grace
+        assert handlers.ended == 1 and server.calls() == 0
+        with pytest.raises(grpc.aio.AioRpcError):
+            await call.read()
+    finally:
+        await channel.close()
