@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -59,17 +60,18 @@ class Handlers:
         yield Bytes()
 
 
-async def _serving(handlers: Handlers, health: Health | None = None) -> tuple[GrpcServer, grpc.aio.Channel]:
+async def _serving(handlers: Handlers, health: Health | None = None) -> tuple[GrpcServer, Any]:
     methods = {path: Method(Bytes.FromString, fn) for path, fn in
                ((ECHO, handlers.echo), (HOLD, handlers.hold), (FAIL, handlers.fail), (BROKEN, handlers.broken))}
     server = GrpcServer({**methods, **(health.methods() if health else {})})
     port = free_port()
     await server.start("127.0.0.1", port)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 2**26)])
+    # Any: grpc-stubs type the aio channel's calls after the synchronous API's.
+    channel: Any = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 2**26)])
     return server, channel
 
 
-def _stream(channel: grpc.aio.Channel, path: str) -> grpc.aio.StreamStreamMultiCallable:
+def _stream(channel: Any, path: str) -> Any:
     return channel.stream_stream(path, request_serializer=Bytes.SerializeToString,
                                  response_deserializer=Bytes.FromString)
 
