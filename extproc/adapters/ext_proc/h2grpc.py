@@ -77,7 +77,7 @@ class _Call:
     Slotted and lazily filled, because 10,000 of these sit idle while their requests are held.
     """
 
-    __slots__ = ("conn", "stream_id", "method", "buffer", "inbox", "waiter", "ended", "task", "outgoing", "closing")
+    __slots__ = ("conn", "stream_id", "method", "buffer", "inbox", "waiter", "ended", "task", "started", "outgoing", "closing")
 
     def __init__(self, conn: _Connection, stream_id: int, method: Method) -> None:
         self.conn = conn
@@ -88,6 +88,7 @@ class _Call:
         self.waiter: asyncio.Future[None] | None = None
         self.ended = False  # the client half-closed: no more messages
         self.task: asyncio.Task[None] | None = None
+        self.started = False  # the response headers went out
         self.outgoing = b""  # bytes the flow-control window did not yet let out
         self.closing: list[tuple[bytes, bytes]] | None = None  # trailers to send once outgoing is out
 
@@ -199,50 +200,51 @@ class _Connection(asyncio.Protocol):
         name = path.decode("ascii", "replace")
         method = self._server.methods.get(name)
         if method is None:
-            self._h2.send_headers(stream_id, [*_RESPONSE_HEADERS, *_trailers(UNIMPLEMENTED, f"no method {name}")],
-                                  end_stream=True)
+            self._close_stream(stream_id, [*_RESPONSE_HEADERS, *_trailers(UNIMPLEMENTED, f"no method {name}")])
             return
         call = _Call(self, stream_id, method)
         self.calls[stream_id] = call
         call.task = asyncio.ensure_future(self._run(call))
 
     async def _run(self, call: _Call) -> None:
-        status, message, started = OK, "", False
+        status, message = OK, ""
         try:
             async for reply in call.method.handler(call):
                 if call.closing is not None:  # finished by the transport (bad input): nothing more to say
                     return
-                if not started:
+                if not call.started:
                     self._h2.send_headers(call.stream_id, _RESPONSE_HEADERS)
-                    started = True
+                    call.started = True
                 payload = reply.SerializeToString()
                 call.outgoing += b"\0" + len(payload).to_bytes(4, "big") + payload
                 self._drain(call)
                 self._flush()
+        except h2.exceptions.StreamClosedError:  # the client reset it while the reply was being made
+            self.calls.pop(call.stream_id, None)
+            return
         except GrpcError as exc:
             status, message = exc.status, exc.message
         except Exception:
             log.exception("handler for stream %d failed", call.stream_id)
             status, message = INTERNAL, "internal error"
         if call.closing is None and self.calls.get(call.stream_id) is call:
-            self._finish(call, status, message, headers_sent=started)
+            self._finish(call, status, message)
             self._flush()
 
-    def _finish(self, call: _Call, status: int, message: str, *, headers_sent: bool = True) -> None:
+    def _finish(self, call: _Call, status: int, message: str) -> None:
         """End the call with trailers (after any reply bytes still waiting on the window)."""
         trailers = _trailers(status, message)
-        call.closing = trailers if headers_sent else [*_RESPONSE_HEADERS, *trailers]
+        call.closing = trailers if call.started else [*_RESPONSE_HEADERS, *trailers]
         if not call.outgoing:
-            self._close_stream(call)
+            self._close_stream(call.stream_id, call.closing)
 
-    def _close_stream(self, call: _Call) -> None:
-        assert call.closing is not None
-        self.calls.pop(call.stream_id, None)
+    def _close_stream(self, stream_id: int, trailers: list[tuple[bytes, bytes]]) -> None:
+        self.calls.pop(stream_id, None)
         try:
-            self._h2.send_headers(call.stream_id, call.closing, end_stream=True)
-            if not call.ended:  # the client may still send: tell it we are done listening
-                self._h2.reset_stream(call.stream_id, h2.errors.ErrorCodes.NO_ERROR)
-        except h2.exceptions.StreamClosedError:
+            self._h2.send_headers(stream_id, trailers, end_stream=True)
+            # The client may still send (our StreamEnded may not have been handled yet): we are done listening.
+            self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        except h2.exceptions.StreamClosedError:  # closed by the client's end or reset: nothing more to say
             pass
 
     def _drain(self, call: _Call) -> None:
@@ -259,7 +261,7 @@ class _Connection(asyncio.Protocol):
             call.outgoing = b""
             return
         if call.closing is not None:
-            self._close_stream(call)
+            self._close_stream(call.stream_id, call.closing)
 
     @staticmethod
     def _cancel(call: _Call) -> None:
