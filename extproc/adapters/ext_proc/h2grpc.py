@@ -50,6 +50,28 @@ _H2_CONFIG = h2.config.H2Configuration(
 _RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 
 
+class _H2Connection(h2.connection.H2Connection):
+    """h2's connection, without its walk over every stream for each new one.
+
+    h2 counts the open streams on each new inbound stream (to enforce
+    MAX_CONCURRENT_STREAMS, which we leave unbounded), walking them all: with
+    thousands held that made a burst quadratic (measured: 7 s of CPU to open
+    10,000 streams on one connection, 39 s for 20,000). The walk also forgets
+    closed streams, so it still runs, but only once per half as many new
+    streams as it walks: amortized constant per stream.
+    """
+
+    _since_walk = 0
+
+    @property
+    def open_inbound_streams(self) -> int:
+        self._since_walk += 1
+        if self._since_walk * 2 < len(self.streams):
+            return 0  # not counted: nothing is limited
+        self._since_walk = 0
+        return super().open_inbound_streams
+
+
 class Message(Protocol):
     def SerializeToString(self) -> bytes: ...  # noqa: N802 (protobuf's name)
 
@@ -104,7 +126,10 @@ class _Call:
                 await self.waiter
             finally:
                 self.waiter = None
-        return self.inbox.popleft()
+        message = self.inbox.popleft()
+        if not self.inbox:
+            self.inbox = None  # an empty deque is about 600 bytes, kept by every held stream
+        return message
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -133,7 +158,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: GrpcServer) -> None:
         self._server = server
-        self._h2 = h2.connection.H2Connection(_H2_CONFIG)
+        self._h2 = _H2Connection(_H2_CONFIG)
         self._transport: asyncio.Transport | None = None
         self.calls: dict[int, _Call] = {}
 
