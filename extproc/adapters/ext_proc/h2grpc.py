@@ -99,10 +99,9 @@ class _Call:
     Slotted and lazily filled, because 10,000 of these sit idle while their requests are held.
     """
 
-    __slots__ = ("conn", "stream_id", "method", "buffer", "inbox", "waiter", "ended", "task", "started", "outgoing", "closing")
+    __slots__ = ("stream_id", "method", "buffer", "inbox", "waiter", "ended", "task", "started", "outgoing", "closing")
 
-    def __init__(self, conn: _Connection, stream_id: int, method: Method) -> None:
-        self.conn = conn
+    def __init__(self, stream_id: int, method: Method) -> None:
         self.stream_id = stream_id
         self.method = method
         self.buffer = b""
@@ -168,6 +167,8 @@ class _Connection(asyncio.Protocol):
         self._h2.local_settings = h2.settings.Settings(client=False, initial_values={
             h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 2**31 - 1,
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+            # h2's default, kept: ext_proc carries the HTTP headers inside messages, not here.
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 2**16,
         })
         self._h2.initiate_connection()
         self._h2.increment_flow_control_window(CONNECTION_WINDOW - 65_535)
@@ -227,7 +228,7 @@ class _Connection(asyncio.Protocol):
         if method is None:
             self._close_stream(stream_id, [*_RESPONSE_HEADERS, *_trailers(UNIMPLEMENTED, f"no method {name}")])
             return
-        call = _Call(self, stream_id, method)
+        call = _Call(stream_id, method)
         self.calls[stream_id] = call
         call.task = asyncio.ensure_future(self._run(call))
 
