@@ -165,8 +165,8 @@ def test_filter_chain_order_and_settings() -> None:
     admission = http_filter(doc, "envoy.filters.http.local_ratelimit")["typed_config"]
     assert admission["token_bucket"]["max_tokens"] == config.envoy.admission_burst
     assert admission["status"] == {"code": "ServiceUnavailable"}
-    # Its reply gets reason, Retry-After and JSON from local_reply_config, by the RL flag.
-    [overloaded] = [m for m in hcm(doc)["local_reply_config"]["mappers"] if "RL" in str(m["filter"])]
+    # Its reply gets reason, Retry-After and JSON from local_reply_config, by its details.
+    [overloaded] = [m for m in hcm(doc)["local_reply_config"]["mappers"] if "local_rate_limited" in str(m["filter"])]
     added = {h["header"]["key"]: h["header"]["value"] for h in overloaded["headers_to_add"]}
     assert added == {"x-extproc-reason": "overloaded", "retry-after": "1"}
     auth = http_filter(doc, "envoy.filters.http.api_key_auth")["typed_config"]

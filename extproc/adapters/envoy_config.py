@@ -359,7 +359,7 @@ def _admission_filter(config: Config) -> dict[str, Any]:
     tail of a large enough burst would get a bare 504. Envoy answers the excess
     itself, at once: 503, ``x-extproc-reason: overloaded``, ``Retry-After: 1``
     (the JSON error comes from :func:`local_reply_config`, which knows the
-    filter's reply by its response flag ``RL``).
+    filter's reply by its details, ``local_rate_limited``).
     Held requests hold no token: the bucket limits arrivals, not the queue.
     """
     envoy = config.envoy
@@ -680,9 +680,12 @@ _PROCESSOR_ANSWER = _cel(f"'{REASON_HEADER}' in response.headers")
 LOCAL_REPLIES = (
     LocalReply("unauthenticated", _status_is(401), "authentication_error", "%LOCAL_REPLY_BODY%"),
     LocalReply("permission_denied", _status_is(403), "permission_error", "%LOCAL_REPLY_BODY%"),
-    # The admission bucket (RL), circuit breakers (UO) or Envoy's overload manager (OM) shedding load.
+    # The admission bucket (local_ratelimit), circuit breakers (UO) or Envoy's overload manager (OM) shedding load.
     LocalReply(
-        "overloaded", _flags("RL", "UO", "OM"), "server_error", "The gateway is overloaded; retry shortly.", retry_after_s=1,
+        "overloaded",
+        # local_ratelimit sets no response flag its filter could match (checked on Envoy 1.40): its details.
+        {"or_filter": {"filters": [_cel("response.code_details == 'local_rate_limited'"), _flags("UO", "OM")]}},
+        "server_error", "The gateway is overloaded; retry shortly.", retry_after_s=1,
     ),
     LocalReply(
         "engine_unavailable", _flags("UF", "UH", "URX", "UR", "UC", "NC"),
