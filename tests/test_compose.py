@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -121,6 +122,9 @@ def no_docker_reason() -> str | None:
         return f"no Docker engine: `docker info` failed ({exc})"
     if info.returncode != 0:
         return f"no Docker engine: `docker info` says {info.stderr.strip().splitlines()[-1:]}"
+    v2 = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
+    if v2.returncode != 0 and not shutil.which("docker-compose"):
+        return "no Docker Compose: neither `docker compose` nor `docker-compose` runs"
     return None
 
 
