@@ -19,7 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
     from extproc.adapters.server import serve
 
     config = load_config(args.config)
-    uvloop.run(serve(config, args.drain_seconds))
+    uvloop.run(serve(config, args.drain_seconds, args.deadline_seconds))
     return 0
 
 
@@ -56,7 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="YAML configuration file")
     serve.add_argument(
         "--drain-seconds", type=float, default=30.0,
-        help="on SIGTERM, how long queued and in-flight requests may take to finish (default 30)",
+        help="on SIGTERM, how long queued requests keep being released before the rest get 503 (default 30)",
+    )
+    serve.add_argument(
+        "--deadline-seconds", type=float, default=600.0,
+        help="on SIGTERM, the hard deadline: the process exits this long after it even if responses still "
+        "stream (they go on through Envoy without the processor; default 600)",
     )
     serve.set_defaults(func=_serve)
 

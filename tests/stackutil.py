@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,19 @@ async def read_metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]]
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
+
+
+async def wait_for_metric(
+    url: str, name: str, done: Callable[[float], bool], timeout_s: float = 20, **labels: str
+) -> float:
+    """Poll a metric until ``done(value)`` or the timeout; returns the last value for the assertion."""
+    value = float("nan")
+    for _ in range(int(timeout_s / 0.05)):
+        value = metric(await read_metrics(url), name, **labels)
+        if done(value):
+            break
+        await asyncio.sleep(0.05)
+    return value
 
 
 def metric(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:

@@ -74,8 +74,8 @@ def test_every_service_runs_the_project_image_with_a_valid_command() -> None:
 def test_every_service_is_health_checked_and_starts_after_what_it_needs() -> None:
     for name, service in SERVICES.items():
         assert service["healthcheck"]["test"][0] == "CMD", name
-    # Envoy answers clients only once the processor does: with failure_mode_allow off, a request
-    # before that would fail instead of waiting.
+    # Envoy answers clients only once the processor does: before that, with `processor_failure:
+    # closed` (the default), a request would get a 503 instead of a place in the queue.
     assert SERVICES["envoy"]["depends_on"] == {"extproc": {"condition": "service_healthy"}}
     assert SERVICES["extproc"]["depends_on"] == {s: {"condition": "service_healthy"} for s in ("llama", "qwen")}
     dockerfile = (ROOT / "Dockerfile").read_text()

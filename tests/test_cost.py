@@ -22,8 +22,9 @@ def test_estimate_from_content_length_and_max_tokens() -> None:
     assert (estimate.prompt_tokens, estimate.output_tokens, estimate.cost) == (1000, 100, 1200)
     # No max_tokens: the default, until the tenant's own answers were measured.
     assert model.estimate("t", 80, None).output_tokens == CostWeights.default_output_tokens
-    # No Content-Length (chunked upload): the tenant's average prompt so far.
-    assert model.estimate("t", None, 1).prompt_tokens == pytest.approx(1000 * 0.8)
+    # No Content-Length (chunked upload): the tenant's average prompt so far
+    # (a body that is all structure still counts one prompt token).
+    assert model.estimate("t", None, 1).prompt_tokens == pytest.approx(1000 * 0.8 + 1 * 0.2)
 
 
 def test_measure_charges_what_the_occupancy_allowed_capped_by_max_tokens() -> None:

@@ -6,16 +6,19 @@ The same documents run in a real Envoy in test_envoy_run.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import stat
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 from google.protobuf.json_format import ParseError
 
 from extproc.adapters.config import ConfigError, load_config
 from extproc.adapters.envoy_config import (
+    LOCAL_REPLIES,
     add_arguments,
     bootstrap,
     drop_in,
@@ -163,8 +166,8 @@ def test_filter_chain_order_and_settings() -> None:
     assert auth["forwarding"]["header"] == config.identity.tenant_header
 
     ext = http_filter(doc, "envoy.filters.http.ext_proc")["typed_config"]
-    assert ext["failure_mode_allow"] is False
-    assert ext["status_on_error"] == {"code": "ServiceUnavailable"}
+    # The routes, not the filter, keep unscheduled requests from the engine (processor_failure).
+    assert ext["failure_mode_allow"] is True
     assert ext["grpc_service"]["envoy_grpc"]["cluster_name"] == "extproc"
     assert ext["processing_mode"]["response_trailer_mode"] == "SEND"
     assert ext["processing_mode"]["request_body_mode"] == "NONE"
@@ -200,9 +203,10 @@ def test_routes_and_clusters_per_model() -> None:
     }
     assert [r["match"]["headers"][0]["string_match"]["exact"] for r in routes[1:-1]] == ["m-one", "m/two"]
     assert [r["route"]["cluster"] for r in routes[1:-1]] == ["model_m-one", "model_m_two"]
-    assert routes[-1]["direct_response"]["status"] == 404
+    # A request without the processor's model header was never answered by it: 503, JSON.
+    assert routes[-1]["direct_response"]["status"] == 503
     error = yaml.safe_load(routes[-1]["direct_response"]["body"]["inline_string"])
-    assert error["error"]["code"] == "model_not_found"
+    assert error["error"]["code"] == "processor_unavailable"
     for name in ("extproc", "model_m-one", "model_m_two"):
         limits = cluster(doc, name)["circuit_breakers"]["thresholds"][0]
         assert limits["max_requests"] >= 100_000
@@ -269,6 +273,20 @@ def test_bootstrap_without_ext_proc_routes_on_the_body_model() -> None:
     assert routes[-1]["direct_response"]["status"] == 404
 
 
+def test_processor_failure_open_routes_unanswered_requests_on_the_body_model() -> None:
+    config = load_config(DEMO_CONFIG)
+    opened = dataclasses.replace(config, envoy=msgspec.structs.replace(config.envoy, processor_failure="open"))
+    routes = hcm(bootstrap(opened))["route_config"]["virtual_hosts"][0]["routes"]
+    closed = hcm(bootstrap(config))["route_config"]["virtual_hosts"][0]["routes"]
+    # The scheduled routes first, unchanged; then one per model on json_to_metadata's model.
+    assert routes[: len(closed) - 1] == closed[:-1]
+    unscheduled = routes[len(closed) - 1 : -1]
+    assert [r["match"]["dynamic_metadata"][0]["value"]["string_match"]["exact"] for r in unscheduled] == [
+        m.name for m in config.models
+    ]
+    assert routes[-1]["direct_response"]["status"] == 404
+
+
 def test_drop_in_is_yaml_with_ext_proc_and_http2_cluster() -> None:
     config = load_config(DEMO_CONFIG)
     doc = yaml.safe_load(render(drop_in(config)))
@@ -278,8 +296,34 @@ def test_drop_in_is_yaml_with_ext_proc_and_http2_cluster() -> None:
     assert [c["name"] for c in doc["clusters"]] == ["extproc", "picked_endpoint", "model_demo-llama", "model_demo-qwen"]
     explicit = extproc["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert "http2_protocol_options" in explicit["explicit_http_config"]
-    assert doc["routes"][-1]["direct_response"]["status"] == 404
+    assert doc["routes"][-1]["direct_response"]["status"] == 503
     assert "stream_idle_timeout" in doc["http_connection_manager"]
+
+
+def test_every_envoy_local_reply_is_the_openai_error_object_with_a_reason() -> None:
+    config = load_config(DEMO_CONFIG)
+    generated = hcm(bootstrap(config))["local_reply_config"]
+    assert drop_in(config)["http_connection_manager"]["local_reply_config"] == generated
+    first, *mappers = generated["mappers"]
+    # The processor's own answers (JSON, with the reason header) pass untouched: only a filter, no rewrite.
+    assert first == {"filter": first["filter"]} and "x-extproc-reason" in yaml.safe_dump(first)
+    assert len(mappers) == len(LOCAL_REPLIES)
+    for mapper, reply in zip(mappers, LOCAL_REPLIES, strict=True):
+        error = mapper["body_format_override"]["json_format"]["error"]
+        assert error == {"message": reply.message, "type": reply.error_type, "param": None, "code": reply.reason}
+        headers = {h["header"]["key"]: h["header"]["value"] for h in mapper["headers_to_add"]}
+        assert headers["x-extproc-reason"] == reply.reason
+    reasons = [reply.reason for reply in LOCAL_REPLIES]
+    assert len(set(reasons)) == len(reasons)
+    # The catch-alls come last, so a specific cause is never hidden behind them.
+    assert reasons[-2:] == ["gateway_error", "bad_request"]
+
+
+def test_envoy_health_checks_the_processor_often_even_without_traffic() -> None:
+    [check] = cluster(bootstrap(free_port_config()), "extproc")["health_checks"]
+    assert check["grpc_health_check"] == {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"}
+    assert seconds(check["no_traffic_interval"]) == seconds(check["interval"]) <= 1
+    assert check["unhealthy_threshold"] >= 2  # one slow answer under a burst does not take it out
 
 
 # --- CLI -----------------------------------------------------------------------------------------

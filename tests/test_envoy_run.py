@@ -165,18 +165,20 @@ async def test_envoy_with_a_processor_routes_and_forwards_metadata(tmp_path: Pat
                     assert r.status == 200, await r.text()
                     # The processor's queue-wait request header is echoed to the client.
                     assert r.headers["x-extproc-queue-wait-ms"] == "42"
-                # A client-sent model header is dropped; unrouted requests get the JSON 404.
+                # A client-sent model header is dropped: a request the processor let through
+                # without one cannot reach a model (processor_failure: closed), JSON 503.
                 async with session.post(url, headers={**auth, "x-model": "m-one"}, json={"model": "nope"}) as r:
-                    assert r.status == 404
+                    assert r.status == 503
                     assert r.headers["content-type"] == "application/json"
-                    assert (await r.json())["error"]["code"] == "model_not_found"
+                    assert r.headers["x-extproc-reason"] == "processor_unavailable"
+                    assert (await r.json())["error"]["code"] == "processor_unavailable"
                     assert "x-extproc-queue-wait-ms" not in r.headers
     finally:
         await server.stop(None)
         await runner.cleanup()
     routed, unrouted = processor.seen
     assert routed["headers"]["x-tenant-id"] == "alice"  # set by api_key_auth, not the client
-    assert routed["metadata"] == {"model": "m-one", "max_tokens": 9}  # max_completion_tokens wins
+    assert routed["metadata"] == {"model": "m-one", "max_tokens": 3, "max_completion_tokens": 9}
     assert "authorization" not in routed["headers"]  # hide_credentials
     assert "x-model" not in unrouted["headers"]
     assert unrouted["metadata"] == {"model": "nope"}

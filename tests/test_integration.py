@@ -11,7 +11,7 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import pytest
 
 from extproc.tools.power_user import Outcome, PowerUser, chat, run_power_user, summarize
 from extproc.tools.stack import Stack, start_stack
-from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
+from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -156,17 +156,6 @@ async def test_bad_requests_get_json_errors_not_hangs(stack: Stack, body: dict[s
             assert (await r.json())["error"]["code"] == code
         async with session.post(f"{stack.envoy_url}/v1/chat/completions", json=body) as r:
             assert r.status == 401  # no API key: Envoy's api_key_auth answers before anything else
-
-
-async def wait_for_metric(url: str, name: str, done: Callable[[float], bool], **labels: str) -> float:
-    """Poll until ``done(value)`` (or 10 s pass); returns the last value for the assertion."""
-    value = float("nan")
-    for _ in range(200):
-        value = metric(await read_metrics(url), name, **labels)
-        if done(value):
-            break
-        await asyncio.sleep(0.05)
-    return value
 
 
 async def test_a_client_that_leaves_while_queued_is_removed_at_once(tmp_path: Path) -> None:

@@ -22,23 +22,13 @@ from jwt.algorithms import RSAAlgorithm
 from extproc.tools.power_user import Outcome, chat, percentile
 from extproc.tools.sim.server import estimate_tokens
 from extproc.tools.stack import Stack, start_stack
-from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
+from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_stack_config
 
 pytestmark = pytest.mark.integration
 
 SIM = ["--step-ms", "20", "--time-scale", "0.1"]
 # Weights of the default cost model (input 1, output 2), applied to the simulator's own token counts.
 W_IN, W_OUT = 1, 2
-
-
-async def wait_for_metric(url: str, name: str, target: float, **labels: str) -> float:
-    value = float("nan")
-    for _ in range(300):
-        value = metric(await read_metrics(url), name, **labels)
-        if value == target:
-            break
-        await asyncio.sleep(0.03)
-    return value
 
 
 def session() -> aiohttp.ClientSession:
@@ -90,7 +80,7 @@ async def test_vtc_shares_weighted_tokens_where_round_robin_shares_requests(tmp_
         # completely before anything of theirs is released.
         blockers = [asyncio.create_task(send(http, stack, "carol", m, 10_000)) for m in ("fair", "rr") for _ in range(7)]
         for model in ("fair", "rr"):
-            assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", 7, model=model) == 7
+            assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", lambda v: v == 7, model=model) == 7
 
         async def flood(model: str) -> list[tuple[str, float, Outcome, int]]:
             plan = [("alice", HEAVY_PROMPT, 50)] * 6 + [("bob", LIGHT_PROMPT, 10)] * 80
@@ -99,7 +89,7 @@ async def test_vtc_shares_weighted_tokens_where_round_robin_shares_requests(tmp_
 
         runs = {model: asyncio.create_task(flood(model)) for model in ("fair", "rr")}
         for model in ("fair", "rr"):
-            assert await wait_for_metric(stack.metrics_url, "extproc_queue_depth", 86, model=model) == 86
+            assert await wait_for_metric(stack.metrics_url, "extproc_queue_depth", lambda v: v == 86, model=model) == 86
         for task in blockers:
             task.cancel()
         await asyncio.gather(*blockers, return_exceptions=True)
@@ -177,7 +167,7 @@ async def test_engine_priority_lets_interactive_overtake_inside_vllm_and_cannot_
             for m in ("prio", "plain") for _ in range(8)
         ]
         for model in ("prio", "plain"):
-            assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", 5, model=model) == 5
+            assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", lambda v: v == 5, model=model) == 5
         # Dave may not use interactive, and cannot borrow bob's identity with a header.
         dave = asyncio.create_task(
             chat(http, stack.envoy_url, "dave", "plain", api_key=TENANT_KEYS["dave"], max_tokens=3,
@@ -233,13 +223,13 @@ async def test_caps_and_queue_timeouts_answer_at_once_with_status_headers_and_js
     async with await start_stack(config, tmp_path, sim_args=sim) as stack, session() as http:
         running = [asyncio.create_task(send(http, stack, "alice", m, 2000)) for m in ("capped", "short") for _ in range(2)]
         for model in ("capped", "short"):
-            assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", 2, model=model) == 2
+            assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", lambda v: v == 2, model=model) == 2
         queued = [asyncio.create_task(post(http, stack, "carol", "capped"))]
-        assert await wait_for_metric(stack.metrics_url, "extproc_queue_depth", 1, model="capped") == 1
+        assert await wait_for_metric(stack.metrics_url, "extproc_queue_depth", lambda v: v == 1, model="capped") == 1
         # Carol's own cap (1): her second request is hers to slow down.
         assert_rejection(await post(http, stack, "carol", "capped"), 429, "tenant_queue_full", "rate_limit_error")
         queued += [asyncio.create_task(post(http, stack, "alice", "capped")) for _ in range(2)]
-        assert await wait_for_metric(stack.metrics_url, "extproc_queue_depth", 3, model="capped") == 3
+        assert await wait_for_metric(stack.metrics_url, "extproc_queue_depth", lambda v: v == 3, model="capped") == 3
         # The model's cap (3): the server is full for everyone.
         assert_rejection(await post(http, stack, "dave", "capped"), 503, "model_queue_full", "server_error")
         # A request that cannot start within the wait limit ends then, not when Envoy gives up.

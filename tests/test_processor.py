@@ -112,6 +112,32 @@ async def test_queued_client_gone_leaves_the_queue() -> None:
     assert waiting[2].answers.empty() and dispatcher.queued == 1
 
 
+async def test_draining_answers_the_queue_and_newcomers_once_each_and_counts_them() -> None:
+    """The drain deadline (reject_all) and arrivals while draining: 503 shutting_down, each counted once."""
+    processor, dispatcher = make_processor()
+    running = Stream(processor, headers_message())
+    assert (await running.answers.get()).HasField("request_headers")
+    queued = [Stream(processor, headers_message(tenant=f"t{i}")) for i in range(2)]
+    for stream in queued:
+        assert (await stream.answers.get()).HasField("override_message_timeout")
+    processor.draining = True
+    newcomer = Stream(processor, headers_message(tenant="late"))
+    dispatcher.reject_all()
+    await settle()
+    for stream in [*queued, newcomer]:
+        answer = (await stream.answers.get()).immediate_response
+        assert answer.status.code == 503 and json.loads(answer.body)["error"]["code"] == "shutting_down"
+        assert stream.answers.empty()
+    # The running response is untouched: it ends when its stream does.
+    assert running.answers.empty() and dispatcher.in_flight == 1 and dispatcher.queued == 0
+    rejected = [s.value for m in processor._telemetry.registry.collect() for s in m.samples
+                if s.name == "extproc_rejected_total" and s.labels["reason"] == "shutting_down"]
+    assert rejected == [3]
+    running.close()
+    await settle()
+    assert dispatcher.in_flight == 0
+
+
 @pytest.mark.parametrize(
     ("message", "status", "code"),
     [
@@ -216,7 +242,8 @@ async def test_a_downgrade_is_counted_and_a_tenant_cap_answers_429() -> None:
 async def test_only_engine_priority_models_ask_for_the_body_and_get_it_rewritten() -> None:
     processor, _ = make_policy_processor()
     plain = Stream(processor, headers_message(tenant="vip", model="m"))
-    assert not (await plain.answers.get()).HasField("mode_override")  # headers-only
+    plain_released = await plain.answers.get()
+    assert plain_released.mode_override.request_body_mode == plain_released.mode_override.NONE  # headers-only
     prio = Stream(processor, headers_message(tenant="vip", model="p", priority="interactive"))
     released = await prio.answers.get()
     assert released.mode_override.request_body_mode == released.mode_override.BUFFERED

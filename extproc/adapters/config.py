@@ -20,7 +20,7 @@ from __future__ import annotations
 import ipaddress
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -170,6 +170,11 @@ class CostSettings(_Section, frozen=True):
     def weights(self) -> CostWeights:
         return CostWeights(**msgspec.structs.asdict(self))
 
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if self.input_weight == 0 and self.output_weight == 0:
+            # Every request would cost nothing: vtc's counters would never move.
+            yield "", "input_weight and output_weight cannot both be 0"
+
 
 class ModelConfig(_Section, frozen=True):
     """One model pool: the endpoints that serve it and how hard to fill them."""
@@ -215,7 +220,16 @@ class ModelConfig(_Section, frozen=True):
     engine_priority: bool = False
     # The engine's batch size (vLLM --max-num-seqs), if known; else learned from its metrics.
     max_running: Count | None = None
+    # The engine's context length (vLLM --max-model-len): the most tokens one
+    # request can hold. The `vtc` cost estimate clamps a request's prompt and
+    # output to it, so a client's `max_tokens: 1e308` costs what the largest
+    # real request could, not infinity (docs/policies.md).
+    max_context_tokens: Count = CostWeights.max_context_tokens
     cost: CostSettings = msgspec.field(default_factory=CostSettings)
+
+    def cost_weights(self) -> CostWeights:
+        """How the `vtc` policy prices this model's requests: the cost section and the context length."""
+        return replace(self.cost.weights(), max_context_tokens=self.max_context_tokens)
 
     def problems(self) -> Iterator[tuple[str, str]]:
         rule = RULES[self.gate]
@@ -273,6 +287,10 @@ class EnvoySettings(_Section, frozen=True):
     # seconds (a crashed one is noticed at once: its connection resets), long enough
     # that a busy event loop under a burst does not turn into 504s.
     message_timeout_ms: Count = 2000
+    # When the processor cannot be reached (crashed, restarting, hung past the message
+    # timeout): "closed" answers 503 (nothing passes unscheduled); "open" forwards the
+    # request unscheduled, routed on the body's model (nothing is lost, fairness is).
+    processor_failure: Literal["closed", "open"] = "closed"
     # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
     jwt: JwtSettings | None = None
 

@@ -17,8 +17,10 @@ The request path through Envoy's HTTP filters:
    ``jwks_uri``), 401 without a valid one, and copies the tenant claim into
    the tenant header (``claim_to_headers``). With neither, every request has
    no tenant header.
-2. ``json_to_metadata`` copies the body's ``model`` and ``max_tokens`` into
-   dynamic metadata namespace ``extproc``. It buffers the body first, so the
+2. ``json_to_metadata`` copies the body's ``model``, ``max_tokens`` and
+   ``max_completion_tokens`` (each as the JSON value written, so the processor
+   can refuse a string or a negative limit) into dynamic metadata namespace
+   ``extproc``. It buffers the body first, so the
    metadata exists when ext_proc sends the request headers. Only JSON bodies
    are parsed (``application/json``, also with ``charset=utf-8``, since the
    filter compares the whole header); anything else is answered 400 by the
@@ -31,7 +33,16 @@ The request path through Envoy's HTTP filters:
    of completion without per-chunk messages. (Seen with Envoy 1.40: an
    upstream without trailers yields no ``response_trailers`` message; the
    stream just ends, by half-close or by cancellation, when the response is
-   done.) An unreachable processor fails the request with 503.
+   done.) ``failure_mode_allow`` is on: when the processor cannot be
+   reached, the request goes on without the model header that only the
+   processor sets, and step 4 decides (``envoy.processor_failure``); a
+   released response keeps streaming if the processor dies meanwhile. The
+   ``extproc`` cluster health-checks the processor over gRPC, so a draining
+   one (health NOT_SERVING) leaves the rotation when another serves.
+   On the releases it checks, the processor turns on ``response_header_mode``
+   (``mode_override``) to see the response's status: the router's own 503
+   for an unreachable engine marks the endpoint down
+   (``ext_proc/release_outcome.py``).
 4. ``router``: a request carrying ``x-gateway-destination-endpoint`` (set
    only by the processor, when the model picks endpoints; a client-sent one is
    removed in step 1) goes to the ORIGINAL_DST cluster ``picked_endpoint``,
@@ -39,15 +50,28 @@ The request path through Envoy's HTTP filters:
    Extension convention). Otherwise one route per model, matching the model
    header exactly, balances over the model's cluster. So the same bootstrap
    works with and without endpoint picking. Routes copy the processor's
-   queue-wait request header onto the response; any other request gets an
-   OpenAI-style 404.
+   queue-wait request header onto the response, and retry a request that
+   never reached the engine (connection refused or reset before a byte was
+   sent: safe for a POST), with backoff, on another endpoint where there is
+   one. A request with neither header was not answered by the processor: an
+   OpenAI-style 503 ``processor_unavailable`` (``processor_failure:
+   closed``), or one route per model on the body's model, unscheduled
+   (``open``).
+
+Whatever Envoy answers itself (step 1's 401, the router's 503 when an
+engine cannot be reached, 413, 408) becomes the processor's
+OpenAI-style JSON error with a reason header, through the HTTP connection
+manager's ``local_reply_config`` (:func:`local_reply_config`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import re
 import sys
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -56,10 +80,12 @@ import yaml
 from extproc.adapters.config import Config, ConfigError, is_ip_address, load_config, split_address
 from extproc.adapters.ext_proc.contract import (
     DESTINATION_HEADER,
+    EXT_PROC_SERVICE,
     HOLD_MARGIN_S,
     METADATA_NAMESPACE,
     PROCESSING_MODE,
     QUEUE_WAIT_HEADER,
+    REASON_HEADER,
     hold_timeout_for,
 )
 
@@ -71,7 +97,7 @@ JWT_PROVIDER = "tenant"
 JWKS_FETCH_TIMEOUT_S = 5.0
 JWKS_CACHE_S = 600.0
 # Request headers the processor sets that Envoy copies onto the response, so
-# clients see them (ext_proc itself skips response headers).
+# clients see them (ext_proc only reads the response headers).
 ECHOED_HEADERS = (QUEUE_WAIT_HEADER,)
 
 # Held requests each keep a stream to the processor and to the model open;
@@ -86,9 +112,21 @@ MIN_IDLE_TIMEOUT_S = 600.0
 # Envoy's default 1 MiB per-connection buffer a longer prompt gets 413.
 BUFFER_LIMIT_BYTES = 16 * 1024 * 1024
 EXTPROC_CONNECT_TIMEOUT_S = 0.25
+# Envoy asks the processor's gRPC health this often. A NOT_SERVING answer (a
+# draining processor) takes it out of the extproc cluster's rotation at once
+# (measured 0.9 s after SIGTERM); a check that fails or times out must fail
+# twice, so one slow answer during a burst does not.
+EXTPROC_HEALTH_INTERVAL_S = 1.0
+EXTPROC_UNHEALTHY_THRESHOLD = 2
 # json_to_metadata compares the whole Content-Type: list the spellings SDKs send.
 JSON_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8", "application/json;charset=utf-8")
 MODEL_CONNECT_TIMEOUT_S = 5.0
+# Retries of a request that never reached the engine: an engine restarting in
+# well under a second is waited for; a dead one fails the request after about
+# half a second, and the processor, seeing the router's 503, marks it down.
+ENGINE_RETRIES = 2
+ENGINE_RETRY_BASE_S = 0.1
+ENGINE_RETRY_MAX_S = 0.5
 
 HEADER = (
     "# Generated by extproc (extproc/adapters/envoy_config.py) from an extproc config file;\n"
@@ -280,9 +318,10 @@ def _json_to_metadata_filter() -> dict[str, Any]:
                 "allow_content_types": list(JSON_CONTENT_TYPES),
                 "rules": [
                     rule("model", "model", "STRING"),
-                    rule("max_tokens", "max_tokens", "NUMBER"),
-                    # OpenAI's newer name wins when both are present (as in vLLM).
-                    rule("max_completion_tokens", "max_tokens", "NUMBER"),
+                    # As written (PROTOBUF_VALUE): NUMBER would turn "nan" and "inf"
+                    # into numbers and true into 1; the processor refuses those.
+                    rule("max_tokens", "max_tokens", "PROTOBUF_VALUE"),
+                    rule("max_completion_tokens", "max_completion_tokens", "PROTOBUF_VALUE"),
                     # Prefix-cache affinity for endpoint picking (OpenAI's field).
                     rule("prompt_cache_key", "prompt_cache_key", "STRING"),
                 ]
@@ -297,9 +336,11 @@ def _ext_proc_filter(config: Config) -> dict[str, Any]:
         "typed_config": {
             "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
-            # A processor that cannot be reached fails the request: 503.
-            "failure_mode_allow": False,
-            "status_on_error": {"code": "ServiceUnavailable"},
+            # Always allowed: a released request whose processor dies must run on (its
+            # stream only waits for the response's end). Whether a request the processor
+            # never answered may reach the engine is decided by the routes: without the
+            # model header it set, only processor_failure: open routes it (see routes()).
+            "failure_mode_allow": True,
             "processing_mode": dict(PROCESSING_MODE),
             # Short, so a dead processor is noticed fast; the processor holds
             # a queued request with override_message_timeout up to the maximum.
@@ -349,6 +390,24 @@ def _model_match(config: Config, model: str, ext_proc: bool) -> dict[str, Any]:
     return {"prefix": "/", "dynamic_metadata": [{"filter": METADATA_NAMESPACE, "path": path, "value": value}]}
 
 
+def _retry_policy() -> dict[str, Any]:
+    """Retry only what never reached the engine; another endpoint first, where the cluster has one.
+
+    ``previous_hosts`` skips endpoints already tried (the picked cluster has
+    one host: after the attempts it goes there anyway).
+    """
+    return {
+        "retry_on": "connect-failure,refused-stream,reset-before-request",
+        "num_retries": ENGINE_RETRIES,
+        "retry_back_off": {"base_interval": _duration(ENGINE_RETRY_BASE_S), "max_interval": _duration(ENGINE_RETRY_MAX_S)},
+        "retry_host_predicate": [{
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {"@type": _TYPE + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+        }],
+        "host_selection_retry_max_attempts": 3,
+    }
+
+
 def routes(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any]]:
     """One route per model on the model header (or body model), then the 404 catch-all."""
     idle = _duration(_idle_timeout_s(config))
@@ -359,7 +418,7 @@ def routes(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any]]:
             "name": route_name,
             "match": match,
             # No overall limit: a long generation is fine while bytes flow.
-            "route": {"cluster": cluster, "timeout": "0s", "idle_timeout": idle},
+            "route": {"cluster": cluster, "timeout": "0s", "idle_timeout": idle, "retry_policy": _retry_policy()},
             # Omitted when the processor did not set it (empty value).
             "response_headers_to_add": [
                 {
@@ -377,29 +436,61 @@ def routes(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any]]:
         route(clusters[model.name], _model_match(config, model.name, ext_proc), clusters[model.name])
         for model in config.models
     ]
-    # Defence in depth: the processor normally rejects unknown models itself.
-    result.append(
-        {
-            "name": "model_not_found",
-            "match": {"prefix": "/"},
-            "direct_response": {
-                "status": 404,
-                "body": {
-                    "inline_string": (
-                        '{"error":{"message":"The requested model does not exist on this server.",'
-                        '"type":"invalid_request_error","code":"model_not_found"}}'
-                    )
-                },
-            },
-            "response_headers_to_add": [
-                {
-                    "header": {"key": "content-type", "value": "application/json"},
-                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                }
-            ],
-        }
-    )
+    if ext_proc and config.envoy.processor_failure == "open":
+        # A request the processor never answered carries no model header: route it
+        # on the body's model, as the gateway without a processor would.
+        result += [
+            route(f"{clusters[model.name]}_unscheduled", _model_match(config, model.name, False), clusters[model.name])
+            for model in config.models
+        ]
+    if ext_proc and config.envoy.processor_failure == "closed":
+        # Only the processor sets the model header, so a request without one was never
+        # answered by it (crashed, restarting, silent past message_timeout): refuse it.
+        result.append(_json_reply("processor_unavailable", 503, "server_error",
+                                  "The scheduler is unavailable; retry shortly.", retry_after_s=1))
+    else:
+        # Defence in depth: the processor normally rejects unknown models itself.
+        result.append(_json_reply("model_not_found", 404, "invalid_request_error",
+                                  "The requested model does not exist on this server."))
     return result
+
+
+def _json_reply(code: str, status: int, error_type: str, message: str, *, retry_after_s: int | None = None) -> dict[str, Any]:
+    """A catch-all route answering Envoy's own OpenAI-style error, named by ``code``."""
+    error = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    headers = {"content-type": "application/json", REASON_HEADER: code}
+    if retry_after_s is not None:
+        headers["retry-after"] = str(retry_after_s)
+    return {
+        "name": code,
+        "match": {"prefix": "/"},
+        "direct_response": {"status": status, "body": {"inline_string": json.dumps(error, separators=(",", ":"))}},
+        "response_headers_to_add": [
+            {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            for key, value in headers.items()
+        ],
+    }
+
+
+def _extproc_health_check() -> dict[str, Any]:
+    """gRPC health checks on the processor, so Envoy stops opening streams to a draining one.
+
+    With several processors behind the cluster (a DNS name), new requests
+    move to the serving ones within about two intervals. A single processor
+    stays in use while it drains (Envoy's panic mode routes to unhealthy hosts
+    when too few are healthy), which is what we want: it answers new requests
+    503 ``shutting_down`` itself. ``no_traffic_interval`` is Envoy's 60 s
+    default otherwise, too slow to notice a drain on a quiet gateway.
+    """
+    interval = _duration(EXTPROC_HEALTH_INTERVAL_S)
+    return {
+        "timeout": interval,
+        "interval": interval,
+        "no_traffic_interval": interval,
+        "unhealthy_threshold": EXTPROC_UNHEALTHY_THRESHOLD,
+        "healthy_threshold": 1,
+        "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
+    }
 
 
 def extproc_cluster(config: Config) -> dict[str, Any]:
@@ -412,6 +503,7 @@ def extproc_cluster(config: Config) -> dict[str, Any]:
         "connect_timeout": _duration(EXTPROC_CONNECT_TIMEOUT_S),
         "typed_extension_protocol_options": _protocol_options(http2=True),
         "circuit_breakers": _circuit_breakers(),
+        "health_checks": [_extproc_health_check()],
         "load_assignment": {
             "cluster_name": EXTPROC_CLUSTER,
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket_address(host, port)}}]}],
@@ -433,6 +525,7 @@ def _model_cluster(config: Config, index: int, name: str) -> dict[str, Any]:
         "lb_policy": "LEAST_REQUEST",
         "typed_extension_protocol_options": _protocol_options(http2=False),
         "circuit_breakers": _circuit_breakers(),
+        "outlier_detection": _outlier_detection(),
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [
@@ -448,6 +541,24 @@ def _model_cluster(config: Config, index: int, name: str) -> dict[str, Any]:
             tls["sni"] = hosts[0][0]
         cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": tls}
     return cluster
+
+
+def _outlier_detection() -> dict[str, Any]:
+    """Eject an endpoint Envoy cannot connect to, so a retry lands on a live replica.
+
+    Without it, least-request balancing favours the dead endpoint (it holds
+    nothing) and a retry's ``previous_hosts`` re-picks often come back to it.
+    Only connection failures count (local origin); all endpoints ejected
+    means Envoy's panic routing tries them all again.
+    """
+    return {
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": 2,
+        "enforcing_consecutive_local_origin_failure": 100,
+        "interval": _duration(1.0),
+        "base_ejection_time": _duration(1.0),
+        "max_ejection_percent": 100,
+    }
 
 
 def picked_cluster() -> dict[str, Any]:
@@ -472,14 +583,121 @@ def clusters(config: Config) -> list[dict[str, Any]]:
     ] + jwks
 
 
-def _hcm_timeouts(config: Config) -> dict[str, str]:
+def _hcm_settings(config: Config) -> dict[str, Any]:
+    """Timeouts and Envoy's own answers for the HTTP connection manager."""
     return {
+        "local_reply_config": local_reply_config(),
         # The request is "received" only once ext_proc releases it, so the
         # whole queue wait counts here.
         "request_timeout": _duration(hold_timeout_s(config) + UPLOAD_MARGIN_S),
         # While held, nothing moves on the stream.
         "stream_idle_timeout": _duration(_idle_timeout_s(config)),
     }
+
+
+# --- Envoy's own answers ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LocalReply:
+    """One kind of answer Envoy gives itself, rewritten to the processor's OpenAI-style JSON error."""
+
+    reason: str  # the error's ``code`` and the reason header
+    match: dict[str, Any]  # an access-log filter (status, response flags or CEL on the details)
+    error_type: str  # OpenAI's error ``type``
+    message: str  # an Envoy format string
+    retry_after_s: int | None = None
+
+
+def _status_is(code: int) -> dict[str, Any]:
+    value = {"default_value": code, "runtime_key": f"extproc.local_reply.status_{code}"}
+    return {"status_code_filter": {"comparison": {"op": "EQ", "value": value}}}
+
+
+def _status_at_least(code: int) -> dict[str, Any]:
+    value = {"default_value": code, "runtime_key": f"extproc.local_reply.status_ge_{code}"}
+    return {"status_code_filter": {"comparison": {"op": "GE", "value": value}}}
+
+
+def _flags(*flags: str) -> dict[str, Any]:
+    return {"response_flag_filter": {"flags": list(flags)}}
+
+
+def _cel(expression: str) -> dict[str, Any]:
+    return {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                "@type": _TYPE + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                "expression": expression,
+            },
+        }
+    }
+
+
+# The processor's own answers carry the reason header and are JSON already:
+# the first mapper matches them and leaves them as they are.
+_PROCESSOR_ANSWER = _cel(f"'{REASON_HEADER}' in response.headers")
+# Tried in order after that; the first that matches wins. ext_proc's failures
+# (no response flag) are told apart by their details, the router's upstream
+# failures by their response flags.
+LOCAL_REPLIES = (
+    LocalReply("unauthenticated", _status_is(401), "authentication_error", "%LOCAL_REPLY_BODY%"),
+    LocalReply("permission_denied", _status_is(403), "permission_error", "%LOCAL_REPLY_BODY%"),
+    # Circuit breakers (UO) or Envoy's overload manager (OM) shedding load.
+    LocalReply(
+        "overloaded", _flags("UO", "OM"), "server_error", "The gateway is overloaded; retry shortly.", retry_after_s=1,
+    ),
+    LocalReply(
+        "engine_unavailable", _flags("UF", "UH", "URX", "UR", "UC", "NC"),
+        "server_error", "The model server is unavailable; retry shortly.", retry_after_s=1,
+    ),
+    LocalReply("upstream_timeout", _flags("UT"), "server_error", "The model server did not answer in time."),
+    LocalReply("request_timeout", _status_is(408), "invalid_request_error", "The request timed out at the gateway."),
+    LocalReply(
+        "request_too_large", _status_is(413), "invalid_request_error",
+        "The request body is larger than the gateway accepts.",
+    ),
+    LocalReply(
+        "model_not_found", _status_is(404), "invalid_request_error",
+        "The requested model does not exist on this server.",
+    ),
+    # Anything else: Envoy's details name the cause (its body may be empty).
+    LocalReply(
+        "gateway_error", _status_at_least(500), "server_error",
+        "The gateway could not complete the request (%RESPONSE_CODE_DETAILS%).",
+    ),
+    LocalReply(
+        "bad_request", _status_at_least(400), "invalid_request_error",
+        "The gateway refused the request (%RESPONSE_CODE_DETAILS%).",
+    ),
+)
+
+
+def _mapper(reply: LocalReply) -> dict[str, Any]:
+    error = {"message": reply.message, "type": reply.error_type, "param": None, "code": reply.reason}
+    headers = [(REASON_HEADER, reply.reason)]
+    if reply.retry_after_s is not None:
+        headers.append(("retry-after", str(reply.retry_after_s)))
+    return {
+        "filter": copy.deepcopy(reply.match),
+        "body_format_override": {"json_format": {"error": error}},
+        "headers_to_add": [
+            {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            for key, value in headers
+        ],
+    }
+
+
+def local_reply_config() -> dict[str, Any]:
+    """HCM ``local_reply_config``: every answer Envoy gives itself as the OpenAI-style JSON error.
+
+    Envoy's own replies (an auth filter's 401, an unreachable processor or
+    engine, timeouts, a body too large) are plain text or empty; OpenAI
+    clients expect the error object and operators the reason header.
+    """
+    # Copies: each document owns its dicts (protobuf's ParseDict reorders the keys of what it reads).
+    return {"mappers": [{"filter": copy.deepcopy(_PROCESSOR_ANSWER)}, *(_mapper(reply) for reply in LOCAL_REPLIES)]}
 
 
 # --- documents -----------------------------------------------------------------
@@ -511,7 +729,7 @@ def bootstrap(config: Config, *, ext_proc: bool = True) -> dict[str, Any]:
         "@type": _TYPE + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "ingress",
         "codec_type": "AUTO",
-        **_hcm_timeouts(config),
+        **_hcm_settings(config),
         "access_log": [
             {
                 "name": "envoy.access_loggers.stdout",
@@ -552,12 +770,12 @@ def bootstrap(config: Config, *, ext_proc: bool = True) -> dict[str, Any]:
 def drop_in(config: Config) -> dict[str, Any]:
     """What to add to an existing Envoy.
 
-    Timeouts for its HTTP connection manager, the HTTP filters in order (the
+    Timeouts and local replies for its HTTP connection manager, the HTTP filters in order (the
     router last), the clusters (`extproc`, then one per model: keep or replace
     the model ones) and the routes for its virtual host.
     """
     return {
-        "http_connection_manager": _hcm_timeouts(config),
+        "http_connection_manager": _hcm_settings(config),
         "http_filters": http_filters(config),
         "clusters": clusters(config),
         "routes": routes(config),

@@ -1,11 +1,25 @@
 """``extproc serve``: the gRPC server, the scrapers and the metrics endpoint in one process.
 
-Shutdown (SIGTERM or SIGINT) drains instead of dropping: health turns
-NOT_SERVING so Envoy's health checks and a load balancer move away, new
-requests get a 503 with ``Retry-After``, queued requests keep being released
-as the engine frees room and in-flight responses run to their end — for up
-to ``drain_seconds``. Whatever is still queued then is answered 503; only
-then does the gRPC server stop.
+Shutdown (SIGTERM or SIGINT) drains instead of dropping, in this order:
+
+1. gRPC health turns NOT_SERVING, so Envoy's health check (and a Kubernetes
+   gRPC readiness probe) stop sending new streams here where another
+   processor can take them; new requests that still arrive get 503
+   ``shutting_down`` with ``Retry-After``.
+2. Queued requests keep being released as the engine frees room, for up to
+   ``drain_seconds``; whatever is still queued then is answered 503
+   ``shutting_down``.
+3. The gRPC listener stays up while any released response runs, so that
+   arrivals keep getting ``shutting_down`` and the exit is clean. The process
+   exits when the last one ends, or at the hard deadline, ``deadline_seconds``
+   after the signal. Responses still streaming then are not cut: the ext_proc
+   filter runs with ``failure_mode_allow`` (envoy_config.py), so they go on
+   through Envoy without the processor, and a restarted processor sees them as
+   the engine's load.
+
+A second SIGTERM or SIGINT exits at once. Every request arriving while the
+listener is up gets the processor's JSON answer; after the exit Envoy's own
+JSON 503 ``processor_unavailable`` (envoy_config.py, ``routes``).
 """
 
 from __future__ import annotations
@@ -14,6 +28,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 import aiohttp
@@ -24,21 +39,24 @@ from prometheus_client import start_http_server
 
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.engines.discovery import watch_pool
+from extproc.adapters.ext_proc.contract import EXT_PROC_SERVICE
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatchers
 
 log = logging.getLogger(__name__)
 
-EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 GRPC_OPTIONS = [
     # Every held request is an open stream; a burst must not be refused by gRPC itself.
     ("grpc.server.max_pending_requests", 100_000),
     ("grpc.max_concurrent_streams", 100_000),
     ("grpc.so_reuseport", 0),
 ]
-# After draining, how long in-flight streams get before the server stops for good.
-FINAL_GRACE_S = 5.0
+# Once nothing is queued or in flight: how long the last streams (refusals being
+# sent) get to finish before the gRPC server stops.
+FINAL_GRACE_S = 1.0
+# How often the drain looks at the queues; it runs once per process lifetime.
+DRAIN_POLL_S = 0.05
 
 
 class ProcessorServer:
@@ -71,21 +89,41 @@ class ProcessorServer:
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving ext_proc on %s, metrics on %s", self.config.listen.grpc, self.config.listen.metrics)
 
-    def busy(self) -> bool:
-        return any(d.queued or d.in_flight for d in self.dispatchers.values())
+    def queued(self) -> int:
+        return sum(d.queued for d in self.dispatchers.values())
 
-    async def drain_and_stop(self, drain_seconds: float) -> None:
-        log.info("draining for up to %.0fs", drain_seconds)
+    def in_flight(self) -> int:
+        return sum(d.in_flight for d in self.dispatchers.values())
+
+    async def drain_and_stop(
+        self, drain_seconds: float, deadline_seconds: float, force: asyncio.Event | None = None
+    ) -> None:
+        """Drain as the module docstring says; ``force`` (a second signal) cuts it short at any point."""
+        force = force or asyncio.Event()
+        start = time.monotonic()
+        log.info("draining: %d queued, %d in flight; queue for up to %gs, responses for up to %gs",
+                 self.queued(), self.in_flight(), drain_seconds, deadline_seconds)
         self.processor.draining = True
+        self.telemetry.draining.set(1)
         await self._health.enter_graceful_shutdown()
-        deadline = time.monotonic() + drain_seconds
-        # Polling at 50 ms is fine here: it runs once per process lifetime.
-        while self.busy() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await self._wait(lambda: self.queued() == 0, start + min(drain_seconds, deadline_seconds), force)
+        if self.queued():
+            log.info("drain deadline: answering %d queued requests shutting_down", self.queued())
         for dispatcher in self.dispatchers.values():
             dispatcher.reject_all()
-        await self._grpc.stop(FINAL_GRACE_S)
+        await self._wait(lambda: self.in_flight() == 0, start + deadline_seconds, force)
+        if self.in_flight():
+            log.warning("%s: exiting with %d responses still streaming (they go on without the processor)",
+                        "second signal" if force.is_set() else "hard deadline", self.in_flight())
+        else:
+            log.info("every response ended, %.1fs after the signal", time.monotonic() - start)
+        await self._grpc.stop(0 if force.is_set() or self.in_flight() else FINAL_GRACE_S)
         await self.close()
+
+    @staticmethod
+    async def _wait(done: Callable[[], bool], deadline: float, force: asyncio.Event) -> None:
+        while not done() and not force.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -99,13 +137,17 @@ class ProcessorServer:
         await self._grpc.stop(0)
 
 
-async def serve(config: Config, drain_seconds: float) -> None:
-    """Run until SIGTERM/SIGINT, then drain."""
+async def serve(config: Config, drain_seconds: float, deadline_seconds: float) -> None:
+    """Run until SIGTERM/SIGINT, then drain; a second signal stops at once."""
     server = ProcessorServer(config)
     await server.start()
-    stop = asyncio.Event()
+    stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (force if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await stop.wait()
-    await server.drain_and_stop(drain_seconds)
+    await server.drain_and_stop(drain_seconds, deadline_seconds, force)

@@ -40,6 +40,13 @@ class Telemetry:
             ["model", "reason"],
             registry=r,
         )
+        self.cost_clamped = Counter(
+            "extproc_cost_clamped",
+            "Requests whose max_tokens or Content-Length was beyond the model's max_context_tokens "
+            "(the vtc cost counts at most the context).",
+            ["model"],
+            registry=r,
+        )
         self.abandoned = Counter(
             "extproc_abandoned",
             "Requests whose client left while they were queued.",
@@ -98,17 +105,34 @@ class Telemetry:
             ["model", "endpoint"],
             registry=r,
         )
+        self.endpoint_up = Gauge(
+            "extproc_endpoint_up",
+            "0 while the endpoint's engine is unreachable (connection refused, release failures, its own 503): "
+            "nothing is released to it; 1 once it answers again.",
+            ["model", "endpoint"],
+            registry=r,
+        )
+        self.release_failures = Counter(
+            "extproc_release_failures",
+            "Released requests that failed before the engine answered (unreachable, reset) or that it answered 503; "
+            "endpoint '(unknown)' where the pool cannot tell which endpoint took it.",
+            ["model", "endpoint"],
+            registry=r,
+        )
         self.gate_fallback = Gauge(
             "extproc_gate_fallback",
             "1 while the gate runs on its fallback in-flight limit (engine metrics unusable).",
             ["model"],
             registry=r,
         )
+        self.draining = Gauge(
+            "extproc_draining", "1 from SIGTERM until the process exits (health NOT_SERVING).", registry=r
+        )
 
     def per_endpoint_gauges(self) -> tuple[Gauge, ...]:
         """Gauges labelled (model, endpoint): cleared when an endpoint leaves its pool."""
         return (self.engine_waiting, self.engine_running, self.engine_kv_usage, self.engine_itl,
-                self.gate_limit, self.endpoint_degraded)
+                self.gate_limit, self.endpoint_degraded, self.endpoint_up)
 
 
 class ModelTelemetry:
@@ -126,6 +150,9 @@ class ModelTelemetry:
 
     def released(self, band: str) -> None:
         self._t.released.labels(self._model, band).inc()
+
+    def cost_clamped(self) -> None:
+        self._t.cost_clamped.labels(self._model).inc()
 
     def abandoned(self, band: str) -> None:
         self._t.abandoned.labels(self._model, band).inc()
@@ -158,6 +185,12 @@ class ModelTelemetry:
 
     def endpoint_degraded(self, endpoint: str, degraded: bool) -> None:
         self._t.endpoint_degraded.labels(self._model, endpoint).set(1 if degraded else 0)
+
+    def endpoint_up(self, endpoint: str, up: bool) -> None:
+        self._t.endpoint_up.labels(self._model, endpoint).set(1 if up else 0)
+
+    def release_failed(self, endpoint: str | None) -> None:
+        self._t.release_failures.labels(self._model, endpoint or "(unknown)").inc()
 
     def fallback(self, active: bool) -> None:
         self._t.gate_fallback.labels(self._model).set(1 if active else 0)

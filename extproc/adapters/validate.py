@@ -23,6 +23,7 @@ An empty key names the struct itself.
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
@@ -159,6 +160,8 @@ def _leaf(raw: Any, annotation: Any, metas: list[msgspec.Meta], path: str, error
         value = msgspec.convert(hooks["parse"](raw) if "parse" in hooks else raw, annotation)
         if "check" in hooks:
             value = hooks["check"](value)
+        if isinstance(value, float) and not math.isfinite(value):  # YAML's .inf passes every bound
+            raise ValueError(value)
     except (msgspec.ValidationError, ValueError):
         errors.append(f"{path}: must be {describe(annotation)}, got {raw!r}")
         return _FAILED

@@ -53,7 +53,7 @@ def build_dispatcher(
         model.name, build_pool(model), bands, ModelTelemetry(telemetry, model.name), clock,
         policy=POLICIES[model.policy],
         tenant=lambda name: limits.get(name, default),
-        cost=model.cost.weights(),
+        cost=model.cost_weights(),
         max_queued=model.max_queued,
         reserved_waiting=model.reserved_waiting,
     )

@@ -10,10 +10,15 @@ At release (estimated)
     (defaults 80 and 4: a chat body's JSON structure is about 80 bytes, and 4
     bytes per token is the usual rule of thumb for English text). Without a
     Content-Length (a chunked upload): the tenant's running average prompt,
-    else 0.
-  * output tokens = ``max_tokens`` (or ``max_completion_tokens``) when Envoy's
-    json_to_metadata found it in the body; otherwise the tenant's running
-    average of measured output, else ``default_output_tokens``.
+    else 1.
+  * output tokens = ``max_tokens`` (or ``max_completion_tokens``, which wins
+    when both are given) when Envoy's json_to_metadata found it in the body;
+    otherwise the tenant's running average of measured output, else
+    ``default_output_tokens``.
+  * each is clamped to ``max_context_tokens`` (the model's context): no
+    request can hold more than that, and a client's ``max_tokens: 1e308`` or
+    an absurd Content-Length must not make one release cost more than any real
+    request could (see Bounds below).
 
 At completion (measured, then derived)
   * **measured**: the request's occupancy of the engine — from our release to
@@ -32,14 +37,25 @@ At completion (measured, then derived)
   Without a decode rate (engine without the counter, no scrape yet) the
   estimate stands uncorrected.
 
-The tenant averages (exponentially weighted, weight ``AVERAGE_WEIGHT`` for
-the newest) learn from these derived values.
+Bounds
+  Every price is finite and between ``input_weight + output_weight`` and
+  ``(input_weight + output_weight) x max_context_tokens``, whatever arrives: a
+  hostile client picks ``max_tokens`` and Content-Length, a broken engine page
+  can report any counter. One infinite charge once made the ``vtc`` floor
+  infinite for good (every later tenant then tied at inf with the flooder, and
+  lost the tie-break); a tenant whose requests cost nothing would win every
+  tie in the same way. So token counts are clamped to ``[1,
+  max_context_tokens]`` (a request has at least one prompt token and holds an
+  engine slot for at least one output token), NaN counting as 1; a
+  non-finite occupancy or decode rate is no measurement, so the estimate
+  stands, and the decode rate itself only learns from finite samples.
 
 Pure: times are passed in.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 AVERAGE_WEIGHT = 0.2
@@ -57,6 +73,14 @@ class CostWeights:
     body_overhead_bytes: int = 80
     # Output estimate for a tenant's first request without max_tokens.
     default_output_tokens: int = 256
+    # The most tokens one request can hold (prompt or output): the engine's
+    # context length. Estimates and measurements are clamped to it.
+    max_context_tokens: int = 32_768
+
+
+def _tokens(value: float, most: float) -> float:
+    """A token count clamped to ``[1, most]``; NaN (nothing known) counts as the least, 1."""
+    return min(max(value, 1.0), most) if not math.isnan(value) else 1.0
 
 
 def _blend(old: float | None, new: float) -> float:
@@ -71,36 +95,46 @@ class Estimate:
     output_tokens: float
     max_tokens: float | None
     cost: float
+    # The client's max_tokens or Content-Length was beyond the context (or not
+    # a number): worth a metric, as it is a mistake or an attempt at poisoning.
+    clamped: bool = False
 
 
 class CostModel:
     """One model's pricing: estimates, measurements, per-tenant averages."""
 
     def __init__(self, weights: CostWeights) -> None:
-        self._weights = weights
+        self.weights = weights
         self._prompt_avg: dict[str, float] = {}
         self._output_avg: dict[str, float] = {}
 
     def price(self, prompt_tokens: float, output_tokens: float) -> float:
-        return self._weights.input_weight * prompt_tokens + self._weights.output_weight * output_tokens
+        return self.weights.input_weight * prompt_tokens + self.weights.output_weight * output_tokens
 
     def estimate(self, tenant: str, content_length: int | None, max_tokens: float | None) -> Estimate:
+        """What a release is charged; finite and bounded whatever the client sent (see Bounds)."""
+        context = float(self.weights.max_context_tokens)
+        clamped = False
         if content_length is not None:
-            prompt = max(0, content_length - self._weights.body_overhead_bytes) / self._weights.bytes_per_token
+            raw_prompt = (content_length - self.weights.body_overhead_bytes) / self.weights.bytes_per_token
+            prompt = _tokens(raw_prompt, context)
+            clamped = not raw_prompt <= context
             self._prompt_avg[tenant] = _blend(self._prompt_avg.get(tenant), prompt)
         else:
-            prompt = self._prompt_avg.get(tenant, 0.0)
+            prompt = _tokens(self._prompt_avg.get(tenant, 1.0), context)
         if max_tokens is not None:
+            clamped = clamped or not max_tokens <= context
+            max_tokens = _tokens(max_tokens, context)
             output = max_tokens
         else:
-            output = self._output_avg.get(tenant, float(self._weights.default_output_tokens))
-        return Estimate(prompt, output, max_tokens, self.price(prompt, output))
+            output = self._output_avg.get(tenant, _tokens(self.weights.default_output_tokens, context))
+        return Estimate(prompt, output, max_tokens, self.price(prompt, output), clamped)
 
     def measure(self, tenant: str, estimate: Estimate, occupancy_s: float, decode_rate: float | None) -> float:
         """The request's cost as far as it can be measured (see the module docstring)."""
-        if decode_rate is None:
+        if decode_rate is None or not math.isfinite(decode_rate) or not math.isfinite(occupancy_s):
             return estimate.cost
-        output = occupancy_s * decode_rate
+        output = _tokens(occupancy_s * decode_rate, self.weights.max_context_tokens)
         if estimate.max_tokens is not None:
             output = min(output, estimate.max_tokens)
         self._output_avg[tenant] = _blend(self._output_avg.get(tenant), output)
@@ -129,6 +163,8 @@ class DecodeRate:
         before, running_before, then = previous
         mean_running = (running + running_before) / 2
         # A counter that went down is an engine restart; nothing running says nothing.
-        if at <= then or generated < before or mean_running < 1:
+        if at <= then or not generated >= before or not mean_running >= 1:  # `not >=`: NaN fails too
             return
-        self.rate = _blend(self.rate, (generated - before) / (at - then) / mean_running)
+        sample = (generated - before) / (at - then) / mean_running
+        if math.isfinite(sample):  # a garbage page (inf, 1e308 counters) must not poison the average
+            self.rate = _blend(self.rate, sample)

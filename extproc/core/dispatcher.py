@@ -68,6 +68,8 @@ class Held:
     # Prefix-cache affinity key (endpoint picking) and the endpoint picked on release.
     affinity: str = ""
     endpoint: str | None = None
+    # Whether its response's headers are read for a failed release (a sample: they cost a message).
+    checked: bool = False
 
 
 class ModelDispatcher:
@@ -132,6 +134,8 @@ class ModelDispatcher:
                           drain_s=self._release_rate.drain_s(overflow.backlog, now))
         loop = asyncio.get_running_loop()
         estimate = self._cost.estimate(tenant, content_length, max_tokens)
+        if estimate.clamped:
+            self._report.cost_clamped()
         held = Held(tenant, band, now, loop.create_future(), estimate, affinity=affinity or tenant)
         self._queue.push(band, tenant, held)
         held.expiry = loop.call_later(self._bands[band].max_queue_wait_s, self._expire, held)
@@ -160,8 +164,26 @@ class ModelDispatcher:
             self._report.abandoned(self._bands[held.band].name)
             self._update_depth(held.band)
 
-    def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float) -> None:
-        self.pool.record_scrape(endpoint, load, started_at)
+    def record_response(self, held: Held, ok: bool) -> None:
+        """A released request's response began: from the engine (``ok``), or a release failure.
+
+        A failure (the engine unreachable, reset before answering, or its own
+        503) marks its endpoint down before the stream ends, so the slot it
+        frees is not handed to the next held request: they wait for the
+        engine, or go to an endpoint that is up.
+        """
+        if not held.released or held.ended:
+            return
+        down = self.pool.down()
+        endpoint = self.pool.record_response(held.endpoint, ok, self._clock())
+        if not ok:
+            self._report.release_failed(endpoint)
+        if self.pool.down() != down:
+            self.dispatch()  # reports the change; an endpoint back up takes held requests at once
+
+    def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float, *, reachable: bool = True) -> None:
+        """A scrape's outcome (``load`` None: failed; ``reachable=False``: its connection was refused)."""
+        self.pool.record_scrape(endpoint, load, started_at, reachable=reachable)
         if load is None:
             self._report.scrape_failed(endpoint)
         else:
@@ -180,6 +202,10 @@ class ModelDispatcher:
         """Refuse every queued request with ``shutting_down`` (draining ran out of time)."""
         while len(self._queue):
             band, _, held = self._queue.pop()
+            if held.future.done():  # its stream was cancelled a moment ago, as in dispatch()
+                self._report.abandoned(self._bands[band].name)
+            else:
+                self._report.refused(Refusal.SHUTTING_DOWN)
             self._resolve(held, shutting_down())
             self._update_depth(band)
 
@@ -206,6 +232,7 @@ class ModelDispatcher:
     def _release(self, band: int, tenant: str, held: Held, now: float) -> None:
         held.released = True
         held.endpoint = self.pool.pick(held.affinity, now)
+        held.checked = self.pool.check_release(held.endpoint, now)
         self.pool.record_release(held, now, held.endpoint, into_free_slot=self._bands[band].idle_only)
         self._release_rate.record(now)
         self._queue.charge(band, tenant, held.estimate.cost)

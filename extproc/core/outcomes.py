@@ -18,6 +18,7 @@ class Refusal(StrEnum):
 
     MODEL_MISSING = "model_missing"  # the body names no model
     MODEL_NOT_FOUND = "model_not_found"  # a model this gateway does not serve
+    INVALID_MAX_TOKENS = "invalid_max_tokens"  # max_tokens / max_completion_tokens is not a whole number >= 1
     TENANT_MISSING = "tenant_missing"  # no tenant identity, and the config refuses anonymous requests
     PRIORITY_NOT_ALLOWED = "priority_not_allowed"  # no class the tenant may use at or below the one asked for
     TENANT_QUEUE_FULL = "tenant_queue_full"  # the tenant's own backlog is at its cap
@@ -39,3 +40,5 @@ class Refused(Exception):
     drain_s: float | None = None
     # Set when the request was queued before it was refused.
     queue_wait_s: float | None = None
+    # The request field at fault, when one is (OpenAI's error ``param``).
+    param: str | None = None

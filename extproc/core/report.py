@@ -22,6 +22,9 @@ class DispatchReport(Protocol):
 
     def released(self, band: str) -> None: ...
 
+    def cost_clamped(self) -> None:
+        """A request's max_tokens or Content-Length was beyond the model's context; its cost was clamped."""
+
     def abandoned(self, band: str) -> None:
         """A queued request's client left."""
 
@@ -40,6 +43,15 @@ class DispatchReport(Protocol):
 
     def endpoint_degraded(self, endpoint: str, degraded: bool) -> None:
         """The endpoint's metrics became unusable (True) or usable again (False)."""
+
+    def endpoint_up(self, endpoint: str, up: bool) -> None:
+        """The endpoint's engine became unreachable (False: nothing is released to it) or reachable again."""
+
+    def release_failed(self, endpoint: str | None) -> None:
+        """A released request failed before the engine answered it (or the engine answered 503).
+
+        ``endpoint`` is None where the pool cannot tell which endpoint it went to.
+        """
 
     def fallback(self, active: bool) -> None:
         """The model's gate runs on fallback limits (some endpoint degraded) or not."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
-from extproc.adapters.config import Config, load_config
+from extproc.adapters.config import Config, ModelConfig, load_config
 from extproc.adapters.envoy_config import bootstrap
 from extproc.tools.envoy_proc import EnvoyProcess, start_envoy
 from extproc.tools.procs import ManagedProcess
@@ -63,6 +63,15 @@ class Stack:
         await self.stop()
 
 
+async def start_sim(model: ModelConfig, endpoint: str, workdir: Path, sim_args: Sequence[str] = ()) -> ManagedProcess:
+    """One simulator for ``endpoint`` of ``model``, speaking its metric dialect (also to restart a killed one)."""
+    host, _, port = endpoint.removeprefix("http://").rpartition(":")
+    argv = [*PYTHON, "sim", "--host", host, "--port", port, "--model", model.name, "--dialect", model.engine, *sim_args]
+    return await ManagedProcess.start(
+        f"sim {model.name}", argv, workdir / f"sim-{model.name}-{port}.log", ready_url=f"{endpoint}/health"
+    )
+
+
 async def start_stack(
     config_path: Path,
     workdir: Path,
@@ -86,16 +95,7 @@ async def start_stack(
     try:
         for model in config.models if engines else ():
             for endpoint in model.endpoints:
-                host, _, port = endpoint.removeprefix("http://").rpartition(":")
-                argv = [
-                    *PYTHON, "sim", "--host", host, "--port", port, "--model", model.name,
-                    "--dialect", model.engine, *sim_args,
-                ]
-                stack.sims.append(
-                    await ManagedProcess.start(
-                        f"sim {model.name}", argv, workdir / f"sim-{model.name}-{port}.log", ready_url=f"{endpoint}/health"
-                    )
-                )
+                stack.sims.append(await start_sim(model, endpoint, workdir, sim_args))
         if gateway == "extproc":
             stack.processor = await ManagedProcess.start(
                 "extproc serve",

@@ -7,6 +7,9 @@ the processor and the clients read the same facts.
 import math
 from types import MappingProxyType
 
+# The gRPC service the processor serves; its gRPC health status (grpc.health.v1)
+# turns NOT_SERVING while the processor drains, and Envoy's health check asks for it.
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Dynamic-metadata namespace that Envoy's json_to_metadata filter writes the body fields into.
 METADATA_NAMESPACE = "extproc"
 # Set by the processor on released requests; Envoy copies it onto the response
@@ -20,9 +23,14 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 
 # The ext_proc processing mode: the request headers in, and the response
 # trailers, which keep the stream open until the response is done (completion
-# seen without per-chunk messages). envoy_config.py writes it into the filter;
-# the processor's override for engine_priority models is the same with the
-# request body buffered (an override replaces the whole mode).
+# seen without per-chunk messages). The response headers, whose status tells
+# a live engine from a failed release (release_outcome.py), cost one more
+# message each: the processor asks for them (mode_override) only on the
+# releases it checks (core/release/health.py: a sample, and every release to
+# an endpoint just back up). envoy_config.py writes it into the filter;
+# the processor's overrides are the same with the request body buffered
+# (engine_priority models) and/or the response headers sent (an override
+# replaces the whole mode).
 PROCESSING_MODE = MappingProxyType({
     "request_header_mode": "SEND",
     "response_header_mode": "SKIP",

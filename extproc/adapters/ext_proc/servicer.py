@@ -4,15 +4,18 @@ Life of a stream (processing mode: request headers SEND, response trailers
 SEND, everything else off):
 
 1. Envoy sends the request headers, with the body's ``model`` (and
-   ``max_tokens``) already in dynamic metadata by its json_to_metadata filter:
-   the prompt never passes through Python.
+   ``max_tokens``, ``max_completion_tokens``) already in dynamic metadata by
+   its json_to_metadata filter: the prompt never passes through Python.
 2. We work out model, tenant and priority, queue the request and — if it has
    to wait — tell Envoy to extend its message timeout while we hold it.
 3. When the dispatcher releases it we answer CONTINUE, setting the routing
    header to the model from the body (a client-sent header is overwritten)
    and clearing Envoy's route cache so it routes on it.
-4. The stream then stays open, silent, until the response has finished or
-   the client has gone; its end is the request's completion, which keeps the
+4. For a release the gate checks (a sample; ``mode_override``), the
+   response headers tell whether it reached a live engine
+   (release_outcome.py); a failure marks the endpoint down at once. The
+   stream then stays open, silent, until the response has finished or the
+   client has gone; its end is the request's completion, which keeps the
    gate's in-flight count exact at no per-chunk cost.
 
 For ``engine_priority`` models only, the CONTINUE also switches the stream to
@@ -65,6 +68,7 @@ from extproc.adapters.ext_proc.contract import (
     hold_timeout_for,
 )
 from extproc.adapters.ext_proc.priority_body import with_priority
+from extproc.adapters.ext_proc.release_outcome import engine_answered
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher, shutting_down
 from extproc.core.outcomes import Refusal, Refused
@@ -77,6 +81,7 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 ANSWERS: dict[Refusal, tuple[int, str]] = {
     Refusal.MODEL_MISSING: (400, "invalid_request_error"),
     Refusal.MODEL_NOT_FOUND: (404, "invalid_request_error"),
+    Refusal.INVALID_MAX_TOKENS: (400, "invalid_request_error"),
     Refusal.TENANT_MISSING: (401, "authentication_error"),
     Refusal.PRIORITY_NOT_ALLOWED: (403, "permission_error"),
     Refusal.TENANT_QUEUE_FULL: (429, "rate_limit_error"),
@@ -88,8 +93,17 @@ ANSWERS: dict[Refusal, tuple[int, str]] = {
 # Retry-After: the refusing queue's drain time at the recent release rate, within these bounds.
 MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
-# The filter's own mode with the request body buffered (engine_priority models).
-_WITH_BODY = processing_mode_pb2.ProcessingMode(**{**PROCESSING_MODE, "request_body_mode": "BUFFERED"})
+# The filter's own mode with, after a release, the request body buffered (engine_priority
+# models) and/or the response headers sent (a release the gate checks for failure); by
+# (body, response headers). Neither: no override.
+_OVERRIDES = {
+    (body, checked): processing_mode_pb2.ProcessingMode(**{
+        **PROCESSING_MODE,
+        **({"request_body_mode": "BUFFERED"} if body else {}),
+        **({"response_header_mode": "SEND"} if checked else {}),
+    })
+    for body in (False, True) for checked in (False, True) if body or checked
+}
 
 
 @dataclass(frozen=True)
@@ -127,7 +141,8 @@ def retry_after_s(refused: Refused) -> int | None:
 def error_response(refused: Refused) -> pb.ProcessingResponse:
     """An OpenAI-style JSON error that Envoy sends to the client in place of the engine's answer."""
     status, error_type = ANSWERS[refused.refusal]
-    body = {"error": {"message": refused.message, "type": error_type, "param": None, "code": refused.refusal.value}}
+    body = {"error": {"message": refused.message, "type": error_type, "param": refused.param,
+                      "code": refused.refusal.value}}
     headers = [_header("content-type", "application/json"), _header(REASON_HEADER, refused.refusal.value)]
     retry_after = retry_after_s(refused)
     if retry_after is not None:
@@ -192,15 +207,45 @@ def _host_port(endpoint: str) -> str | None:
 
 
 def _body_max_tokens(request: pb.ProcessingRequest) -> float | None:
-    value = _metadata_value(request, "max_tokens")
-    if value is None or value.WhichOneof("kind") != "number_value" or value.number_value <= 0:
-        return None
-    return value.number_value
+    """The body's output limit (``max_completion_tokens`` wins over ``max_tokens``, as in vLLM), or None.
+
+    Envoy copies each field as the JSON value it is (json_to_metadata type
+    PROTOBUF_VALUE): a string, a bool, a fraction, zero or a negative number is
+    refused here, naming the field, as OpenAI's API refuses it. Envoy's NUMBER
+    type would instead have turned ``"inf"`` or ``"nan"`` into a number and
+    ``true`` into 1. A list, an object or null never reaches us (Envoy drops
+    them; the engine answers those). A whole number too large for any context
+    (``1e308``) is valid JSON and passes: the cost model clamps it.
+    """
+    limit = None
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = _metadata_value(request, field)
+        if value is None:
+            continue
+        number = value.number_value if value.WhichOneof("kind") == "number_value" else math.nan
+        if not (math.isfinite(number) and number >= 1 and number.is_integer()):
+            raise Refused(Refusal.INVALID_MAX_TOKENS, f"{field} must be an integer >= 1, got {_shown(value)}",
+                          param=field)
+        limit = number
+    return limit
+
+
+def _shown(value: struct_pb2.Value) -> str:
+    """A metadata value as the client wrote it, short (it goes into an error message)."""
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        return json.dumps(value.string_value[:40])
+    if kind == "bool_value":
+        return "true" if value.bool_value else "false"
+    if kind == "number_value":
+        return f"{value.number_value:g}"
+    return str(kind)
 
 
 def _content_length(headers: dict[str, str]) -> int | None:
+    """The declared body size; None when absent (chunked) or not plain ASCII digits."""
     value = headers.get("content-length", "")
-    return int(value) if value.isdigit() else None
+    return int(value) if value.isascii() and value.isdigit() else None
 
 
 class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the generated base is untyped
@@ -269,6 +314,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the
         body_model = _body_model(first)
         try:
             admission = self.admit(headers, body_model)
+            max_tokens = _body_max_tokens(first)
         except Refused as refused:
             # Client-chosen names never become label values: unbounded series would sink Prometheus.
             label = body_model if body_model in self._dispatchers else "(unknown)"
@@ -285,7 +331,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the
         try:
             held = dispatcher.submit(
                 admission.tenant, admission.band,
-                content_length=_content_length(headers), max_tokens=_body_max_tokens(first),
+                content_length=_content_length(headers), max_tokens=max_tokens,
                 # OpenAI's prompt_cache_key names requests that share a prompt prefix; without
                 # it, a tenant's requests stick together (they often share a system prompt).
                 affinity=_body_field(first, "prompt_cache_key") or "",
@@ -318,11 +364,14 @@ class Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # the
                         clear_route_cache=True,
                     )
                 ),
-                mode_override=_WITH_BODY if engine_priority is not None else None,
+                mode_override=_OVERRIDES.get((engine_priority is not None, held.checked)),
             )
             async for message in messages:
                 if engine_priority is not None and message.HasField("request_body"):
                     yield _priority_body(message.request_body.body, engine_priority)
+                elif message.HasField("response_headers"):
+                    dispatcher.record_response(held, engine_answered(_headers_of(message.response_headers)))
+                    yield _continue(message)
                 else:
                     yield _continue(message)
         finally:

@@ -21,6 +21,14 @@ counter differs from the real released cost by the errors of its in-flight
 requests, at most K * E together; the pick then adds at most U.) With exact
 estimates this is the classic one-request bound U.
 
+Counters stay finite whatever they are told. The cost model already bounds
+every estimate and measurement by the model's context (cost.py), but one
+infinite charge would make the floor infinite for good: every tenant joining
+later would tie at inf with the tenant flooding, and lose the tie-break to it.
+So each weighted charge or correction is clamped to ``±MAX_SERVICE`` (far above
+any real request) and a NaN counts as nothing; a charge and its correction
+clamp symmetrically, so a clamped pair still nets to zero.
+
 Picking is a scan of the backlogged tenants of the band: about 4 µs with 10
 of them, 160 µs with 1 000 (measured); a heap would be the next step if bands
 with thousands of backlogged tenants become common.
@@ -31,6 +39,7 @@ Pure: no clock and no I/O, like the rest of the scheduling core.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Hashable
 from typing import TypeVar
@@ -42,6 +51,16 @@ Item = TypeVar("Item", bound=Hashable)
 # Above this many idle entries the counters are swept of tenants that a return
 # would lift anyway; keeps memory bounded by the active tenants.
 _SWEEP_SLACK = 64
+# The most weighted service one charge or correction may add or take: a
+# million-token context at weight 1e-3 and price 1e3 per token is 1e12. Counters
+# that only ever grow by finite steps this size stay finite (and exact to well
+# below one token) for longer than any process lives.
+MAX_SERVICE = 1e12
+
+
+def _bounded(service: float) -> float:
+    """``service`` clamped to ``±MAX_SERVICE``; NaN (nothing known) is 0."""
+    return 0.0 if math.isnan(service) else min(max(service, -MAX_SERVICE), MAX_SERVICE)
 
 
 class VirtualTokenCounter(TenantQueues[Item]):
@@ -89,7 +108,7 @@ class VirtualTokenCounter(TenantQueues[Item]):
 
     def charge(self, tenant: str, cost: float) -> None:
         """Add a release's estimated cost (before weighting) to the tenant's counter."""
-        self._counters[tenant] = self.counter(tenant) + cost / self._weight(tenant)
+        self._counters[tenant] = self.counter(tenant) + _bounded(cost / self._weight(tenant))
 
     def correct(self, tenant: str, delta: float) -> None:
         """Adjust by real cost minus the estimate charged (negative: it cost less)."""

@@ -13,6 +13,24 @@ text: once work was sent to the endpoint longer ago than any usable page may
 lag, and the page still did not move, its data is as old as its first
 appearance, and goes stale like a failed scrape's.
 
+An endpoint is *down* when its engine cannot be reached: a scrape's
+connection was refused, or a request released to it failed (Envoy could not
+connect or was reset before a response, or the engine itself answered 503).
+Down is not degraded: nothing at all goes to a down endpoint (the gate would
+otherwise keep releasing into it, each failure freeing the slot it took, and
+empty the queue into errors). Held requests wait instead (up to their queue
+timeout) or go to an endpoint that is up. The endpoint is up again on the
+first sign of a live engine after it went down: a scrape that started later
+and got any HTTP answer, or a response from it that is not a failure.
+
+A failed release is read from the response's headers, which cost the
+processor one more message; so only some releases are checked
+(:meth:`EndpointHealth.check_release`): one in ``CHECK_EVERY``, and every
+release to an endpoint within ``PROBATION_S`` of its coming back up (an
+engine whose metrics answer while its API fails goes down again at its
+first failure, instead of after a sample's worth). A crashed engine is seen
+by its refused scrapes anyway.
+
 Pure: the caller passes ``now`` (a monotonic clock).
 """
 
@@ -22,6 +40,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from extproc.core.engine_load import EngineLoad
+
+# One release in this many has its response headers checked (the first one included).
+CHECK_EVERY = 8
+# Every release to an endpoint is checked for this long after it came back up.
+PROBATION_S = 5.0
 
 
 @dataclass
@@ -33,6 +56,9 @@ class _Health:
     good_at: float = float("-inf")  # when the last good scrape started
     # First release to this endpoint after its current page content appeared.
     release_after_content: float | None = None
+    # When the endpoint was marked down (None: up), and when it last came back up.
+    down_at: float | None = None
+    up_at: float = float("-inf")
 
 
 class EndpointHealth:
@@ -43,6 +69,7 @@ class EndpointHealth:
         self._stale_after_s = stale_after_s
         self._floor = fallback_max_in_flight
         self._health: dict[str, _Health] = {}
+        self._releases = 0
         self.set_endpoints(endpoints)
 
     def set_endpoints(self, endpoints: Sequence[str]) -> None:
@@ -58,11 +85,19 @@ class EndpointHealth:
         if health is not None and health.release_after_content is None:
             health.release_after_content = now
 
-    def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float) -> bool:
-        """A scrape of ``endpoint`` returned ``load`` (None: failed); True if it is a usable reading."""
+    def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float, *, reachable: bool = True) -> bool:
+        """A scrape of ``endpoint`` returned ``load`` (None: failed); True if it is a usable reading.
+
+        ``reachable=False``: the connection was refused, the engine is gone
+        (down); any HTTP answer, even a broken page, shows a live engine.
+        """
         health = self._health.get(endpoint)
         if health is None:  # removed from the pool while the scrape ran
             return False
+        if not reachable:
+            self.mark_down(endpoint, started_at)
+        elif health.down_at is not None and started_at > health.down_at:
+            self._mark_up(health, started_at)
         health.failing = load is None
         if load is None:
             return False
@@ -74,12 +109,49 @@ class EndpointHealth:
         health.last_good, health.good_at = load, started_at
         return True
 
+    def record_response(self, endpoint: str, ok: bool, now: float) -> None:
+        """A released request to ``endpoint`` got its response headers: ``ok``, or a failure (down)."""
+        health = self._health.get(endpoint)
+        if health is None:
+            return
+        if not ok:
+            self.mark_down(endpoint, now)
+        elif health.down_at is not None and now > health.down_at:
+            self._mark_up(health, now)
+
+    @staticmethod
+    def _mark_up(health: _Health, now: float) -> None:
+        health.down_at, health.up_at = None, now
+
+    def check_release(self, endpoint: str | None, now: float) -> bool:
+        """Whether to read the response headers of a release to ``endpoint`` (None: anywhere in the pool)."""
+        self._releases += 1
+        targets = [endpoint] if endpoint is not None else self.endpoints
+        on_probation = any(now - self._health[e].up_at < PROBATION_S for e in targets if e in self._health)
+        return on_probation or self._releases % CHECK_EVERY == 1
+
+    def mark_down(self, endpoint: str, now: float) -> None:
+        health = self._health.get(endpoint)
+        if health is not None and health.down_at is None:
+            health.down_at = now
+
+    def is_down(self, endpoint: str) -> bool:
+        return self._health[endpoint].down_at is not None
+
+    def down(self) -> list[str]:
+        """Endpoints whose engine cannot be reached now: nothing is released to them."""
+        return [e for e, h in self._health.items() if h.down_at is not None]
+
+    def serving(self) -> list[str]:
+        """Endpoints that are up (their metrics may still be degraded)."""
+        return [e for e, h in self._health.items() if h.down_at is None]
+
     def healthy(self, endpoint: str, now: float) -> bool:
         health = self._health[endpoint]
-        return not health.failing and now - health.good_at <= self._stale_after_s
+        return health.down_at is None and not health.failing and now - health.good_at <= self._stale_after_s
 
     def degraded(self, now: float) -> list[str]:
-        """Endpoints whose metrics are unusable now."""
+        """Endpoints whose metrics are unusable now (down ones included)."""
         return [e for e in self._health if not self.healthy(e, now)]
 
     def fallback_limit(self, endpoint: str) -> int:

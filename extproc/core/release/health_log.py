@@ -1,8 +1,9 @@
 """Telling the report and the operator when endpoint health changes: once per change, not per dispatch.
 
 The dispatcher calls :meth:`HealthLog.note` before each dispatch; an
-endpoint turning degraded or usable again, and the pool going onto or off the
-fallback caps, each become one report call and one log line.
+endpoint going down (its engine unreachable) or up again, turning degraded or
+usable again, and the pool going onto or off the fallback caps, each become
+one report call and one log line.
 """
 
 from __future__ import annotations
@@ -21,10 +22,15 @@ class HealthLog:
         self._pool = pool
         self._report = report
         self._degraded: set[str] = set()
+        self._down: set[str] = set()
+        # Endpoints whose up/down state was reported: each is reported once at first, then on changes.
+        self._reported: set[str] = set()
         self._fallback: bool | None = None
 
     def note(self, now: float) -> None:
-        degraded = set(self._pool.degraded(now))
+        self._note_down()
+        unusable = set(self._pool.degraded(now))
+        degraded = unusable - self._down  # a down endpoint is reported as down, not as degraded
         for endpoint in degraded - self._degraded:
             self._report.endpoint_degraded(endpoint, True)
             if self._pool.health.last_good(endpoint) is None:
@@ -35,7 +41,7 @@ class HealthLog:
             self._report.endpoint_degraded(endpoint, False)
             log.info("model %s: metrics of %s usable again", self._model, endpoint)
         self._degraded = degraded
-        fallback = bool(degraded)
+        fallback = bool(unusable)
         if fallback != self._fallback:
             self._report.fallback(fallback)
             if fallback and self._fallback is not None:
@@ -43,3 +49,18 @@ class HealthLog:
             elif self._fallback is not None:
                 log.info("model %s: engine metrics usable again, gating on the engine queue", self._model)
             self._fallback = fallback
+
+    def _note_down(self) -> None:
+        down = set(self._pool.down())
+        for endpoint in set(self._pool.endpoints) - self._reported - down:
+            self._report.endpoint_up(endpoint, True)
+        self._reported = set(self._pool.endpoints)
+        for endpoint in sorted(down - self._down):
+            self._report.endpoint_up(endpoint, False)
+            log.warning("model %s: engine at %s unreachable, releasing nothing to it until it answers again "
+                        "(%d of %d endpoints up)", self._model, endpoint,
+                        len(self._pool.endpoints) - len(down), len(self._pool.endpoints))
+        for endpoint in sorted(self._down - down):
+            self._report.endpoint_up(endpoint, True)
+            log.info("model %s: engine at %s reachable again", self._model, endpoint)
+        self._down = down

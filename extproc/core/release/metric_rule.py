@@ -4,7 +4,9 @@ trusted, the fallback caps where they cannot.
 A degraded endpoint (``health.py``) gets at most its fallback cap of our
 requests, whatever the rule would say. Without endpoint picking the pool is
 one unit: one degraded endpoint puts the whole pool on the caps (Envoy
-spreads requests over every endpoint, so ours on each are not known).
+spreads requests over every endpoint, so ours on each are not known). A down
+endpoint is degraded too, and its cap is not counted: the pool's caps are
+those of the endpoints that are up.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ class MetricRule(ReleaseRule):
 
     def allowance(self, now: float) -> int:
         if self.health.degraded(now):
-            return sum(self.health.fallback_limit(e) for e in self.estimate.endpoints) - self.estimate.in_flight
+            return sum(self.health.fallback_limit(e) for e in self.health.serving()) - self.estimate.in_flight
         return int(self.headroom(None))
 
     def endpoint_allowance(self, endpoint: str, now: float) -> int:

@@ -7,6 +7,11 @@ a release, a finish, a scrape, a change of members — reaches each piece that
 needs it here, in one order, so no rule can miss one. The dispatcher asks the
 pool how many may go (through the band rules, ``core/bands.py``) and where
 each goes (``picking.py``).
+
+A *down* endpoint (``health.py``: its engine cannot be reached) gets
+nothing: with endpoint picking it has no room; without, the rule counts only
+the endpoints that are up, and with every endpoint down the pool releases
+nothing at all, so held requests wait for the engine to come back.
 """
 
 from __future__ import annotations
@@ -62,33 +67,60 @@ class Pool:
         self.health.record_release(endpoint, now)
         self.rule.record_release(now)
 
+    def check_release(self, endpoint: str | None, now: float) -> bool:
+        """Whether the response headers of this release should be read for a failure (``health.py``)."""
+        return self.health.check_release(endpoint, now)
+
     def record_finish(self, request: Hashable, now: float) -> float:
         """Note a finished request; returns how long it was released (its occupancy)."""
         occupancy = self.estimate.record_finish(request, now)
         self.rule.record_finish(now)
         return occupancy
 
-    def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float) -> None:
-        """A scrape of ``endpoint`` that started at ``started_at`` returned ``load`` (None: failed)."""
-        if not self.health.record_scrape(endpoint, load, started_at):
+    def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float, *, reachable: bool = True) -> None:
+        """A scrape of ``endpoint`` that started at ``started_at`` returned ``load`` (None: failed).
+
+        ``reachable=False``: its connection was refused (the engine is down).
+        """
+        if not self.health.record_scrape(endpoint, load, started_at, reachable=reachable):
             return  # failed, frozen, or of an endpoint that left: nothing to learn from it
         assert load is not None
         held_then = self.estimate.record_scrape(endpoint, load, started_at)
         self.rule.record_scrape(endpoint, load, started_at, held_then)
 
+    def record_response(self, endpoint: str | None, ok: bool, now: float) -> str | None:
+        """A released request's response began: ``ok``, or a release failure (engine unreachable or 503).
+
+        ``endpoint`` is where it was picked; without picking only a pool of one
+        tells where it went. Returns the endpoint the outcome was recorded for.
+        """
+        target = endpoint if endpoint is not None else self.endpoints[0] if len(self.endpoints) == 1 else None
+        if target is not None:
+            self.health.record_response(target, ok, now)
+        return target
+
     def allowance(self, now: float) -> int:
         """How many requests may be released now, never negative (with picking: what the endpoints may take)."""
+        if not self.health.serving():
+            return 0  # every engine down: hold everything until one returns
         if self.pick_endpoints:
-            return sum(self.rule.endpoint_allowance(e, now) for e in self.endpoints)
+            return sum(self._room(e, now) for e in self.endpoints)
         return max(0, self.rule.allowance(now))
 
+    def _room(self, endpoint: str, now: float) -> int:
+        return 0 if self.health.is_down(endpoint) else self.rule.endpoint_allowance(endpoint, now)
+
     def degraded(self, now: float) -> list[str]:
-        """Endpoints whose metrics are unusable now, where the rule reads metrics at all."""
+        """Endpoints whose metrics are unusable now (down ones included), where the rule reads metrics at all."""
         return self.health.degraded(now) if self.rule.uses_metrics else []
+
+    def down(self) -> list[str]:
+        """Endpoints whose engine cannot be reached: nothing goes to them, whatever the rule."""
+        return self.health.down()
 
     def pick(self, key: str, now: float) -> str | None:
         """The endpoint for the next release with affinity ``key`` (None: without picking, or no room)."""
         if not self.pick_endpoints:
             return None
-        return picking.pick(key, self.endpoints, lambda e: self.rule.endpoint_allowance(e, now),
+        return picking.pick(key, self.endpoints, lambda e: self._room(e, now),
                             self.settings.target_waiting)

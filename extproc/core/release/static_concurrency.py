@@ -1,8 +1,9 @@
 """``gate: static_concurrency``: at most ``max_in_flight`` of our requests per endpoint; metrics unused.
 
 A fixed ceiling, the baseline every metric-driven rule is measured against.
-It ignores the engines' metrics, so their health does not matter to it;
-traffic around the gateway is not seen at all.
+It ignores the engines' metrics, so whether they can be read does not matter
+to it; traffic around the gateway is not seen at all. Only a down endpoint
+(its engine unreachable, ``health.py``) changes it: its cap is not counted.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class StaticConcurrency(ReleaseRule):
         return cap
 
     def allowance(self, now: float) -> int:
-        return self._cap * len(self.estimate.endpoints) - self.estimate.in_flight
+        return self._cap * len(self.health.serving()) - self.estimate.in_flight
 
     def endpoint_allowance(self, endpoint: str, now: float) -> int:
         return max(0, self._cap - self.estimate.in_flight_on(endpoint))

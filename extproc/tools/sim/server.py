@@ -24,7 +24,9 @@ Request handling, also as in vLLM:
 be made to fail: ``--metrics-fault`` at start, or at run time
 ``PUT /sim/metrics-fault`` with ``{"mode": MODE}``; modes are ``ok``,
 ``garbage`` (200 with unparseable text), ``error`` (HTTP 500), ``slow``
-(answers after 30 s) and ``frozen`` (the same page forever).
+(answers after 30 s), ``frozen`` (the same page forever) and ``nan`` (a
+well-formed page whose vLLM queue and KV gauges read NaN, as a broken
+exporter's can; vLLM dialect only).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import argparse
 import asyncio
 import json
 import logging
+import re
 import signal
 import time
 import uuid
@@ -61,8 +64,10 @@ logger = logging.getLogger(__name__)
 Metrics = VllmMetrics | DialectMetrics
 ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
 METRICS_KEY: web.AppKey[Metrics] = web.AppKey("sim_metrics")
-METRICS_FAULTS = ("ok", "garbage", "error", "slow", "frozen")
+METRICS_FAULTS = ("ok", "garbage", "error", "slow", "frozen", "nan")
 _SLOW_METRICS_S = 30.0
+# A sample of vLLM's queue and KV gauges, up to its value: the ``nan`` fault's target.
+_GAUGE_SAMPLE = re.compile(rb"^((?:vllm:num_requests_\w+|vllm:kv_cache_usage_perc)(?:\{[^}]*\})? )\S+", re.M)
 
 _CHARS_PER_TOKEN = 4
 _MAX_BODY_BYTES = 32 * 1024 * 1024  # long prompts are the point of some tests
@@ -222,7 +227,10 @@ class _Handlers:
         if fault == "slow":
             await asyncio.sleep(_SLOW_METRICS_S)
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        page = web.Response(body=encoder(self.metrics.registry), headers={"Content-Type": content_type})
+        body = encoder(self.metrics.registry)
+        if fault == "nan":
+            body = _GAUGE_SAMPLE.sub(rb"\1NaN", body)
+        page = web.Response(body=body, headers={"Content-Type": content_type})
         if fault == "frozen":
             if self._frozen is None:
                 self._frozen = page

@@ -1,0 +1,147 @@
+"""An unreachable engine: the pool releases nothing to it, and takes it back on the first sign of life.
+
+The state machine of ``core/release/health.py`` (down on a refused scrape or a
+failed release, up on a later answer) and what the pool and the dispatcher
+make of it, without a network: time is passed in. Also how the processor
+reads a failed release from the response headers (``release_outcome.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from extproc.adapters.ext_proc.release_outcome import UPSTREAM_TIME_HEADER, engine_answered
+from extproc.core.bands import BandRules
+from extproc.core.caps import TenantLimits
+from extproc.core.cost import CostWeights
+from extproc.core.dispatcher import ModelDispatcher
+from extproc.core.engine_load import EngineLoad
+from extproc.core.policies import POLICIES
+from extproc.core.release import RULES
+from extproc.core.release.health import CHECK_EVERY, PROBATION_S
+from tests.test_gate import make_gate
+
+pytestmark = pytest.mark.unit
+
+IDLE = EngineLoad(waiting=0, running=0)
+
+
+@pytest.mark.parametrize("kind", sorted(RULES))
+def test_a_refused_scrape_stops_every_release_until_a_later_scrape_answers(kind: str) -> None:
+    gate = make_gate(kind=kind, max_in_flight=4, release_rate=100.0)
+    gate.record_scrape("e1", IDLE, started_at=0.0)
+    assert gate.allowance(0.05) > 0
+    gate.record_scrape("e1", None, started_at=0.1, reachable=False)
+    assert gate.down() == ["e1"] and gate.allowance(0.2) == 0 and gate.allowance(60.0) == 0
+    # A scrape that started before it went down proves nothing about now.
+    gate.record_scrape("e1", IDLE, started_at=0.05)
+    assert gate.down() == ["e1"]
+    # Any answer after it, even a broken page, shows a live engine: the usual fallback applies.
+    gate.record_scrape("e1", None, started_at=0.3)
+    assert gate.down() == [] and gate.allowance(0.3) > 0
+
+
+def test_a_failed_release_marks_its_endpoint_down_and_an_answer_brings_it_back() -> None:
+    gate = make_gate()
+    gate.record_scrape("e1", IDLE, started_at=0.0)
+    gate.record_release("r1", 0.0)
+    assert gate.record_response(None, False, 0.1) == "e1"  # a pool of one: it went there
+    assert gate.down() == ["e1"] and gate.allowance(0.1) == 0
+    gate.record_response(None, True, 0.2)
+    assert gate.down() == [] and gate.allowance(0.2) > 0
+
+
+def test_without_picking_a_failure_in_a_pool_of_several_names_no_endpoint() -> None:
+    gate = make_gate(endpoints=("e1", "e2"))
+    assert gate.record_response(None, False, 0.1) is None
+    assert gate.down() == []
+
+
+def test_a_down_endpoint_is_never_picked_and_its_share_is_not_counted() -> None:
+    picked = make_gate(endpoints=("e1", "e2"), pick=True)
+    balanced = make_gate(endpoints=("e1", "e2"), kind="static_concurrency", max_in_flight=4)
+    for gate in (picked, balanced):
+        for e in ("e1", "e2"):
+            gate.record_scrape(e, IDLE, started_at=0.0)
+        both = gate.allowance(0.1)
+        gate.record_scrape("e1", None, started_at=0.1, reachable=False)
+        assert 0 < gate.allowance(0.2) < both
+    assert {picked.pick(f"key{i}", 0.2) for i in range(20)} == {"e2"}
+    assert balanced.allowance(0.2) == 4
+
+
+def test_metric_rules_without_picking_cap_the_pool_at_the_fallback_of_the_endpoints_up() -> None:
+    gate = make_gate(endpoints=("e1", "e2"), fallback=4)
+    for e in ("e1", "e2"):
+        gate.record_scrape(e, IDLE, started_at=0.0)
+    gate.record_scrape("e1", None, started_at=0.1, reachable=False)
+    assert gate.allowance(0.2) == 4
+
+
+class Report:
+    """Just what these tests read of the dispatcher's reports."""
+
+    def __init__(self) -> None:
+        self.up: dict[str, bool] = {}
+        self.failures = 0
+
+    def endpoint_up(self, endpoint: str, up: bool) -> None:
+        self.up[endpoint] = up
+
+    def release_failed(self, endpoint: str | None) -> None:
+        self.failures += 1
+
+    def __getattr__(self, name: str) -> object:
+        return lambda *args: None
+
+
+async def test_held_requests_wait_through_an_outage_and_go_when_the_engine_answers() -> None:
+    report = Report()
+    now = [0.0]
+    dispatcher = ModelDispatcher(
+        "m", make_gate(kind="static_concurrency", max_in_flight=2), (BandRules("standard", 60.0),),
+        report, lambda: now[0],  # type: ignore[arg-type]  # Report answers every DispatchReport call
+        policy=POLICIES["round_robin"], tenant=lambda _: TenantLimits(1.0, 100),
+        cost=CostWeights(), max_queued=100, reserved_waiting=0,
+    )
+    held = [dispatcher.submit("alice", 0) for _ in range(6)]
+    running = [h for h in held if h.future.done()]
+    assert len(running) == 2 and report.up == {"e1": True}
+    # The engine dies: the first failure marks it down before its slot is freed.
+    dispatcher.record_response(running[0], ok=False)
+    dispatcher.end(running[0])
+    dispatcher.end(running[1])  # cut off mid-response: its slot is free, nothing takes it
+    assert report.up == {"e1": False} and report.failures == 1
+    assert dispatcher.queued == 4 and dispatcher.in_flight == 0
+    now[0] = 0.5
+    dispatcher.record_scrape("e1", None, 0.4, reachable=False)
+    assert dispatcher.queued == 4
+    now[0] = 3.0
+    dispatcher.record_scrape("e1", IDLE, 2.9)  # back
+    assert report.up == {"e1": True} and dispatcher.queued == 2 and dispatcher.in_flight == 2
+    for h in held:
+        h.future.cancel()
+        dispatcher.end(h)
+    await asyncio.sleep(0)
+
+
+def test_the_response_headers_tell_a_live_engine_from_a_failed_release() -> None:
+    upstream = {UPSTREAM_TIME_HEADER: "12"}
+    assert engine_answered({":status": "200", **upstream})
+    assert engine_answered({":status": "400", **upstream})
+    assert engine_answered({":status": "500", **upstream})  # one request's error: the engine lives
+    assert not engine_answered({":status": "503", **upstream})  # the engine's own: overloaded, stopping
+    assert not engine_answered({":status": "503"})  # Envoy's: unreachable, reset before the response
+    assert not engine_answered({":status": "504"})
+
+
+def test_a_sample_of_releases_is_checked_and_every_one_after_a_return() -> None:
+    gate = make_gate(endpoints=("e1", "e2"), pick=True)
+    checked = [gate.check_release("e1", 0.0) for _ in range(3 * CHECK_EVERY)]
+    assert checked[0] and sum(checked) == 3
+    gate.record_scrape("e2", None, started_at=1.0, reachable=False)
+    gate.record_scrape("e2", IDLE, started_at=2.0)  # back: on probation
+    assert all(gate.check_release("e2", 2.0 + PROBATION_S * i / 10) for i in range(10))
+    assert sum(gate.check_release("e2", 2.0 + PROBATION_S) for _ in range(CHECK_EVERY)) == 1
