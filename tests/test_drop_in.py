@@ -22,7 +22,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from extproc.adapters.config import ConfigError, load_config
+from extproc.adapters.config import Config, ConfigError, load_config
 from extproc.adapters.envoy_config import (
     DROP_IN_HEADER,
     LLM_PREFIXES,
@@ -90,6 +90,25 @@ def test_drop_in_filters_are_off_except_on_its_own_routes_which_own_only_the_llm
     # No "/" catch-all: each prefix ends with its own catch-all; nothing else is shadowed.
     catch_alls = [r["match"]["prefix"] for r in doc["routes"] if "direct_response" in r]
     assert catch_alls == list(LLM_PREFIXES)
+
+
+@pytest.mark.unit
+def test_without_api_keys_or_jwt_the_tenant_header_is_left_to_the_operators_auth_filter(tmp_path: Path) -> None:
+    """Their filter runs before ours and sets the tenant header; ours must not remove it (with keys or jwt it must)."""
+    def removed(config: Config) -> list[str]:
+        [sanitise] = [f for f in drop_in(config)["http_filters"] if f["name"] == "extproc.header_mutation"]
+        return [m["remove"] for m in sanitise["typed_config"]["mutations"]["request_mutations"]]
+
+    config = load_config(DEMO_CONFIG)
+    assert config.identity.tenant_header in removed(config)
+    assert config.identity.model_header in removed(config)
+    text = yaml.safe_load(DEMO_CONFIG.read_text())
+    text["envoy"].pop("api_keys")
+    path = tmp_path / "no-keys.yaml"
+    path.write_text(yaml.safe_dump(text))
+    config = load_config(path)
+    assert config.identity.tenant_header not in removed(config)
+    assert config.identity.model_header in removed(config)
 
 
 @pytest.mark.unit

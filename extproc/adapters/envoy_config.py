@@ -216,14 +216,17 @@ def _protocol_options(http2: bool) -> dict[str, Any]:
 # --- HTTP filters -------------------------------------------------------------
 
 
-def _sanitise_filter(config: Config) -> dict[str, Any]:
+def _sanitise_filter(config: Config, *, keep_tenant: bool = False) -> dict[str, Any]:
     """Drop headers only Envoy and the processor may set.
 
     The model header routes the request: a client-sent one must not survive
     into the processor or the router. The tenant header is stripped too
-    (api_key_auth, when configured, sets it afterwards).
+    (api_key_auth or jwt_authn, when configured, set it afterwards), unless
+    ``keep_tenant``: a drop-in without either leaves identity to the
+    operator's own auth filter, which runs earlier and sets it.
     """
-    remove = [config.identity.model_header, config.identity.tenant_header, DESTINATION_HEADER, *ECHOED_HEADERS]
+    tenant = [] if keep_tenant else [config.identity.tenant_header]
+    remove = [config.identity.model_header, *tenant, DESTINATION_HEADER, *ECHOED_HEADERS]
     return {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
@@ -395,14 +398,18 @@ def _router_filter() -> dict[str, Any]:
     }
 
 
-def http_filters(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any]]:
-    """The HTTP filter chain, in order (``ext_proc=False``: the benchmark's Envoy-only baseline)."""
+def http_filters(config: Config, *, ext_proc: bool = True, own_identity: bool = False) -> list[dict[str, Any]]:
+    """The HTTP filter chain, in order (``ext_proc=False``: the benchmark's Envoy-only baseline).
+
+    ``own_identity``: without api_keys or jwt, a client-sent tenant header is
+    kept, for the operator's auth filter before ours has set it (drop-in).
+    """
     identity = [_api_key_auth_filter(config)] if config.envoy.api_keys else []
     if config.envoy.jwt is not None:
         identity.append(_jwt_authn_filter(config))
     processor = [_admission_filter(config), _ext_proc_filter(config)] if ext_proc else []
     return [
-        _sanitise_filter(config),
+        _sanitise_filter(config, keep_tenant=own_identity and not identity),
         *identity,
         _json_to_metadata_filter(),
         *processor,
@@ -886,7 +893,7 @@ def drop_in(
         raise ConfigError(*(f"--cluster {name}=…: no model {name!r} in the config" for name in unknown))
     filters = [
         {**item, "name": DROP_IN_FILTER_PREFIX + item["name"].rpartition(".")[2], "disabled": True}
-        for item in http_filters(config)
+        for item in http_filters(config, own_identity=True)
         if item["name"] != "envoy.filters.http.router"
     ]
     # Turned on per route: a FilterConfig without config runs the filter with its listener config.
