@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -33,11 +34,12 @@ from extproc.adapters.envoy_config import (
     render,
 )
 from extproc.adapters.envoy_merge import merge
+from extproc.tools.envoy_bin import find_envoy
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.procs import ManagedProcess, free_port
 from extproc.tools.stack import PYTHON, start_sim
-from tests.envoyutil import DEMO_CONFIG, bootstrap_message
-from tests.stackutil import metric, read_metrics, write_config
+from tests.envoyutil import DEMO_CONFIG, JWT_CONFIG, bootstrap_message
+from tests.stackutil import metric, read_metrics, write_config, write_stack_config
 
 USER_ENVOY = Path(__file__).parent / "fixtures" / "user-envoy.yaml"
 FAST_SIM = ["--max-num-seqs", "4", "--step-ms", "20", "--time-scale", "0.1"]
@@ -186,6 +188,31 @@ def test_cli_drop_in_and_into(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 # --- integration: a real Envoy, a real processor, the simulator -----------------------------
+
+
+def variant_config(variant: str, tmp_path: Path) -> Config:
+    """Drop-ins of every kind: api keys, JWT from a JWKS URI, fail-open routes, endpoint picking."""
+    if variant == "demo":
+        return load_config(DEMO_CONFIG)
+    if variant == "jwt":
+        return load_config(JWT_CONFIG)
+    if variant == "open":
+        return load_config(write_stack_config(tmp_path, {"m1": {}}, envoy={"processor_failure": "open"}))
+    assert variant == "picking"
+    return load_config(write_config(tmp_path, replicas=2, endpoint_picking=True))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("variant", ["demo", "jwt", "open", "picking"])
+def test_envoy_validates_every_merged_drop_in(variant: str, tmp_path: Path) -> None:
+    config = variant_config(variant, tmp_path)
+    path = tmp_path / "merged.yaml"
+    path.write_text(render(merge(user_envoy(api_port=1), drop_in(config))))
+    result = subprocess.run(
+        [find_envoy(), "--mode", "validate", "-c", str(path), "--disable-hot-restart", "--log-level", "error"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 async def _echo(request: web.Request) -> web.Response:
