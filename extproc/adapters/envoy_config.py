@@ -1,9 +1,12 @@
 """Envoy configuration generated from the extproc Config.
 
 `bootstrap(config)` is a complete Envoy bootstrap (the demo runs it as is);
-`drop_in(config)` is the subset an operator splices into an existing Envoy.
-Both are plain dicts; `render()` turns one into YAML. Nothing here touches the
-network or the file system, so the output is a pure function of the Config.
+`drop_in(config)` is what to add to an operator's existing Envoy: the same
+filters, off except on its own routes, which own only the LLM paths, so the
+other routes of a shared listener run as before (`envoy_merge.merge` adds it
+to a bootstrap, `--into`). Both are plain dicts; `render()` turns one into
+YAML. Nothing here touches the network or the file system, so the output is a
+pure function of the Config.
 
 The request path through Envoy's HTTP filters:
 
@@ -43,13 +46,13 @@ The request path through Envoy's HTTP filters:
    (``mode_override``) to see the response's status: the router's own 503
    for an unreachable engine marks the endpoint down
    (``ext_proc/release_outcome.py``).
-4. ``router``: a request carrying ``x-gateway-destination-endpoint`` (set
-   only by the processor, when the model picks endpoints; a client-sent one is
-   removed in step 1) goes to the ORIGINAL_DST cluster ``picked_endpoint``,
-   which connects to exactly that HOST:PORT (the Gateway API Inference
-   Extension convention). Otherwise one route per model, matching the model
-   header exactly, balances over the model's cluster. So the same bootstrap
-   works with and without endpoint picking. Routes copy the processor's
+4. ``router``: with endpoint picking (some model's ``endpoint_picking``), a
+   request carrying ``x-gateway-destination-endpoint`` (set only by the
+   processor; a client-sent one is removed in step 1) goes to the
+   ORIGINAL_DST cluster ``picked_endpoint``, which connects to exactly that
+   HOST:PORT (the Gateway API Inference Extension convention); without it
+   neither that cluster nor its route exists. Otherwise one route per model,
+   matching the model header exactly, balances over the model's cluster. Routes copy the processor's
    queue-wait request header onto the response, and retry a request that
    never reached the engine (connection refused or reset before a byte was
    sent: safe for a POST), with backoff, on another endpoint where there is
