@@ -353,7 +353,7 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
     assert run_cli(["--config", str(bad)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith(f"error: {bad}: models")
+    assert captured.err.startswith(f"error: {bad}:1: models")
     mixed = tmp_path / "mixed.yaml"
     mixed.write_text("models: [{name: m, endpoints: ['http://a:1', 'https://b:2']}]\n")
     assert run_cli(["--config", str(mixed)]) == 2

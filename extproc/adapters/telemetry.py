@@ -8,8 +8,11 @@ dispatcher reports through a :class:`ModelTelemetry` (the core's
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from extproc.adapters.logs import DECISIONS
 from extproc.core.engine_load import EngineLoad
 from extproc.core.outcomes import Refusal
 
@@ -136,11 +139,14 @@ class Telemetry:
 
 
 class ModelTelemetry:
-    """One model's series, written from what its dispatcher reports (``core/report.py``)."""
+    """One model's series, written from what its dispatcher reports (``core/report.py``), and its decision lines."""
 
     def __init__(self, telemetry: Telemetry, model: str) -> None:
         self._t = telemetry
         self._model = model
+        # Asked once, at start-up (logging is set up before the dispatchers are built): with
+        # DEBUG off a decision costs one attribute test, not a logging call per request.
+        self._decisions = DECISIONS.isEnabledFor(logging.DEBUG)
 
     def refused(self, refusal: Refusal) -> None:
         self._t.rejected.labels(self._model, refusal.value).inc()
@@ -191,6 +197,15 @@ class ModelTelemetry:
 
     def release_failed(self, endpoint: str | None) -> None:
         self._t.release_failures.labels(self._model, endpoint or "(unknown)").inc()
+
+    def decided(self, tenant: str, band: str, waited_s: float, outcome: str) -> None:
+        if not self._decisions:
+            return
+        wait_ms = round(waited_s * 1000, 1)
+        DECISIONS.debug(
+            "%s %s tenant=%s class=%s wait_ms=%s", outcome, self._model, tenant, band, wait_ms,
+            extra={"tenant": tenant, "class": band, "model": self._model, "wait_ms": wait_ms, "outcome": outcome},
+        )
 
     def fallback(self, active: bool) -> None:
         self._t.gate_fallback.labels(self._model).set(1 if active else 0)

@@ -130,6 +130,7 @@ class ModelDispatcher:
         overflow = self._caps.check(self._queue, tenant, band)
         if overflow is not None:
             self._report.refused(overflow.refusal)
+            self._report.decided(tenant, self._bands[band].name, 0.0, f"refused:{overflow.refusal.value}")
             raise Refused(overflow.refusal, overflow.message + "; retry later",
                           drain_s=self._release_rate.drain_s(overflow.backlog, now))
         loop = asyncio.get_running_loop()
@@ -161,7 +162,7 @@ class ModelDispatcher:
             self.dispatch()
         elif self._queue.remove(held.band, held.tenant, held):
             self._resolve(held)
-            self._report.abandoned(self._bands[held.band].name)
+            self._abandoned(held, held.band)
             self._update_depth(held.band)
 
     def record_response(self, held: Held, ok: bool) -> None:
@@ -203,9 +204,11 @@ class ModelDispatcher:
         while len(self._queue):
             band, _, held = self._queue.pop()
             if held.future.done():  # its stream was cancelled a moment ago, as in dispatch()
-                self._report.abandoned(self._bands[band].name)
+                self._abandoned(held, band)
             else:
                 self._report.refused(Refusal.SHUTTING_DOWN)
+                self._report.decided(held.tenant, self._bands[band].name, self._clock() - held.enqueued_at,
+                                     f"refused:{Refusal.SHUTTING_DOWN.value}")
             self._resolve(held, shutting_down())
             self._update_depth(band)
 
@@ -222,7 +225,7 @@ class ModelDispatcher:
             self._update_depth(band)
             if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
                 self._resolve(held)
-                self._report.abandoned(self._bands[band].name)
+                self._abandoned(held, band)
                 continue
             self._release(band, tenant, held, now)
             allowance -= 1
@@ -240,6 +243,12 @@ class ModelDispatcher:
         priority = self._bands[band].name
         self._report.released(priority)
         self._report.held(priority, now - held.enqueued_at)
+        self._report.decided(tenant, priority, now - held.enqueued_at, "released")
+
+    def _abandoned(self, held: Held, band: int) -> None:
+        priority = self._bands[band].name
+        self._report.abandoned(priority)
+        self._report.decided(held.tenant, priority, self._clock() - held.enqueued_at, "abandoned")
 
     def _schedule_wakeup(self, now: float) -> None:
         due = self.pool.rule.next_change_in(now)
@@ -259,6 +268,7 @@ class ModelDispatcher:
             priority = self._bands[held.band].name
             self._report.refused(Refusal.QUEUE_TIMEOUT)
             self._report.held(priority, waited)
+            self._report.decided(held.tenant, priority, waited, f"refused:{Refusal.QUEUE_TIMEOUT.value}")
             self._resolve(held, Refused(
                 Refusal.QUEUE_TIMEOUT,
                 f"request waited {waited:.1f}s in the {priority!r} queue for model {self.name!r} without capacity; "

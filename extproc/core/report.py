@@ -53,5 +53,13 @@ class DispatchReport(Protocol):
         ``endpoint`` is None where the pool cannot tell which endpoint it went to.
         """
 
+    def decided(self, tenant: str, band: str, waited_s: float, outcome: str) -> None:
+        """How one request's time in the queue ended, once per request that reached the queue.
+
+        ``outcome``: ``released``, ``refused:<reason>`` (a Refusal's value) or
+        ``abandoned``. Called on the hot path: an adapter that does nothing
+        with it must return at once.
+        """
+
     def fallback(self, active: bool) -> None:
         """The model's gate runs on fallback limits (some endpoint degraded) or not."""
