@@ -45,6 +45,7 @@ from extproc.core.policies import Policy
 from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
 from extproc.core.report import DispatchReport
+from extproc.core.status import EndpointStatus, ModelStatus, band_status
 
 
 def shutting_down() -> Refused:
@@ -110,6 +111,36 @@ class ModelDispatcher:
     def in_flight(self) -> int:
         """Released requests whose streams have not ended."""
         return self.pool.in_flight
+
+    def status(self, top: int) -> ModelStatus:
+        """A read-only snapshot for the status page (``core/status.py``); ``top`` tenants listed per band."""
+        now = self._clock()
+        pool = self.pool
+        degraded, down = set(pool.degraded(now)), set(pool.down())
+        endpoints = []
+        for url in pool.endpoints:
+            load = pool.health.last_good(url)
+            good_at = pool.health.good_at(url)
+            endpoints.append(EndpointStatus(
+                url=url,
+                running=load.running if load is not None else None,
+                waiting=load.waiting if load is not None else None,
+                scraped_ago_s=now - good_at if load is not None else None,
+                limit=pool.rule.snapshot(url).limit,
+                degraded=url in degraded,
+                down=url in down,
+            ))
+        return ModelStatus(
+            name=self.name,
+            rule=pool.rule.name,
+            uses_metrics=pool.rule.uses_metrics,
+            rule_rate=pool.settings.release_rate,
+            queued=len(self._queue),
+            in_flight=pool.in_flight,
+            release_rate=self._release_rate.per_second(now),
+            bands=tuple(band_status(b.name, self._queue.tenant_lengths(i), top) for i, b in enumerate(self._bands)),
+            endpoints=tuple(endpoints),
+        )
 
     def submit(
         self,
