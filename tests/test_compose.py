@@ -217,7 +217,7 @@ async def test_compose_up_serves_through_envoy(compose: Compose) -> None:
         released = metric(samples, "extproc_released_total", model=model) - metric(before, "extproc_released_total", model=model)
         assert released == requests, model
     assert metric(samples, "extproc_queue_depth") == 0
-    # gRPC health as a load balancer would ask it, from inside the processor's container.
+    # Readiness as the healthcheck asks it, from inside the processor's container.
     healthcheck = SERVICES["extproc"]["healthcheck"]["test"][1:]
     status = await asyncio.to_thread(compose.run, "exec", "-T", "extproc", *healthcheck)
-    assert status.strip() == "SERVING"
+    assert json.loads(status) == {"status": "ready"}

@@ -16,10 +16,12 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
 from extproc.adapters.config import Config, parse_config, split_address
 from extproc.adapters.envoy_config import DROP_IN_FILTER_PREFIX, drop_in, hold_timeout_s
-from extproc.adapters.ext_proc.contract import EXT_PROC_SERVICE, METADATA_NAMESPACE
+from extproc.adapters.ext_proc.contract import METADATA_NAMESPACE
+from extproc.adapters.web.app import build_app
 from tests.envoyutil import bootstrap_message
 
 pytestmark = pytest.mark.unit
@@ -84,10 +86,13 @@ def test_kubernetes_manifests_agree_with_the_processor_config() -> None:
     [container] = pod["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": grpc_port, "metrics": metrics_port}
-    # Probes ask the processor's gRPC health: readiness for the ext_proc service (NOT_SERVING while draining).
-    assert container["readinessProbe"]["grpc"] == {"port": grpc_port, "service": EXT_PROC_SERVICE}
-    assert container["livenessProbe"]["grpc"]["port"] == grpc_port
-    assert container["startupProbe"]["grpc"]["port"] == grpc_port
+    # Probes ask the metrics port: readiness /readyz (503 while draining), liveness and startup /healthz,
+    # paths the processor serves (adapters/web/app.py).
+    routes = {r.resource.canonical for r in build_app(CollectorRegistry(), {}, lambda: False).router.routes()
+              if r.resource is not None}
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz"), ("startupProbe", "/healthz")):
+        assert container[probe]["httpGet"] == {"path": path, "port": "metrics"}, probe
+        assert path in routes
     # The config file the container reads is the ConfigMap's key, mounted.
     config_arg = Path(container["args"][container["args"].index("--config") + 1])
     [mount] = container["volumeMounts"]
