@@ -187,7 +187,7 @@ async def _demo(args: argparse.Namespace, console: Console, workdir: Path) -> in
             f"Try:  curl {stack.envoy_url}/v1/chat/completions -H 'Authorization: Bearer {example_key}' "
             f"-H 'content-type: application/json' -d '{{\"model\":\"{model}\",\"messages\":"
             f"[{{\"role\":\"user\",\"content\":\"hi\"}}]}}'\n"
-            f"Queue and engine metrics: {stack.metrics_url}    Ctrl-C stops everything.",
+            f"Status page: http://{config.listen.metrics}/    metrics: {stack.metrics_url}    Ctrl-C stops everything.",
             soft_wrap=True,  # no line breaks inside the command to copy
         )
         console.file.flush()  # when piped (e.g. to tee), the user must see this now, not at exit
