@@ -219,7 +219,8 @@ async def test_status_page_in_chromium_shows_a_flood_held_behind_a_slow_engine(t
     async with await start_stack(config, tmp_path, sim_args=SLOW_SIM) as stack, aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)
     ) as http:
-        senders = [("alice", TENANT_KEYS["alice"], 12), ("bob", TENANT_KEYS["bob"], 6), (MARKUP_TENANT, "key-eve", 3)]
+        # More than the gate lets go (its limit is learned), so that 15 stay queued while the page is read.
+        senders = [("alice", TENANT_KEYS["alice"], 20), ("bob", TENANT_KEYS["bob"], 8), (MARKUP_TENANT, "key-eve", 3)]
         tasks = [
             asyncio.create_task(chat(http, stack.envoy_url, tenant, "m1", api_key=key, max_tokens=100))
             for tenant, key, n in senders for _ in range(n)
