@@ -247,15 +247,22 @@ class ModelTelemetry:
         self._tenant = tenants
         t = telemetry
         t.cost_clamped.labels(model)
-        t.decision_latency.labels(model)
         t.gate_fallback.labels(model)
-        t.in_flight.labels(model)
-        for tenant in tenants.values:
-            for counter in (t.charged_prompt_tokens, t.charged_output_tokens, t.charged_cost):
-                counter.labels(model, tenant)
-            for priority in priorities:
-                for series in (t.released, t.abandoned, t.queue_depth):
-                    series.labels(model, priority, tenant)
+        # Children looked up once, here: ``labels()`` validates and locks on every call, and these are
+        # written several times per request. Every key exists (known classes x bounded tenant values),
+        # so each series starts at zero.
+        self._decision = t.decision_latency.labels(model)
+        self._in_flight = t.in_flight.labels(model)
+        self._charged = {
+            tenant: (t.charged_prompt_tokens.labels(model, tenant), t.charged_output_tokens.labels(model, tenant),
+                     t.charged_cost.labels(model, tenant))
+            for tenant in tenants.values
+        }
+        keys = [(priority, tenant) for priority in priorities for tenant in tenants.values]
+        self._released = {key: t.released.labels(model, *key) for key in keys}
+        self._abandoned = {key: t.abandoned.labels(model, *key) for key in keys}
+        self._queued = {key: t.queue_depth.labels(model, *key) for key in keys}
+        self._waited = {key: t.queue_wait.labels(model, *key) for key in keys}
         # Asked once, at start-up (logging is set up before the dispatchers are built): with
         # DEBUG off a decision costs one attribute test, not a logging call per request.
         self._decisions = DECISIONS.isEnabledFor(logging.DEBUG)
@@ -264,31 +271,31 @@ class ModelTelemetry:
         self._t.rejected.labels(self._model, refusal.value, self._tenant(tenant)).inc()
 
     def held(self, band: str, tenant: str, waited_s: float) -> None:
-        self._t.queue_wait.labels(self._model, band, self._tenant(tenant)).observe(waited_s)
+        self._waited[band, self._tenant(tenant)].observe(waited_s)
 
     def released(self, band: str, tenant: str) -> None:
-        self._t.released.labels(self._model, band, self._tenant(tenant)).inc()
+        self._released[band, self._tenant(tenant)].inc()
 
     def charged(self, tenant: str, prompt_tokens: float, output_tokens: float, cost: float) -> None:
-        label = self._tenant(tenant)
-        self._t.charged_prompt_tokens.labels(self._model, label).inc(prompt_tokens)
-        self._t.charged_output_tokens.labels(self._model, label).inc(output_tokens)
-        self._t.charged_cost.labels(self._model, label).inc(cost)
+        prompt, output, units = self._charged[self._tenant(tenant)]
+        prompt.inc(prompt_tokens)
+        output.inc(output_tokens)
+        units.inc(cost)
 
     def decision(self, seconds: float) -> None:
-        self._t.decision_latency.labels(self._model).observe(seconds)
+        self._decision.observe(seconds)
 
     def cost_clamped(self) -> None:
         self._t.cost_clamped.labels(self._model).inc()
 
     def abandoned(self, band: str, tenant: str) -> None:
-        self._t.abandoned.labels(self._model, band, self._tenant(tenant)).inc()
+        self._abandoned[band, self._tenant(tenant)].inc()
 
     def queued(self, band: str, tenant: str, change: int) -> None:
-        self._t.queue_depth.labels(self._model, band, self._tenant(tenant)).inc(change)
+        self._queued[band, self._tenant(tenant)].inc(change)
 
     def in_flight(self, count: int) -> None:
-        self._t.in_flight.labels(self._model).set(count)
+        self._in_flight.set(count)
 
     def scraped(self, endpoint: str, load: EngineLoad, itl_s: float | None, limit: float | None) -> None:
         self._t.engine_waiting.labels(self._model, endpoint).set(load.waiting)
