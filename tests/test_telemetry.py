@@ -128,12 +128,13 @@ async def test_a_good_scrape_stamps_its_time_and_kv_usage_is_a_ratio() -> None:
     telemetry, dispatchers = build()
     r = telemetry.registry
     before = time.time()
-    dispatchers["m"].record_scrape(ENDPOINT, EngineLoad(2, 3, kv_usage=0.25), 0.0)
+    dispatchers["m"].record_scrape(ENDPOINT, EngineLoad(2, 3, kv_usage=0.25), time.monotonic())
     stamped = r.get_sample_value("extproc_endpoint_last_scrape_timestamp_seconds", {"model": "m", "endpoint": ENDPOINT})
     assert stamped is not None and before <= stamped <= time.time()
     assert r.get_sample_value("extproc_engine_kv_usage_ratio", {"model": "m", "endpoint": ENDPOINT}) == 0.25
     assert r.get_sample_value("extproc_scrape_errors_total", {"model": "m", "endpoint": ENDPOINT}) == 0
-    dispatchers["m"].record_scrape(ENDPOINT, None, 1.0)  # a failed one does not
+    assert r.get_sample_value("extproc_endpoint_degraded", {"model": "m", "endpoint": ENDPOINT}) == 0
+    dispatchers["m"].record_scrape(ENDPOINT, None, time.monotonic())  # a failed one does not
     assert r.get_sample_value(
         "extproc_endpoint_last_scrape_timestamp_seconds", {"model": "m", "endpoint": ENDPOINT}
     ) == stamped

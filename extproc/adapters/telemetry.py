@@ -301,9 +301,12 @@ class ModelTelemetry:
         self._t.engine_waiting.labels(self._model, endpoint).set(load.waiting)
         self._t.engine_running.labels(self._model, endpoint).set(load.running)
         self._t.last_scrape.labels(self._model, endpoint).set(time.time())
-        # Created at zero once the endpoint is known: its failures then show 0, not "no data".
+        # Created at zero once the endpoint is known: its failures then show 0, not "no data". So is
+        # "degraded", which is otherwise written only on a change (an endpoint whose first scrape came
+        # before the first dispatch was never reported degraded, and never got a sample).
         self._t.scrape_errors.labels(self._model, endpoint)
         self._t.release_failures.labels(self._model, endpoint)
+        self._t.endpoint_degraded.labels(self._model, endpoint)
         if load.kv_usage is not None:
             self._t.engine_kv_usage.labels(self._model, endpoint).set(load.kv_usage)
         if itl_s is not None:
