@@ -65,6 +65,8 @@ def mounted(service: str, container_path: str) -> Path:
 def test_every_service_runs_the_project_image_with_a_valid_command() -> None:
     parser = build_parser()
     for name, service in SERVICES.items():
+        if "monitoring" in service.get("profiles", ()):  # Prometheus and Grafana: their official images
+            continue
         assert service["build"]["context"] == "." and service["image"] == "extproc:local", name
         if name != "envoy":
             parser.parse_args(service["command"])  # exits (SystemExit) on a bad command
