@@ -160,8 +160,9 @@ class ModelDispatcher:
         now = self._clock()
         overflow = self._caps.check(self._queue, tenant, band)
         if overflow is not None:
-            self._report.refused(overflow.refusal)
+            self._report.refused(overflow.refusal, tenant)
             self._report.decided(tenant, self._bands[band].name, 0.0, f"refused:{overflow.refusal.value}")
+            self._report.decision(self._clock() - now)
             raise Refused(overflow.refusal, overflow.message + "; retry later",
                           drain_s=self._release_rate.drain_s(overflow.backlog, now))
         loop = asyncio.get_running_loop()
@@ -170,9 +171,10 @@ class ModelDispatcher:
             self._report.cost_clamped()
         held = Held(tenant, band, now, loop.create_future(), estimate, affinity=affinity or tenant)
         self._queue.push(band, tenant, held)
+        self._report.queued(self._bands[band].name, tenant, 1)
         held.expiry = loop.call_later(self._bands[band].max_queue_wait_s, self._expire, held)
         self.dispatch()
-        self._update_depth(band)
+        self._report.decision(self._clock() - now)
         return held
 
     def end(self, held: Held) -> None:
@@ -188,13 +190,14 @@ class ModelDispatcher:
         if held.released:
             occupancy = self.pool.record_finish(held, self._clock())
             measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
-            self._queue.correct(held.band, held.tenant, measured - held.estimate.cost)
+            self._queue.correct(held.band, held.tenant, measured.cost - held.estimate.cost)
+            self._report.charged(held.tenant, held.estimate.prompt_tokens, measured.output_tokens, measured.cost)
             self._report.in_flight(self.pool.in_flight)
             self.dispatch()
         elif self._queue.remove(held.band, held.tenant, held):
             self._resolve(held)
             self._abandoned(held, held.band)
-            self._update_depth(held.band)
+            self._dequeued(held.band, held.tenant)
 
     def record_response(self, held: Held, ok: bool) -> None:
         """A released request's response began: from the engine (``ok``), or a release failure.
@@ -237,11 +240,11 @@ class ModelDispatcher:
             if held.future.done():  # its stream was cancelled a moment ago, as in dispatch()
                 self._abandoned(held, band)
             else:
-                self._report.refused(Refusal.SHUTTING_DOWN)
+                self._report.refused(Refusal.SHUTTING_DOWN, held.tenant)
                 self._report.decided(held.tenant, self._bands[band].name, self._clock() - held.enqueued_at,
                                      f"refused:{Refusal.SHUTTING_DOWN.value}")
             self._resolve(held, shutting_down())
-            self._update_depth(band)
+            self._dequeued(band, held.tenant)
 
     def dispatch(self) -> None:
         now = self._clock()
@@ -253,7 +256,7 @@ class ModelDispatcher:
             if allowance <= 0:
                 break
             band, tenant, held = self._queue.pop()
-            self._update_depth(band)
+            self._dequeued(band, tenant)
             if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
                 self._resolve(held)
                 self._abandoned(held, band)
@@ -272,13 +275,13 @@ class ModelDispatcher:
         self._queue.charge(band, tenant, held.estimate.cost)
         self._resolve(held)
         priority = self._bands[band].name
-        self._report.released(priority)
-        self._report.held(priority, now - held.enqueued_at)
+        self._report.released(priority, tenant)
+        self._report.held(priority, tenant, now - held.enqueued_at)
         self._report.decided(tenant, priority, now - held.enqueued_at, "released")
 
     def _abandoned(self, held: Held, band: int) -> None:
         priority = self._bands[band].name
-        self._report.abandoned(priority)
+        self._report.abandoned(priority, held.tenant)
         self._report.decided(held.tenant, priority, self._clock() - held.enqueued_at, "abandoned")
 
     def _schedule_wakeup(self, now: float) -> None:
@@ -297,8 +300,8 @@ class ModelDispatcher:
             now = self._clock()
             waited = now - held.enqueued_at
             priority = self._bands[held.band].name
-            self._report.refused(Refusal.QUEUE_TIMEOUT)
-            self._report.held(priority, waited)
+            self._report.refused(Refusal.QUEUE_TIMEOUT, held.tenant)
+            self._report.held(priority, held.tenant, waited)
             self._report.decided(held.tenant, priority, waited, f"refused:{Refusal.QUEUE_TIMEOUT.value}")
             self._resolve(held, Refused(
                 Refusal.QUEUE_TIMEOUT,
@@ -306,7 +309,7 @@ class ModelDispatcher:
                 "retry later",
                 drain_s=self._release_rate.drain_s(self._queue.band_len(held.band), now), queue_wait_s=waited,
             ))
-            self._update_depth(held.band)
+            self._dequeued(held.band, held.tenant)
 
     def _resolve(self, held: Held, refused: Refused | None = None) -> None:
         if held.expiry is not None:
@@ -318,5 +321,6 @@ class ModelDispatcher:
         else:
             held.future.set_exception(refused)
 
-    def _update_depth(self, band: int) -> None:
-        self._report.queue_depth(self._bands[band].name, self._queue.band_len(band))
+    def _dequeued(self, band: int, tenant: str) -> None:
+        """A request left the queue: each removal reports once, so the reported depth counts up and down exactly."""
+        self._report.queued(self._bands[band].name, tenant, -1)
