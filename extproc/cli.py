@@ -1,16 +1,25 @@
-"""Command line entry point: ``extproc serve|sim|envoy-config|demo|bench``.
+"""Command line entry point: ``extproc serve|check-config|sim|envoy-config|demo|bench``.
 
 The gRPC server and the demo runtime are imported only when chosen, so
 ``extproc sim`` and ``extproc envoy-config`` start without loading gRPC.
+
+What an operator gets wrong (a config mistake, a busy port, no Envoy binary)
+ends in one line per mistake on stderr and a non-zero exit code, never a
+traceback: 2 for a config that cannot be used, 1 for the rest.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from extproc.adapters.config import ConfigError, load_config
+from extproc.adapters.logs import FORMATS, LEVELS, setup_logging
+from extproc.adapters.ports import bind_problem
+
+
+class CannotStart(RuntimeError):
+    """The command cannot run as asked; the message is the one line the user reads."""
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -19,8 +28,37 @@ def _serve(args: argparse.Namespace) -> int:
     from extproc.adapters.server import serve
 
     config = load_config(args.config)
-    uvloop.run(serve(config, args.drain_seconds, args.deadline_seconds))
+    for key, address in (("listen.grpc", config.listen.grpc), ("listen.metrics", config.listen.metrics)):
+        problem = bind_problem(address)
+        if problem is not None:
+            raise CannotStart(f"{key}: {address} {problem} (set {key} to a free address)")
+    try:
+        uvloop.run(serve(config, args.drain_seconds, args.deadline_seconds))
+    except OSError as exc:  # a bind lost a race with another process since the check above
+        raise CannotStart(f"cannot listen: {exc} (listen.grpc {config.listen.grpc}, "
+                          f"listen.metrics {config.listen.metrics})") from exc
     return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    """Every mistake in every file, as serve and envoy-config would find them; nothing is started."""
+    from extproc.adapters.envoy_config import bootstrap
+
+    failed = False
+    for path in args.files:
+        try:
+            config = load_config(path)
+            try:
+                bootstrap(config)  # what only the Envoy side checks (e.g. one URL scheme per model)
+            except ConfigError as exc:
+                raise ConfigError(*(f"{path}: {error}" for error in exc.errors)) from None
+        except ConfigError as exc:
+            failed = True
+            for error in exc.errors:
+                print(f"error: {error}", file=sys.stderr)
+            continue
+        print(f"{path}: ok ({len(config.models)} model(s): {', '.join(m.name for m in config.models)})")
+    return 2 if failed else 0
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -47,12 +85,24 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _log_options(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` and ``--log-format``, given before the command or after serve/demo."""
+    parser.add_argument("--log-level", choices=LEVELS,
+                        help="debug adds one decision line per queued request (default info)")
+    parser.add_argument("--log-format", choices=FORMATS,
+                        help="json: one JSON object per line (ts, level, logger, msg, fields; default text)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="extproc", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _log_options(parser)
+    parser.set_defaults(log_level="info", log_format="text")
     commands = parser.add_subparsers(dest="command", required=True)
+    # After the command, options not given leave what was given before it.
+    after = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    _log_options(after)
 
-    serve = commands.add_parser("serve", help="run the ext_proc fair-queueing server")
+    serve = commands.add_parser("serve", parents=[after], help="run the ext_proc fair-queueing server")
     serve.add_argument("--config", required=True, help="YAML configuration file")
     serve.add_argument(
         "--drain-seconds", type=float, default=30.0,
@@ -64,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
         "stream (they go on through Envoy without the processor; default 600)",
     )
     serve.set_defaults(func=_serve)
+
+    check = commands.add_parser("check-config", help="validate config files: every mistake with file, line and key")
+    check.add_argument("files", nargs="+", metavar="FILE", help="YAML configuration file")
+    check.set_defaults(func=_check_config)
 
     from extproc.tools.sim.server import add_arguments as add_sim_arguments
 
@@ -79,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from extproc.tools.demo import add_arguments as add_demo_arguments
 
-    demo = commands.add_parser("demo", help="run the power-user demo on a real Envoy, then keep serving")
+    demo = commands.add_parser("demo", parents=[after], help="run the power-user demo on a real Envoy, then keep serving")
     add_demo_arguments(demo)
     demo.set_defaults(func=_demo)
 
@@ -92,10 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from extproc.tools.envoy_bin import EnvoyNotFound
+
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    setup_logging(args.log_level, args.log_format)
     try:
         code: int = args.func(args)
         return code
@@ -103,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         for error in exc.errors:
             print(f"error: {error}", file=sys.stderr)
         return 2
+    except (CannotStart, EnvoyNotFound) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

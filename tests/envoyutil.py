@@ -9,14 +9,10 @@ what only Envoy knows, such as cluster references and its own constraints.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from pathlib import Path
 from typing import Any
 
-from envoy.config.bootstrap.v3.bootstrap_pb2 import Bootstrap
-from google.protobuf.json_format import ParseDict
-
+from extproc.adapters import envoy_merge
 from extproc.adapters.config import Config, load_config, parse_config
 from extproc.adapters.envoy_config import bootstrap
 from extproc.tools.procs import free_port
@@ -73,22 +69,4 @@ def variant_bootstrap(variant: str) -> dict[str, Any]:
     return bootstrap(free_port_config(models=[{"name": "remote", "endpoints": ["https://llm.example.com:443"]}]))
 
 
-def _typed_configs(node: Any) -> set[str]:
-    """The ``@type`` names of every typed extension in a document."""
-    if isinstance(node, dict):
-        found = {node["@type"].rpartition("/")[2]} if "@type" in node else set()
-        return found.union(*(_typed_configs(value) for value in node.values()))
-    if isinstance(node, list):
-        return set().union(*(_typed_configs(value) for value in node))
-    return set()
-
-
-def bootstrap_message(doc: dict[str, Any]) -> Bootstrap:
-    """``doc`` parsed into Envoy's Bootstrap message; raises ``ParseError`` on anything Envoy's API lacks."""
-    for name in _typed_configs(doc):
-        # An extension's messages register when its package's modules are imported.
-        package = importlib.import_module(name.rpartition(".")[0])
-        for module in pkgutil.iter_modules(package.__path__):
-            if module.name.endswith("_pb2"):
-                importlib.import_module(f"{package.__name__}.{module.name}")
-    return ParseDict(doc, Bootstrap())
+bootstrap_message = envoy_merge.bootstrap_message

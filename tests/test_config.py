@@ -73,14 +73,14 @@ def test_empty_sections_take_their_defaults_and_endpoints_lose_a_trailing_slash(
     assert config.models[0].cost.weights().output_weight == 2.0
 
 
-def test_a_file_names_itself_on_every_line(tmp_path: Path) -> None:
+def test_a_file_names_itself_and_the_line_on_every_line(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("models: [{name: m, endpoints: ['http://a:1'], target_waiting: 0, gate: x}]\n")
     with pytest.raises(ConfigError) as error:
         load_config(path)
     assert [e.split(": ", 2)[:2] for e in error.value.errors] == [
-        [str(path), "models[0].target_waiting"], [str(path), "models[0].gate"]
+        [f"{path}:1", "models[0].target_waiting"], [f"{path}:1", "models[0].gate"]
     ]
     path.write_text("models: [\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match=f"^{path}:2:1: not valid YAML"):
         load_config(path)

@@ -9,7 +9,7 @@ import pytest
 
 from extproc.adapters.ext_proc.priority_body import with_priority
 from extproc.adapters.ext_proc.servicer import MAX_RETRY_AFTER_S, retry_after_s
-from extproc.core.cost import CostModel, CostWeights, DecodeRate
+from extproc.core.cost import Charge, CostModel, CostWeights, DecodeRate
 from extproc.core.drain_time import RATE_WINDOW_S, ReleaseRate
 from extproc.core.outcomes import Refusal, Refused
 
@@ -31,11 +31,11 @@ def test_measure_charges_what_the_occupancy_allowed_capped_by_max_tokens() -> No
     model = CostModel(CostWeights(input_weight=1, output_weight=1, body_overhead_bytes=0))
     estimate = model.estimate("t", content_length=400, max_tokens=500)  # 100 prompt + 500 output
     # 2 s at 50 tokens/s per sequence: at most 100 tokens came out (it stopped early).
-    assert model.measure("t", estimate, occupancy_s=2.0, decode_rate=50.0) == 200
+    assert model.measure("t", estimate, occupancy_s=2.0, decode_rate=50.0) == Charge(100, 200)
     # 60 s would allow 3000: capped by max_tokens.
-    assert model.measure("t", estimate, occupancy_s=60.0, decode_rate=50.0) == 600
+    assert model.measure("t", estimate, occupancy_s=60.0, decode_rate=50.0) == Charge(500, 600)
     # No decode rate known: the estimate stands.
-    assert model.measure("t", estimate, occupancy_s=2.0, decode_rate=None) == estimate.cost
+    assert model.measure("t", estimate, occupancy_s=2.0, decode_rate=None) == Charge(500, estimate.cost)
 
 
 def test_output_average_learns_from_measurements() -> None:

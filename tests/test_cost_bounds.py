@@ -51,7 +51,7 @@ def test_poisoned_max_tokens_no_longer_make_the_floor_infinite() -> None:
         tenant, _ = band.pop()
         estimate = model.estimate(tenant, 200, 1e308 if tenant == "flood" else 50)
         band.charge(tenant, estimate.cost)
-        band.correct(tenant, model.measure(tenant, estimate, math.inf, math.nan) - estimate.cost)
+        band.correct(tenant, model.measure(tenant, estimate, math.inf, math.nan).cost - estimate.cost)
         return tenant
 
     for i in range(10):
@@ -85,7 +85,7 @@ def test_a_measurement_from_garbage_is_bounded(occupancy: float, rate: float) ->
     model = CostModel(CostWeights(output_weight=1, input_weight=0, max_context_tokens=1000))
     estimate = model.estimate("t", None, None)  # no max_tokens: only the context caps the measurement
     measured = model.measure("t", estimate, occupancy, rate)
-    assert 1 <= measured <= 1000
+    assert 1 <= measured.cost <= 1000 and 1 <= measured.output_tokens <= 1000
     assert math.isfinite(model.estimate("t", None, None).output_tokens)  # the tenant's average too
 
 
@@ -217,7 +217,7 @@ def run_cost_path(
         while len(pending) >= in_flight or (pending and step["finish"]):
             tenant, estimate, occupancy = pending.pop(0)
             rate.record("e", step["generated"], step["running"], step["at"])
-            measured = model.measure(tenant, estimate, occupancy, rate.rate)
+            measured = model.measure(tenant, estimate, occupancy, rate.rate).cost
             assert math.isfinite(measured) and 0 < measured <= model.price(context, context)
             band.correct(tenant, measured - estimate.cost)
             correction = policy.service(measured, weights[tenant]) - policy.service(estimate.cost, weights[tenant])

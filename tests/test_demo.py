@@ -1,17 +1,26 @@
-"""``extproc demo`` as a user runs it: the table, then the gateway for their own requests, then Ctrl-C."""
+"""``extproc demo`` as a user runs it: the table, then the gateway for their own requests, then Ctrl-C.
+
+It runs on ports of its own (``--port-base``), beside whatever else uses the
+packaged demo's ports on this machine, and leaves no temporary folder behind.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import random
 import signal
 import socket
 import sys
+from pathlib import Path
 
 import openai
 import pytest
+import yaml
 
-from extproc.adapters.config import load_config, split_address
-from extproc.tools.demo import DEMO_CONFIG
+from extproc.adapters.config import parse_config, split_address
+from extproc.adapters.ports import bind_problem
+from extproc.tools.demo import DEMO_CONFIG, ENGINES_OFFSET, with_port_base
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -21,11 +30,21 @@ def port_is_free(address: str) -> bool:
         return s.connect_ex(split_address(address)) != 0
 
 
-async def test_demo_shows_the_table_serves_the_sdk_and_cleans_up() -> None:
-    config = load_config(str(DEMO_CONFIG))
+def free_port_base() -> int:
+    """A base whose demo ports (base .. base + ENGINES_OFFSET + 1) are all free now."""
+    while True:
+        base = random.randrange(20_000, 30_000)
+        if all(bind_problem(f"127.0.0.1:{port}") is None for port in range(base, base + ENGINES_OFFSET + 2)):
+            return base
+
+
+async def test_demo_shows_the_table_serves_the_sdk_and_cleans_up(tmp_path: Path) -> None:
+    base = free_port_base()
+    config = parse_config(with_port_base(yaml.safe_load(DEMO_CONFIG.read_text()), base))
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "extproc", "demo", "--flood", "20",
+        sys.executable, "-m", "extproc", "demo", "--flood", "20", "--port-base", str(base),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # where its temporary log folder goes
     )
     assert process.stdout is not None
     output = b""
@@ -51,3 +70,4 @@ async def test_demo_shows_the_table_serves_the_sdk_and_cleans_up() -> None:
     every_port = [config.envoy.listen, config.envoy.admin, config.listen.grpc, config.listen.metrics]
     every_port += [m.endpoints[0].removeprefix("http://") for m in config.models]
     assert all(port_is_free(address) for address in every_port)
+    assert list(tmp_path.iterdir()) == []  # the log folder went with it

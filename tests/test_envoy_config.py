@@ -18,6 +18,7 @@ from google.protobuf.json_format import ParseError
 
 from extproc.adapters.config import ConfigError, load_config
 from extproc.adapters.envoy_config import (
+    DROP_IN_HEADER,
     LOCAL_REPLIES,
     add_arguments,
     bootstrap,
@@ -165,8 +166,8 @@ def test_filter_chain_order_and_settings() -> None:
     admission = http_filter(doc, "envoy.filters.http.local_ratelimit")["typed_config"]
     assert admission["token_bucket"]["max_tokens"] == config.envoy.admission_burst
     assert admission["status"] == {"code": "ServiceUnavailable"}
-    # Its reply gets reason, Retry-After and JSON from local_reply_config, by the RL flag.
-    [overloaded] = [m for m in hcm(doc)["local_reply_config"]["mappers"] if "RL" in str(m["filter"])]
+    # Its reply gets reason, Retry-After and JSON from local_reply_config, by its details.
+    [overloaded] = [m for m in hcm(doc)["local_reply_config"]["mappers"] if "local_rate_limited" in str(m["filter"])]
     added = {h["header"]["key"]: h["header"]["value"] for h in overloaded["headers_to_add"]}
     assert added == {"x-extproc-reason": "overloaded", "retry-after": "1"}
     auth = http_filter(doc, "envoy.filters.http.api_key_auth")["typed_config"]
@@ -201,16 +202,10 @@ def test_routes_and_clusters_per_model() -> None:
     config = free_port_config()
     doc = bootstrap(config)
     routes = hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]
-    # First: requests whose endpoint the processor picked go where it says.
-    assert routes[0]["match"]["headers"] == [{"name": "x-gateway-destination-endpoint", "present_match": True}]
-    assert routes[0]["route"]["cluster"] == "picked_endpoint"
-    picked = cluster(doc, "picked_endpoint")
-    assert picked["type"] == "ORIGINAL_DST" and picked["lb_policy"] == "CLUSTER_PROVIDED"
-    assert picked["original_dst_lb_config"] == {
-        "use_http_header": True, "http_header_name": "x-gateway-destination-endpoint"
-    }
-    assert [r["match"]["headers"][0]["string_match"]["exact"] for r in routes[1:-1]] == ["m-one", "m/two"]
-    assert [r["route"]["cluster"] for r in routes[1:-1]] == ["model_m-one", "model_m_two"]
+    # Without endpoint picking there is no ORIGINAL_DST cluster or route (test_drop_in covers it with).
+    assert "picked_endpoint" not in yaml.safe_dump(doc)
+    assert [r["match"]["headers"][0]["string_match"]["exact"] for r in routes[:-1]] == ["m-one", "m/two"]
+    assert [r["route"]["cluster"] for r in routes[:-1]] == ["model_m-one", "model_m_two"]
     # A request without the processor's model header was never answered by it: 503, JSON.
     assert routes[-1]["direct_response"]["status"] == 503
     error = yaml.safe_load(routes[-1]["direct_response"]["body"]["inline_string"])
@@ -233,7 +228,7 @@ def test_cluster_names_are_sanitised_and_unique() -> None:
         ]
     )
     names = [c["name"] for c in bootstrap(config)["static_resources"]["clusters"]]
-    assert names == ["extproc", "picked_endpoint", "model_a_b", "model_a_b_2"]
+    assert names == ["extproc", "model_a_b", "model_a_b_2"]
 
 
 @pytest.mark.parametrize("api_keys", [{}, {"k": "t"}])
@@ -299,9 +294,9 @@ def test_drop_in_is_yaml_with_ext_proc_and_http2_cluster() -> None:
     config = load_config(DEMO_CONFIG)
     doc = yaml.safe_load(render(drop_in(config)))
     filters = [f["name"] for f in doc["http_filters"]]
-    assert filters.index("envoy.filters.http.ext_proc") < filters.index("envoy.filters.http.router")
+    assert filters[-1] == "extproc.ext_proc"  # the router is the operator's
     extproc = doc["clusters"][0]
-    assert [c["name"] for c in doc["clusters"]] == ["extproc", "picked_endpoint", "model_demo-llama", "model_demo-qwen"]
+    assert [c["name"] for c in doc["clusters"]] == ["extproc", "model_demo-llama", "model_demo-qwen"]
     explicit = extproc["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert "http2_protocol_options" in explicit["explicit_http_config"]
     assert doc["routes"][-1]["direct_response"]["status"] == 503
@@ -311,7 +306,9 @@ def test_drop_in_is_yaml_with_ext_proc_and_http2_cluster() -> None:
 def test_every_envoy_local_reply_is_the_openai_error_object_with_a_reason() -> None:
     config = load_config(DEMO_CONFIG)
     generated = hcm(bootstrap(config))["local_reply_config"]
-    assert drop_in(config)["http_connection_manager"]["local_reply_config"] == generated
+    # The drop-in's are the same, each only for requests on the LLM paths (the operator's other routes keep theirs).
+    scoped = drop_in(config)["http_connection_manager"]["local_reply_config"]["mappers"]
+    assert [m["filter"]["and_filter"]["filters"][1] for m in scoped] == [m["filter"] for m in generated["mappers"]]
     first, *mappers = generated["mappers"]
     # The processor's own answers (JSON, with the reason header) pass untouched: only a filter, no rewrite.
     assert first == {"filter": first["filter"]} and "x-extproc-reason" in yaml.safe_dump(first)
@@ -347,7 +344,7 @@ def test_cli_prints_bootstrap_and_drop_in(capsys: pytest.CaptureFixture[str]) ->
     assert run_cli(["--config", str(DEMO_CONFIG)]) == 0
     assert capsys.readouterr().out == DEMO_BOOTSTRAP.read_text(encoding="utf-8")
     assert run_cli(["--config", str(DEMO_CONFIG), "--drop-in"]) == 0
-    assert capsys.readouterr().out == render(drop_in(load_config(DEMO_CONFIG)))
+    assert capsys.readouterr().out == render(drop_in(load_config(DEMO_CONFIG)), header=DROP_IN_HEADER)
 
 
 def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -356,7 +353,7 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
     assert run_cli(["--config", str(bad)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith(f"error: {bad}: models")
+    assert captured.err.startswith(f"error: {bad}:1: models")
     mixed = tmp_path / "mixed.yaml"
     mixed.write_text("models: [{name: m, endpoints: ['http://a:1', 'https://b:2']}]\n")
     assert run_cli(["--config", str(mixed)]) == 2

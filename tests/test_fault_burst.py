@@ -36,6 +36,8 @@ async def test_a_burst_is_answered_one_answer_each_never_bare(tmp_path: Path) ->
     # Envoy's own overloaded answers (the admission bucket) are JSON too, through local_reply_config.
     assert report.not_json == [], report.counts()
     assert held.held > 0
+    # What was not held was shed on purpose (the bucket admits 1,000 at once), and said so.
+    assert report.counts()[(503, "overloaded")] == n - held.held - report.counts()[(200, "")], report.counts()
 
 
 @pytest.mark.integration

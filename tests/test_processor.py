@@ -130,9 +130,10 @@ async def test_draining_answers_the_queue_and_newcomers_once_each_and_counts_the
         assert stream.answers.empty()
     # The running response is untouched: it ends when its stream does.
     assert running.answers.empty() and dispatcher.in_flight == 1 and dispatcher.queued == 0
-    rejected = [s.value for m in processor._telemetry.registry.collect() for s in m.samples
-                if s.name == "extproc_rejected_total" and s.labels["reason"] == "shutting_down"]
-    assert rejected == [3]
+    rejected = {s.labels["tenant"]: s.value for m in processor._telemetry.registry.collect() for s in m.samples
+                if s.name == "extproc_rejected_total" and s.labels["reason"] == "shutting_down" and s.value}
+    # The two queued ones by their (unnamed: "other") tenant, the newcomer before its tenant counted.
+    assert rejected == {"other": 2, "(none)": 1}
     running.close()
     await settle()
     assert dispatcher.in_flight == 0

@@ -1,9 +1,12 @@
 """Envoy configuration generated from the extproc Config.
 
 `bootstrap(config)` is a complete Envoy bootstrap (the demo runs it as is);
-`drop_in(config)` is the subset an operator splices into an existing Envoy.
-Both are plain dicts; `render()` turns one into YAML. Nothing here touches the
-network or the file system, so the output is a pure function of the Config.
+`drop_in(config)` is what to add to an operator's existing Envoy: the same
+filters, off except on its own routes, which own only the LLM paths, so the
+other routes of a shared listener run as before (`envoy_merge.merge` adds it
+to a bootstrap, `--into`). Both are plain dicts; `render()` turns one into
+YAML. Nothing here touches the network or the file system, so the output is a
+pure function of the Config.
 
 The request path through Envoy's HTTP filters:
 
@@ -43,13 +46,13 @@ The request path through Envoy's HTTP filters:
    (``mode_override``) to see the response's status: the router's own 503
    for an unreachable engine marks the endpoint down
    (``ext_proc/release_outcome.py``).
-4. ``router``: a request carrying ``x-gateway-destination-endpoint`` (set
-   only by the processor, when the model picks endpoints; a client-sent one is
-   removed in step 1) goes to the ORIGINAL_DST cluster ``picked_endpoint``,
-   which connects to exactly that HOST:PORT (the Gateway API Inference
-   Extension convention). Otherwise one route per model, matching the model
-   header exactly, balances over the model's cluster. So the same bootstrap
-   works with and without endpoint picking. Routes copy the processor's
+4. ``router``: with endpoint picking (some model's ``endpoint_picking``), a
+   request carrying ``x-gateway-destination-endpoint`` (set only by the
+   processor; a client-sent one is removed in step 1) goes to the
+   ORIGINAL_DST cluster ``picked_endpoint``, which connects to exactly that
+   HOST:PORT (the Gateway API Inference Extension convention); without it
+   neither that cluster nor its route exists. Otherwise one route per model,
+   matching the model header exactly, balances over the model's cluster. Routes copy the processor's
    queue-wait request header onto the response, and retry a request that
    never reached the engine (connection refused or reset before a byte was
    sent: safe for a POST), with backoff, on another endpoint where there is
@@ -71,13 +74,16 @@ import copy
 import json
 import re
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
+from google.protobuf.json_format import ParseError
 
 from extproc.adapters.config import Config, ConfigError, is_ip_address, load_config, split_address
+from extproc.adapters.envoy_merge import bootstrap_message, merge
 from extproc.adapters.ext_proc.contract import (
     DESTINATION_HEADER,
     EXT_PROC_SERVICE,
@@ -213,14 +219,17 @@ def _protocol_options(http2: bool) -> dict[str, Any]:
 # --- HTTP filters -------------------------------------------------------------
 
 
-def _sanitise_filter(config: Config) -> dict[str, Any]:
+def _sanitise_filter(config: Config, *, keep_tenant: bool = False) -> dict[str, Any]:
     """Drop headers only Envoy and the processor may set.
 
     The model header routes the request: a client-sent one must not survive
     into the processor or the router. The tenant header is stripped too
-    (api_key_auth, when configured, sets it afterwards).
+    (api_key_auth or jwt_authn, when configured, set it afterwards), unless
+    ``keep_tenant``: a drop-in without either leaves identity to the
+    operator's own auth filter, which runs earlier and sets it.
     """
-    remove = [config.identity.model_header, config.identity.tenant_header, DESTINATION_HEADER, *ECHOED_HEADERS]
+    tenant = [] if keep_tenant else [config.identity.tenant_header]
+    remove = [config.identity.model_header, *tenant, DESTINATION_HEADER, *ECHOED_HEADERS]
     return {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
@@ -359,7 +368,7 @@ def _admission_filter(config: Config) -> dict[str, Any]:
     tail of a large enough burst would get a bare 504. Envoy answers the excess
     itself, at once: 503, ``x-extproc-reason: overloaded``, ``Retry-After: 1``
     (the JSON error comes from :func:`local_reply_config`, which knows the
-    filter's reply by its response flag ``RL``).
+    filter's reply by its details, ``local_rate_limited``).
     Held requests hold no token: the bucket limits arrivals, not the queue.
     """
     envoy = config.envoy
@@ -392,14 +401,18 @@ def _router_filter() -> dict[str, Any]:
     }
 
 
-def http_filters(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any]]:
-    """The HTTP filter chain, in order (``ext_proc=False``: the benchmark's Envoy-only baseline)."""
+def http_filters(config: Config, *, ext_proc: bool = True, own_identity: bool = False) -> list[dict[str, Any]]:
+    """The HTTP filter chain, in order (``ext_proc=False``: the benchmark's Envoy-only baseline).
+
+    ``own_identity``: without api_keys or jwt, a client-sent tenant header is
+    kept, for the operator's auth filter before ours has set it (drop-in).
+    """
     identity = [_api_key_auth_filter(config)] if config.envoy.api_keys else []
     if config.envoy.jwt is not None:
         identity.append(_jwt_authn_filter(config))
     processor = [_admission_filter(config), _ext_proc_filter(config)] if ext_proc else []
     return [
-        _sanitise_filter(config),
+        _sanitise_filter(config, keep_tenant=own_identity and not identity),
         *identity,
         _json_to_metadata_filter(),
         *processor,
@@ -410,17 +423,17 @@ def http_filters(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any
 # --- routes and clusters ----------------------------------------------------------
 
 
-def _model_match(config: Config, model: str, ext_proc: bool) -> dict[str, Any]:
+def _model_match(config: Config, model: str, ext_proc: bool, prefix: str = "/") -> dict[str, Any]:
     """Match the model header the processor sets or, without a processor, the body's model.
 
     The metadata match works because json_to_metadata runs before anything
     picks the route (checked with Envoy 1.40).
     """
     if ext_proc:
-        return {"prefix": "/", "headers": [{"name": config.identity.model_header, "string_match": {"exact": model}}]}
+        return {"prefix": prefix, "headers": [{"name": config.identity.model_header, "string_match": {"exact": model}}]}
     path = [{"key": "model"}]
     value = {"string_match": {"exact": model}}
-    return {"prefix": "/", "dynamic_metadata": [{"filter": METADATA_NAMESPACE, "path": path, "value": value}]}
+    return {"prefix": prefix, "dynamic_metadata": [{"filter": METADATA_NAMESPACE, "path": path, "value": value}]}
 
 
 def _retry_policy() -> dict[str, Any]:
@@ -441,13 +454,34 @@ def _retry_policy() -> dict[str, Any]:
     }
 
 
-def routes(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any]]:
-    """One route per model on the model header (or body model), then the 404 catch-all."""
+@dataclass(frozen=True)
+class RouteScope:
+    """Where the generated routes live: the path prefixes they own and how they are named.
+
+    The full bootstrap owns ``/``. A drop-in owns only the LLM prefixes (every
+    other path on the operator's listener is theirs), names its routes with
+    ``name_prefix`` so a merge can find them again, turns its filters on per
+    route (``per_filter``) and routes models to ``clusters`` the operator
+    already has.
+    """
+
+    prefixes: tuple[str, ...] = ("/",)
+    name_prefix: str = ""
+    per_filter: Mapping[str, Any] = field(default_factory=dict)
+    clusters: Mapping[str, str] = field(default_factory=dict)
+
+
+def routes(config: Config, *, ext_proc: bool = True, scope: RouteScope = RouteScope()) -> list[dict[str, Any]]:
+    """Per path prefix: one route per model on the model header (or body model), then the prefix's catch-all."""
     idle = _duration(_idle_timeout_s(config))
-    clusters = _cluster_names(config)
+    clusters = {**_cluster_names(config), **scope.clusters}
+    many = len(scope.prefixes) > 1
+
+    def named(name: str, index: int) -> str:
+        return f"{scope.name_prefix}{name}" + (f"_{index}" if many else "")
 
     def route(route_name: str, match: dict[str, Any], cluster: str) -> dict[str, Any]:
-        return {
+        result: dict[str, Any] = {
             "name": route_name,
             "match": match,
             # No overall limit: a long generation is fine while bytes flow.
@@ -461,31 +495,44 @@ def routes(config: Config, *, ext_proc: bool = True) -> list[dict[str, Any]]:
                 for name in ECHOED_HEADERS
             ],
         }
+        return _with_filters(result, scope)
 
-    # Only the processor sets the destination header (Envoy strips a client's).
-    picked = {"prefix": "/", "headers": [{"name": DESTINATION_HEADER, "present_match": True}]}
-    result = [route(PICKED_CLUSTER, picked, PICKED_CLUSTER)] if ext_proc else []
-    result += [
-        route(clusters[model.name], _model_match(config, model.name, ext_proc), clusters[model.name])
-        for model in config.models
-    ]
-    if ext_proc and config.envoy.processor_failure == "open":
-        # A request the processor never answered carries no model header: route it
-        # on the body's model, as the gateway without a processor would.
+    result: list[dict[str, Any]] = []
+    for i, prefix in enumerate(scope.prefixes):
+        if ext_proc and _picks_endpoints(config):
+            # Only the processor sets the destination header (Envoy strips a client's).
+            picked = {"prefix": prefix, "headers": [{"name": DESTINATION_HEADER, "present_match": True}]}
+            result.append(route(named(PICKED_CLUSTER, i), picked, PICKED_CLUSTER))
         result += [
-            route(f"{clusters[model.name]}_unscheduled", _model_match(config, model.name, False), clusters[model.name])
-            for model in config.models
+            route(named(clusters[m.name], i), _model_match(config, m.name, ext_proc, prefix), clusters[m.name])
+            for m in config.models
         ]
-    if ext_proc and config.envoy.processor_failure == "closed":
-        # Only the processor sets the model header, so a request without one was never
-        # answered by it (crashed, restarting, silent past message_timeout): refuse it.
-        result.append(_json_reply("processor_unavailable", 503, "server_error",
-                                  "The scheduler is unavailable; retry shortly.", retry_after_s=1))
-    else:
-        # Defence in depth: the processor normally rejects unknown models itself.
-        result.append(_json_reply("model_not_found", 404, "invalid_request_error",
-                                  "The requested model does not exist on this server."))
+        if ext_proc and config.envoy.processor_failure == "open":
+            # A request the processor never answered carries no model header: route it
+            # on the body's model, as the gateway without a processor would.
+            result += [
+                route(named(f"{clusters[m.name]}_unscheduled", i), _model_match(config, m.name, False, prefix),
+                      clusters[m.name])
+                for m in config.models
+            ]
+        if ext_proc and config.envoy.processor_failure == "closed":
+            # Only the processor sets the model header, so a request without one was never
+            # answered by it (crashed, restarting, silent past message_timeout): refuse it.
+            reply = _json_reply("processor_unavailable", 503, "server_error",
+                                "The scheduler is unavailable; retry shortly.", retry_after_s=1)
+        else:
+            # Defence in depth: the processor normally rejects unknown models itself.
+            reply = _json_reply("model_not_found", 404, "invalid_request_error",
+                                "The requested model does not exist on this server.")
+        # An LLM request first lands here (no model header yet): this route turns the filters on.
+        result.append(_with_filters({**reply, "name": named(reply["name"], i), "match": {"prefix": prefix}}, scope))
     return result
+
+
+def _with_filters(route: dict[str, Any], scope: RouteScope) -> dict[str, Any]:
+    if scope.per_filter:
+        route["typed_per_filter_config"] = copy.deepcopy(dict(scope.per_filter))
+    return route
 
 
 def _json_reply(code: str, status: int, error_type: str, message: str, *, retry_after_s: int | None = None) -> dict[str, Any]:
@@ -610,12 +657,24 @@ def picked_cluster() -> dict[str, Any]:
     }
 
 
-def clusters(config: Config) -> list[dict[str, Any]]:
+def _picks_endpoints(config: Config) -> bool:
+    """Whether any model picks endpoints: only then the ORIGINAL_DST cluster and route exist."""
+    return any(model.endpoint_picking for model in config.models)
+
+
+def clusters(config: Config, *, existing: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """The processor's cluster, the picked-endpoint one (with endpoint picking), one per model, jwks.
+
+    ``existing`` maps a model to a cluster the operator's Envoy already has:
+    no cluster is generated for it (the routes use that name).
+    """
     names = _cluster_names(config)
+    existing = existing or {}
     jwt = config.envoy.jwt
     jwks = [_jwks_cluster(jwt.jwks_uri)] if jwt is not None and jwt.jwks_uri is not None else []
-    return [extproc_cluster(config), picked_cluster()] + [
-        _model_cluster(config, i, names[m.name]) for i, m in enumerate(config.models)
+    picked = [picked_cluster()] if _picks_endpoints(config) else []
+    return [extproc_cluster(config), *picked] + [
+        _model_cluster(config, i, names[m.name]) for i, m in enumerate(config.models) if m.name not in existing
     ] + jwks
 
 
@@ -680,9 +739,12 @@ _PROCESSOR_ANSWER = _cel(f"'{REASON_HEADER}' in response.headers")
 LOCAL_REPLIES = (
     LocalReply("unauthenticated", _status_is(401), "authentication_error", "%LOCAL_REPLY_BODY%"),
     LocalReply("permission_denied", _status_is(403), "permission_error", "%LOCAL_REPLY_BODY%"),
-    # The admission bucket (RL), circuit breakers (UO) or Envoy's overload manager (OM) shedding load.
+    # The admission bucket (local_ratelimit), circuit breakers (UO) or Envoy's overload manager (OM) shedding load.
     LocalReply(
-        "overloaded", _flags("RL", "UO", "OM"), "server_error", "The gateway is overloaded; retry shortly.", retry_after_s=1,
+        "overloaded",
+        # local_ratelimit sets no response flag its filter could match (checked on Envoy 1.40): its details.
+        {"or_filter": {"filters": [_cel("response.code_details == 'local_rate_limited'"), _flags("UO", "OM")]}},
+        "server_error", "The gateway is overloaded; retry shortly.", retry_after_s=1,
     ),
     LocalReply(
         "engine_unavailable", _flags("UF", "UH", "URX", "UR", "UC", "NC"),
@@ -803,25 +865,74 @@ def bootstrap(config: Config, *, ext_proc: bool = True) -> dict[str, Any]:
     }
 
 
-def drop_in(config: Config) -> dict[str, Any]:
-    """What to add to an existing Envoy.
+# The OpenAI paths a drop-in owns by default: what the processor schedules. Other
+# paths (``/v1/models`` too) stay with the operator's routes.
+LLM_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# A drop-in's filters and routes are named so, so a merge finds them again.
+DROP_IN_FILTER_PREFIX = "extproc."
+DROP_IN_ROUTE_PREFIX = "extproc-"
+_FILTER_CONFIG = _TYPE + "envoy.config.route.v3.FilterConfig"
 
-    Timeouts and local replies for its HTTP connection manager, the HTTP filters in order (the
-    router last), the clusters (`extproc`, then one per model: keep or replace
-    the model ones) and the routes for its virtual host.
+
+def _on_llm_paths(prefixes: tuple[str, ...], match: dict[str, Any]) -> dict[str, Any]:
+    """``match`` (an access-log filter) only for requests on the LLM paths."""
+    paths = " || ".join(f"request.url_path.startsWith({json.dumps(p)})" for p in prefixes)
+    return {"and_filter": {"filters": [_cel(paths), match]}}
+
+
+def drop_in(
+    config: Config, *, prefixes: tuple[str, ...] = LLM_PREFIXES, existing_clusters: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """What to add to an existing Envoy, in the form :func:`envoy_merge.merge` merges mechanically.
+
+    The filters are off (``disabled: true``) except on the routes generated
+    here, which own only ``prefixes``: every other route on the listener runs
+    what it ran before. ``existing_clusters`` maps a model to a cluster the
+    operator's Envoy already has (no second cluster for the same engines).
     """
+    existing = dict(existing_clusters or {})
+    unknown = sorted(set(existing) - {m.name for m in config.models})
+    if unknown:
+        raise ConfigError(*(f"--cluster {name}=…: no model {name!r} in the config" for name in unknown))
+    filters = [
+        {**item, "name": DROP_IN_FILTER_PREFIX + item["name"].rpartition(".")[2], "disabled": True}
+        for item in http_filters(config, own_identity=True)
+        if item["name"] != "envoy.filters.http.router"
+    ]
+    # Turned on per route: a FilterConfig without config runs the filter with its listener config.
+    enable = {item["name"]: {"@type": _FILTER_CONFIG, "config": {}} for item in filters}
+    scope = RouteScope(prefixes=prefixes, name_prefix=DROP_IN_ROUTE_PREFIX, per_filter=enable, clusters=existing)
+    settings = _hcm_settings(config)
+    mappers = settings["local_reply_config"]["mappers"]
+    settings["local_reply_config"] = {
+        "mappers": [{**m, "filter": _on_llm_paths(prefixes, m["filter"])} for m in mappers]
+    }
     return {
-        "http_connection_manager": _hcm_settings(config),
-        "http_filters": http_filters(config),
-        "clusters": clusters(config),
-        "routes": routes(config),
+        "listener": {"per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES},
+        "http_connection_manager": settings,
+        "http_filters": filters,
+        "routes": routes(config, scope=scope),
+        "clusters": clusters(config, existing=existing),
     }
 
 
-def render(doc: dict[str, Any]) -> str:
+DROP_IN_HEADER = (
+    "# Generated by `extproc envoy-config --drop-in` (extproc/adapters/envoy_config.py).\n"
+    "# Merged mechanically by `extproc envoy-config --config FILE --into YOUR-ENVOY.yaml`; by hand:\n"
+    "#   listener: raise per_connection_buffer_limit_bytes to this value;\n"
+    "#   http_connection_manager: raise request_timeout / stream_idle_timeout where yours are lower\n"
+    "#     (not where 0 = no limit); put these local_reply_config mappers before yours;\n"
+    "#   http_filters: insert before your router, in this order (each is off except on the routes below;\n"
+    "#     your own auth filter goes before them, see docs/drop-in.md);\n"
+    "#   routes: insert first in your virtual host (they own only the LLM paths);\n"
+    "#   clusters: add (name models[].endpoints' clusters you already have with --cluster MODEL=NAME).\n"
+)
+
+
+def render(doc: dict[str, Any], *, header: str = HEADER) -> str:
     """YAML text with a generated-by header; the same dict always gives the same text."""
     body = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, allow_unicode=True, width=100)
-    return HEADER + body
+    return header + body
 
 
 # --- CLI: `extproc envoy-config` --------------------------------------------------------
@@ -829,24 +940,84 @@ def render(doc: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, metavar="FILE", help="extproc YAML configuration")
-    parser.add_argument(
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
         "--drop-in",
         action="store_true",
-        help="print only the filters, cluster and routes to add to an existing Envoy",
+        help="print the filters, routes and clusters to merge into an existing Envoy (see --into)",
     )
+    mode.add_argument(
+        "--into",
+        metavar="ENVOY.yaml",
+        help="print ENVOY.yaml (a static bootstrap) with the drop-in merged in and validated",
+    )
+    parser.add_argument(
+        "--llm-prefix",
+        action="append",
+        metavar="PATH",
+        help=f"a path prefix the drop-in schedules (repeatable; default: {' '.join(LLM_PREFIXES)})",
+    )
+    parser.add_argument(
+        "--cluster",
+        action="append",
+        default=[],
+        metavar="MODEL=CLUSTER",
+        help="route MODEL to a cluster your Envoy already has instead of generating one (repeatable)",
+    )
+    parser.add_argument("--listener", metavar="NAME", help="with --into: the listener to merge into (if several)")
+    parser.add_argument("--virtual-host", metavar="NAME", help="with --into: the virtual host for the routes (if several)")
+
+
+def _existing_clusters(pairs: list[str]) -> dict[str, str]:
+    result: dict[str, str] = {}
+    for pair in pairs:
+        model, sep, cluster = pair.partition("=")
+        if not sep or not model or not cluster:
+            raise ConfigError(f"--cluster {pair!r}: expected MODEL=CLUSTER")
+        result[model] = cluster
+    return result
+
+
+def _document(args: argparse.Namespace, config: Config) -> tuple[dict[str, Any], str]:
+    """The document the arguments ask for, with its header."""
+    if not (args.drop_in or args.into):
+        return bootstrap(config), HEADER
+    prefixes = tuple(args.llm_prefix or LLM_PREFIXES)
+    bad = [p for p in prefixes if not p.startswith("/")]
+    if bad:
+        raise ConfigError(*(f"--llm-prefix {p!r}: must start with /" for p in bad))
+    piece = drop_in(config, prefixes=prefixes, existing_clusters=_existing_clusters(args.cluster))
+    if args.drop_in:
+        return piece, DROP_IN_HEADER
+    try:
+        with open(args.into, encoding="utf-8") as handle:
+            existing = yaml.safe_load(handle)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{args.into}: {exc}") from exc
+    if not isinstance(existing, dict):
+        raise ConfigError(f"{args.into}: not an Envoy bootstrap (a YAML mapping)")
+    try:
+        merged = merge(existing, piece, listener=args.listener, virtual_host=args.virtual_host)
+        bootstrap_message(merged)
+    except ConfigError as exc:
+        raise ConfigError(*(f"{args.into}: {error}" for error in exc.errors)) from exc
+    except ParseError as exc:
+        raise ConfigError(f"{args.into}: the merged bootstrap is not valid Envoy config: {exc}") from exc
+    header = f"# {args.into} with the extproc drop-in merged in by `extproc envoy-config --into`.\n"
+    return merged, header
 
 
 def main_envoy_config(args: argparse.Namespace) -> int:
-    """`extproc envoy-config --config FILE [--drop-in]`: YAML on stdout; 2 on a config error."""
+    """`extproc envoy-config --config FILE [--drop-in | --into ENVOY.yaml]`: YAML on stdout; 2 on an error."""
     try:
         config = load_config(args.config)
         try:
-            doc = drop_in(config) if args.drop_in else bootstrap(config)
+            doc, header = _document(args, config)
         except ConfigError as exc:
             raise ConfigError(*(f"{args.config}: {error}" for error in exc.errors)) from exc
     except ConfigError as exc:
         for error in exc.errors:
             print(f"error: {error}", file=sys.stderr)
         return 2
-    sys.stdout.write(render(doc))
+    sys.stdout.write(render(doc, header=header))
     return 0

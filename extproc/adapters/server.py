@@ -29,12 +29,10 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from wsgiref.simple_server import WSGIServer
 
 import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2
-from prometheus_client import start_http_server
 
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.engines.discovery import watch_pool
@@ -43,6 +41,7 @@ from extproc.adapters.ext_proc.h2grpc import GrpcServer, Method
 from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.web.app import MetricsServer, build_app
 from extproc.adapters.wiring import build_dispatchers
 
 log = logging.getLogger(__name__)
@@ -72,18 +71,26 @@ class ProcessorServer:
         })
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
-        self._metrics_server: WSGIServer | None = None
+        # The metrics port (/metrics, /healthz, /readyz, the status page): adapters/web/app.py.
+        host, port = split_address(config.listen.metrics)
+        self._metrics_server = MetricsServer(
+            build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining), host, port
+        )
+        self._metrics_started = False
 
     async def start(self) -> None:
         host, port = split_address(self.config.listen.grpc)
         try:
             await self._grpc.start(host, port)
         except OSError as exc:
-            raise OSError(f"listen.grpc: cannot bind {self.config.listen.grpc}: {exc}") from exc
+            raise OSError(f"listen.grpc: cannot bind {self.config.listen.grpc} ({exc.strerror})") from exc
         self.processor.lag.start()
         # Metrics last: once /metrics answers, the gRPC port is serving (readiness probe).
-        host, port = split_address(self.config.listen.metrics)
-        self._metrics_server, _ = start_http_server(port, host, registry=self.telemetry.registry)
+        try:
+            await self._metrics_server.start()
+        except OSError as exc:
+            raise OSError(f"listen.metrics: cannot bind {self.config.listen.metrics} ({exc.strerror})") from exc
+        self._metrics_started = True
         self._session = aiohttp.ClientSession()
         for model in self.config.models:
             self._tasks.append(asyncio.create_task(watch_pool(self._session, model, self.dispatchers[model.name])))
@@ -134,9 +141,8 @@ class ProcessorServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
+        if self._metrics_started:
+            await self._metrics_server.stop()
         await self._grpc.stop(0)
 
 

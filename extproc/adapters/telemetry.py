@@ -4,40 +4,126 @@ One registry per server instance (not prometheus_client's global one) so that
 tests can run several processors in one Python process. Each model's
 dispatcher reports through a :class:`ModelTelemetry` (the core's
 ``DispatchReport``), which writes that model's series.
+
+Tenant labels are bounded: a tenant named under ``tenants:`` in the config
+(and ``identity.default_tenant``) is its own label value, every other tenant
+id shares the one value ``other``. A tenant id is whatever the auth layer
+put in a header, unbounded; a label value per id would grow Prometheus
+without limit. Refusals decided before the tenant is known (bad body,
+unknown model, overload, a missing tenant or a class it may not use) carry
+``tenant="(none)"``.
+
+Counters (and the queue-depth gauge) are created at zero for every label
+value known from the config (models x classes x tenants x reasons), so a
+dashboard shows 0, not "no data", before the first event.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import logging
+import platform
+import time
+from collections.abc import Iterable
+from importlib.metadata import PackageNotFoundError, version
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
+
+from extproc.adapters.logs import DECISIONS
 from extproc.core.engine_load import EngineLoad
 from extproc.core.outcomes import Refusal
 
 # Queue waits span milliseconds (idle engine) to minutes (a flood in batch).
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Taking in one arrival costs microseconds; a dispatch that releases a burst, or a stalled loop, milliseconds.
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1)
+
+OTHER_TENANT = "other"
+NO_TENANT = "(none)"
+UNKNOWN_MODEL = "(unknown)"
+# Refusals the ext_proc adapter decides before a request reaches a model's queue: all the model label
+# can be when the model is not served, and the refusals a known model gets before its tenant is known.
+_UNKNOWN_MODEL_REASONS = (Refusal.MODEL_MISSING, Refusal.MODEL_NOT_FOUND, Refusal.OVERLOADED)
+_ADMISSION_REASONS = (Refusal.INVALID_MAX_TOKENS, Refusal.TENANT_MISSING, Refusal.PRIORITY_NOT_ALLOWED,
+                      Refusal.SHUTTING_DOWN, Refusal.OVERLOADED)
+# Refusals of a request whose tenant is known: a queue cap, its queue timeout, the drain.
+_QUEUE_REASONS = (Refusal.TENANT_QUEUE_FULL, Refusal.BAND_QUEUE_FULL, Refusal.MODEL_QUEUE_FULL,
+                  Refusal.QUEUE_TIMEOUT, Refusal.SHUTTING_DOWN)
+
+
+def _package_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+class TenantLabels:
+    """The bounded set of tenant label values: the configured names, and ``other`` for everyone else."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._names = frozenset(names)
+        self.values = (*sorted(self._names), OTHER_TENANT)
+
+    def __call__(self, tenant: str) -> str:
+        return tenant if tenant in self._names else OTHER_TENANT
 
 
 class Telemetry:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # CPU, memory, open files, start time (process_*) and the interpreter (python_info), on our registry.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        Gauge(
+            "extproc_build_info", "Always 1; the labels say which extproc and Python run.",
+            ["version", "python"], registry=r,
+        ).labels(_package_version("extproc-fair"), platform.python_version()).set(1)
         self.queue_depth = Gauge(
-            "extproc_queue_depth", "Requests held in the fair queue.", ["model", "priority"], registry=r
+            "extproc_queue_depth", "Requests held in the fair queue.", ["model", "priority", "tenant"], registry=r
         )
         self.queue_wait = Histogram(
             "extproc_queue_wait_seconds",
             "Time a request spent held before release or rejection.",
-            ["model", "priority"],
+            ["model", "priority", "tenant"],
             buckets=WAIT_BUCKETS,
             registry=r,
         )
+        self.decision_latency = Histogram(
+            "extproc_decision_latency_seconds",
+            "Time the dispatcher took to take in one arrival (queue caps, cost estimate, queueing, dispatch); "
+            "the queue wait is not in it.",
+            ["model"],
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
         self.released = Counter(
-            "extproc_released", "Requests released to the engine.", ["model", "priority"], registry=r
+            "extproc_released", "Requests released to the engine.", ["model", "priority", "tenant"], registry=r
         )
         self.rejected = Counter(
             "extproc_rejected",
-            "Requests answered by the processor instead of the engine.",
-            ["model", "reason"],
+            "Requests answered by the processor instead of the engine "
+            "(tenant \"(none)\": refused before the tenant was known).",
+            ["model", "reason", "tenant"],
+            registry=r,
+        )
+        self.charged_prompt_tokens = Counter(
+            "extproc_charged_prompt_tokens",
+            "Prompt tokens charged to finished requests (estimated from Content-Length; see docs/configuration.md).",
+            ["model", "tenant"],
+            registry=r,
+        )
+        self.charged_output_tokens = Counter(
+            "extproc_charged_output_tokens",
+            "Output tokens charged to finished requests (occupancy x decode rate capped by max_tokens; "
+            "else the estimate).",
+            ["model", "tenant"],
+            registry=r,
+        )
+        self.charged_cost = Counter(
+            "extproc_charged_cost",
+            "Cost charged to finished requests in vtc units (input_weight x prompt + output_weight x output tokens).",
+            ["model", "tenant"],
             registry=r,
         )
         self.cost_clamped = Counter(
@@ -50,7 +136,7 @@ class Telemetry:
         self.abandoned = Counter(
             "extproc_abandoned",
             "Requests whose client left while they were queued.",
-            ["model", "priority"],
+            ["model", "priority", "tenant"],
             registry=r,
         )
         self.priority_downgraded = Counter(
@@ -81,8 +167,14 @@ class Telemetry:
             registry=r,
         )
         self.engine_kv_usage = Gauge(
-            "extproc_engine_kv_usage",
+            "extproc_engine_kv_usage_ratio",
             "Engine KV-cache usage (0..1) from the last good scrape, where the engine reports it.",
+            ["model", "endpoint"],
+            registry=r,
+        )
+        self.last_scrape = Gauge(
+            "extproc_endpoint_last_scrape_timestamp_seconds",
+            "Unix time of the endpoint's last good /metrics scrape.",
             ["model", "endpoint"],
             registry=r,
         )
@@ -132,40 +224,89 @@ class Telemetry:
     def per_endpoint_gauges(self) -> tuple[Gauge, ...]:
         """Gauges labelled (model, endpoint): cleared when an endpoint leaves its pool."""
         return (self.engine_waiting, self.engine_running, self.engine_kv_usage, self.engine_itl,
-                self.gate_limit, self.endpoint_degraded, self.endpoint_up)
+                self.gate_limit, self.endpoint_degraded, self.endpoint_up, self.last_scrape)
+
+    def expect(self, models: Iterable[str], tenants: TenantLabels) -> None:
+        """Create at zero the refusals the ext_proc adapter counts itself (see the module docstring)."""
+        for reason in _UNKNOWN_MODEL_REASONS:
+            self.rejected.labels(UNKNOWN_MODEL, reason.value, NO_TENANT)
+        for model in models:
+            for reason in _ADMISSION_REASONS:
+                self.rejected.labels(model, reason.value, NO_TENANT)
+            for tenant in tenants.values:
+                for reason in _QUEUE_REASONS:
+                    self.rejected.labels(model, reason.value, tenant)
 
 
 class ModelTelemetry:
-    """One model's series, written from what its dispatcher reports (``core/report.py``)."""
+    """One model's series, written from what its dispatcher reports (``core/report.py``), and its decision lines."""
 
-    def __init__(self, telemetry: Telemetry, model: str) -> None:
+    def __init__(self, telemetry: Telemetry, model: str, priorities: Iterable[str], tenants: TenantLabels) -> None:
         self._t = telemetry
         self._model = model
+        self._tenant = tenants
+        t = telemetry
+        t.cost_clamped.labels(model)
+        t.gate_fallback.labels(model)
+        # Children looked up once, here: ``labels()`` validates and locks on every call, and these are
+        # written several times per request. Every key exists (known classes x bounded tenant values),
+        # so each series starts at zero.
+        self._decision = t.decision_latency.labels(model)
+        self._in_flight = t.in_flight.labels(model)
+        self._charged = {
+            tenant: (t.charged_prompt_tokens.labels(model, tenant), t.charged_output_tokens.labels(model, tenant),
+                     t.charged_cost.labels(model, tenant))
+            for tenant in tenants.values
+        }
+        keys = [(priority, tenant) for priority in priorities for tenant in tenants.values]
+        self._released = {key: t.released.labels(model, *key) for key in keys}
+        self._abandoned = {key: t.abandoned.labels(model, *key) for key in keys}
+        self._queued = {key: t.queue_depth.labels(model, *key) for key in keys}
+        self._waited = {key: t.queue_wait.labels(model, *key) for key in keys}
+        # Asked once, at start-up (logging is set up before the dispatchers are built): with
+        # DEBUG off a decision costs one attribute test, not a logging call per request.
+        self._decisions = DECISIONS.isEnabledFor(logging.DEBUG)
 
-    def refused(self, refusal: Refusal) -> None:
-        self._t.rejected.labels(self._model, refusal.value).inc()
+    def refused(self, refusal: Refusal, tenant: str) -> None:
+        self._t.rejected.labels(self._model, refusal.value, self._tenant(tenant)).inc()
 
-    def held(self, band: str, waited_s: float) -> None:
-        self._t.queue_wait.labels(self._model, band).observe(waited_s)
+    def held(self, band: str, tenant: str, waited_s: float) -> None:
+        self._waited[band, self._tenant(tenant)].observe(waited_s)
 
-    def released(self, band: str) -> None:
-        self._t.released.labels(self._model, band).inc()
+    def released(self, band: str, tenant: str) -> None:
+        self._released[band, self._tenant(tenant)].inc()
+
+    def charged(self, tenant: str, prompt_tokens: float, output_tokens: float, cost: float) -> None:
+        prompt, output, units = self._charged[self._tenant(tenant)]
+        prompt.inc(prompt_tokens)
+        output.inc(output_tokens)
+        units.inc(cost)
+
+    def decision(self, seconds: float) -> None:
+        self._decision.observe(seconds)
 
     def cost_clamped(self) -> None:
         self._t.cost_clamped.labels(self._model).inc()
 
-    def abandoned(self, band: str) -> None:
-        self._t.abandoned.labels(self._model, band).inc()
+    def abandoned(self, band: str, tenant: str) -> None:
+        self._abandoned[band, self._tenant(tenant)].inc()
 
-    def queue_depth(self, band: str, depth: int) -> None:
-        self._t.queue_depth.labels(self._model, band).set(depth)
+    def queued(self, band: str, tenant: str, change: int) -> None:
+        self._queued[band, self._tenant(tenant)].inc(change)
 
     def in_flight(self, count: int) -> None:
-        self._t.in_flight.labels(self._model).set(count)
+        self._in_flight.set(count)
 
     def scraped(self, endpoint: str, load: EngineLoad, itl_s: float | None, limit: float | None) -> None:
         self._t.engine_waiting.labels(self._model, endpoint).set(load.waiting)
         self._t.engine_running.labels(self._model, endpoint).set(load.running)
+        self._t.last_scrape.labels(self._model, endpoint).set(time.time())
+        # Created at zero once the endpoint is known: its failures then show 0, not "no data". So is
+        # "degraded", which is otherwise written only on a change (an endpoint whose first scrape came
+        # before the first dispatch was never reported degraded, and never got a sample).
+        self._t.scrape_errors.labels(self._model, endpoint)
+        self._t.release_failures.labels(self._model, endpoint)
+        self._t.endpoint_degraded.labels(self._model, endpoint)
         if load.kv_usage is not None:
             self._t.engine_kv_usage.labels(self._model, endpoint).set(load.kv_usage)
         if itl_s is not None:
@@ -191,6 +332,15 @@ class ModelTelemetry:
 
     def release_failed(self, endpoint: str | None) -> None:
         self._t.release_failures.labels(self._model, endpoint or "(unknown)").inc()
+
+    def decided(self, tenant: str, band: str, waited_s: float, outcome: str) -> None:
+        if not self._decisions:
+            return
+        wait_ms = round(waited_s * 1000, 1)
+        DECISIONS.debug(
+            "%s %s tenant=%s class=%s wait_ms=%s", outcome, self._model, tenant, band, wait_ms,
+            extra={"tenant": tenant, "class": band, "model": self._model, "wait_ms": wait_ms, "outcome": outcome},
+        )
 
     def fallback(self, active: bool) -> None:
         self._t.gate_fallback.labels(self._model).set(1 if active else 0)

@@ -36,11 +36,20 @@ Hook = Callable[[Any], Any]
 
 
 class Invalid(ValueError):
-    """The document has mistakes; ``errors`` lists each, as ``key.path: message``."""
+    """The document has mistakes; ``problems`` lists each as (key path, message), ``errors`` as ``key.path: message``.
 
-    def __init__(self, errors: list[str]) -> None:
-        super().__init__("\n".join(errors))
-        self.errors = errors
+    The key path stays apart from the message so that a caller holding the
+    YAML source can say on which line of the file each mistake is.
+    """
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        self.errors = [f"{path or 'the document'}: {message}" for path, message in problems]
+        super().__init__("\n".join(self.errors))
+
+
+# What a walk collects: (key path, message) per mistake; the document itself is the path "".
+Errors = list[tuple[str, str]]
 
 
 class _Failed:
@@ -52,7 +61,7 @@ _FAILED = _Failed()
 
 def convert(raw: Any, cls: type[S]) -> S:
     """``raw`` as a ``cls``; raises :class:`Invalid` with every mistake."""
-    errors: list[str] = []
+    errors: Errors = []
     value = _struct(raw, cls, "", errors)
     if errors or isinstance(value, _Failed):
         raise Invalid(errors)
@@ -124,7 +133,7 @@ def describe(annotation: Any) -> str:
     return noun
 
 
-def _value(raw: Any, annotation: Any, path: str, errors: list[str]) -> Any:
+def _value(raw: Any, annotation: Any, path: str, errors: Errors) -> Any:
     inner = _optional(annotation)
     if inner is not None:
         return None if raw is None else _value(raw, inner, path, errors)
@@ -134,7 +143,7 @@ def _value(raw: Any, annotation: Any, path: str, errors: list[str]) -> Any:
     origin, args = get_origin(base), get_args(base)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         if not isinstance(raw, (list, tuple)) or any(m.min_length and len(raw) < m.min_length for m in metas):
-            errors.append(f"{path}: must be {describe(annotation)}, got {raw!r}")
+            errors.append((path, f"must be {describe(annotation)}, got {raw!r}"))
             return _FAILED
         items = [_value(item, args[0], f"{path}[{i}]", errors) for i, item in enumerate(raw)]
         return _FAILED if any(isinstance(i, _Failed) for i in items) else tuple(items)
@@ -142,17 +151,17 @@ def _value(raw: Any, annotation: Any, path: str, errors: list[str]) -> Any:
         if raw is None:
             return {}
         if not isinstance(raw, dict):
-            errors.append(f"{path}: must be a mapping, got {type(raw).__name__}")
+            errors.append((path, f"must be a mapping, got {type(raw).__name__}"))
             return _FAILED
         bad_keys = [key for key in raw if not isinstance(key, str) or not key.strip()]
         for key in bad_keys:
-            errors.append(f"{path}: keys must be non-empty strings, got {key!r}")
+            errors.append((path, f"keys must be non-empty strings, got {key!r}"))
         entries = {key: _value(item, args[1], _key(path, key), errors) for key, item in raw.items() if key not in bad_keys}
         return _FAILED if bad_keys or any(isinstance(v, _Failed) for v in entries.values()) else entries
     return _leaf(raw, annotation, metas, path, errors)
 
 
-def _leaf(raw: Any, annotation: Any, metas: list[msgspec.Meta], path: str, errors: list[str]) -> Any:
+def _leaf(raw: Any, annotation: Any, metas: list[msgspec.Meta], path: str, errors: Errors) -> Any:
     hooks: dict[str, Hook] = {}
     for meta in metas:
         hooks.update(meta.extra or {})
@@ -163,24 +172,24 @@ def _leaf(raw: Any, annotation: Any, metas: list[msgspec.Meta], path: str, error
         if isinstance(value, float) and not math.isfinite(value):  # YAML's .inf passes every bound
             raise ValueError(value)
     except (msgspec.ValidationError, ValueError):
-        errors.append(f"{path}: must be {describe(annotation)}, got {raw!r}")
+        errors.append((path, f"must be {describe(annotation)}, got {raw!r}"))
         return _FAILED
     return value
 
 
-def _struct(raw: Any, cls: type[S], path: str, errors: list[str]) -> S | _Failed:
+def _struct(raw: Any, cls: type[S], path: str, errors: Errors) -> S | _Failed:
     if raw is None:
         raw = {}  # an empty section (`listen:`) takes every default
     if not isinstance(raw, dict):
-        errors.append(f"{path or 'the document'}: must be a mapping, got {type(raw).__name__}")
+        errors.append((path, f"must be a mapping, got {type(raw).__name__}"))
         return _FAILED
     fields = {f.encode_name: f for f in msgspec.structs.fields(cls)}
     unknown = [key for key in raw if key not in fields]
     for key in unknown:
-        errors.append(f"{_key(path, str(key))}: unknown key (allowed: {', '.join(sorted(fields))})")
+        errors.append((_key(path, str(key)), f"unknown key (allowed: {', '.join(sorted(fields))})"))
     missing = [key for key, field in fields.items() if field.required and key not in raw]
     for key in missing:
-        errors.append(f"{_key(path, key)}: is required")
+        errors.append((_key(path, key), "is required"))
     values = {field.name: _value(raw[key], field.type, _key(path, key), errors)
               for key, field in fields.items() if key in raw}
     if unknown or missing or any(isinstance(v, _Failed) for v in values.values()):
@@ -188,5 +197,5 @@ def _struct(raw: Any, cls: type[S], path: str, errors: list[str]) -> S | _Failed
     value = cls(**values)
     problems: Callable[[], Iterator[tuple[str, str]]] | None = getattr(value, "problems", None)
     for key, message in problems() if problems is not None else ():
-        errors.append(f"{_key(path, key) if key else path or 'the document'}: {message}")
+        errors.append((_key(path, key) if key else path, message))
     return value  # well-typed even if it breaks a rule: the rules of the structs around it still run

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from extproc.adapters.config import Config, ModelConfig
-from extproc.adapters.telemetry import ModelTelemetry, Telemetry
+from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
 from extproc.core.bands import BandRules
 from extproc.core.caps import TenantLimits
 from extproc.core.dispatcher import ModelDispatcher
@@ -40,6 +40,11 @@ def build_pool(model: ModelConfig) -> Pool:
     )
 
 
+def tenant_labels(config: Config) -> TenantLabels:
+    """Tenant label values: the tenants the config names (and the default tenant); all others are ``other``."""
+    return TenantLabels({*config.tenants, config.identity.default_tenant})
+
+
 def build_dispatcher(
     config: Config, model: ModelConfig, telemetry: Telemetry, clock: Callable[[], float] = time.monotonic
 ) -> ModelDispatcher:
@@ -50,7 +55,8 @@ def build_dispatcher(
     limits = {name: TenantLimits(t.weight, t.max_queued) for name, t in config.tenants.items()}
     default = TenantLimits(config.default_tenant.weight, config.default_tenant.max_queued)
     return ModelDispatcher(
-        model.name, build_pool(model), bands, ModelTelemetry(telemetry, model.name), clock,
+        model.name, build_pool(model), bands,
+        ModelTelemetry(telemetry, model.name, config.priorities, tenant_labels(config)), clock,
         policy=POLICIES[model.policy],
         tenant=lambda name: limits.get(name, default),
         cost=model.cost_weights(),
@@ -61,4 +67,5 @@ def build_dispatcher(
 
 def build_dispatchers(config: Config, telemetry: Telemetry) -> dict[str, ModelDispatcher]:
     """One dispatcher per configured model, by model name."""
+    telemetry.expect((model.name for model in config.models), tenant_labels(config))
     return {model.name: build_dispatcher(config, model, telemetry) for model in config.models}

@@ -88,6 +88,14 @@ def _blend(old: float | None, new: float) -> float:
 
 
 @dataclass(frozen=True)
+class Charge:
+    """What a finished request costs in the end: its output tokens (measured, else estimated) and the price."""
+
+    output_tokens: float
+    cost: float
+
+
+@dataclass(frozen=True)
 class Estimate:
     """What a release was charged, and what the correction needs to know."""
 
@@ -130,15 +138,15 @@ class CostModel:
             output = self._output_avg.get(tenant, _tokens(self.weights.default_output_tokens, context))
         return Estimate(prompt, output, max_tokens, self.price(prompt, output), clamped)
 
-    def measure(self, tenant: str, estimate: Estimate, occupancy_s: float, decode_rate: float | None) -> float:
+    def measure(self, tenant: str, estimate: Estimate, occupancy_s: float, decode_rate: float | None) -> Charge:
         """The request's cost as far as it can be measured (see the module docstring)."""
         if decode_rate is None or not math.isfinite(decode_rate) or not math.isfinite(occupancy_s):
-            return estimate.cost
+            return Charge(estimate.output_tokens, estimate.cost)
         output = _tokens(occupancy_s * decode_rate, self.weights.max_context_tokens)
         if estimate.max_tokens is not None:
             output = min(output, estimate.max_tokens)
         self._output_avg[tenant] = _blend(self._output_avg.get(tenant), output)
-        return self.price(estimate.prompt_tokens, output)
+        return Charge(output, self.price(estimate.prompt_tokens, output))
 
 
 class DecodeRate:

@@ -45,6 +45,7 @@ from extproc.core.policies import Policy
 from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
 from extproc.core.report import DispatchReport
+from extproc.core.status import EndpointStatus, ModelStatus, band_status
 
 
 def shutting_down() -> Refused:
@@ -111,6 +112,36 @@ class ModelDispatcher:
         """Released requests whose streams have not ended."""
         return self.pool.in_flight
 
+    def status(self, top: int) -> ModelStatus:
+        """A read-only snapshot for the status page (``core/status.py``); ``top`` tenants listed per band."""
+        now = self._clock()
+        pool = self.pool
+        degraded, down = set(pool.degraded(now)), set(pool.down())
+        endpoints = []
+        for url in pool.endpoints:
+            load = pool.health.last_good(url)
+            good_at = pool.health.good_at(url)
+            endpoints.append(EndpointStatus(
+                url=url,
+                running=load.running if load is not None else None,
+                waiting=load.waiting if load is not None else None,
+                scraped_ago_s=now - good_at if load is not None else None,
+                limit=pool.rule.snapshot(url).limit,
+                degraded=url in degraded,
+                down=url in down,
+            ))
+        return ModelStatus(
+            name=self.name,
+            rule=pool.rule.name,
+            uses_metrics=pool.rule.uses_metrics,
+            rule_rate=pool.settings.release_rate,
+            queued=len(self._queue),
+            in_flight=pool.in_flight,
+            release_rate=self._release_rate.per_second(now),
+            bands=tuple(band_status(b.name, self._queue.tenant_lengths(i), top) for i, b in enumerate(self._bands)),
+            endpoints=tuple(endpoints),
+        )
+
     def submit(
         self,
         tenant: str,
@@ -129,7 +160,9 @@ class ModelDispatcher:
         now = self._clock()
         overflow = self._caps.check(self._queue, tenant, band)
         if overflow is not None:
-            self._report.refused(overflow.refusal)
+            self._report.refused(overflow.refusal, tenant)
+            self._report.decided(tenant, self._bands[band].name, 0.0, f"refused:{overflow.refusal.value}")
+            self._report.decision(self._clock() - now)
             raise Refused(overflow.refusal, overflow.message + "; retry later",
                           drain_s=self._release_rate.drain_s(overflow.backlog, now))
         loop = asyncio.get_running_loop()
@@ -138,9 +171,10 @@ class ModelDispatcher:
             self._report.cost_clamped()
         held = Held(tenant, band, now, loop.create_future(), estimate, affinity=affinity or tenant)
         self._queue.push(band, tenant, held)
+        self._report.queued(self._bands[band].name, tenant, 1)
         held.expiry = loop.call_later(self._bands[band].max_queue_wait_s, self._expire, held)
         self.dispatch()
-        self._update_depth(band)
+        self._report.decision(self._clock() - now)
         return held
 
     def end(self, held: Held) -> None:
@@ -156,13 +190,14 @@ class ModelDispatcher:
         if held.released:
             occupancy = self.pool.record_finish(held, self._clock())
             measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
-            self._queue.correct(held.band, held.tenant, measured - held.estimate.cost)
+            self._queue.correct(held.band, held.tenant, measured.cost - held.estimate.cost)
+            self._report.charged(held.tenant, held.estimate.prompt_tokens, measured.output_tokens, measured.cost)
             self._report.in_flight(self.pool.in_flight)
             self.dispatch()
         elif self._queue.remove(held.band, held.tenant, held):
             self._resolve(held)
-            self._report.abandoned(self._bands[held.band].name)
-            self._update_depth(held.band)
+            self._abandoned(held, held.band)
+            self._dequeued(held.band, held.tenant)
 
     def record_response(self, held: Held, ok: bool) -> None:
         """A released request's response began: from the engine (``ok``), or a release failure.
@@ -203,11 +238,13 @@ class ModelDispatcher:
         while len(self._queue):
             band, _, held = self._queue.pop()
             if held.future.done():  # its stream was cancelled a moment ago, as in dispatch()
-                self._report.abandoned(self._bands[band].name)
+                self._abandoned(held, band)
             else:
-                self._report.refused(Refusal.SHUTTING_DOWN)
+                self._report.refused(Refusal.SHUTTING_DOWN, held.tenant)
+                self._report.decided(held.tenant, self._bands[band].name, self._clock() - held.enqueued_at,
+                                     f"refused:{Refusal.SHUTTING_DOWN.value}")
             self._resolve(held, shutting_down())
-            self._update_depth(band)
+            self._dequeued(band, held.tenant)
 
     def dispatch(self) -> None:
         now = self._clock()
@@ -219,10 +256,10 @@ class ModelDispatcher:
             if allowance <= 0:
                 break
             band, tenant, held = self._queue.pop()
-            self._update_depth(band)
+            self._dequeued(band, tenant)
             if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
                 self._resolve(held)
-                self._report.abandoned(self._bands[band].name)
+                self._abandoned(held, band)
                 continue
             self._release(band, tenant, held, now)
             allowance -= 1
@@ -238,8 +275,14 @@ class ModelDispatcher:
         self._queue.charge(band, tenant, held.estimate.cost)
         self._resolve(held)
         priority = self._bands[band].name
-        self._report.released(priority)
-        self._report.held(priority, now - held.enqueued_at)
+        self._report.released(priority, tenant)
+        self._report.held(priority, tenant, now - held.enqueued_at)
+        self._report.decided(tenant, priority, now - held.enqueued_at, "released")
+
+    def _abandoned(self, held: Held, band: int) -> None:
+        priority = self._bands[band].name
+        self._report.abandoned(priority, held.tenant)
+        self._report.decided(held.tenant, priority, self._clock() - held.enqueued_at, "abandoned")
 
     def _schedule_wakeup(self, now: float) -> None:
         due = self.pool.rule.next_change_in(now)
@@ -257,15 +300,16 @@ class ModelDispatcher:
             now = self._clock()
             waited = now - held.enqueued_at
             priority = self._bands[held.band].name
-            self._report.refused(Refusal.QUEUE_TIMEOUT)
-            self._report.held(priority, waited)
+            self._report.refused(Refusal.QUEUE_TIMEOUT, held.tenant)
+            self._report.held(priority, held.tenant, waited)
+            self._report.decided(held.tenant, priority, waited, f"refused:{Refusal.QUEUE_TIMEOUT.value}")
             self._resolve(held, Refused(
                 Refusal.QUEUE_TIMEOUT,
                 f"request waited {waited:.1f}s in the {priority!r} queue for model {self.name!r} without capacity; "
                 "retry later",
                 drain_s=self._release_rate.drain_s(self._queue.band_len(held.band), now), queue_wait_s=waited,
             ))
-            self._update_depth(held.band)
+            self._dequeued(held.band, held.tenant)
 
     def _resolve(self, held: Held, refused: Refused | None = None) -> None:
         if held.expiry is not None:
@@ -277,5 +321,6 @@ class ModelDispatcher:
         else:
             held.future.set_exception(refused)
 
-    def _update_depth(self, band: int) -> None:
-        self._report.queue_depth(self._bands[band].name, self._queue.band_len(band))
+    def _dequeued(self, band: int, tenant: str) -> None:
+        """A request left the queue: each removal reports once, so the reported depth counts up and down exactly."""
+        self._report.queued(self._bands[band].name, tenant, -1)

@@ -60,6 +60,10 @@ class FairQueue(Generic[Item]):
         """Requests of ``tenant`` queued in every band."""
         return sum(band.tenant_len(tenant) for band in self._bands)
 
+    def tenant_lengths(self, band: int) -> dict[str, int]:
+        """Every tenant with requests queued in ``band``, and how many."""
+        return self._bands[band].tenant_lengths()
+
     def charge(self, band: int, tenant: str, cost: float) -> None:
         self._bands[band].charge(tenant, cost)
 

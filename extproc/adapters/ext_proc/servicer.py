@@ -76,7 +76,7 @@ from extproc.adapters.ext_proc.contract import (
 from extproc.adapters.ext_proc.loop_lag import LoopLag
 from extproc.adapters.ext_proc.priority_body import with_priority
 from extproc.adapters.ext_proc.release_outcome import engine_answered
-from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.telemetry import NO_TENANT, Telemetry
 from extproc.core.dispatcher import ModelDispatcher, shutting_down
 from extproc.core.outcomes import Refusal, Refused
 
@@ -332,7 +332,7 @@ class Processor:
         if lag >= self._shed_lag_s:
             model = _body_model(first)
             self._telemetry.rejected.labels(model if model in self._dispatchers else "(unknown)",
-                                            Refusal.OVERLOADED.value).inc()
+                                            Refusal.OVERLOADED.value, NO_TENANT).inc()
             yield self._overloaded
             return
         acknowledged = lag >= ACK_LAG_S
@@ -349,7 +349,7 @@ class Processor:
         except Refused as refused:
             # Client-chosen names never become label values: unbounded series would sink Prometheus.
             label = body_model if body_model in self._dispatchers else "(unknown)"
-            self._telemetry.rejected.labels(label, refused.refusal.value).inc()
+            self._telemetry.rejected.labels(label, refused.refusal.value, NO_TENANT).inc()
             yield error_response(refused)
             return
         priorities = self._config.priorities

@@ -35,6 +35,10 @@ class BandPolicy(Protocol[Item]):
 
     def tenant_len(self, tenant: str) -> int: ...
 
+    def tenant_lengths(self) -> dict[str, int]:
+        """Every backlogged tenant and its queued count (the status page; read on request, not per release)."""
+        ...
+
     def charge(self, tenant: str, cost: float) -> None:
         """A request of ``tenant`` was released with this estimated cost."""
         ...
@@ -79,6 +83,9 @@ class TenantQueues(Generic[Item]):
     def tenant_len(self, tenant: str) -> int:
         queue = self._queues.get(tenant)
         return len(queue) if queue is not None else 0
+
+    def tenant_lengths(self) -> dict[str, int]:
+        return {tenant: len(queue) for tenant, queue in self._queues.items()}
 
     def remove(self, tenant: str, item: Item) -> bool:
         """Drop a queued item (its client left). False if it is not queued here.

@@ -159,6 +159,10 @@ class EndpointHealth:
         last = self._health[endpoint].last_good
         return max(self._floor, int((last.running if last is not None else 0.0) // 2))
 
+    def good_at(self, endpoint: str) -> float:
+        """When the endpoint's last usable scrape started (-inf: never)."""
+        return self._health[endpoint].good_at
+
     def last_good(self, endpoint: str) -> EngineLoad | None:
         """The endpoint's last usable scrape (None: never scraped successfully)."""
         return self._health[endpoint].last_good

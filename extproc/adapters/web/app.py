@@ -1,0 +1,129 @@
+"""The metrics port: an aiohttp app on the processor's event loop.
+
+Routes, and why each exists:
+
+* ``/metrics``: the Prometheus page (OpenMetrics when the scraper asks for
+  it), rendered in a worker thread as prometheus_client's own server did, so
+  a large page does not stall held requests.
+* ``/healthz``: the process answers (liveness). Nothing else: a process that
+  waits for an engine is alive, and restarting it would drop its queue.
+* ``/readyz``: ready to schedule (readiness): the config is loaded (it is,
+  once this answers), every model's pool has had a usable scrape since start,
+  and the processor is not draining. 503 with the reasons otherwise, so a
+  probe does not send traffic to a processor that is leaving.
+* ``/`` and ``/status.json``: the live status page (``status.html``), which
+  polls the JSON. The JSON is built on request from the dispatchers' state
+  (``core/status.py``); the hot path does no work for it.
+
+Anything else is 404 with the OpenAI-style error body and ``x-extproc-reason``,
+as the processor's other answers: before, every path answered the metrics
+page, so an HTTP probe looked healthy while the processor drained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from extproc.adapters.ext_proc.contract import REASON_HEADER
+from extproc.core.dispatcher import ModelDispatcher
+from extproc.core.status import ModelStatus
+
+# Tenants listed per priority class on the status page; the rest are summed.
+TOP_TENANTS = 10
+PAGE = resources.files(__package__).joinpath("status.html").read_bytes()
+
+
+def error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                   "param": None, "code": code}},
+        status=status, headers={REASON_HEADER: code},
+    )
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own 404 and 405 as JSON errors."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return error(404, "not_found", f"no such path: {request.path}; try /, /metrics, /healthz, /readyz, /status.json")
+    except web.HTTPMethodNotAllowed as exc:
+        return error(405, "method_not_allowed", f"{exc.method} is not allowed on {request.path}")
+
+
+def not_ready(statuses: list[ModelStatus], draining: bool) -> list[str]:
+    """Why the processor is not ready (empty: ready)."""
+    reasons = [f"model {s.name!r}: no usable scrape of any endpoint yet" for s in statuses if not s.scraped]
+    if draining:
+        reasons.append("draining: the processor is shutting down")
+    return reasons
+
+
+def status_document(statuses: list[ModelStatus], draining: bool) -> dict[str, Any]:
+    return {"draining": draining, "not_ready": not_ready(statuses, draining), "top_tenants": TOP_TENANTS,
+            "models": [asdict(s) for s in statuses]}
+
+
+def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispatcher],
+              draining: Callable[[], bool]) -> web.Application:
+    """The app; ``draining`` tells whether the processor is shutting down."""
+
+    def statuses() -> list[ModelStatus]:
+        return [d.status(TOP_TENANTS) for d in dispatchers.values()]
+
+    async def metrics(request: web.Request) -> web.Response:
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        body = await asyncio.to_thread(encoder, registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "alive"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        reasons = not_ready(statuses(), draining())
+        if reasons:
+            return error(503, "not_ready", "; ".join(reasons))
+        return web.json_response({"status": "ready"})
+
+    async def status_json(request: web.Request) -> web.Response:
+        return web.json_response(status_document(statuses(), draining()),
+                                 headers={"Cache-Control": "no-store"})
+
+    async def page(request: web.Request) -> web.Response:
+        return web.Response(body=PAGE, content_type="text/html", charset="utf-8",
+                            headers={"Cache-Control": "no-store"})
+
+    app = web.Application(middlewares=[json_errors])
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/status.json", status_json)
+    app.router.add_get("/", page)
+    return app
+
+
+class MetricsServer:
+    """The app bound to the metrics address; ``start`` raises OSError when it cannot bind."""
+
+    def __init__(self, app: web.Application, host: str, port: int) -> None:
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._host, self._port = host, port
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self._host or None, self._port, reuse_address=True).start()
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()

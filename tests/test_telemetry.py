@@ -1,0 +1,175 @@
+"""The processor's own metrics: what an operator reads, with a tenant label that stays bounded.
+
+Unit tests drive real dispatchers (built from a config, as the server builds
+them) and read the real Prometheus registry; the integration test sends real
+requests through Envoy and reads the processor's /metrics page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.adapters.config import Config, parse_config
+from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.wiring import build_dispatchers
+from extproc.core.dispatcher import ModelDispatcher
+from extproc.core.engine_load import EngineLoad
+from extproc.core.outcomes import Refused
+from extproc.tools.power_user import chat
+from extproc.tools.stack import start_stack
+from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
+
+ENDPOINT = "http://127.0.0.1:1"
+CONFIG = parse_config({
+    "models": [{"name": "m", "endpoints": [ENDPOINT], "fallback_max_in_flight": 1, "max_queue_wait_s": 60}],
+    "tenants": {"alice": {"max_queued": 1}, "bob": {}},
+})
+LABELLED = {"alice", "bob", "anonymous", "other"}  # the config's tenants, its default tenant, everyone else
+
+
+def samples(registry: CollectorRegistry, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {tuple(sorted(s.labels.items())): s.value for m in registry.collect() for s in m.samples if s.name == name}
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return sum(v for key, v in samples(registry, name).items() if labels.items() <= dict(key).items())
+
+
+def build(config: Config = CONFIG) -> tuple[Telemetry, dict[str, ModelDispatcher]]:
+    telemetry = Telemetry()
+    return telemetry, build_dispatchers(config, telemetry)
+
+
+@pytest.mark.unit
+def test_counters_exist_at_zero_for_every_known_label_value_before_any_request() -> None:
+    telemetry, _ = build()
+    r = telemetry.registry
+    released = samples(r, "extproc_released_total")
+    # models x classes x (named tenants + default tenant + other): 1 x 3 x 4.
+    assert len(released) == 12 and set(released.values()) == {0}
+    assert {dict(k)["tenant"] for k in released} == LABELLED
+    for name in ("extproc_abandoned_total", "extproc_queue_depth"):
+        assert len(samples(r, name)) == 12 and set(samples(r, name).values()) == {0}
+    for name in ("extproc_charged_prompt_tokens_total", "extproc_charged_output_tokens_total",
+                 "extproc_charged_cost_total"):
+        assert {dict(k)["tenant"] for k in samples(r, name)} == LABELLED
+    # Refusals the queue decides, per tenant; those decided before the tenant is known, as "(none)".
+    assert r.get_sample_value("extproc_rejected_total", {"model": "m", "reason": "queue_timeout", "tenant": "alice"}) == 0
+    assert r.get_sample_value("extproc_rejected_total",
+                              {"model": "(unknown)", "reason": "model_not_found", "tenant": "(none)"}) == 0
+    assert r.get_sample_value("extproc_decision_latency_seconds_count", {"model": "m"}) == 0
+    assert r.get_sample_value("extproc_gate_fallback", {"model": "m"}) == 0
+
+
+@pytest.mark.unit
+def test_build_info_and_process_metrics_are_on_the_processors_registry() -> None:
+    r = Telemetry().registry
+    [(labels, one)] = samples(r, "extproc_build_info").items()
+    assert one == 1 and dict(labels)["version"] not in ("", "unknown") and dict(labels)["python"].count(".") == 2
+    assert (r.get_sample_value("process_resident_memory_bytes") or 0) > 0
+    assert (r.get_sample_value("process_start_time_seconds") or 0) > 0
+    assert samples(r, "python_info")
+
+
+@pytest.mark.unit
+async def test_per_tenant_series_never_take_a_client_tenant_id_and_depth_counts_exactly() -> None:
+    telemetry, dispatchers = build()
+    dispatcher = dispatchers["m"]
+    r = telemetry.registry
+    first = dispatcher.submit("alice", 1, content_length=480, max_tokens=50)
+    assert first.future.done()  # released: the fallback limit is 1
+    held = [dispatcher.submit(tenant, 1) for tenant in ("alice", "mallory-1", "mallory-2", "bob")]
+    with pytest.raises(Refused):
+        dispatcher.submit("alice", 1)  # alice's own cap (1 queued)
+    assert value(r, "extproc_queue_depth", tenant="alice") == 1
+    assert value(r, "extproc_queue_depth", tenant="other") == 2
+    assert value(r, "extproc_queue_depth", tenant="bob") == 1
+    assert value(r, "extproc_rejected_total", reason="tenant_queue_full", tenant="alice") == 1
+    # Every arrival was timed, refused or not.
+    assert r.get_sample_value("extproc_decision_latency_seconds_count", {"model": "m"}) == 6
+
+    dispatcher.end(held[1])  # mallory-1 leaves
+    dispatcher.end(first)  # frees the slot: alice's next goes
+    assert value(r, "extproc_abandoned_total", tenant="other") == 1
+    assert value(r, "extproc_released_total", tenant="alice") == 2
+    dispatcher.reject_all()
+    assert value(r, "extproc_rejected_total", reason="shutting_down", tenant="other") == 1
+    assert value(r, "extproc_rejected_total", reason="shutting_down", tenant="bob") == 1
+    # Up and down exactly: every queued request left once.
+    assert set(samples(r, "extproc_queue_depth").values()) == {0}
+    tenants = {dict(k)["tenant"] for m in r.collect() for s in m.samples for k in [tuple(s.labels.items())]
+               if "tenant" in s.labels}
+    assert tenants <= LABELLED | {"(none)"}, tenants
+
+
+@pytest.mark.unit
+async def test_a_finished_request_charges_its_tokens_and_vtc_cost_to_its_tenant() -> None:
+    telemetry, dispatchers = build()
+    dispatcher = dispatchers["m"]
+    r = telemetry.registry
+    held = dispatcher.submit("stranger", 0, content_length=480, max_tokens=50)
+    assert r.get_sample_value("extproc_charged_cost_total", {"model": "m", "tenant": "other"}) == 0  # not yet: running
+    dispatcher.end(held)
+    # No decode rate known (no scrape): the estimate stands. (480 - 80) / 4 = 100 prompt, 50 output,
+    # 1 x 100 + 2 x 50 = 200 units.
+    assert r.get_sample_value("extproc_charged_prompt_tokens_total", {"model": "m", "tenant": "other"}) == 100
+    assert r.get_sample_value("extproc_charged_output_tokens_total", {"model": "m", "tenant": "other"}) == 50
+    assert r.get_sample_value("extproc_charged_cost_total", {"model": "m", "tenant": "other"}) == 200
+
+
+@pytest.mark.unit
+async def test_a_good_scrape_stamps_its_time_and_kv_usage_is_a_ratio() -> None:
+    telemetry, dispatchers = build()
+    r = telemetry.registry
+    before = time.time()
+    dispatchers["m"].record_scrape(ENDPOINT, EngineLoad(2, 3, kv_usage=0.25), time.monotonic())
+    stamped = r.get_sample_value("extproc_endpoint_last_scrape_timestamp_seconds", {"model": "m", "endpoint": ENDPOINT})
+    assert stamped is not None and before <= stamped <= time.time()
+    assert r.get_sample_value("extproc_engine_kv_usage_ratio", {"model": "m", "endpoint": ENDPOINT}) == 0.25
+    assert r.get_sample_value("extproc_scrape_errors_total", {"model": "m", "endpoint": ENDPOINT}) == 0
+    assert r.get_sample_value("extproc_endpoint_degraded", {"model": "m", "endpoint": ENDPOINT}) == 0
+    dispatchers["m"].record_scrape(ENDPOINT, None, time.monotonic())  # a failed one does not
+    assert r.get_sample_value(
+        "extproc_endpoint_last_scrape_timestamp_seconds", {"model": "m", "endpoint": ENDPOINT}
+    ) == stamped
+    dispatchers["m"].set_endpoints(())  # it left: its time goes with it
+    assert r.get_sample_value("extproc_endpoint_last_scrape_timestamp_seconds", {"model": "m", "endpoint": ENDPOINT}) is None
+
+
+@pytest.mark.integration
+async def test_an_operator_sees_named_tenants_by_name_and_everyone_else_as_other(tmp_path: Path) -> None:
+    """Through real Envoy: alice and bob are named in the config; carol and dave are not."""
+    config = write_stack_config(tmp_path, {"m1": {}}, tenants={"alice": {}, "bob": {}})
+    sent = {"alice": 3, "bob": 2, "carol": 1, "dave": 1}
+    started = time.time()
+    async with await start_stack(config, tmp_path) as stack, aiohttp.ClientSession() as session:
+        outcomes = await asyncio.gather(*(
+            chat(session, stack.envoy_url, tenant, "m1", api_key=TENANT_KEYS[tenant], max_tokens=8)
+            for tenant, n in sent.items() for _ in range(n)
+        ))
+        assert all(o.status == 200 for o in outcomes), [o.error for o in outcomes if o.status != 200]
+        async with session.post(f"{stack.envoy_url}/v1/chat/completions", headers={"authorization": "Bearer key-carol"},
+                                json={"model": "nope", "messages": []}) as response:
+            assert response.status == 404
+        page = await read_metrics(stack.metrics_url)
+    released = {t: metric(page, "extproc_released_total", model="m1", tenant=t) for t in LABELLED}
+    assert released == {"alice": 3, "bob": 2, "other": 2, "anonymous": 0}
+    assert {dict(labels).get("tenant") for (_, labels) in page} <= LABELLED | {"(none)", None}
+    assert metric(page, "extproc_queue_wait_seconds_count", tenant="other") == 2
+    assert metric(page, "extproc_rejected_total", model="(unknown)", reason="model_not_found", tenant="(none)") == 1
+    assert ("extproc_rejected_total", (("model", "m1"), ("reason", "queue_timeout"), ("tenant", "alice"))) in page
+    # Charged per tenant: prompt tokens from Content-Length, at most max_tokens of output each, priced 1 and 2.
+    prompt = metric(page, "extproc_charged_prompt_tokens_total", tenant="alice")
+    output = metric(page, "extproc_charged_output_tokens_total", tenant="alice")
+    assert prompt >= 3 and 3 <= output <= 3 * 8
+    assert metric(page, "extproc_charged_cost_total", tenant="alice") == pytest.approx(prompt + 2 * output)
+    assert metric(page, "extproc_decision_latency_seconds_count", model="m1") == sum(sent.values())
+    scraped = metric(page, "extproc_endpoint_last_scrape_timestamp_seconds", model="m1")
+    assert started <= scraped <= time.time()
+    assert metric(page, "extproc_build_info") == 1 and metric(page, "process_cpu_seconds_total") > 0
