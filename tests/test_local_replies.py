@@ -27,7 +27,7 @@ from extproc.adapters.envoy_config import bootstrap
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.stack import start_stack
 from tests.envoyutil import free_port_config
-from tests.stackutil import TENANT_KEYS, write_config
+from tests.stackutil import TENANT_KEYS, wait_for_metric, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +85,9 @@ async def test_auth_processor_and_engine_failures_are_json(tmp_path: Path) -> No
 
         for sim in stack.sims:
             await sim.stop()
-        # The gate holds the request while the engine is down (docs/gate.md), then times it out.
+        # Once a scrape has seen the engine gone (before, a release could still reach it and get
+        # Envoy's engine_unavailable), the gate holds the request (docs/gate.md), then times it out.
+        assert await wait_for_metric(stack.metrics_url, "extproc_endpoint_up", lambda v: v == 0, model="m1") == 0
         status, headers, body = await post(url)
         assert status == 503 and body["error"]["code"] == "queue_timeout", (status, body)
         engine_down = await sdk_error(url)
