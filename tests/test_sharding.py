@@ -202,6 +202,19 @@ async def test_two_instances_each_own_a_model_and_survive_each_other(tmp_path: P
             assert await asyncio.wait_for(_chats(http, url, "m2", 6), 60) == {200: 6}
             assert await _released(b_metrics, "m2") == 10
             assert await asyncio.wait_for(_chats(http, url, "m1", 2), 60) == {503: 2}
+            # A restarted A rejoins by itself once Envoy's health check sees it.
+            shard = config.shards["a"]
+            instances["a"] = await ManagedProcess.start(
+                "extproc serve --shard a", [*PYTHON, "serve", "--config", str(path), "--shard", "a"],
+                tmp_path / "extproc-a-2.log", ready_url=f"http://{shard.metrics}/metrics",
+            )
+            procs.append(instances["a"])
+            for _ in range(100):
+                if await _chats(http, url, "m1", 1) == {200: 1}:
+                    break
+                await asyncio.sleep(0.1)
+            assert await _chats(http, url, "m1", 3) == {200: 3}
+            assert await _released(a_metrics, "m1") >= 3
     finally:
         if envoy is not None:
             await envoy.stop()

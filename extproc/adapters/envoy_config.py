@@ -61,6 +61,13 @@ The request path through Envoy's HTTP filters:
    closed``), or one route per model on the body's model, unscheduled
    (``open``).
 
+With ``shards:`` (per-model sharding, docs/cluster.md), each model's routes
+carry an ``ExtProcPerRoute`` whose ``grpc_service`` is the owning instance's
+cluster ``extproc_<shard>``; a route on the body's model (matched when
+ext_proc reads the route, before the processor set the model header) is what
+picks it. The default ``extproc`` cluster lists every instance and answers
+requests naming no configured model.
+
 Whatever Envoy answers itself (step 1's 401, the router's 503 when an
 engine cannot be reached, 413, 408) becomes the processor's
 OpenAI-style JSON error with a reason header, through the HTTP connection
