@@ -27,7 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from extproc.adapters.server import serve
 
-    config = load_config(args.config)
+    config = load_config(args.config).for_shard(args.shard)
     for key, address in (("listen.grpc", config.listen.grpc), ("listen.metrics", config.listen.metrics)):
         problem = bind_problem(address)
         if problem is not None:
@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--deadline-seconds", type=float, default=600.0,
         help="on SIGTERM, the hard deadline: the process exits this long after it even if responses still "
         "stream (they go on through Envoy without the processor; default 600)",
+    )
+    serve.add_argument(
+        "--shard", metavar="NAME",
+        help="with a shards: section, the shard this instance is: it listens on the shard's addresses and "
+        "schedules only the shard's models (docs/cluster.md)",
     )
     serve.set_defaults(func=_serve)
 

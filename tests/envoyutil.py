@@ -23,7 +23,7 @@ DEMO_BOOTSTRAP = ROOT / "envoy" / "demo-bootstrap.yaml"
 JWT_CONFIG = ROOT / "envoy" / "jwt-extproc.yaml"
 JWT_BOOTSTRAP = ROOT / "envoy" / "jwt-bootstrap.yaml"
 # One of each kind of generated bootstrap (identity, endpoint addressing, TLS, ext_proc or not).
-VARIANTS = ("demo", "no-keys-hostnames", "https", "jwt-remote", "jwt-inline", "no-ext-proc")
+VARIANTS = ("demo", "no-keys-hostnames", "https", "jwt-remote", "jwt-inline", "no-ext-proc", "sharded-open")
 
 
 def free_port_config(api_keys: dict[str, str] | None = None, **overrides: Any) -> Config:
@@ -65,6 +65,12 @@ def variant_bootstrap(variant: str) -> dict[str, Any]:
             listen={"grpc": "localhost:50051"},
             models=[{"name": "llama", "endpoints": ["http://vllm-llama.internal:8000", "http://127.0.0.1:8001"]}],
         ))
+    if variant == "sharded-open":  # per-model sharding, the unscheduled routes carrying the overrides
+        shards = {
+            name: {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}", "models": [model]}
+            for name, model in (("a", "m-one"), ("b", "m/two"))
+        }
+        return bootstrap(free_port_config(shards=shards, envoy={"processor_failure": "open"}))
     assert variant == "https", variant
     return bootstrap(free_port_config(models=[{"name": "remote", "endpoints": ["https://llm.example.com:443"]}]))
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -305,6 +306,22 @@ class EnvoySettings(_Section, frozen=True):
             yield "jwt", "use either api_keys or jwt for identity, not both"
 
 
+SHARD_NAME = r"[A-Za-z0-9_-]+"
+
+
+class Shard(_Section, frozen=True):
+    """One processor instance of a sharded deployment: where it listens and the models it alone schedules.
+
+    Every instance runs the same file with ``extproc serve --shard NAME``;
+    its ``listen`` is the shard's, its models only the shard's (docs/cluster.md).
+    ``grpc`` is also where Envoy reaches it (a wildcard host means loopback).
+    """
+
+    grpc: Address
+    metrics: Address
+    models: Names
+
+
 class ConfigFile(_Section, frozen=True):
     """The whole file, as written."""
 
@@ -320,8 +337,11 @@ class ConfigFile(_Section, frozen=True):
     bands: dict[str, BandSettings] = msgspec.field(default_factory=dict)
     # By tenant name; `default` is every other tenant's template.
     tenants: dict[str, TenantSettings] = msgspec.field(default_factory=dict)
+    # Per-model sharding: shard name -> the instance that owns some models (docs/cluster.md).
+    shards: dict[str, Shard] = msgspec.field(default_factory=dict)
 
     def problems(self) -> Iterator[tuple[str, str]]:
+        yield from _shard_problems(self)
         classes = self.priorities
         if len(set(classes)) != len(classes):
             yield "priorities", f"must not repeat a class, got {list(classes)}"
@@ -338,6 +358,33 @@ class ConfigFile(_Section, frozen=True):
         yield from wrong
         if not wrong and (self.default_priority is None or self.default_priority in classes):
             yield from _entitlement_problems(self)
+
+
+def _shard_problems(file: ConfigFile) -> Iterator[tuple[str, str]]:
+    """With shards, every model has exactly one owner and no two instances share an address."""
+    if not file.shards:
+        return
+    names = {m.name for m in file.models}
+    owner: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for shard, settings in file.shards.items():
+        if not re.fullmatch(SHARD_NAME, shard):
+            yield f"shards.{shard}", "a shard name may only use A-Z, a-z, 0-9, _ and - (it names an Envoy cluster)"
+        for i, owned in enumerate(settings.models):
+            if owned not in names:
+                yield f"shards.{shard}.models[{i}]", f"no model {owned!r} in models"
+            elif owned in owner:
+                yield f"shards.{shard}.models[{i}]", f"model {owned!r} is already owned by shard {owner[owned]!r}"
+            else:
+                owner[owned] = shard
+        for key in ("grpc", "metrics"):
+            address = getattr(settings, key)
+            if address in seen:
+                yield f"shards.{shard}.{key}", f"{address} is already used by {seen[address]}"
+            seen[address] = f"shards.{shard}.{key}"
+    for i, model in enumerate(file.models):
+        if model.name not in owner:
+            yield f"models[{i}].name", f"{model.name!r} is in no shard (with shards, every model needs one)"
 
 
 def _tenant_problems(tenant: TenantSettings, path: str, classes: tuple[str, ...]) -> Iterator[tuple[str, str]]:
@@ -409,6 +456,8 @@ class Config:
     # Explicitly configured tenants; every other tenant gets `default_tenant`.
     tenants: dict[str, Tenant]
     default_tenant: Tenant
+    # Per-model sharding (empty: one processor owns every model).
+    shards: dict[str, Shard] = field(default_factory=dict)
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -423,6 +472,30 @@ class Config:
 
     def longest_queue_wait_s(self, model: ModelConfig) -> float:
         return max(self.queue_wait_s(model, b) for b in range(len(self.priorities)))
+
+    def shard_of(self, model: str) -> str | None:
+        """The shard that owns ``model`` (None without shards)."""
+        return next((name for name, shard in self.shards.items() if model in shard.models), None)
+
+    def for_shard(self, name: str | None) -> Config:
+        """What one instance serves: with shards, ``name``'s models on ``name``'s addresses.
+
+        Without shards, ``name`` must be None; with shards it is required, so
+        an instance can neither serve every model by accident nor a shard
+        that does not exist.
+        """
+        if not self.shards:
+            if name is not None:
+                raise ConfigError(f"--shard {name}: the config has no shards: section")
+            return self
+        choices = ", ".join(self.shards)
+        if name is None:
+            raise ConfigError(f"shards: the config is sharded; run each instance with --shard NAME (one of: {choices})")
+        shard = self.shards.get(name)
+        if shard is None:
+            raise ConfigError(f"--shard {name}: no such shard in shards: (one of: {choices})")
+        models = tuple(m for m in self.models if m.name in shard.models)
+        return replace(self, listen=Listen(grpc=shard.grpc, metrics=shard.metrics), models=models)
 
 
 def _default_priority(file: ConfigFile) -> str:
@@ -490,6 +563,7 @@ def _parse(raw: Any) -> Config:
         bands=_bands(file),
         tenants=tenants,
         default_tenant=default_tenant,
+        shards=dict(file.shards),
     )
 
 

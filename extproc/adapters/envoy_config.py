@@ -61,6 +61,13 @@ The request path through Envoy's HTTP filters:
    closed``), or one route per model on the body's model, unscheduled
    (``open``).
 
+With ``shards:`` (per-model sharding, docs/cluster.md), each model's routes
+carry an ``ExtProcPerRoute`` whose ``grpc_service`` is the owning instance's
+cluster ``extproc_<shard>``; a route on the body's model (matched when
+ext_proc reads the route, before the processor set the model header) is what
+picks it. The default ``extproc`` cluster lists every instance and answers
+requests naming no configured model.
+
 Whatever Envoy answers itself (step 1's 401, the router's 503 when an
 engine cannot be reached, 413, 408) becomes the processor's
 OpenAI-style JSON error with a reason header, through the HTTP connection
@@ -504,15 +511,17 @@ def routes(config: Config, *, ext_proc: bool = True, scope: RouteScope = RouteSc
             picked = {"prefix": prefix, "headers": [{"name": DESTINATION_HEADER, "present_match": True}]}
             result.append(route(named(PICKED_CLUSTER, i), picked, PICKED_CLUSTER))
         result += [
-            route(named(clusters[m.name], i), _model_match(config, m.name, ext_proc, prefix), clusters[m.name])
+            _sharded(config, m.name, route(named(clusters[m.name], i), _model_match(config, m.name, ext_proc, prefix),
+                                           clusters[m.name]))
             for m in config.models
         ]
         if ext_proc and config.envoy.processor_failure == "open":
             # A request the processor never answered carries no model header: route it
-            # on the body's model, as the gateway without a processor would.
+            # on the body's model, as the gateway without a processor would. With shards,
+            # these are also the routes a request first lands on: they pick its processor.
             result += [
-                route(named(f"{clusters[m.name]}_unscheduled", i), _model_match(config, m.name, False, prefix),
-                      clusters[m.name])
+                _sharded(config, m.name, route(named(f"{clusters[m.name]}_unscheduled", i),
+                                               _model_match(config, m.name, False, prefix), clusters[m.name]))
                 for m in config.models
             ]
         if ext_proc and config.envoy.processor_failure == "closed":
@@ -520,6 +529,16 @@ def routes(config: Config, *, ext_proc: bool = True, scope: RouteScope = RouteSc
             # answered by it (crashed, restarting, silent past message_timeout): refuse it.
             reply = _json_reply("processor_unavailable", 503, "server_error",
                                 "The scheduler is unavailable; retry shortly.", retry_after_s=1)
+            if config.shards:
+                # A request first lands on its body model's route, which names the shard
+                # that schedules it; unanswered by that shard, it is refused as below.
+                result += [
+                    _sharded(config, m.name, _with_filters({
+                        **reply, "name": named(f"{clusters[m.name]}_{reply['name']}", i),
+                        "match": _model_match(config, m.name, False, prefix),
+                    }, scope))
+                    for m in config.models
+                ]
         else:
             # Defence in depth: the processor normally rejects unknown models itself.
             reply = _json_reply("model_not_found", 404, "invalid_request_error",
@@ -527,6 +546,28 @@ def routes(config: Config, *, ext_proc: bool = True, scope: RouteScope = RouteSc
         # An LLM request first lands here (no model header yet): this route turns the filters on.
         result.append(_with_filters({**reply, "name": named(reply["name"], i), "match": {"prefix": prefix}}, scope))
     return result
+
+
+def shard_cluster_name(shard: str) -> str:
+    """The gRPC cluster of one shard's processor instance."""
+    return f"{EXTPROC_CLUSTER}_{shard}"
+
+
+def _sharded(config: Config, model: str, route: dict[str, Any]) -> dict[str, Any]:
+    """With shards, ``route`` sends ext_proc to the instance that owns ``model`` (ExtProcPerRoute).
+
+    ext_proc reads the route when the request headers arrive, after
+    json_to_metadata has read the body's model, so the route matched on that
+    model decides which instance schedules the request.
+    """
+    shard = config.shard_of(model)
+    if shard is None:
+        return route
+    route.setdefault("typed_per_filter_config", {})["envoy.filters.http.ext_proc"] = {
+        "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+        "overrides": {"grpc_service": {"envoy_grpc": {"cluster_name": shard_cluster_name(shard)}}},
+    }
+    return route
 
 
 def _with_filters(route: dict[str, Any], scope: RouteScope) -> dict[str, Any]:
@@ -574,12 +615,25 @@ def _extproc_health_check() -> dict[str, Any]:
 
 
 def extproc_cluster(config: Config) -> dict[str, Any]:
-    """The processor's gRPC cluster (HTTP/2)."""
-    host, port = split_address(config.listen.grpc)
-    host = _connectable(host)
+    """The processor's gRPC cluster (HTTP/2).
+
+    With shards, every instance: the filter's default, for requests whose body
+    names no configured model (any instance answers those ``model_not_found``).
+    """
+    addresses = [shard.grpc for shard in config.shards.values()] or [config.listen.grpc]
+    return _processor_cluster(config, EXTPROC_CLUSTER, addresses)
+
+
+def shard_clusters(config: Config) -> list[dict[str, Any]]:
+    """One gRPC cluster per shard's processor instance (none without shards)."""
+    return [_processor_cluster(config, shard_cluster_name(name), [shard.grpc]) for name, shard in config.shards.items()]
+
+
+def _processor_cluster(config: Config, name: str, addresses: list[str]) -> dict[str, Any]:
+    hosts = [(_connectable(host), port) for host, port in map(split_address, addresses)]
     return {
-        "name": EXTPROC_CLUSTER,
-        "type": "STATIC" if is_ip_address(host) else "STRICT_DNS",
+        "name": name,
+        "type": "STATIC" if all(is_ip_address(h) for h, _ in hosts) else "STRICT_DNS",
         # The message timeout's budget: a refused connection (processor down) fails at once
         # anyway, while under a burst Envoy itself handles the connect event late — a
         # shorter timeout turned a cold burst into thousands of 503s (docs/reliability.md).
@@ -588,8 +642,8 @@ def extproc_cluster(config: Config) -> dict[str, Any]:
         "circuit_breakers": _circuit_breakers(),
         "health_checks": [_extproc_health_check()],
         "load_assignment": {
-            "cluster_name": EXTPROC_CLUSTER,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket_address(host, port)}}]}],
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket_address(h, p)}} for h, p in hosts]}],
         },
     }
 
@@ -673,7 +727,7 @@ def clusters(config: Config, *, existing: Mapping[str, str] | None = None) -> li
     jwt = config.envoy.jwt
     jwks = [_jwks_cluster(jwt.jwks_uri)] if jwt is not None and jwt.jwks_uri is not None else []
     picked = [picked_cluster()] if _picks_endpoints(config) else []
-    return [extproc_cluster(config), *picked] + [
+    return [extproc_cluster(config), *shard_clusters(config), *picked] + [
         _model_cluster(config, i, names[m.name]) for i, m in enumerate(config.models) if m.name not in existing
     ] + jwks
 
@@ -890,6 +944,9 @@ def drop_in(
     what it ran before. ``existing_clusters`` maps a model to a cluster the
     operator's Envoy already has (no second cluster for the same engines).
     """
+    if config.shards:
+        raise ConfigError("shards: the drop-in does not support per-model sharding yet; "
+                          "use the complete bootstrap (`extproc envoy-config` without --drop-in/--into)")
     existing = dict(existing_clusters or {})
     unknown = sorted(set(existing) - {m.name for m in config.models})
     if unknown:
