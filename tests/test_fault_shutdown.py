@@ -23,7 +23,7 @@ import pytest
 
 from extproc.tools.power_user import Outcome, chat
 from extproc.tools.stack import Stack, start_stack
-from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
+from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -32,16 +32,6 @@ SLOW_SIM = ["--max-num-seqs", "2", "--step-ms", "20", "--time-scale", "1"]
 LONG_ANSWER = 400
 # The gate lets exactly two requests into the engine; the rest stay queued here.
 TWO_IN_FLIGHT: dict[str, Any] = {"gate": "static_concurrency", "max_in_flight": 2}
-
-
-async def wait_for_metric(stack: Stack, name: str, value: float, **labels: str) -> float:
-    seen = float("nan")
-    for _ in range(300):
-        seen = metric(await read_metrics(stack.metrics_url), name, **labels)
-        if seen == value:
-            break
-        await asyncio.sleep(0.05)
-    return seen
 
 
 async def extproc_health_flags(stack: Stack) -> str:
@@ -84,9 +74,9 @@ async def test_sigterm_lets_streaming_responses_finish_and_answers_everyone_else
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
             clients = Clients(stack, session)
             streaming = [clients.send("alice") for _ in range(2)]
-            assert await wait_for_metric(stack, "extproc_in_flight", 2, model="m1") == 2
+            assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", lambda v: v == 2, model="m1") == 2
             queued = [clients.send("bob") for _ in range(6)]
-            assert await wait_for_metric(stack, "extproc_queue_depth", 6, model="m1") == 6
+            assert await wait_for_metric(stack.metrics_url, "extproc_queue_depth", lambda v: v == 6, model="m1") == 6
 
             process.send_signal(signal.SIGTERM)
             # The queue deadline (0.5 s) passes: every queued request is answered, none forwarded.
@@ -135,7 +125,7 @@ async def test_at_the_hard_deadline_the_process_exits_and_what_streams_goes_on(t
         assert stack.processor is not None
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             streaming = [Clients(stack, session).send("alice", max_tokens=LONG_ANSWER) for _ in range(2)]
-            assert await wait_for_metric(stack, "extproc_in_flight", 2, model="m1") == 2
+            assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", lambda v: v == 2, model="m1") == 2
             stack.processor.process.send_signal(signal.SIGTERM)
             exit_code = await asyncio.wait_for(stack.processor.process.wait(), 30)
             assert not any(task.done() for task in streaming)  # the exit came first ...
@@ -151,7 +141,7 @@ async def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
         process = stack.processor.process
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             streaming = [Clients(stack, session).send("alice", max_tokens=LONG_ANSWER) for _ in range(2)]
-            assert await wait_for_metric(stack, "extproc_in_flight", 2, model="m1") == 2
+            assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", lambda v: v == 2, model="m1") == 2
             process.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
             assert process.returncode is None  # draining: the 8 s answers keep it alive
@@ -172,7 +162,7 @@ async def test_openai_sdk_gets_typed_errors_while_draining(tmp_path: Path) -> No
         assert stack.processor is not None
         # A long answer keeps the draining processor up (it exits once nothing runs).
         streaming = Clients(stack, session).send("alice", max_tokens=2000)
-        assert await wait_for_metric(stack, "extproc_in_flight", 1, model="m1") == 1
+        assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", lambda v: v == 1, model="m1") == 1
         stack.processor.process.send_signal(signal.SIGTERM)
         client = openai.AsyncOpenAI(base_url=f"{stack.envoy_url}/v1", api_key=TENANT_KEYS["bob"], max_retries=0)
         async with client:
