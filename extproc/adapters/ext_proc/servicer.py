@@ -270,14 +270,19 @@ class Processor:
         self._config = config
         self._dispatchers = dispatchers
         self._telemetry = telemetry
-        self._hold_timeout = {m.name: _duration(hold_timeout_for(config.longest_queue_wait_s(m))) for m in config.models}
+        # Prebuilt, like the two replies below: one is sent to every request that has to wait.
+        self._hold_reply = {
+            m.name: pb.ProcessingResponse(override_message_timeout=_duration(hold_timeout_for(config.longest_queue_wait_s(m))))
+            for m in config.models
+        }
         self._engine_priority_models = {m.name for m in config.models if m.engine_priority}
         self.draining = False
         self.lag = LoopLag()
         self._shed_lag_s = SHED_LAG_SHARE * config.envoy.message_timeout_ms / 1000
         # Prebuilt: under a burst these are sent to every arrival, so they cost no construction.
-        longest_hold = max(self._hold_timeout.values(), key=lambda d: d.ToMilliseconds())
-        self._acknowledgement = pb.ProcessingResponse(override_message_timeout=longest_hold)
+        self._acknowledgement = max(
+            self._hold_reply.values(), key=lambda reply: reply.override_message_timeout.ToMilliseconds()
+        )
         self._overloaded = error_response(Refused(
             Refusal.OVERLOADED, "the gateway received more requests at once than it can take in; retry shortly"
         ))
@@ -330,9 +335,7 @@ class Processor:
             return
         lag = self.lag.seconds(asyncio.get_running_loop().time())
         if lag >= self._shed_lag_s:
-            model = _body_model(first)
-            self._telemetry.rejected.labels(model if model in self._dispatchers else "(unknown)",
-                                            Refusal.OVERLOADED.value, NO_TENANT).inc()
+            self._count_refusal(_body_model(first), Refusal.OVERLOADED)
             yield self._overloaded
             return
         acknowledged = lag >= ACK_LAG_S
@@ -347,9 +350,7 @@ class Processor:
             admission = self.admit(headers, body_model)
             max_tokens = _body_max_tokens(first)
         except Refused as refused:
-            # Client-chosen names never become label values: unbounded series would sink Prometheus.
-            label = body_model if body_model in self._dispatchers else "(unknown)"
-            self._telemetry.rejected.labels(label, refused.refusal.value, NO_TENANT).inc()
+            self._count_refusal(body_model, refused.refusal)
             yield error_response(refused)
             return
         priorities = self._config.priorities
@@ -377,7 +378,7 @@ class Processor:
         # any await or yield, and the request must leave the queue or the gate then.
         try:
             if not held.future.done() and not acknowledged:
-                yield pb.ProcessingResponse(override_message_timeout=self._hold_timeout[admission.model])
+                yield self._hold_reply[admission.model]
             try:
                 waited = await held.future
             except Refused as refused:
@@ -409,6 +410,12 @@ class Processor:
                     yield _continue(message)
         finally:
             dispatcher.end(held)
+
+    def _count_refusal(self, body_model: str | None, refusal: Refusal) -> None:
+        """Count a refusal made before the request reached a dispatcher (which counts its own)."""
+        # Client-chosen names never become label values: unbounded series would sink Prometheus.
+        label = body_model if body_model in self._dispatchers else "(unknown)"
+        self._telemetry.rejected.labels(label, refusal.value, NO_TENANT).inc()
 
     def _engine_priority(self, admission: Admission) -> int | None:
         """The body ``priority`` to write for this request, or None (model without engine_priority)."""
