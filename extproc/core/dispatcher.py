@@ -160,8 +160,7 @@ class ModelDispatcher:
         now = self._clock()
         overflow = self._caps.check(self._queue, tenant, band)
         if overflow is not None:
-            self._report.refused(overflow.refusal, tenant)
-            self._report.decided(tenant, self._bands[band].name, 0.0, f"refused:{overflow.refusal.value}")
+            self._refused(tenant, self._bands[band].name, overflow.refusal, 0.0)
             self._report.decision(self._clock() - now)
             raise Refused(overflow.refusal, overflow.message + "; retry later",
                           drain_s=self._release_rate.drain_s(overflow.backlog, now))
@@ -240,9 +239,8 @@ class ModelDispatcher:
             if held.future.done():  # its stream was cancelled a moment ago, as in dispatch()
                 self._abandoned(held, band)
             else:
-                self._report.refused(Refusal.SHUTTING_DOWN, held.tenant)
-                self._report.decided(held.tenant, self._bands[band].name, self._clock() - held.enqueued_at,
-                                     f"refused:{Refusal.SHUTTING_DOWN.value}")
+                self._refused(held.tenant, self._bands[band].name, Refusal.SHUTTING_DOWN,
+                              self._clock() - held.enqueued_at)
             self._resolve(held, shutting_down())
             self._dequeued(band, held.tenant)
 
@@ -279,6 +277,10 @@ class ModelDispatcher:
         self._report.held(priority, tenant, now - held.enqueued_at)
         self._report.decided(tenant, priority, now - held.enqueued_at, "released")
 
+    def _refused(self, tenant: str, priority: str, refusal: Refusal, waited: float) -> None:
+        self._report.refused(refusal, tenant)
+        self._report.decided(tenant, priority, waited, f"refused:{refusal.value}")
+
     def _abandoned(self, held: Held, band: int) -> None:
         priority = self._bands[band].name
         self._report.abandoned(priority, held.tenant)
@@ -300,9 +302,8 @@ class ModelDispatcher:
             now = self._clock()
             waited = now - held.enqueued_at
             priority = self._bands[held.band].name
-            self._report.refused(Refusal.QUEUE_TIMEOUT, held.tenant)
+            self._refused(held.tenant, priority, Refusal.QUEUE_TIMEOUT, waited)
             self._report.held(priority, held.tenant, waited)
-            self._report.decided(held.tenant, priority, waited, f"refused:{Refusal.QUEUE_TIMEOUT.value}")
             self._resolve(held, Refused(
                 Refusal.QUEUE_TIMEOUT,
                 f"request waited {waited:.1f}s in the {priority!r} queue for model {self.name!r} without capacity; "
