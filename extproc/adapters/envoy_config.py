@@ -396,7 +396,7 @@ def _admission_filter(config: Config) -> dict[str, Any]:
             },
             "filter_enabled": always("extproc_admission.enabled"),
             "filter_enforced": always("extproc_admission.enforced"),
-            # The reason, Retry-After and JSON body come from local_reply_config (flag RL).
+            # The reason, Retry-After and JSON body come from local_reply_config (by the details).
         },
     }
 
