@@ -11,10 +11,21 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.tools.power_user import Outcome, chat
 from extproc.tools.procs import free_port
+from extproc.tools.stack import Stack
 
 API_KEYS = {"key-alice": "alice", "key-bob": "bob", "key-carol": "carol", "key-dave": "dave"}
 TENANT_KEYS = {tenant: key for key, tenant in API_KEYS.items()}
+
+
+def send_chat(
+    session: aiohttp.ClientSession, stack: Stack, tenant: str, max_tokens: int, model: str = "m1"
+) -> asyncio.Task[Outcome]:
+    """One streaming chat from ``tenant`` (with its test key) through the stack's Envoy, as a task."""
+    return asyncio.create_task(
+        chat(session, stack.envoy_url, tenant, model, api_key=TENANT_KEYS[tenant], max_tokens=max_tokens)
+    )
 
 
 def write_config(

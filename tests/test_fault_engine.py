@@ -18,7 +18,7 @@ from aiohttp import web
 
 from extproc.tools.power_user import Outcome, chat
 from extproc.tools.stack import Stack, start_sim, start_stack
-from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_config
+from tests.stackutil import TENANT_KEYS, metric, read_metrics, send_chat, wait_for_metric, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -30,10 +30,7 @@ TOKENS = 30
 
 def _flood(session: aiohttp.ClientSession, stack: Stack) -> list[asyncio.Task[Outcome]]:
     tenants = ("alice", "bob", "carol", "dave")
-    return [
-        asyncio.create_task(chat(session, stack.envoy_url, t, "m1", api_key=TENANT_KEYS[t], max_tokens=TOKENS))
-        for i in range(FLOOD) for t in (tenants[i % len(tenants)],)
-    ]
+    return [send_chat(session, stack, tenants[i % len(tenants)], TOKENS) for i in range(FLOOD)]
 
 
 async def _kill(stack: Stack, index: int) -> None:

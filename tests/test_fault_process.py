@@ -21,7 +21,7 @@ import yaml
 from extproc.tools.power_user import Outcome, chat
 from extproc.tools.procs import ManagedProcess
 from extproc.tools.stack import PYTHON, Stack, start_stack
-from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_config
+from tests.stackutil import TENANT_KEYS, metric, read_metrics, send_chat, wait_for_metric, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -37,10 +37,7 @@ def flood(
     http: aiohttp.ClientSession, stack: Stack, n: int, tenant: str = "alice", max_tokens: int = 100
 ) -> list[asyncio.Task[Outcome]]:
     """``n`` streaming chats from ``tenant``, each its own connection."""
-    return [
-        asyncio.create_task(chat(http, stack.envoy_url, tenant, "m1", api_key=TENANT_KEYS[tenant], max_tokens=max_tokens))
-        for _ in range(n)
-    ]
+    return [send_chat(http, stack, tenant, max_tokens) for _ in range(n)]
 
 
 def amend(config: Path, **sections: dict[str, Any]) -> Path:

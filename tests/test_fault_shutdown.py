@@ -21,9 +21,9 @@ import aiohttp
 import openai
 import pytest
 
-from extproc.tools.power_user import Outcome, chat
+from extproc.tools.power_user import Outcome
 from extproc.tools.stack import Stack, start_stack
-from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_config
+from tests.stackutil import TENANT_KEYS, metric, read_metrics, send_chat, wait_for_metric, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -48,18 +48,6 @@ def error_code(outcome: Outcome) -> str:
     return code
 
 
-class Clients:
-    """Streaming chats through Envoy, each a task; one connection per request."""
-
-    def __init__(self, stack: Stack, session: aiohttp.ClientSession) -> None:
-        self.stack, self.session = stack, session
-
-    def send(self, tenant: str, max_tokens: int = LONG_ANSWER) -> asyncio.Task[Outcome]:
-        return asyncio.create_task(
-            chat(self.session, self.stack.envoy_url, tenant, "m1", api_key=TENANT_KEYS[tenant], max_tokens=max_tokens)
-        )
-
-
 async def start_slow_stack(tmp_path: Path, *serve_args: str) -> Stack:
     config = write_config(tmp_path, **TWO_IN_FLIGHT)
     return await start_stack(config, tmp_path, sim_args=SLOW_SIM, serve_args=list(serve_args))
@@ -72,17 +60,16 @@ async def test_sigterm_lets_streaming_responses_finish_and_answers_everyone_else
         assert await extproc_health_flags(stack) == "healthy"
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
-            clients = Clients(stack, session)
-            streaming = [clients.send("alice") for _ in range(2)]
+            streaming = [send_chat(session, stack, "alice", LONG_ANSWER) for _ in range(2)]
             assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", lambda v: v == 2, model="m1") == 2
-            queued = [clients.send("bob") for _ in range(6)]
+            queued = [send_chat(session, stack, "bob", LONG_ANSWER) for _ in range(6)]
             assert await wait_for_metric(stack.metrics_url, "extproc_queue_depth", lambda v: v == 6, model="m1") == 6
 
             process.send_signal(signal.SIGTERM)
             # The queue deadline (0.5 s) passes: every queued request is answered, none forwarded.
             queued_outcomes = await asyncio.gather(*queued)
             # New arrivals after the queue deadline, while responses still stream: the processor answers.
-            late = await asyncio.gather(*(clients.send("carol", max_tokens=4) for _ in range(5)))
+            late = await asyncio.gather(*(send_chat(session, stack, "carol", 4) for _ in range(5)))
             samples = await read_metrics(stack.metrics_url)
             assert process.returncode is None, "the processor exited while responses were still streaming"
             assert not any(task.done() for task in streaming), "the answers ended too soon for this test to mean much"
@@ -124,7 +111,7 @@ async def test_at_the_hard_deadline_the_process_exits_and_what_streams_goes_on(t
     async with await start_slow_stack(tmp_path, "--drain-seconds", "0.2", "--deadline-seconds", "1") as stack:
         assert stack.processor is not None
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            streaming = [Clients(stack, session).send("alice", max_tokens=LONG_ANSWER) for _ in range(2)]
+            streaming = [send_chat(session, stack, "alice", LONG_ANSWER) for _ in range(2)]
             assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", lambda v: v == 2, model="m1") == 2
             stack.processor.process.send_signal(signal.SIGTERM)
             exit_code = await asyncio.wait_for(stack.processor.process.wait(), 30)
@@ -140,7 +127,7 @@ async def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
         assert stack.processor is not None
         process = stack.processor.process
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            streaming = [Clients(stack, session).send("alice", max_tokens=LONG_ANSWER) for _ in range(2)]
+            streaming = [send_chat(session, stack, "alice", LONG_ANSWER) for _ in range(2)]
             assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", lambda v: v == 2, model="m1") == 2
             process.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
@@ -161,7 +148,7 @@ async def test_openai_sdk_gets_typed_errors_while_draining(tmp_path: Path) -> No
     ):
         assert stack.processor is not None
         # A long answer keeps the draining processor up (it exits once nothing runs).
-        streaming = Clients(stack, session).send("alice", max_tokens=2000)
+        streaming = send_chat(session, stack, "alice", 2000)
         assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", lambda v: v == 1, model="m1") == 1
         stack.processor.process.send_signal(signal.SIGTERM)
         client = openai.AsyncOpenAI(base_url=f"{stack.envoy_url}/v1", api_key=TENANT_KEYS["bob"], max_retries=0)
