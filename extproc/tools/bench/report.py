@@ -72,6 +72,16 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
+def _worst(
+    summaries: Mapping[str, Mapping[str, Any]], arm: str, path: tuple[str, ...], *, highest: bool
+) -> tuple[str, float] | None:
+    """The scenario where ``arm``'s value at ``path`` is worst (highest or lowest), and that value."""
+    known = {name: v for name, s in summaries.items() if (v := _get(s, arm, *path)) is not None}
+    if not known:
+        return None
+    return (max if highest else min)(known.items(), key=lambda kv: kv[1])
+
+
 def targets(
     summaries: Mapping[str, Mapping[str, Any]], arms: Sequence[Arm], overhead: Mapping[str, Any] | None
 ) -> list[dict[str, Any]]:
@@ -91,17 +101,13 @@ def targets(
             "–" if speedup is None else f"{speedup:.0f}x ({_s(mine)} s vs {_s(fifo)} s)",
             None if speedup is None else speedup >= NEWCOMER_SPEEDUP)
     for arm in gated:
-        ratios = {name: _get(s, arm.name, "throughput", "horizon_tokens_ratio") for name, s in summaries.items()}
-        known = {k: v for k, v in ratios.items() if v is not None}
-        worst = min(known.items(), key=lambda kv: kv[1]) if known else None
+        worst = _worst(summaries, arm.name, ("throughput", "horizon_tokens_ratio"), highest=False)
         add(f"throughput (output tokens in the common horizon) >= {THROUGHPUT_RATIO} of direct FIFO", arm.name,
             worst[1] if worst else None,
             "–" if worst is None else f"{worst[1]:.3f} (lowest, {worst[0]})",
             None if worst is None else worst[1] >= THROUGHPUT_RATIO)
     for arm in gated:
-        peaks = {name: _get(s, arm.name, "engine", "waiting_max") for name, s in summaries.items()}
-        known = {k: v for k, v in peaks.items() if v is not None}
-        worst = max(known.items(), key=lambda kv: kv[1]) if known else None
+        worst = _worst(summaries, arm.name, ("engine", "waiting_max"), highest=True)
         limit = TARGET_WAITING + WAITING_SLACK
         add(f"engine waiting max <= target + {WAITING_SLACK} ({limit})", arm.name, worst[1] if worst else None,
             "–" if worst is None else f"{worst[1]:.0f} (highest, {worst[0]})",
