@@ -298,9 +298,15 @@ class ModelDispatcher:
         self._wakeup = asyncio.get_running_loop().call_later(due, wake)
 
     def _expire(self, held: Held) -> None:
+        now = self._clock()
+        waited = now - held.enqueued_at
+        limit = self._bands[held.band].max_queue_wait_s
+        if waited < limit:
+            # Early by our clock: libuv (uvloop) times a timer from the loop's cached time,
+            # which can lag the clock. A request is refused only once it waited its limit.
+            held.expiry = asyncio.get_running_loop().call_later(limit - waited, self._expire, held)
+            return
         if self._queue.remove(held.band, held.tenant, held):
-            now = self._clock()
-            waited = now - held.enqueued_at
             priority = self._bands[held.band].name
             self._refused(held.tenant, priority, Refusal.QUEUE_TIMEOUT, waited)
             self._report.held(priority, held.tenant, waited)
