@@ -59,11 +59,15 @@ class BandAdmission:
         self._reserved_waiting = reserved_waiting
 
     def allowance(self, band: int, now: float) -> int:
+        return max(0, self.headroom(band, now))
+
+    def headroom(self, band: int, now: float) -> int:
+        """The band's allowance before it is floored at 0 (a cluster adds it to what is in flight)."""
         rules = self._bands[band]
         if rules.idle_only:
             return self._idle_allowance(now, rules.idle_running_share)
         reserve = 0 if band == 0 else self._reserved_waiting
-        return max(0, self._pool.allowance(now) - reserve)
+        return self._pool.headroom(now) - reserve
 
     def _idle_allowance(self, now: float, share: float) -> int:
         pool, settings = self._pool, self._pool.settings

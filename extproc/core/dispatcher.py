@@ -21,7 +21,9 @@ The loop decides nothing itself; each question has its own module:
 * whether a request may enter at all: ``caps.py``;
 * what a release costs (``policy: vtc``): ``cost.py``, estimated at release,
   corrected when its stream ends;
-* when to retry after a refusal: ``drain_time.py``.
+* when to retry after a refusal: ``drain_time.py``;
+* in a cluster of instances, which of them releases what: ``cluster.py`` (the
+  dispatcher asks, the cluster grants; on its own while the cluster is unreachable).
 
 It takes plain values (built by ``adapters/wiring.py`` from the config) and
 reports through :class:`~extproc.core.report.DispatchReport`.
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 
 from extproc.core.bands import BandAdmission, BandRules
 from extproc.core.caps import QueueCaps, TenantLimits
+from extproc.core.cluster import Ask, ClusterSeat, Grant, backlog
 from extproc.core.cost import CostModel, CostWeights, DecodeRate, Estimate
 from extproc.core.drain_time import ReleaseRate
 from extproc.core.engine_load import EngineLoad
@@ -97,6 +100,9 @@ class ModelDispatcher:
         self._caps = QueueCaps(name, bands, tenant, max_queued)
         self._health_log = HealthLog(name, pool, report)
         self._queue: FairQueue[Held] = FairQueue(len(bands), lambda: policy.new_band(lambda t: tenant(t).weight))
+        self._service: Callable[[str, float], float] = lambda name, cost: policy.service(cost, tenant(name).weight)
+        # Set when the model is scheduled by a cluster of instances (join()).
+        self._seat: ClusterSeat | None = None
         self._cost = CostModel(cost)
         self._decode_rate = DecodeRate()
         self._release_rate = ReleaseRate()
@@ -169,10 +175,16 @@ class ModelDispatcher:
         if estimate.clamped:
             self._report.cost_clamped()
         held = Held(tenant, band, now, loop.create_future(), estimate, affinity=affinity or tenant)
+        new_head = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)
         self._report.queued(self._bands[band].name, tenant, 1)
         held.expiry = loop.call_later(self._bands[band].max_queue_wait_s, self._expire, held)
-        self.dispatch()
+        if self._seat is not None and not self._seat.degraded:
+            # The cluster must hear at once of a tenant new here (the fairest may be it) or of
+            # room to release; one more request of a tenant already queued can wait for the heartbeat.
+            self._seat.link.wanted(new_head or self._admission.allowance(band, now) > 0)
+        else:
+            self.dispatch()
         self._report.decision(self._clock() - now)
         return held
 
@@ -190,6 +202,9 @@ class ModelDispatcher:
             occupancy = self.pool.record_finish(held, self._clock())
             measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
             self._queue.correct(held.band, held.tenant, measured.cost - held.estimate.cost)
+            if self._seat is not None:
+                self._seat.correct(held.band, held.tenant,
+                                   self._service(held.tenant, measured.cost) - self._service(held.tenant, held.estimate.cost))
             self._report.charged(held.tenant, held.estimate.prompt_tokens, measured.output_tokens, measured.cost)
             self._report.in_flight(self.pool.in_flight)
             self.dispatch()
@@ -247,10 +262,13 @@ class ModelDispatcher:
     def dispatch(self) -> None:
         now = self._clock()
         self._health_log.note(now)
+        if self._seat is not None and not self._seat.degraded:
+            self._seat.link.wanted(True)  # the cluster decides: cluster_granted() releases
+            return
         allowance, allowance_band = 0, None
         while (first := self._queue.first_band()) is not None:
             if first != allowance_band:  # a higher band ran empty: ask again for this one
-                allowance, allowance_band = self._admission.allowance(first, now), first
+                allowance, allowance_band = self._allowance(first, now), first
             if allowance <= 0:
                 break
             band, tenant, held = self._queue.pop()
@@ -263,6 +281,60 @@ class ModelDispatcher:
             allowance -= 1
         self._report.in_flight(self.pool.in_flight)
         self._schedule_wakeup(now)
+
+    def _allowance(self, band: int, now: float) -> int:
+        """What ``band`` may release now on this instance's own say (alone, or a cluster seat cut off)."""
+        allowance = self._admission.allowance(band, now)
+        if self._seat is None:
+            return allowance
+        return min(allowance, self._seat.share(self._cap(band, now), self.pool.in_flight))
+
+    def _cap(self, band: int, now: float) -> int:
+        """The most requests the whole cluster may have in flight once ``band`` released."""
+        return self._admission.headroom(band, now) + self.pool.estimate.cluster_in_flight
+
+    # --- a cluster seat (core/cluster.py); the adapter calls these around each round trip -----------
+
+    def join(self, seat: ClusterSeat) -> None:
+        """From now on the cluster decides releases (degraded until the first grant)."""
+        self._seat = seat
+
+    def cluster_ask(self) -> Ask:
+        """What to tell the cluster now: our count in flight, each band's cap, the backlog."""
+        assert self._seat is not None
+        now = self._clock()
+        caps = tuple(self._cap(band, now) for band in range(len(self._bands)))
+
+        def head_service(band: int, tenant: str) -> float:
+            head = self._queue.head(band, tenant)
+            return 0.0 if head is None else self._service(tenant, head.estimate.cost)
+
+        return self._seat.ask(self.pool.in_flight, caps, backlog(self._queue.tenant_lengths, len(self._bands), head_service))
+
+    def cluster_granted(self, grant: Grant) -> None:
+        """The cluster's answer: release the head of each named tenant's FIFO here."""
+        assert self._seat is not None
+        now = self._clock()
+        self._seat.joined(grant)
+        self.pool.estimate.record_others(now, grant.others_in_flight)
+        for band, tenant in grant.releases:
+            held = self._queue.take(band, tenant)
+            if held is None:
+                continue  # its client left since the ask: the slot returns with the next ask's count
+            self._dequeued(band, tenant)
+            if held.future.done():
+                self._resolve(held)
+                self._abandoned(held, band)
+                continue
+            self._release(band, tenant, held, now)
+        self._report.in_flight(self.pool.in_flight)
+
+    def cluster_lost(self, ask: Ask) -> None:
+        """The cluster could not be asked: release on this instance's share until it answers again."""
+        assert self._seat is not None
+        self._seat.lost(ask)
+        self._seat.degraded = True
+        self.dispatch()
 
     def _release(self, band: int, tenant: str, held: Held, now: float) -> None:
         held.released = True

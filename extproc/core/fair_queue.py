@@ -53,6 +53,14 @@ class FairQueue(Generic[Item]):
         tenant, item = self._bands[index].pop()
         return index, tenant, item
 
+    def head(self, band: int, tenant: str) -> Item | None:
+        """``tenant``'s next request in ``band``, left queued (None: none)."""
+        return self._bands[band].head(tenant)
+
+    def take(self, band: int, tenant: str) -> Item | None:
+        """Dequeue ``tenant``'s next request in ``band`` whatever the policy's turn (a cluster decided it)."""
+        return self._bands[band].take(tenant)
+
     def remove(self, band: int, tenant: str, item: Item) -> bool:
         return self._bands[band].remove(tenant, item)
 

@@ -35,6 +35,17 @@ class BandPolicy(Protocol[Item]):
 
     def tenant_len(self, tenant: str) -> int: ...
 
+    def head(self, tenant: str) -> Item | None:
+        """The tenant's next request, left queued (None: none queued)."""
+        ...
+
+    def take(self, tenant: str) -> Item | None:
+        """Dequeue the tenant's next request out of the policy's turn (None: none queued).
+
+        For a cluster (``core/cluster.py``), where the turn was decided across instances.
+        """
+        ...
+
     def tenant_lengths(self) -> dict[str, int]:
         """Every backlogged tenant and its queued count (the status page; read on request, not per release)."""
         ...
@@ -86,6 +97,20 @@ class TenantQueues(Generic[Item]):
 
     def tenant_lengths(self) -> dict[str, int]:
         return {tenant: len(queue) for tenant, queue in self._queues.items()}
+
+    def head(self, tenant: str) -> Item | None:
+        queue = self._queues.get(tenant)
+        return queue[0] if queue else None
+
+    def take(self, tenant: str) -> Item | None:
+        queue = self._queues.get(tenant)
+        if queue is None:
+            return None
+        item = queue.popleft()
+        self._size -= 1
+        if not queue:
+            self._leave(tenant)
+        return item
 
     def remove(self, tenant: str, item: Item) -> bool:
         """Drop a queued item (its client left). False if it is not queued here.

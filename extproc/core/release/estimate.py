@@ -23,6 +23,12 @@ engine's FIFO. So the estimate rests on what the processor knows exactly:
   low (never below 0); where it is on time, foreign is exact. Without
   foreign traffic, the error is nil.
 
+In a cluster (``core/cluster.py``) "ours" is the cluster's: the other
+instances' requests in flight, as Redis last told us (``record_others``),
+count with ours — now, and at a scrape's start (the last figure told before
+it). Only without endpoint picking: with picking ours are counted per
+endpoint, and the other instances' requests show up as foreign.
+
 ``held = ours + foreign`` is what the engine holds now; it never counts
 fewer of our own requests than are in flight, and traffic around the gateway
 shows up at the next scrape that sees it. The same numbers at the scrape's
@@ -97,6 +103,10 @@ class LoadEstimate:
         # The most requests the pool was seen running, and whether it was ever seen queueing.
         self.peak_running = 0.0
         self.seen_waiting = False
+        # The other instances' requests in flight (a cluster), with when each figure was told:
+        # the last one older than a scrape may take, and every newer one.
+        self.others = 0
+        self._others_told: deque[tuple[float, int]] = deque()
         self.set_endpoints(endpoints)
 
     def set_endpoints(self, endpoints: Sequence[str]) -> None:
@@ -108,6 +118,24 @@ class LoadEstimate:
     def in_flight(self) -> int:
         """Our requests released and not finished."""
         return len(self._in_flight)
+
+    @property
+    def cluster_in_flight(self) -> int:
+        """Our requests and the other instances' (a cluster) released and not finished."""
+        return len(self._in_flight) + self.others
+
+    def record_others(self, now: float, others: int) -> None:
+        """The cluster's other instances have ``others`` requests in flight (as of ``now``)."""
+        self.others = others
+        told = self._others_told
+        if not told or told[-1][1] != others:
+            told.append((now, others))
+        while len(told) > 1 and told[1][0] < now - self._stale_after_s:
+            told.popleft()
+
+    def _others_at(self, t: float) -> int:
+        """The other instances' in-flight count last told before ``t`` (0: none told yet; errs high on foreign)."""
+        return next((count for at, count in reversed(self._others_told) if at < t), 0)
 
     def in_flight_on(self, endpoint: str) -> int:
         """Our requests released to ``endpoint`` and not finished (endpoint picking)."""
@@ -149,7 +177,8 @@ class LoadEstimate:
             return released < t and (endpoint is None or ep == endpoint)
 
         ours = sum(1 for released, ep, _ in self._in_flight.values() if counts(released, ep))
-        return ours + sum(1 for done, released, ep in self._finished if done > t and counts(released, ep))
+        ours += sum(1 for done, released, ep in self._finished if done > t and counts(released, ep))
+        return ours + (self._others_at(t) if endpoint is None and not self._per_endpoint else 0)
 
     def pool_load(self) -> EngineLoad | None:
         """The pool's last scraped load (sum over endpoints), if every endpoint has one."""
@@ -173,7 +202,10 @@ class LoadEstimate:
         else:
             scraped = sum(s.load.running + s.load.waiting for s in states if s.load)
             foreign = max(0.0, scraped - max(s.ours_then for s in states))
-        ours_now = self.in_flight if endpoint is None else self._in_flight_on[endpoint]
+        if endpoint is not None:
+            ours_now = self._in_flight_on[endpoint]
+        else:
+            ours_now = self.in_flight if self._per_endpoint else self.cluster_in_flight
         snapshot = min(s.started_at for s in states)
         into_slots = 0
         for released, ep, into_slot in reversed(self._in_flight.values()):

@@ -19,7 +19,7 @@ class MetricRule(ReleaseRule):
 
     def allowance(self, now: float) -> int:
         if self.health.degraded(now):
-            return sum(self.health.fallback_limit(e) for e in self.health.serving()) - self.estimate.in_flight
+            return sum(self.health.fallback_limit(e) for e in self.health.serving()) - self.estimate.cluster_in_flight
         return int(self.headroom(None))
 
     def endpoint_allowance(self, endpoint: str, now: float) -> int:

@@ -101,11 +101,15 @@ class Pool:
 
     def allowance(self, now: float) -> int:
         """How many requests may be released now, never negative (with picking: what the endpoints may take)."""
+        return max(0, self.headroom(now))
+
+    def headroom(self, now: float) -> int:
+        """The allowance before it is floored at 0: negative when more are out than allowed."""
         if not self.health.serving():
             return 0  # every engine down: hold everything until one returns
         if self.pick_endpoints:
             return sum(self._room(e, now) for e in self.endpoints)
-        return max(0, self.rule.allowance(now))
+        return self.rule.allowance(now)
 
     def _room(self, endpoint: str, now: float) -> int:
         return 0 if self.health.is_down(endpoint) else self.rule.endpoint_allowance(endpoint, now)

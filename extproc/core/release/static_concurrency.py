@@ -23,7 +23,7 @@ class StaticConcurrency(ReleaseRule):
         return cap
 
     def allowance(self, now: float) -> int:
-        return self._cap * len(self.health.serving()) - self.estimate.in_flight
+        return self._cap * len(self.health.serving()) - self.estimate.cluster_in_flight
 
     def endpoint_allowance(self, endpoint: str, now: float) -> int:
         return max(0, self._cap - self.estimate.in_flight_on(endpoint))
