@@ -34,6 +34,7 @@ import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2
 
+from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.engines.discovery import watch_pool
 from extproc.adapters.ext_proc.contract import EXT_PROC_SERVICE
@@ -77,6 +78,9 @@ class ProcessorServer:
             build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining), host, port
         )
         self._metrics_started = False
+        # Active-active (a `cluster:` section): releases are decided with the other instances (docs/cluster.md).
+        self._cluster = (None if config.cluster is None
+                         else ClusterConnection(config.cluster, self.telemetry, self.dispatchers, config.listen.grpc))
 
     async def start(self) -> None:
         host, port = split_address(self.config.listen.grpc)
@@ -94,6 +98,8 @@ class ProcessorServer:
         self._session = aiohttp.ClientSession()
         for model in self.config.models:
             self._tasks.append(asyncio.create_task(watch_pool(self._session, model, self.dispatchers[model.name])))
+        if self._cluster is not None:
+            self._cluster.start()
         for service in ("", EXT_PROC_SERVICE):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving ext_proc on %s, metrics on %s", self.config.listen.grpc, self.config.listen.metrics)
@@ -139,6 +145,8 @@ class ProcessorServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._cluster is not None:
+            await self._cluster.stop()
         if self._session is not None:
             await self._session.close()
         if self._metrics_started:

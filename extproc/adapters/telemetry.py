@@ -220,6 +220,31 @@ class Telemetry:
         self.draining = Gauge(
             "extproc_draining", "1 from SIGTERM until the process exits (health NOT_SERVING).", registry=r
         )
+        # Active-active (a `cluster:` section; adapters/cluster/link.py): one series per model.
+        self.cluster_degraded = Gauge(
+            "extproc_cluster_degraded",
+            "1 while the cluster's Redis cannot be reached: this instance releases on its own share "
+            "(each band's cap / instances).",
+            ["model"],
+            registry=r,
+        )
+        self.cluster_instances = Gauge(
+            "extproc_cluster_instances", "Live instances of the cluster at the last round trip (this one included).",
+            ["model"], registry=r,
+        )
+        self.cluster_round_trips = Counter(
+            "extproc_cluster_round_trips",
+            "Round trips to the cluster's Redis (one script call each: publish, claim, decide), by outcome.",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.cluster_round_trip = Histogram(
+            "extproc_cluster_round_trip_seconds",
+            "Time of one successful round trip to the cluster's Redis.",
+            ["model"],
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
 
     def per_endpoint_gauges(self) -> tuple[Gauge, ...]:
         """Gauges labelled (model, endpoint): cleared when an endpoint leaves its pool."""
