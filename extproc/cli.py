@@ -27,7 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from extproc.adapters.server import serve
 
-    config = load_config(args.config).for_shard(args.shard)
+    config = load_config(args.config).for_shard(args.shard).for_instance(args.instance)
     for key, address in (("listen.grpc", config.listen.grpc), ("listen.metrics", config.listen.metrics)):
         problem = bind_problem(address)
         if problem is not None:
@@ -117,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard", metavar="NAME",
         help="with a shards: section, the shard this instance is: it listens on the shard's addresses and "
         "schedules only the shard's models (docs/cluster.md)",
+    )
+    serve.add_argument(
+        "--instance", metavar="NAME",
+        help="with cluster.instances (active-active), the instance this is: it listens on the instance's "
+        "addresses instead of listen: (docs/cluster.md)",
     )
     serve.set_defaults(func=_serve)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from extproc.adapters.config import ConfigError, load_config, parse_config
+from extproc.cli import main
 
 pytestmark = pytest.mark.unit
 
@@ -84,3 +86,73 @@ def test_a_file_names_itself_and_the_line_on_every_line(tmp_path: Path) -> None:
     path.write_text("models: [\n")
     with pytest.raises(ConfigError, match=f"^{path}:2:1: not valid YAML"):
         load_config(path)
+
+
+CLUSTER = {"redis_url": "redis://127.0.0.1:6379/0"}
+INSTANCES = {"a": {"grpc": "127.0.0.1:50061", "metrics": "127.0.0.1:9465"},
+             "b": {"grpc": "0.0.0.0:50062", "metrics": "127.0.0.1:9466"}}
+
+
+def test_without_a_cluster_section_nothing_changes_and_its_defaults_are_documented_values() -> None:
+    assert parse_config({"models": [MODEL]}).cluster is None
+    cluster = parse_config({"models": [MODEL], "cluster": CLUSTER}).cluster
+    assert cluster is not None
+    assert (cluster.redis_url, cluster.key_prefix, cluster.lease_s, cluster.heartbeat_s, cluster.redis_timeout_ms,
+            cluster.instances) == ("redis://127.0.0.1:6379/0", "extproc", 2.0, 0.5, 250, {})
+
+
+@pytest.mark.parametrize("url", ["redis://localhost", "rediss://user:secret@redis.internal:6380/2",
+                                 "unix:///run/redis/redis.sock", "redis://[::1]:6379/"])
+def test_redis_urls_redis_py_reads_are_accepted(url: str) -> None:
+    cluster = parse_config({"models": [MODEL], "cluster": {"redis_url": url}}).cluster
+    assert cluster is not None and cluster.redis_url == url
+
+
+def test_cluster_mistakes_name_their_key_paths() -> None:
+    def cluster_errors(**settings: object) -> tuple[str, ...]:
+        return errors({"models": [MODEL], "cluster": settings})
+
+    must_be = "must be a redis://HOST[:PORT][/DB], rediss://... or unix:///PATH URL, got "
+    for url in ("http://127.0.0.1:6379", "redis://", "redis://h:99999", "redis://h:0", "redis://h/zero", "unix://", "h:6379"):
+        assert cluster_errors(redis_url=url) == (f"cluster.redis_url: {must_be}{url!r}",)
+    assert cluster_errors() == ("cluster.redis_url: is required",)
+    assert cluster_errors(**CLUSTER, lease_s=1.0) == ("cluster.heartbeat_s: must be below lease_s / 2 (0.5), got 0.5",)
+    assert cluster_errors(**CLUSTER, redis_timeout_ms=0, key_prefix="", leases=3) == (
+        "cluster.leases: unknown key (allowed: heartbeat_s, instances, key_prefix, lease_s, redis_timeout_ms, redis_url)",
+        "cluster.key_prefix: must be a non-empty string, got ''",
+        "cluster.redis_timeout_ms: must be an integer >= 1, got 0",
+    )
+    clash = {"a b": INSTANCES["a"], "c": {"grpc": "127.0.0.1:9465", "metrics": "127.0.0.1:9467"}}
+    assert cluster_errors(**CLUSTER, instances=clash) == (
+        "cluster.instances.a b: an instance name may only use A-Z, a-z, 0-9, _ and -",
+        "cluster.instances.c.grpc: 127.0.0.1:9465 is already used by cluster.instances.a b.metrics",
+    )
+    assert cluster_errors(**CLUSTER, instances={"a": {"grpc": "127.0.0.1:1"}}) == ("cluster.instances.a.metrics: is required",)
+
+
+def test_cluster_and_shards_exclude_each_other() -> None:
+    shards = {"s": {"grpc": "127.0.0.1:50061", "metrics": "127.0.0.1:9465", "models": ["m"]}}
+    assert errors({"models": [MODEL], "cluster": CLUSTER, "shards": shards}) == (
+        "cluster: use either cluster: (active-active) or shards: (per-model sharding), not both (docs/cluster.md)",
+    )
+
+
+def test_an_instance_takes_its_listen_addresses_and_every_model() -> None:
+    config = parse_config({"models": [MODEL], "cluster": {**CLUSTER, "instances": INSTANCES}})
+    b = config.for_instance("b")
+    assert (b.listen.grpc, b.listen.metrics, b.models, b.cluster) == ("0.0.0.0:50062", "127.0.0.1:9466",
+                                                                      config.models, config.cluster)
+    # Without --instance the file's own listen: N files identical except `listen` form a cluster too.
+    assert config.for_instance(None) is config
+    with pytest.raises(ConfigError, match=r"--instance c: no such instance in cluster.instances \(one of: a, b\)"):
+        config.for_instance("c")
+    for plain in ({"models": [MODEL]}, {"models": [MODEL], "cluster": CLUSTER}):
+        with pytest.raises(ConfigError, match="--instance a: the config has no cluster.instances: section"):
+            parse_config(plain).for_instance("a")
+
+
+def test_serve_with_an_unknown_instance_exits_2_before_listening(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"models": [MODEL], "cluster": {**CLUSTER, "instances": INSTANCES}}))
+    assert main(["serve", "--config", str(path), "--instance", "z"]) == 2
+    assert "--instance z: no such instance in cluster.instances (one of: a, b)" in capsys.readouterr().err

@@ -96,6 +96,18 @@ def _http_url(value: str) -> str:
     return value
 
 
+def _redis_url(value: str) -> str:
+    """Where Redis listens, as redis-py reads it: ``redis://`` or ``rediss://`` (TLS) with a host, or ``unix://`` with a path."""
+    parts = urlsplit(value)
+    if parts.scheme in ("redis", "rediss"):
+        # .port raises ValueError for a port that is not a number in range; the path is the database number.
+        if not parts.hostname or parts.port == 0 or not re.fullmatch(r"/?\d*", parts.path):
+            raise ValueError(value)
+    elif parts.scheme != "unix" or not parts.path:
+        raise ValueError(value)
+    return value
+
+
 def _jwks_text(raw: Any) -> Any:
     """A JWKS written as YAML becomes the JSON text Envoy takes inline."""
     return json.dumps(raw, sort_keys=True) if isinstance(raw, dict) else raw
@@ -116,6 +128,8 @@ Header = Annotated[str, Meta(description="a lower-case header name without space
 Address = Annotated[str, Meta(description="HOST:PORT", extra={"check": _address})]
 Endpoint = Annotated[str, Meta(description="an http(s)://HOST:PORT URL", extra={"check": _endpoint})]
 HttpUrl = Annotated[str, Meta(description="an http(s) URL", extra={"check": _http_url})]
+RedisUrl = Annotated[str, Meta(description="a redis://HOST[:PORT][/DB], rediss://... or unix:///PATH URL",
+                               extra={"check": _redis_url})]
 Jwks = Annotated[str, Meta(description='a JWKS: a JSON object with a non-empty "keys" list',
                            extra={"parse": _jwks_text, "check": _jwks})]
 Count = Annotated[int, Meta(ge=1)]
@@ -307,6 +321,8 @@ class EnvoySettings(_Section, frozen=True):
 
 
 SHARD_NAME = r"[A-Za-z0-9_-]+"
+# Cluster instance names follow the shard rule: safe in file names, metric labels and Redis keys.
+INSTANCE_NAME = SHARD_NAME
 
 
 class Shard(_Section, frozen=True):
@@ -320,6 +336,45 @@ class Shard(_Section, frozen=True):
     grpc: Address
     metrics: Address
     models: Names
+
+
+class ClusterInstance(_Section, frozen=True):
+    """One active-active instance: where it listens (``extproc serve --instance NAME``).
+
+    ``grpc`` is also where Envoy reaches it (a wildcard host means loopback).
+    """
+
+    grpc: Address
+    metrics: Address
+
+
+class ClusterSettings(_Section, frozen=True):
+    """Active-active: instances that share each engine's limit and the fairness counters through Redis.
+
+    Instances whose files are identical except ``listen`` and that name the
+    same ``redis_url`` (and ``key_prefix``) form one cluster (docs/cluster.md).
+    """
+
+    redis_url: RedisUrl
+    # Every Redis key starts with this, so several clusters can share one Redis.
+    key_prefix: NonEmpty = "extproc"
+    # An instance's in-flight reservations lapse this long after its last word:
+    # the slots of a dead instance come back.
+    lease_s: Positive = 2.0
+    # How often an idle instance renews its lease (a busy one renews with its releases).
+    heartbeat_s: Positive = 0.5
+    # A Redis call slower than this counts as Redis unreachable (the instance goes degraded).
+    redis_timeout_ms: Count = 250
+    # Optional: instance name -> its addresses, for `serve --instance` and Envoy's cluster.
+    instances: dict[str, ClusterInstance] = msgspec.field(default_factory=dict)
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if self.heartbeat_s >= self.lease_s / 2:
+            # One late heartbeat must not let a live instance's lease lapse.
+            yield "heartbeat_s", f"must be below lease_s / 2 ({self.lease_s / 2:g}), got {self.heartbeat_s:g}"
+        for name in self.instances:
+            if not re.fullmatch(INSTANCE_NAME, name):
+                yield f"instances.{name}", "an instance name may only use A-Z, a-z, 0-9, _ and -"
 
 
 class ConfigFile(_Section, frozen=True):
@@ -339,9 +394,16 @@ class ConfigFile(_Section, frozen=True):
     tenants: dict[str, TenantSettings] = msgspec.field(default_factory=dict)
     # Per-model sharding: shard name -> the instance that owns some models (docs/cluster.md).
     shards: dict[str, Shard] = msgspec.field(default_factory=dict)
+    # Active-active: several instances that behave as one, sharing state in Redis (docs/cluster.md).
+    cluster: ClusterSettings | None = None
 
     def problems(self) -> Iterator[tuple[str, str]]:
         yield from _shard_problems(self)
+        if self.cluster is not None:
+            yield from _address_problems("cluster.instances", self.cluster.instances)
+        if self.cluster is not None and self.shards:
+            yield "cluster", ("use either cluster: (active-active) or shards: (per-model sharding), not both "
+                              "(docs/cluster.md)")
         classes = self.priorities
         if len(set(classes)) != len(classes):
             yield "priorities", f"must not repeat a class, got {list(classes)}"
@@ -366,7 +428,6 @@ def _shard_problems(file: ConfigFile) -> Iterator[tuple[str, str]]:
         return
     names = {m.name for m in file.models}
     owner: dict[str, str] = {}
-    seen: dict[str, str] = {}
     for shard, settings in file.shards.items():
         if not re.fullmatch(SHARD_NAME, shard):
             yield f"shards.{shard}", "a shard name may only use A-Z, a-z, 0-9, _ and - (it names an Envoy cluster)"
@@ -377,14 +438,21 @@ def _shard_problems(file: ConfigFile) -> Iterator[tuple[str, str]]:
                 yield f"shards.{shard}.models[{i}]", f"model {owned!r} is already owned by shard {owner[owned]!r}"
             else:
                 owner[owned] = shard
-        for key in ("grpc", "metrics"):
-            address = getattr(settings, key)
-            if address in seen:
-                yield f"shards.{shard}.{key}", f"{address} is already used by {seen[address]}"
-            seen[address] = f"shards.{shard}.{key}"
+    yield from _address_problems("shards", file.shards)
     for i, model in enumerate(file.models):
         if model.name not in owner:
             yield f"models[{i}].name", f"{model.name!r} is in no shard (with shards, every model needs one)"
+
+
+def _address_problems(section: str, instances: dict[str, Shard] | dict[str, ClusterInstance]) -> Iterator[tuple[str, str]]:
+    """No two instances (nor one instance's two listeners) on the same address."""
+    seen: dict[str, str] = {}
+    for name, settings in instances.items():
+        for key in ("grpc", "metrics"):
+            address = getattr(settings, key)
+            if address in seen:
+                yield f"{section}.{name}.{key}", f"{address} is already used by {seen[address]}"
+            seen[address] = f"{section}.{name}.{key}"
 
 
 def _tenant_problems(tenant: TenantSettings, path: str, classes: tuple[str, ...]) -> Iterator[tuple[str, str]]:
@@ -458,6 +526,8 @@ class Config:
     default_tenant: Tenant
     # Per-model sharding (empty: one processor owns every model).
     shards: dict[str, Shard] = field(default_factory=dict)
+    # Active-active (None: this instance alone schedules its models).
+    cluster: ClusterSettings | None = None
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -496,6 +566,26 @@ class Config:
             raise ConfigError(f"--shard {name}: no such shard in shards: (one of: {choices})")
         models = tuple(m for m in self.models if m.name in shard.models)
         return replace(self, listen=Listen(grpc=shard.grpc, metrics=shard.metrics), models=models)
+
+    def for_instance(self, name: str | None) -> Config:
+        """What one active-active instance serves: the same models, on ``name``'s addresses.
+
+        With ``cluster.instances`` listed, ``name`` picks the instance's
+        ``listen``; without ``name`` the file's own ``listen`` is used, so N
+        files identical except ``listen`` work as well. A name the file does
+        not list is refused rather than ignored: the instance would
+        otherwise listen where another one does.
+        """
+        instances = self.cluster.instances if self.cluster is not None else {}
+        if name is None:
+            return self
+        if not instances:
+            raise ConfigError(f"--instance {name}: the config has no cluster.instances: section")
+        instance = instances.get(name)
+        if instance is None:
+            raise ConfigError(f"--instance {name}: no such instance in cluster.instances "
+                              f"(one of: {', '.join(instances)})")
+        return replace(self, listen=Listen(grpc=instance.grpc, metrics=instance.metrics))
 
 
 def _default_priority(file: ConfigFile) -> str:
@@ -564,6 +654,7 @@ def _parse(raw: Any) -> Config:
         tenants=tenants,
         default_tenant=default_tenant,
         shards=dict(file.shards),
+        cluster=file.cluster,
     )
 
 
