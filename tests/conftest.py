@@ -1,4 +1,4 @@
-"""Session fixtures: the real vLLM servers, started once for every test that needs them.
+"""Fixtures: the real vLLM servers (session: started once for every test that needs them) and a Redis per test.
 
 A vLLM server takes about 22 s to start on two cores (two processes
 importing torch and vLLM), so each configuration runs once per session and the
@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
 from extproc.tools.procs import ManagedProcess, free_port
 from extproc.tools.realvllm import VllmUnavailable, start_vllm, vllm_python
+from tests.redisutil import RedisServer, redis_server_binary
 from tests.vllmutil import FCFS_MODEL, PRIORITY_MODEL, VllmServers
 
 
@@ -49,3 +51,19 @@ async def vllm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmSe
     finally:
         for server in servers:
             await server.stop()
+
+
+@pytest_asyncio.fixture
+async def redis_server(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    """A Redis of the test's own (empty, no persistence, a free port; ``.url`` for ``cluster.redis_url``).
+
+    Skipped, with the reason, where Debian's redis-server is not installed
+    (failed under ``EXTPROC_REDIS=require``). A test may stop, kill and start
+    it again: it comes back on the same port.
+    """
+    server = RedisServer(tmp_path / "redis", binary=redis_server_binary())
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()

@@ -23,7 +23,7 @@ DEMO_BOOTSTRAP = ROOT / "envoy" / "demo-bootstrap.yaml"
 JWT_CONFIG = ROOT / "envoy" / "jwt-extproc.yaml"
 JWT_BOOTSTRAP = ROOT / "envoy" / "jwt-bootstrap.yaml"
 # One of each kind of generated bootstrap (identity, endpoint addressing, TLS, ext_proc or not).
-VARIANTS = ("demo", "no-keys-hostnames", "https", "jwt-remote", "jwt-inline", "no-ext-proc", "sharded-open")
+VARIANTS = ("demo", "no-keys-hostnames", "https", "jwt-remote", "jwt-inline", "no-ext-proc", "sharded-open", "cluster")
 
 
 def free_port_config(api_keys: dict[str, str] | None = None, **overrides: Any) -> Config:
@@ -71,6 +71,9 @@ def variant_bootstrap(variant: str) -> dict[str, Any]:
             for name, model in (("a", "m-one"), ("b", "m/two"))
         }
         return bootstrap(free_port_config(shards=shards, envoy={"processor_failure": "open"}))
+    if variant == "cluster":  # active-active: the processor cluster lists every instance
+        instances = {name: {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"} for name in "abc"}
+        return bootstrap(free_port_config(cluster={"redis_url": "redis://127.0.0.1:6379/0", "instances": instances}))
     assert variant == "https", variant
     return bootstrap(free_port_config(models=[{"name": "remote", "endpoints": ["https://llm.example.com:443"]}]))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import string
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -89,12 +90,17 @@ def metric(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: 
 
 
 def write_stack_config(
-    tmp_path: Path, models: dict[str, dict[str, Any]], *, api_keys: dict[str, str] | None = None, **top: Any
+    tmp_path: Path, models: dict[str, dict[str, Any]], *, api_keys: dict[str, str] | None = None,
+    redis_url: str | None = None, cluster_instances: int = 0, **top: Any,
 ) -> Path:
     """A config on free ports: one simulator endpoint per model, each with its own settings.
 
     ``top`` adds or replaces top-level sections (tenants, bands, identity, ...);
-    ``api_keys=None`` means the test keys, ``{}`` none.
+    ``api_keys=None`` means the test keys, ``{}`` none. ``redis_url`` adds a
+    ``cluster:`` section (active-active) with ``cluster_instances`` instances
+    named a, b, c, ... on free ports (``start_stack`` starts one processor
+    each); ``top``'s ``envoy`` and ``cluster`` are merged into the generated
+    sections (e.g. ``cluster={"lease_s": 1.0}``).
     """
     envoy: dict[str, Any] = {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}"}
     keys = API_KEYS if api_keys is None else api_keys
@@ -110,9 +116,18 @@ def write_stack_config(
         ],
         "envoy": envoy,
     }
+    if cluster_instances and redis_url is None:
+        raise ValueError("cluster_instances needs a redis_url (the redis_server fixture's .url)")
+    if redis_url is not None:
+        doc["cluster"] = {"redis_url": redis_url}
+        if cluster_instances:
+            doc["cluster"]["instances"] = {
+                string.ascii_lowercase[i]: {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"}
+                for i in range(cluster_instances)
+            }
     for key, value in top.items():
-        if key == "envoy":
-            envoy.update(value)
+        if key in ("envoy", "cluster") and key in doc:
+            doc[key].update(value)
         else:
             doc[key] = value
     path = tmp_path / "config.yaml"

@@ -331,6 +331,37 @@ def test_envoy_health_checks_the_processor_often_even_without_traffic() -> None:
     assert check["unhealthy_threshold"] >= 2  # one slow answer under a burst does not take it out
 
 
+def hosts(doc: dict[str, Any], name: str) -> list[tuple[str, int]]:
+    endpoints = cluster(doc, name)["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    return [(e["endpoint"]["address"]["socket_address"]["address"], e["endpoint"]["address"]["socket_address"]["port_value"])
+            for e in endpoints]
+
+
+def test_active_active_lists_every_instance_round_robin_with_health_checks_and_ejection() -> None:
+    instances = {"a": {"grpc": "127.0.0.1:50061", "metrics": "127.0.0.1:9465"},
+                 "b": {"grpc": "0.0.0.0:50062", "metrics": "127.0.0.1:9466"},
+                 "c": {"grpc": "10.0.0.3:50051", "metrics": "10.0.0.3:9464"}}
+    doc = bootstrap(free_port_config(cluster={"redis_url": "redis://127.0.0.1:6379/0", "instances": instances}))
+    bootstrap_message(doc)
+    # Every instance (a wildcard bind reached on loopback), Envoy's default round-robin over streams.
+    assert hosts(doc, "extproc") == [("127.0.0.1", 50061), ("127.0.0.1", 50062), ("10.0.0.3", 50051)]
+    processor = cluster(doc, "extproc")
+    assert "lb_policy" not in processor
+    assert processor["health_checks"] == cluster(bootstrap(free_port_config()), "extproc")["health_checks"]
+    # A killed instance (refused connection, reset streams) leaves the rotation at its first failure.
+    outlier = processor["outlier_detection"]
+    assert (outlier["split_external_local_origin_errors"], outlier["consecutive_local_origin_failure"],
+            outlier["enforcing_consecutive_local_origin_failure"], outlier["max_ejection_percent"]) == (True, 1, 100, 100)
+    # Still one processor cluster: active-active needs no per-route override.
+    assert not any(c["name"].startswith("extproc_") for c in doc["static_resources"]["clusters"])
+
+
+def test_a_cluster_without_listed_instances_points_envoy_at_listen_grpc() -> None:
+    config = free_port_config(cluster={"redis_url": "redis://127.0.0.1:6379/0"})
+    host, _, port = config.listen.grpc.rpartition(":")
+    assert hosts(bootstrap(config), "extproc") == [(host, int(port))]
+
+
 # --- CLI -----------------------------------------------------------------------------------------
 
 

@@ -41,7 +41,8 @@ The request path through Envoy's HTTP filters:
    processor sets, and step 4 decides (``envoy.processor_failure``); a
    released response keeps streaming if the processor dies meanwhile. The
    ``extproc`` cluster health-checks the processor over gRPC, so a draining
-   one (health NOT_SERVING) leaves the rotation when another serves.
+   one (health NOT_SERVING) leaves the rotation when another serves, and
+   ejects one at its first refused connection or reset stream (a killed one).
    On the releases it checks, the processor turns on ``response_header_mode``
    (``mode_override``) to see the response's status: the router's own 503
    for an unreachable engine marks the endpoint down
@@ -67,6 +68,9 @@ cluster ``extproc_<shard>``; a route on the body's model (matched when
 ext_proc reads the route, before the processor set the model header) is what
 picks it. The default ``extproc`` cluster lists every instance and answers
 requests naming no configured model.
+
+With ``cluster.instances`` (active-active, docs/cluster.md), the ``extproc``
+cluster lists every instance; Envoy's default round-robin spreads the streams.
 
 Whatever Envoy answers itself (step 1's 401, the router's 503 when an
 engine cannot be reached, 413, 408) becomes the processor's
@@ -130,6 +134,9 @@ BUFFER_LIMIT_BYTES = 16 * 1024 * 1024
 # twice, so one slow answer during a burst does not.
 EXTPROC_HEALTH_INTERVAL_S = 1.0
 EXTPROC_UNHEALTHY_THRESHOLD = 2
+# A processor instance that refused a connection or reset its streams stays out this
+# long, unless a passing health check brings it back first (_processor_outlier_detection).
+PROCESSOR_EJECTION_S = 10.0
 # json_to_metadata compares the whole Content-Type: list the spellings SDKs send.
 JSON_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8", "application/json;charset=utf-8")
 MODEL_CONNECT_TIMEOUT_S = 5.0
@@ -596,7 +603,7 @@ def _json_reply(code: str, status: int, error_type: str, message: str, *, retry_
 def _extproc_health_check() -> dict[str, Any]:
     """gRPC health checks on the processor, so Envoy stops opening streams to a draining one.
 
-    With several processors behind the cluster (a DNS name), new requests
+    With several processors behind the cluster (a DNS name, cluster instances), new requests
     move to the serving ones within about two intervals. A single processor
     stays in use while it drains (Envoy's panic mode routes to unhealthy hosts
     when too few are healthy), which is what we want: it answers new requests
@@ -619,9 +626,18 @@ def extproc_cluster(config: Config) -> dict[str, Any]:
 
     With shards, every instance: the filter's default, for requests whose body
     names no configured model (any instance answers those ``model_not_found``).
+    With ``cluster.instances`` (active-active), every instance too: Envoy's
+    default round-robin spreads the streams, so one tenant's requests land on
+    all of them. Otherwise the one processor at ``listen.grpc``.
     """
-    addresses = [shard.grpc for shard in config.shards.values()] or [config.listen.grpc]
-    return _processor_cluster(config, EXTPROC_CLUSTER, addresses)
+    return _processor_cluster(config, EXTPROC_CLUSTER, processor_addresses(config))
+
+
+def processor_addresses(config: Config) -> list[str]:
+    """Where Envoy reaches the processor instances: every shard, every cluster instance, or ``listen.grpc``."""
+    instances = config.cluster.instances if config.cluster is not None else {}
+    listed = config.shards or instances
+    return [instance.grpc for instance in listed.values()] or [config.listen.grpc]
 
 
 def shard_clusters(config: Config) -> list[dict[str, Any]]:
@@ -641,10 +657,36 @@ def _processor_cluster(config: Config, name: str, addresses: list[str]) -> dict[
         "typed_extension_protocol_options": _protocol_options(http2=True),
         "circuit_breakers": _circuit_breakers(),
         "health_checks": [_extproc_health_check()],
+        "outlier_detection": _processor_outlier_detection(),
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket_address(h, p)}} for h, p in hosts]}],
         },
+    }
+
+
+def _processor_outlier_detection() -> dict[str, Any]:
+    """Eject a processor instance at its first refused connection or reset stream.
+
+    A killed instance (``kill -9``) resets every stream it held and refuses
+    the next connection; each such stream is a request answered
+    ``processor_unavailable`` (or sent on unscheduled), so the instance leaves
+    the rotation at the first one rather than the health check's two failed
+    intervals. A live instance ejected by a single slow connect under a burst
+    comes back at its next passing health check (Envoy un-ejects on a
+    successful active check), so the long ejection costs it about a second;
+    a dead one stays out until it answers its health check again. Only local-origin
+    failures count: the processor gives its own refusals inside a gRPC OK stream.
+    With every instance ejected (a single processor), Envoy's panic routing
+    still tries them, as without outlier detection.
+    """
+    return {
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": 1,
+        "enforcing_consecutive_local_origin_failure": 100,
+        "interval": _duration(1.0),
+        "base_ejection_time": _duration(PROCESSOR_EJECTION_S),
+        "max_ejection_percent": 100,
     }
 
 

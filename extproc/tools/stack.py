@@ -6,6 +6,7 @@ same config file, through the same CLI commands an operator would run.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,32 +26,71 @@ PYTHON = [sys.executable, "-m", "extproc"]
 Gateway = Literal["direct", "envoy", "extproc"]
 
 
+# The name of a stack's only processor (its log: extproc.log); a cluster's instances go by their own.
+SOLE = "extproc"
+
+
 @dataclass
 class Stack:
     config: Config
+    # How processors are started (again): `extproc serve --config config_path *serve_args`, logs in workdir.
+    config_path: Path
+    workdir: Path
+    serve_args: Sequence[str] = ()
     sims: list[ManagedProcess] = field(default_factory=list)
-    processor: ManagedProcess | None = None
+    # Name -> the running `extproc serve`: one per cluster.instances entry, else SOLE.
+    processors: dict[str, ManagedProcess] = field(default_factory=dict)
     envoy: EnvoyProcess | None = None
+
+    @property
+    def processor(self) -> ManagedProcess | None:
+        """The only processor (a cluster's first instance), for callers that run one."""
+        return next(iter(self.processors.values()), None)
+
+    @processor.setter
+    def processor(self, process: ManagedProcess) -> None:
+        self.processors[next(iter(self.processors), SOLE)] = process
 
     @property
     def envoy_url(self) -> str:
         return f"http://{self.config.envoy.listen}"
 
     @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Each processor's /metrics by name: every cluster instance, else SOLE at ``listen.metrics``."""
+        instances = self.config.cluster.instances if self.config.cluster is not None else {}
+        addresses = {name: instance.metrics for name, instance in instances.items()} or {SOLE: self.config.listen.metrics}
+        return {name: f"http://{address}/metrics" for name, address in addresses.items()}
+
+    @property
     def metrics_url(self) -> str:
-        return f"http://{self.config.listen.metrics}/metrics"
+        """The only processor's /metrics (a cluster's first instance)."""
+        return next(iter(self.metrics_urls.values()))
 
     def sim_url(self, model: str) -> str:
         found = self.config.model(model)
         assert found is not None, model
         return found.endpoints[0]
 
+    async def start_processor(self, name: str = SOLE) -> ManagedProcess:
+        """Start processor ``name`` (again, after it was stopped or killed: same addresses, same log).
+
+        A cluster instance runs ``extproc serve --instance NAME`` and logs to
+        ``extproc-NAME.log``; the sole processor runs without it, to ``extproc.log``.
+        """
+        instance = [] if name == SOLE else ["--instance", name]
+        argv = [*PYTHON, "serve", "--config", str(self.config_path), *instance, *self.serve_args]
+        log = self.workdir / ("extproc.log" if name == SOLE else f"extproc-{name}.log")
+        process = await ManagedProcess.start(" ".join(["extproc serve", *instance]), argv, log,
+                                             ready_url=self.metrics_urls[name])
+        self.processors[name] = process
+        return process
+
     async def stop(self) -> None:
-        """Stop Envoy first (no new traffic), then the processor, then the engines."""
+        """Stop Envoy first (no new traffic), then the processors (together: each drains), then the engines."""
         if self.envoy is not None:
             await self.envoy.stop()
-        if self.processor is not None:
-            await self.processor.stop()
+        await asyncio.gather(*(processor.stop() for processor in self.processors.values()))
         for sim in self.sims:
             await sim.stop()
 
@@ -81,7 +121,7 @@ async def start_stack(
     gateway: Gateway = "extproc",
     engines: bool = True,
 ) -> Stack:
-    """Start a simulator per model endpoint, ``extproc serve`` and Envoy.
+    """Start a simulator per model endpoint, ``extproc serve`` (one per ``cluster.instances`` entry) and Envoy.
 
     Each simulator speaks its model's ``engine`` metric dialect. ``sim_args``
     are extra ``extproc sim`` options (batch size, time scale, …) given to
@@ -91,18 +131,14 @@ async def start_stack(
     simulator: the caller serves the model endpoints itself.
     """
     config = load_config(config_path)
-    stack = Stack(config)
+    stack = Stack(config, config_path, workdir, serve_args)
     try:
         for model in config.models if engines else ():
             for endpoint in model.endpoints:
                 stack.sims.append(await start_sim(model, endpoint, workdir, sim_args))
         if gateway == "extproc":
-            stack.processor = await ManagedProcess.start(
-                "extproc serve",
-                [*PYTHON, "serve", "--config", str(config_path), *serve_args],
-                workdir / "extproc.log",
-                ready_url=stack.metrics_url,
-            )
+            for name in stack.metrics_urls:
+                await stack.start_processor(name)
         if gateway != "direct":
             stack.envoy = await start_envoy(bootstrap(config, ext_proc=gateway == "extproc"), workdir)
     except BaseException:
