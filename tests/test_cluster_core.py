@@ -47,7 +47,9 @@ async def test_a_joined_seat_releases_only_what_the_cluster_grants() -> None:
 
     ask = dispatcher.cluster_ask()
     assert ask.in_flight == 0 and ask.caps == (4,)
-    assert set(ask.backlog) == {Backlog(0, "alice", 3, 1.0), Backlog(0, "bob", 1, 1.0)}
+    # Both are new here since the last ask: if no other instance holds them, they join the backlog now.
+    assert set(ask.backlog) == {Backlog(0, "alice", 3, 1.0, fresh=True), Backlog(0, "bob", 1, 1.0, fresh=True)}
+    assert not any(e.fresh for e in dispatcher.cluster_ask().backlog)
 
     dispatcher.cluster_granted(Grant(((0, "bob"), (0, "alice")), others_in_flight=1, instances=2))
     assert bob.future.done() and alice[0].future.done() and not alice[1].future.done()

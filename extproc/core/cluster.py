@@ -40,7 +40,7 @@ Pure: the adapter passes ``now`` and does the round trips.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 
@@ -53,6 +53,9 @@ class Backlog:
     count: int
     # What the tenant's next request adds to its counter (the policy's service for its estimate).
     service: float
+    # Its FIFO here was empty at some point since the last ask: if no instance held it
+    # meanwhile, it joins the cluster's backlog anew and is lifted to the others' counters.
+    fresh: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,11 @@ class ClusterSeat:
     degraded: bool = True  # until the first ask succeeds
     instances: int = 1
     _corrections: dict[tuple[int, str], float] = field(default_factory=dict)
+    _fresh: set[tuple[int, str]] = field(default_factory=set)
+
+    def arrived(self, band: int, tenant: str) -> None:
+        """``tenant``'s FIFO in ``band`` here was empty and is not any more."""
+        self._fresh.add((band, tenant))
 
     def correct(self, band: int, tenant: str, delta_service: float) -> None:
         """A released request's real service differed from its charge: carried by the next ask."""
@@ -107,12 +115,15 @@ class ClusterSeat:
     def ask(self, in_flight: int, caps: tuple[int, ...], backlog: Iterator[Backlog]) -> Ask:
         corrections = tuple((band, tenant, delta) for (band, tenant), delta in self._corrections.items())
         self._corrections.clear()
-        return Ask(in_flight, caps, tuple(backlog), corrections)
+        entries = tuple(replace(e, fresh=True) if (e.band, e.tenant) in self._fresh else e for e in backlog)
+        self._fresh.clear()
+        return Ask(in_flight, caps, entries, corrections)
 
     def lost(self, ask: Ask) -> None:
-        """The ask never reached Redis (or its answer was lost): keep its corrections for the next one."""
+        """The ask never reached Redis (or its answer was lost): the next one carries what it carried."""
         for band, tenant, delta in ask.corrections:
             self.correct(band, tenant, delta)
+        self._fresh.update((e.band, e.tenant) for e in ask.backlog if e.fresh)
 
     def joined(self, grant: Grant) -> None:
         self.degraded = False

@@ -179,6 +179,8 @@ class ModelDispatcher:
         self._queue.push(band, tenant, held)
         self._report.queued(self._bands[band].name, tenant, 1)
         held.expiry = loop.call_later(self._bands[band].max_queue_wait_s, self._expire, held)
+        if self._seat is not None and new_head:
+            self._seat.arrived(band, tenant)
         if self._seat is not None and not self._seat.degraded:
             # The cluster must hear at once of a tenant new here (the fairest may be it) or of
             # room to release; one more request of a tenant already queued can wait for the heartbeat.

@@ -26,6 +26,8 @@ from importlib.resources import files
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from extproc.adapters.config import ClusterSettings
@@ -36,6 +38,8 @@ from extproc.core.dispatcher import ModelDispatcher
 log = logging.getLogger(__name__)
 
 SCRIPT = files("extproc.adapters.cluster").joinpath("schedule.lua").read_text()
+# How long arrivals of tenants already queued here are gathered into one round trip.
+BATCH_S = 0.02
 # Separators in the backlog records (schedule.lua): control characters no header value may hold.
 UNIT, RECORD = "\x1f", "\x1e"
 
@@ -45,7 +49,7 @@ def ask_args(instance: str, lease_ms: int, wake_prefix: str, model: str, ask: As
     args: list[str | int | float] = [instance, lease_ms, ask.in_flight, wake_prefix, model, len(ask.caps), *ask.caps]
     args.append(len(ask.backlog))
     for entry in ask.backlog:
-        args += [entry.band, entry.tenant, entry.count, repr(entry.service)]
+        args += [entry.band, entry.tenant, entry.count, repr(entry.service), int(entry.fresh)]
     args.append(len(ask.corrections))
     for band, tenant, delta in ask.corrections:
         args += [band, tenant, repr(delta)]
@@ -73,6 +77,7 @@ class ModelLink:
         self._key = f"{connection.settings.key_prefix}:{dispatcher.name}"
         self._wanted = asyncio.Event()
         self._wanted.set()  # join at once
+        self._soon: asyncio.TimerHandle | None = None
         telemetry = connection.telemetry
         self._degraded = telemetry.cluster_degraded.labels(self._model)
         self._instances = telemetry.cluster_instances.labels(self._model)
@@ -87,6 +92,14 @@ class ModelLink:
     def wanted(self, urgent: bool) -> None:
         if urgent:
             self._wanted.set()
+        elif self._soon is None:
+            # One more request of a tenant queued here: the others must see the count soon (a count
+            # that runs out in Redis would look like an idle tenant), but a burst needs one trip, not one each.
+            self._soon = asyncio.get_running_loop().call_later(BATCH_S, self._batch_due)
+
+    def _batch_due(self) -> None:
+        self._soon = None
+        self._wanted.set()
 
     async def run(self) -> None:
         settings = self._connection.settings
@@ -145,9 +158,11 @@ class ClusterConnection:
         self.lease_ms = round(settings.lease_s * 1000)
         self.timeout_s = settings.redis_timeout_ms / 1000
         self.wake_prefix = f"{settings.key_prefix}:wake:"
+        # No retries: redis-py's default (10, with backoff) took 3.9 s to fail against a stopped Redis;
+        # the next heartbeat is the retry, and the instance serves on its share meanwhile.
         self.client = aioredis.from_url(
             settings.redis_url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-            retry_on_timeout=False,
+            retry=Retry(NoBackoff(), 0),
         )
         # Wake-ups block on their connection indefinitely: no socket timeout there.
         self._subscriber = aioredis.from_url(settings.redis_url, socket_connect_timeout=self.timeout_s)

@@ -3,16 +3,16 @@
 -- Atomic (a script runs alone in Redis), so two instances can never both take
 -- the same free slot or serve the same turn. Keys, under KEYS[1] = "<prefix>:<model>":
 --   :inst        hash  instance -> "<lease expiry ms> <requests in flight>"
---   :q           hash  instance -> its backlog: records "band US tenant US count US service", RS-separated
+--   :q           hash  instance -> its backlog: records "band US tenant US count US service US 0", RS-separated
 --   :p:<inst>    list  slots granted to <inst> by another's round trip, not yet taken: "band US tenant"
 --   :c:<band>    hash  tenant -> counter (weighted service received; round-robin: releases)
 --   :s:<band>    hash  tenant -> sequence number of its last release (ties: served longest ago first)
---   :a:<band>    set   tenants backlogged at the last round trip (a tenant not in it is a newcomer)
 --   :f:<band>    the band's floor: the counter of the last tenant picked
 --   :seq         the release sequence
 --
 -- ARGV: instance, lease_ms, in_flight, wake channel prefix, model, bands, caps[bands],
---       backlog count, (band, tenant, count, service)*, corrections count, (band, tenant, delta)*
+--       backlog count, (band, tenant, count, service, fresh)*, corrections count, (band, tenant, delta)*
+--       (fresh = 1: the tenant's FIFO at the caller was empty since its last round trip)
 -- Returns: { others in flight, live instances, band1, tenant1, band2, tenant2, ... } (this instance's releases).
 
 local P = KEYS[1]
@@ -33,13 +33,14 @@ for b = 0, nb - 1 do
   i = i + 1
 end
 
--- Backlogs as lists of {band, tenant, count, service}.
+-- Backlogs as lists of {band, tenant, count, service, fresh}. Stored ones are never fresh:
+-- a tenant joins the cluster's backlog once, at the round trip of the instance it arrived at.
 local function parse(s)
   local out = {}
   if not s then return out end
   for rec in string.gmatch(s, '[^' .. RS .. ']+') do
-    local b, ten, c, sv = string.match(rec, '^(%d+)' .. US .. '(.-)' .. US .. '(%d+)' .. US .. '(.+)$')
-    if b then out[#out + 1] = { tonumber(b), ten, tonumber(c), tonumber(sv) } end
+    local b, ten, c, sv = string.match(rec, '^(%d+)' .. US .. '(.-)' .. US .. '(%d+)' .. US .. '([^' .. US .. ']+)')
+    if b then out[#out + 1] = { tonumber(b), ten, tonumber(c), tonumber(sv), false } end
   end
   return out
 end
@@ -47,7 +48,7 @@ end
 local function encode(list)
   local parts = {}
   for _, e in ipairs(list) do
-    if e[3] > 0 then parts[#parts + 1] = e[1] .. US .. e[2] .. US .. e[3] .. US .. e[4] end
+    if e[3] > 0 then parts[#parts + 1] = e[1] .. US .. e[2] .. US .. e[3] .. US .. e[4] .. US .. '0' end
   end
   return table.concat(parts, RS)
 end
@@ -56,10 +57,10 @@ local mylist, mine_at = {}, {}
 local n = tonumber(ARGV[i])
 i = i + 1
 for _ = 1, n do
-  local e = { tonumber(ARGV[i]), ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]) }
+  local e = { tonumber(ARGV[i]), ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), ARGV[i + 4] == '1' }
   mylist[#mylist + 1] = e
   mine_at[e[1] .. US .. e[2]] = e
-  i = i + 4
+  i = i + 5
 end
 n = tonumber(ARGV[i])
 i = i + 1
@@ -103,17 +104,19 @@ for k = 1, #inst, 2 do
   end
 end
 
--- Per band: tenant -> { n = queued in the cluster, at = instance -> its backlog record }.
+-- Per band: tenant -> { n = queued in the cluster, at = instance -> its backlog record,
+-- fresh = it joins the cluster's backlog now (fresh here, backlogged nowhere else) }.
 local cand = {}
 for name, list in pairs(backlogs) do
   for _, e in ipairs(list) do
     if e[3] > 0 then
       local byb = cand[e[1]] or {}
       cand[e[1]] = byb
-      local c = byb[e[2]] or { n = 0, at = {} }
+      local c = byb[e[2]] or { n = 0, at = {}, fresh = true }
       byb[e[2]] = c
       c.n = c.n + e[3]
       c.at[name] = e
+      c.fresh = c.fresh and e[5]
     end
   end
 end
@@ -123,27 +126,23 @@ local woken = {}
 for b = 0, nb - 1 do
   local byb = cand[b]
   if byb then
-    local ckey, skey, akey, fkey = P .. ':c:' .. b, P .. ':s:' .. b, P .. ':a:' .. b, P .. ':f:' .. b
+    local ckey, skey, fkey = P .. ':c:' .. b, P .. ':s:' .. b, P .. ':f:' .. b
     local floor = tonumber(redis.call('GET', fkey) or '0')
-    local was = {}
-    for _, ten in ipairs(redis.call('SMEMBERS', akey)) do was[ten] = true end
-    -- Counters; a tenant newly backlogged is lifted to the smallest counter of those
-    -- still backlogged (or the floor), so idle time is not banked (as policies/vtc.py).
+    -- Counters; a tenant joining the backlog is lifted to the smallest counter of those
+    -- already in it (or the floor), so idle time is not banked (as policies/vtc.py).
     local counters, served, lift, backlogged = {}, {}, nil, 0
-    for ten, _ in pairs(byb) do
+    for ten, c in pairs(byb) do
       counters[ten] = tonumber(redis.call('HGET', ckey, ten) or floor)
       served[ten] = tonumber(redis.call('HGET', skey, ten) or '0')
-      if was[ten] and (lift == nil or counters[ten] < lift) then lift = counters[ten] end
+      if not c.fresh and (lift == nil or counters[ten] < lift) then lift = counters[ten] end
       backlogged = backlogged + 1
     end
     lift = lift or floor
-    redis.call('DEL', akey)
-    for ten, _ in pairs(byb) do
-      if not was[ten] and counters[ten] < lift then
+    for ten, c in pairs(byb) do
+      if c.fresh and counters[ten] < lift then
         counters[ten] = lift
         redis.call('HSET', ckey, ten, lift)
       end
-      redis.call('SADD', akey, ten)
     end
     -- Each free slot to the backlogged tenant with the smallest counter (ties: served longest
     -- ago, then by name), held here if it is held here, else by the instance holding most of it.
