@@ -156,3 +156,10 @@ def test_serve_with_an_unknown_instance_exits_2_before_listening(tmp_path: Path,
     path.write_text(yaml.safe_dump({"models": [MODEL], "cluster": {**CLUSTER, "instances": INSTANCES}}))
     assert main(["serve", "--config", str(path), "--instance", "z"]) == 2
     assert "--instance z: no such instance in cluster.instances (one of: a, b)" in capsys.readouterr().err
+
+
+def test_a_cluster_refuses_a_release_rate_it_cannot_share() -> None:
+    raw = {"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "gate": "static_rate", "release_rate": 5}],
+           "cluster": {"redis_url": "redis://127.0.0.1:6379/0"}}
+    with pytest.raises(ConfigError, match=r"models\[0\]\.gate: static_rate cannot be shared by a cluster"):
+        parse_config(raw)

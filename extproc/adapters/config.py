@@ -404,6 +404,11 @@ class ConfigFile(_Section, frozen=True):
         if self.cluster is not None and self.shards:
             yield "cluster", ("use either cluster: (active-active) or shards: (per-model sharding), not both "
                               "(docs/cluster.md)")
+        for i, model in enumerate(self.models):
+            if self.cluster is not None and model.gate == "static_rate":
+                # A rate is not a count in flight: there is nothing to lease, so no share to keep.
+                yield f"models[{i}].gate", ("static_rate cannot be shared by a cluster: use adaptive, waiting_target "
+                                            "or static_concurrency (docs/cluster.md)")
         classes = self.priorities
         if len(set(classes)) != len(classes):
             yield "priorities", f"must not repeat a class, got {list(classes)}"
