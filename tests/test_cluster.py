@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 
 from extproc.tools.power_user import Outcome, PowerUser, run_power_user
 from extproc.tools.redis_proc import RedisServer
@@ -48,6 +49,22 @@ async def wait_cluster(stack: Stack, name: str, done: Any, timeout_s: float = 20
             return value
         await asyncio.sleep(0.05)
     raise AssertionError(f"{name} {labels}: last {value}")
+
+
+async def wait_redis_in_flight(redis: RedisServer, done: Any, timeout_s: float = 10) -> int:
+    """The cluster's requests in flight as Redis counts them (every live member's published count)."""
+    client = aioredis.from_url(redis.url)
+    try:
+        value = -1
+        for _ in range(int(timeout_s / 0.05)):
+            counts = await client.hvals("extproc:m1:inst")
+            value = sum(int(c.split()[1]) for c in counts)
+            if done(value):
+                return value
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"Redis counts {value} in flight")
+    finally:
+        await client.aclose()
 
 
 def cluster_config(tmp_path: Path, redis: RedisServer, instances: int = 2, **model: Any) -> Path:
@@ -129,6 +146,19 @@ async def test_killing_one_instance_fails_only_its_held_requests_each_with_an_an
         after = await asyncio.gather(*(send(http, stack, "bob", "m1", 20) for _ in range(12)))
         assert all(o.status == 200 for _, o in after), [o for _, o in after if o.status != 200]
         assert await wait_cluster(stack, "extproc_cluster_instances", lambda v: v == 4, model="m1") == 4  # 2 x 2 live
+        # Restarted, it rejoins with no manual step: 3 instances see 3 live, and it serves again.
+        await stack.start_processor("a")
+        assert await wait_cluster(stack, "extproc_cluster_instances", lambda v: v == 9, model="m1") == 9
+        for _ in range(40):  # Envoy takes it back once its health check passes (it was ejected)
+            again = await asyncio.gather(*(send(http, stack, "bob", "m1", 5) for _ in range(6)))
+            assert all(o.status == 200 for _, o in again), [o for _, o in again if o.status != 200]
+            if metric(await read_metrics(stack.metrics_urls["a"]), "extproc_released_total", model="m1") > 0:
+                break
+            await asyncio.sleep(0.5)
+        else:
+            raise AssertionError("the restarted instance never released a request")
+        # Nothing is left counted in Redis once everything ended (the dead member's count lapsed).
+        assert await wait_redis_in_flight(redis_server, lambda v: v == 0) == 0
 
 
 async def test_redis_outage_degrades_to_local_shares_and_rejoins(tmp_path: Path, redis_server: RedisServer) -> None:
@@ -148,6 +178,9 @@ async def test_redis_outage_degrades_to_local_shares_and_rejoins(tmp_path: Path,
         outcomes = [o for _, o in await asyncio.wait_for(asyncio.gather(*flood), 90)]
         stop.set()
         waiting = await sampler
+        # Nothing lost, nothing counted twice: every instance and Redis agree that nothing is in flight.
+        assert await wait_cluster(stack, "extproc_in_flight", lambda v: v == 0, model="m1") == 0
+        assert await wait_redis_in_flight(redis_server, lambda v: v == 0) == 0
     assert all(o.status == 200 for o in outcomes), [o for o in outcomes if o.status != 200]
-    # Nothing lost, nothing counted twice: the engine's queue stayed bounded throughout, outage included.
+    # The engine's queue stayed bounded throughout, outage included.
     assert max(waiting) <= TARGET + 2, waiting
