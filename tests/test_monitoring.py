@@ -33,6 +33,7 @@ from extproc.adapters.config import load_config
 from extproc.tools.power_user import chat
 from extproc.tools.procs import ManagedProcess, free_port
 from extproc.tools.stack import start_stack
+from tests.redisutil import RedisServer
 from tests.stackutil import TENANT_KEYS, write_stack_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,15 +134,20 @@ def has_data(result: list[dict[str, Any]]) -> bool:
 
 
 @pytest.mark.integration
-async def test_every_panel_and_alert_signal_returns_data_from_a_live_processor(tmp_path: Path) -> None:
+async def test_every_panel_and_alert_signal_returns_data_from_a_live_processor(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Two instances of an active-active cluster, so the cluster's panels and alert have data too."""
     prometheus_bin = tool("prometheus")
-    config = write_stack_config(tmp_path, {"m1": {}}, tenants={"alice": {}})
+    config = write_stack_config(tmp_path, {"m1": {}}, tenants={"alice": {}}, redis_url=redis_server.url,
+                                cluster_instances=2)
     async with await start_stack(config, tmp_path, sim_args=FAST_SIM) as stack:
+        targets = [url.removeprefix("http://").removesuffix("/metrics") for url in stack.metrics_urls.values()]
         port = free_port()
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(RULES)],
-            "scrape_configs": [{"job_name": "extproc", "static_configs": [{"targets": [stack.config.listen.metrics]}]}],
+            "scrape_configs": [{"job_name": "extproc", "static_configs": [{"targets": targets}]}],
         }))
         prometheus = f"http://127.0.0.1:{port}"
         argv = [prometheus_bin, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
