@@ -130,12 +130,15 @@ for b = 0, nb - 1 do
     local floor = tonumber(redis.call('GET', fkey) or '0')
     -- Counters; a tenant joining the backlog is lifted to the smallest counter of those
     -- already in it (or the floor), so idle time is not banked (as policies/vtc.py).
-    local counters, served, lift, backlogged = {}, {}, nil, 0
-    for ten, c in pairs(byb) do
-      counters[ten] = tonumber(redis.call('HGET', ckey, ten) or floor)
-      served[ten] = tonumber(redis.call('HGET', skey, ten) or '0')
-      if not c.fresh and (lift == nil or counters[ten] < lift) then lift = counters[ten] end
-      backlogged = backlogged + 1
+    local names = {}
+    for ten, _ in pairs(byb) do names[#names + 1] = ten end
+    local backlogged = #names
+    local got_c, got_s = redis.call('HMGET', ckey, unpack(names)), redis.call('HMGET', skey, unpack(names))
+    local counters, served, lift = {}, {}, nil
+    for k, ten in ipairs(names) do
+      counters[ten] = tonumber(got_c[k] or floor)
+      served[ten] = tonumber(got_s[k] or '0')
+      if not byb[ten].fresh and (lift == nil or counters[ten] < lift) then lift = counters[ten] end
     end
     lift = lift or floor
     for ten, c in pairs(byb) do

@@ -1,0 +1,118 @@
+"""The cluster's decisions (adapters/cluster/schedule.lua) on a real Redis, one round trip at a time.
+
+Each call is what an instance's link sends: its exact count in flight, its
+per-band caps and its backlog. The instances here are names; the decisions
+are Redis's, so the tests read like the design's promises (docs/cluster.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from extproc.adapters.cluster.link import SCRIPT, ask_args, grant_of
+from extproc.core.cluster import Ask, Backlog, Grant
+from tests.redisutil import RedisServer
+
+pytestmark = pytest.mark.integration
+
+KEY = "extproc:m"
+
+
+class Cluster:
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self.script = client.register_script(SCRIPT)
+
+    async def ask(
+        self, instance: str, in_flight: int, caps: tuple[int, ...], backlog: list[tuple[Any, ...]],
+        lease_ms: int = 2000,
+    ) -> Grant:
+        ask = Ask(in_flight, caps, tuple(Backlog(*entry) for entry in backlog), ())
+        return grant_of(await self.script(keys=[KEY], args=ask_args(instance, lease_ms, "extproc:wake:", "m", ask)))
+
+
+@pytest.fixture
+async def cluster(redis_server: RedisServer) -> AsyncIterator[Cluster]:
+    client = aioredis.from_url(redis_server.url)
+    yield Cluster(client)
+    await client.aclose()
+
+
+async def test_two_instances_never_exceed_the_cap_together(cluster: Cluster) -> None:
+    a = await cluster.ask("a", 0, (4,), [(0, "alice", 10, 1.0, True)])
+    b = await cluster.ask("b", 0, (4,), [(0, "bob", 10, 1.0, True)])
+    assert len(a.releases) == 4 and b.releases == ()  # a took the 4 free slots; b sees them taken
+    assert b.others_in_flight == 4 and b.instances == 2
+    # a finishes two: the next trip (by either) hands them out, in turns. bob joined at alice's
+    # counter (idle time is not banked) and was served less recently: bob, then alice.
+    b = await cluster.ask("b", 0, (4,), [(0, "bob", 10, 1.0, False)])
+    assert b.releases == ()  # a's count in Redis is still 4 until a says otherwise
+    a = await cluster.ask("a", 2, (4,), [(0, "alice", 6, 1.0, False)])
+    assert a.releases == ((0, "alice"),) and a.others_in_flight == 1  # bob's slot waits at b, counted
+    b = await cluster.ask("b", 0, (4,), [(0, "bob", 10, 1.0, False)])
+    assert b.releases == ((0, "bob"),)  # claimed
+    assert b.others_in_flight == 3
+
+
+async def test_a_newcomer_anywhere_goes_before_the_flood_is_served_again(cluster: Cluster) -> None:
+    a = await cluster.ask("a", 0, (3,), [(0, "flood", 50, 1.0, True)])
+    assert len(a.releases) == 3
+    b = await cluster.ask("b", 0, (3,), [(0, "flood", 50, 1.0, True), (0, "new", 1, 1.0, True)])
+    assert b.releases == ()
+    # One slot frees at a: whoever asks, it goes to the newcomer at b, not to the flood at a.
+    a = await cluster.ask("a", 2, (3,), [(0, "flood", 47, 1.0, False)])
+    assert a.releases == ()
+    b = await cluster.ask("b", 0, (3,), [(0, "flood", 50, 1.0, False), (0, "new", 1, 1.0, False)])
+    assert b.releases == ((0, "new"),)
+
+
+async def test_vtc_counters_are_cluster_wide(cluster: Cluster) -> None:
+    # heavy costs 10 per request, light 1: with 11 slots, light gets about 10 for heavy's 1.
+    await cluster.ask("a", 0, (0,), [(0, "heavy", 20, 10.0, True)])
+    b = await cluster.ask("b", 0, (11,), [(0, "light", 20, 1.0, True)])
+    a = await cluster.ask("a", 0, (11,), [(0, "heavy", 20, 10.0, False)])
+    light = sum(1 for _, t in b.releases if t == "light")
+    heavy = len(a.releases) + sum(1 for _, t in b.releases if t == "heavy")
+    assert (heavy, light) in {(1, 10), (2, 9)}, (heavy, light)
+
+
+async def test_a_higher_band_anywhere_holds_the_lower_bands_everywhere(cluster: Cluster) -> None:
+    b = await cluster.ask("b", 0, (2, 2), [(0, "chat", 5, 1.0, True)])
+    assert len(b.releases) == 2
+    a = await cluster.ask("a", 0, (3, 3), [(1, "batch", 5, 1.0, True)])
+    assert a.releases == ()  # the free slot goes to b's interactive request, not a's batch
+    b = await cluster.ask("b", 2, (3, 3), [(0, "chat", 3, 1.0, False)])
+    assert b.releases == ((0, "chat"),)
+
+
+async def test_a_dead_instances_slots_and_grants_lapse_with_its_lease(cluster: Cluster) -> None:
+    dead = await cluster.ask("dead", 0, (4,), [(0, "alice", 9, 1.0, True)], lease_ms=300)
+    assert len(dead.releases) == 4
+    live = await cluster.ask("live", 0, (4,), [(0, "bob", 9, 1.0, True)])
+    assert live.releases == () and live.instances == 2
+    await asyncio.sleep(0.4)  # "dead" never asks again
+    live = await cluster.ask("live", 0, (4,), [(0, "bob", 9, 1.0, False)])
+    assert len(live.releases) == 4 and live.instances == 1 and live.others_in_flight == 0
+
+
+@pytest.mark.parametrize("emptied", [False, True])
+async def test_a_tenant_keeps_its_credit_unless_its_queue_really_emptied(cluster: Cluster, emptied: bool) -> None:
+    """vtc: heavy costs 10, light 1. Light's count in Redis running out must not cost it its credit."""
+    a = await cluster.ask("a", 0, (1,), [(0, "heavy", 20, 10.0, True)])
+    assert len(a.releases) == 1  # heavy: counter 10
+    # light joins at heavy's counter; turns: light 11, heavy 20 (a slot for a), light 12.
+    b = await cluster.ask("b", 0, (4,), [(0, "light", 2, 1.0, True)])
+    assert b.releases == ((0, "light"), (0, "light"))
+    # light's published count ran out: a's trip takes its slot and the one free, both heavy (30).
+    a = await cluster.ask("a", 1, (5,), [(0, "heavy", 19, 10.0, False)])
+    assert a.releases == ((0, "heavy"), (0, "heavy"))
+    # b publishes light again. Queued there all along (not fresh) it kept its credit (12 < 30) and
+    # takes all 5 free slots; really emptied and back (fresh), it joins at 30 and turns resume.
+    b = await cluster.ask("b", 2, (10,), [(0, "light", 5, 1.0, emptied)])
+    a = await cluster.ask("a", 3, (10,), [(0, "heavy", 17, 10.0, False)])
+    assert (len(b.releases), len(a.releases)) == ((4, 1) if emptied else (5, 0))
