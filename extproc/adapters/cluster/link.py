@@ -140,10 +140,11 @@ class ModelLink:
         self._dispatcher.cluster_granted(grant)
 
     async def leave(self) -> None:
-        """Drop this instance's count and backlog at once (a clean stop; a crash waits for the lease)."""
+        """Drop this instance's count, backlog and untaken grants at once (a clean stop; a crash waits for the lease)."""
         c = self._connection
         await c.client.hdel(f"{self._key}:inst", c.instance)
         await c.client.hdel(f"{self._key}:q", c.instance)
+        await c.client.delete(f"{self._key}:p:{c.instance}")
 
 
 class ClusterConnection:
