@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
@@ -102,6 +103,11 @@ async def test_two_instances_keep_the_newcomer_fast_and_the_engine_queue_at_targ
                 for name, url in pair.metrics_urls.items()}
     assert sum(released.values()) == 62 and all(n > 0 for n in released.values()), released
     assert await cluster_metric(pair, "extproc_cluster_degraded", model="m1") == 0
+    async with aiohttp.ClientSession() as http:
+        status_url = pair.metrics_urls["b"].removesuffix("/metrics") + "/status.json"
+        async with http.get(status_url) as response:
+            [model] = (await response.json())["models"]
+    assert model["cluster"] == {"instances": 2, "degraded": False}
     assert await cluster_metric(pair, "extproc_in_flight", model="m1") == 0
 
 

@@ -48,7 +48,7 @@ from extproc.core.policies import Policy
 from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
 from extproc.core.report import DispatchReport
-from extproc.core.status import EndpointStatus, ModelStatus, band_status
+from extproc.core.status import ClusterStatus, EndpointStatus, ModelStatus, band_status
 
 
 def shutting_down() -> Refused:
@@ -146,6 +146,7 @@ class ModelDispatcher:
             release_rate=self._release_rate.per_second(now),
             bands=tuple(band_status(b.name, self._queue.tenant_lengths(i), top) for i, b in enumerate(self._bands)),
             endpoints=tuple(endpoints),
+            cluster=None if self._seat is None else ClusterStatus(self._seat.instances, self._seat.degraded),
         )
 
     def submit(

@@ -47,6 +47,16 @@ class EndpointStatus:
 
 
 @dataclass(frozen=True)
+class ClusterStatus:
+    """A model's seat in an active-active cluster (``cluster.py``)."""
+
+    # Live instances at the last round trip, this one included.
+    instances: int
+    # The cluster's Redis cannot be reached: this instance releases on its own share.
+    degraded: bool
+
+
+@dataclass(frozen=True)
 class ModelStatus:
     name: str
     rule: str
@@ -60,6 +70,8 @@ class ModelStatus:
     release_rate: float
     bands: tuple[BandStatus, ...]
     endpoints: tuple[EndpointStatus, ...]
+    # None: one instance schedules the model alone.
+    cluster: ClusterStatus | None = None
 
     @property
     def scraped(self) -> bool:
