@@ -48,9 +48,6 @@ class Arm:
 
 
 DIRECT = Arm("direct-fifo", "direct", "clients straight to the engine: its FIFO queue decides")
-# One instance against two sharing Redis, on the same fairness scenarios:
-# `--arms cluster` (direct FIFO runs anyway, as the baseline).
-CLUSTER_ARMS = ("extproc-rr", "cluster-rr", "extproc-vtc", "cluster-vtc")
 # The gate comparison's static baselines are tuned by hand to the bench engine
 # (scenarios.Engine: 16 sequences) at the default time scale (0.25): the best
 # a static setting can do when someone measured the engine for it.
