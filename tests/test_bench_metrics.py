@@ -16,13 +16,14 @@ from extproc.tools.bench.metrics import (
     common_horizon,
     fairness,
     jain,
+    processor,
     service_until,
     summarize,
     throughput,
     tokens_until,
 )
 from extproc.tools.bench.overhead import parse_hey_csv
-from extproc.tools.bench.runner import ArmRun, EngineSample, Result, prompt_text
+from extproc.tools.bench.runner import ArmRun, EngineSample, Result, processor_counters, prompt_text
 from extproc.tools.bench.scenarios import Scenario
 from extproc.tools.sim.server import estimate_tokens
 
@@ -133,9 +134,18 @@ def test_prompt_text_is_counted_as_the_planned_tokens_by_the_simulator() -> None
 
 def test_arm_configs_are_valid_and_overrides_reach_the_model() -> None:
     for arm in ARMS:
-        config = parse_config(arm_config(arm, ["alice", "bob"]))
+        config = parse_config(arm_config(arm, ["alice", "bob"], redis_url="redis://127.0.0.1:6399/0"))
         assert config.envoy.api_keys == {"key-alice": "alice", "key-bob": "bob"}
         assert config.models[0].target_waiting == 3
+        # A cluster arm names its instances on distinct ports and the run's Redis; the others have no cluster.
+        if arm.instances > 1:
+            assert config.cluster is not None and config.cluster.redis_url == "redis://127.0.0.1:6399/0"
+            addresses = {a for i in config.cluster.instances.values() for a in (i.grpc, i.metrics)}
+            assert len(config.cluster.instances) == arm.instances and len(addresses) == 2 * arm.instances
+        else:
+            assert config.cluster is None
+    with pytest.raises(ValueError, match="redis_url"):
+        arm_config(next(a for a in ARMS if a.instances > 1), ["a"])
     tuned = parse_config(arm_config(Arm("t", "extproc", "t", model={"target_waiting": 8}), ["a"]))
     assert tuned.models[0].target_waiting == 8
     # An arm with a setting this code does not have fails with the key path, before anything runs.
@@ -154,3 +164,40 @@ def test_hey_csv_rows_become_latencies_of_successful_requests(tmp_path: Path) ->
     assert (run.sent, run.ok) == (3, 2)
     assert run.latencies_s == (0.0012, 0.0009)
     assert run.rate == 4.0
+
+
+_INSTANCE_PAGE = """\
+# TYPE extproc_released_total counter
+extproc_released_total{{model="m",priority="standard",tenant="alice"}} {released_a}
+extproc_released_total{{model="m",priority="standard",tenant="bob"}} 10.0
+# TYPE extproc_cluster_round_trips_total counter
+extproc_cluster_round_trips_total{{model="m",outcome="ok"}} {trips}
+extproc_cluster_round_trips_total{{model="m",outcome="failed"}} 7.0
+# TYPE extproc_cluster_round_trip_seconds histogram
+extproc_cluster_round_trip_seconds_bucket{{model="m",le="0.001"}} {fast}
+extproc_cluster_round_trip_seconds_bucket{{model="m",le="0.005"}} {trips}
+extproc_cluster_round_trip_seconds_bucket{{model="m",le="+Inf"}} {trips}
+extproc_cluster_round_trip_seconds_count{{model="m"}} {trips}
+extproc_cluster_round_trip_seconds_sum{{model="m"}} {seconds}
+"""
+
+
+def test_processor_figures_sum_every_instance_of_a_cluster() -> None:
+    """Each instance counts only its own releases and round trips: the cluster's cost is the sum over instances."""
+    pages = [_INSTANCE_PAGE.format(released_a=30, trips=50, fast=50, seconds=0.04),
+             _INSTANCE_PAGE.format(released_a=50, trips=50, fast=0, seconds=0.16)]
+    counters = processor_counters(pages)
+    assert counters["released"] == 100 and counters["round_trips_ok"] == 100  # failed round trips left out
+    run = ArmRun("s", "cluster-rr", 0.5, (result("a", 0, 1, 2),) * 4, (), 20.0, {"extproc": 0.2}, counters)
+    figures = processor(run)
+    assert figures == {
+        "released": 100, "releases_per_s": 5.0, "cpu_ms_per_request": pytest.approx(50.0),
+        "round_trips_per_release": 1.0, "round_trip_mean_ms": pytest.approx(2.0),
+        # Half the round trips in the first bucket: p50 is its bound, p99 the next one's.
+        "round_trip_p50_ms": 1.0, "round_trip_p99_ms": 5.0,
+    }
+    # One instance without a cluster: releases and CPU, no Redis figures.
+    single = processor(ArmRun("s", "extproc-rr", 0.5, (), (), 10.0, {"extproc": 0.1}, {"released": 20.0}))
+    assert single is not None and single["releases_per_s"] == 2.0 and single["round_trips_per_release"] is None
+    assert single["round_trip_p99_ms"] is None
+    assert processor(ArmRun("s", "direct-fifo", 0.5, (), (), 10.0, {})) is None

@@ -50,3 +50,28 @@ def test_quick_bench_writes_sane_results(tmp_path: Path) -> None:
     # Raw per-request data and every process's log stay in the work folder.
     raw = json.loads((tmp_path / "work" / "power-user" / "extproc-rr" / "raw.json").read_text())
     assert len(raw["requests"]) == 42
+
+
+def test_quick_bench_cluster_arm_reports_redis_round_trips(tmp_path: Path) -> None:
+    """The cluster arm runs two processors and a Redis, and the figures cover both instances."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "extproc", "bench", "--quick", "--arms", "direct-fifo,cluster-rr",
+         "--out", str(out), "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    scenario = json.loads((out / "results.json").read_text())["scenarios"]["power-user"]
+    assert tuple(scenario) == ("direct-fifo", "cluster-rr")
+    cluster = scenario["cluster-rr"]
+    assert cluster["requests"] == cluster["ok"] == 42, cluster["errors"]
+    figures = cluster["processor"]
+    # Every request was released once, by one instance or the other; each release cost Redis round trips.
+    assert figures["released"] == 42
+    assert figures["round_trips_per_release"] > 0 and figures["round_trip_mean_ms"] > 0
+    assert scenario["direct-fifo"]["processor"] is None
+    assert "Redis round trips/release" in (out / "summary.md").read_text()
+    # Both instances and the Redis left their logs in the run's folder.
+    logs = {p.name for p in (tmp_path / "work" / "power-user" / "cluster-rr").iterdir()}
+    assert any(name.startswith("redis-") for name in logs), logs

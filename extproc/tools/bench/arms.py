@@ -4,13 +4,16 @@ An arm is a name, a gateway (straight to the simulator, Envoy alone, or
 Envoy + extproc) and, for extproc, overrides merged into the generated config:
 ``model`` into every ``models[]`` entry (``{"policy": "vtc"}``,
 ``{"gate": {...}}``), ``top`` into the document's top level. A new policy or
-gate variant is one more :class:`Arm` in :data:`ARMS`; the config it writes is
+gate variant is one more :class:`Arm` in :data:`ARMS`; an arm with
+``instances > 1`` runs that many processors as one active-active cluster
+sharing a Redis the runner starts for the run. The config it writes is
 validated by ``extproc serve`` itself, so an arm the code does not support
 fails at start with the config error's key path.
 """
 
 from __future__ import annotations
 
+import string
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +43,8 @@ class Arm:
     top: Mapping[str, Any] = field(default_factory=dict)
     # The engine's waiting-queue order (vLLM's --scheduling-policy; the simulator's too).
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # Processor instances: more than one forms a cluster sharing a Redis (the runner starts it).
+    instances: int = 1
 
 
 DIRECT = Arm("direct-fifo", "direct", "clients straight to the engine: its FIFO queue decides")
@@ -54,6 +59,10 @@ ARMS: tuple[Arm, ...] = (
     Arm("extproc-rr", "extproc", "Envoy + extproc, round-robin per tenant, adaptive gate (the defaults)"),
     Arm("extproc-vtc", "extproc", "Envoy + extproc, cost-weighted fair queueing (vtc), adaptive gate",
         model={"policy": "vtc"}),
+    Arm("cluster-rr", "extproc", "2 extproc instances sharing Redis (active-active), round-robin, adaptive gate",
+        instances=2),
+    Arm("cluster-vtc", "extproc", "2 extproc instances sharing Redis (active-active), vtc, adaptive gate",
+        model={"policy": "vtc"}, instances=2),
     Arm("gate-waiting", "extproc", "round-robin; gate: waiting_target (release while engine waiting < target)",
         model={"gate": "waiting_target"}),
     Arm("gate-static-concurrency", "extproc",
@@ -65,6 +74,9 @@ ARMS: tuple[Arm, ...] = (
 )
 # Which arms a scenario runs unless it names its own: the fairness comparison.
 FAIRNESS_ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc")
+# One instance against two sharing Redis, on the same fairness scenarios:
+# `--arms cluster` (direct FIFO runs anyway, as the baseline).
+CLUSTER_ARMS = ("extproc-rr", "cluster-rr", "extproc-vtc", "cluster-vtc")
 # The gate comparison (gate-mix): the release rules against each other, same policy.
 GATE_ARMS = ("direct-fifo", "gate-static-concurrency", "gate-static-rate", "gate-waiting", "extproc-rr")
 
@@ -84,8 +96,12 @@ def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]
     return merged
 
 
-def arm_config(arm: Arm, tenants: Iterable[str]) -> dict[str, Any]:
-    """The extproc config document for one run of ``arm``, on free loopback ports."""
+def arm_config(arm: Arm, tenants: Iterable[str], redis_url: str | None = None) -> dict[str, Any]:
+    """The extproc config document for one run of ``arm``, on free loopback ports.
+
+    A cluster arm (``instances > 1``) needs ``redis_url``; its instances are
+    named a, b, ... and Envoy's generated config lists them all.
+    """
     model = {"name": MODEL, "endpoints": [f"http://127.0.0.1:{free_port()}"], "target_waiting": TARGET_WAITING}
     doc = {
         "listen": {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"},
@@ -98,9 +114,19 @@ def arm_config(arm: Arm, tenants: Iterable[str]) -> dict[str, Any]:
             "api_keys": {api_key(t): t for t in tenants},
         },
     }
+    if arm.instances > 1:
+        if redis_url is None:
+            raise ValueError(f"arm {arm.name} runs {arm.instances} instances: it needs a redis_url")
+        doc["cluster"] = {
+            "redis_url": redis_url,
+            "instances": {
+                string.ascii_lowercase[i]: {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"}
+                for i in range(arm.instances)
+            },
+        }
     return _merge(doc, arm.top)
 
 
-def write_arm_config(path: Path, arm: Arm, tenants: Iterable[str]) -> Path:
-    path.write_text(yaml.safe_dump(arm_config(arm, tenants), sort_keys=False), encoding="utf-8")
+def write_arm_config(path: Path, arm: Arm, tenants: Iterable[str], redis_url: str | None = None) -> Path:
+    path.write_text(yaml.safe_dump(arm_config(arm, tenants, redis_url), sort_keys=False), encoding="utf-8")
     return path

@@ -3,6 +3,7 @@
     extproc bench                      # full set (~5 min on 2 cores) into bench-out/
     extproc bench --quick              # CI smoke: one small scenario, no overhead run (< 1 min)
     extproc bench --scenarios power-user,priority-mix --arms direct-fifo,extproc-rr
+    extproc bench --scenarios power-user,noisy-neighbour --arms cluster   # 1 instance vs 2 + Redis
     extproc bench --overhead-only      # just the ext_proc hop (needs `hey`)
     extproc bench --engine vllm        # power-user and priority-mix on a real vLLM (CPU build; ~10 min)
 """
@@ -40,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="CI smoke run: a small power-user scenario, no overhead benchmark")
     parser.add_argument("--scenarios", help="comma-separated scenario names (default: all; see docs/benchmarks.md)")
-    parser.add_argument("--arms", help="comma-separated arm names (default: each scenario's own; direct-fifo "
-                        "always runs)")
+    parser.add_argument("--arms", help="comma-separated arm names, run on every chosen scenario (default: each "
+                        "scenario's own; direct-fifo always runs); 'cluster' names extproc-rr, cluster-rr, "
+                        "extproc-vtc, cluster-vtc: one instance against two sharing a Redis")
     parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
                         help="simulator speed: 0.25 runs 4x faster than a real GPU (default %(default)s)")
     parser.add_argument("--out", default="bench-out", help="results folder (default %(default)s)")
@@ -98,7 +100,7 @@ def _engine_version(on_vllm: bool) -> dict[str, str]:
 async def _run(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from extproc.tools.bench.arms import ARMS, DIRECT
+    from extproc.tools.bench.arms import ARMS, CLUSTER_ARMS, DIRECT
     from extproc.tools.bench.metrics import common_horizon, summarize
     from extproc.tools.bench.overhead import ROUNDS as OVERHEAD_ROUNDS
     from extproc.tools.bench.overhead import find_hey, run_overhead, summarize_overhead
@@ -115,7 +117,8 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     known = VLLM_SCENARIOS if on_vllm else SCENARIOS
     scenarios: list[Scenario] = quick_set() if args.quick else _pick(args.scenarios, known, "scenario")
     known_arms = VLLM_ARMS if on_vllm else ARMS
-    arms: list[Arm] = [DIRECT] + [a for a in _pick(args.arms, {a.name: a for a in known_arms}, "arm") if a != DIRECT]
+    arm_names = ",".join(CLUSTER_ARMS) if args.arms == "cluster" else args.arms
+    arms: list[Arm] = [DIRECT] + [a for a in _pick(arm_names, {a.name: a for a in known_arms}, "arm") if a != DIRECT]
     if args.time_scale <= 0:
         raise SystemExit("error: --time-scale must be > 0")
     time_scale = 1.0 if on_vllm else args.time_scale  # a real engine runs in real time
@@ -139,6 +142,8 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     summaries: dict[str, dict[str, Any]] = {}
     overhead = None
     def arms_of(scenario: Scenario) -> list[Arm]:
+        if arm_names:  # named on the command line: on every scenario
+            return arms
         return [a for a in arms if a == DIRECT or a.name in scenario.arms]
 
     total = sum(len(s.requests()) * len(arms_of(s)) for s in scenarios) + (2 * OVERHEAD_ROUNDS if with_overhead else 0)

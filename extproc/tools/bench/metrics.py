@@ -32,6 +32,12 @@ Definitions (all times in model seconds, see :mod:`extproc.tools.bench.runner`):
   are compared only within their class: strict priority between classes is
   meant to be unfair. Reported: the mean and the minimum over such
   (window, class) pairs, and how many there were.
+* **Processor** (arms with extproc) — from the instances' own counters at the
+  end of the run, summed over instances: releases per wall-clock second of the
+  run, processor CPU per request (ms, all instances), and for a cluster the
+  successful Redis round trips per release and the round trip's mean and
+  p50/p99 (ms, wall clock; percentiles are the upper bounds of the histogram
+  buckets they fall in).
 """
 
 from __future__ import annotations
@@ -229,12 +235,43 @@ def summarize(scenario: Scenario, run: ArmRun, baseline: ArmRun, horizon: float)
         "send_lag_max_s": max((r.sent - r.planned for r in results), default=0.0),
         "cpu_share": {name: seconds / run.wall_s for name, seconds in run.cpu_s.items()},
         "wall_s": run.wall_s,
+        "processor": processor(run),
     }
     if scenario.reference_before is not None:
         cut = scenario.reference_before
         summary["focus_unloaded"] = latency(r for r in focus if r.sent < cut)
         summary["focus_loaded"] = latency(r for r in focus if r.sent >= cut)
     return summary
+
+
+def processor(run: ArmRun) -> dict[str, float | None] | None:
+    """Releases/s, CPU per request and Redis round trips of the run's processors (None: no processor)."""
+    counters = run.processor
+    if not counters:
+        return None
+    released = counters.get("released", 0.0)
+    trips = counters.get("round_trip_count", 0.0)
+    cpu = run.cpu_s.get("extproc")
+    return {
+        "released": released,
+        "releases_per_s": released / run.wall_s if run.wall_s > 0 else None,
+        "cpu_ms_per_request": None if cpu is None or not run.results else cpu * 1e3 / len(run.results),
+        "round_trips_per_release": _ratio(counters.get("round_trips_ok", 0.0), released) if trips else None,
+        "round_trip_mean_ms": 1e3 * counters.get("round_trip_seconds_sum", 0.0) / trips if trips else None,
+        "round_trip_p50_ms": _bucket_quantile(counters, 0.50),
+        "round_trip_p99_ms": _bucket_quantile(counters, 0.99),
+    }
+
+
+def _bucket_quantile(counters: dict[str, float], q: float) -> float | None:
+    """The upper bound (ms) of the round-trip histogram bucket holding quantile ``q`` (None: no round trips)."""
+    prefix = "round_trip_le_"
+    buckets = sorted((float(k[len(prefix):]), v) for k, v in counters.items() if k.startswith(prefix))
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    wanted = q * buckets[-1][1]
+    bound = next(le for le, count in buckets if count >= wanted)
+    return None if math.isinf(bound) else bound * 1e3
 
 
 def _ratio(value: float, reference: float) -> float | None:

@@ -177,6 +177,7 @@ def scenario_markdown(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[
                 for arm in arms if arm.name in summary
             ],
         )
+    lines += _processor_table(arms, summary)
     for kind, title in (("tenants", "tenant"), ("priorities", "priority class")):
         groups = sorted({g for s in summary.values() for g in s[kind]})
         if kind == "priorities" and groups == ["default"]:
@@ -195,6 +196,21 @@ def scenario_markdown(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[
               f"![{scenario.name}: engine waiting queue over time]({scenario.name}-waiting.png)",
               f"![{scenario.name}: cumulative service per tenant]({scenario.name}-service.png)", ""]
     return lines
+
+
+def _processor_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
+    """The processors' own figures: one instance and a cluster side by side (cost of Redis on the hot path)."""
+    rows = [
+        [arm.name, str(arm.instances), _num(p["releases_per_s"], 1), _num(p["cpu_ms_per_request"]),
+         _num(p["round_trips_per_release"]), _num(p["round_trip_mean_ms"]),
+         f"{_num(p['round_trip_p50_ms'])} / {_num(p['round_trip_p99_ms'])}"]
+        for arm in arms if (p := _get(summary, arm.name, "processor")) is not None
+    ]
+    if not rows:
+        return []
+    return ["", "Processors (wall clock; summed over instances; round-trip percentiles are histogram bucket bounds):",
+            "", *_table(["arm", "instances", "releases/s", "processor CPU ms/request", "Redis round trips/release",
+                         "round trip mean (ms)", "round trip p50 / p99 (ms)"], rows)]
 
 
 def _jain(summary: Mapping[str, Any]) -> str:

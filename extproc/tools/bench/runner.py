@@ -3,7 +3,8 @@
 Every run starts its own simulator (and Envoy and extproc when the arm has
 them) and stops them afterwards, so each arm meets a fresh engine and a fresh
 scheduler (no queue, no fairness counters carried over), and replays the very
-same requests at the very same offsets.
+same requests at the very same offsets. A cluster arm also gets its own
+Redis, started before its processors and stopped after them.
 
 Times in the results are *model seconds*: wall-clock time divided by the time
 scale, so they read like a real GPU's. A fixed wall-clock cost (the ~1 ms of
@@ -17,10 +18,11 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.adapters.config import load_config
 from extproc.adapters.engines.dialects import MetricsError, parse_load
@@ -30,7 +32,8 @@ from extproc.tools.bench.scenarios import Engine, Scenario
 from extproc.tools.bench.vllm import VllmEngine
 from extproc.tools.power_user import chat
 from extproc.tools.procs import cpu_seconds
-from extproc.tools.stack import start_stack
+from extproc.tools.redis_proc import RedisServer
+from extproc.tools.stack import Stack, start_stack
 
 # How often the engine's queue is sampled (wall clock).
 SAMPLE_INTERVAL_S = 0.05
@@ -82,8 +85,11 @@ class ArmRun:
     results: tuple[Result, ...]
     engine: tuple[EngineSample, ...]
     wall_s: float
-    # CPU seconds used during the run, per component ("engine", "envoy", "extproc", "client").
+    # CPU seconds used during the run, per component ("engine", "envoy", "extproc", "client");
+    # "extproc" is the sum over every processor instance.
     cpu_s: dict[str, float]
+    # The processors' own counters at the end of the run, summed over instances (see processor_counters).
+    processor: dict[str, float] = field(default_factory=dict)
 
 
 def prompt_text(tokens: int, chars_per_token: int = 4) -> str:
@@ -105,6 +111,45 @@ async def _sample_engine(url: str, model: str, t0: float, time_scale: float, sto
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, SAMPLE_INTERVAL_S - (time.monotonic() - started)))
     return samples
+
+
+# Processor series the bench reads, summed over instances and labels (prometheus_client's sample names).
+_COUNTERS = {
+    "extproc_released_total": "released",
+    "extproc_cluster_round_trip_seconds_sum": "round_trip_seconds_sum",
+    "extproc_cluster_round_trip_seconds_count": "round_trip_count",
+}
+
+
+def processor_counters(pages: Sequence[str]) -> dict[str, float]:
+    """Release and Redis round-trip totals from the instances' ``/metrics`` pages, summed over instances.
+
+    ``round_trips_ok`` counts only successful round trips (the hot-path cost);
+    ``round_trip_le_<bound>`` are the round-trip histogram's cumulative
+    buckets, so percentiles can be read off the whole cluster at once.
+    """
+    totals: dict[str, float] = {}
+    for text in pages:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = _COUNTERS.get(sample.name)
+                if sample.name == "extproc_cluster_round_trips_total" and sample.labels.get("outcome") == "ok":
+                    key = "round_trips_ok"
+                elif sample.name == "extproc_cluster_round_trip_seconds_bucket":
+                    key = f"round_trip_le_{sample.labels['le']}"
+                if key is not None:
+                    totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+async def _scrape_processors(stack: Stack) -> dict[str, float]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
+        pages = []
+        for url in stack.metrics_urls.values():
+            async with session.get(url) as response:
+                response.raise_for_status()
+                pages.append(await response.text())
+    return processor_counters(pages)
 
 
 async def replay(
@@ -166,7 +211,19 @@ async def run_arm(
 ) -> ArmRun:
     """Start the arm's engine and stack, replay the scenario through it, stop everything."""
     workdir.mkdir(parents=True, exist_ok=True)
-    config = write_arm_config(workdir / "config.yaml", arm, scenario.tenants)
+    redis = RedisServer(workdir) if arm.instances > 1 else None
+    if redis is not None:
+        await redis.start()
+    try:
+        config = write_arm_config(workdir / "config.yaml", arm, scenario.tenants, redis.url if redis else None)
+        async with await _start(arm, config, engine, time_scale, workdir) as stack:
+            return await _measure(scenario, arm, stack, engine, time_scale, on_done)
+    finally:
+        if redis is not None:
+            await redis.stop()
+
+
+async def _start(arm: Arm, config: Path, engine: Engine | VllmEngine, time_scale: float, workdir: Path) -> Stack:
     if isinstance(engine, VllmEngine):
         # vLLM first: it takes tens of seconds to start, and the processor should find it up.
         endpoint = load_config(config).models[0].endpoints[0]
@@ -177,32 +234,42 @@ async def run_arm(
             await vllm.stop()
             raise
         stack.sims.append(vllm)
-    else:
-        sim_args = [*engine.sim_args(time_scale), "--scheduling-policy", arm.scheduling_policy]
-        stack = await start_stack(config, workdir, sim_args=sim_args, gateway=arm.gateway)
-    async with stack:
-        direct = arm.gateway == "direct"
-        base_url = stack.sim_url(MODEL) if direct else stack.envoy_url
-        keys = {} if direct else {t: api_key(t) for t in scenario.tenants}
-        pids = {"engine": stack.sims[0].process.pid}
-        if stack.envoy is not None:
-            pids["envoy"] = stack.envoy.process.pid
-        if stack.processor is not None:
-            pids["extproc"] = stack.processor.process.pid
-        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        client_before = time.process_time()
-        t0 = time.monotonic()
-        stop = asyncio.Event()
-        sampler = asyncio.create_task(_sample_engine(stack.sim_url(MODEL), MODEL, t0, time_scale, stop))
-        try:
-            results = await replay(
-                base_url, scenario.requests(), time_scale=time_scale, api_keys=keys, t0=t0, engine=engine,
-                on_done=on_done,
-            )
-        finally:
-            stop.set()
-            samples = await sampler
-        wall = time.monotonic() - t0
-        cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
-        cpu["client"] = time.process_time() - client_before
-    return ArmRun(scenario.name, arm.name, time_scale, tuple(results), tuple(samples), wall, cpu)
+        return stack
+    sim_args = [*engine.sim_args(time_scale), "--scheduling-policy", arm.scheduling_policy]
+    return await start_stack(config, workdir, sim_args=sim_args, gateway=arm.gateway)
+
+
+async def _measure(
+    scenario: Scenario, arm: Arm, stack: Stack, engine: Engine | VllmEngine, time_scale: float,
+    on_done: Callable[[], None],
+) -> ArmRun:
+    direct = arm.gateway == "direct"
+    base_url = stack.sim_url(MODEL) if direct else stack.envoy_url
+    keys = {} if direct else {t: api_key(t) for t in scenario.tenants}
+    pids = {"engine": [stack.sims[0].process.pid]}
+    if stack.envoy is not None:
+        pids["envoy"] = [stack.envoy.process.pid]
+    if stack.processors:
+        pids["extproc"] = [p.process.pid for p in stack.processors.values()]
+    cpu_before = {name: _cpu(group) for name, group in pids.items()}
+    client_before = time.process_time()
+    t0 = time.monotonic()
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(_sample_engine(stack.sim_url(MODEL), MODEL, t0, time_scale, stop))
+    try:
+        results = await replay(
+            base_url, scenario.requests(), time_scale=time_scale, api_keys=keys, t0=t0, engine=engine,
+            on_done=on_done,
+        )
+    finally:
+        stop.set()
+        samples = await sampler
+    wall = time.monotonic() - t0
+    cpu = {name: _cpu(group) - cpu_before[name] for name, group in pids.items()}
+    cpu["client"] = time.process_time() - client_before
+    counters = await _scrape_processors(stack) if stack.processors else {}
+    return ArmRun(scenario.name, arm.name, time_scale, tuple(results), tuple(samples), wall, cpu, counters)
+
+
+def _cpu(pids: Sequence[int]) -> float:
+    return sum(cpu_seconds(pid) for pid in pids)
