@@ -94,3 +94,17 @@ async def test_cost_corrections_travel_with_the_next_ask_and_survive_a_lost_one(
     assert len(lost.corrections) == 1 and lost.corrections[0][:2] == (0, "alice") and lost.corrections[0][2] < 0
     dispatcher.cluster_lost(lost)
     assert dispatcher.cluster_ask().corrections == lost.corrections
+
+
+async def test_a_scrape_asks_the_cluster_only_when_it_lets_this_instance_release() -> None:
+    dispatcher, link = seat_of(max_in_flight=2)
+    dispatcher.cluster_granted(Grant((), 0, 1))
+    held = [dispatcher.submit("alice", 0) for _ in range(3)]
+    link.asks.clear()
+    dispatcher.record_scrape("e1", EngineLoad(waiting=0, running=0), 0.0)
+    assert link.asks == [True]  # room for 2: the cluster hears at once
+    dispatcher.cluster_granted(Grant(((0, "alice"), (0, "alice")), 0, 1))
+    assert sum(h.future.done() for h in held) == 2
+    link.asks.clear()
+    dispatcher.record_scrape("e1", EngineLoad(waiting=0, running=2), 0.1)
+    assert link.asks == []  # full: nothing to release here; the next trip takes its numbers anyway

@@ -242,7 +242,16 @@ class ModelDispatcher:
             self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
             snapshot = self.pool.rule.snapshot(endpoint)
             self._report.scraped(endpoint, load, snapshot.itl_s, snapshot.limit)
-        self.dispatch()
+        if self._seat is not None and not self._seat.degraded:
+            # A scrape matters to the cluster only if it lets this instance release: else the next
+            # round trip (an end, an arrival, the heartbeat) takes its numbers along anyway.
+            now = self._clock()
+            self._health_log.note(now)
+            first = self._queue.first_band()
+            if first is not None and self._admission.allowance(first, now) > 0:
+                self._seat.link.wanted(True)
+        else:
+            self.dispatch()
 
     def set_endpoints(self, endpoints: tuple[str, ...]) -> None:
         """The pool's membership changed (DNS); forget the telemetry of endpoints that left."""

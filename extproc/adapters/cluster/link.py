@@ -109,6 +109,9 @@ class ModelLink:
             except TimeoutError:
                 pass  # the heartbeat: renew the lease, take lost grants, publish the backlog
             self._wanted.clear()
+            if self._soon is not None:  # this trip publishes the arrivals it was waiting to gather
+                self._soon.cancel()
+                self._soon = None
             await self.round_trip()
             if self.seat.degraded:
                 await asyncio.sleep(settings.heartbeat_s)  # Redis is away: try again at the heartbeat's pace
