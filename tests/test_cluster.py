@@ -19,11 +19,11 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from extproc.tools.power_user import Outcome, PowerUser, run_power_user
+from extproc.tools.power_user import Outcome, PowerUser
 from extproc.tools.redis_proc import RedisServer
 from extproc.tools.stack import Stack, start_stack
-from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
-from tests.test_integration import FAST_SIM, sample_engine_waiting
+from tests.stackutil import metric, read_metrics, write_stack_config
+from tests.test_integration import FAST_SIM, gated_then_direct, sample_engine_waiting
 from tests.test_policies_integration import HEAVY_PROMPT, LIGHT_PROMPT, send, service_while_both_backlogged, session, weighted
 
 pytestmark = pytest.mark.integration
@@ -82,12 +82,7 @@ async def pair(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Stack
 
 async def test_two_instances_keep_the_newcomer_fast_and_the_engine_queue_at_target(pair: Stack) -> None:
     scenario = PowerUser(model="m1", flood=60, max_tokens=40, newcomer_delay_s=0.3)
-    stop = asyncio.Event()
-    sampler = asyncio.create_task(sample_engine_waiting(pair.sim_url("m1"), stop))
-    gated = await run_power_user(pair.envoy_url, scenario, api_keys=TENANT_KEYS)
-    stop.set()
-    waiting = await sampler
-    direct = await run_power_user(pair.sim_url("m1"), scenario)
+    gated, waiting, direct = await gated_then_direct(pair, scenario)
 
     assert all(o.status == 200 and o.ttft_s is not None for o in gated + direct), [o for o in gated if o.error]
     for newcomer in ("bob", "carol"):

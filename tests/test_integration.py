@@ -45,14 +45,19 @@ async def sample_engine_waiting(url: str, stop: asyncio.Event) -> list[float]:
     return seen
 
 
-async def test_power_user_does_not_delay_newcomers_and_engine_queue_stays_short(stack: Stack) -> None:
-    scenario = PowerUser(model="m1", flood=60, max_tokens=40, newcomer_delay_s=0.3)
+async def gated_then_direct(stack: Stack, scenario: PowerUser) -> tuple[list[Outcome], list[float], list[Outcome]]:
+    """The scenario through the gateway (the engine's waiting queue sampled meanwhile), then straight to the engine."""
     stop = asyncio.Event()
-    sampler = asyncio.create_task(sample_engine_waiting(stack.sim_url("m1"), stop))
+    sampler = asyncio.create_task(sample_engine_waiting(stack.sim_url(scenario.model), stop))
     gated = await run_power_user(stack.envoy_url, scenario, api_keys=TENANT_KEYS)
     stop.set()
     waiting = await sampler
-    direct = await run_power_user(stack.sim_url("m1"), scenario)
+    return gated, waiting, await run_power_user(stack.sim_url(scenario.model), scenario)
+
+
+async def test_power_user_does_not_delay_newcomers_and_engine_queue_stays_short(stack: Stack) -> None:
+    scenario = PowerUser(model="m1", flood=60, max_tokens=40, newcomer_delay_s=0.3)
+    gated, waiting, direct = await gated_then_direct(stack, scenario)
 
     assert all(o.status == 200 and o.ttft_s is not None for o in gated + direct), [o for o in gated if o.error]
     flood_end = max(o.total_s for o in gated if o.tenant == "alice")
