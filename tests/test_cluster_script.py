@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from extproc.adapters.cluster.link import SCRIPT, ask_args, grant_of
 from extproc.core.cluster import Ask, Backlog, Grant
@@ -116,3 +118,50 @@ async def test_a_tenant_keeps_its_credit_unless_its_queue_really_emptied(cluster
     b = await cluster.ask("b", 2, (10,), [(0, "light", 5, 1.0, emptied)])
     a = await cluster.ask("a", 3, (10,), [(0, "heavy", 17, 10.0, False)])
     assert (len(b.releases), len(a.releases)) == ((4, 1) if emptied else (5, 0))
+
+
+# --- a property: whatever the instances do, in any order --------------------------------------
+
+STEPS = st.lists(
+    st.tuples(st.integers(0, 2), st.integers(0, 3), st.lists(st.sampled_from("wxyz"), max_size=3)),
+    min_size=1, max_size=30,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cap=st.integers(1, 6), steps=STEPS)
+async def test_any_interleaving_stays_under_the_cap_grants_only_what_is_queued_and_serves_everyone(
+    cluster: Cluster, cap: int, steps: list[tuple[int, int, list[str]]]
+) -> None:
+    """Three instances: finishes, arrivals and round trips in any order, one cap for the cluster."""
+    await cluster.client.flushall()
+    names = ("a", "b", "c")
+    in_flight = dict.fromkeys(names, 0)
+    queued: dict[str, dict[str, int]] = {n: {} for n in names}
+    fresh: dict[str, set[str]] = {n: set() for n in names}
+
+    async def trip(name: str) -> None:
+        backlog = [(0, t, k, 1.0, t in fresh[name]) for t, k in queued[name].items() if k]
+        fresh[name].clear()
+        grant = await cluster.ask(name, in_flight[name], (cap,), backlog, lease_ms=60_000)
+        for band, tenant in grant.releases:
+            assert band == 0 and queued[name].get(tenant, 0) > 0, (name, tenant, queued[name])  # nothing phantom
+            queued[name][tenant] -= 1
+            in_flight[name] += 1
+        pending = sum([await cluster.client.llen(f"{KEY}:p:{n}") for n in names])
+        assert sum(in_flight.values()) + pending <= cap  # the cap holds across instances, grants in transit counted
+
+    for index, finishes, arrivals in steps:
+        name = names[index]
+        in_flight[name] -= min(finishes, in_flight[name])
+        for tenant in arrivals:
+            if not queued[name].get(tenant):
+                fresh[name].add(tenant)
+            queued[name][tenant] = queued[name].get(tenant, 0) + 1
+        await trip(name)
+    # Everyone finishes and asks again until nothing is left: every queued request is released.
+    for _ in range(sum(sum(q.values()) for q in queued.values()) + 3):
+        for name in names:
+            in_flight[name] = 0
+            await trip(name)
+    assert all(k == 0 for q in queued.values() for k in q.values()), queued
