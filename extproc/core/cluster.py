@@ -87,7 +87,7 @@ class ClusterLink(Protocol):
     """The adapter that carries a seat's asks to the cluster (``adapters/cluster/``)."""
 
     def wanted(self, urgent: bool) -> None:
-        """Something changed: ask soon. ``urgent``: now; else with the next heartbeat."""
+        """Something changed: ask soon. ``urgent``: now; else shortly, gathered with other such changes."""
 
 
 @dataclass

@@ -182,10 +182,10 @@ class ModelDispatcher:
         held.expiry = loop.call_later(self._bands[band].max_queue_wait_s, self._expire, held)
         if self._seat is not None and new_head:
             self._seat.arrived(band, tenant)
-        if self._seat is not None and not self._seat.degraded:
+        if (seat := self._deciding_seat()) is not None:
             # The cluster must hear at once of a tenant new here (the fairest may be it) or of
-            # room to release; one more request of a tenant already queued can wait for the heartbeat.
-            self._seat.link.wanted(new_head or self._admission.allowance(band, now) > 0)
+            # room to release; one more request of a tenant already queued can be gathered with others.
+            seat.link.wanted(new_head or self._admission.allowance(band, now) > 0)
         else:
             self.dispatch()
         self._report.decision(self._clock() - now)
@@ -242,14 +242,14 @@ class ModelDispatcher:
             self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
             snapshot = self.pool.rule.snapshot(endpoint)
             self._report.scraped(endpoint, load, snapshot.itl_s, snapshot.limit)
-        if self._seat is not None and not self._seat.degraded:
+        if (seat := self._deciding_seat()) is not None:
             # A scrape matters to the cluster only if it lets this instance release: else the next
             # round trip (an end, an arrival, the heartbeat) takes its numbers along anyway.
             now = self._clock()
             self._health_log.note(now)
             first = self._queue.first_band()
             if first is not None and self._admission.allowance(first, now) > 0:
-                self._seat.link.wanted(True)
+                seat.link.wanted(True)
         else:
             self.dispatch()
 
@@ -274,8 +274,8 @@ class ModelDispatcher:
     def dispatch(self) -> None:
         now = self._clock()
         self._health_log.note(now)
-        if self._seat is not None and not self._seat.degraded:
-            self._seat.link.wanted(True)  # the cluster decides: cluster_granted() releases
+        if (seat := self._deciding_seat()) is not None:
+            seat.link.wanted(True)  # the cluster decides: cluster_granted() releases
             return
         allowance, allowance_band = 0, None
         while (first := self._queue.first_band()) is not None:
@@ -284,15 +284,14 @@ class ModelDispatcher:
             if allowance <= 0:
                 break
             band, tenant, held = self._queue.pop()
-            self._dequeued(band, tenant)
-            if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
-                self._resolve(held)
-                self._abandoned(held, band)
-                continue
-            self._release(band, tenant, held, now)
-            allowance -= 1
+            if self._dequeued_for_release(band, tenant, held, now):
+                allowance -= 1
         self._report.in_flight(self.pool.in_flight)
         self._schedule_wakeup(now)
+
+    def _deciding_seat(self) -> ClusterSeat | None:
+        """The seat when a cluster that answers decides (its grants release, not this instance's own loop)."""
+        return self._seat if self._seat is not None and not self._seat.degraded else None
 
     def _allowance(self, band: int, now: float) -> int:
         """What ``band`` may release now on this instance's own say (alone, or a cluster seat cut off)."""
@@ -331,14 +330,8 @@ class ModelDispatcher:
         self.pool.estimate.record_others(now, grant.others_in_flight)
         for band, tenant in grant.releases:
             held = self._queue.take(band, tenant)
-            if held is None:
-                continue  # its client left since the ask: the slot returns with the next ask's count
-            self._dequeued(band, tenant)
-            if held.future.done():
-                self._resolve(held)
-                self._abandoned(held, band)
-                continue
-            self._release(band, tenant, held, now)
+            if held is not None:  # else its client left since the ask: the slot returns with the next ask's count
+                self._dequeued_for_release(band, tenant, held, now)
         self._report.in_flight(self.pool.in_flight)
 
     def cluster_lost(self, ask: Ask) -> None:
@@ -347,6 +340,16 @@ class ModelDispatcher:
         self._seat.lost(ask)
         self._seat.degraded = True
         self.dispatch()
+
+    def _dequeued_for_release(self, band: int, tenant: str, held: Held, now: float) -> bool:
+        """``held`` left the queue to be released: release it, unless its client already left (False)."""
+        self._dequeued(band, tenant)
+        if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
+            self._resolve(held)
+            self._abandoned(held, band)
+            return False
+        self._release(band, tenant, held, now)
+        return True
 
     def _release(self, band: int, tenant: str, held: Held, now: float) -> None:
         held.released = True

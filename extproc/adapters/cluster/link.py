@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 SCRIPT = files("extproc.adapters.cluster").joinpath("schedule.lua").read_text()
 # How long arrivals of tenants already queued here are gathered into one round trip.
 BATCH_S = 0.02
-# Separators in the backlog records (schedule.lua): control characters no header value may hold.
-UNIT, RECORD = "\x1f", "\x1e"
 
 
 def ask_args(instance: str, lease_ms: int, wake_prefix: str, model: str, ask: Ask) -> list[str | int | float]:
