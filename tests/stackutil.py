@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import string
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,17 +68,26 @@ async def read_metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]]
     }
 
 
-async def wait_for_metric(
-    url: str, name: str, done: Callable[[float], bool], timeout_s: float = 20, **labels: str
-) -> float:
-    """Poll a metric until ``done(value)`` or the timeout; returns the last value for the assertion."""
+async def poll(read: Callable[[], Awaitable[float]], done: Callable[[float], bool], timeout_s: float = 20) -> float:
+    """``read()`` every 50 ms until ``done(value)`` or the timeout; returns the last value for the assertion."""
     value = float("nan")
     for _ in range(int(timeout_s / 0.05)):
-        value = metric(await read_metrics(url), name, **labels)
+        value = await read()
         if done(value):
             break
         await asyncio.sleep(0.05)
     return value
+
+
+async def wait_for_metric(
+    url: str, name: str, done: Callable[[float], bool], timeout_s: float = 20, **labels: str
+) -> float:
+    """Poll a metric until ``done(value)`` or the timeout; returns the last value for the assertion."""
+
+    async def read() -> float:
+        return metric(await read_metrics(url), name, **labels)
+
+    return await poll(read, done, timeout_s)
 
 
 def metric(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from extproc.tools.power_user import Outcome, PowerUser
 from extproc.tools.redis_proc import RedisServer
 from extproc.tools.stack import Stack, start_stack
-from tests.stackutil import metric, read_metrics, write_stack_config
+from tests.stackutil import metric, poll, read_metrics, write_stack_config
 from tests.test_integration import FAST_SIM, gated_then_direct, sample_engine_waiting
 from tests.test_policies_integration import HEAVY_PROMPT, LIGHT_PROMPT, send, service_while_both_backlogged, session, weighted
 
@@ -42,30 +42,28 @@ async def cluster_metric(stack: Stack, name: str, **labels: str) -> float:
     return total
 
 
-async def wait_cluster(stack: Stack, name: str, done: Any, timeout_s: float = 20, **labels: str) -> float:
-    value = 0.0
-    for _ in range(int(timeout_s / 0.05)):
-        value = await cluster_metric(stack, name, **labels)
-        if done(value):
-            return value
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{name} {labels}: last {value}")
+async def wait_cluster(
+    stack: Stack, name: str, done: Callable[[float], bool], timeout_s: float = 20, **labels: str
+) -> float:
+    """Poll a series summed over the instances until ``done``; fails with the last value at the timeout."""
+    value = await poll(lambda: cluster_metric(stack, name, **labels), done, timeout_s)
+    assert done(value), f"{name} {labels}: last {value}"
+    return value
 
 
-async def wait_redis_in_flight(redis: RedisServer, done: Any, timeout_s: float = 10) -> int:
-    """The cluster's requests in flight as Redis counts them (every live member's published count)."""
+async def wait_redis_in_flight(redis: RedisServer, done: Callable[[float], bool], timeout_s: float = 10) -> float:
+    """Poll the cluster's requests in flight as Redis counts them (every live member's published count)."""
     client = aioredis.from_url(redis.url)
+
+    async def read() -> float:
+        return sum(int(c.split()[1]) for c in await client.hvals("extproc:m1:inst"))
+
     try:
-        value = -1
-        for _ in range(int(timeout_s / 0.05)):
-            counts = await client.hvals("extproc:m1:inst")
-            value = sum(int(c.split()[1]) for c in counts)
-            if done(value):
-                return value
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"Redis counts {value} in flight")
+        value = await poll(read, done, timeout_s)
     finally:
         await client.aclose()
+    assert done(value), f"Redis counts {value} in flight"
+    return value
 
 
 def cluster_config(tmp_path: Path, redis: RedisServer, instances: int = 2, **model: Any) -> Path:
