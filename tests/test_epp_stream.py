@@ -32,6 +32,7 @@ ENDPOINTS = ("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:80
 CONFIG = parse_config({
     "identity": {"fairness_id_headers": ["x-gateway-inference-fairness-id"],
                  "objectives": {"chat": "interactive"}},
+    "endpoint_picker": {"fallbacks": 2},
     "models": [{"name": "base", "served_names": ["base-lora-*", "alias"], "endpoints": list(ENDPOINTS),
                 "endpoint_picking": True, "target_waiting": 1}],
 })

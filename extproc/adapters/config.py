@@ -312,8 +312,10 @@ class EndpointPickerSettings(_Section, frozen=True):
     max_body_bytes: Count = 10 * 1024 * 1024
     # The status of a request shed under load (queue full, timed out, overloaded): the protocol's 429.
     shed_status: Literal[429, 503] = 429
-    # Endpoints named after the pick, in order of preference, so a dead one costs a retry.
-    fallbacks: Count0 = 2
+    # Endpoints named after the pick, in order of preference, so a dead one costs a retry. Only
+    # for a gateway whose pool cluster walks the list (Envoy's override_host policy): an
+    # ORIGINAL_DST cluster (Envoy AI Gateway) takes one address and fails a list with 503.
+    fallbacks: Count0 = 0
 
 
 class EnvoySettings(_Section, frozen=True):
