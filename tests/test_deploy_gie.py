@@ -504,7 +504,7 @@ def strict(node: Any) -> Any:
 
 def leaf_mutants(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[str, Any]]:
     """(description, mutant of the whole ``node``) for each field: a wrong type, bounds, an unknown key."""
-    def at(value: Any) -> Any:
+    def at(path: tuple[Any, ...], value: Any) -> Any:
         mutant = copy.deepcopy(node)
         target = mutant
         for step in path[:-1]:
@@ -532,20 +532,19 @@ def leaf_mutants(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[str, A
             yield f"{name}: unknown field", mutant
         if not where:
             continue
-        path = where
         if isinstance(value, bool):
-            yield f"{name}: a string", at("true")
+            yield f"{name}: a string", at(where, "true")
         elif isinstance(value, int):
             for bad in ("1", 0, -1, 70000, 2**40):
-                yield f"{name}: {bad!r}", at(bad)
+                yield f"{name}: {bad!r}", at(where, bad)
         elif isinstance(value, str):
             for bad in (1, "", "Not A Name!", "x" * 300):
-                yield f"{name}: {bad!r}", at(bad)
+                yield f"{name}: {bad!r}", at(where, bad)
         elif isinstance(value, list):
-            yield f"{name}: a string", at("x")
-            yield f"{name}: empty", at([])
+            yield f"{name}: a string", at(where, "x")
+            yield f"{name}: empty", at(where, [])
         elif isinstance(value, dict):
-            yield f"{name}: a string", at("x")
+            yield f"{name}: a string", at(where, "x")
 
 
 @pytest.mark.parametrize("kind", sorted(UPSTREAM), ids=lambda k: f"{k[1]}.{k[0]}")
