@@ -10,6 +10,7 @@ import datetime
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -118,3 +119,19 @@ class SecretVolume:
         staged = self.directory / "..data_tmp"
         staged.symlink_to(target.name)
         staged.replace(self.directory / "..data")
+
+
+def processor_tls(directory: Path, *, mutual: bool = True, reload_s: float = 5.0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Certificates in ``directory`` for TLS between Envoy and the processor: (``listen.tls``, the ``envoy`` keys).
+
+    The processor's certificate (``processor``) and Envoy's client one
+    (``envoy``) come from one CA; ``mutual`` makes the processor ask for it.
+    """
+    ca = CA(directory)
+    server, client = ca.issue("processor"), ca.issue("envoy", server=False)
+    tls: dict[str, Any] = {"cert_file": str(server.cert), "key_file": str(server.key), "reload_s": reload_s}
+    envoy = {"processor_ca_file": str(ca.cert_file)}
+    if mutual:
+        tls["client_ca_file"] = str(ca.cert_file)
+        envoy |= {"processor_client_cert_file": str(client.cert), "processor_client_key_file": str(client.key)}
+    return tls, envoy
