@@ -72,6 +72,9 @@ requests naming no configured model.
 With ``cluster.instances`` (active-active, docs/cluster.md), the ``extproc``
 cluster lists every instance; Envoy's default round-robin spreads the streams.
 
+With ``listen.tls``, every processor cluster speaks TLS to the processor
+(:func:`_processor_tls`; docs/configuration.md, "TLS on the gRPC port").
+
 Whatever Envoy answers itself (step 1's 401, the router's 503 when an
 engine cannot be reached, 413, 408) becomes the processor's
 OpenAI-style JSON error with a reason header, through the HTTP connection
