@@ -68,6 +68,12 @@ def test_tls_settings_are_checked_at_load_each_error_with_its_key_path(tmp_path:
     )
     good = parse_config({"models": [MODEL], "listen": {"tls": {"cert_file": str(one.cert), "key_file": str(one.key)}}})
     assert good.listen.tls is not None and good.listen.tls.reload_s == 5.0 and good.listen.tls.client_ca_file is None
+    # Every instance of a cluster (or shard) serves the file's TLS on its own address.
+    instances = {"a": {"grpc": "127.0.0.1:50061", "metrics": "127.0.0.1:9465"}}
+    clustered = parse_config({"models": [MODEL], "listen": {"tls": {"cert_file": str(one.cert), "key_file": str(one.key)}},
+                              "cluster": {"redis_url": "redis://127.0.0.1:6379", "instances": instances}})
+    assert clustered.for_instance("a").listen.tls == good.listen.tls
+    assert clustered.for_instance("a").listen.grpc == "127.0.0.1:50061"
 
 
 def _tls(ca: CA, server: Pair, *, mutual: bool = False, reload_s: float = 5.0) -> Any:
