@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -329,9 +330,10 @@ class GrpcServer:
         self.connections: set[_Connection] = set()
         self._listener: asyncio.Server | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
+        """Listen; with ``tls`` (a server context offering ALPN h2: tls.py), every connection is TLS."""
         loop = asyncio.get_running_loop()
-        self._listener = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True)
+        self._listener = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True, ssl=tls)
 
     def calls(self) -> int:
         return sum(len(c.calls) for c in self.connections)
