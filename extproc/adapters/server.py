@@ -50,6 +50,8 @@ PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 # Once nothing is queued or in flight: how long the last streams (refusals being
 # sent) get to finish before the gRPC server stops.
 FINAL_GRACE_S = 1.0
+# A buffered body comes as one message with Envoy's headers and metadata around it.
+BODY_MESSAGE_MARGIN = 64 * 1024
 # How often the drain looks at the queues; it runs once per process lifetime.
 DRAIN_POLL_S = 0.05
 
@@ -69,7 +71,7 @@ class ProcessorServer:
         self._grpc = GrpcServer({
             PROCESS_PATH: Method(pb.ProcessingRequest.FromString, self.processor.process),
             **self._health.methods(),
-        })
+        }, max_message_bytes=config.endpoint_picker.max_body_bytes + BODY_MESSAGE_MARGIN)
         # TLS on the gRPC port (listen.tls), its files reloaded while serving.
         tls = config.listen.tls
         self._tls = None if tls is None else ServerTls(tls, self.telemetry.tls_reloaded)
