@@ -60,10 +60,16 @@ _CHAT_RESPONSE = json.dumps({
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
 })
-_IDLE_ENGINE_METRICS = "".join(
-    f"# TYPE {name} gauge\n{name}{{model_name=\"{MODEL}\"}} 0\n"
-    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running")
-)
+
+
+def idle_engine_metrics(model: str) -> str:
+    """A vLLM ``/metrics`` page of an idle engine serving ``model``: nothing waiting, nothing running."""
+    return "".join(
+        f"# TYPE {name} gauge\n{name}{{model_name=\"{model}\"}} 0\n"
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running")
+    )
+
+
 REQUEST_BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
 
 
@@ -138,7 +144,7 @@ def upstream_bootstrap(listen_port: int, admin_port: int) -> dict[str, Any]:
                 "name": "fast",
                 "domains": ["*"],
                 "routes": [
-                    {"match": {"path": "/metrics"}, **reply(_IDLE_ENGINE_METRICS, "text/plain; version=0.0.4")},
+                    {"match": {"path": "/metrics"}, **reply(idle_engine_metrics(MODEL), "text/plain; version=0.0.4")},
                     {"match": {"prefix": "/"}, **reply(_CHAT_RESPONSE, "application/json")},
                 ],
             }]
