@@ -49,7 +49,7 @@ def test_rules_between_fields_are_reported_together() -> None:
         "models[0].release_rate: is required with gate: static_rate",
         "models[0].endpoint_picking: does not work with gate: static_rate (no per-endpoint state)",
         "priorities: must not repeat a class, got ['a', 'b', 'a']",
-        "models[1].name: duplicate model name 'm'",
+        "models[1].name: duplicate model name 'm' (models[0] serves it)",
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -413,3 +414,19 @@ def test_a_misspelt_field_fails_the_protobuf_check() -> None:
     doc["static_resources"]["clusters"][0]["connect_timeout"] = "soon"
     with pytest.raises(ParseError, match="connect_timeout"):
         bootstrap_message(doc)
+
+
+def test_served_names_route_with_their_model_and_fairness_ids_are_stripped_from_clients() -> None:
+    """An unscheduled request for a served name (or pattern) finds its model's engines; a client cannot name a tenant."""
+    config = free_port_config(
+        identity={"fairness_id_headers": ["x-gateway-inference-fairness-id"]},
+        models=[{"name": "base", "endpoints": ["http://10.0.0.7:8000"], "served_names": ["alias", "base-lora-*"]}],
+    )
+    doc = bootstrap(config, ext_proc=False)
+    bootstrap_message(doc)  # Envoy's proto check accepts the regular expression matcher
+    [matcher] = hcm(doc)["route_config"]["virtual_hosts"][0]["routes"][0]["match"]["dynamic_metadata"]
+    regex = matcher["value"]["string_match"]["safe_regex"]["regex"]
+    assert [bool(re.fullmatch(regex, n)) for n in ("base", "alias", "base-lora-sql", "base-lora", "other")] == [
+        True, True, True, False, False]
+    removed = [m["remove"] for m in hcm(bootstrap(config))["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]]
+    assert "x-gateway-inference-fairness-id" in removed

@@ -323,13 +323,13 @@ def test_picking_keeps_a_key_on_its_endpoint_within_bounded_load() -> None:
     for e in ("e1", "e2"):
         gate.record_scrape(e, EngineLoad(waiting=2, running=10), started_at=0.0)  # capacity 10: limit 13
         gate.record_scrape(e, EngineLoad(waiting=0, running=2), started_at=0.1)  # 8 batch slots free
-    favourite = gate.pick("alice", 0.1)
-    assert favourite is not None and gate.pick("alice", 0.1) == favourite
+    favourite = gate.ranked("alice", 0.1)[0]
+    assert gate.ranked("alice", 0.1)[0] == favourite
     other = "e2" if favourite == "e1" else "e1"
     picks = []
     for i in range(gate.allowance(0.1)):
-        endpoint = gate.pick("alice", 0.1)
-        assert endpoint is not None
+        endpoint, *fallbacks = gate.ranked("alice", 0.1)
+        assert fallbacks == [e for e in ("e1", "e2") if e != endpoint]
         picks.append(endpoint)
         gate.record_release(i, 0.1, endpoint)
     # alice stays on her engine (its prefix cache is warm there) until it has `target` more
@@ -338,7 +338,7 @@ def test_picking_keeps_a_key_on_its_endpoint_within_bounded_load() -> None:
     for n in range(len(picks)):
         assert 0 <= picks[:n].count(favourite) - picks[:n].count(other) <= 4
     assert picks.count(favourite) == picks.count(other) == 11
-    assert gate.pick("alice", 0.1) is None and gate.allowance(0.1) == 0
+    assert gate.allowance(0.1) == 0
     gate.record_finish(picks.index(other), 0.2)
     assert gate.rule.endpoint_allowance(other, 0.2) == 1 and gate.rule.endpoint_allowance(favourite, 0.2) == 0
 

@@ -155,23 +155,29 @@ async def test_thousands_of_held_streams_on_one_connection_and_a_reset_ends_each
         await server.stop(0)
 
 
-async def test_health_answers_per_service_and_turns_not_serving_for_good_on_drain() -> None:
-    health = Health()
-    health.set("", health_pb2.HealthCheckResponse.SERVING)
-    health.set("svc", health_pb2.HealthCheckResponse.SERVING)
+async def test_health_answers_the_endpoint_picker_services_and_only_liveness_survives_the_drain() -> None:
+    pools_known = [False]
+    health = Health(lambda: pools_known[0])
     server, channel = await _serving(Handlers(), health)
     stub = health_pb2_grpc.HealthStub(channel)
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def statuses() -> dict[str, int]:
+        services = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor", "")
+        return {s: (await stub.Check(health_pb2.HealthCheckRequest(service=s))).status for s in services}
+
     try:
-        assert (await stub.Check(health_pb2.HealthCheckRequest(service="svc"))).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        assert set((await statuses()).values()) == {serving, not_serving}  # alive, not started yet
+        health.start()
+        assert (await statuses())["readiness"] == not_serving  # no pool member known yet
+        pools_known[0] = True
+        assert set((await statuses()).values()) == {serving}
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await stub.Check(health_pb2.HealthCheckRequest(service="other"))
         assert raised.value.code() == grpc.StatusCode.NOT_FOUND
         health.enter_graceful_shutdown()
-        health.set("svc", health_pb2.HealthCheckResponse.SERVING)  # ignored from now on
-        for service in ("", "svc"):
-            assert (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status == \
-                health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await statuses() == {"liveness": serving, "readiness": not_serving,
+                                    "envoy.service.ext_proc.v3.ExternalProcessor": not_serving, "": not_serving}
     finally:
         await channel.close()
         await server.stop(0)

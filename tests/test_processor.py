@@ -14,6 +14,7 @@ from google.protobuf import struct_pb2
 from extproc.adapters.config import parse_config
 from extproc.adapters.envoy_config import hold_timeout_s
 from extproc.adapters.ext_proc.contract import HOLD_MARGIN_S
+from extproc.adapters.ext_proc.request_fields import RequestFields
 from extproc.adapters.ext_proc.servicer import ANSWERS, Processor
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatcher, build_dispatchers
@@ -161,9 +162,9 @@ async def test_rejections_are_immediate_json_answers(message: pb.ProcessingReque
 async def test_unknown_priority_falls_back_to_the_default_band() -> None:
     processor, _ = make_processor()
     headers = {"x-priority": "urgent!!"}
-    assert processor.admit(headers, "m").band == CONFIG.priorities.index("standard")
-    assert processor.admit({"x-priority": "Interactive"}, "m").band == 0
-    assert processor.admit({}, "m").tenant == "anonymous"
+    assert processor.admit(headers, RequestFields(model="m")).band == CONFIG.priorities.index("standard")
+    assert processor.admit({"x-priority": "Interactive"}, RequestFields(model="m")).band == 0
+    assert processor.admit({}, RequestFields(model="m")).tenant == "anonymous"
 
 
 # --- entitlements, limits and engine priority -----------------------------------------------
@@ -205,7 +206,7 @@ def make_policy_processor() -> tuple[Processor, Telemetry]:
 )
 def test_a_class_beyond_the_entitlement_is_downgraded_never_upgraded(tenant: str, asked: str, granted: str) -> None:
     processor, _ = make_policy_processor()
-    admission = processor.admit({"x-tenant-id": tenant, "x-priority": asked}, "m")
+    admission = processor.admit({"x-tenant-id": tenant, "x-priority": asked}, RequestFields(model="m"))
     assert POLICY_CONFIG.priorities[admission.band] == granted
     assert (admission.requested is not None) == (asked not in ("", granted))
 
@@ -213,10 +214,10 @@ def test_a_class_beyond_the_entitlement_is_downgraded_never_upgraded(tenant: str
 def test_no_lower_class_to_fall_back_to_and_no_tenant_are_refused() -> None:
     processor, _ = make_policy_processor()
     with pytest.raises(Refused) as chat:  # asks below everything it may use: granting more would upgrade it
-        processor.admit({"x-tenant-id": "chat", "x-priority": "batch"}, "m")
+        processor.admit({"x-tenant-id": "chat", "x-priority": "batch"}, RequestFields(model="m"))
     assert chat.value.refusal is Refusal.PRIORITY_NOT_ALLOWED and ANSWERS[chat.value.refusal][0] == 403
     with pytest.raises(Refused) as anonymous:
-        processor.admit({}, "m")
+        processor.admit({}, RequestFields(model="m"))
     assert anonymous.value.refusal is Refusal.TENANT_MISSING and ANSWERS[anonymous.value.refusal][0] == 401
 
 

@@ -171,6 +171,16 @@ class Identity(_Section, frozen=True):
     default_tenant: NonEmpty = "anonymous"
     # A request without the tenant header: served as `default_tenant`, or refused with 401.
     missing_tenant: Literal["default", "reject"] = "default"
+    # The Gateway API Inference Extension's conventions (docs/epp.md). The fairness id is
+    # read as the tenant where tenant_header is absent, so list only headers the gateway in
+    # front sets and overwrites (its auth): a client must not choose its own tenant.
+    fairness_id_headers: tuple[Header, ...] = ()
+    # The request's objective, mapped to a class by `objectives`; like priority_header it is
+    # the client's wish, limited by the tenant's entitlement.
+    objective_headers: tuple[Header, ...] = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
+    objectives: dict[NonEmpty, NonEmpty] = msgspec.field(default_factory=dict)
+    # A time-to-first-token objective in milliseconds, carried with the request to the scheduler.
+    ttft_headers: tuple[Header, ...] = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
 
 
 class CostSettings(_Section, frozen=True):
@@ -196,6 +206,10 @@ class ModelConfig(_Section, frozen=True):
 
     name: NonEmpty
     endpoints: Annotated[tuple[Endpoint, ...], Meta(min_length=1)]
+    # Other model names these engines serve (LoRA adapters, aliases): exact names or shell-style
+    # patterns (`llama-3-lora-*`). Every name shares this model's gate and fair queues; the
+    # name itself only routes and reports.
+    served_names: tuple[NonEmpty, ...] = ()
     engine: Annotated[str, choice(ENGINES)] = "vllm"
     target_waiting: Count = 3
     scrape_interval_s: Positive = 0.1
@@ -289,6 +303,19 @@ class JwtSettings(_Section, frozen=True):
     def problems(self) -> Iterator[tuple[str, str]]:
         if (self.jwks is None) == (self.jwks_uri is None):
             yield "", "needs exactly one of jwks (an inline JWKS) or jwks_uri (where Envoy fetches it)"
+
+
+class EndpointPickerSettings(_Section, frozen=True):
+    """The Endpoint Picker Protocol's knobs, for requests attached by ext_proc alone (docs/epp.md)."""
+
+    # A body read from the stream larger than this is refused 413.
+    max_body_bytes: Count = 10 * 1024 * 1024
+    # The status of a request shed under load (queue full, timed out, overloaded): the protocol's 429.
+    shed_status: Literal[429, 503] = 429
+    # Endpoints named after the pick, in order of preference, so a dead one costs a retry. Only
+    # for a gateway whose pool cluster walks the list (Envoy's override_host policy): an
+    # ORIGINAL_DST cluster (Envoy AI Gateway) takes one address and fails a list with 503.
+    fallbacks: Count0 = 0
 
 
 class EnvoySettings(_Section, frozen=True):
@@ -396,6 +423,7 @@ class ConfigFile(_Section, frozen=True):
     shards: dict[str, Shard] = msgspec.field(default_factory=dict)
     # Active-active: several instances that behave as one, sharing state in Redis (docs/cluster.md).
     cluster: ClusterSettings | None = None
+    endpoint_picker: EndpointPickerSettings = msgspec.field(default_factory=EndpointPickerSettings)
 
     def problems(self) -> Iterator[tuple[str, str]]:
         yield from _shard_problems(self)
@@ -414,10 +442,10 @@ class ConfigFile(_Section, frozen=True):
             yield "priorities", f"must not repeat a class, got {list(classes)}"
         if self.default_priority is not None and self.default_priority not in classes:
             yield "default_priority", f"must be one of priorities {list(classes)}, got {self.default_priority!r}"
-        names = [m.name for m in self.models]
-        for i, name in enumerate(names):
-            if name in names[:i]:
-                yield f"models[{i}].name", f"duplicate model name {name!r}"
+        yield from _name_problems(self)
+        for objective, band in self.identity.objectives.items():
+            if band not in classes:
+                yield f"identity.objectives.{objective}", f"must be one of priorities {list(classes)}, got {band!r}"
         for name in self.bands:
             if name not in classes:
                 yield f"bands.{name}", f"unknown key (allowed: {', '.join(sorted(classes))})"
@@ -425,6 +453,16 @@ class ConfigFile(_Section, frozen=True):
         yield from wrong
         if not wrong and (self.default_priority is None or self.default_priority in classes):
             yield from _entitlement_problems(self)
+
+
+def _name_problems(file: ConfigFile) -> Iterator[tuple[str, str]]:
+    """A model name (or exact served name) belongs to one model: requests for it must find one gate."""
+    owner: dict[str, int] = {}
+    for i, model in enumerate(file.models):
+        for key, name in [("name", model.name), *((f"served_names[{j}]", n) for j, n in enumerate(model.served_names))]:
+            if name in owner and (owner[name] != i or key == "name"):
+                yield f"models[{i}].{key}", f"duplicate model name {name!r} (models[{owner[name]}] serves it)"
+            owner.setdefault(name, i)
 
 
 def _shard_problems(file: ConfigFile) -> Iterator[tuple[str, str]]:
@@ -533,6 +571,7 @@ class Config:
     shards: dict[str, Shard] = field(default_factory=dict)
     # Active-active (None: this instance alone schedules its models).
     cluster: ClusterSettings | None = None
+    endpoint_picker: EndpointPickerSettings = field(default_factory=EndpointPickerSettings)
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -660,6 +699,7 @@ def _parse(raw: Any) -> Config:
         default_tenant=default_tenant,
         shards=dict(file.shards),
         cluster=file.cluster,
+        endpoint_picker=file.endpoint_picker,
     )
 
 

@@ -242,7 +242,8 @@ def _sanitise_filter(config: Config, *, keep_tenant: bool = False) -> dict[str, 
     ``keep_tenant``: a drop-in without either leaves identity to the
     operator's own auth filter, which runs earlier and sets it.
     """
-    tenant = [] if keep_tenant else [config.identity.tenant_header]
+    # The fairness-id headers name a tenant too: only a gateway's auth in front may set them.
+    tenant = [] if keep_tenant else [config.identity.tenant_header, *config.identity.fairness_id_headers]
     remove = [config.identity.model_header, *tenant, DESTINATION_HEADER, *ECHOED_HEADERS]
     return {
         "name": "envoy.filters.http.header_mutation",
@@ -446,8 +447,32 @@ def _model_match(config: Config, model: str, ext_proc: bool, prefix: str = "/") 
     if ext_proc:
         return {"prefix": prefix, "headers": [{"name": config.identity.model_header, "string_match": {"exact": model}}]}
     path = [{"key": "model"}]
-    value = {"string_match": {"exact": model}}
+    served = config.model(model)
+    names = (model, *served.served_names) if served is not None else (model,)
+    value = {"string_match": {"exact": model} if len(names) == 1 else {"safe_regex": {"regex": _names_regex(names)}}}
     return {"prefix": prefix, "dynamic_metadata": [{"filter": METADATA_NAMESPACE, "path": path, "value": value}]}
+
+
+def _names_regex(names: tuple[str, ...]) -> str:
+    """An RE2 expression (matched whole, as Envoy does) for exact names and shell-style patterns."""
+    def one(name: str) -> str:
+        parts, i = [], 0
+        while i < len(name):
+            c = name[i]
+            end = name.find("]", i + 2) if c == "[" else -1
+            if c == "*":
+                parts.append(".*")
+            elif c == "?":
+                parts.append(".")
+            elif end > 0:  # a class: [abc], [!abc]
+                inner = name[i + 1:end]
+                parts.append("[" + ("^" + inner[1:] if inner.startswith("!") else inner).replace("\\", "\\\\") + "]")
+                i = end
+            else:
+                parts.append(re.escape(c))
+            i += 1
+        return "".join(parts)
+    return "|".join(f"(?:{one(n)})" for n in names)
 
 
 def _retry_policy() -> dict[str, Any]:

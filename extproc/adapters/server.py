@@ -32,12 +32,10 @@ from collections.abc import Callable
 
 import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from grpc_health.v1 import health_pb2
 
 from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.engines.discovery import watch_pool
-from extproc.adapters.ext_proc.contract import EXT_PROC_SERVICE
 from extproc.adapters.ext_proc.h2grpc import GrpcServer, Method
 from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.servicer import Processor
@@ -63,7 +61,8 @@ class ProcessorServer:
         self.telemetry = Telemetry()
         self.dispatchers = build_dispatchers(config, self.telemetry)
         self.processor = Processor(config, self.dispatchers, self.telemetry)
-        self._health = Health()
+        # Ready once every model's pool has a member: what the Endpoint Picker Protocol calls synced.
+        self._health = Health(lambda: all(d.pool.endpoints for d in self.dispatchers.values()))
         # Every held request is an open stream: the transport never limits them, and
         # keeps each small (h2grpc.py; measured per held request in docs/reliability.md).
         self._grpc = GrpcServer({
@@ -100,8 +99,7 @@ class ProcessorServer:
             self._tasks.append(asyncio.create_task(watch_pool(self._session, model, self.dispatchers[model.name])))
         if self._cluster is not None:
             self._cluster.start()
-        for service in ("", EXT_PROC_SERVICE):
-            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._health.start()
         log.info("serving ext_proc on %s, metrics on %s", self.config.listen.grpc, self.config.listen.metrics)
 
     def queued(self) -> int:

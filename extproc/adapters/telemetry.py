@@ -42,9 +42,10 @@ NO_TENANT = "(none)"
 UNKNOWN_MODEL = "(unknown)"
 # Refusals the ext_proc adapter decides before a request reaches a model's queue: all the model label
 # can be when the model is not served, and the refusals a known model gets before its tenant is known.
-_UNKNOWN_MODEL_REASONS = (Refusal.MODEL_MISSING, Refusal.MODEL_NOT_FOUND, Refusal.OVERLOADED)
-_ADMISSION_REASONS = (Refusal.INVALID_MAX_TOKENS, Refusal.TENANT_MISSING, Refusal.PRIORITY_NOT_ALLOWED,
-                      Refusal.SHUTTING_DOWN, Refusal.OVERLOADED)
+_UNKNOWN_MODEL_REASONS = (Refusal.MODEL_MISSING, Refusal.MODEL_NOT_FOUND, Refusal.OVERLOADED,
+                          Refusal.INVALID_BODY, Refusal.BODY_TOO_LARGE)
+_ADMISSION_REASONS = (Refusal.INVALID_MAX_TOKENS, Refusal.INVALID_TTFT_OBJECTIVE, Refusal.TENANT_MISSING,
+                      Refusal.PRIORITY_NOT_ALLOWED, Refusal.NO_ENDPOINT, Refusal.SHUTTING_DOWN, Refusal.OVERLOADED)
 # Refusals of a request whose tenant is known: a queue cap, its queue timeout, the drain.
 _QUEUE_REASONS = (Refusal.TENANT_QUEUE_FULL, Refusal.BAND_QUEUE_FULL, Refusal.MODEL_QUEUE_FULL,
                   Refusal.QUEUE_TIMEOUT, Refusal.SHUTTING_DOWN)
@@ -143,6 +144,19 @@ class Telemetry:
             "extproc_priority_downgraded",
             "Requests that asked for a priority class their tenant is not entitled to and got a lower one.",
             ["model", "requested", "granted"],
+            registry=r,
+        )
+        self.model_names = Counter(
+            "extproc_model_name_requests",
+            "Requests admitted by the model name the body asked for (a served name, or the pattern that matched it).",
+            ["model", "name"],
+            registry=r,
+        )
+        self.served_elsewhere = Counter(
+            "extproc_served_elsewhere",
+            "Released requests the gateway reported served by another endpoint than the one picked "
+            "(a fallback was taken: the picked endpoint failed).",
+            ["model"],
             registry=r,
         )
         self.in_flight = Gauge(

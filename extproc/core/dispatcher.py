@@ -72,6 +72,12 @@ class Held:
     # Prefix-cache affinity key (endpoint picking) and the endpoint picked on release.
     affinity: str = ""
     endpoint: str | None = None
+    # After the pick, the other endpoints in order of preference (the gateway's fallbacks).
+    fallbacks: tuple[str, ...] = ()
+    # The endpoints it may go to (a gateway's subset hint); None: any of the pool.
+    eligible: frozenset[str] | None = None
+    # The client's time-to-first-token objective, when it named one.
+    ttft_objective_s: float | None = None
     # Whether its response's headers are read for a failed release (a sample: they cost a message).
     checked: bool = False
 
@@ -157,11 +163,14 @@ class ModelDispatcher:
         content_length: int | None = None,
         max_tokens: float | None = None,
         affinity: str = "",
+        eligible: frozenset[str] | None = None,
+        ttft_objective_s: float | None = None,
     ) -> Held:
         """Queue a request and dispatch; the returned future may already be resolved.
 
         ``affinity`` groups requests that share a prompt prefix (endpoint picking
-        keeps them on one engine); empty means the tenant. Raises
+        keeps them on one engine); empty means the tenant. ``eligible`` limits
+        where it may go (endpoint picking). Raises
         :class:`~extproc.core.outcomes.Refused` when a queue cap leaves no room.
         """
         now = self._clock()
@@ -175,7 +184,8 @@ class ModelDispatcher:
         estimate = self._cost.estimate(tenant, content_length, max_tokens)
         if estimate.clamped:
             self._report.cost_clamped()
-        held = Held(tenant, band, now, loop.create_future(), estimate, affinity=affinity or tenant)
+        held = Held(tenant, band, now, loop.create_future(), estimate, affinity=affinity or tenant,
+                    eligible=eligible, ttft_objective_s=ttft_objective_s)
         new_head = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)
         self._report.queued(self._bands[band].name, tenant, 1)
@@ -232,6 +242,23 @@ class ModelDispatcher:
             self._report.release_failed(endpoint)
         if self.pool.down() != down:
             self.dispatch()  # reports the change; an endpoint back up takes held requests at once
+
+    def record_served(self, held: Held, endpoint: str) -> None:
+        """The gateway reports where ``held`` was served; another endpoint than the pick means the pick failed it."""
+        if not held.released or held.ended or held.endpoint is None or endpoint == held.endpoint:
+            return
+        if endpoint not in self.pool.endpoints:
+            return  # not a member (yet): nothing to count it against
+        down = self.pool.down()
+        self.pool.record_served(held, held.endpoint, endpoint, self._clock())
+        self._report.release_failed(held.endpoint)
+        held.endpoint = endpoint
+        if self.pool.down() != down:
+            self.dispatch()
+
+    def serves(self, eligible: frozenset[str] | None = None) -> bool:
+        """Whether an endpoint (of ``eligible``, when given) is there and not down to take a request."""
+        return self.pool.serves(eligible)
 
     def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float, *, reachable: bool = True) -> None:
         """A scrape's outcome (``load`` None: failed; ``reachable=False``: its connection was refused)."""
@@ -353,7 +380,8 @@ class ModelDispatcher:
 
     def _release(self, band: int, tenant: str, held: Held, now: float) -> None:
         held.released = True
-        held.endpoint = self.pool.pick(held.affinity, now)
+        ranked = self.pool.ranked(held.affinity, now, held.eligible)
+        held.endpoint, held.fallbacks = (ranked[0], tuple(ranked[1:])) if ranked else (None, ())
         held.checked = self.pool.check_release(held.endpoint, now)
         self.pool.record_release(held, now, held.endpoint, into_free_slot=self._bands[band].idle_only)
         self._release_rate.record(now)

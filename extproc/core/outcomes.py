@@ -19,6 +19,10 @@ class Refusal(StrEnum):
     MODEL_MISSING = "model_missing"  # the body names no model
     MODEL_NOT_FOUND = "model_not_found"  # a model this gateway does not serve
     INVALID_MAX_TOKENS = "invalid_max_tokens"  # max_tokens / max_completion_tokens is not a whole number >= 1
+    INVALID_BODY = "invalid_body"  # a body read from the stream is not a JSON object
+    BODY_TOO_LARGE = "body_too_large"  # a body read from the stream is over its limit
+    INVALID_TTFT_OBJECTIVE = "invalid_ttft_objective"  # the TTFT objective header is not a number of ms > 0
+    NO_ENDPOINT = "no_endpoint"  # no endpoint of the pool (or of the request's subset) can take it
     TENANT_MISSING = "tenant_missing"  # no tenant identity, and the config refuses anonymous requests
     PRIORITY_NOT_ALLOWED = "priority_not_allowed"  # no class the tenant may use at or below the one asked for
     TENANT_QUEUE_FULL = "tenant_queue_full"  # the tenant's own backlog is at its cap

@@ -21,6 +21,14 @@ SEND, everything else off):
    client has gone; its end is the request's completion, which keeps the
    gate's in-flight count exact at no per-chunk cost.
 
+Attached by ext_proc alone — a Gateway API Inference Extension gateway, whose
+filter sends the body and reads the pick back (docs/epp.md) — there is no
+metadata: the body is read from the stream (``request_fields.py``) in the
+gateway's body mode, the request held the same way, and the release answered
+as the Endpoint Picker Protocol says (``epp.py``): the endpoint and its
+fallbacks in a header and in ``envoy.lb`` metadata, the body passed back
+unchanged, the protocol's statuses for a refusal.
+
 For ``engine_priority`` models only, the CONTINUE also switches the stream to
 a buffered request body (ext_proc ``mode_override``): Envoy then sends the
 body, which comes back with the band's ``priority`` written in (priority_body.py).
@@ -51,23 +59,22 @@ OpenAI-style JSON error, ``Retry-After`` — is chosen here (:data:`ANSWERS`,
 from __future__ import annotations
 
 import asyncio
-import ipaddress
+import fnmatch
 import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import duration_pb2, struct_pb2
+from google.protobuf import duration_pb2
 
-from extproc.adapters.config import Config
+from extproc.adapters.config import Config, ModelConfig
+from extproc.adapters.ext_proc import epp
 from extproc.adapters.ext_proc.contract import (
     DESTINATION_HEADER,
-    METADATA_NAMESPACE,
     PROCESSING_MODE,
     QUEUE_WAIT_HEADER,
     REASON_HEADER,
@@ -76,8 +83,9 @@ from extproc.adapters.ext_proc.contract import (
 from extproc.adapters.ext_proc.loop_lag import LoopLag
 from extproc.adapters.ext_proc.priority_body import with_priority
 from extproc.adapters.ext_proc.release_outcome import engine_answered
+from extproc.adapters.ext_proc.request_fields import RequestFields, from_body, from_metadata, max_tokens
 from extproc.adapters.telemetry import NO_TENANT, Telemetry
-from extproc.core.dispatcher import ModelDispatcher, shutting_down
+from extproc.core.dispatcher import Held, ModelDispatcher, shutting_down
 from extproc.core.outcomes import Refusal, Refused
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -89,6 +97,10 @@ ANSWERS: dict[Refusal, tuple[int, str]] = {
     Refusal.MODEL_MISSING: (400, "invalid_request_error"),
     Refusal.MODEL_NOT_FOUND: (404, "invalid_request_error"),
     Refusal.INVALID_MAX_TOKENS: (400, "invalid_request_error"),
+    Refusal.INVALID_BODY: (400, "invalid_request_error"),
+    Refusal.BODY_TOO_LARGE: (413, "invalid_request_error"),
+    Refusal.INVALID_TTFT_OBJECTIVE: (400, "invalid_request_error"),
+    Refusal.NO_ENDPOINT: (503, "server_error"),
     Refusal.TENANT_MISSING: (401, "authentication_error"),
     Refusal.PRIORITY_NOT_ALLOWED: (403, "permission_error"),
     Refusal.TENANT_QUEUE_FULL: (429, "rate_limit_error"),
@@ -98,6 +110,9 @@ ANSWERS: dict[Refusal, tuple[int, str]] = {
     Refusal.SHUTTING_DOWN: (503, "server_error"),
     Refusal.OVERLOADED: (503, "server_error"),
 }
+# Refusals of a request shed under load: the Endpoint Picker Protocol answers them 429
+# (endpoint_picker.shed_status) for requests attached by ext_proc alone.
+SHED = frozenset({Refusal.BAND_QUEUE_FULL, Refusal.MODEL_QUEUE_FULL, Refusal.QUEUE_TIMEOUT, Refusal.OVERLOADED})
 # Retry-After: the refusing queue's drain time at the recent release rate, within these bounds.
 MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
@@ -127,6 +142,39 @@ class Admission:
     band: int
     # The band the request asked for, when it was downgraded.
     requested: int | None = None
+    # The model name the body asked for, as counted (a served name or the pattern it matched).
+    name: str = ""
+    ttft_objective_s: float | None = None
+
+
+def is_pattern(name: str) -> bool:
+    """Whether a served name is a shell-style pattern rather than one name."""
+    return any(c in name for c in "*?[")
+
+
+class ModelNames:
+    """Which configured model serves a requested name: its own name, a served name, or a pattern.
+
+    Exact names first, then the patterns in the order the config lists them.
+    Returns the model and the name to count it under (bounded by the config:
+    a client-chosen name never becomes a label value itself).
+    """
+
+    def __init__(self, models: tuple[ModelConfig, ...]) -> None:
+        names = [(n, m.name) for m in models for n in (m.name, *m.served_names)]
+        self._exact = {n: model for n, model in names if not is_pattern(n)}
+        self._patterns = [(n, model) for n, model in names if is_pattern(n)]
+
+    def resolve(self, name: str) -> tuple[str, str] | None:
+        """(model, counted name) for the requested ``name``; None if no model serves it."""
+        model = self._exact.get(name)
+        if model is not None:
+            return model, name
+        return next(((m, pattern) for pattern, m in self._patterns if fnmatch.fnmatchcase(name, pattern)), None)
+
+    def listed(self) -> list[str]:
+        """The names a client can ask for by name (``GET /v1/models``)."""
+        return list(self._exact)
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -153,9 +201,9 @@ def retry_after_s(refused: Refused) -> int | None:
     return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(refused.drain_s)))
 
 
-def error_response(refused: Refused) -> pb.ProcessingResponse:
+def error_response(refused: Refused, status: int | None = None) -> pb.ProcessingResponse:
     """An OpenAI-style JSON error that Envoy sends to the client in place of the engine's answer."""
-    status, error_type = ANSWERS[refused.refusal]
+    default_status, error_type = ANSWERS[refused.refusal]
     body = {"error": {"message": refused.message, "type": error_type, "param": refused.param,
                       "code": refused.refusal.value}}
     headers = [_header("content-type", "application/json"), _header(REASON_HEADER, refused.refusal.value)]
@@ -166,7 +214,7 @@ def error_response(refused: Refused) -> pb.ProcessingResponse:
         headers.append(_header(QUEUE_WAIT_HEADER, str(round(refused.queue_wait_s * 1000))))
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
+            status=http_status_pb2.HttpStatus(code=status or default_status),
             headers=pb.HeaderMutation(set_headers=headers),
             body=json.dumps(body).encode(),
             details=refused.refusal.value,
@@ -174,9 +222,9 @@ def error_response(refused: Refused) -> pb.ProcessingResponse:
     )
 
 
-def _models_response(config: Config) -> pb.ProcessingResponse:
+def _models_response(names: list[str]) -> pb.ProcessingResponse:
     """``GET /v1/models`` answered from the configuration: the models this gateway routes."""
-    body = {"object": "list", "data": [{"id": m.name, "object": "model", "owned_by": "extproc"} for m in config.models]}
+    body = {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "extproc"} for name in names]}
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=200),
@@ -192,75 +240,73 @@ def _headers_of(message: pb.HttpHeaders) -> dict[str, str]:
             for h in message.headers.headers}
 
 
-def _metadata_value(request: pb.ProcessingRequest, name: str) -> struct_pb2.Value | None:
-    """A body field that Envoy's json_to_metadata copied into our metadata namespace."""
-    fields = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
-    if fields is None or name not in fields.fields:
-        return None
-    value: struct_pb2.Value = fields.fields[name]
-    return value
-
-
-def _body_field(request: pb.ProcessingRequest, name: str) -> str | None:
-    value = _metadata_value(request, name)
-    return value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else None
-
-
-def _body_model(request: pb.ProcessingRequest) -> str | None:
-    return _body_field(request, "model")
-
-
-def _host_port(endpoint: str) -> str | None:
-    """``http://10.0.0.7:8000`` -> ``10.0.0.7:8000``; None for a host name (ORIGINAL_DST needs an address)."""
-    parts = urlsplit(endpoint)
-    try:
-        address = ipaddress.ip_address(parts.hostname or "")
-    except ValueError:
-        return None
-    host = f"[{address}]" if address.version == 6 else str(address)
-    return f"{host}:{parts.port}"
-
-
-def _body_max_tokens(request: pb.ProcessingRequest) -> float | None:
-    """The body's output limit (``max_completion_tokens`` wins over ``max_tokens``, as in vLLM), or None.
-
-    Envoy copies each field as the JSON value it is (json_to_metadata type
-    PROTOBUF_VALUE): a string, a bool, a fraction, zero or a negative number is
-    refused here, naming the field, as OpenAI's API refuses it. Envoy's NUMBER
-    type would instead have turned ``"inf"`` or ``"nan"`` into a number and
-    ``true`` into 1. A list, an object or null never reaches us (Envoy drops
-    them; the engine answers those). A whole number too large for any context
-    (``1e308``) is valid JSON and passes: the cost model clamps it.
-    """
-    limit = None
-    for field in ("max_tokens", "max_completion_tokens"):
-        value = _metadata_value(request, field)
-        if value is None:
-            continue
-        number = value.number_value if value.WhichOneof("kind") == "number_value" else math.nan
-        if not (math.isfinite(number) and number >= 1 and number.is_integer()):
-            raise Refused(Refusal.INVALID_MAX_TOKENS, f"{field} must be an integer >= 1, got {_shown(value)}",
-                          param=field)
-        limit = number
-    return limit
-
-
-def _shown(value: struct_pb2.Value) -> str:
-    """A metadata value as the client wrote it, short (it goes into an error message)."""
-    kind = value.WhichOneof("kind")
-    if kind == "string_value":
-        return json.dumps(value.string_value[:40])
-    if kind == "bool_value":
-        return "true" if value.bool_value else "false"
-    if kind == "number_value":
-        return f"{value.number_value:g}"
-    return str(kind)
-
-
 def _content_length(headers: dict[str, str]) -> int | None:
     """The declared body size; None when absent (chunked) or not plain ASCII digits."""
     value = headers.get("content-length", "")
     return int(value) if value.isascii() and value.isdigit() else None
+
+
+def _first(headers: dict[str, str], names: tuple[str, ...]) -> str:
+    """The value of the first of ``names`` present (empty: none is)."""
+    return next((headers[n] for n in names if headers.get(n)), "")
+
+
+_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_BUFFERED_MODES = (processing_mode_pb2.ProcessingMode.BUFFERED, processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL)
+_HEADERS_GO_ON = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
+
+class Stream:
+    """One request as its ext_proc stream brings it: by our metadata, or by its body (ext_proc alone).
+
+    ``fields`` is what the scheduler reads, whichever way it came; ``body``
+    is kept only when the stream must give it back (full duplex) or rewrite it.
+    """
+
+    def __init__(self, first: pb.ProcessingRequest) -> None:
+        metadata = from_metadata(first)
+        # Attached by ext_proc alone (no json_to_metadata in front): the Endpoint Picker Protocol applies.
+        self.epp = metadata is None
+        self.fields = metadata or RequestFields()
+        self.body = b""
+        config = first.protocol_config
+        self.duplex = self.epp and config.request_body_mode == _DUPLEX
+        self.buffered = self.epp and config.request_body_mode in _BUFFERED_MODES
+        self.response_duplex = self.epp and config.response_body_mode == _DUPLEX
+        self.has_body = not first.request_headers.end_of_stream
+        self.subset = epp.subset_hint(first) if self.epp else None
+
+    async def read_body(self, messages: AsyncIterator[pb.ProcessingRequest], declared: int | None,
+                        limit: int) -> None:
+        """Take in the body from the stream (its end, or the request's trailers, ends it); raises Refused."""
+        if declared is not None and declared > limit:
+            raise _too_large(declared, limit)
+        chunks, size = [], 0
+        async for message in messages:
+            if message.HasField("request_trailers"):
+                break
+            if not message.HasField("request_body"):
+                continue
+            chunk = message.request_body
+            size += len(chunk.body)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk.body)
+            if chunk.end_of_stream:
+                break
+        self.body = b"".join(chunks)
+        self.fields = from_body(self.body)
+
+
+def _too_large(size: int, limit: int) -> Refused:
+    return Refused(Refusal.BODY_TOO_LARGE,
+                   f"the request body has {size} bytes or more; this gateway takes at most {limit} "
+                   "(endpoint_picker.max_body_bytes)")
+
+
+def _without_body_mode() -> Refused:
+    return Refused(Refusal.MODEL_MISSING, "the processor needs the request body: the ext_proc filter must send it "
+                   "(request_body_mode BUFFERED or FULL_DUPLEX_STREAMED), or json_to_metadata copy its fields")
 
 
 class Processor:
@@ -270,6 +316,7 @@ class Processor:
         self._config = config
         self._dispatchers = dispatchers
         self._telemetry = telemetry
+        self._names = ModelNames(config.models)
         # Prebuilt, like the two replies below: one is sent to every request that has to wait.
         self._hold_reply = {
             m.name: pb.ProcessingResponse(override_message_timeout=_duration(hold_timeout_for(config.longest_queue_wait_s(m))))
@@ -283,29 +330,66 @@ class Processor:
         self._acknowledgement = max(
             self._hold_reply.values(), key=lambda reply: reply.override_message_timeout.ToMilliseconds()
         )
-        self._overloaded = error_response(Refused(
+        overloaded = Refused(
             Refusal.OVERLOADED, "the gateway received more requests at once than it can take in; retry shortly"
-        ))
+        )
+        self._overloaded = error_response(overloaded)
+        self._overloaded_epp = error_response(overloaded, config.endpoint_picker.shed_status)
 
-    def admit(self, headers: dict[str, str], body_model: str | None) -> Admission:
+    def admit(self, headers: dict[str, str], fields: RequestFields) -> Admission:
         """Who asks, for which model, how urgently — or why not (raises Refused)."""
         identity = self._config.identity
         if self.draining:
             raise shutting_down()
-        if body_model is None:
+        if fields.model is None:
             raise Refused(
                 Refusal.MODEL_MISSING,
                 "the request body must be JSON (content-type: application/json) with a 'model' field",
             )
-        if body_model not in self._dispatchers:
-            known = ", ".join(sorted(self._dispatchers))
-            raise Refused(Refusal.MODEL_NOT_FOUND, f"the model {body_model!r} does not exist; served models: {known}")
-        tenant = headers.get(identity.tenant_header)
+        resolved = self._names.resolve(fields.model)
+        if resolved is None:
+            known = ", ".join(sorted(self._names.listed()))
+            raise Refused(Refusal.MODEL_NOT_FOUND, f"the model {fields.model!r} does not exist; served models: {known}")
+        model, name = resolved
+        tenant = headers.get(identity.tenant_header) or _first(headers, identity.fairness_id_headers)
         if not tenant:
             if identity.missing_tenant == "reject":
                 raise Refused(Refusal.TENANT_MISSING, "the request carries no tenant identity; authenticate first")
             tenant = identity.default_tenant
-        return self._entitled(body_model, tenant, headers.get(identity.priority_header, "").strip().lower())
+        admission = self._entitled(model, tenant, self._asked(headers, fields))
+        return Admission(admission.model, admission.tenant, admission.band, admission.requested, name,
+                         self._ttft_objective_s(headers))
+
+    def _asked(self, headers: dict[str, str], fields: RequestFields) -> str:
+        """The class the request asks for: the priority header, else its objective, else the body's priority."""
+        identity = self._config.identity
+        asked = headers.get(identity.priority_header, "").strip().lower()
+        if asked:
+            return asked
+        objective = _first(headers, identity.objective_headers).strip()
+        if objective:
+            return identity.objectives.get(objective, "")
+        priority = fields.priority
+        if isinstance(priority, str):
+            return priority.strip().lower()
+        if isinstance(priority, int) and not isinstance(priority, bool):  # the engine's number for a class
+            return next((b.name for b in self._config.bands if b.engine_priority == priority), "")
+        return ""
+
+    def _ttft_objective_s(self, headers: dict[str, str]) -> float | None:
+        names = self._config.identity.ttft_headers
+        written = _first(headers, names).strip()
+        if not written:
+            return None
+        try:
+            ms = float(written)
+        except ValueError:
+            ms = math.nan
+        if not (math.isfinite(ms) and ms > 0):
+            header = next(n for n in names if headers.get(n))
+            raise Refused(Refusal.INVALID_TTFT_OBJECTIVE, f"{header} must be a number of milliseconds > 0, "
+                          f"got {json.dumps(written[:40])}", param=header)
+        return ms / 1000
 
     def _entitled(self, model: str, tenant: str, asked: str) -> Admission:
         """The class ``tenant`` gets when it asks for ``asked`` (see the module docstring)."""
@@ -323,6 +407,25 @@ class Processor:
                            f"its classes are {', '.join(allowed)}")
         return Admission(model, tenant, min(lower), requested=requested)
 
+    def _eligible(self, stream: Stream, dispatcher: ModelDispatcher) -> frozenset[str] | None:
+        """Where a request attached by ext_proc alone may go; raises Refused where nowhere can take it.
+
+        The protocol: pick only inside the gateway's subset hint, and 503 when
+        it is empty or names no endpoint of the pool, or no endpoint is ready.
+        """
+        if not stream.epp:
+            return None
+        eligible = None
+        if stream.subset is not None:
+            eligible = frozenset(e for e in dispatcher.pool.endpoints if epp.host_port(e) in stream.subset)
+            if not eligible:
+                raise Refused(Refusal.NO_ENDPOINT, "none of the endpoints in the gateway's subset hint "
+                              f"({', '.join(sorted(stream.subset)) or 'empty'}) is an endpoint of this pool")
+        if not dispatcher.serves(eligible):
+            raise Refused(Refusal.NO_ENDPOINT, f"no endpoint of model {dispatcher.name!r}"
+                          f"{' in the subset hint' if eligible else ''} is up; retry shortly")
+        return eligible
+
     async def process(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
         messages = aiter(requests)
         first = await anext(messages, None)
@@ -333,88 +436,149 @@ class Processor:
             async for message in messages:
                 yield _continue(message)
             return
+        stream = Stream(first)
         lag = self.lag.seconds(asyncio.get_running_loop().time())
         if lag >= self._shed_lag_s:
-            self._count_refusal(_body_model(first), Refusal.OVERLOADED)
-            yield self._overloaded
+            self._count_refusal(stream.fields.model, Refusal.OVERLOADED)
+            yield self._overloaded_epp if stream.epp else self._overloaded
             return
-        acknowledged = lag >= ACK_LAG_S
+        # Only our own Envoy allows a longer message timeout; a gateway's own is long (AI Gateway: 300 s).
+        acknowledged = lag >= ACK_LAG_S and not stream.epp
         if acknowledged:
             yield self._acknowledgement
         headers = _headers_of(first.request_headers)
         if headers.get(":method") == "GET" and headers.get(":path", "").split("?")[0] == "/v1/models":
-            yield _models_response(self._config)
+            yield _models_response(self._names.listed())
             return
-        body_model = _body_model(first)
+        del first
         try:
-            admission = self.admit(headers, body_model)
-            max_tokens = _body_max_tokens(first)
+            if stream.epp and stream.has_body:
+                if not (stream.duplex or stream.buffered):
+                    raise _without_body_mode()
+                if stream.buffered:  # Envoy sends the buffered body only once the headers are answered
+                    yield _HEADERS_GO_ON
+                await stream.read_body(messages, _content_length(headers), self._config.endpoint_picker.max_body_bytes)
+            admission = self.admit(headers, stream.fields)
+            limit = max_tokens(stream.fields)
+            dispatcher = self._dispatchers[admission.model]
+            eligible = self._eligible(stream, dispatcher)
         except Refused as refused:
-            self._count_refusal(body_model, refused.refusal)
-            yield error_response(refused)
+            self._count_refusal(stream.fields.model, refused.refusal)
+            yield self._answer(refused, stream)
             return
-        priorities = self._config.priorities
-        if admission.requested is not None:
-            self._telemetry.priority_downgraded.labels(
-                admission.model, priorities[admission.requested], priorities[admission.band]
-            ).inc()
-
-        dispatcher = self._dispatchers[admission.model]
+        self._count_admission(admission)
         try:
             held = dispatcher.submit(
                 admission.tenant, admission.band,
-                content_length=_content_length(headers), max_tokens=max_tokens,
+                content_length=_content_length(headers), max_tokens=limit,
                 # OpenAI's prompt_cache_key names requests that share a prompt prefix; without
                 # it, a tenant's requests stick together (they often share a system prompt).
-                affinity=_body_field(first, "prompt_cache_key") or "",
+                affinity=stream.fields.prompt_cache_key or "",
+                eligible=eligible, ttft_objective_s=admission.ttft_objective_s,
             )
         except Refused as refused:  # a queue cap; the dispatcher counted it
-            yield error_response(refused)
+            yield self._answer(refused, stream)
             return
         # Not kept through the hold: a held request costs memory, 10,000 of them add up.
-        del first, headers
+        del headers
+        async for reply in self._hold(stream, messages, admission, dispatcher, held, acknowledged):
+            yield reply
+
+    async def _hold(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest], admission: Admission,
+                    dispatcher: ModelDispatcher, held: Held, acknowledged: bool) -> AsyncIterator[pb.ProcessingResponse]:
+        """Hold until the dispatcher decides, answer the release, then stay on the stream until it ends."""
         engine_priority = self._engine_priority(admission)
         # One try for the whole hold: the stream can be cancelled (client gone) at
         # any await or yield, and the request must leave the queue or the gate then.
         try:
-            if not held.future.done() and not acknowledged:
+            if not held.future.done() and not acknowledged and not stream.epp:
                 yield self._hold_reply[admission.model]
             try:
                 waited = await held.future
             except Refused as refused:
-                yield error_response(refused)
+                yield self._answer(refused, stream)
                 return
-            routing = [
-                _header(self._config.identity.model_header, admission.model),
-                _header(QUEUE_WAIT_HEADER, str(round(waited * 1000))),
-            ]
-            destination = _host_port(held.endpoint) if held.endpoint else None
-            if destination:
-                routing.append(_header(DESTINATION_HEADER, destination))
-            yield pb.ProcessingResponse(
-                request_headers=pb.HeadersResponse(
-                    response=pb.CommonResponse(
-                        header_mutation=pb.HeaderMutation(set_headers=routing),
-                        clear_route_cache=True,
-                    )
-                ),
-                mode_override=_OVERRIDES.get((engine_priority is not None, held.checked)),
-            )
+            routing = [_header(QUEUE_WAIT_HEADER, str(round(waited * 1000)))]
+            if stream.epp:
+                for reply in self._release_epp(stream, held, routing, engine_priority):
+                    yield reply
+            else:
+                routing.append(_header(self._config.identity.model_header, admission.model))
+                destination = epp.host_port(held.endpoint) if held.endpoint else None
+                if destination:
+                    routing.append(_header(DESTINATION_HEADER, destination))
+                yield pb.ProcessingResponse(
+                    request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+                        header_mutation=pb.HeaderMutation(set_headers=routing), clear_route_cache=True,
+                    )),
+                    mode_override=_OVERRIDES.get((engine_priority is not None, held.checked)),
+                )
             async for message in messages:
-                if engine_priority is not None and message.HasField("request_body"):
-                    yield _priority_body(message.request_body.body, engine_priority)
-                elif message.HasField("response_headers"):
-                    dispatcher.record_response(held, engine_answered(_headers_of(message.response_headers)))
-                    yield _continue(message)
-                else:
-                    yield _continue(message)
+                for reply in self._after_release(stream, dispatcher, held, message, engine_priority):
+                    yield reply
         finally:
             dispatcher.end(held)
+
+    def _release_epp(self, stream: Stream, held: Held, routing: list[base_pb2.HeaderValueOption],
+                     engine_priority: int | None) -> list[pb.ProcessingResponse]:
+        """The release as the Endpoint Picker Protocol says: the endpoints in a header and in metadata."""
+        fallbacks = held.fallbacks[:self._config.endpoint_picker.fallbacks]
+        picked = [hp for e in (held.endpoint, *fallbacks) if e and (hp := epp.host_port(e))]
+        metadata = None
+        if picked:
+            value = ",".join(picked)
+            routing.append(_header(DESTINATION_HEADER, value))
+            metadata = epp.destination_metadata(value)
+        body = stream.body
+        rewritten = with_priority(body, engine_priority) if engine_priority is not None and body else None
+        if rewritten is not None:
+            body = rewritten
+            routing.append(_header("content-length", str(len(body))))  # Envoy checks a mutated body's length
+        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=routing), clear_route_cache=True)
+        if stream.duplex:
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata),
+                    *epp.streamed_body("request_body", body)]
+        if rewritten is not None:
+            common.body_mutation.body = body
+        phase = "request_body" if stream.has_body else "request_headers"
+        return [pb.ProcessingResponse(**{phase: pb.BodyResponse(response=common) if stream.has_body
+                                         else pb.HeadersResponse(response=common)}, dynamic_metadata=metadata)]
+
+    def _after_release(self, stream: Stream, dispatcher: ModelDispatcher, held: Held, message: pb.ProcessingRequest,
+                       engine_priority: int | None) -> list[pb.ProcessingResponse]:
+        """The answers to a message after the release: the response's headers tell how the release went."""
+        if message.HasField("request_body") and engine_priority is not None and not stream.epp:
+            return [_priority_body(message.request_body.body, engine_priority)]
+        if message.HasField("response_headers"):
+            if stream.epp:
+                served = epp.served_endpoint(message)
+                endpoint = next((e for e in dispatcher.pool.endpoints if epp.host_port(e) == served), None)
+                if endpoint is not None and endpoint != held.endpoint:
+                    self._telemetry.served_elsewhere.labels(dispatcher.name).inc()
+                    dispatcher.record_served(held, endpoint)
+            dispatcher.record_response(held, engine_answered(_headers_of(message.response_headers)))
+        elif message.HasField("response_body") and stream.response_duplex:  # passed back as it came
+            return epp.streamed_body("response_body", message.response_body.body, message.response_body.end_of_stream)
+        return [_continue(message)]
+
+    def _answer(self, refused: Refused, stream: Stream) -> pb.ProcessingResponse:
+        """The refusal as the client hears it; shed under load, the protocol's status for an Endpoint Picker."""
+        shed = stream.epp and refused.refusal in SHED
+        return error_response(refused, self._config.endpoint_picker.shed_status if shed else None)
+
+    def _count_admission(self, admission: Admission) -> None:
+        self._telemetry.model_names.labels(admission.model, admission.name).inc()
+        if admission.requested is not None:
+            priorities = self._config.priorities
+            self._telemetry.priority_downgraded.labels(
+                admission.model, priorities[admission.requested], priorities[admission.band]
+            ).inc()
 
     def _count_refusal(self, body_model: str | None, refusal: Refusal) -> None:
         """Count a refusal made before the request reached a dispatcher (which counts its own)."""
         # Client-chosen names never become label values: unbounded series would sink Prometheus.
-        label = body_model if body_model in self._dispatchers else "(unknown)"
+        resolved = self._names.resolve(body_model) if body_model else None
+        label = resolved[0] if resolved else "(unknown)"
         self._telemetry.rejected.labels(label, refusal.value, NO_TENANT).inc()
 
     def _engine_priority(self, admission: Admission) -> int | None:

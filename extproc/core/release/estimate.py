@@ -145,6 +145,13 @@ class LoadEstimate:
         self._in_flight[request] = (now, endpoint, into_free_slot)
         self._in_flight_on[endpoint] += 1
 
+    def record_moved(self, request: Hashable, endpoint: str) -> None:
+        """``request`` runs on ``endpoint`` after all (the gateway fell back to it): count it there."""
+        released_at, old, into_free_slot = self._in_flight[request]
+        self._in_flight[request] = (released_at, endpoint, into_free_slot)
+        self._in_flight_on[old] -= 1
+        self._in_flight_on[endpoint] += 1
+
     def record_finish(self, request: Hashable, now: float) -> float:
         """Note a finished request; returns how long it was released (its occupancy)."""
         released_at, endpoint, _ = self._in_flight.pop(request)

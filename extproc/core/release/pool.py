@@ -122,9 +122,24 @@ class Pool:
         """Endpoints whose engine cannot be reached: nothing goes to them, whatever the rule."""
         return self.health.down()
 
-    def pick(self, key: str, now: float) -> str | None:
-        """The endpoint for the next release with affinity ``key`` (None: without picking, or no room)."""
+    def ranked(self, key: str, now: float, eligible: frozenset[str] | None = None) -> list[str]:
+        """Where the next release with affinity ``key`` goes, best first (empty: without picking).
+
+        Only endpoints up, and in ``eligible`` when given (a gateway's subset
+        hint); if every one of those is down, all of them, so a release still
+        names somewhere to try.
+        """
         if not self.pick_endpoints:
-            return None
-        return picking.pick(key, self.endpoints, lambda e: self._room(e, now),
-                            self.settings.target_waiting)
+            return []
+        candidates = [e for e in self.endpoints if eligible is None or e in eligible]
+        up = [e for e in candidates if not self.health.is_down(e)]
+        return picking.ranked(key, up or candidates, lambda e: self._room(e, now), self.settings.target_waiting)
+
+    def serves(self, eligible: frozenset[str] | None = None) -> bool:
+        """Whether any endpoint (of ``eligible``, when given) is a member that is not down."""
+        return any(not self.health.is_down(e) for e in self.endpoints if eligible is None or e in eligible)
+
+    def record_served(self, request: Hashable, picked: str, served: str, now: float) -> None:
+        """The gateway served ``request`` on ``served``, not where it was picked: that one failed it."""
+        self.estimate.record_moved(request, served)
+        self.health.record_response(picked, False, now)

@@ -1,0 +1,245 @@
+"""A request attached by ext_proc alone, as a Gateway API Inference Extension gateway sends it.
+
+The processor is driven directly with the messages Envoy sends in each body
+mode (FULL_DUPLEX_STREAMED, BUFFERED): the body is read from the stream, the
+answers come in the order Envoy requires (headers, then body), and the
+release speaks the Endpoint Picker Protocol (tests/test_gie_gateway.py runs
+the same through a real Envoy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+
+from extproc.adapters.config import parse_config
+from extproc.adapters.ext_proc.servicer import Processor
+from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.wiring import build_dispatchers
+from extproc.core.dispatcher import ModelDispatcher
+from extproc.core.engine_load import EngineLoad
+from tests.test_processor import Stream, settle
+
+pytestmark = pytest.mark.unit
+
+ENDPOINTS = ("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
+CONFIG = parse_config({
+    "identity": {"fairness_id_headers": ["x-gateway-inference-fairness-id"],
+                 "objectives": {"chat": "interactive"}},
+    "endpoint_picker": {"fallbacks": 2},
+    "models": [{"name": "base", "served_names": ["base-lora-*", "alias"], "endpoints": list(ENDPOINTS),
+                "endpoint_picking": True, "target_waiting": 1}],
+})
+DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+
+
+def make() -> tuple[Processor, ModelDispatcher]:
+    telemetry = Telemetry()
+    dispatchers = build_dispatchers(CONFIG, telemetry)
+    dispatcher = dispatchers["base"]
+    for endpoint in ENDPOINTS:  # idle engines, so releases go at once
+        dispatcher.record_scrape(endpoint, EngineLoad(waiting=0, running=0), 0.0)
+    return Processor(CONFIG, dispatchers, telemetry), dispatcher
+
+
+def first_message(mode: int, headers: dict[str, str] | None = None, subset: list[str] | None = None,
+                  body_follows: bool = True) -> pb.ProcessingRequest:
+    pairs = {":method": "POST", ":path": "/v1/chat/completions", **(headers or {})}
+    message = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]),
+            end_of_stream=not body_follows,
+        ),
+        protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode),
+    )
+    if subset is not None:
+        hint = struct_pb2.Struct()
+        hint.update({"x-gateway-destination-endpoint-subset": subset})
+        message.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+    return message
+
+
+def body(data: bytes, end: bool = True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=end))
+
+
+def chat(model: str = "base", **extra: object) -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi" * 50}], **extra}).encode()
+
+
+async def answers(stream: Stream) -> list[pb.ProcessingResponse]:
+    await settle()
+    out = []
+    while not stream.answers.empty():
+        out.append(stream.answers.get_nowait())
+    return out
+
+
+def send(stream: Stream, message: pb.ProcessingRequest) -> None:
+    stream._inbox.put_nowait(message)
+
+
+def destination(answer: pb.ProcessingResponse) -> tuple[str, str]:
+    """(header value, envoy.lb metadata value) of a release."""
+    common = answer.request_headers.response if answer.HasField("request_headers") else answer.request_body.response
+    header = next(h.header.raw_value.decode() for h in common.header_mutation.set_headers
+                  if h.header.key == "x-gateway-destination-endpoint")
+    metadata = answer.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
+    return header, metadata.string_value
+
+
+async def test_full_duplex_holds_the_headers_until_release_then_gives_the_body_back_in_order() -> None:
+    processor, dispatcher = make()
+    stream = Stream(processor, first_message(DUPLEX, {"x-gateway-inference-fairness-id": "alice"}))
+    data = chat() * 1  # one JSON body, sent in three chunks
+    assert await answers(stream) == []  # nothing before the body ends: the router must not pick a host yet
+    send(stream, body(data[:10], end=False))
+    send(stream, body(data[10:20], end=False))
+    assert await answers(stream) == []
+    send(stream, body(data[20:]))
+    released = await answers(stream)
+    assert released[0].HasField("request_headers") and released[0].request_headers.response.clear_route_cache
+    header, metadata = destination(released[0])
+    picked = header.split(",")
+    assert header == metadata and len(picked) == 3 and len(set(picked)) == 3  # the pick and two fallbacks
+    assert all(p.removeprefix("10.0.0.") for p in picked)
+    streamed = [a.request_body.response.body_mutation.streamed_response for a in released[1:]]
+    assert b"".join(s.body for s in streamed) == data and streamed[-1].end_of_stream
+    assert dispatcher.in_flight == 1
+    # The response passes back chunk by chunk, unchanged; the stream's end frees the slot.
+    send(stream, pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+    send(stream, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: one\n\n")))
+    send(stream, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True)))
+    replies = await answers(stream)
+    assert replies[0].HasField("response_headers")
+    echoed = [r.response_body.response.body_mutation.streamed_response for r in replies[1:]]
+    assert [(e.body, e.end_of_stream) for e in echoed] == [(b"data: one\n\n", False), (b"data: [DONE]\n\n", True)]
+    stream.close()
+    await stream.task
+    assert dispatcher.in_flight == 0
+
+
+async def test_buffered_answers_the_headers_first_and_releases_on_the_body() -> None:
+    processor, dispatcher = make()
+    stream = Stream(processor, first_message(BUFFERED))
+    go_on = await answers(stream)
+    assert len(go_on) == 1 and go_on[0].HasField("request_headers") and not go_on[0].request_headers.HasField("response")
+    send(stream, body(chat(model="base-lora-sql")))  # a served name: the same gate
+    (released,) = await answers(stream)
+    assert released.HasField("request_body")
+    header, metadata = destination(released)
+    assert header == metadata
+    assert not released.request_body.response.HasField("body_mutation")  # passed on unchanged
+    stream.close()
+    await stream.task
+    assert dispatcher.in_flight == 0
+
+
+@pytest.mark.parametrize(("hint", "status"), [([], 503), (["10.9.9.9:8000"], 503), (["10.0.0.2:8000"], None)])
+async def test_a_subset_hint_is_obeyed_and_an_empty_or_foreign_one_is_503(hint: list[str], status: int | None) -> None:
+    processor, _ = make()
+    stream = Stream(processor, first_message(DUPLEX, subset=hint))
+    send(stream, body(chat()))
+    first = (await answers(stream))[0]
+    if status is not None:
+        assert first.immediate_response.status.code == status
+        assert json.loads(first.immediate_response.body)["error"]["code"] == "no_endpoint"
+        return
+    assert destination(first) == ("10.0.0.2:8000", "10.0.0.2:8000")  # only inside the hint, no fallbacks outside
+    stream.close()
+    await stream.task
+
+
+@pytest.mark.parametrize(("data", "status", "code"), [
+    (b"[1, 2]", 400, "invalid_body"),
+    (b"{not json", 400, "invalid_body"),
+    (json.dumps({"messages": []}).encode(), 400, "model_missing"),
+    (chat(model="other"), 404, "model_not_found"),
+    (chat(max_tokens="many"), 400, "invalid_max_tokens"),
+    (b"{" + b" " * (10 * 1024 * 1024) + b"}", 413, "body_too_large"),
+])
+async def test_a_bad_body_is_refused_with_the_openai_error(data: bytes, status: int, code: str) -> None:
+    processor, dispatcher = make()
+    stream = Stream(processor, first_message(DUPLEX))
+    send(stream, body(data))
+    (answer,) = await answers(stream)
+    assert answer.immediate_response.status.code == status
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == code
+    assert dispatcher.queued == 0 and dispatcher.in_flight == 0
+
+
+async def test_fairness_id_objective_and_ttft_come_from_the_gateway_conventions() -> None:
+    processor, dispatcher = make()
+    stream = Stream(processor, first_message(DUPLEX, {
+        "x-gateway-inference-fairness-id": "team-a", "x-gateway-inference-objective": "chat", "x-llm-d-slo-ttft-ms": "250",
+    }))
+    admitted: list[tuple[str, int, float | None]] = []
+    submit = dispatcher.submit
+
+    def spy(tenant: str, band: int, **kwargs: object):  # type: ignore[no-untyped-def]
+        held = submit(tenant, band, **kwargs)  # type: ignore[arg-type]
+        admitted.append((held.tenant, held.band, held.ttft_objective_s))
+        return held
+
+    dispatcher.submit = spy  # type: ignore[method-assign]
+    send(stream, body(chat(model="alias")))
+    await answers(stream)
+    assert admitted == [("team-a", 0, 0.25)]
+    stream.close()
+    await stream.task
+    bad = Stream(processor, first_message(DUPLEX, {"x-llm-d-slo-ttft-ms": "soon"}))
+    send(bad, body(chat()))
+    (answer,) = await answers(bad)
+    assert answer.immediate_response.status.code == 400
+    assert json.loads(answer.immediate_response.body)["error"]["param"] == "x-llm-d-slo-ttft-ms"
+
+
+async def test_shed_under_load_is_429_and_no_endpoint_up_is_503() -> None:
+    config = parse_config({"models": [{"name": "m", "endpoints": ["http://10.0.0.1:8000"], "endpoint_picking": True,
+                                       "max_queued": 1, "fallback_max_in_flight": 1}]})
+    telemetry = Telemetry()
+    dispatchers = build_dispatchers(config, telemetry)
+    processor = Processor(config, dispatchers, telemetry)
+    streams = [Stream(processor, first_message(DUPLEX)) for _ in range(3)]
+    for s in streams:
+        send(s, body(chat(model="m")))
+    await settle()
+    released, held, shed = [await answers(s) for s in streams]
+    # One in flight (the unscraped engine's fallback cap), one held silently, the third shed: the protocol's 429.
+    assert released[0].HasField("request_headers") and held == []
+    assert shed[0].immediate_response.status.code == 429
+    dispatchers["m"].record_scrape("http://10.0.0.1:8000", None, 0.0, reachable=False)  # the engine is down
+    down = Stream(processor, first_message(DUPLEX))
+    send(down, body(chat(model="m")))
+    (answer,) = await answers(down)
+    assert answer.immediate_response.status.code == 503
+    for s in streams:  # the clients leave: Envoy resets their streams
+        s.task.cancel()
+    await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
+    assert dispatchers["m"].queued == 0 and dispatchers["m"].in_flight == 0
+
+
+async def test_the_served_endpoint_read_back_moves_the_count_and_marks_the_pick_down() -> None:
+    processor, dispatcher = make()
+    stream = Stream(processor, first_message(DUPLEX))
+    send(stream, body(chat()))
+    released = await answers(stream)
+    picked, fallback, _ = destination(released[0])[0].split(",")
+    served = pb.ProcessingRequest(response_headers=pb.HttpHeaders())
+    report = struct_pb2.Struct()
+    report.update({"x-gateway-destination-endpoint-served": fallback})
+    served.metadata_context.filter_metadata["envoy.lb"].CopyFrom(report)
+    send(stream, served)
+    await answers(stream)
+    estimate = dispatcher.pool.estimate
+    assert estimate.in_flight_on(f"http://{fallback}") == 1 and estimate.in_flight_on(f"http://{picked}") == 0
+    assert f"http://{picked}" in dispatcher.pool.down()
+    stream.close()
+    await stream.task
