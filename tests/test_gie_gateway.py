@@ -39,7 +39,7 @@ from extproc.tools.power_user import Outcome, chat
 from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack, start_stack
 from tests.envoyutil import bootstrap_message
-from tests.stackutil import poll, wait_for_metric, write_stack_config
+from tests.stackutil import metric, poll, read_metrics, wait_for_metric, write_stack_config
 
 SHAPES = ("strict", "fail_open")
 BODIES: tuple[gie_gateway.BodyMode, ...] = ("duplex", "buffered")
@@ -195,9 +195,9 @@ class Gateways:
 
     pods: list[str]  # the simulators, ip:port (the conformance suite's three model-server pods)
     broken: str  # the fail-open pool's fourth endpoint (_BrokenEngine)
-    strict: Stack  # AI Gateway's shape, duplex; its processor names one endpoint (fallbacks: 0)
+    strict: Stack  # AI Gateway's shape, duplex; its processor names one endpoint (no fallbacks, the default)
     strict_buffered_url: str  # the same shape, buffered, in front of the same processor
-    open: Stack  # the fail-open shape, duplex; its processor names fallbacks (the default)
+    open: Stack  # the fail-open shape, duplex; its processor names two fallbacks
 
     def url(self, shape: str) -> str:
         return {"strict/duplex": self.strict.envoy_url, "strict/buffered": self.strict_buffered_url,
@@ -229,8 +229,8 @@ async def gateways(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Ga
 
     Two processors share the simulators: AI Gateway's ORIGINAL_DST cluster
     takes exactly one endpoint (a list is an invalid address there), so the
-    strict shape's processor names no fallbacks, while the fail-open shape's
-    cluster walks the list its processor names.
+    strict shape's processor names no fallbacks (the default), while the
+    fail-open shape's cluster walks the list its processor names.
     """
     workdir = tmp_path_factory.mktemp("gie")
     broken_port = free_port()
@@ -239,11 +239,11 @@ async def gateways(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Ga
     broken = f"127.0.0.1:{broken_port}"
     async with contextlib.AsyncExitStack() as running:
         strict = await running.enter_async_context(await start_stack(
-            _processor_config(workdir / "strict", pods, fallbacks=0), workdir / "strict", sim_args=FAST_SIM,
+            _processor_config(workdir / "strict", pods), workdir / "strict", sim_args=FAST_SIM,
             envoy_bootstrap=functools.partial(gie_gateway.strict, model=MODEL, body="duplex"),
         ))
         open_ = await running.enter_async_context(await start_stack(
-            _processor_config(workdir / "open", [*pods, broken]), workdir / "open", engines=False,
+            _processor_config(workdir / "open", [*pods, broken], fallbacks=2), workdir / "open", engines=False,
             envoy_bootstrap=functools.partial(gie_gateway.fail_open, model=MODEL, body="duplex"),
         ))
         doc, buffered_url = _on_free_ports(gie_gateway.strict(strict.config, MODEL, body="buffered"))
@@ -284,7 +284,8 @@ async def _served(url: str, *, hint: str | None = None, stream: bool = False, te
             completion = raw.parse()
             assert completion.usage is not None and completion.usage.completion_tokens == max_tokens
             text, headers_seen = completion.choices[0].message.content or "", raw.headers
-    return headers_seen[gie_gateway.SERVED_KEY], headers_seen[gie_gateway.PICKED_HEADER], text
+    # Envoy leaves the picked header out when the EPP named nothing (it was down).
+    return headers_seen[gie_gateway.SERVED_KEY], headers_seen.get(gie_gateway.PICKED_HEADER, ""), text
 
 
 @IN_MODULE_LOOP
@@ -314,14 +315,14 @@ async def test_gateway_following_epp_routing(gateways: Gateways, shape: str, str
 @pytest.mark.integration
 @pytest.mark.parametrize("shape", ["strict/duplex", "strict/buffered", "fail_open/duplex"])
 async def test_bodies_pass_unchanged_and_only_duplex_streams(gateways: Gateways, shape: str) -> None:
-    """A 300 KB prompt (several of the processor's 62,000-byte chunks) reaches the engine whole; tokens stream in duplex.
+    """A 200 KB prompt (four of the processor's 62,000-byte chunks) reaches the engine whole; tokens stream in duplex.
 
-    The engine counts the prompt's tokens: the same as when it is sent to the
-    engine directly. Streaming stays streaming only in duplex mode: buffered
+    The engine parses the JSON and counts the prompt's tokens from its length:
+    the same as when the body is sent to the engine directly. Streaming stays streaming only in duplex mode: buffered
     (AI Gateway's "buffered" annotation) buffers the response body as well, so
     the first token arrives with the last.
     """
-    prompt = " ".join(f"word{i}" for i in range(40_000))
+    prompt = " ".join(f"w{i}" for i in range(33_000))
     direct = f"http://{gateways.pods[0]}"
     async with aiohttp.ClientSession() as session:
         body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
@@ -375,14 +376,14 @@ async def test_gateway_destination_endpoint_served_walks_the_fallbacks(gateways:
     """
     url = gateways.url("fail_open/duplex")
     hint = f"{gateways.broken},{gateways.pods[0]}"
-    seen = await asyncio.gather(*(_served(url, hint=hint) for _ in range(6)))
+    before = metric(await read_metrics(gateways.open.metrics_url), "extproc_served_elsewhere_total", model=MODEL)
+    seen = [await _served(url, hint=hint) for _ in range(6)]
     assert {served for served, _, _ in seen} == {gateways.pods[0]}, seen
-    firsts = [picked.split(",")[0] for _, picked, _ in seen]
-    assert gateways.broken in firsts, seen  # the fallback was really walked
     assert all(set(picked.split(",")) <= set(hint.split(",")) for _, picked, _ in seen)
-    up = await wait_for_metric(gateways.open.metrics_url, "extproc_endpoint_up", lambda v: v == 0,
-                               model=MODEL, endpoint=f"http://{gateways.broken}")
-    assert up == 0  # its /metrics still answers: only the served endpoint told
+    fallbacks = sum(picked.split(",")[0] == gateways.broken for _, picked, _ in seen)
+    assert fallbacks >= 1, seen  # the list was really walked
+    after = metric(await read_metrics(gateways.open.metrics_url), "extproc_served_elsewhere_total", model=MODEL)
+    assert after - before == fallbacks  # each one reported back: served is not picked
 
 
 @IN_MODULE_LOOP
@@ -390,18 +391,19 @@ async def test_gateway_destination_endpoint_served_walks_the_fallbacks(gateways:
 async def test_a_newcomer_overtakes_a_power_users_flood(gateways: Gateways) -> None:
     """Fair scheduling through AI Gateway's shape: tenants from ``x-gateway-inference-fairness-id``.
 
-    A power user sends 60 requests at once, a newcomer one shortly after; the
-    newcomer's first token comes far sooner than the flood's median (relative,
-    with a wide margin: a noisy 2-core machine).
+    A power user sends 120 requests at once (ten times what the three engines
+    run at a time), a newcomer one shortly after; the newcomer's first token
+    comes far sooner than the flood's median (relative, with a wide margin: a
+    noisy 2-core machine).
     """
     url = gateways.strict.envoy_url
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
         def send(tenant: str) -> asyncio.Task[Outcome]:
-            return asyncio.create_task(chat(session, url, tenant, MODEL, api_key=None, max_tokens=40,
+            return asyncio.create_task(chat(session, url, tenant, MODEL, api_key=None, max_tokens=100,
                                             extra_headers={FAIRNESS_HEADER: tenant}))
 
-        flood = [send("alice") for _ in range(60)]
+        flood = [send("alice") for _ in range(120)]
         await asyncio.sleep(0.3)
         newcomer = await send("bob")
         outcomes = await asyncio.gather(*flood)

@@ -92,6 +92,8 @@ from typing import Any, Literal
 
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, EXT_PROC_SERVICE
+from extproc.adapters.ext_proc.epp import DESTINATION_NAMESPACE as LB_NAMESPACE
+from extproc.adapters.ext_proc.epp import SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
 
 BodyMode = Literal["duplex", "buffered"]
 # AI Gateway's annotation values (aigateway.envoyproxy.io/processing-body-mode) and the body mode each sets.
@@ -103,11 +105,6 @@ EPP_SERVICE = "epp"
 EPP_FILTER = f"envoy.filters.http.ext_proc/endpointpicker/{POOL}_{NAMESPACE}_ext_proc"
 EPP_CLUSTER = f"envoy.clusters.endpointpicker_{POOL}_{NAMESPACE}_ext_proc"
 POOL_CLUSTER = f"inferencepool/{NAMESPACE}/{POOL}"
-# The protocol's metadata: namespaces and keys.
-LB_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
 # Test hooks: the request header the subset hint is taken from, the response header naming the EPP's pick.
 SUBSET_HINT_HEADER = "x-test-epp-subset"
 PICKED_HEADER = "x-test-epp-picked"
