@@ -31,6 +31,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.adapters.config import parse_config
 from extproc.adapters.envoy_config import render
+from extproc.adapters.ext_proc.epp import SERVED_KEY
 from extproc.tools import gie_gateway
 from extproc.tools.bench.overhead import idle_engine_metrics
 from extproc.tools.envoy_bin import EnvoyNotFound, find_envoy
@@ -285,7 +286,7 @@ async def _served(url: str, *, hint: str | None = None, stream: bool = False, te
             assert completion.usage is not None and completion.usage.completion_tokens == max_tokens
             text, headers_seen = completion.choices[0].message.content or "", raw.headers
     # Envoy leaves the picked header out when the EPP named nothing (it was down).
-    return headers_seen[gie_gateway.SERVED_KEY], headers_seen.get(gie_gateway.PICKED_HEADER, ""), text
+    return headers_seen[SERVED_KEY], headers_seen.get(gie_gateway.PICKED_HEADER, ""), text
 
 
 @IN_MODULE_LOOP
@@ -368,8 +369,8 @@ async def test_subset_hints_restrict_the_pick_and_an_unservable_one_is_503(gatew
 async def test_gateway_destination_endpoint_served_walks_the_fallbacks(gateways: Gateways) -> None:
     """GatewayDestinationEndpointServed (gateway_destination_endpoint_served.go), with the fallbacks it exists for.
 
-    The EPP names a list; the first endpoint resets the request (it looks
-    idle to the processor, so it comes first), Envoy's retry goes on to the
+    The EPP names a list; where the first endpoint is the broken one (it
+    looks idle to the processor) it resets the request, Envoy's retry goes on to the
     next, and the endpoint that served comes back to the processor as
     ``envoy.lb`` / ``x-gateway-destination-endpoint-served``. Served is not
     picked: the processor learns from it that the first endpoint failed.
@@ -377,7 +378,9 @@ async def test_gateway_destination_endpoint_served_walks_the_fallbacks(gateways:
     url = gateways.url("fail_open/duplex")
     hint = f"{gateways.broken},{gateways.pods[0]}"
     before = metric(await read_metrics(gateways.open.metrics_url), "extproc_served_elsewhere_total", model=MODEL)
-    seen = [await _served(url, hint=hint) for _ in range(6)]
+    # A tenant each: each has its own favourite endpoint (rendezvous hash), so about half
+    # of them come to the broken one first (all ten missing it: one run in a thousand).
+    seen = [await _served(url, hint=hint, tenant=f"fallback-{i}") for i in range(10)]
     assert {served for served, _, _ in seen} == {gateways.pods[0]}, seen
     assert all(set(picked.split(",")) <= set(hint.split(",")) for _, picked, _ in seen)
     fallbacks = sum(picked.split(",")[0] == gateways.broken for _, picked, _ in seen)
