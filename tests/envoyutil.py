@@ -16,6 +16,7 @@ from extproc.adapters import envoy_merge
 from extproc.adapters.config import Config, load_config, parse_config
 from extproc.adapters.envoy_config import bootstrap
 from extproc.tools.procs import free_port
+from tests.tlsutil import processor_tls
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = ROOT / "extproc" / "data" / "demo.yaml"
@@ -23,7 +24,8 @@ DEMO_BOOTSTRAP = ROOT / "envoy" / "demo-bootstrap.yaml"
 JWT_CONFIG = ROOT / "envoy" / "jwt-extproc.yaml"
 JWT_BOOTSTRAP = ROOT / "envoy" / "jwt-bootstrap.yaml"
 # One of each kind of generated bootstrap (identity, endpoint addressing, TLS, ext_proc or not).
-VARIANTS = ("demo", "no-keys-hostnames", "https", "jwt-remote", "jwt-inline", "no-ext-proc", "sharded-open", "cluster")
+VARIANTS = ("demo", "no-keys-hostnames", "https", "jwt-remote", "jwt-inline", "no-ext-proc", "sharded-open", "cluster",
+            "processor-mtls")
 
 
 def free_port_config(api_keys: dict[str, str] | None = None, **overrides: Any) -> Config:
@@ -48,8 +50,8 @@ def free_port_config(api_keys: dict[str, str] | None = None, **overrides: Any) -
     return parse_config(raw)
 
 
-def variant_bootstrap(variant: str) -> dict[str, Any]:
-    """The bootstrap generated for one of :data:`VARIANTS`."""
+def variant_bootstrap(variant: str, workdir: Path) -> dict[str, Any]:
+    """The bootstrap generated for one of :data:`VARIANTS`; files it names (certificates) are made in ``workdir``."""
     if variant == "demo":
         return bootstrap(load_config(DEMO_CONFIG))
     if variant == "no-ext-proc":  # the benchmark's Envoy-only baseline
@@ -74,6 +76,9 @@ def variant_bootstrap(variant: str) -> dict[str, Any]:
     if variant == "cluster":  # active-active: the processor cluster lists every instance
         instances = {name: {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"} for name in "abc"}
         return bootstrap(free_port_config(cluster={"redis_url": "redis://127.0.0.1:6379/0", "instances": instances}))
+    if variant == "processor-mtls":  # mutual TLS to the processor, reached by name
+        tls, envoy = processor_tls(workdir / "tls")
+        return bootstrap(free_port_config(listen={"grpc": f"localhost:{free_port()}", "tls": tls}, envoy=envoy))
     assert variant == "https", variant
     return bootstrap(free_port_config(models=[{"name": "remote", "endpoints": ["https://llm.example.com:443"]}]))
 

@@ -108,8 +108,10 @@ def write_stack_config(
     ``api_keys=None`` means the test keys, ``{}`` none. ``redis_url`` adds a
     ``cluster:`` section (active-active) with ``cluster_instances`` instances
     named a, b, c, ... on free ports (``start_stack`` starts one processor
-    each); ``top``'s ``envoy`` and ``cluster`` are merged into the generated
-    sections (e.g. ``cluster={"lease_s": 1.0}``).
+    each); ``top``'s ``listen``, ``envoy`` and ``cluster`` are merged into the
+    generated sections (e.g. ``cluster={"lease_s": 1.0}``, or TLS on the
+    processor's port: ``listen={"tls": ...}`` with the ``envoy`` keys of
+    ``tests.tlsutil.processor_tls``).
     """
     envoy: dict[str, Any] = {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}"}
     keys = API_KEYS if api_keys is None else api_keys
@@ -135,7 +137,7 @@ def write_stack_config(
                 for i in range(cluster_instances)
             }
     for key, value in top.items():
-        if key in ("envoy", "cluster") and key in doc:
+        if key in ("listen", "envoy", "cluster") and key in doc:
             doc[key].update(value)
         else:
             doc[key] = value

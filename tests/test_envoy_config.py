@@ -43,6 +43,7 @@ from tests.envoyutil import (
     free_port_config,
     variant_bootstrap,
 )
+from tests.tlsutil import processor_tls
 
 pytestmark = pytest.mark.unit
 
@@ -363,6 +364,34 @@ def test_a_cluster_without_listed_instances_points_envoy_at_listen_grpc() -> Non
     assert hosts(bootstrap(config), "extproc") == [(host, int(port))]
 
 
+def test_with_listen_tls_envoy_speaks_tls_to_the_processor_mutual_with_its_own_certificate(tmp_path: Path) -> None:
+    tls, envoy = processor_tls(tmp_path)
+    config = free_port_config(listen={"grpc": f"localhost:{free_port()}", "tls": tls}, envoy=envoy)
+    socket = cluster(bootstrap(config), "extproc")["transport_socket"]
+    context = socket["typed_config"]
+    assert socket["name"] == "envoy.transport_sockets.tls" and context["sni"] == "localhost"
+    common = context["common_tls_context"]
+    assert common["alpn_protocols"] == ["h2"]
+    assert common["validation_context"]["trusted_ca"]["filename"].endswith("ca.crt")
+    [certificate] = common["tls_certificates"]
+    assert certificate["certificate_chain"]["filename"].endswith("envoy.crt")
+    # The drop-in's cluster (and so --into's) is the same; shards' clusters too; IP addresses get no SNI.
+    assert drop_in(config)["clusters"][0]["transport_socket"] == socket
+    shards = {"a": {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}", "models": ["m-one", "m/two"]}}
+    sharded = bootstrap(free_port_config(listen={"tls": tls}, envoy=envoy, shards=shards))
+    assert "sni" not in cluster(sharded, "extproc_a")["transport_socket"]["typed_config"]
+    # Without a CA: any certificate, as the Gateway API Inference Extension gateways accept (empty validation).
+    plain_tls = {key: value for key, value in tls.items() if key != "client_ca_file"}
+    anyone = bootstrap(free_port_config(listen={"tls": plain_tls}, envoy={}))
+    common = cluster(anyone, "extproc")["transport_socket"]["typed_config"]["common_tls_context"]
+    assert common == {"alpn_protocols": ["h2"], "validation_context": {}}
+    bootstrap_message(anyone)
+    # Mutual TLS needs Envoy's certificate; a plaintext port gets no transport socket.
+    with pytest.raises(ConfigError, match=r"^envoy.processor_client_cert_file: is required with listen.tls.client_ca_file"):
+        bootstrap(free_port_config(listen={"tls": tls}, envoy={}))
+    assert "transport_socket" not in cluster(bootstrap(free_port_config()), "extproc")
+
+
 # --- CLI -----------------------------------------------------------------------------------------
 
 
@@ -396,8 +425,8 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_every_generated_bootstrap_is_a_bootstrap_message(variant: str) -> None:
-    bootstrap_message(variant_bootstrap(variant))
+def test_every_generated_bootstrap_is_a_bootstrap_message(variant: str, tmp_path: Path) -> None:
+    bootstrap_message(variant_bootstrap(variant, tmp_path))
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "envoy").glob("*bootstrap.yaml")), ids=lambda p: p.name)
@@ -409,8 +438,8 @@ def test_the_benchmark_upstream_is_a_bootstrap_message() -> None:
     bootstrap_message(upstream_bootstrap(free_port(), free_port()))
 
 
-def test_a_misspelt_field_fails_the_protobuf_check() -> None:
-    doc = variant_bootstrap("demo")
+def test_a_misspelt_field_fails_the_protobuf_check(tmp_path: Path) -> None:
+    doc = variant_bootstrap("demo", tmp_path)
     doc["static_resources"]["clusters"][0]["connect_timeout"] = "soon"
     with pytest.raises(ParseError, match="connect_timeout"):
         bootstrap_message(doc)

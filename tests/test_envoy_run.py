@@ -46,7 +46,7 @@ def test_find_envoy_default_is_envoy_1_40(monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_envoy_validates_the_bootstrap(variant: str, tmp_path: Path) -> None:
-    result = validate(variant_bootstrap(variant), tmp_path)
+    result = validate(variant_bootstrap(variant, tmp_path), tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout + result.stderr
 

@@ -31,6 +31,7 @@ import yaml
 from msgspec import Meta
 
 from extproc.adapters.engines.dialects import DIALECTS
+from extproc.adapters.ext_proc.tls import TlsFileError, load_context
 from extproc.adapters.validate import Invalid, choice, convert
 from extproc.core.cost import CostWeights
 from extproc.core.policies import POLICIES
@@ -151,11 +152,32 @@ class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 # --- the file's sections -----------------------------------------------------------------
 
 
+class TlsSettings(_Section, frozen=True):
+    """TLS on the gRPC port (adapters/ext_proc/tls.py): the processor's certificate, and optionally the clients' CA.
+
+    The files are loaded here, at start-up, so a wrong one is refused with its
+    key path; once serving, changed files are reloaded every ``reload_s``.
+    """
+
+    cert_file: NonEmpty
+    key_file: NonEmpty
+    # Mutual TLS: a client must present a certificate this CA signed.
+    client_ca_file: NonEmpty | None = None
+    reload_s: Positive = 5.0
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        try:
+            load_context(self.cert_file, self.key_file, self.client_ca_file)
+        except TlsFileError as exc:
+            yield exc.key, exc.message
+
+
 class Listen(_Section, frozen=True):
-    """Where the processor listens: gRPC for Envoy, HTTP for Prometheus."""
+    """Where the processor listens: gRPC for Envoy (TLS with a ``tls`` section), HTTP for Prometheus."""
 
     grpc: Address = "127.0.0.1:50051"
     metrics: Address = "127.0.0.1:9464"
+    tls: TlsSettings | None = None
 
 
 class Identity(_Section, frozen=True):
@@ -341,10 +363,20 @@ class EnvoySettings(_Section, frozen=True):
     admission_per_second: Count = 1000
     # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
     jwt: JwtSettings | None = None
+    # With listen.tls: the CA Envoy checks the processor's certificate against (without it, any
+    # certificate is accepted, as Gateway API Inference Extension gateways do), and the certificate
+    # Envoy presents when listen.tls.client_ca_file asks for one. Paths as Envoy sees them.
+    processor_ca_file: NonEmpty | None = None
+    processor_client_cert_file: NonEmpty | None = None
+    processor_client_key_file: NonEmpty | None = None
 
     def problems(self) -> Iterator[tuple[str, str]]:
         if self.api_keys and self.jwt is not None:
             yield "jwt", "use either api_keys or jwt for identity, not both"
+        if self.processor_client_cert_file is None and self.processor_client_key_file is not None:
+            yield "processor_client_cert_file", "is required with processor_client_key_file"
+        if self.processor_client_key_file is None and self.processor_client_cert_file is not None:
+            yield "processor_client_key_file", "is required with processor_client_cert_file"
 
 
 SHARD_NAME = r"[A-Za-z0-9_-]+"
@@ -427,6 +459,9 @@ class ConfigFile(_Section, frozen=True):
 
     def problems(self) -> Iterator[tuple[str, str]]:
         yield from _shard_problems(self)
+        for key in ("processor_ca_file", "processor_client_cert_file", "processor_client_key_file"):
+            if self.listen.tls is None and getattr(self.envoy, key) is not None:
+                yield f"envoy.{key}", "needs listen.tls (the processor's gRPC port is plaintext without it)"
         if self.cluster is not None:
             yield from _address_problems("cluster.instances", self.cluster.instances)
         if self.cluster is not None and self.shards:
@@ -609,7 +644,8 @@ class Config:
         if shard is None:
             raise ConfigError(f"--shard {name}: no such shard in shards: (one of: {choices})")
         models = tuple(m for m in self.models if m.name in shard.models)
-        return replace(self, listen=Listen(grpc=shard.grpc, metrics=shard.metrics), models=models)
+        return replace(self, listen=msgspec.structs.replace(self.listen, grpc=shard.grpc, metrics=shard.metrics),
+                       models=models)
 
     def for_instance(self, name: str | None) -> Config:
         """What one active-active instance serves: the same models, on ``name``'s addresses.
@@ -629,7 +665,7 @@ class Config:
         if instance is None:
             raise ConfigError(f"--instance {name}: no such instance in cluster.instances "
                               f"(one of: {', '.join(instances)})")
-        return replace(self, listen=Listen(grpc=instance.grpc, metrics=instance.metrics))
+        return replace(self, listen=msgspec.structs.replace(self.listen, grpc=instance.grpc, metrics=instance.metrics))
 
 
 def _default_priority(file: ConfigFile) -> str:

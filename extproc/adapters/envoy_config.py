@@ -72,6 +72,9 @@ requests naming no configured model.
 With ``cluster.instances`` (active-active, docs/cluster.md), the ``extproc``
 cluster lists every instance; Envoy's default round-robin spreads the streams.
 
+With ``listen.tls``, every processor cluster speaks TLS to the processor
+(:func:`_processor_tls`; docs/configuration.md, "TLS on the gRPC port").
+
 Whatever Envoy answers itself (step 1's 401, the router's 503 when an
 engine cannot be reached, 413, 408) becomes the processor's
 OpenAI-style JSON error with a reason header, through the HTTP connection
@@ -672,7 +675,7 @@ def shard_clusters(config: Config) -> list[dict[str, Any]]:
 
 def _processor_cluster(config: Config, name: str, addresses: list[str]) -> dict[str, Any]:
     hosts = [(_connectable(host), port) for host, port in map(split_address, addresses)]
-    return {
+    cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC" if all(is_ip_address(h) for h, _ in hosts) else "STRICT_DNS",
         # The message timeout's budget: a refused connection (processor down) fails at once
@@ -688,6 +691,41 @@ def _processor_cluster(config: Config, name: str, addresses: list[str]) -> dict[
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket_address(h, p)}} for h, p in hosts]}],
         },
     }
+    if config.listen.tls is not None:
+        cluster["transport_socket"] = _processor_tls(config, {h for h, _ in hosts})
+    return cluster
+
+
+def _processor_tls(config: Config, hosts: set[str]) -> dict[str, Any]:
+    """Envoy's TLS to the processor (``listen.tls``), ALPN h2 for gRPC.
+
+    The processor's certificate is checked against ``envoy.processor_ca_file``
+    (the chain only, not the name); without it any certificate is accepted, as
+    Gateway API Inference Extension gateways do (an empty validation context):
+    encrypted, not authenticated. With ``listen.tls.client_ca_file`` the
+    processor asks for a certificate, so Envoy must have one. SNI is the
+    processor's host name, when every instance of the cluster has the same one.
+    """
+    envoy = config.envoy
+    assert config.listen.tls is not None
+    if config.listen.tls.client_ca_file is not None and envoy.processor_client_cert_file is None:
+        raise ConfigError("envoy.processor_client_cert_file: is required with listen.tls.client_ca_file "
+                          "(the processor asks Envoy for a certificate)")
+    ca = envoy.processor_ca_file
+    common: dict[str, Any] = {
+        "alpn_protocols": ["h2"],
+        "validation_context": {} if ca is None else {"trusted_ca": {"filename": ca}},
+    }
+    if envoy.processor_client_cert_file is not None:
+        common["tls_certificates"] = [{
+            "certificate_chain": {"filename": envoy.processor_client_cert_file},
+            "private_key": {"filename": envoy.processor_client_key_file},
+        }]
+    context: dict[str, Any] = {"@type": _TYPE + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                               "common_tls_context": common}
+    if len(hosts) == 1 and not is_ip_address(host := next(iter(hosts))):
+        context["sni"] = host
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
 
 
 def _processor_outlier_detection() -> dict[str, Any]:

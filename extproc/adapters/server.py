@@ -39,6 +39,7 @@ from extproc.adapters.engines.discovery import watch_pool
 from extproc.adapters.ext_proc.h2grpc import GrpcServer, Method
 from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.servicer import Processor
+from extproc.adapters.ext_proc.tls import RELOAD_OUTCOMES, ServerTls
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import MetricsServer, build_app
 from extproc.adapters.wiring import build_dispatchers
@@ -49,6 +50,8 @@ PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 # Once nothing is queued or in flight: how long the last streams (refusals being
 # sent) get to finish before the gRPC server stops.
 FINAL_GRACE_S = 1.0
+# A buffered body comes as one message with Envoy's headers and metadata around it.
+BODY_MESSAGE_MARGIN = 64 * 1024
 # How often the drain looks at the queues; it runs once per process lifetime.
 DRAIN_POLL_S = 0.05
 
@@ -68,7 +71,12 @@ class ProcessorServer:
         self._grpc = GrpcServer({
             PROCESS_PATH: Method(pb.ProcessingRequest.FromString, self.processor.process),
             **self._health.methods(),
-        })
+        }, max_message_bytes=config.endpoint_picker.max_body_bytes + BODY_MESSAGE_MARGIN)
+        # TLS on the gRPC port (listen.tls), its files reloaded while serving.
+        tls = config.listen.tls
+        self._tls = None if tls is None else ServerTls(tls, self.telemetry.tls_reloaded)
+        for outcome in RELOAD_OUTCOMES if tls is not None else ():
+            self.telemetry.tls_reloads.labels(outcome=outcome)  # at 0 from the start
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         # The metrics port (/metrics, /healthz, /readyz, the status page): adapters/web/app.py.
@@ -84,7 +92,7 @@ class ProcessorServer:
     async def start(self) -> None:
         host, port = split_address(self.config.listen.grpc)
         try:
-            await self._grpc.start(host, port)
+            await self._grpc.start(host, port, None if self._tls is None else self._tls.listener)
         except OSError as exc:
             raise OSError(f"listen.grpc: cannot bind {self.config.listen.grpc} ({exc.strerror})") from exc
         self.processor.lag.start()
@@ -95,12 +103,15 @@ class ProcessorServer:
             raise OSError(f"listen.metrics: cannot bind {self.config.listen.metrics} ({exc.strerror})") from exc
         self._metrics_started = True
         self._session = aiohttp.ClientSession()
+        if self._tls is not None:
+            self._tasks.append(asyncio.create_task(self._tls.watch()))
         for model in self.config.models:
             self._tasks.append(asyncio.create_task(watch_pool(self._session, model, self.dispatchers[model.name])))
         if self._cluster is not None:
             self._cluster.start()
         self._health.start()
-        log.info("serving ext_proc on %s, metrics on %s", self.config.listen.grpc, self.config.listen.metrics)
+        log.info("serving ext_proc on %s%s, metrics on %s", self.config.listen.grpc,
+                 "" if self._tls is None else " (TLS)", self.config.listen.metrics)
 
     def queued(self) -> int:
         return sum(d.queued for d in self.dispatchers.values())

@@ -259,6 +259,16 @@ class Telemetry:
             buckets=DECISION_BUCKETS,
             registry=r,
         )
+        # TLS on the gRPC port (listen.tls; adapters/ext_proc/tls.py).
+        self.tls_reloads = Counter(
+            "extproc_tls_reloads",
+            "Reloads of the gRPC port's changed certificate files, by outcome (failed: the previous one still serves).",
+            ["outcome"],
+            registry=r,
+        )
+
+    def tls_reloaded(self, outcome: str) -> None:
+        self.tls_reloads.labels(outcome=outcome).inc()
 
     def per_endpoint_gauges(self) -> tuple[Gauge, ...]:
         """Gauges labelled (model, endpoint): cleared when an endpoint leaves its pool."""

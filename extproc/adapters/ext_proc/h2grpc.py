@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 
 # gRPC status codes (https://grpc.github.io/grpc/core/md_doc_statuscodes.html) this server sends.
 OK, UNKNOWN, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 2, 5, 8, 12, 13
-# grpcio's default limit for a received message; a buffered request body comes in one.
+# grpcio's default limit for a received message, the least a server takes (a buffered request
+# body comes in one: the processor raises it to its body limit, endpoint_picker.max_body_bytes).
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 # Receive windows: large enough that a buffered body arrives without waiting on window updates.
 STREAM_WINDOW = 1024 * 1024
@@ -134,12 +136,12 @@ class _Call:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    def received(self, data: bytes) -> None:
-        """Decode every complete length-prefixed message in the bytes received so far."""
+    def received(self, data: bytes, limit: int) -> None:
+        """Decode every complete length-prefixed message (of at most ``limit`` bytes) in the bytes received so far."""
         buffer = self.buffer + data if self.buffer else data
         while len(buffer) >= 5:
             size = int.from_bytes(buffer[1:5], "big")
-            if buffer[0] != 0 or size > MAX_MESSAGE_BYTES:
+            if buffer[0] != 0 or size > limit:
                 raise GrpcError(UNIMPLEMENTED if buffer[0] else RESOURCE_EXHAUSTED,
                                 "compressed messages are not supported" if buffer[0] else "message too large")
             if len(buffer) < 5 + size:
@@ -202,7 +204,7 @@ class _Connection(asyncio.Protocol):
             call = self.calls.get(event.stream_id)
             if call is not None and event.data:
                 try:
-                    call.received(event.data)
+                    call.received(event.data, self._server.max_message_bytes)
                 except GrpcError as exc:
                     self._cancel(call)
                     self._finish(call, exc.status, exc.message)
@@ -324,14 +326,16 @@ def _trailers(status: int, message: str) -> list[tuple[bytes, bytes]]:
 class GrpcServer:
     """Serves ``methods`` (by gRPC path, ``/package.Service/Method``) on one listening address."""
 
-    def __init__(self, methods: dict[str, Method]) -> None:
+    def __init__(self, methods: dict[str, Method], max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.methods = methods
+        self.max_message_bytes = max(MAX_MESSAGE_BYTES, max_message_bytes)
         self.connections: set[_Connection] = set()
         self._listener: asyncio.Server | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
+        """Listen; with ``tls`` (a server context offering ALPN h2: tls.py), every connection is TLS."""
         loop = asyncio.get_running_loop()
-        self._listener = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True)
+        self._listener = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True, ssl=tls)
 
     def calls(self) -> int:
         return sum(len(c.calls) for c in self.connections)
