@@ -41,6 +41,7 @@ from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack, start_stack
 from tests.envoyutil import bootstrap_message
 from tests.stackutil import metric, poll, read_metrics, wait_for_metric, write_stack_config
+from tests.tlsutil import CA, Pair
 
 SHAPES = ("strict", "fail_open")
 BODIES: tuple[gie_gateway.BodyMode, ...] = ("duplex", "buffered")
@@ -196,7 +197,7 @@ class Gateways:
 
     pods: list[str]  # the simulators, ip:port (the conformance suite's three model-server pods)
     broken: str  # the fail-open pool's fourth endpoint (_BrokenEngine)
-    strict: Stack  # AI Gateway's shape, duplex; its processor names one endpoint (no fallbacks, the default)
+    strict: Stack  # AI Gateway's shape, duplex, TLS to the processor; which names one endpoint (no fallbacks, the default)
     strict_buffered_url: str  # the same shape, buffered, in front of the same processor
     open: Stack  # the fail-open shape, duplex; its processor names two fallbacks
 
@@ -213,10 +214,17 @@ def _on_free_ports(doc: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return doc, f"http://127.0.0.1:{port}"
 
 
-def _processor_config(folder: Path, pods: list[str], **picker: Any) -> Path:
-    """A processor attached by ext_proc alone: endpoint picking over ``pods``, tenants from the fairness header."""
+def _processor_config(folder: Path, pods: list[str], tls: Pair | None = None, **picker: Any) -> Path:
+    """A processor attached by ext_proc alone: endpoint picking over ``pods``, tenants from the fairness header.
+
+    ``tls``: its gRPC port serves TLS with this certificate (AI Gateway's
+    cluster accepts any certificate and presents none).
+    """
     folder.mkdir()
     top: dict[str, Any] = {"identity": {"fairness_id_headers": [FAIRNESS_HEADER]}, "tenants": {HOG: {"max_queued": HOG_QUEUE}}}
+    if tls is not None:
+        top["listen"] = {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}",
+                         "tls": {"cert_file": str(tls.cert), "key_file": str(tls.key)}}
     if picker:
         top["endpoint_picker"] = picker
     return write_stack_config(
@@ -239,15 +247,16 @@ async def gateways(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Ga
     pods = [f"127.0.0.1:{free_port()}" for _ in range(3)]
     broken = f"127.0.0.1:{broken_port}"
     async with contextlib.AsyncExitStack() as running:
+        certificate = CA(workdir / "ca").issue("epp")
         strict = await running.enter_async_context(await start_stack(
-            _processor_config(workdir / "strict", pods), workdir / "strict", sim_args=FAST_SIM,
-            envoy_bootstrap=functools.partial(gie_gateway.strict, model=MODEL, body="duplex"),
+            _processor_config(workdir / "strict", pods, certificate), workdir / "strict", sim_args=FAST_SIM,
+            envoy_bootstrap=functools.partial(gie_gateway.strict, model=MODEL, body="duplex", tls=True),
         ))
         open_ = await running.enter_async_context(await start_stack(
             _processor_config(workdir / "open", [*pods, broken], fallbacks=2), workdir / "open", engines=False,
             envoy_bootstrap=functools.partial(gie_gateway.fail_open, model=MODEL, body="duplex"),
         ))
-        doc, buffered_url = _on_free_ports(gie_gateway.strict(strict.config, MODEL, body="buffered"))
+        doc, buffered_url = _on_free_ports(gie_gateway.strict(strict.config, MODEL, body="buffered", tls=True))
         await running.enter_async_context(await start_envoy(doc, workdir / "strict-buffered", concurrency=1))
         yield Gateways(pods, broken, strict, buffered_url, open_)
     listener.close()
