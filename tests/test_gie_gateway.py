@@ -120,7 +120,9 @@ def test_strict_is_ai_gateways_inference_pool_translation(body: gie_gateway.Body
     picker = clusters[gie_gateway.EPP_CLUSTER]
     assert (picker["type"], picker["lb_policy"], picker["connect_timeout"]) == ("STRICT_DNS", "LEAST_REQUEST", "10s")
     assert picker["transport_socket"]["typed_config"]["common_tls_context"] == {"validation_context": {}}
-    assert "health_checks" not in picker and "circuit_breakers" not in picker
+    assert "health_checks" not in picker and "circuit_breakers" not in picker  # Envoy's default: 1024 streams
+    raised = gie_gateway.strict(parse_config(_free_config()), "m1", epp_max_requests=20_000)
+    assert _clusters(raised)[gie_gateway.EPP_CLUSTER]["circuit_breakers"] == {"thresholds": [{"max_requests": 20_000}]}
     pool = clusters[gie_gateway.POOL_CLUSTER]
     assert (pool["type"], pool["lb_policy"], pool["connect_timeout"]) == ("ORIGINAL_DST", "CLUSTER_PROVIDED", "10s")
     assert pool["original_dst_lb_config"] == {"use_http_header": True, "http_header_name": "x-gateway-destination-endpoint"}

@@ -100,9 +100,9 @@ def rss_bytes(pid: int) -> int:
     raise LookupError(f"no VmRSS for pid {pid}")
 
 
-# An Endpoint Picker's gate: one request in flight, which never ends (GIE_MAX_TOKENS at the simulator's pace).
+# An Endpoint Picker's gate: one request in flight, which outlasts the hold (GIE_MAX_TOKENS).
 _PICKING_GATE = {"gate": "static_concurrency", "max_in_flight": 1, "endpoint_picking": True}
-GIE_MAX_TOKENS = 100_000
+GIE_MAX_TOKENS = 2_000  # 40 s at the simulator's 20 ms a step: past the default 30 s hold
 
 
 def holding_config(
@@ -111,7 +111,7 @@ def holding_config(
     """A one-model config whose gate releases nothing: every admitted request waits ``hold_s``, then 503.
 
     ``picking``: endpoint picking, for a GIE gateway's shape (tools/gie_gateway.py), whose gate lets one
-    request through, that never finishes if it asks for :data:`GIE_MAX_TOKENS`.
+    request through, that outlasts the hold if it asks for :data:`GIE_MAX_TOKENS`.
     """
     # One release per thousand seconds: the first request goes, the rest stay queued.
     gate = _PICKING_GATE if picking else {"gate": "static_rate", "release_rate": 0.001}
@@ -189,7 +189,9 @@ async def _main(args: argparse.Namespace) -> None:
                                                ("admission_per_second", args.admission_per_second)) if value}
         config = holding_config(workdir, hold_s=args.hold_s, max_queued=max(args.n, 10_000), envoy=envoy,
                                 picking=args.gie is not None)
-        shape = None if args.gie is None else functools.partial(gie_gateway.strict, model="m1", body=args.gie)
+        # Envoy's default circuit breaker would cut the EPP's streams at 1024 (tools/gie_gateway.py).
+        shape = None if args.gie is None else functools.partial(
+            gie_gateway.strict, model="m1", body=args.gie, epp_max_requests=max(args.n, 1024))
         async with await start_stack(config, workdir, sim_args=["--max-num-seqs", "1"], envoy_bootstrap=shape) as stack:
             assert stack.processor is not None
             print(f"processor pid {stack.processor.process.pid}, logs in {workdir}", flush=True)

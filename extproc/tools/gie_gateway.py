@@ -22,7 +22,9 @@ internal/extensionserver/):
   here, plaintext until our gRPC listener serves TLS), explicit HTTP/2,
   ``connect_timeout`` 10 s. No circuit breakers: Envoy's default of 1024
   requests per cluster limits the EPP streams, so at most 1024 requests can be
-  held at once through this shape.
+  held at once through this shape (measured: of 2,000 sent, 1,024 held or
+  served, 976 answered 500 at once); ``epp_max_requests`` raises it, as an
+  operator would (Envoy Gateway's circuit breaker settings).
 * post_cluster_modify.go: the pool's cluster is ORIGINAL_DST, CLUSTER_PROVIDED,
   ``original_dst_lb_config`` on the header ``x-gateway-destination-endpoint``,
   ``connect_timeout`` 10 s.
@@ -234,7 +236,7 @@ def _route() -> dict[str, Any]:
     }
 
 
-def _epp_cluster(config: Config, *, tls: bool, health_checked: bool) -> dict[str, Any]:
+def _epp_cluster(config: Config, *, tls: bool, health_checked: bool, max_requests: int | None) -> dict[str, Any]:
     host, port = split_address(config.listen.grpc)
     cluster: dict[str, Any] = {
         "name": EPP_CLUSTER,
@@ -254,6 +256,8 @@ def _epp_cluster(config: Config, *, tls: bool, health_checked: bool) -> dict[str
             }
         },
     }
+    if max_requests is not None:  # each held request is one open EPP stream
+        cluster["circuit_breakers"] = {"thresholds": [{"max_requests": max_requests}]}
     if health_checked:  # fail_open: an EPP known down is skipped before any body chunk goes to it
         interval = f"{EPP_HEALTH_INTERVAL_S:g}s"
         cluster["health_checks"] = [{
@@ -366,7 +370,9 @@ def _filters(config: Config, body: BodyMode, *, fail_open: bool) -> list[dict[st
     return [_subset_hint_filter(), _epp_filter(config, body, fail_open=fail_open), _served_to_metadata_filter()]
 
 
-def strict(config: Config, model: str, *, body: BodyMode = "duplex", tls: bool = False) -> dict[str, Any]:
+def strict(
+    config: Config, model: str, *, body: BodyMode = "duplex", tls: bool = False, epp_max_requests: int | None = None,
+) -> dict[str, Any]:
     """AI Gateway's InferencePool shape: EPP failures fail the request, ORIGINAL_DST to the one endpoint named.
 
     ``config`` gives the listen and admin addresses (``envoy``), the
@@ -374,11 +380,15 @@ def strict(config: Config, model: str, *, body: BodyMode = "duplex", tls: bool =
     endpoints, which ORIGINAL_DST does not list).
     """
     pool_endpoints(config, model)  # the model must exist
-    clusters = [_epp_cluster(config, tls=tls, health_checked=False), _original_dst_pool_cluster()]
+    clusters = [_epp_cluster(config, tls=tls, health_checked=False, max_requests=epp_max_requests),
+                _original_dst_pool_cluster()]
     return _bootstrap(config, _filters(config, body, fail_open=False), clusters)
 
 
-def fail_open(config: Config, model: str, *, body: BodyMode = "duplex", tls: bool = False) -> dict[str, Any]:
+def fail_open(
+    config: Config, model: str, *, body: BodyMode = "duplex", tls: bool = False, epp_max_requests: int | None = None,
+) -> dict[str, Any]:
     """The EPP's failure lets the request through; the pool's cluster lists its endpoints (see module docstring)."""
-    clusters = [_epp_cluster(config, tls=tls, health_checked=True), _override_host_pool_cluster(pool_endpoints(config, model))]
+    clusters = [_epp_cluster(config, tls=tls, health_checked=True, max_requests=epp_max_requests),
+                _override_host_pool_cluster(pool_endpoints(config, model))]
     return _bootstrap(config, _filters(config, body, fail_open=True), clusters)
