@@ -35,9 +35,12 @@ async def test_fast_upstream_answers_chat_and_reports_an_idle_engine(tmp_path: P
 
 
 @pytest.mark.skipif(shutil.which("hey") is None, reason="the load tool `hey` is not installed (apt-get install hey)")
-async def test_short_overhead_run_measures_all_three_paths(tmp_path: Path) -> None:
+async def test_short_overhead_run_measures_every_path(tmp_path: Path) -> None:
+    """Direct, Envoy alone, our metadata fast path and the GIE shape's two body modes, all answered."""
     summary = summarize_overhead(await run_overhead(tmp_path, seconds=0.5))
-    assert list(summary["paths"]) == ["upstream", "envoy", "envoy+extproc"]
+    assert list(summary["paths"]) == ["upstream", "envoy", "envoy+extproc", "gie-buffered", "gie-duplex"]
+    assert list(summary["added_ms"]) == ["envoy+extproc", "gie-buffered", "gie-duplex"]
+    assert summary["added_ms"]["envoy+extproc"] == summary["extproc_added_ms"]
     for path, figures in summary["paths"].items():
         for run in ("fixed", "max"):
             assert figures[run]["ok"] == figures[run]["sent"] > 0, (path, run)

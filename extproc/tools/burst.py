@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import tempfile
 import time
@@ -26,6 +27,7 @@ import aiohttp
 import yaml
 
 from extproc.adapters.ext_proc.contract import REASON_HEADER
+from extproc.tools import gie_gateway
 from extproc.tools.procs import cpu_seconds, free_port
 from extproc.tools.stack import Stack, start_stack
 
@@ -56,8 +58,8 @@ class BurstReport:
         return Counter((a.status, a.reason or a.details) for a in self.answers)
 
 
-async def _one(session: aiohttp.ClientSession, url: str, model: str) -> Answer:
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int) -> Answer:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
     try:
         async with session.post(f"{url}/v1/chat/completions", json=body) as response:
             text = await response.read()
@@ -73,6 +75,7 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str) -> Answer:
 
 async def fire(
     url: str, model: str, n: int, *, while_held: Callable[[], Awaitable[None]] | None = None, wave: int | None = None,
+    prompt: str = "hi", max_tokens: int = 4,
 ) -> BurstReport:
     """``n`` requests, each on its own connection: at once, or ``wave`` per second; ``while_held`` runs meanwhile."""
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -82,7 +85,8 @@ async def fire(
         for start in range(0, n, wave or n):
             if start:
                 await asyncio.sleep(1.0)
-            requests += [asyncio.ensure_future(_one(session, url, model)) for _ in range(min(wave or n, n - start))]
+            requests += [asyncio.ensure_future(_one(session, url, model, prompt, max_tokens))
+                         for _ in range(min(wave or n, n - start))]
         if while_held is not None:
             await while_held()
         return BurstReport(list(await asyncio.gather(*requests)))
@@ -96,14 +100,25 @@ def rss_bytes(pid: int) -> int:
     raise LookupError(f"no VmRSS for pid {pid}")
 
 
-def holding_config(workdir: Path, *, hold_s: float, max_queued: int, envoy: dict[str, Any] | None = None) -> Path:
-    """A one-model config whose gate releases nothing: every admitted request waits ``hold_s``, then 503."""
+# An Endpoint Picker's gate: one request in flight, which outlasts the hold (GIE_MAX_TOKENS).
+_PICKING_GATE = {"gate": "static_concurrency", "max_in_flight": 1, "endpoint_picking": True}
+GIE_MAX_TOKENS = 2_000  # 40 s at the simulator's 20 ms a step: past the default 30 s hold
+
+
+def holding_config(
+    workdir: Path, *, hold_s: float, max_queued: int, envoy: dict[str, Any] | None = None, picking: bool = False,
+) -> Path:
+    """A one-model config whose gate releases nothing: every admitted request waits ``hold_s``, then 503.
+
+    ``picking``: endpoint picking, for a GIE gateway's shape (tools/gie_gateway.py), whose gate lets one
+    request through, that outlasts the hold if it asks for :data:`GIE_MAX_TOKENS`.
+    """
+    # One release per thousand seconds: the first request goes, the rest stay queued.
+    gate = _PICKING_GATE if picking else {"gate": "static_rate", "release_rate": 0.001}
     doc: dict[str, Any] = {
         "listen": {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"},
         "models": [{
-            "name": "m1", "endpoints": [f"http://127.0.0.1:{free_port()}"],
-            # One release per thousand seconds: the first request goes, the rest stay queued.
-            "gate": "static_rate", "release_rate": 0.001,
+            "name": "m1", "endpoints": [f"http://127.0.0.1:{free_port()}"], **gate,
             "max_queue_wait_s": hold_s, "max_queued": max_queued,
         }],
         "tenants": {"default": {"max_queued": max_queued}},
@@ -142,7 +157,7 @@ class HeldFigures:
 
 
 async def burst_and_hold(
-    stack: Stack, n: int, *, settle_s: float = 3.0, wave: int | None = None
+    stack: Stack, n: int, *, settle_s: float = 3.0, wave: int | None = None, prompt: str = "hi", max_tokens: int = 4,
 ) -> tuple[BurstReport, HeldFigures]:
     """Fire ``n`` (see :func:`fire`); once the queue stops growing, read both RSS; then wait for every answer."""
     assert stack.processor is not None and stack.envoy is not None
@@ -163,7 +178,7 @@ async def burst_and_hold(
             cpu_seconds(processor) - cpu[0], cpu_seconds(envoy) - cpu[1],
         ))
 
-    report = await fire(stack.envoy_url, "m1", n, while_held=measure, wave=wave)
+    report = await fire(stack.envoy_url, "m1", n, while_held=measure, wave=wave, prompt=prompt, max_tokens=max_tokens)
     return report, figures[0]
 
 
@@ -172,13 +187,20 @@ async def _main(args: argparse.Namespace) -> None:
         workdir = Path(args.workdir or tmp)
         envoy = {key: value for key, value in (("admission_burst", args.admission_burst),
                                                ("admission_per_second", args.admission_per_second)) if value}
-        config = holding_config(workdir, hold_s=args.hold_s, max_queued=max(args.n, 10_000), envoy=envoy)
-        async with await start_stack(config, workdir, sim_args=["--max-num-seqs", "1"]) as stack:
+        config = holding_config(workdir, hold_s=args.hold_s, max_queued=max(args.n, 10_000), envoy=envoy,
+                                picking=args.gie is not None)
+        # Envoy's default circuit breaker would cut the EPP's streams at 1024 (tools/gie_gateway.py).
+        shape = None if args.gie is None else functools.partial(
+            gie_gateway.strict, model="m1", body=args.gie, epp_max_requests=max(args.n, 1024))
+        async with await start_stack(config, workdir, sim_args=["--max-num-seqs", "1"], envoy_bootstrap=shape) as stack:
             assert stack.processor is not None
             print(f"processor pid {stack.processor.process.pid}, logs in {workdir}", flush=True)
             if args.before_s:
                 await asyncio.sleep(args.before_s)
-            report, held = await burst_and_hold(stack, args.n, wave=args.wave)
+            report, held = await burst_and_hold(
+                stack, args.n, wave=args.wave, prompt="hi" if args.body_bytes is None else "x" * args.body_bytes,
+                max_tokens=4 if args.gie is None else GIE_MAX_TOKENS,
+            )
         print(f"n={args.n} held={held.held:.0f} bare={len(report.bare)} not-json={len(report.not_json)} "
               f"answers={sorted(report.counts().items())}")
         print(f"processor RSS idle {held.processor_idle / 2**20:.0f} MiB, held {held.processor_held / 2**20:.0f} MiB, "
@@ -197,6 +219,9 @@ def main() -> None:
     parser.add_argument("--wave", type=int, help="send this many per second instead of all at once")
     parser.add_argument("--workdir", help="keep configs and logs here (default: a temporary directory)")
     parser.add_argument("--before-s", type=float, default=0.0, help="wait this long before firing (to attach a profiler)")
+    parser.add_argument("--gie", choices=list(gie_gateway.BODY_MODES),
+                        help="Envoy in Envoy AI Gateway's shape with this body mode (the processor reads the body)")
+    parser.add_argument("--body-bytes", type=int, help="the prompt's size in bytes (default: the two of 'hi')")
     asyncio.run(_main(parser.parse_args()))
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 from extproc.adapters.config import Config, ModelConfig, load_config
 from extproc.adapters.envoy_config import bootstrap
@@ -120,6 +120,7 @@ async def start_stack(
     serve_args: Sequence[str] = (),
     gateway: Gateway = "extproc",
     engines: bool = True,
+    envoy_bootstrap: Callable[[Config], dict[str, Any]] | None = None,
 ) -> Stack:
     """Start a simulator per model endpoint, ``extproc serve`` (one per ``cluster.instances`` entry) and Envoy.
 
@@ -129,6 +130,8 @@ async def start_stack(
     ``gateway`` leaves out the processor ("envoy") or both it and Envoy
     ("direct"): the benchmark's baselines. ``engines=False`` starts no
     simulator: the caller serves the model endpoints itself.
+    ``envoy_bootstrap`` replaces our generated bootstrap with another built
+    from the config (a GIE gateway's shape: tools/gie_gateway.py).
     """
     config = load_config(config_path)
     stack = Stack(config, config_path, workdir, serve_args)
@@ -140,7 +143,8 @@ async def start_stack(
             for name in stack.metrics_urls:
                 await stack.start_processor(name)
         if gateway != "direct":
-            stack.envoy = await start_envoy(bootstrap(config, ext_proc=gateway == "extproc"), workdir)
+            doc = bootstrap(config, ext_proc=gateway == "extproc") if envoy_bootstrap is None else envoy_bootstrap(config)
+            stack.envoy = await start_envoy(doc, workdir)
     except BaseException:
         await stack.stop()
         raise

@@ -8,9 +8,16 @@ vLLM page that reports an idle engine):
 * ``envoy``         — through the gateway Envoy without ext_proc;
 * ``envoy+extproc`` — through the gateway Envoy and the processor, whose gate
   is uncontended (``target_waiting`` far above any queue), so every request is
-  held and released at once: the pure cost of the hop.
+  held and released at once: the pure cost of the hop, on our metadata fast
+  path (Envoy's json_to_metadata hands the processor the body's fields; the
+  body never crosses the hop);
+* ``gie-buffered``, ``gie-duplex`` — the processor attached as a GIE Endpoint
+  Picker, by ext_proc alone, in Envoy AI Gateway's shape
+  (tools/gie_gateway.py's ``strict``, plaintext like the other paths), the
+  bodies ``BUFFERED`` or ``FULL_DUPLEX_STREAMED``: the body crosses the hop
+  both ways, the response too, and the processor parses the request's JSON.
 
-All three run side by side. Each gets a warm-up, then fixed-rate runs
+All of them run side by side. Each gets a warm-up, then fixed-rate runs
 (``hey -q``) and runs at the highest rate ``hey`` reaches with
 ``MAX_WORKERS`` connections, each split into ``ROUNDS`` short runs that
 alternate between the paths, so a change in the machine's background load
@@ -30,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import csv
+import functools
 import io
 import json
 import shutil
@@ -40,6 +48,7 @@ from typing import Any
 
 import yaml
 
+from extproc.tools import gie_gateway
 from extproc.tools.bench.arms import MODEL, api_key
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.power_user import percentile
@@ -60,10 +69,16 @@ _CHAT_RESPONSE = json.dumps({
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
 })
-_IDLE_ENGINE_METRICS = "".join(
-    f"# TYPE {name} gauge\n{name}{{model_name=\"{MODEL}\"}} 0\n"
-    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running")
-)
+
+
+def idle_engine_metrics(model: str) -> str:
+    """A vLLM ``/metrics`` page of an idle engine serving ``model``: nothing waiting, nothing running."""
+    return "".join(
+        f"# TYPE {name} gauge\n{name}{{model_name=\"{model}\"}} 0\n"
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running")
+    )
+
+
 REQUEST_BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
 
 
@@ -138,7 +153,7 @@ def upstream_bootstrap(listen_port: int, admin_port: int) -> dict[str, Any]:
                 "name": "fast",
                 "domains": ["*"],
                 "routes": [
-                    {"match": {"path": "/metrics"}, **reply(_IDLE_ENGINE_METRICS, "text/plain; version=0.0.4")},
+                    {"match": {"path": "/metrics"}, **reply(idle_engine_metrics(MODEL), "text/plain; version=0.0.4")},
                     {"match": {"prefix": "/"}, **reply(_CHAT_RESPONSE, "application/json")},
                 ],
             }]
@@ -161,8 +176,11 @@ def upstream_bootstrap(listen_port: int, admin_port: int) -> dict[str, Any]:
     }
 
 
-def overhead_config(upstream_url: str) -> dict[str, Any]:
-    """An extproc config whose gate never holds: the queue is far below ``target_waiting``."""
+def overhead_config(upstream_url: str, *, endpoint_picking: bool = False) -> dict[str, Any]:
+    """An extproc config whose gate never holds: the queue is far below ``target_waiting``.
+
+    ``endpoint_picking`` for the GIE paths: their Envoy routes to the endpoint the processor names.
+    """
     return {
         "listen": {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"},
         "models": [{
@@ -170,6 +188,7 @@ def overhead_config(upstream_url: str) -> dict[str, Any]:
             "endpoints": [upstream_url],
             "target_waiting": 1_000_000,
             "fallback_max_in_flight": 1_000_000,
+            "endpoint_picking": endpoint_picking,
         }],
         "envoy": {
             "listen": f"127.0.0.1:{free_port()}",
@@ -180,6 +199,17 @@ def overhead_config(upstream_url: str) -> dict[str, Any]:
             "admission_per_second": 1_000_000,
         },
     }
+
+
+# The paths behind Envoy: name, what runs behind it, and the GIE gateway shape's body mode (None: our bootstrap).
+PATHS: tuple[tuple[str, Gateway, gie_gateway.BodyMode | None], ...] = (
+    ("envoy", "envoy", None),
+    ("envoy+extproc", "extproc", None),
+    ("gie-buffered", "extproc", "buffered"),
+    ("gie-duplex", "extproc", "duplex"),
+)
+# Each path with a processor, compared with Envoy alone (summarize_overhead's added_ms).
+PROCESSOR_PATHS = tuple(path for path, gateway, _ in PATHS if gateway == "extproc")
 
 
 @dataclass(frozen=True)
@@ -223,7 +253,7 @@ async def _rounds(
 async def run_overhead(
     workdir: Path, *, seconds: float = 10.0, rounds: int = ROUNDS, on_step: Callable[[str], None] = lambda label: None
 ) -> list[PathResult]:
-    """Measure the three paths (see module docstring): ``seconds`` per path and mode, in ``rounds`` rounds."""
+    """Measure the paths (see module docstring): ``seconds`` per path and mode, in ``rounds`` rounds."""
     find_hey()
     workdir.mkdir(parents=True, exist_ok=True)
     up_port = free_port()
@@ -232,14 +262,15 @@ async def run_overhead(
         await running.enter_async_context(upstream)
         upstream_url = f"http://127.0.0.1:{up_port}"
         targets = [_Target("upstream", upstream_url, {})]
-        paths: tuple[tuple[str, Gateway], ...] = (("envoy", "envoy"), ("envoy+extproc", "extproc"))
-        for path, gateway in paths:
-            folder = workdir / gateway
+        for path, gateway, shape in PATHS:
+            folder = workdir / path
             folder.mkdir(exist_ok=True)
             config_path = folder / "config.yaml"
-            config_path.write_text(yaml.safe_dump(overhead_config(upstream_url)), encoding="utf-8")
+            config = overhead_config(upstream_url, endpoint_picking=shape is not None)
+            config_path.write_text(yaml.safe_dump(config), encoding="utf-8")
+            envoy_bootstrap = None if shape is None else functools.partial(gie_gateway.strict, model=MODEL, body=shape)
             stack = await running.enter_async_context(
-                await start_stack(config_path, folder, gateway=gateway, engines=False)
+                await start_stack(config_path, folder, gateway=gateway, engines=False, envoy_bootstrap=envoy_bootstrap)
             )
             assert stack.envoy is not None
             pids = {"envoy": stack.envoy.process.pid}
@@ -275,7 +306,7 @@ def _difference(a: float | None, b: float | None) -> float | None:
 
 
 def summarize_overhead(paths: list[PathResult]) -> dict[str, Any]:
-    """Per path: rates, latency percentiles (pooled over rounds) and CPU per request; then what ext_proc adds."""
+    """Per path: rates, latency percentiles (pooled over rounds) and CPU per request; then what each processor path adds."""
     by_path = {
         p.path: {
             "fixed": _pooled(p.fixed),
@@ -289,6 +320,12 @@ def summarize_overhead(paths: list[PathResult]) -> dict[str, Any]:
         "fixed_rate": FIXED_RATE, "max_workers": MAX_WORKERS, "rounds": len(paths[0].fixed), "paths": by_path,
     }
     runs = {p.path: p for p in paths}
+    if "envoy" in runs:
+        # What each processor path adds to Envoy alone, at the fixed rate: the same hop in its attachments.
+        summary["added_ms"] = {
+            path: {q: _difference(by_path[path]["fixed"][q], by_path["envoy"]["fixed"][q]) for q in ("p50", "p99")}
+            for path in PROCESSOR_PATHS if path in runs
+        }
     if "envoy" in runs and "envoy+extproc" in runs:
         alone, hop = by_path["envoy"]["fixed"], by_path["envoy+extproc"]["fixed"]
         summary["extproc_added_ms"] = {q: _difference(hop[q], alone[q]) for q in ("p50", "p99")}

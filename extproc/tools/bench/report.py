@@ -246,6 +246,10 @@ def overhead_markdown(overhead: Mapping[str, Any]) -> list[str]:
                       f"{overhead['fixed_rate']} req/s (p50 added per round: {by_round} ms); it held and released up "
                       f"to **{overhead['extproc_max_rate']:,.0f} req/s** on this machine, using "
                       f"**{overhead['extproc_cpu_us_per_request']:,.0f} µs** of processor CPU per request."]
+    by_attachment = overhead.get("added_ms") or {}
+    if by_attachment:
+        lines += ["", "Added to Envoy alone at the fixed rate, p50 / p99 (ms): " + "; ".join(
+            f"{path} {_num(added['p50'])} / {_num(added['p99'])}" for path, added in by_attachment.items()) + "."]
     return lines
 
 
