@@ -86,6 +86,7 @@ from extproc.adapters.ext_proc.release_outcome import engine_answered
 from extproc.adapters.ext_proc.request_fields import RequestFields, from_body, from_metadata, max_tokens
 from extproc.adapters.telemetry import NO_TENANT, Telemetry
 from extproc.core.dispatcher import Held, ModelDispatcher, shutting_down
+from extproc.core.entitlement import grant
 from extproc.core.outcomes import Refusal, Refused
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -392,20 +393,12 @@ class Processor:
         return ms / 1000
 
     def _entitled(self, model: str, tenant: str, asked: str) -> Admission:
-        """The class ``tenant`` gets when it asks for ``asked`` (see the module docstring)."""
+        """The class ``tenant`` gets when it asks for ``asked`` (core/entitlement.py decides)."""
         priorities = self._config.priorities
         entitlement = self._config.tenant(tenant)
-        allowed = entitlement.priorities or priorities
-        if asked not in priorities:  # none, or a class that does not exist
-            return Admission(model, tenant, priorities.index(entitlement.default_priority or self._config.default_priority))
-        requested = priorities.index(asked)
-        if asked in allowed:
-            return Admission(model, tenant, requested)
-        lower = [priorities.index(p) for p in allowed if priorities.index(p) > requested]
-        if not lower:
-            raise Refused(Refusal.PRIORITY_NOT_ALLOWED, f"tenant {tenant!r} may not use priority {asked!r}; "
-                           f"its classes are {', '.join(allowed)}")
-        return Admission(model, tenant, min(lower), requested=requested)
+        granted = grant(priorities, entitlement.priorities or priorities,
+                        entitlement.default_priority or self._config.default_priority, tenant, asked)
+        return Admission(model, tenant, granted.band, granted.requested)
 
     def _eligible(self, stream: Stream, dispatcher: ModelDispatcher) -> frozenset[str] | None:
         """Where a request attached by ext_proc alone may go; raises Refused where nowhere can take it.
