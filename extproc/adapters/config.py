@@ -591,6 +591,13 @@ class Tenant:
 
 @dataclass(frozen=True)
 class Config:
+    """The configuration as the program uses it: each class's settings resolved, each tenant's inherited.
+
+    The file's own shape (:class:`ConfigFile`) keeps what was written, so
+    errors can name its keys; this view is what everything else reads, so no
+    reader repeats the defaults or the inheritance.
+    """
+
     listen: Listen
     identity: Identity
     priorities: tuple[str, ...]
