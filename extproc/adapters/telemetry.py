@@ -25,6 +25,7 @@ import platform
 import time
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Generic, TypeVar, overload
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
 
@@ -69,7 +70,191 @@ class TenantLabels:
         return tenant if tenant in self._names else OTHER_TENANT
 
 
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+class _Series(Generic[M]):
+    """One metric's declaration on :class:`Telemetry`: read on an instance, it is that instance's metric."""
+
+    def __init__(self, kind: type[M], name: str, documentation: str, labels: tuple[str, ...],
+                 buckets: tuple[float, ...] | None = None) -> None:
+        self.kind: type[M] = kind
+        self.name = name
+        self.documentation = documentation
+        self.labels = labels
+        self.buckets = buckets
+
+    def build(self, registry: CollectorRegistry) -> M:
+        extra: dict[str, Any] = {} if self.buckets is None else {"buckets": self.buckets}
+        metric: M = self.kind(self.name, self.documentation, self.labels, registry=registry, **extra)
+        return metric
+
+    @overload
+    def __get__(self, owner: None, cls: type[Telemetry]) -> _Series[M]: ...
+    @overload
+    def __get__(self, owner: Telemetry, cls: type[Telemetry]) -> M: ...
+
+    def __get__(self, owner: Telemetry | None, cls: type[Telemetry]) -> _Series[M] | M:
+        if owner is None:
+            return self
+        metric: M = owner._series[self.name]
+        return metric
+
+
+def _counter(name: str, documentation: str, *labels: str) -> _Series[Counter]:
+    return _Series(Counter, name, documentation, labels)
+
+
+def _gauge(name: str, documentation: str, *labels: str) -> _Series[Gauge]:
+    return _Series(Gauge, name, documentation, labels)
+
+
+def _histogram(name: str, documentation: str, *labels: str, buckets: tuple[float, ...]) -> _Series[Histogram]:
+    return _Series(Histogram, name, documentation, labels, buckets)
+
+
 class Telemetry:
+    """The processor's series on one registry: declared once below, built for each instance.
+
+    Each class attribute is a :func:`_counter`, :func:`_gauge` or
+    :func:`_histogram` declaration; an instance reads it as the metric of its
+    own registry, so tests can run several processors in one process.
+    """
+
+    queue_depth = _gauge("extproc_queue_depth", "Requests held in the fair queue.", "model", "priority", "tenant")
+    queue_wait = _histogram(
+        "extproc_queue_wait_seconds",
+        "Time a request spent held before release or rejection.",
+        "model", "priority", "tenant", buckets=WAIT_BUCKETS,
+    )
+    decision_latency = _histogram(
+        "extproc_decision_latency_seconds",
+        "Time the dispatcher took to take in one arrival (queue caps, cost estimate, queueing, dispatch); the queue "
+        "wait is not in it.",
+        "model", buckets=DECISION_BUCKETS,
+    )
+    released = _counter("extproc_released", "Requests released to the engine.", "model", "priority", "tenant")
+    rejected = _counter(
+        "extproc_rejected",
+        "Requests answered by the processor instead of the engine (tenant \"(none)\": refused before the tenant was"
+        " known).",
+        "model", "reason", "tenant",
+    )
+    charged_prompt_tokens = _counter(
+        "extproc_charged_prompt_tokens",
+        "Prompt tokens charged to finished requests (estimated from Content-Length; see docs/configuration.md).",
+        "model", "tenant",
+    )
+    charged_output_tokens = _counter(
+        "extproc_charged_output_tokens",
+        "Output tokens charged to finished requests (occupancy x decode rate capped by max_tokens; else the estimate).",
+        "model", "tenant",
+    )
+    charged_cost = _counter(
+        "extproc_charged_cost",
+        "Cost charged to finished requests in vtc units (input_weight x prompt + output_weight x output tokens).",
+        "model", "tenant",
+    )
+    cost_clamped = _counter(
+        "extproc_cost_clamped",
+        "Requests whose max_tokens or Content-Length was beyond the model's max_context_tokens (the vtc cost counts at "
+        "most the context).",
+        "model",
+    )
+    abandoned = _counter("extproc_abandoned", "Requests whose client left while they were queued.", "model", "priority", "tenant")
+    priority_downgraded = _counter(
+        "extproc_priority_downgraded",
+        "Requests that asked for a priority class their tenant is not entitled to and got a lower one.",
+        "model", "requested", "granted",
+    )
+    model_names = _counter(
+        "extproc_model_name_requests",
+        "Requests admitted by the model name the body asked for (a served name, or the pattern that matched it).",
+        "model", "name",
+    )
+    served_elsewhere = _counter(
+        "extproc_served_elsewhere",
+        "Released requests the gateway reported served by another endpoint than the one picked (a fallback was taken: "
+        "the picked endpoint failed).",
+        "model",
+    )
+    in_flight = _gauge("extproc_in_flight", "Released requests whose response has not finished.", "model")
+    engine_waiting = _gauge("extproc_engine_waiting", "Engine waiting queue from the last good scrape.", "model", "endpoint")
+    engine_running = _gauge("extproc_engine_running", "Engine running requests from the last good scrape.", "model", "endpoint")
+    scrape_errors = _counter("extproc_scrape_errors", "Failed or unusable engine /metrics scrapes.", "model", "endpoint")
+    engine_kv_usage = _gauge(
+        "extproc_engine_kv_usage_ratio",
+        "Engine KV-cache usage (0..1) from the last good scrape, where the engine reports it.",
+        "model", "endpoint",
+    )
+    last_scrape = _gauge(
+        "extproc_endpoint_last_scrape_timestamp_seconds",
+        "Unix time of the endpoint's last good /metrics scrape.",
+        "model", "endpoint",
+    )
+    engine_itl = _gauge(
+        "extproc_engine_inter_token_latency_seconds",
+        "Mean inter-token latency over the adaptive rule's short window (histogram deltas).",
+        "model", "endpoint",
+    )
+    gate_limit = _gauge(
+        "extproc_gate_limit",
+        "Requests the release rule lets the endpoint hold (running + waiting): adaptive, learned online; "
+        "static_concurrency, max_in_flight.",
+        "model", "endpoint",
+    )
+    endpoint_degraded = _gauge(
+        "extproc_endpoint_degraded",
+        "1 while the endpoint's metrics are failing, garbage or stale (capped at its fallback limit).",
+        "model", "endpoint",
+    )
+    endpoint_up = _gauge(
+        "extproc_endpoint_up",
+        "0 while the endpoint's engine is unreachable (connection refused, release failures, its own 503): nothing is "
+        "released to it; 1 once it answers again.",
+        "model", "endpoint",
+    )
+    release_failures = _counter(
+        "extproc_release_failures",
+        "Released requests that failed before the engine answered (unreachable, reset) or that it answered 503; "
+        "endpoint '(unknown)' where the pool cannot tell which endpoint took it.",
+        "model", "endpoint",
+    )
+    gate_fallback = _gauge(
+        "extproc_gate_fallback",
+        "1 while the gate runs on its fallback in-flight limit (engine metrics unusable).",
+        "model",
+    )
+    draining = _gauge("extproc_draining", "1 from SIGTERM until the process exits (health NOT_SERVING).")
+    # Active-active (a `cluster:` section; adapters/cluster/link.py): one series per model.
+    cluster_degraded = _gauge(
+        "extproc_cluster_degraded",
+        "1 while the cluster's Redis cannot be reached: this instance releases on its own share (each band's cap / "
+        "instances).",
+        "model",
+    )
+    cluster_instances = _gauge(
+        "extproc_cluster_instances",
+        "Live instances of the cluster at the last round trip (this one included).",
+        "model",
+    )
+    cluster_round_trips = _counter(
+        "extproc_cluster_round_trips",
+        "Round trips to the cluster's Redis (one script call each: publish, claim, decide), by outcome.",
+        "model", "outcome",
+    )
+    cluster_round_trip = _histogram(
+        "extproc_cluster_round_trip_seconds",
+        "Time of one successful round trip to the cluster's Redis.",
+        "model", buckets=DECISION_BUCKETS,
+    )
+    # TLS on the gRPC port (listen.tls; adapters/ext_proc/tls.py).
+    tls_reloads = _counter(
+        "extproc_tls_reloads",
+        "Reloads of the gRPC port's changed certificate files, by outcome (failed: the previous one still serves).",
+        "outcome",
+    )
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -80,192 +265,8 @@ class Telemetry:
             "extproc_build_info", "Always 1; the labels say which extproc and Python run.",
             ["version", "python"], registry=r,
         ).labels(_package_version("extproc-fair"), platform.python_version()).set(1)
-        self.queue_depth = Gauge(
-            "extproc_queue_depth", "Requests held in the fair queue.", ["model", "priority", "tenant"], registry=r
-        )
-        self.queue_wait = Histogram(
-            "extproc_queue_wait_seconds",
-            "Time a request spent held before release or rejection.",
-            ["model", "priority", "tenant"],
-            buckets=WAIT_BUCKETS,
-            registry=r,
-        )
-        self.decision_latency = Histogram(
-            "extproc_decision_latency_seconds",
-            "Time the dispatcher took to take in one arrival (queue caps, cost estimate, queueing, dispatch); "
-            "the queue wait is not in it.",
-            ["model"],
-            buckets=DECISION_BUCKETS,
-            registry=r,
-        )
-        self.released = Counter(
-            "extproc_released", "Requests released to the engine.", ["model", "priority", "tenant"], registry=r
-        )
-        self.rejected = Counter(
-            "extproc_rejected",
-            "Requests answered by the processor instead of the engine "
-            "(tenant \"(none)\": refused before the tenant was known).",
-            ["model", "reason", "tenant"],
-            registry=r,
-        )
-        self.charged_prompt_tokens = Counter(
-            "extproc_charged_prompt_tokens",
-            "Prompt tokens charged to finished requests (estimated from Content-Length; see docs/configuration.md).",
-            ["model", "tenant"],
-            registry=r,
-        )
-        self.charged_output_tokens = Counter(
-            "extproc_charged_output_tokens",
-            "Output tokens charged to finished requests (occupancy x decode rate capped by max_tokens; "
-            "else the estimate).",
-            ["model", "tenant"],
-            registry=r,
-        )
-        self.charged_cost = Counter(
-            "extproc_charged_cost",
-            "Cost charged to finished requests in vtc units (input_weight x prompt + output_weight x output tokens).",
-            ["model", "tenant"],
-            registry=r,
-        )
-        self.cost_clamped = Counter(
-            "extproc_cost_clamped",
-            "Requests whose max_tokens or Content-Length was beyond the model's max_context_tokens "
-            "(the vtc cost counts at most the context).",
-            ["model"],
-            registry=r,
-        )
-        self.abandoned = Counter(
-            "extproc_abandoned",
-            "Requests whose client left while they were queued.",
-            ["model", "priority", "tenant"],
-            registry=r,
-        )
-        self.priority_downgraded = Counter(
-            "extproc_priority_downgraded",
-            "Requests that asked for a priority class their tenant is not entitled to and got a lower one.",
-            ["model", "requested", "granted"],
-            registry=r,
-        )
-        self.model_names = Counter(
-            "extproc_model_name_requests",
-            "Requests admitted by the model name the body asked for (a served name, or the pattern that matched it).",
-            ["model", "name"],
-            registry=r,
-        )
-        self.served_elsewhere = Counter(
-            "extproc_served_elsewhere",
-            "Released requests the gateway reported served by another endpoint than the one picked "
-            "(a fallback was taken: the picked endpoint failed).",
-            ["model"],
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            "extproc_in_flight", "Released requests whose response has not finished.", ["model"], registry=r
-        )
-        self.engine_waiting = Gauge(
-            "extproc_engine_waiting",
-            "Engine waiting queue from the last good scrape.",
-            ["model", "endpoint"],
-            registry=r,
-        )
-        self.engine_running = Gauge(
-            "extproc_engine_running",
-            "Engine running requests from the last good scrape.",
-            ["model", "endpoint"],
-            registry=r,
-        )
-        self.scrape_errors = Counter(
-            "extproc_scrape_errors",
-            "Failed or unusable engine /metrics scrapes.",
-            ["model", "endpoint"],
-            registry=r,
-        )
-        self.engine_kv_usage = Gauge(
-            "extproc_engine_kv_usage_ratio",
-            "Engine KV-cache usage (0..1) from the last good scrape, where the engine reports it.",
-            ["model", "endpoint"],
-            registry=r,
-        )
-        self.last_scrape = Gauge(
-            "extproc_endpoint_last_scrape_timestamp_seconds",
-            "Unix time of the endpoint's last good /metrics scrape.",
-            ["model", "endpoint"],
-            registry=r,
-        )
-        self.engine_itl = Gauge(
-            "extproc_engine_inter_token_latency_seconds",
-            "Mean inter-token latency over the adaptive rule's short window (histogram deltas).",
-            ["model", "endpoint"],
-            registry=r,
-        )
-        self.gate_limit = Gauge(
-            "extproc_gate_limit",
-            "Requests the release rule lets the endpoint hold (running + waiting): adaptive, learned online; "
-            "static_concurrency, max_in_flight.",
-            ["model", "endpoint"],
-            registry=r,
-        )
-        self.endpoint_degraded = Gauge(
-            "extproc_endpoint_degraded",
-            "1 while the endpoint's metrics are failing, garbage or stale (capped at its fallback limit).",
-            ["model", "endpoint"],
-            registry=r,
-        )
-        self.endpoint_up = Gauge(
-            "extproc_endpoint_up",
-            "0 while the endpoint's engine is unreachable (connection refused, release failures, its own 503): "
-            "nothing is released to it; 1 once it answers again.",
-            ["model", "endpoint"],
-            registry=r,
-        )
-        self.release_failures = Counter(
-            "extproc_release_failures",
-            "Released requests that failed before the engine answered (unreachable, reset) or that it answered 503; "
-            "endpoint '(unknown)' where the pool cannot tell which endpoint took it.",
-            ["model", "endpoint"],
-            registry=r,
-        )
-        self.gate_fallback = Gauge(
-            "extproc_gate_fallback",
-            "1 while the gate runs on its fallback in-flight limit (engine metrics unusable).",
-            ["model"],
-            registry=r,
-        )
-        self.draining = Gauge(
-            "extproc_draining", "1 from SIGTERM until the process exits (health NOT_SERVING).", registry=r
-        )
-        # Active-active (a `cluster:` section; adapters/cluster/link.py): one series per model.
-        self.cluster_degraded = Gauge(
-            "extproc_cluster_degraded",
-            "1 while the cluster's Redis cannot be reached: this instance releases on its own share "
-            "(each band's cap / instances).",
-            ["model"],
-            registry=r,
-        )
-        self.cluster_instances = Gauge(
-            "extproc_cluster_instances", "Live instances of the cluster at the last round trip (this one included).",
-            ["model"], registry=r,
-        )
-        self.cluster_round_trips = Counter(
-            "extproc_cluster_round_trips",
-            "Round trips to the cluster's Redis (one script call each: publish, claim, decide), by outcome.",
-            ["model", "outcome"],
-            registry=r,
-        )
-        self.cluster_round_trip = Histogram(
-            "extproc_cluster_round_trip_seconds",
-            "Time of one successful round trip to the cluster's Redis.",
-            ["model"],
-            buckets=DECISION_BUCKETS,
-            registry=r,
-        )
-        # TLS on the gRPC port (listen.tls; adapters/ext_proc/tls.py).
-        self.tls_reloads = Counter(
-            "extproc_tls_reloads",
-            "Reloads of the gRPC port's changed certificate files, by outcome (failed: the previous one still serves).",
-            ["outcome"],
-            registry=r,
-        )
+        self._series = {series.name: series.build(r) for series in vars(Telemetry).values()
+                        if isinstance(series, _Series)}
 
     def tls_reloaded(self, outcome: str) -> None:
         self.tls_reloads.labels(outcome=outcome).inc()
