@@ -74,7 +74,7 @@ M = TypeVar("M", Counter, Gauge, Histogram)
 
 
 class _Series(Generic[M]):
-    """One metric's declaration on :class:`Telemetry`: read on an instance, it is that instance's metric."""
+    """One metric's declaration on :class:`Telemetry`; each instance holds the metric built on its registry."""
 
     def __init__(self, kind: type[M], name: str, documentation: str, labels: tuple[str, ...],
                  buckets: tuple[float, ...] | None = None) -> None:
@@ -95,10 +95,9 @@ class _Series(Generic[M]):
     def __get__(self, owner: Telemetry, cls: type[Telemetry]) -> M: ...
 
     def __get__(self, owner: Telemetry | None, cls: type[Telemetry]) -> _Series[M] | M:
-        if owner is None:
-            return self
-        metric: M = owner._series[self.name]
-        return metric
+        if owner is not None:  # only before __init__ built the instance's metrics
+            raise AttributeError(self.name)
+        return self
 
 
 def _counter(name: str, documentation: str, *labels: str) -> _Series[Counter]:
@@ -265,8 +264,10 @@ class Telemetry:
             "extproc_build_info", "Always 1; the labels say which extproc and Python run.",
             ["version", "python"], registry=r,
         ).labels(_package_version("extproc-fair"), platform.python_version()).set(1)
-        self._series = {series.name: series.build(r) for series in vars(Telemetry).values()
-                        if isinstance(series, _Series)}
+        # In the instance's own dict, the metrics are plain attributes: no descriptor call on the hot path.
+        for attr, series in vars(Telemetry).items():
+            if isinstance(series, _Series):
+                self.__dict__[attr] = series.build(r)
 
     def tls_reloaded(self, outcome: str) -> None:
         self.tls_reloads.labels(outcome=outcome).inc()
