@@ -311,7 +311,13 @@ def _without_body_mode() -> Refused:
 
 
 class Processor:
-    """What Envoy's ext_proc filter talks to: one :meth:`process` per stream."""
+    """What Envoy's ext_proc filter talks to: one :meth:`process` per stream.
+
+    It turns a stream's messages into a decision the core can make (who asks,
+    for which model, how urgently) and the core's outcome back into Envoy's
+    answers; it holds nothing itself but the stream, so a held request costs
+    its open stream and its queue entry only.
+    """
 
     def __init__(self, config: Config, dispatchers: dict[str, ModelDispatcher], telemetry: Telemetry) -> None:
         self._config = config

@@ -1,6 +1,6 @@
 """``gate: waiting_target``: keep the engine's waiting queue at ``target_waiting``, learn nothing.
 
-The original rule: ``allowance = target_waiting - waiting``, where
+The simplest rule: ``allowance = target_waiting - waiting``, where
 ``waiting = held - running`` from the load estimate (the engine runs what the
 scrape saw running, plus the idle-band releases sent into free slots since).
 It never learns capacity beyond what it has seen running: while the engine
