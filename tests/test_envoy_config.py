@@ -17,6 +17,7 @@ import pytest
 import yaml
 from google.protobuf.json_format import ParseError
 
+from extproc.adapters.answers import ANSWERS
 from extproc.adapters.config import ConfigError, load_config
 from extproc.adapters.envoy_config import (
     DROP_IN_HEADER,
@@ -317,7 +318,8 @@ def test_every_envoy_local_reply_is_the_openai_error_object_with_a_reason() -> N
     assert len(mappers) == len(LOCAL_REPLIES)
     for mapper, reply in zip(mappers, LOCAL_REPLIES, strict=True):
         error = mapper["body_format_override"]["json_format"]["error"]
-        assert error == {"message": reply.message, "type": reply.error_type, "param": None, "code": reply.reason}
+        assert error == {"message": reply.message, "type": ANSWERS[reply.reason].error_type, "param": None,
+                         "code": reply.reason}
         headers = {h["header"]["key"]: h["header"]["value"] for h in mapper["headers_to_add"]}
         assert headers["x-extproc-reason"] == reply.reason
     reasons = [reply.reason for reply in LOCAL_REPLIES]

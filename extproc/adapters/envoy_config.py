@@ -96,6 +96,7 @@ from urllib.parse import urlsplit
 import yaml
 from google.protobuf.json_format import ParseError
 
+from extproc.adapters.answers import ANSWERS, answer_headers, error_body, retry_after_s
 from extproc.adapters.config import Config, ConfigError, is_ip_address, load_config, split_address
 from extproc.adapters.envoy_merge import bootstrap_message, merge
 from extproc.adapters.ext_proc.contract import (
@@ -108,6 +109,7 @@ from extproc.adapters.ext_proc.contract import (
     REASON_HEADER,
     hold_timeout_for,
 )
+from extproc.core.outcomes import Refusal
 
 EXTPROC_CLUSTER = "extproc"
 # Endpoint picking (Gateway API Inference Extension): the ORIGINAL_DST cluster.
@@ -562,8 +564,7 @@ def routes(config: Config, *, ext_proc: bool = True, scope: RouteScope = RouteSc
         if ext_proc and config.envoy.processor_failure == "closed":
             # Only the processor sets the model header, so a request without one was never
             # answered by it (crashed, restarting, silent past message_timeout): refuse it.
-            reply = _json_reply("processor_unavailable", 503, "server_error",
-                                "The scheduler is unavailable; retry shortly.", retry_after_s=1)
+            reply = _json_reply(Refusal.PROCESSOR_UNAVAILABLE, "The scheduler is unavailable; retry shortly.")
             if config.shards:
                 # A request first lands on its body model's route, which names the shard
                 # that schedules it; unanswered by that shard, it is refused as below.
@@ -576,8 +577,7 @@ def routes(config: Config, *, ext_proc: bool = True, scope: RouteScope = RouteSc
                 ]
         else:
             # Defence in depth: the processor normally rejects unknown models itself.
-            reply = _json_reply("model_not_found", 404, "invalid_request_error",
-                                "The requested model does not exist on this server.")
+            reply = _json_reply(Refusal.MODEL_NOT_FOUND, "The requested model does not exist on this server.")
         # An LLM request first lands here (no model header yet): this route turns the filters on.
         result.append(_with_filters({**reply, "name": named(reply["name"], i), "match": {"prefix": prefix}}, scope))
     return result
@@ -611,19 +611,17 @@ def _with_filters(route: dict[str, Any], scope: RouteScope) -> dict[str, Any]:
     return route
 
 
-def _json_reply(code: str, status: int, error_type: str, message: str, *, retry_after_s: int | None = None) -> dict[str, Any]:
-    """A catch-all route answering Envoy's own OpenAI-style error, named by ``code``."""
-    error = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
-    headers = {"content-type": "application/json", REASON_HEADER: code}
-    if retry_after_s is not None:
-        headers["retry-after"] = str(retry_after_s)
+def _json_reply(refusal: Refusal, message: str) -> dict[str, Any]:
+    """A catch-all route answering Envoy's own OpenAI-style error, named by the reason."""
+    headers = [("content-type", "application/json"), *answer_headers(refusal, retry_after_s(refusal))]
+    body = json.dumps(error_body(refusal, message), separators=(",", ":"))
     return {
-        "name": code,
+        "name": refusal.value,
         "match": {"prefix": "/"},
-        "direct_response": {"status": status, "body": {"inline_string": json.dumps(error, separators=(",", ":"))}},
+        "direct_response": {"status": ANSWERS[refusal].status, "body": {"inline_string": body}},
         "response_headers_to_add": [
             {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
-            for key, value in headers.items()
+            for key, value in headers
         ],
     }
 
@@ -854,21 +852,24 @@ def _hcm_settings(config: Config) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class LocalReply:
-    """One kind of answer Envoy gives itself, rewritten to the processor's OpenAI-style JSON error."""
+    """One kind of answer Envoy gives itself, rewritten to the processor's OpenAI-style JSON error.
 
-    reason: str  # the error's ``code`` and the reason header
+    Status, error type and Retry-After are the reason's (``adapters/answers.py``).
+    """
+
+    reason: Refusal  # the error's ``code`` and the reason header
     match: dict[str, Any]  # an access-log filter (status, response flags or CEL on the details)
-    error_type: str  # OpenAI's error ``type``
     message: str  # an Envoy format string
-    retry_after_s: int | None = None
 
 
-def _status_is(code: int) -> dict[str, Any]:
+def _status_is(refusal: Refusal) -> dict[str, Any]:
+    code = ANSWERS[refusal].status
     value = {"default_value": code, "runtime_key": f"extproc.local_reply.status_{code}"}
     return {"status_code_filter": {"comparison": {"op": "EQ", "value": value}}}
 
 
-def _status_at_least(code: int) -> dict[str, Any]:
+def _status_at_least(refusal: Refusal) -> dict[str, Any]:
+    code = ANSWERS[refusal].status
     value = {"default_value": code, "runtime_key": f"extproc.local_reply.status_ge_{code}"}
     return {"status_code_filter": {"comparison": {"op": "GE", "value": value}}}
 
@@ -896,52 +897,38 @@ _PROCESSOR_ANSWER = _cel(f"'{REASON_HEADER}' in response.headers")
 # (no response flag) are told apart by their details, the router's upstream
 # failures by their response flags.
 LOCAL_REPLIES = (
-    LocalReply("unauthenticated", _status_is(401), "authentication_error", "%LOCAL_REPLY_BODY%"),
-    LocalReply("permission_denied", _status_is(403), "permission_error", "%LOCAL_REPLY_BODY%"),
+    LocalReply(Refusal.UNAUTHENTICATED, _status_is(Refusal.UNAUTHENTICATED), "%LOCAL_REPLY_BODY%"),
+    LocalReply(Refusal.PERMISSION_DENIED, _status_is(Refusal.PERMISSION_DENIED), "%LOCAL_REPLY_BODY%"),
     # The admission bucket (local_ratelimit), circuit breakers (UO) or Envoy's overload manager (OM) shedding load.
     LocalReply(
-        "overloaded",
+        Refusal.OVERLOADED,
         # local_ratelimit sets no response flag its filter could match (checked on Envoy 1.40): its details.
         {"or_filter": {"filters": [_cel("response.code_details == 'local_rate_limited'"), _flags("UO", "OM")]}},
-        "server_error", "The gateway is overloaded; retry shortly.", retry_after_s=1,
+        "The gateway is overloaded; retry shortly.",
     ),
-    LocalReply(
-        "engine_unavailable", _flags("UF", "UH", "URX", "UR", "UC", "NC"),
-        "server_error", "The model server is unavailable; retry shortly.", retry_after_s=1,
-    ),
-    LocalReply("upstream_timeout", _flags("UT"), "server_error", "The model server did not answer in time."),
-    LocalReply("request_timeout", _status_is(408), "invalid_request_error", "The request timed out at the gateway."),
-    LocalReply(
-        "request_too_large", _status_is(413), "invalid_request_error",
-        "The request body is larger than the gateway accepts.",
-    ),
-    LocalReply(
-        "model_not_found", _status_is(404), "invalid_request_error",
-        "The requested model does not exist on this server.",
-    ),
+    LocalReply(Refusal.ENGINE_UNAVAILABLE, _flags("UF", "UH", "URX", "UR", "UC", "NC"),
+               "The model server is unavailable; retry shortly."),
+    LocalReply(Refusal.UPSTREAM_TIMEOUT, _flags("UT"), "The model server did not answer in time."),
+    LocalReply(Refusal.REQUEST_TIMEOUT, _status_is(Refusal.REQUEST_TIMEOUT), "The request timed out at the gateway."),
+    LocalReply(Refusal.REQUEST_TOO_LARGE, _status_is(Refusal.REQUEST_TOO_LARGE),
+               "The request body is larger than the gateway accepts."),
+    LocalReply(Refusal.MODEL_NOT_FOUND, _status_is(Refusal.MODEL_NOT_FOUND),
+               "The requested model does not exist on this server."),
     # Anything else: Envoy's details name the cause (its body may be empty).
-    LocalReply(
-        "gateway_error", _status_at_least(500), "server_error",
-        "The gateway could not complete the request (%RESPONSE_CODE_DETAILS%).",
-    ),
-    LocalReply(
-        "bad_request", _status_at_least(400), "invalid_request_error",
-        "The gateway refused the request (%RESPONSE_CODE_DETAILS%).",
-    ),
+    LocalReply(Refusal.GATEWAY_ERROR, _status_at_least(Refusal.GATEWAY_ERROR),
+               "The gateway could not complete the request (%RESPONSE_CODE_DETAILS%)."),
+    LocalReply(Refusal.BAD_REQUEST, _status_at_least(Refusal.BAD_REQUEST),
+               "The gateway refused the request (%RESPONSE_CODE_DETAILS%)."),
 )
 
 
 def _mapper(reply: LocalReply) -> dict[str, Any]:
-    error = {"message": reply.message, "type": reply.error_type, "param": None, "code": reply.reason}
-    headers = [(REASON_HEADER, reply.reason)]
-    if reply.retry_after_s is not None:
-        headers.append(("retry-after", str(reply.retry_after_s)))
     return {
         "filter": copy.deepcopy(reply.match),
-        "body_format_override": {"json_format": {"error": error}},
+        "body_format_override": {"json_format": error_body(reply.reason, reply.message)},
         "headers_to_add": [
             {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
-            for key, value in headers
+            for key, value in answer_headers(reply.reason, retry_after_s(reply.reason))
         ],
     }
 
