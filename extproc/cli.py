@@ -42,16 +42,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> int:
     """Every mistake in every file, as serve and envoy-config would find them; nothing is started."""
-    from extproc.adapters.envoy_config import bootstrap
-
     failed = False
     for path in args.files:
         try:
             config = load_config(path)
-            try:
-                bootstrap(config)  # what only the Envoy side checks (e.g. one URL scheme per model)
-            except ConfigError as exc:
-                raise ConfigError(*(f"{path}: {error}" for error in exc.errors)) from None
+            problems = config.envoy_problems()
+            if problems:
+                raise ConfigError(*(f"{path}: {problem}" for problem in problems))
         except ConfigError as exc:
             failed = True
             for error in exc.errors:

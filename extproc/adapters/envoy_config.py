@@ -706,9 +706,6 @@ def _processor_tls(config: Config, hosts: set[str]) -> dict[str, Any]:
     """
     envoy = config.envoy
     assert config.listen.tls is not None
-    if config.listen.tls.client_ca_file is not None and envoy.processor_client_cert_file is None:
-        raise ConfigError("envoy.processor_client_cert_file: is required with listen.tls.client_ca_file "
-                          "(the processor asks Envoy for a certificate)")
     ca = envoy.processor_ca_file
     common: dict[str, Any] = {
         "alpn_protocols": ["h2"],
@@ -754,9 +751,6 @@ def _processor_outlier_detection() -> dict[str, Any]:
 def _model_cluster(config: Config, index: int, name: str) -> dict[str, Any]:
     model = config.models[index]
     parts = [urlsplit(url) for url in model.endpoints]
-    schemes = {p.scheme for p in parts}
-    if len(schemes) > 1:
-        raise ConfigError(f"models[{index}].endpoints: mixes http and https; use one scheme per model")
     hosts = [(p.hostname or "", p.port or 0) for p in parts]
     cluster: dict[str, Any] = {
         "name": name,
@@ -775,7 +769,7 @@ def _model_cluster(config: Config, index: int, name: str) -> dict[str, Any]:
     }
     if cluster["type"] == "STRICT_DNS":
         cluster["dns_lookup_family"] = "V4_PREFERRED"
-    if schemes == {"https"}:
+    if parts[0].scheme == "https":
         tls: dict[str, Any] = {"@type": _TYPE + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"}
         if not is_ip_address(hosts[0][0]):
             tls["sni"] = hosts[0][0]
@@ -947,6 +941,13 @@ def local_reply_config() -> dict[str, Any]:
 # --- documents -----------------------------------------------------------------
 
 
+def _refuse(config: Config) -> None:
+    """What only Envoy's side needs (``Config.envoy_problems``), refused before anything is built."""
+    problems = config.envoy_problems()
+    if problems:
+        raise ConfigError(*problems)
+
+
 def bootstrap(config: Config, *, ext_proc: bool = True) -> dict[str, Any]:
     """A complete Envoy bootstrap for this config.
 
@@ -954,6 +955,7 @@ def bootstrap(config: Config, *, ext_proc: bool = True) -> dict[str, Any]:
     ext_proc filter; routes match the body's model in json_to_metadata's
     metadata): the benchmark's baseline for what Envoy alone costs.
     """
+    _refuse(config)
     listen_host, listen_port = split_address(config.envoy.listen)
     admin_host, admin_port = split_address(config.envoy.admin)
     ident = config.identity
@@ -1036,6 +1038,7 @@ def drop_in(
     what it ran before. ``existing_clusters`` maps a model to a cluster the
     operator's Envoy already has (no second cluster for the same engines).
     """
+    _refuse(config)
     if config.shards:
         raise ConfigError("shards: the drop-in does not support per-model sharding yet; "
                           "use the complete bootstrap (`extproc envoy-config` without --drop-in/--into)")
