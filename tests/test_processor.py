@@ -13,7 +13,7 @@ from google.protobuf import struct_pb2
 
 from extproc.adapters.answers import ANSWERS
 from extproc.adapters.config import parse_config
-from extproc.adapters.envoy_config import hold_timeout_s
+from extproc.adapters.envoy import hold_timeout_s
 from extproc.adapters.ext_proc.contract import HOLD_MARGIN_S
 from extproc.adapters.ext_proc.request_fields import RequestFields
 from extproc.adapters.ext_proc.servicer import Processor
