@@ -6,7 +6,7 @@ chain, how the drop-in treats it and which of Envoy's own answers it gives
 renamed and disabled copies and the checks in the tests all read the rows,
 so adding a filter is one builder and one row.
 
-The request path (docs/decisions.md explains each step):
+The request path:
 
 1. identity: ``header_mutation`` removes client-sent tenant and model headers
    (a client may neither pick its tenant nor route around the processor) and
@@ -23,9 +23,15 @@ The request path (docs/decisions.md explains each step):
    which holds the request while it is queued (``override_message_timeout``)
    and, on release, sets the model header and clears the route cache.
    ``response_trailer_mode: SEND`` keeps the stream open until the response
-   ends, so the processor sees completion without per-chunk messages.
-   ``failure_mode_allow``: an unreachable processor sets no model header, and
-   the routes decide (``envoy.processor_failure``, routes.py).
+   ends, so the processor sees completion without per-chunk messages (with
+   Envoy 1.40, an upstream without trailers sends no trailers message: the
+   stream just ends). On the releases it checks, the processor turns on
+   ``response_header_mode`` (``mode_override``) to see the status: the
+   router's own 503 for an unreachable engine marks the endpoint down
+   (``ext_proc/release_outcome.py``). ``failure_mode_allow``: an unreachable
+   processor sets no model header, and the routes decide
+   (``envoy.processor_failure``, routes.py); a released response keeps
+   streaming if the processor dies meanwhile.
 4. ``router`` (routes.py).
 """
 
