@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
-from extproc.adapters.config import ConfigError, load_config
+import yaml
+
+from extproc.adapters.config import Config, ConfigError, load_config
 from extproc.adapters.logs import FORMATS, LEVELS, setup_logging
 from extproc.adapters.ports import bind_problem
 
@@ -42,16 +45,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> int:
     """Every mistake in every file, as serve and envoy-config would find them; nothing is started."""
-    from extproc.adapters.envoy_config import bootstrap
-
     failed = False
     for path in args.files:
         try:
             config = load_config(path)
-            try:
-                bootstrap(config)  # what only the Envoy side checks (e.g. one URL scheme per model)
-            except ConfigError as exc:
-                raise ConfigError(*(f"{path}: {error}" for error in exc.errors)) from None
+            problems = config.envoy_problems()
+            if problems:
+                raise ConfigError(*(f"{path}: {problem}" for problem in problems))
         except ConfigError as exc:
             failed = True
             for error in exc.errors:
@@ -68,9 +68,69 @@ def _sim(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from extproc.adapters.envoy_config import main_envoy_config
+    """`extproc envoy-config --config FILE [--drop-in | --into ENVOY.yaml]`: YAML on stdout."""
+    from extproc.adapters.envoy import render
 
-    return main_envoy_config(args)
+    config = load_config(args.config)
+    try:
+        doc, header = _envoy_document(args, config)
+    except ConfigError as exc:
+        raise ConfigError(*(f"{args.config}: {error}" for error in exc.errors)) from exc
+    sys.stdout.write(render(doc, header=header))
+    return 0
+
+
+def _envoy_document(args: argparse.Namespace, config: Config) -> tuple[dict[str, Any], str]:
+    """The document the arguments ask for, with its header."""
+    from extproc.adapters.envoy import DROP_IN_HEADER, HEADER, INTO_HEADER, LLM_PREFIXES, bootstrap, drop_in, merge_checked
+
+    if not (args.drop_in or args.into):
+        return bootstrap(config), HEADER
+    prefixes = tuple(args.llm_prefix or LLM_PREFIXES)
+    bad = [p for p in prefixes if not p.startswith("/")]
+    if bad:
+        raise ConfigError(*(f"--llm-prefix {p!r}: must start with /" for p in bad))
+    piece = drop_in(config, prefixes=prefixes, existing_clusters=_existing_clusters(args.cluster))
+    if args.drop_in:
+        return piece, DROP_IN_HEADER
+    try:
+        with open(args.into, encoding="utf-8") as handle:
+            existing = yaml.safe_load(handle)
+        if not isinstance(existing, dict):
+            raise ConfigError("not an Envoy bootstrap (a YAML mapping)")
+        merged = merge_checked(existing, piece, listener=args.listener, virtual_host=args.virtual_host)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{args.into}: {exc}") from exc
+    except ConfigError as exc:
+        raise ConfigError(*(f"{args.into}: {error}" for error in exc.errors)) from exc
+    return merged, INTO_HEADER.format(path=args.into)
+
+
+def _existing_clusters(pairs: list[str]) -> dict[str, str]:
+    result: dict[str, str] = {}
+    for pair in pairs:
+        model, sep, cluster = pair.partition("=")
+        if not sep or not model or not cluster:
+            raise ConfigError(f"--cluster {pair!r}: expected MODEL=CLUSTER")
+        result[model] = cluster
+    return result
+
+
+def _envoy_arguments(parser: argparse.ArgumentParser) -> None:
+    from extproc.adapters.envoy import LLM_PREFIXES
+
+    parser.add_argument("--config", required=True, metavar="FILE", help="extproc YAML configuration")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--drop-in", action="store_true",
+                      help="print the filters, routes and clusters to merge into an existing Envoy (see --into)")
+    mode.add_argument("--into", metavar="ENVOY.yaml",
+                      help="print ENVOY.yaml (a static bootstrap) with the drop-in merged in and validated")
+    parser.add_argument("--llm-prefix", action="append", metavar="PATH",
+                        help=f"a path prefix the drop-in schedules (repeatable; default: {' '.join(LLM_PREFIXES)})")
+    parser.add_argument("--cluster", action="append", default=[], metavar="MODEL=CLUSTER",
+                        help="route MODEL to a cluster your Envoy already has instead of generating one (repeatable)")
+    parser.add_argument("--listener", metavar="NAME", help="with --into: the listener to merge into (if several)")
+    parser.add_argument("--virtual-host", metavar="NAME", help="with --into: the virtual host for the routes (if several)")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -135,10 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_arguments(sim)
     sim.set_defaults(func=_sim)
 
-    from extproc.adapters.envoy_config import add_arguments as add_envoy_arguments
-
     envoy = commands.add_parser("envoy-config", help="print an Envoy bootstrap (or --drop-in pieces) for a config")
-    add_envoy_arguments(envoy)
+    _envoy_arguments(envoy)
     envoy.set_defaults(func=_envoy_config)
 
     from extproc.tools.demo import add_arguments as add_demo_arguments

@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from extproc.adapters import envoy_merge
+from extproc.adapters import envoy
 from extproc.adapters.config import Config, load_config, parse_config
-from extproc.adapters.envoy_config import bootstrap
+from extproc.adapters.envoy import bootstrap
 from extproc.tools.procs import free_port
 from tests.tlsutil import processor_tls
 
@@ -83,4 +83,4 @@ def variant_bootstrap(variant: str, workdir: Path) -> dict[str, Any]:
     return bootstrap(free_port_config(models=[{"name": "remote", "endpoints": ["https://llm.example.com:443"]}]))
 
 
-bootstrap_message = envoy_merge.bootstrap_message
+bootstrap_message = envoy.bootstrap_message

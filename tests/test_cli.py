@@ -74,6 +74,14 @@ def test_check_config_names_the_yaml_error_by_line_and_passes_a_good_file(tmp_pa
     assert extproc("check-config", str(DEMO_CONFIG)).returncode == 0
 
 
+def test_check_config_reports_what_only_envoy_needs(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.yaml"
+    path.write_text("models: [{name: m, endpoints: ['http://a:1', 'https://b:2']}]\n")
+    result = extproc("check-config", str(path))
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"error: {path}: models[0].endpoints: mixes http and https; use one scheme per model"]
+
+
 @pytest.fixture
 def listening() -> Iterator[str]:
     """An address some other process listens on."""

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from extproc.adapters.config import load_config
-from extproc.adapters.envoy_config import bootstrap, render
+from extproc.adapters.envoy import bootstrap, render
 from extproc.cli import build_parser
 from extproc.tools.envoy_bin import find_envoy
 from extproc.tools.power_user import PowerUser, run_power_user

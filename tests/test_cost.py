@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
+from extproc.adapters.answers import ANSWERS, MAX_RETRY_AFTER_S, retry_after_s
 from extproc.adapters.ext_proc.priority_body import with_priority
-from extproc.adapters.ext_proc.servicer import MAX_RETRY_AFTER_S, retry_after_s
 from extproc.core.cost import Charge, CostModel, CostWeights, DecodeRate
 from extproc.core.drain_time import RATE_WINDOW_S, ReleaseRate
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.outcomes import Refusal
 
 pytestmark = pytest.mark.unit
 
@@ -65,7 +65,7 @@ def test_retry_after_is_the_drain_time_within_bounds() -> None:
     rate = ReleaseRate()
 
     def retry_after(backlog: int, now: float) -> int | None:
-        return retry_after_s(Refused(Refusal.MODEL_QUEUE_FULL, "", drain_s=rate.drain_s(backlog, now)))
+        return retry_after_s(Refusal.MODEL_QUEUE_FULL, rate.drain_s(backlog, now))
 
     assert retry_after(5, now=0.0) == MAX_RETRY_AFTER_S  # nothing released lately
     for i in range(20):
@@ -74,8 +74,8 @@ def test_retry_after_is_the_drain_time_within_bounds() -> None:
     assert retry_after(0, now=9.9) == 1
     assert retry_after(10_000, now=9.9) == MAX_RETRY_AFTER_S
     assert rate.per_second(now=10.0 + RATE_WINDOW_S) == 0
-    assert retry_after_s(Refused(Refusal.SHUTTING_DOWN, "")) == 1
-    assert retry_after_s(Refused(Refusal.MODEL_NOT_FOUND, "")) is None
+    assert retry_after_s(Refusal.SHUTTING_DOWN) == 1
+    assert retry_after_s(Refusal.MODEL_NOT_FOUND) is None
 
 
 @pytest.mark.parametrize(
@@ -98,3 +98,8 @@ def test_a_body_that_is_not_an_object_is_left_alone() -> None:
     assert with_priority(b'["priority"]', 1) is None
     assert with_priority(b"not json", 1) is None
     assert with_priority(b'{"priority": broken', 1) is None
+
+
+def test_every_reason_has_one_answer() -> None:
+    assert set(ANSWERS) == set(Refusal)
+    assert all(400 <= answer.status < 600 for answer in ANSWERS.values())

@@ -10,7 +10,6 @@ received), while an LLM request goes through the processor to the simulator.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import subprocess
@@ -24,16 +23,8 @@ import yaml
 from aiohttp import web
 
 from extproc.adapters.config import Config, ConfigError, load_config
-from extproc.adapters.envoy_config import (
-    DROP_IN_HEADER,
-    LLM_PREFIXES,
-    add_arguments,
-    bootstrap,
-    drop_in,
-    main_envoy_config,
-    render,
-)
-from extproc.adapters.envoy_merge import merge
+from extproc.adapters.envoy import DROP_IN_HEADER, LLM_PREFIXES, bootstrap, drop_in, merge, render
+from extproc.cli import main
 from extproc.tools.envoy_bin import find_envoy
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.procs import ManagedProcess, free_port
@@ -170,20 +161,18 @@ def test_merge_names_what_it_cannot_find() -> None:
 
 @pytest.mark.unit
 def test_cli_drop_in_and_into(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert main_envoy_config(parser.parse_args(["--config", str(DEMO_CONFIG), "--drop-in"])) == 0
+    assert main(["envoy-config", "--config", str(DEMO_CONFIG), "--drop-in"]) == 0
     out = capsys.readouterr().out
     assert out == render(drop_in(load_config(DEMO_CONFIG)), header=DROP_IN_HEADER)
     assert "rather than editing" not in out
     user = tmp_path / "envoy.yaml"
     user.write_text(yaml.safe_dump(user_envoy(api_port=1)))
     args = ["--config", str(DEMO_CONFIG), "--into", str(user), "--cluster", "demo-qwen=api", "--llm-prefix", "/llm/"]
-    assert main_envoy_config(parser.parse_args(args)) == 0
+    assert main(["envoy-config", *args]) == 0
     merged = yaml.safe_load(capsys.readouterr().out)
     assert [c["name"] for c in merged["static_resources"]["clusters"]] == ["api", "extproc", "model_demo-llama"]
     assert {r["match"]["prefix"] for r in hcm(merged)["route_config"]["virtual_hosts"][0]["routes"][:3]} == {"/llm/"}
-    assert main_envoy_config(parser.parse_args(["--config", str(DEMO_CONFIG), "--into", str(tmp_path / "no")])) == 2
+    assert main(["envoy-config", "--config", str(DEMO_CONFIG), "--into", str(tmp_path / "no")]) == 2
     assert "error:" in capsys.readouterr().err
 
 

@@ -5,7 +5,6 @@ The same documents run in a real Envoy in test_envoy_run.py.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
 import stat
@@ -17,18 +16,13 @@ import pytest
 import yaml
 from google.protobuf.json_format import ParseError
 
+from extproc.adapters.answers import ANSWERS
 from extproc.adapters.config import ConfigError, load_config
-from extproc.adapters.envoy_config import (
-    DROP_IN_HEADER,
-    LOCAL_REPLIES,
-    add_arguments,
-    bootstrap,
-    drop_in,
-    hold_timeout_s,
-    main_envoy_config,
-    model_cluster_name,
-    render,
-)
+from extproc.adapters.envoy import DROP_IN_HEADER, bootstrap, drop_in, hold_timeout_s, render
+from extproc.adapters.envoy.clusters import model_cluster_name
+from extproc.adapters.envoy.filters import FILTERS, Chain, drop_in_name
+from extproc.adapters.envoy.local_replies import LOCAL_REPLIES
+from extproc.cli import main
 from extproc.tools.bench.overhead import upstream_bootstrap
 from extproc.tools.envoy_bin import ENV_VAR, EnvoyNotFound, find_envoy
 from extproc.tools.procs import free_port
@@ -317,13 +311,24 @@ def test_every_envoy_local_reply_is_the_openai_error_object_with_a_reason() -> N
     assert len(mappers) == len(LOCAL_REPLIES)
     for mapper, reply in zip(mappers, LOCAL_REPLIES, strict=True):
         error = mapper["body_format_override"]["json_format"]["error"]
-        assert error == {"message": reply.message, "type": reply.error_type, "param": None, "code": reply.reason}
+        assert error == {"message": reply.message, "type": ANSWERS[reply.reason].error_type, "param": None,
+                         "code": reply.reason}
         headers = {h["header"]["key"]: h["header"]["value"] for h in mapper["headers_to_add"]}
         assert headers["x-extproc-reason"] == reply.reason
     reasons = [reply.reason for reply in LOCAL_REPLIES]
     assert len(set(reasons)) == len(reasons)
     # The catch-alls come last, so a specific cause is never hidden behind them.
     assert reasons[-2:] == ["gateway_error", "bad_request"]
+
+
+def test_every_answer_a_filter_gives_itself_is_rewritten_and_the_chain_follows_the_registry() -> None:
+    rewritten = {reply.reason for reply in LOCAL_REPLIES}
+    assert {reason for row in FILTERS for reason in row.replies} <= rewritten
+    config = load_config(DEMO_CONFIG)
+    chain = [f["name"] for f in hcm(bootstrap(config))["http_filters"]]
+    assert chain == [row.name for row in FILTERS if row.enabled(config, Chain())]
+    own = [f["name"] for f in drop_in(config)["http_filters"]]
+    assert own == [drop_in_name(name) for name in chain if name != "envoy.filters.http.router"]
 
 
 def test_envoy_health_checks_the_processor_often_even_without_traffic() -> None:
@@ -396,9 +401,7 @@ def test_with_listen_tls_envoy_speaks_tls_to_the_processor_mutual_with_its_own_c
 
 
 def run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return main_envoy_config(parser.parse_args(argv))
+    return main(["envoy-config", *argv])
 
 
 def test_cli_prints_bootstrap_and_drop_in(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,7 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from google.protobuf.json_format import MessageToDict
 
-from extproc.adapters.envoy_config import bootstrap, render
+from extproc.adapters.envoy import bootstrap, render
 from extproc.tools.envoy_bin import ENV_VAR, find_envoy
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.procs import ProcessStartError

@@ -30,7 +30,7 @@ import pytest_asyncio
 from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.adapters.config import parse_config
-from extproc.adapters.envoy_config import render
+from extproc.adapters.envoy import render
 from extproc.adapters.ext_proc.epp import SERVED_KEY
 from extproc.tools import gie_gateway
 from extproc.tools.bench.overhead import idle_engine_metrics

@@ -1,6 +1,6 @@
 """Envoy's own answers through a real Envoy: every one the OpenAI error object with ``x-extproc-reason``.
 
-The generated ``local_reply_config`` (envoy_config.py) rewrites what Envoy
+The generated ``local_reply_config`` (adapters/envoy/local_replies.py) rewrites what Envoy
 says itself — an auth filter's 401, an unreachable processor or engine, a
 processor too slow to answer, a body too large, no route — and leaves the
 processor's own JSON answers as they are. The OpenAI SDK then raises its
@@ -23,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.adapters.config import Config, load_config
-from extproc.adapters.envoy_config import bootstrap
+from extproc.adapters.envoy import bootstrap
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.stack import start_stack
 from tests.envoyutil import free_port_config

@@ -11,11 +11,12 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
+from extproc.adapters.answers import ANSWERS
 from extproc.adapters.config import parse_config
-from extproc.adapters.envoy_config import hold_timeout_s
+from extproc.adapters.envoy import hold_timeout_s
 from extproc.adapters.ext_proc.contract import HOLD_MARGIN_S
 from extproc.adapters.ext_proc.request_fields import RequestFields
-from extproc.adapters.ext_proc.servicer import ANSWERS, Processor
+from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatcher, build_dispatchers
 from extproc.core.dispatcher import ModelDispatcher
@@ -215,10 +216,10 @@ def test_no_lower_class_to_fall_back_to_and_no_tenant_are_refused() -> None:
     processor, _ = make_policy_processor()
     with pytest.raises(Refused) as chat:  # asks below everything it may use: granting more would upgrade it
         processor.admit({"x-tenant-id": "chat", "x-priority": "batch"}, RequestFields(model="m"))
-    assert chat.value.refusal is Refusal.PRIORITY_NOT_ALLOWED and ANSWERS[chat.value.refusal][0] == 403
+    assert chat.value.refusal is Refusal.PRIORITY_NOT_ALLOWED and ANSWERS[chat.value.refusal].status == 403
     with pytest.raises(Refused) as anonymous:
         processor.admit({}, RequestFields(model="m"))
-    assert anonymous.value.refusal is Refusal.TENANT_MISSING and ANSWERS[anonymous.value.refusal][0] == 401
+    assert anonymous.value.refusal is Refusal.TENANT_MISSING and ANSWERS[anonymous.value.refusal].status == 401
 
 
 async def test_a_downgrade_is_counted_and_a_tenant_cap_answers_429() -> None:

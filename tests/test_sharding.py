@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from extproc.adapters.config import ConfigError, parse_config
-from extproc.adapters.envoy_config import bootstrap, drop_in, shard_cluster_name
+from extproc.adapters.envoy import bootstrap, drop_in
+from extproc.adapters.envoy.clusters import shard_cluster_name
 from extproc.cli import main
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.power_user import chat

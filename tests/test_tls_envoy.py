@@ -16,7 +16,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.adapters.envoy_config import _TYPE, EXTPROC_CLUSTER, bootstrap
+from extproc.adapters.envoy import bootstrap
+from extproc.adapters.envoy.base import TYPE
+from extproc.adapters.envoy.clusters import EXTPROC_CLUSTER
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.power_user import chat
 from extproc.tools.procs import free_port
@@ -74,11 +76,11 @@ def _epp_shaped(doc: dict[str, Any], grpc: str) -> dict[str, Any]:
         # where nothing listens (a Service name resolves to its IPv4 ClusterIP).
         "dns_lookup_family": "V4_ONLY",
         "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
-            "@type": _TYPE + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "@type": TYPE + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
             "common_tls_context": {"validation_context": {}},
         }},
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": _TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "@type": TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": {}},
         }},
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {

@@ -4,7 +4,8 @@
   it and the generated Envoy config agree on;
 * ``engines/``      each engine's ``/metrics`` dialect, the scraper, pool
   membership (DNS);
-* ``envoy_config.py`` the Envoy bootstrap generated from the config;
+* ``envoy/``        the Envoy bootstrap (or drop-in) generated from the config;
+* ``answers.py``    what a client hears for each reason: status, error type, Retry-After;
 * ``config.py``, ``validate.py`` the typed YAML configuration;
 * ``wiring.py``     the config turned into each model's dispatcher;
 * ``telemetry.py``  the processor's Prometheus series;

@@ -629,6 +629,22 @@ class Config:
     def longest_queue_wait_s(self, model: ModelConfig) -> float:
         return max(self.queue_wait_s(model, b) for b in range(len(self.priorities)))
 
+    def envoy_problems(self) -> list[str]:
+        """What only the generated Envoy config needs, each with its key path (envoy-config refuses, check-config reports).
+
+        ``serve`` does not refuse these: behind a gateway that writes its own
+        Envoy config (docs/epp.md) the processor may ask any client for a
+        certificate, and it reads every endpoint whatever its scheme.
+        """
+        problems = []
+        tls = self.listen.tls
+        if tls is not None and tls.client_ca_file is not None and self.envoy.processor_client_cert_file is None:
+            problems.append("envoy.processor_client_cert_file: is required with listen.tls.client_ca_file "
+                            "(the processor asks Envoy for a certificate)")
+        problems += [f"models[{i}].endpoints: mixes http and https; use one scheme per model"
+                     for i, model in enumerate(self.models) if len({urlsplit(e).scheme for e in model.endpoints}) > 1]
+        return problems
+
     def shard_of(self, model: str) -> str | None:
         """The shard that owns ``model`` (None without shards)."""
         return next((name for name, shard in self.shards.items() if model in shard.models), None)

@@ -2,9 +2,13 @@
 
 The core names what happened (:class:`Refusal`) and the facts behind it
 (:class:`Refused`); what the client hears — the HTTP status, the
-OpenAI-style JSON body, ``Retry-After`` — is the ext_proc adapter's choice
-(``adapters/ext_proc/servicer.py``). So another front end (a different proxy protocol, a
-batch API) can answer the same outcomes its own way.
+OpenAI-style JSON body, ``Retry-After`` — is the adapters' choice, made in
+one table (``adapters/answers.py``). So another front end (a different proxy
+protocol, a batch API) can answer the same outcomes its own way.
+
+Every reason a client can read in ``x-extproc-reason`` is a member, also
+those only Envoy (its local replies) and the metrics port answer: one name
+per outcome, whoever gives it.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from enum import StrEnum
 
 
 class Refusal(StrEnum):
-    """Why the processor answered instead of the engine; the value is the reason on the wire and in metrics."""
+    """Why the gateway answered instead of the engine; the value is the reason on the wire and in metrics."""
 
+    # The processor's own answers.
     MODEL_MISSING = "model_missing"  # the body names no model
     MODEL_NOT_FOUND = "model_not_found"  # a model this gateway does not serve
     INVALID_MAX_TOKENS = "invalid_max_tokens"  # max_tokens / max_completion_tokens is not a whole number >= 1
@@ -30,7 +35,21 @@ class Refusal(StrEnum):
     MODEL_QUEUE_FULL = "model_queue_full"  # the model's queue is full, for everyone
     QUEUE_TIMEOUT = "queue_timeout"  # no room freed up within the class's longest wait
     SHUTTING_DOWN = "shutting_down"  # the processor drains
-    OVERLOADED = "overloaded"  # a burst put the processor too far behind to answer in time: shed on arrival
+    OVERLOADED = "overloaded"  # a burst put the processor (or Envoy's admission bucket) too far behind: shed on arrival
+    # Envoy's own answers (adapters/envoy: local replies and catch-all routes).
+    PROCESSOR_UNAVAILABLE = "processor_unavailable"  # the processor never answered (processor_failure: closed)
+    UNAUTHENTICATED = "unauthenticated"  # no valid API key or JWT
+    PERMISSION_DENIED = "permission_denied"  # an auth filter's 403
+    ENGINE_UNAVAILABLE = "engine_unavailable"  # Envoy could not reach the model server
+    UPSTREAM_TIMEOUT = "upstream_timeout"  # the model server did not answer in time
+    REQUEST_TIMEOUT = "request_timeout"  # the request took longer than the gateway allows
+    REQUEST_TOO_LARGE = "request_too_large"  # a body larger than Envoy buffers
+    GATEWAY_ERROR = "gateway_error"  # any other 5xx of Envoy's own
+    BAD_REQUEST = "bad_request"  # any other 4xx of Envoy's own
+    # The metrics port's answers (adapters/web/app.py).
+    NOT_FOUND = "not_found"  # no such path
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    NOT_READY = "not_ready"  # /readyz: not ready to schedule
 
 
 @dataclass(frozen=True)

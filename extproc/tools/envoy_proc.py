@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from extproc.adapters.envoy_config import render
+from extproc.adapters.envoy import render
 from extproc.tools.envoy_bin import find_envoy
 from extproc.tools.procs import ManagedProcess
 

@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from extproc.adapters.config import Config, ModelConfig, load_config
-from extproc.adapters.envoy_config import bootstrap
+from extproc.adapters.envoy import bootstrap
 from extproc.tools.envoy_proc import EnvoyProcess, start_envoy
 from extproc.tools.procs import ManagedProcess
 

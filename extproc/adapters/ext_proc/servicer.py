@@ -52,8 +52,8 @@ and past the shed bound it is answered ``overloaded`` at once.
 
 A request that does not reach the engine ends in one of the core's named
 refusals (``core/outcomes.py``); what the client hears for each — HTTP status,
-OpenAI-style JSON error, ``Retry-After`` — is chosen here (:data:`ANSWERS`,
-:func:`retry_after_s`).
+OpenAI-style JSON error, ``Retry-After`` — comes from ``adapters/answers.py``,
+the table Envoy's own answers use too.
 """
 
 from __future__ import annotations
@@ -71,13 +71,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
 
+from extproc.adapters.answers import ANSWERS, SHED, answer_headers, error_body, retry_after_s
 from extproc.adapters.config import Config, ModelConfig
 from extproc.adapters.ext_proc import epp
 from extproc.adapters.ext_proc.contract import (
     DESTINATION_HEADER,
     PROCESSING_MODE,
     QUEUE_WAIT_HEADER,
-    REASON_HEADER,
     hold_timeout_for,
 )
 from extproc.adapters.ext_proc.loop_lag import LoopLag
@@ -90,33 +90,6 @@ from extproc.core.entitlement import grant
 from extproc.core.outcomes import Refusal, Refused
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-# What the client hears for each refusal: the HTTP status and OpenAI's error type.
-# 429 only where the tenant's own backlog is the cause (it sends faster than its
-# share: slow down); a full class or model, a timeout and draining are
-# server-side conditions, 503 for everyone.
-ANSWERS: dict[Refusal, tuple[int, str]] = {
-    Refusal.MODEL_MISSING: (400, "invalid_request_error"),
-    Refusal.MODEL_NOT_FOUND: (404, "invalid_request_error"),
-    Refusal.INVALID_MAX_TOKENS: (400, "invalid_request_error"),
-    Refusal.INVALID_BODY: (400, "invalid_request_error"),
-    Refusal.BODY_TOO_LARGE: (413, "invalid_request_error"),
-    Refusal.INVALID_TTFT_OBJECTIVE: (400, "invalid_request_error"),
-    Refusal.NO_ENDPOINT: (503, "server_error"),
-    Refusal.TENANT_MISSING: (401, "authentication_error"),
-    Refusal.PRIORITY_NOT_ALLOWED: (403, "permission_error"),
-    Refusal.TENANT_QUEUE_FULL: (429, "rate_limit_error"),
-    Refusal.BAND_QUEUE_FULL: (503, "server_error"),
-    Refusal.MODEL_QUEUE_FULL: (503, "server_error"),
-    Refusal.QUEUE_TIMEOUT: (503, "server_error"),
-    Refusal.SHUTTING_DOWN: (503, "server_error"),
-    Refusal.OVERLOADED: (503, "server_error"),
-}
-# Refusals of a request shed under load: the Endpoint Picker Protocol answers them 429
-# (endpoint_picker.shed_status) for requests attached by ext_proc alone.
-SHED = frozenset({Refusal.BAND_QUEUE_FULL, Refusal.MODEL_QUEUE_FULL, Refusal.QUEUE_TIMEOUT, Refusal.OVERLOADED})
-# Retry-After: the refusing queue's drain time at the recent release rate, within these bounds.
-MIN_RETRY_AFTER_S = 1
-MAX_RETRY_AFTER_S = 60
 # From this loop lag on, a stream is acknowledged before it is decided: the
 # acknowledgement is the cheapest reply that stops Envoy's message timer.
 ACK_LAG_S = 0.05
@@ -190,32 +163,17 @@ def _header(name: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def retry_after_s(refused: Refused) -> int | None:
-    """Seconds a client should wait before retrying, or None where retrying later does not help."""
-    if refused.refusal in (Refusal.SHUTTING_DOWN, Refusal.OVERLOADED):
-        # Another replica, or this one restarted, answers in a moment; a burst passes in moments.
-        return MIN_RETRY_AFTER_S
-    if refused.drain_s is None:
-        return None
-    if math.isinf(refused.drain_s):  # nothing released lately: no estimate
-        return MAX_RETRY_AFTER_S
-    return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(refused.drain_s)))
-
-
 def error_response(refused: Refused, status: int | None = None) -> pb.ProcessingResponse:
     """An OpenAI-style JSON error that Envoy sends to the client in place of the engine's answer."""
-    default_status, error_type = ANSWERS[refused.refusal]
-    body = {"error": {"message": refused.message, "type": error_type, "param": refused.param,
-                      "code": refused.refusal.value}}
-    headers = [_header("content-type", "application/json"), _header(REASON_HEADER, refused.refusal.value)]
-    retry_after = retry_after_s(refused)
-    if retry_after is not None:
-        headers.append(_header("retry-after", str(retry_after)))
+    body = error_body(refused.refusal, refused.message, refused.param)
+    retry_after = retry_after_s(refused.refusal, refused.drain_s)
+    headers = [_header("content-type", "application/json"),
+               *(_header(key, value) for key, value in answer_headers(refused.refusal, retry_after))]
     if refused.queue_wait_s is not None:
         headers.append(_header(QUEUE_WAIT_HEADER, str(round(refused.queue_wait_s * 1000))))
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status or default_status),
+            status=http_status_pb2.HttpStatus(code=status or ANSWERS[refused.refusal].status),
             headers=pb.HeaderMutation(set_headers=headers),
             body=json.dumps(body).encode(),
             details=refused.refusal.value,

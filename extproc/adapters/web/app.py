@@ -16,8 +16,8 @@ Routes, and why each exists:
   (``core/status.py``); the hot path does no work for it.
 
 Anything else is 404 with the OpenAI-style error body and ``x-extproc-reason``,
-as the processor's other answers: before, every path answered the metrics
-page, so an HTTP probe looked healthy while the processor drained.
+as the processor's other answers, so an HTTP probe of a wrong path fails
+rather than looking healthy.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from extproc.adapters.ext_proc.contract import REASON_HEADER
+from extproc.adapters.answers import ANSWERS, answer_headers, error_body, retry_after_s
 from extproc.core.dispatcher import ModelDispatcher
+from extproc.core.outcomes import Refusal
 from extproc.core.status import ModelStatus
 
 # Tenants listed per priority class on the status page; the rest are summed.
@@ -41,12 +42,10 @@ TOP_TENANTS = 10
 PAGE = resources.files(__package__).joinpath("status.html").read_bytes()
 
 
-def error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                   "param": None, "code": code}},
-        status=status, headers={REASON_HEADER: code},
-    )
+def error(refusal: Refusal, message: str) -> web.Response:
+    """The OpenAI-style JSON error, as the processor's and Envoy's own answers (adapters/answers.py)."""
+    return web.json_response(error_body(refusal, message), status=ANSWERS[refusal].status,
+                             headers=dict(answer_headers(refusal, retry_after_s(refusal))))
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -58,9 +57,9 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     try:
         return await handler(request)
     except web.HTTPNotFound:
-        return error(404, "not_found", f"no such path: {request.path}; try /, /metrics, /healthz, /readyz, /status.json")
+        return error(Refusal.NOT_FOUND, f"no such path: {request.path}; try /, /metrics, /healthz, /readyz, /status.json")
     except web.HTTPMethodNotAllowed as exc:
-        return error(405, "method_not_allowed", f"{exc.method} is not allowed on {request.path}")
+        return error(Refusal.METHOD_NOT_ALLOWED, f"{exc.method} is not allowed on {request.path}")
 
 
 def not_ready(statuses: list[ModelStatus], draining: bool) -> list[str]:
@@ -94,7 +93,7 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
     async def readyz(request: web.Request) -> web.Response:
         reasons = not_ready(statuses(), draining())
         if reasons:
-            return error(503, "not_ready", "; ".join(reasons))
+            return error(Refusal.NOT_READY, "; ".join(reasons))
         return web.json_response({"status": "ready"})
 
     async def status_json(request: web.Request) -> web.Response:

@@ -17,7 +17,7 @@ that mechanism (``extproc envoy-config --into EXISTING.yaml``):
 
 What was merged before (our filters, routes and clusters, known by name) is
 replaced, so running the merge again on its own output changes nothing.
-Pure dict work: the caller reads and writes the files.
+Pure dict work: the CLI reads and writes the files.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import importlib
 import pkgutil
 import re
 from typing import Any
+
+from google.protobuf.json_format import ParseError
 
 from extproc.adapters.config import ConfigError
 
@@ -171,3 +173,15 @@ def bootstrap_message(doc: dict[str, Any]) -> Any:
             if module.name.endswith("_pb2"):
                 importlib.import_module(f"{package.__name__}.{module.name}")
     return ParseDict(doc, Bootstrap())
+
+
+def merge_checked(
+    existing: dict[str, Any], drop_in: dict[str, Any], *, listener: str | None = None, virtual_host: str | None = None
+) -> dict[str, Any]:
+    """:func:`merge`, then the result parsed as a Bootstrap: a ConfigError for either's mistakes."""
+    merged = merge(existing, drop_in, listener=listener, virtual_host=virtual_host)
+    try:
+        bootstrap_message(merged)
+    except ParseError as exc:
+        raise ConfigError(f"the merged bootstrap is not valid Envoy config: {exc}") from exc
+    return merged
