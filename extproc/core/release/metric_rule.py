@@ -15,18 +15,18 @@ from extproc.core.release.rule import ReleaseRule
 
 
 class MetricRule(ReleaseRule):
-    """A rule whose arithmetic (``headroom``) reads the scraped load."""
+    """A rule whose arithmetic (``room``: how many more by the metrics, unfloored) reads the scraped load."""
 
     def allowance(self, now: float) -> int:
         if self.health.degraded(now):
             return sum(self.health.fallback_limit(e) for e in self.health.serving()) - self.estimate.cluster_in_flight
-        return int(self.headroom(None))
+        return int(self.room(None))
 
     def endpoint_allowance(self, endpoint: str, now: float) -> int:
         if not self.health.healthy(endpoint, now):
             return max(0, self.health.fallback_limit(endpoint) - self.estimate.in_flight_on(endpoint))
-        return max(0, int(self.headroom(endpoint)))
+        return max(0, int(self.room(endpoint)))
 
-    def headroom(self, endpoint: str | None) -> float:
+    def room(self, endpoint: str | None) -> float:
         """More requests ``endpoint`` (None: the whole pool) may take by this rule, its metrics trusted."""
         raise NotImplementedError

@@ -17,6 +17,6 @@ from extproc.core.release.metric_rule import MetricRule
 class WaitingTarget(MetricRule):
     name = "waiting_target"
 
-    def headroom(self, endpoint: str | None) -> float:
+    def room(self, endpoint: str | None) -> float:
         endpoints = len(self.estimate.endpoints) if endpoint is None else 1
         return self.settings.target_waiting * endpoints - self.estimate.now(endpoint).waiting
