@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import BandRules
 from extproc.core.caps import TenantLimits
 from extproc.core.cluster import Backlog, ClusterSeat, Grant
@@ -30,7 +31,7 @@ def seat_of(max_in_flight: int = 4, policy: str = "round_robin", expected: int =
         "m", make_gate(kind="static_concurrency", max_in_flight=max_in_flight), (BandRules("standard", 60.0),),
         Report(), lambda: 0.0,  # type: ignore[arg-type]  # Report answers every DispatchReport call
         policy=POLICIES[policy], tenant=lambda _: TenantLimits(1.0, 100),
-        cost=CostWeights(), max_queued=100, reserved_waiting=0,
+        cost=CostWeights(), max_queued=100, reserved_waiting=0, timers=LoopTimers(lambda: 0.0),
     )
     link = Link()
     dispatcher.join(ClusterSeat(link, expected_instances=expected))

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from extproc.adapters.config import Config, ModelConfig
 from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
+from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import BandRules
 from extproc.core.caps import TenantLimits
 from extproc.core.dispatcher import ModelDispatcher
@@ -58,6 +59,7 @@ def build_dispatcher(
         model.name, build_pool(model), bands,
         ModelTelemetry(telemetry, model.name, config.priorities, tenant_labels(config)), clock,
         policy=POLICIES[model.policy],
+        timers=LoopTimers(clock),
         tenant=lambda name: limits.get(name, default),
         cost=model.cost_weights(),
         max_queued=model.max_queued,

@@ -25,8 +25,10 @@ The loop decides nothing itself; each question has its own module:
 * in a cluster of instances, which of them releases what: ``cluster.py`` (the
   dispatcher asks, the cluster grants; on its own while the cluster is unreachable).
 
-It takes plain values (built by ``adapters/wiring.py`` from the config) and
-reports through :class:`~extproc.core.report.DispatchReport`.
+It takes plain values (built by ``adapters/wiring.py`` from the config),
+reports through :class:`~extproc.core.report.DispatchReport`, and leaves its
+deadlines (a queued request's longest wait, a rate's next release) to the
+injected :class:`~extproc.core.timers.Timers`: the core keeps no event loop.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
 from extproc.core.report import DispatchReport
 from extproc.core.status import ClusterStatus, EndpointStatus, ModelStatus, band_status
+from extproc.core.timers import Timer, Timers
 
 
 def shutting_down() -> Refused:
@@ -66,7 +69,7 @@ class Held:
     future: asyncio.Future[float] = field(repr=False)
     # What the release is charged (vtc), corrected when its stream ends.
     estimate: Estimate = field(repr=False)
-    expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
+    expiry: Timer | None = field(default=None, repr=False)
     released: bool = False
     ended: bool = False
     # Prefix-cache affinity key (endpoint picking) and the endpoint picked on release.
@@ -92,6 +95,7 @@ class ModelDispatcher:
         clock: Callable[[], float] = time.monotonic,
         *,
         policy: Policy,
+        timers: Timers,
         tenant: Callable[[str], TenantLimits],
         cost: CostWeights,
         max_queued: int,
@@ -102,6 +106,7 @@ class ModelDispatcher:
         self._bands = bands
         self._report = report
         self._clock = clock
+        self._timers = timers
         self._admission = BandAdmission(bands, pool, reserved_waiting)
         self._caps = QueueCaps(name, bands, tenant, max_queued)
         self._health_log = HealthLog(name, pool, report)
@@ -113,7 +118,7 @@ class ModelDispatcher:
         self._decode_rate = DecodeRate()
         self._release_rate = ReleaseRate()
         # A wake-up when the next release falls due by time alone (a rate; no other event will come).
-        self._wakeup: asyncio.TimerHandle | None = None
+        self._wakeup: Timer | None = None
 
     @property
     def queued(self) -> int:
@@ -189,7 +194,7 @@ class ModelDispatcher:
         new_head = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)
         self._report.queued(self._bands[band].name, tenant, 1)
-        held.expiry = loop.call_later(self._bands[band].max_queue_wait_s, self._expire, held)
+        held.expiry = self._timers.at(now + self._bands[band].max_queue_wait_s, lambda: self._expire(held))
         if self._seat is not None and new_head:
             self._seat.arrived(band, tenant)
         if (seat := self._deciding_seat()) is not None:
@@ -410,17 +415,11 @@ class ModelDispatcher:
             self._wakeup = None
             self.dispatch()
 
-        self._wakeup = asyncio.get_running_loop().call_later(due, wake)
+        self._wakeup = self._timers.at(now + due, wake)
 
     def _expire(self, held: Held) -> None:
         now = self._clock()
         waited = now - held.enqueued_at
-        limit = self._bands[held.band].max_queue_wait_s
-        if waited < limit:
-            # Early by our clock: libuv (uvloop) times a timer from the loop's cached time,
-            # which can lag the clock. A request is refused only once it waited its limit.
-            held.expiry = asyncio.get_running_loop().call_later(limit - waited, self._expire, held)
-            return
         if self._queue.remove(held.band, held.tenant, held):
             priority = self._bands[held.band].name
             self._refused(held.tenant, priority, Refusal.QUEUE_TIMEOUT, waited)
