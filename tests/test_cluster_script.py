@@ -9,20 +9,32 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from redis.exceptions import ResponseError
 
-from extproc.adapters.cluster.link import SCRIPT, ask_args, grant_of
-from extproc.core.cluster import Ask, Backlog, Grant
+from extproc.adapters.cluster.link import SCRIPT
+from extproc.adapters.cluster.wire import Trip, decode_grant, encode_trip
+from extproc.core.cluster import Ask, Backlog
 from tests.redisutil import RedisServer
 
 pytestmark = pytest.mark.integration
 
 KEY = "extproc:m"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A grant with its releases as (band, tenant) pairs, to read the decisions at a glance."""
+
+    releases: tuple[tuple[int, str], ...]
+    others_in_flight: int
+    instances: int
 
 
 class Cluster:
@@ -32,10 +44,15 @@ class Cluster:
 
     async def ask(
         self, instance: str, in_flight: int, caps: tuple[int, ...], backlog: list[tuple[Any, ...]],
-        lease_ms: int = 2000,
-    ) -> Grant:
+        lease_ms: int = 2000, form: str = "counter",
+    ) -> Answer:
         ask = Ask(in_flight, caps, tuple(Backlog(*entry) for entry in backlog), ())
-        return grant_of(await self.script(keys=[KEY], args=ask_args(instance, lease_ms, "extproc:wake:", "m", ask)))
+        grant = decode_grant(await self.trip(Trip(instance, lease_ms, "extproc:wake:", "m", form, ask)))
+        return Answer(tuple((r.band, r.tenant) for r in grant.releases), grant.others_in_flight, grant.instances)
+
+    async def trip(self, trip: Trip) -> bytes:
+        reply: bytes = await self.script(keys=[KEY], args=[encode_trip(trip)])
+        return reply
 
 
 @pytest.fixture
@@ -102,6 +119,19 @@ async def test_a_dead_instances_slots_and_grants_lapse_with_its_lease(cluster: C
     assert len(live.releases) == 4 and live.instances == 1 and live.others_in_flight == 0
 
 
+async def test_an_instance_that_leaves_takes_its_count_and_backlog_with_it(cluster: Cluster) -> None:
+    gone = await cluster.ask("gone", 0, (4,), [(0, "alice", 9, 1.0, True)])
+    assert len(gone.releases) == 4
+    await cluster.trip(Trip("gone", 2000, "extproc:wake:", "m", "counter"))  # a clean stop: no ask
+    live = await cluster.ask("live", 0, (4,), [(0, "bob", 9, 1.0, True)])
+    assert len(live.releases) == 4 and live.instances == 1 and live.others_in_flight == 0
+
+
+async def test_the_script_refuses_a_cluster_form_it_does_not_implement(cluster: Cluster) -> None:
+    with pytest.raises(ResponseError, match="counter"):
+        await cluster.ask("a", 0, (4,), [(0, "alice", 1, 1.0, True)], form="deficit")
+
+
 @pytest.mark.parametrize("emptied", [False, True])
 async def test_a_tenant_keeps_its_credit_unless_its_queue_really_emptied(cluster: Cluster, emptied: bool) -> None:
     """vtc: heavy costs 10, light 1. Light's count in Redis running out must not cost it its credit."""
@@ -148,7 +178,7 @@ async def test_any_interleaving_stays_under_the_cap_grants_only_what_is_queued_a
             assert band == 0 and queued[name].get(tenant, 0) > 0, (name, tenant, queued[name])  # nothing phantom
             queued[name][tenant] -= 1
             in_flight[name] += 1
-        pending = sum([await cluster.client.llen(f"{KEY}:p:{n}") for n in names])
+        pending = sum([await cluster.client.llen(f"{KEY}:p:{n}") for n in names])  # schedule.lua: key('pending', n)
         assert sum(in_flight.values()) + pending <= cap  # the cap holds across instances, grants in transit counted
 
     for index, finishes, arrivals in steps:

@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import BandRules
 from extproc.core.caps import TenantLimits
 from extproc.core.cost import CostWeights
@@ -30,7 +31,7 @@ async def test_a_timer_that_fires_early_by_the_dispatchers_clock_does_not_refuse
         "m", make_gate(kind="static_concurrency", max_in_flight=1), (BandRules("standard", LIMIT_S),),
         Report(), lambda: now[0],  # type: ignore[arg-type]  # Report answers every DispatchReport call
         policy=POLICIES["round_robin"], tenant=lambda _: TenantLimits(1.0, 100),
-        cost=CostWeights(), max_queued=100, reserved_waiting=0,
+        cost=CostWeights(), max_queued=100, reserved_waiting=0, timers=LoopTimers(lambda: now[0]),
     )
     running = dispatcher.submit("alice", 0)
     waiting = dispatcher.submit("alice", 0)

@@ -468,6 +468,11 @@ class ConfigFile(_Section, frozen=True):
             yield "cluster", ("use either cluster: (active-active) or shards: (per-model sharding), not both "
                               "(docs/cluster.md)")
         for i, model in enumerate(self.models):
+            if self.cluster is not None and POLICIES[model.policy].cluster is None:
+                # The cluster's script runs a policy's cluster form, not its own pick (core/policies/base.py).
+                forms = ", ".join(n for n, p in POLICIES.items() if p.cluster is not None)
+                yield f"models[{i}].policy", (f"{model.policy} has no cluster form, so a cluster cannot run it: "
+                                              f"use {forms} (docs/cluster.md)")
             if self.cluster is not None and model.gate == "static_rate":
                 # A rate is not a count in flight: there is nothing to lease, so no share to keep.
                 yield f"models[{i}].gate", ("static_rate cannot be shared by a cluster: use adaptive, waiting_target "

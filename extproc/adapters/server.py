@@ -42,7 +42,7 @@ from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.ext_proc.tls import RELOAD_OUTCOMES, ServerTls
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import MetricsServer, build_app
-from extproc.adapters.wiring import build_dispatchers
+from extproc.adapters.wiring import build_dispatchers, cluster_forms
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,10 @@ class ProcessorServer:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.telemetry = Telemetry()
-        self.dispatchers = build_dispatchers(config, self.telemetry)
+        # Active-active (a `cluster:` section): releases are decided with the other instances (docs/cluster.md).
+        self._cluster = (None if config.cluster is None else ClusterConnection(
+            config.cluster, self.telemetry, cluster_forms(config), config.listen.grpc))
+        self.dispatchers = build_dispatchers(config, self.telemetry, self._cluster)
         self.processor = Processor(config, self.dispatchers, self.telemetry)
         # Ready once every model's pool has a member: what the Endpoint Picker Protocol calls synced.
         self._health = Health(lambda: all(d.pool.endpoints for d in self.dispatchers.values()))
@@ -85,9 +88,6 @@ class ProcessorServer:
             build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining), host, port
         )
         self._metrics_started = False
-        # Active-active (a `cluster:` section): releases are decided with the other instances (docs/cluster.md).
-        self._cluster = (None if config.cluster is None
-                         else ClusterConnection(config.cluster, self.telemetry, self.dispatchers, config.listen.grpc))
 
     async def start(self) -> None:
         host, port = split_address(self.config.listen.grpc)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig
 from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
+from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import BandRules
 from extproc.core.caps import TenantLimits
 from extproc.core.dispatcher import ModelDispatcher
@@ -46,8 +48,11 @@ def tenant_labels(config: Config) -> TenantLabels:
 
 
 def build_dispatcher(
-    config: Config, model: ModelConfig, telemetry: Telemetry, clock: Callable[[], float] = time.monotonic
+    config: Config, model: ModelConfig, telemetry: Telemetry, clock: Callable[[], float] = time.monotonic,
+    cluster: ClusterConnection | None = None,
 ) -> ModelDispatcher:
+    """``model``'s dispatcher; with ``cluster``, its releases are decided by the cluster (a seat as its strategy)."""
+    timers = LoopTimers(clock)
     bands = tuple(
         BandRules(band.name, config.queue_wait_s(model, index), band.max_queued, band.idle_only, band.idle_running_share)
         for index, band in enumerate(config.bands)
@@ -58,14 +63,23 @@ def build_dispatcher(
         model.name, build_pool(model), bands,
         ModelTelemetry(telemetry, model.name, config.priorities, tenant_labels(config)), clock,
         policy=POLICIES[model.policy],
+        timers=timers,
         tenant=lambda name: limits.get(name, default),
         cost=model.cost_weights(),
         max_queued=model.max_queued,
         reserved_waiting=model.reserved_waiting,
+        strategy=None if cluster is None else (lambda outlet: cluster.seat(model.name, outlet, timers)),
     )
 
 
-def build_dispatchers(config: Config, telemetry: Telemetry) -> dict[str, ModelDispatcher]:
+def build_dispatchers(
+    config: Config, telemetry: Telemetry, cluster: ClusterConnection | None = None
+) -> dict[str, ModelDispatcher]:
     """One dispatcher per configured model, by model name."""
     telemetry.expect((model.name for model in config.models), tenant_labels(config))
-    return {model.name: build_dispatcher(config, model, telemetry) for model in config.models}
+    return {model.name: build_dispatcher(config, model, telemetry, cluster=cluster) for model in config.models}
+
+
+def cluster_forms(config: Config) -> dict[str, str]:
+    """Each model's policy's cluster form, by model name (the config refuses a policy without one)."""
+    return {model.name: str(form) for model in config.models if (form := POLICIES[model.policy].cluster) is not None}

@@ -5,9 +5,12 @@ streams over them) must behave as one: together they keep the engine's queue
 at target, and they share fairness as if one queue held every request. Each
 request stays held in the instance whose stream holds it; what the instances
 share lives in Redis (``adapters/cluster/``), and a Redis script decides every
-release atomically. This module is the core's side of that: what a seat tells
-the cluster (an :class:`Ask`), what it is told back (a :class:`Grant`), and
-what it does on its own while the cluster cannot be reached.
+release atomically. This module is the core's side of that: the dispatcher's
+release strategy as a seat of the cluster (:class:`ClusterSeat`, behind
+``strategy.py``'s seam), what it tells the cluster (an :class:`Ask`), what it
+is told back (a :class:`Grant`), and what it does on its own while the
+cluster cannot be reached. These dataclasses are also the script's schema:
+the adapter sends and reads them as JSON by their field names.
 
 **Capacity.** The release rule still computes its headroom on this instance,
 from its own scrapes, but the load estimate counts the other instances'
@@ -22,7 +25,8 @@ request twice, and a dead instance's count lapses with its lease.
 **Fairness.** Each ask also carries this instance's backlog: every tenant
 with requests queued here, per band, with the service its next request would
 add to the tenant's counter (``Policy.service``: 1 for round-robin, weighted
-cost for ``vtc``). The script keeps the counters cluster-wide and hands each
+cost for ``vtc``). That is the policies' cluster form, ``ClusterForm.COUNTER``
+(``policies/base.py``); a policy without one is refused with a cluster. The script keeps the counters cluster-wide and hands each
 free slot to the backlogged tenant with the smallest counter, wherever it is
 held; a slot for a tenant held elsewhere is queued for that instance and
 wakes it. The grant names the (band, tenant) pairs this instance releases;
@@ -34,14 +38,20 @@ instances last seen alive, at least the configured count), so N instances
 together stay within one instance's limit. The first successful ask after the
 outage rejoins: it republishes the exact count in flight and the backlog.
 
-Pure: the adapter passes ``now`` and does the round trips.
+Pure: the adapter does the round trips and calls :meth:`ClusterSeat.ask`,
+:meth:`~ClusterSeat.granted` and :meth:`~ClusterSeat.lost` around each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Protocol
+
+from extproc.core.outlet import Outlet
+from extproc.core.status import ClusterStatus
+from extproc.core.strategy import LocalRelease
+from extproc.core.timers import Timers
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +69,15 @@ class Backlog:
 
 
 @dataclass(frozen=True, slots=True)
+class Correction:
+    """Real service minus the service charged at release, of one (band, tenant), since the last ask."""
+
+    band: int
+    tenant: str
+    delta: float
+
+
+@dataclass(frozen=True, slots=True)
 class Ask:
     """What one seat tells the cluster with each round trip."""
 
@@ -67,20 +86,27 @@ class Ask:
     # Per band: the most requests the whole cluster may have in flight once this band released.
     caps: tuple[int, ...]
     backlog: tuple[Backlog, ...]
-    # Per (band, tenant): real service minus the service charged at release, since the last ask.
-    corrections: tuple[tuple[int, str, float], ...]
+    corrections: tuple[Correction, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """One slot granted: the head of ``tenant``'s FIFO in ``band`` goes."""
+
+    band: int
+    tenant: str
 
 
 @dataclass(frozen=True, slots=True)
 class Grant:
     """The cluster's answer: what this seat releases now."""
 
-    # (band, tenant) per release, in the order decided.
-    releases: tuple[tuple[int, str], ...]
     # The other live instances' requests in flight (and slots granted them, not yet taken).
     others_in_flight: int
     # Live instances, this one included.
     instances: int
+    # In the order decided.
+    releases: tuple[Release, ...] = ()
 
 
 class ClusterLink(Protocol):
@@ -90,54 +116,109 @@ class ClusterLink(Protocol):
         """Something changed: ask soon. ``urgent``: now; else shortly, gathered with other such changes."""
 
 
-@dataclass
 class ClusterSeat:
-    """One dispatcher's standing in the cluster (see the module docstring)."""
+    """The release strategy of one model's dispatcher in a cluster (see the module docstring).
 
-    link: ClusterLink
-    # Instances expected (the config's list), for the degraded share before any was seen.
-    expected_instances: int = 1
-    degraded: bool = True  # until the first ask succeeds
-    instances: int = 1
-    _corrections: dict[tuple[int, str], float] = field(default_factory=dict)
-    _fresh: set[tuple[int, str]] = field(default_factory=set)
+    Joined, every release comes from a grant; cut off (``degraded``, and
+    until the first grant), it runs :class:`~extproc.core.strategy.LocalRelease`
+    capped at its share of each band's cap.
+    """
 
-    def arrived(self, band: int, tenant: str) -> None:
-        """``tenant``'s FIFO in ``band`` here was empty and is not any more."""
-        self._fresh.add((band, tenant))
+    def __init__(self, outlet: Outlet, timers: Timers, link: ClusterLink, expected_instances: int = 1) -> None:
+        self._outlet = outlet
+        self._link = link
+        self._local = LocalRelease(outlet, timers, limit=self._share)
+        # Instances expected (the config's list), for the degraded share before any was seen.
+        self._expected = expected_instances
+        self.degraded = True  # until the first ask succeeds
+        self.instances = 1
+        self._corrections: dict[tuple[int, str], float] = {}
+        self._fresh: set[tuple[int, str]] = set()
 
-    def correct(self, band: int, tenant: str, delta_service: float) -> None:
-        """A released request's real service differed from its charge: carried by the next ask."""
-        if delta_service:
+    # --- the release strategy (strategy.py): what the dispatcher tells it ---------------------------
+
+    def queued(self, band: int, tenant: str, first: bool, now: float) -> None:
+        if first:
+            self._fresh.add((band, tenant))
+        if self.degraded:
+            self._local.changed(now)
+        else:
+            # The cluster must hear at once of a tenant new here (the fairest may be it) or of
+            # room to release; one more request of a tenant already queued can be gathered with others.
+            self._link.wanted(first or self._outlet.admission.allowance(band, now) > 0)
+
+    def ended(self, band: int, tenant: str, charged: float, measured: float, now: float) -> None:
+        delta = self._outlet.service(tenant, measured) - self._outlet.service(tenant, charged)
+        if delta:
             key = (band, tenant)
-            self._corrections[key] = self._corrections.get(key, 0.0) + delta_service
+            self._corrections[key] = self._corrections.get(key, 0.0) + delta
+        self.changed(now)
 
-    def ask(self, in_flight: int, caps: tuple[int, ...], backlog: Iterator[Backlog]) -> Ask:
-        corrections = tuple((band, tenant, delta) for (band, tenant), delta in self._corrections.items())
+    def changed(self, now: float) -> None:
+        if self.degraded:
+            self._local.changed(now)
+        else:
+            self._outlet.note_health(now)
+            self._link.wanted(True)  # the cluster decides: granted() releases
+
+    def scraped(self, now: float) -> None:
+        if self.degraded:
+            self._local.changed(now)
+            return
+        # A scrape matters to the cluster only if it lets this instance release: else the next
+        # round trip (an end, an arrival, the heartbeat) takes its numbers along anyway.
+        self._outlet.note_health(now)
+        first = self._outlet.queue.first_band()
+        if first is not None and self._outlet.admission.allowance(first, now) > 0:
+            self._link.wanted(True)
+
+    def cluster(self) -> ClusterStatus:
+        return ClusterStatus(self.instances, self.degraded)
+
+    # --- the round trip: the adapter calls these around each ----------------------------------------
+
+    def ask(self) -> Ask:
+        """What to tell the cluster now: our count in flight, each band's cap, the backlog, the corrections."""
+        outlet = self._outlet
+        now = outlet.clock()
+        corrections = tuple(Correction(band, tenant, delta) for (band, tenant), delta in self._corrections.items())
         self._corrections.clear()
-        entries = tuple(replace(e, fresh=True) if (e.band, e.tenant) in self._fresh else e for e in backlog)
+        backlog = tuple(replace(e, fresh=True) if (e.band, e.tenant) in self._fresh else e for e in self._backlog())
         self._fresh.clear()
-        return Ask(in_flight, caps, entries, corrections)
+        caps = tuple(outlet.cap(band, now) for band in range(len(outlet.bands)))
+        return Ask(outlet.pool.in_flight, caps, backlog, corrections)
 
-    def lost(self, ask: Ask) -> None:
-        """The ask never reached Redis (or its answer was lost): the next one carries what it carried."""
-        for band, tenant, delta in ask.corrections:
-            self.correct(band, tenant, delta)
-        self._fresh.update((e.band, e.tenant) for e in ask.backlog if e.fresh)
-
-    def joined(self, grant: Grant) -> None:
+    def granted(self, grant: Grant) -> None:
+        """The cluster's answer: release the head of each named tenant's FIFO here."""
+        outlet = self._outlet
+        now = outlet.clock()
         self.degraded = False
         self.instances = max(1, grant.instances)
+        outlet.pool.estimate.record_others(now, grant.others_in_flight)
+        for release in grant.releases:
+            held = outlet.queue.take(release.band, release.tenant)
+            if held is not None:  # else its client left since the ask: the slot returns with the next ask's count
+                outlet.release(release.band, release.tenant, held, now)
+        outlet.report.in_flight(outlet.pool.in_flight)
 
-    def share(self, cap: int, ours: int) -> int:
-        """Degraded: what this seat may still release of a band whose cluster-wide cap is ``cap``."""
-        return cap // max(self.instances, self.expected_instances) - ours
+    def lost(self, ask: Ask) -> None:
+        """The ask never reached Redis (or its answer was lost): release on our share; the next ask carries it again."""
+        for c in ask.corrections:
+            key = (c.band, c.tenant)
+            self._corrections[key] = self._corrections.get(key, 0.0) + c.delta
+        self._fresh.update((e.band, e.tenant) for e in ask.backlog if e.fresh)
+        self.degraded = True
+        self._local.changed(self._outlet.clock())
 
+    def _share(self, band: int, now: float) -> int:
+        """Degraded: what this seat may still release of ``band``, its share of the cluster-wide cap."""
+        return self._outlet.cap(band, now) // max(self.instances, self._expected) - self._outlet.pool.in_flight
 
-def backlog(
-    tenant_lengths: Callable[[int], dict[str, int]], bands: int, service: Callable[[int, str], float]
-) -> Iterator[Backlog]:
-    """Every (band, tenant) queued here, with the service of the tenant's next request."""
-    for band in range(bands):
-        for tenant, count in tenant_lengths(band).items():
-            yield Backlog(band, tenant, count, service(band, tenant))
+    def _backlog(self) -> Iterator[Backlog]:
+        """Every (band, tenant) queued here, with the service of the tenant's next request."""
+        outlet = self._outlet
+        for band in range(len(outlet.bands)):
+            for tenant, count in outlet.queue.tenant_lengths(band).items():
+                head = outlet.queue.head(band, tenant)
+                service = 0.0 if head is None else outlet.service(tenant, head.estimate.cost)
+                yield Backlog(band, tenant, count, service)

@@ -22,11 +22,14 @@ The loop decides nothing itself; each question has its own module:
 * what a release costs (``policy: vtc``): ``cost.py``, estimated at release,
   corrected when its stream ends;
 * when to retry after a refusal: ``drain_time.py``;
-* in a cluster of instances, which of them releases what: ``cluster.py`` (the
-  dispatcher asks, the cluster grants; on its own while the cluster is unreachable).
+* what may go now and to whom: its release strategy (``strategy.py``): this
+  instance alone, or a seat of a cluster of instances (``cluster.py``);
+* how a request leaves the queue, whichever decided: ``outlet.py``.
 
-It takes plain values (built by ``adapters/wiring.py`` from the config) and
-reports through :class:`~extproc.core.report.DispatchReport`.
+It takes plain values (built by ``adapters/wiring.py`` from the config),
+reports through :class:`~extproc.core.report.DispatchReport`, and leaves its
+deadlines (a queued request's longest wait, a rate's next release) to the
+injected :class:`~extproc.core.timers.Timers`: the core keeps no event loop.
 """
 
 from __future__ import annotations
@@ -34,21 +37,25 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from extproc.core.bands import BandAdmission, BandRules
 from extproc.core.caps import QueueCaps, TenantLimits
-from extproc.core.cluster import Ask, ClusterSeat, Grant, backlog
-from extproc.core.cost import CostModel, CostWeights, DecodeRate, Estimate
-from extproc.core.drain_time import ReleaseRate
+from extproc.core.cost import CostModel, CostWeights, DecodeRate
 from extproc.core.engine_load import EngineLoad
 from extproc.core.fair_queue import FairQueue
 from extproc.core.outcomes import Refusal, Refused
+from extproc.core.outlet import Held, Outlet
 from extproc.core.policies import Policy
-from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
 from extproc.core.report import DispatchReport
-from extproc.core.status import ClusterStatus, EndpointStatus, ModelStatus, band_status
+from extproc.core.status import EndpointStatus, ModelStatus, band_status
+from extproc.core.strategy import LocalRelease, ReleaseStrategy
+from extproc.core.timers import Timers
+
+__all__ = ["Held", "ModelDispatcher", "shutting_down"]
+
+# Builds a model's release strategy on its outlet (default: LocalRelease, this instance alone).
+StrategyFactory = Callable[[Outlet], ReleaseStrategy]
 
 
 def shutting_down() -> Refused:
@@ -56,33 +63,14 @@ def shutting_down() -> Refused:
     return Refused(Refusal.SHUTTING_DOWN, "the gateway is restarting; retry shortly")
 
 
-@dataclass(eq=False)
-class Held:
-    """One request in the queue; identity-hashed so equal-looking requests stay distinct."""
-
-    tenant: str
-    band: int
-    enqueued_at: float
-    future: asyncio.Future[float] = field(repr=False)
-    # What the release is charged (vtc), corrected when its stream ends.
-    estimate: Estimate = field(repr=False)
-    expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
-    released: bool = False
-    ended: bool = False
-    # Prefix-cache affinity key (endpoint picking) and the endpoint picked on release.
-    affinity: str = ""
-    endpoint: str | None = None
-    # After the pick, the other endpoints in order of preference (the gateway's fallbacks).
-    fallbacks: tuple[str, ...] = ()
-    # The endpoints it may go to (a gateway's subset hint); None: any of the pool.
-    eligible: frozenset[str] | None = None
-    # The client's time-to-first-token objective, when it named one.
-    ttft_objective_s: float | None = None
-    # Whether its response's headers are read for a failed release (a sample: they cost a message).
-    checked: bool = False
-
-
 class ModelDispatcher:
+    """One model's held requests: where the servicer submits them and ends them, and every event about its pool arrives.
+
+    It exists so that the servicer and the scrapers talk to one object per
+    model whatever decides the releases; each decision is delegated (see the
+    module docstring).
+    """
+
     def __init__(
         self,
         name: str,
@@ -92,28 +80,28 @@ class ModelDispatcher:
         clock: Callable[[], float] = time.monotonic,
         *,
         policy: Policy,
+        timers: Timers,
         tenant: Callable[[str], TenantLimits],
         cost: CostWeights,
         max_queued: int,
         reserved_waiting: int,
+        strategy: StrategyFactory | None = None,
     ) -> None:
         self.name = name
         self.pool = pool
         self._bands = bands
         self._report = report
         self._clock = clock
-        self._admission = BandAdmission(bands, pool, reserved_waiting)
+        self._timers = timers
         self._caps = QueueCaps(name, bands, tenant, max_queued)
-        self._health_log = HealthLog(name, pool, report)
         self._queue: FairQueue[Held] = FairQueue(len(bands), lambda: policy.new_band(lambda t: tenant(t).weight))
-        self._service: Callable[[str, float], float] = lambda name, cost: policy.service(cost, tenant(name).weight)
-        # Set when the model is scheduled by a cluster of instances (join()).
-        self._seat: ClusterSeat | None = None
+        self._outlet = Outlet(
+            name, self._queue, pool, bands, BandAdmission(bands, pool, reserved_waiting), report, clock,
+            lambda name, cost: policy.service(cost, tenant(name).weight),
+        )
+        self._strategy = (strategy or (lambda outlet: LocalRelease(outlet, timers)))(self._outlet)
         self._cost = CostModel(cost)
         self._decode_rate = DecodeRate()
-        self._release_rate = ReleaseRate()
-        # A wake-up when the next release falls due by time alone (a rate; no other event will come).
-        self._wakeup: asyncio.TimerHandle | None = None
 
     @property
     def queued(self) -> int:
@@ -149,10 +137,10 @@ class ModelDispatcher:
             rule_rate=pool.settings.release_rate,
             queued=len(self._queue),
             in_flight=pool.in_flight,
-            release_rate=self._release_rate.per_second(now),
+            release_rate=self._outlet.release_rate.per_second(now),
             bands=tuple(band_status(b.name, self._queue.tenant_lengths(i), top) for i, b in enumerate(self._bands)),
             endpoints=tuple(endpoints),
-            cluster=None if self._seat is None else ClusterStatus(self._seat.instances, self._seat.degraded),
+            cluster=self._strategy.cluster(),
         )
 
     def submit(
@@ -176,28 +164,20 @@ class ModelDispatcher:
         now = self._clock()
         overflow = self._caps.check(self._queue, tenant, band)
         if overflow is not None:
-            self._refused(tenant, self._bands[band].name, overflow.refusal, 0.0)
+            self._outlet.refused(tenant, self._bands[band].name, overflow.refusal, 0.0)
             self._report.decision(self._clock() - now)
             raise Refused(overflow.refusal, overflow.message + "; retry later",
-                          drain_s=self._release_rate.drain_s(overflow.backlog, now))
-        loop = asyncio.get_running_loop()
+                          drain_s=self._outlet.release_rate.drain_s(overflow.backlog, now))
         estimate = self._cost.estimate(tenant, content_length, max_tokens)
         if estimate.clamped:
             self._report.cost_clamped()
-        held = Held(tenant, band, now, loop.create_future(), estimate, affinity=affinity or tenant,
-                    eligible=eligible, ttft_objective_s=ttft_objective_s)
-        new_head = self._queue.head(band, tenant) is None
+        held = Held(tenant, band, now, asyncio.get_running_loop().create_future(), estimate,
+                    affinity=affinity or tenant, eligible=eligible, ttft_objective_s=ttft_objective_s)
+        first = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)
         self._report.queued(self._bands[band].name, tenant, 1)
-        held.expiry = loop.call_later(self._bands[band].max_queue_wait_s, self._expire, held)
-        if self._seat is not None and new_head:
-            self._seat.arrived(band, tenant)
-        if (seat := self._deciding_seat()) is not None:
-            # The cluster must hear at once of a tenant new here (the fairest may be it) or of
-            # room to release; one more request of a tenant already queued can be gathered with others.
-            seat.link.wanted(new_head or self._admission.allowance(band, now) > 0)
-        else:
-            self.dispatch()
+        held.expiry = self._timers.at(now + self._bands[band].max_queue_wait_s, lambda: self._expire(held))
+        self._strategy.queued(band, tenant, first, now)
         self._report.decision(self._clock() - now)
         return held
 
@@ -212,19 +192,17 @@ class ModelDispatcher:
             return
         held.ended = True
         if held.released:
-            occupancy = self.pool.record_finish(held, self._clock())
+            now = self._clock()
+            occupancy = self.pool.record_finish(held, now)
             measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
             self._queue.correct(held.band, held.tenant, measured.cost - held.estimate.cost)
-            if self._seat is not None:
-                self._seat.correct(held.band, held.tenant,
-                                   self._service(held.tenant, measured.cost) - self._service(held.tenant, held.estimate.cost))
             self._report.charged(held.tenant, held.estimate.prompt_tokens, measured.output_tokens, measured.cost)
             self._report.in_flight(self.pool.in_flight)
-            self.dispatch()
+            self._strategy.ended(held.band, held.tenant, held.estimate.cost, measured.cost, self._clock())
         elif self._queue.remove(held.band, held.tenant, held):
-            self._resolve(held)
-            self._abandoned(held, held.band)
-            self._dequeued(held.band, held.tenant)
+            self._outlet.resolve(held)
+            self._outlet.abandoned(held, held.band)
+            self._outlet.dequeued(held.band, held.tenant)
 
     def record_response(self, held: Held, ok: bool) -> None:
         """A released request's response began: from the engine (``ok``), or a release failure.
@@ -269,16 +247,7 @@ class ModelDispatcher:
             self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
             snapshot = self.pool.rule.snapshot(endpoint)
             self._report.scraped(endpoint, load, snapshot.itl_s, snapshot.limit)
-        if (seat := self._deciding_seat()) is not None:
-            # A scrape matters to the cluster only if it lets this instance release: else the next
-            # round trip (an end, an arrival, the heartbeat) takes its numbers along anyway.
-            now = self._clock()
-            self._health_log.note(now)
-            first = self._queue.first_band()
-            if first is not None and self._admission.allowance(first, now) > 0:
-                seat.link.wanted(True)
-        else:
-            self.dispatch()
+        self._strategy.scraped(self._clock())
 
     def set_endpoints(self, endpoints: tuple[str, ...]) -> None:
         """The pool's membership changed (DNS); forget the telemetry of endpoints that left."""
@@ -288,161 +257,33 @@ class ModelDispatcher:
 
     def reject_all(self) -> None:
         """Refuse every queued request with ``shutting_down`` (draining ran out of time)."""
+        outlet = self._outlet
         while len(self._queue):
             band, _, held = self._queue.pop()
             if held.future.done():  # its stream was cancelled a moment ago, as in dispatch()
-                self._abandoned(held, band)
+                outlet.abandoned(held, band)
             else:
-                self._refused(held.tenant, self._bands[band].name, Refusal.SHUTTING_DOWN,
-                              self._clock() - held.enqueued_at)
-            self._resolve(held, shutting_down())
-            self._dequeued(band, held.tenant)
+                outlet.refused(held.tenant, self._bands[band].name, Refusal.SHUTTING_DOWN,
+                               self._clock() - held.enqueued_at)
+            outlet.resolve(held, shutting_down())
+            outlet.dequeued(band, held.tenant)
 
     def dispatch(self) -> None:
-        now = self._clock()
-        self._health_log.note(now)
-        if (seat := self._deciding_seat()) is not None:
-            seat.link.wanted(True)  # the cluster decides: cluster_granted() releases
-            return
-        allowance, allowance_band = 0, None
-        while (first := self._queue.first_band()) is not None:
-            if first != allowance_band:  # a higher band ran empty: ask again for this one
-                allowance, allowance_band = self._allowance(first, now), first
-            if allowance <= 0:
-                break
-            band, tenant, held = self._queue.pop()
-            if self._dequeued_for_release(band, tenant, held, now):
-                allowance -= 1
-        self._report.in_flight(self.pool.in_flight)
-        self._schedule_wakeup(now)
-
-    def _deciding_seat(self) -> ClusterSeat | None:
-        """The seat when a cluster that answers decides (its grants release, not this instance's own loop)."""
-        return self._seat if self._seat is not None and not self._seat.degraded else None
-
-    def _allowance(self, band: int, now: float) -> int:
-        """What ``band`` may release now on this instance's own say (alone, or a cluster seat cut off)."""
-        allowance = self._admission.allowance(band, now)
-        if self._seat is None:
-            return allowance
-        return min(allowance, self._seat.share(self._cap(band, now), self.pool.in_flight))
-
-    def _cap(self, band: int, now: float) -> int:
-        """The most requests the whole cluster may have in flight once ``band`` released."""
-        return self._admission.headroom(band, now) + self.pool.estimate.cluster_in_flight
-
-    # --- a cluster seat (core/cluster.py); the adapter calls these around each round trip -----------
-
-    def join(self, seat: ClusterSeat) -> None:
-        """From now on the cluster decides releases (degraded until the first grant)."""
-        self._seat = seat
-
-    def cluster_ask(self) -> Ask:
-        """What to tell the cluster now: our count in flight, each band's cap, the backlog."""
-        assert self._seat is not None
-        now = self._clock()
-        caps = tuple(self._cap(band, now) for band in range(len(self._bands)))
-
-        def head_service(band: int, tenant: str) -> float:
-            head = self._queue.head(band, tenant)
-            return 0.0 if head is None else self._service(tenant, head.estimate.cost)
-
-        return self._seat.ask(self.pool.in_flight, caps, backlog(self._queue.tenant_lengths, len(self._bands), head_service))
-
-    def cluster_granted(self, grant: Grant) -> None:
-        """The cluster's answer: release the head of each named tenant's FIFO here."""
-        assert self._seat is not None
-        now = self._clock()
-        self._seat.joined(grant)
-        self.pool.estimate.record_others(now, grant.others_in_flight)
-        for band, tenant in grant.releases:
-            held = self._queue.take(band, tenant)
-            if held is not None:  # else its client left since the ask: the slot returns with the next ask's count
-                self._dequeued_for_release(band, tenant, held, now)
-        self._report.in_flight(self.pool.in_flight)
-
-    def cluster_lost(self, ask: Ask) -> None:
-        """The cluster could not be asked: release on this instance's share until it answers again."""
-        assert self._seat is not None
-        self._seat.lost(ask)
-        self._seat.degraded = True
-        self.dispatch()
-
-    def _dequeued_for_release(self, band: int, tenant: str, held: Held, now: float) -> bool:
-        """``held`` left the queue to be released: release it, unless its client already left (False)."""
-        self._dequeued(band, tenant)
-        if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
-            self._resolve(held)
-            self._abandoned(held, band)
-            return False
-        self._release(band, tenant, held, now)
-        return True
-
-    def _release(self, band: int, tenant: str, held: Held, now: float) -> None:
-        held.released = True
-        ranked = self.pool.ranked(held.affinity, now, held.eligible)
-        held.endpoint, held.fallbacks = (ranked[0], tuple(ranked[1:])) if ranked else (None, ())
-        held.checked = self.pool.check_release(held.endpoint, now)
-        self.pool.record_release(held, now, held.endpoint, into_free_slot=self._bands[band].idle_only)
-        self._release_rate.record(now)
-        self._queue.charge(band, tenant, held.estimate.cost)
-        self._resolve(held)
-        priority = self._bands[band].name
-        self._report.released(priority, tenant)
-        self._report.held(priority, tenant, now - held.enqueued_at)
-        self._report.decided(tenant, priority, now - held.enqueued_at, "released")
-
-    def _refused(self, tenant: str, priority: str, refusal: Refusal, waited: float) -> None:
-        self._report.refused(refusal, tenant)
-        self._report.decided(tenant, priority, waited, f"refused:{refusal.value}")
-
-    def _abandoned(self, held: Held, band: int) -> None:
-        priority = self._bands[band].name
-        self._report.abandoned(priority, held.tenant)
-        self._report.decided(held.tenant, priority, self._clock() - held.enqueued_at, "abandoned")
-
-    def _schedule_wakeup(self, now: float) -> None:
-        due = self.pool.rule.next_change_in(now)
-        if due is None or not len(self._queue) or self._wakeup is not None:
-            return
-
-        def wake() -> None:
-            self._wakeup = None
-            self.dispatch()
-
-        self._wakeup = asyncio.get_running_loop().call_later(due, wake)
+        """Let go what may go now (the strategy decides)."""
+        self._strategy.changed(self._clock())
 
     def _expire(self, held: Held) -> None:
+        if not self._queue.remove(held.band, held.tenant, held):
+            return
         now = self._clock()
         waited = now - held.enqueued_at
-        limit = self._bands[held.band].max_queue_wait_s
-        if waited < limit:
-            # Early by our clock: libuv (uvloop) times a timer from the loop's cached time,
-            # which can lag the clock. A request is refused only once it waited its limit.
-            held.expiry = asyncio.get_running_loop().call_later(limit - waited, self._expire, held)
-            return
-        if self._queue.remove(held.band, held.tenant, held):
-            priority = self._bands[held.band].name
-            self._refused(held.tenant, priority, Refusal.QUEUE_TIMEOUT, waited)
-            self._report.held(priority, held.tenant, waited)
-            self._resolve(held, Refused(
-                Refusal.QUEUE_TIMEOUT,
-                f"request waited {waited:.1f}s in the {priority!r} queue for model {self.name!r} without capacity; "
-                "retry later",
-                drain_s=self._release_rate.drain_s(self._queue.band_len(held.band), now), queue_wait_s=waited,
-            ))
-            self._dequeued(held.band, held.tenant)
-
-    def _resolve(self, held: Held, refused: Refused | None = None) -> None:
-        if held.expiry is not None:
-            held.expiry.cancel()
-        if held.future.done():
-            return
-        if refused is None:
-            held.future.set_result(self._clock() - held.enqueued_at)
-        else:
-            held.future.set_exception(refused)
-
-    def _dequeued(self, band: int, tenant: str) -> None:
-        """A request left the queue: each removal reports once, so the reported depth counts up and down exactly."""
-        self._report.queued(self._bands[band].name, tenant, -1)
+        priority = self._bands[held.band].name
+        self._outlet.refused(held.tenant, priority, Refusal.QUEUE_TIMEOUT, waited)
+        self._report.held(priority, held.tenant, waited)
+        self._outlet.resolve(held, Refused(
+            Refusal.QUEUE_TIMEOUT,
+            f"request waited {waited:.1f}s in the {priority!r} queue for model {self.name!r} without capacity; "
+            "retry later",
+            drain_s=self._outlet.release_rate.drain_s(self._queue.band_len(held.band), now), queue_wait_s=waited,
+        ))
+        self._outlet.dequeued(held.band, held.tenant)

@@ -1,105 +1,115 @@
 -- One instance's round trip for one model: publish, claim, decide, answer (adapters/cluster/link.py).
 --
 -- Atomic (a script runs alone in Redis), so two instances can never both take
--- the same free slot or serve the same turn. Keys, under KEYS[1] = "<prefix>:<model>":
---   :inst        hash  instance -> "<lease expiry ms> <requests in flight>"
---   :q           hash  instance -> its backlog: records "band US tenant US count US service US 0", RS-separated
---   :p:<inst>    list  slots granted to <inst> by another's round trip, not yet taken: "band US tenant"
---   :c:<band>    hash  tenant -> counter (weighted service received; round-robin: releases)
---   :s:<band>    hash  tenant -> sequence number of its last release (ties: served longest ago first)
---   :f:<band>    the band's floor: the counter of the last tenant picked
---   :seq         the release sequence
+-- the same free slot or serve the same turn.
 --
--- ARGV: instance, lease_ms, in_flight, wake channel prefix, model, bands, caps[bands],
---       backlog count, (band, tenant, count, service, fresh)*, corrections count, (band, tenant, delta)*
---       (fresh = 1: the tenant's FIFO at the caller was empty since its last round trip)
--- Returns: { others in flight, live instances, band1, tenant1, band2, tenant2, ... } (this instance's releases).
+-- Input and output are JSON with named fields, the schema of adapters/cluster/wire.py:
+--   KEYS[1]  the model's key prefix, "<key_prefix>:<model>"
+--   ARGV[1]  a Trip: { instance, lease_ms, wake, model, form, ask? }, the ask a core Ask:
+--            { in_flight, caps = [per band], backlog = [{ band, tenant, count, service, fresh }],
+--              corrections = [{ band, tenant, delta }] }   (no ask: the instance leaves)
+--   returns  a Grant: { others_in_flight, instances, releases = [{ band, tenant }] }
+--            (releases omitted when none: cjson writes an empty table as an object)
+-- `form` is the policy's cluster form: only "counter" is implemented here (policies/base.py).
 
 local P = KEYS[1]
-local me = ARGV[1]
-local lease_ms = tonumber(ARGV[2])
-local mine = tonumber(ARGV[3])
-local wake = ARGV[4]
-local model = ARGV[5]
-local nb = tonumber(ARGV[6])
-local US, RS = '\31', '\30'
+
+-- Every key name, in one place:
+--   instances       hash  instance -> "<lease expiry ms> <requests in flight>"
+--   backlogs        hash  instance -> its backlog, JSON [{ band, tenant, count, service }]
+--   pending(inst)   list  slots granted to inst by another's round trip, not yet taken: "band US tenant"
+--   counters(band)  hash  tenant -> counter (weighted service received; round-robin: releases)
+--   served(band)    hash  tenant -> sequence number of its last release (ties: served longest ago first)
+--   floor(band)     the band's floor: the counter of the last tenant picked
+--   sequence        the release sequence
+local function key(name, arg)
+  if name == 'instances' then return P .. ':inst' end
+  if name == 'backlogs' then return P .. ':q' end
+  if name == 'pending' then return P .. ':p:' .. arg end
+  if name == 'counters' then return P .. ':c:' .. arg end
+  if name == 'served' then return P .. ':s:' .. arg end
+  if name == 'floor' then return P .. ':f:' .. arg end
+  if name == 'sequence' then return P .. ':seq' end
+  error('no such key: ' .. name)
+end
+
+local US = '\31'
+
+-- An instance gone (its lease lapsed, or it left): its slots come back, its backlog and grants with it.
+local function forget(name)
+  redis.call('HDEL', key('instances'), name)
+  redis.call('HDEL', key('backlogs'), name)
+  redis.call('DEL', key('pending', name))
+end
+
+local trip = cjson.decode(ARGV[1])
+local me = trip.instance
+local ask = trip.ask
+if ask == nil then
+  forget(me)
+  return cjson.encode({ others_in_flight = 0, instances = 0 })
+end
+if trip.form ~= 'counter' then
+  return redis.error_reply('schedule.lua implements the cluster form "counter", not "' .. tostring(trip.form) .. '"')
+end
+
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local nb = #ask.caps
 
-local caps = {}
-local i = 7
-for b = 0, nb - 1 do
-  caps[b] = tonumber(ARGV[i])
-  i = i + 1
+-- A stored backlog: its records, never fresh (a tenant joins the cluster's backlog
+-- once, at the round trip of the instance it arrived at).
+local function stored(s)
+  if not s then return {} end
+  return cjson.decode(s)
 end
 
--- Backlogs as lists of {band, tenant, count, service, fresh}. Stored ones are never fresh:
--- a tenant joins the cluster's backlog once, at the round trip of the instance it arrived at.
-local function parse(s)
-  local out = {}
-  if not s then return out end
-  for rec in string.gmatch(s, '[^' .. RS .. ']+') do
-    local b, ten, c, sv = string.match(rec, '^(%d+)' .. US .. '(.-)' .. US .. '(%d+)' .. US .. '([^' .. US .. ']+)')
-    if b then out[#out + 1] = { tonumber(b), ten, tonumber(c), tonumber(sv), false } end
-  end
-  return out
-end
-
-local function encode(list)
-  local parts = {}
+local function store(list)
+  local kept = {}
   for _, e in ipairs(list) do
-    if e[3] > 0 then parts[#parts + 1] = e[1] .. US .. e[2] .. US .. e[3] .. US .. e[4] .. US .. '0' end
+    if e.count > 0 then
+      kept[#kept + 1] = { band = e.band, tenant = e.tenant, count = e.count, service = e.service }
+    end
   end
-  return table.concat(parts, RS)
+  if #kept == 0 then return '[]' end
+  return cjson.encode(kept)
 end
 
-local mylist, mine_at = {}, {}
-local n = tonumber(ARGV[i])
-i = i + 1
-for _ = 1, n do
-  local e = { tonumber(ARGV[i]), ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), ARGV[i + 4] == '1' }
-  mylist[#mylist + 1] = e
-  mine_at[e[1] .. US .. e[2]] = e
-  i = i + 5
+local mylist, mine_at = ask.backlog, {}
+for _, e in ipairs(mylist) do
+  mine_at[e.band .. US .. e.tenant] = e
 end
-n = tonumber(ARGV[i])
-i = i + 1
-for _ = 1, n do
-  redis.call('HINCRBYFLOAT', P .. ':c:' .. ARGV[i], ARGV[i + 1], ARGV[i + 2])
-  i = i + 3
+for _, c in ipairs(ask.corrections) do
+  redis.call('HINCRBYFLOAT', key('counters', c.band), c.tenant, c.delta)
 end
 
 -- Slots another round trip granted us: ours to release now (they are in our backlog).
 local releases = {}
-local pending_key = P .. ':p:' .. me
+local pending_key = key('pending', me)
 local claimed = redis.call('LRANGE', pending_key, 0, -1)
 if #claimed > 0 then redis.call('DEL', pending_key) end
 for _, g in ipairs(claimed) do
   local b, ten = string.match(g, '^(%d+)' .. US .. '(.*)$')
-  releases[#releases + 1] = tonumber(b)
-  releases[#releases + 1] = ten
+  releases[#releases + 1] = { band = tonumber(b), tenant = ten }
   local e = mine_at[g]
-  if e and e[3] > 0 then e[3] = e[3] - 1 end
+  if e and e.count > 0 then e.count = e.count - 1 end
 end
-local mine_after = mine + #claimed
+local mine_after = ask.in_flight + #claimed
 
 -- The live instances: what each holds in flight (and was granted, not yet taken), and its backlog.
--- An instance whose lease lapsed is gone: its slots come back, its backlog and grants with it.
 local total, alive = mine_after, 1
 local backlogs = { [me] = mylist }
-local inst = redis.call('HGETALL', P .. ':inst')
+local inst = redis.call('HGETALL', key('instances'))
 for k = 1, #inst, 2 do
   local name = inst[k]
   if name ~= me then
     local expiry, flying = string.match(inst[k + 1], '^(%d+) (%d+)$')
     if tonumber(expiry) < now then
-      redis.call('HDEL', P .. ':inst', name)
-      redis.call('HDEL', P .. ':q', name)
-      redis.call('DEL', P .. ':p:' .. name)
+      forget(name)
     else
       alive = alive + 1
-      total = total + tonumber(flying) + redis.call('LLEN', P .. ':p:' .. name)
-      backlogs[name] = parse(redis.call('HGET', P .. ':q', name))
+      total = total + tonumber(flying) + redis.call('LLEN', key('pending', name))
+      backlogs[name] = stored(redis.call('HGET', key('backlogs'), name))
     end
   end
 end
@@ -109,24 +119,24 @@ end
 local cand = {}
 for name, list in pairs(backlogs) do
   for _, e in ipairs(list) do
-    if e[3] > 0 then
-      local byb = cand[e[1]] or {}
-      cand[e[1]] = byb
-      local c = byb[e[2]] or { n = 0, at = {}, fresh = true }
-      byb[e[2]] = c
-      c.n = c.n + e[3]
+    if e.count > 0 then
+      local byb = cand[e.band] or {}
+      cand[e.band] = byb
+      local c = byb[e.tenant] or { n = 0, at = {}, fresh = true }
+      byb[e.tenant] = c
+      c.n = c.n + e.count
       c.at[name] = e
-      c.fresh = c.fresh and e[5]
+      c.fresh = c.fresh and e.fresh == true
     end
   end
 end
 
-local seq = tonumber(redis.call('GET', P .. ':seq') or '0')
+local seq = tonumber(redis.call('GET', key('sequence')) or '0')
 local woken = {}
 for b = 0, nb - 1 do
   local byb = cand[b]
   if byb then
-    local ckey, skey, fkey = P .. ':c:' .. b, P .. ':s:' .. b, P .. ':f:' .. b
+    local ckey, skey, fkey = key('counters', b), key('served', b), key('floor', b)
     local floor = tonumber(redis.call('GET', fkey) or '0')
     -- Counters; a tenant joining the backlog is lifted to the smallest counter of those
     -- already in it (or the floor), so idle time is not banked (as policies/vtc.py).
@@ -149,7 +159,7 @@ for b = 0, nb - 1 do
     end
     -- Each free slot to the backlogged tenant with the smallest counter (ties: served longest
     -- ago, then by name), held here if it is held here, else by the instance holding most of it.
-    local free = caps[b] - total
+    local free = ask.caps[b + 1] - total
     while free > 0 do
       local best, bc, bs = nil, 0, 0
       for ten, c in pairs(byb) do
@@ -163,31 +173,30 @@ for b = 0, nb - 1 do
       if best == nil then break end
       local c = byb[best]
       local who = nil
-      if c.at[me] and c.at[me][3] > 0 then
+      if c.at[me] and c.at[me].count > 0 then
         who = me
       else
         local most = 0
         for name, e in pairs(c.at) do
-          if e[3] > most or (e[3] == most and e[3] > 0 and name < who) then
-            who, most = name, e[3]
+          if e.count > most or (e.count == most and e.count > 0 and name < who) then
+            who, most = name, e.count
           end
         end
       end
       local e = c.at[who]
-      e[3] = e[3] - 1
+      e.count = e.count - 1
       c.n = c.n - 1
       if bc > floor then floor = bc end
-      counters[best] = bc + e[4]
+      counters[best] = bc + e.service
       seq = seq + 1
       served[best] = seq
       redis.call('HSET', ckey, best, counters[best])
       redis.call('HSET', skey, best, seq)
       if who == me then
-        releases[#releases + 1] = b
-        releases[#releases + 1] = best
+        releases[#releases + 1] = { band = b, tenant = best }
         mine_after = mine_after + 1
       else
-        redis.call('RPUSH', P .. ':p:' .. who, b .. US .. best)
+        redis.call('RPUSH', key('pending', who), b .. US .. best)
         woken[who] = true
       end
       total = total + 1
@@ -212,15 +221,15 @@ for b = 0, nb - 1 do
     if left then break end
   end
 end
-redis.call('SET', P .. ':seq', seq)
+redis.call('SET', key('sequence'), seq)
 
-redis.call('HSET', P .. ':inst', me, string.format('%d %d', now + lease_ms, mine_after))
-redis.call('HSET', P .. ':q', me, encode(mylist))
+redis.call('HSET', key('instances'), me, string.format('%d %d', now + trip.lease_ms, mine_after))
+redis.call('HSET', key('backlogs'), me, store(mylist))
 for name, _ in pairs(woken) do
-  redis.call('HSET', P .. ':q', name, encode(backlogs[name]))
-  redis.call('PUBLISH', wake .. name, model)
+  redis.call('HSET', key('backlogs'), name, store(backlogs[name]))
+  redis.call('PUBLISH', trip.wake .. name, trip.model)
 end
 
-local reply = { total - mine_after, alive }
-for _, v in ipairs(releases) do reply[#reply + 1] = v end
-return reply
+local grant = { others_in_flight = total - mine_after, instances = alive }
+if #releases > 0 then grant.releases = releases end
+return cjson.encode(grant)

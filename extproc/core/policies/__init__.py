@@ -9,14 +9,17 @@ To add one: copy round_robin.py, give its ``POLICY`` a new name, and list it
 below. The config accepts the name from then on, and the shared conformance
 test (tests/test_policy_conformance.py) runs it: every request ends exactly
 once, each tenant's requests leave in order, no tenant starves, and the
-``U + K·E`` bound of :class:`~extproc.core.policies.base.Policy` holds.
+``U + K·E`` bound of :class:`~extproc.core.policies.base.Policy` holds. Its
+``cluster`` form (:class:`~extproc.core.policies.base.ClusterForm`) is what a
+``cluster:`` runs instead; the same suite checks it on a real Redis, and the
+config refuses a policy without one when a cluster is configured.
 """
 
 from __future__ import annotations
 
 from extproc.core.policies import round_robin, vtc
-from extproc.core.policies.base import BandPolicy, Policy, TenantWeight
+from extproc.core.policies.base import BandPolicy, ClusterForm, Policy, TenantWeight
 
-__all__ = ["POLICIES", "BandPolicy", "Policy", "TenantWeight"]
+__all__ = ["POLICIES", "BandPolicy", "ClusterForm", "Policy", "TenantWeight"]
 
 POLICIES: dict[str, Policy] = {policy.name: policy for policy in (round_robin.POLICY, vtc.POLICY)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Generic, Protocol, TypeVar
 
 Item = TypeVar("Item", bound=Hashable)
@@ -59,6 +60,20 @@ class BandPolicy(Protocol[Item]):
         ...
 
 
+class ClusterForm(StrEnum):
+    """How a cluster of instances runs a policy: the forms ``adapters/cluster/schedule.lua`` implements.
+
+    ``COUNTER``: every tenant has a counter of the service it received
+    (``Policy.service`` per release, corrected at its end); the backlogged
+    tenant with the smallest counter goes next (ties: served longest ago); a
+    tenant joining the backlog is lifted to the smallest counter of those in
+    it. The shared conformance suite checks a policy's cluster form on a real
+    Redis against the same bounds as the policy itself.
+    """
+
+    COUNTER = "counter"
+
+
 @dataclass(frozen=True)
 class Policy:
     """A policy as the registry knows it.
@@ -70,11 +85,15 @@ class Policy:
     the service released to two such tenants differs by at most ``U + K·E``,
     where U is the most service one request gives, E the largest error of one
     estimate (in service) and K the most requests in flight at once.
+
+    ``cluster`` is how a cluster of instances runs it (None: it cannot be, and
+    the config refuses it with a ``cluster:`` section).
     """
 
     name: str
     new_band: Callable[[TenantWeight], BandPolicy[Any]]
     service: Callable[[float, float], float]
+    cluster: ClusterForm | None = None
 
 
 class TenantQueues(Generic[Item]):

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Hashable
 from typing import Any, TypeVar
 
-from extproc.core.policies.base import Policy, TenantQueues, TenantWeight
+from extproc.core.policies.base import ClusterForm, Policy, TenantQueues, TenantWeight
 
 Item = TypeVar("Item", bound=Hashable)
 
@@ -63,4 +63,4 @@ def _new_band(weight: TenantWeight) -> TenantRoundRobin[Any]:
     return TenantRoundRobin()
 
 
-POLICY = Policy("round_robin", _new_band, service=lambda cost, weight: 1.0)
+POLICY = Policy("round_robin", _new_band, service=lambda cost, weight: 1.0, cluster=ClusterForm.COUNTER)

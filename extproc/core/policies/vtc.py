@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Hashable
 from typing import TypeVar
 
-from extproc.core.policies.base import Policy, TenantQueues, TenantWeight
+from extproc.core.policies.base import ClusterForm, Policy, TenantQueues, TenantWeight
 
 Item = TypeVar("Item", bound=Hashable)
 
@@ -124,4 +124,4 @@ class VirtualTokenCounter(TenantQueues[Item]):
             del self._counters[tenant]
 
 
-POLICY = Policy("vtc", VirtualTokenCounter, service=lambda cost, weight: cost / weight)
+POLICY = Policy("vtc", VirtualTokenCounter, service=lambda cost, weight: cost / weight, cluster=ClusterForm.COUNTER)

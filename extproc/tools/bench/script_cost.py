@@ -18,7 +18,8 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from extproc.adapters.cluster.link import SCRIPT, ask_args, grant_of
+from extproc.adapters.cluster.link import SCRIPT
+from extproc.adapters.cluster.wire import Trip, decode_grant, encode_trip
 from extproc.core.cluster import Ask, Backlog
 from extproc.tools.redis_proc import RedisServer
 
@@ -37,9 +38,10 @@ async def measure(client: aioredis.Redis, instances: int, tenants: int, calls: i
         i = n % instances
         ask = Ask(in_flight[i], (in_flight[i] + 1,), backlogs[i], ())
         started = time.perf_counter()
-        reply = await script(keys=["bench:m"], args=ask_args(f"i{i}", 2000, "bench:wake:", "m", ask))
+        trip = encode_trip(Trip(f"i{i}", 2000, "bench:wake:", "m", "counter", ask))
+        reply = await script(keys=["bench:m"], args=[trip])
         times.append(time.perf_counter() - started)
-        in_flight[i] = max(0, in_flight[i] + len(grant_of(reply).releases) - 1)  # one of its own ends
+        in_flight[i] = max(0, in_flight[i] + len(decode_grant(reply).releases) - 1)  # one of its own ends
     after = await client.info("cpu")
     cpu = sum(after[k] - before[k] for k in ("used_cpu_sys", "used_cpu_user")) / calls
     times.sort()

@@ -1,0 +1,121 @@
+"""How a held request leaves one model's queue: the one release step every release strategy shares.
+
+A strategy (``strategy.py``) decides what may go now and to whom; whichever
+it is, a request it lets go leaves the same way: an endpoint picked, the pool
+and the fair queue charged, its future resolved and the release reported.
+The outlet also carries what a strategy reads to decide (the queue, the pool,
+the bands' admission), so a strategy needs the outlet, never the dispatcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from extproc.core.bands import BandAdmission, BandRules
+from extproc.core.cost import Estimate
+from extproc.core.drain_time import ReleaseRate
+from extproc.core.fair_queue import FairQueue
+from extproc.core.outcomes import Refusal, Refused
+from extproc.core.release.health_log import HealthLog
+from extproc.core.release.pool import Pool
+from extproc.core.report import DispatchReport
+from extproc.core.timers import Timer
+
+
+@dataclass(eq=False)
+class Held:
+    """One request in the queue; identity-hashed so equal-looking requests stay distinct."""
+
+    tenant: str
+    band: int
+    enqueued_at: float
+    future: asyncio.Future[float] = field(repr=False)
+    # What the release is charged (vtc), corrected when its stream ends.
+    estimate: Estimate = field(repr=False)
+    expiry: Timer | None = field(default=None, repr=False)
+    released: bool = False
+    ended: bool = False
+    # Prefix-cache affinity key (endpoint picking) and the endpoint picked on release.
+    affinity: str = ""
+    endpoint: str | None = None
+    # After the pick, the other endpoints in order of preference (the gateway's fallbacks).
+    fallbacks: tuple[str, ...] = ()
+    # The endpoints it may go to (a gateway's subset hint); None: any of the pool.
+    eligible: frozenset[str] | None = None
+    # The client's time-to-first-token objective, when it named one.
+    ttft_objective_s: float | None = None
+    # Whether its response's headers are read for a failed release (a sample: they cost a message).
+    checked: bool = False
+
+
+class Outlet:
+    """One model's queue, pool and band admission, and the ways a request leaves the queue."""
+
+    def __init__(
+        self, name: str, queue: FairQueue[Held], pool: Pool, bands: tuple[BandRules, ...], admission: BandAdmission,
+        report: DispatchReport, clock: Callable[[], float], service: Callable[[str, float], float],
+    ) -> None:
+        self.queue = queue
+        self.pool = pool
+        self.bands = bands
+        self.admission = admission
+        self.report = report
+        self.clock = clock
+        # What a release of the tenant adds to its counter (the policy's service for a cost).
+        self.service = service
+        self.release_rate = ReleaseRate()
+        self._health_log = HealthLog(name, pool, report)
+
+    def note_health(self, now: float) -> None:
+        """Report endpoint health that changed since the last look (once per change)."""
+        self._health_log.note(now)
+
+    def cap(self, band: int, now: float) -> int:
+        """The most requests the pool may have in flight, counting other instances', once ``band`` released."""
+        return self.admission.headroom(band, now) + self.pool.estimate.cluster_in_flight
+
+    def release(self, band: int, tenant: str, held: Held, now: float) -> bool:
+        """``held`` left the queue to be released: release it, unless its client already left (False)."""
+        self.dequeued(band, tenant)
+        if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
+            self.resolve(held)
+            self.abandoned(held, band)
+            return False
+        held.released = True
+        ranked = self.pool.ranked(held.affinity, now, held.eligible)
+        held.endpoint, held.fallbacks = (ranked[0], tuple(ranked[1:])) if ranked else (None, ())
+        held.checked = self.pool.check_release(held.endpoint, now)
+        self.pool.record_release(held, now, held.endpoint, into_free_slot=self.bands[band].idle_only)
+        self.release_rate.record(now)
+        self.queue.charge(band, tenant, held.estimate.cost)
+        self.resolve(held)
+        priority = self.bands[band].name
+        self.report.released(priority, tenant)
+        self.report.held(priority, tenant, now - held.enqueued_at)
+        self.report.decided(tenant, priority, now - held.enqueued_at, "released")
+        return True
+
+    def refused(self, tenant: str, priority: str, refusal: Refusal, waited: float) -> None:
+        self.report.refused(refusal, tenant)
+        self.report.decided(tenant, priority, waited, f"refused:{refusal.value}")
+
+    def abandoned(self, held: Held, band: int) -> None:
+        priority = self.bands[band].name
+        self.report.abandoned(priority, held.tenant)
+        self.report.decided(held.tenant, priority, self.clock() - held.enqueued_at, "abandoned")
+
+    def resolve(self, held: Held, refused: Refused | None = None) -> None:
+        if held.expiry is not None:
+            held.expiry.cancel()
+        if held.future.done():
+            return
+        if refused is None:
+            held.future.set_result(self.clock() - held.enqueued_at)
+        else:
+            held.future.set_exception(refused)
+
+    def dequeued(self, band: int, tenant: str) -> None:
+        """A request left the queue: each removal reports once, so the reported depth counts up and down exactly."""
+        self.report.queued(self.bands[band].name, tenant, -1)

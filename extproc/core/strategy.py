@@ -1,0 +1,98 @@
+"""What may go now and to whom: the seam between a model's dispatcher and whoever decides its releases.
+
+The dispatcher tells its strategy what happened (a request queued, a release
+ended, something else changed, a scrape came in) and the strategy lets
+requests go through the :class:`~extproc.core.outlet.Outlet`. Two strategies:
+
+* :class:`LocalRelease`: this instance decides alone. It pops from the fair
+  queue while the band's allowance lasts, and wakes itself when a rate's next
+  release falls due.
+* :class:`~extproc.core.cluster.ClusterSeat`: a cluster of instances decides
+  (``cluster.py``); cut off from it, the seat releases locally on its share.
+
+The dispatcher holds one and never asks which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from extproc.core.outlet import Outlet
+from extproc.core.status import ClusterStatus
+from extproc.core.timers import Timer, Timers
+
+# An extra per-band limit on what may go now (a cluster seat's share), from the band and ``now``.
+Limit = Callable[[int, float], int]
+
+
+class ReleaseStrategy(Protocol):
+    def queued(self, band: int, tenant: str, first: bool, now: float) -> None:
+        """A request was queued; ``first``: its tenant had nothing queued in ``band``."""
+
+    def ended(self, band: int, tenant: str, charged: float, measured: float, now: float) -> None:
+        """A released request ended, charged ``charged`` and measured at ``measured`` (costs)."""
+
+    def changed(self, now: float) -> None:
+        """Something that may let requests go changed (an endpoint up or down, a wake-up)."""
+
+    def scraped(self, now: float) -> None:
+        """A scrape's numbers reached the pool."""
+
+    def cluster(self) -> ClusterStatus | None:
+        """The seat's standing in a cluster, for the status page (None: no cluster)."""
+
+
+class LocalRelease:
+    """This instance decides: the dispatch loop and the band's allowance."""
+
+    def __init__(self, outlet: Outlet, timers: Timers, limit: Limit | None = None) -> None:
+        self._outlet = outlet
+        self._timers = timers
+        self._limit = limit
+        # A wake-up when the next release falls due by time alone (a rate; no other event will come).
+        self._wakeup: Timer | None = None
+
+    def queued(self, band: int, tenant: str, first: bool, now: float) -> None:
+        self.changed(now)
+
+    def ended(self, band: int, tenant: str, charged: float, measured: float, now: float) -> None:
+        self.changed(now)
+
+    def scraped(self, now: float) -> None:
+        self.changed(now)
+
+    def cluster(self) -> ClusterStatus | None:
+        return None
+
+    def changed(self, now: float) -> None:
+        """Pop from the fair queue while the first band's allowance lasts."""
+        outlet = self._outlet
+        queue = outlet.queue
+        outlet.note_health(now)
+        allowance, allowance_band = 0, None
+        while (first := queue.first_band()) is not None:
+            if first != allowance_band:  # a higher band ran empty: ask again for this one
+                allowance, allowance_band = self._allowance(first, now), first
+            if allowance <= 0:
+                break
+            band, tenant, held = queue.pop()
+            if outlet.release(band, tenant, held, now):
+                allowance -= 1
+        outlet.report.in_flight(outlet.pool.in_flight)
+        self._schedule_wakeup(now)
+
+    def _allowance(self, band: int, now: float) -> int:
+        allowance = self._outlet.admission.allowance(band, now)
+        return allowance if self._limit is None else min(allowance, self._limit(band, now))
+
+    def _schedule_wakeup(self, now: float) -> None:
+        due = self._outlet.pool.rule.next_change_in(now)
+        if due is None or not len(self._outlet.queue) or self._wakeup is not None:
+            return
+
+        def wake() -> None:
+            self._wakeup = None
+            self.changed(self._outlet.clock())
+
+        self._wakeup = self._timers.at(now + due, wake)
