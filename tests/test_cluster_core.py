@@ -44,7 +44,7 @@ def seat_of(
 
     dispatcher = ModelDispatcher(
         "m", make_gate(kind="static_concurrency", max_in_flight=max_in_flight), (BandRules("standard", 60.0),),
-        Report(), lambda: 0.0,  # type: ignore[arg-type]  # Report answers every DispatchReport call
+        Report(), lambda: 0.0,
         policy=POLICIES[policy], tenant=lambda _: TenantLimits(1.0, 100),
         cost=CostWeights(), max_queued=100, reserved_waiting=0, timers=timers, strategy=strategy,
     )

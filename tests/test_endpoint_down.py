@@ -22,6 +22,7 @@ from extproc.core.engine_load import EngineLoad
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES
 from extproc.core.release.health import CHECK_EVERY, PROBATION_S
+from extproc.core.report import Change, EndpointEvent, Event
 from tests.test_gate import make_gate
 
 pytestmark = pytest.mark.unit
@@ -82,20 +83,17 @@ def test_metric_rules_without_picking_cap_the_pool_at_the_fallback_of_the_endpoi
 
 
 class Report:
-    """Just what these tests read of the dispatcher's reports."""
+    """Just what these tests read of the dispatcher's events."""
 
     def __init__(self) -> None:
         self.up: dict[str, bool] = {}
         self.failures = 0
 
-    def endpoint_up(self, endpoint: str, up: bool) -> None:
-        self.up[endpoint] = up
-
-    def release_failed(self, endpoint: str | None) -> None:
-        self.failures += 1
-
-    def __getattr__(self, name: str) -> object:
-        return lambda *args: None
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, EndpointEvent) and event.endpoint is not None and event.change in (Change.UP, Change.DOWN):
+            self.up[event.endpoint] = event.change is Change.UP
+        elif isinstance(event, EndpointEvent) and event.change is Change.RELEASE_FAILED:
+            self.failures += 1
 
 
 async def test_held_requests_wait_through_an_outage_and_go_when_the_engine_answers() -> None:
@@ -103,7 +101,7 @@ async def test_held_requests_wait_through_an_outage_and_go_when_the_engine_answe
     now = [0.0]
     dispatcher = ModelDispatcher(
         "m", make_gate(kind="static_concurrency", max_in_flight=2), (BandRules("standard", 60.0),),
-        report, lambda: now[0],  # type: ignore[arg-type]  # Report answers every DispatchReport call
+        report, lambda: now[0],
         policy=POLICIES["round_robin"], tenant=lambda _: TenantLimits(1.0, 100),
         cost=CostWeights(), max_queued=100, reserved_waiting=0, timers=LoopTimers(lambda: now[0]),
     )

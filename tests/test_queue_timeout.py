@@ -29,7 +29,7 @@ async def test_a_timer_that_fires_early_by_the_dispatchers_clock_does_not_refuse
     now = [0.0]
     dispatcher = ModelDispatcher(
         "m", make_gate(kind="static_concurrency", max_in_flight=1), (BandRules("standard", LIMIT_S),),
-        Report(), lambda: now[0],  # type: ignore[arg-type]  # Report answers every DispatchReport call
+        Report(), lambda: now[0],
         policy=POLICIES["round_robin"], tenant=lambda _: TenantLimits(1.0, 100),
         cost=CostWeights(), max_queued=100, reserved_waiting=0, timers=LoopTimers(lambda: now[0]),
     )

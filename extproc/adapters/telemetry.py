@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 import platform
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Generic, TypeVar, overload
 
@@ -32,11 +33,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Plat
 from extproc.adapters.logs import DECISIONS
 from extproc.core.engine_load import EngineLoad
 from extproc.core.outcomes import Refusal
+from extproc.core.report import Change, Charged, EndpointEvent, Event, PoolEvent, RequestEvent, Step
 
 # Queue waits span milliseconds (idle engine) to minutes (a flood in batch).
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Taking in one arrival costs microseconds; a dispatch that releases a burst, or a stalled loop, milliseconds.
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1)
+
+# Endpoint health changes, as the core's events tell them (core/release/health_log.py).
+HEALTH = logging.getLogger("extproc.health")
 
 OTHER_TENANT = "other"
 NO_TENANT = "(none)"
@@ -264,10 +269,17 @@ class Telemetry:
             "extproc_build_info", "Always 1; the labels say which extproc and Python run.",
             ["version", "python"], registry=r,
         ).labels(_package_version("extproc-fair"), platform.python_version()).set(1)
+        # Each model's reporter, by model name (ModelTelemetry registers itself).
+        self.models: dict[str, ModelTelemetry] = {}
         # In the instance's own dict, the metrics are plain attributes: no descriptor call on the hot path.
         for attr, series in vars(Telemetry).items():
             if isinstance(series, _Series):
                 self.__dict__[attr] = series.build(r)
+
+    def report(self, model: str) -> ModelTelemetry:
+        """Where ``model``'s events go; a model no dispatcher serves reports as ``(unknown)``."""
+        reporter = self.models.get(model) or self.models.get(UNKNOWN_MODEL)
+        return reporter or ModelTelemetry(self, UNKNOWN_MODEL, (), TenantLabels(()))
 
     def tls_reloaded(self, outcome: str) -> None:
         self.tls_reloads.labels(outcome=outcome).inc()
@@ -289,13 +301,51 @@ class Telemetry:
                     self.rejected.labels(model, reason.value, tenant)
 
 
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The servicer admitted a request by ``name`` (a served name, or the pattern it matched)."""
+
+    name: str
+    # The class it asked for and the one it got, when it was downgraded.
+    requested: str | None = None
+    granted: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnedAway:
+    """The servicer answered a request before its tenant was known (a bad body, overload, a missing tenant...)."""
+
+    refusal: Refusal
+
+
+@dataclass(frozen=True, slots=True)
+class ServedElsewhere:
+    """The gateway served a release on another endpoint than the pick (a fallback was taken)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterTrip:
+    """One round trip to the cluster's Redis: ``seconds`` when it succeeded (None: it failed)."""
+
+    seconds: float | None
+    instances: int | None = None
+
+
+AdapterEvent = Admitted | TurnedAway | ServedElsewhere | ClusterTrip
+
+
 class ModelTelemetry:
-    """One model's series, written from what its dispatcher reports (``core/report.py``), and its decision lines."""
+    """One model's series, its decision lines and its health log lines: every report of the model comes here.
+
+    The core's events (``core/report.py``) and the adapters' own (the
+    servicer's admissions, the cluster link's round trips) take this one road.
+    """
 
     def __init__(self, telemetry: Telemetry, model: str, priorities: Iterable[str], tenants: TenantLabels) -> None:
         self._t = telemetry
         self._model = model
         self._tenant = tenants
+        telemetry.models[model] = self
         t = telemetry
         t.cost_clamped.labels(model)
         t.gate_fallback.labels(model)
@@ -317,81 +367,114 @@ class ModelTelemetry:
         # Asked once, at start-up (logging is set up before the dispatchers are built): with
         # DEBUG off a decision costs one attribute test, not a logging call per request.
         self._decisions = DECISIONS.isEnabledFor(logging.DEBUG)
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            RequestEvent: self._request, PoolEvent: self._pool, Charged: self._charged_event,
+            EndpointEvent: self._endpoint, Admitted: self._admitted, TurnedAway: self._turned_away,
+            ServedElsewhere: self._served_elsewhere, ClusterTrip: self._cluster_trip,
+        }
 
-    def refused(self, refusal: Refusal, tenant: str) -> None:
-        self._t.rejected.labels(self._model, refusal.value, self._tenant(tenant)).inc()
+    def __call__(self, event: Event | AdapterEvent) -> None:
+        # By type, not by a chain of isinstance tests: several events per request pass here.
+        self._handlers[type(event)](event)
 
-    def held(self, band: str, tenant: str, waited_s: float) -> None:
-        self._waited[band, self._tenant(tenant)].observe(waited_s)
+    def _charged_event(self, event: Charged) -> None:
+        prompt, output, units = self._charged[self._tenant(event.tenant)]
+        prompt.inc(event.prompt_tokens)
+        output.inc(event.output_tokens)
+        units.inc(event.cost)
 
-    def released(self, band: str, tenant: str) -> None:
-        self._released[band, self._tenant(tenant)].inc()
+    def _admitted(self, event: Admitted) -> None:
+        self._t.model_names.labels(self._model, event.name).inc()
+        if event.requested is not None:
+            self._t.priority_downgraded.labels(self._model, event.requested, event.granted).inc()
 
-    def charged(self, tenant: str, prompt_tokens: float, output_tokens: float, cost: float) -> None:
-        prompt, output, units = self._charged[self._tenant(tenant)]
-        prompt.inc(prompt_tokens)
-        output.inc(output_tokens)
-        units.inc(cost)
+    def _turned_away(self, event: TurnedAway) -> None:
+        self._t.rejected.labels(self._model, event.refusal.value, NO_TENANT).inc()
 
-    def decision(self, seconds: float) -> None:
-        self._decision.observe(seconds)
+    def _served_elsewhere(self, event: ServedElsewhere) -> None:
+        self._t.served_elsewhere.labels(self._model).inc()
 
-    def cost_clamped(self) -> None:
-        self._t.cost_clamped.labels(self._model).inc()
+    def _cluster_trip(self, event: ClusterTrip) -> None:
+        t, model = self._t, self._model
+        t.cluster_round_trips.labels(model, "failed" if event.seconds is None else "ok").inc()
+        t.cluster_degraded.labels(model).set(1 if event.seconds is None else 0)
+        if event.seconds is not None:
+            t.cluster_round_trip.labels(model).observe(event.seconds)
+        if event.instances is not None:
+            t.cluster_instances.labels(model).set(event.instances)
 
-    def abandoned(self, band: str, tenant: str) -> None:
-        self._abandoned[band, self._tenant(tenant)].inc()
+    def _request(self, event: RequestEvent) -> None:
+        key = (event.band, self._tenant(event.tenant))
+        if event.step is Step.QUEUED:
+            self._queued[key].inc()
+            return
+        if event.dequeued:
+            self._queued[key].dec()
+        if event.step is Step.RELEASED:
+            self._released[key].inc()
+            self._waited[key].observe(event.waited_s)
+        elif event.step is Step.ABANDONED:
+            self._abandoned[key].inc()
+        elif event.refusal is not None:
+            self._t.rejected.labels(self._model, event.refusal.value, key[1]).inc()
+            if event.refusal is Refusal.QUEUE_TIMEOUT:
+                self._waited[key].observe(event.waited_s)
+        if self._decisions:
+            wait_ms = round(event.waited_s * 1000, 1)
+            DECISIONS.debug(
+                "%s %s tenant=%s class=%s wait_ms=%s", event.outcome, self._model, event.tenant, event.band, wait_ms,
+                extra={"tenant": event.tenant, "class": event.band, "model": self._model, "wait_ms": wait_ms,
+                       "outcome": event.outcome},
+            )
 
-    def queued(self, band: str, tenant: str, change: int) -> None:
-        self._queued[band, self._tenant(tenant)].inc(change)
+    def _pool(self, event: PoolEvent) -> None:
+        if event.decision_s is not None:
+            self._decision.observe(event.decision_s)
+        if event.cost_clamped:
+            self._t.cost_clamped.labels(self._model).inc()
+        if event.in_flight is not None:
+            self._in_flight.set(event.in_flight)
+        if event.fallback is not None:
+            self._t.gate_fallback.labels(self._model).set(1 if event.fallback else 0)
+            if event.note:
+                HEALTH.log(logging.WARNING if event.fallback else logging.INFO, event.note)
 
-    def in_flight(self, count: int) -> None:
-        self._in_flight.set(count)
+    def _endpoint(self, event: EndpointEvent) -> None:
+        t, model, endpoint = self._t, self._model, event.endpoint or "(unknown)"
+        match event.change:
+            case Change.SCRAPED if event.load is not None:
+                self._scraped(endpoint, event.load, event.itl_s, event.limit)
+            case Change.SCRAPE_FAILED:
+                t.scrape_errors.labels(model, endpoint).inc()
+            case Change.LEFT:
+                for gauge in t.per_endpoint_gauges():
+                    try:
+                        gauge.remove(model, endpoint)
+                    except KeyError:
+                        pass
+            case Change.DEGRADED | Change.USABLE:
+                t.endpoint_degraded.labels(model, endpoint).set(1 if event.change is Change.DEGRADED else 0)
+            case Change.DOWN | Change.UP:
+                t.endpoint_up.labels(model, endpoint).set(1 if event.change is Change.UP else 0)
+            case Change.RELEASE_FAILED:
+                t.release_failures.labels(model, endpoint).inc()
+        if event.note:
+            HEALTH.log(logging.WARNING if event.change in (Change.DEGRADED, Change.DOWN) else logging.INFO, event.note)
 
-    def scraped(self, endpoint: str, load: EngineLoad, itl_s: float | None, limit: float | None) -> None:
-        self._t.engine_waiting.labels(self._model, endpoint).set(load.waiting)
-        self._t.engine_running.labels(self._model, endpoint).set(load.running)
-        self._t.last_scrape.labels(self._model, endpoint).set(time.time())
+    def _scraped(self, endpoint: str, load: EngineLoad, itl_s: float | None, limit: float | None) -> None:
+        t, model = self._t, self._model
+        t.engine_waiting.labels(model, endpoint).set(load.waiting)
+        t.engine_running.labels(model, endpoint).set(load.running)
+        t.last_scrape.labels(model, endpoint).set(time.time())
         # Created at zero once the endpoint is known: its failures then show 0, not "no data". So is
         # "degraded", which is otherwise written only on a change (an endpoint whose first scrape came
         # before the first dispatch was never reported degraded, and never got a sample).
-        self._t.scrape_errors.labels(self._model, endpoint)
-        self._t.release_failures.labels(self._model, endpoint)
-        self._t.endpoint_degraded.labels(self._model, endpoint)
+        t.scrape_errors.labels(model, endpoint)
+        t.release_failures.labels(model, endpoint)
+        t.endpoint_degraded.labels(model, endpoint)
         if load.kv_usage is not None:
-            self._t.engine_kv_usage.labels(self._model, endpoint).set(load.kv_usage)
+            t.engine_kv_usage.labels(model, endpoint).set(load.kv_usage)
         if itl_s is not None:
-            self._t.engine_itl.labels(self._model, endpoint).set(itl_s)
+            t.engine_itl.labels(model, endpoint).set(itl_s)
         if limit is not None:
-            self._t.gate_limit.labels(self._model, endpoint).set(limit)
-
-    def scrape_failed(self, endpoint: str) -> None:
-        self._t.scrape_errors.labels(self._model, endpoint).inc()
-
-    def endpoint_left(self, endpoint: str) -> None:
-        for gauge in self._t.per_endpoint_gauges():
-            try:
-                gauge.remove(self._model, endpoint)
-            except KeyError:
-                pass
-
-    def endpoint_degraded(self, endpoint: str, degraded: bool) -> None:
-        self._t.endpoint_degraded.labels(self._model, endpoint).set(1 if degraded else 0)
-
-    def endpoint_up(self, endpoint: str, up: bool) -> None:
-        self._t.endpoint_up.labels(self._model, endpoint).set(1 if up else 0)
-
-    def release_failed(self, endpoint: str | None) -> None:
-        self._t.release_failures.labels(self._model, endpoint or "(unknown)").inc()
-
-    def decided(self, tenant: str, band: str, waited_s: float, outcome: str) -> None:
-        if not self._decisions:
-            return
-        wait_ms = round(waited_s * 1000, 1)
-        DECISIONS.debug(
-            "%s %s tenant=%s class=%s wait_ms=%s", outcome, self._model, tenant, band, wait_ms,
-            extra={"tenant": tenant, "class": band, "model": self._model, "wait_ms": wait_ms, "outcome": outcome},
-        )
-
-    def fallback(self, active: bool) -> None:
-        self._t.gate_fallback.labels(self._model).set(1 if active else 0)
+            t.gate_limit.labels(model, endpoint).set(limit)

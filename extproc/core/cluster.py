@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from extproc.core.outlet import Outlet
+from extproc.core.report import PoolEvent
 from extproc.core.status import ClusterStatus
 from extproc.core.strategy import LocalRelease
 from extproc.core.timers import Timers
@@ -199,7 +200,7 @@ class ClusterSeat:
             held = outlet.queue.take(release.band, release.tenant)
             if held is not None:  # else its client left since the ask: the slot returns with the next ask's count
                 outlet.release(release.band, release.tenant, held, now)
-        outlet.report.in_flight(outlet.pool.in_flight)
+        outlet.report(PoolEvent(in_flight=outlet.pool.in_flight))
 
     def lost(self, ask: Ask) -> None:
         """The ask never reached Redis (or its answer was lost): release on our share; the next ask carries it again."""

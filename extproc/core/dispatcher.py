@@ -47,7 +47,7 @@ from extproc.core.outcomes import Refusal, Refused
 from extproc.core.outlet import Held, Outlet
 from extproc.core.policies import Policy
 from extproc.core.release.pool import Pool
-from extproc.core.report import DispatchReport
+from extproc.core.report import Change, Charged, DispatchReport, EndpointEvent, PoolEvent, RequestEvent, Step
 from extproc.core.status import EndpointStatus, ModelStatus, band_status
 from extproc.core.strategy import LocalRelease, ReleaseStrategy
 from extproc.core.timers import Timers
@@ -164,21 +164,19 @@ class ModelDispatcher:
         now = self._clock()
         overflow = self._caps.check(self._queue, tenant, band)
         if overflow is not None:
-            self._outlet.refused(tenant, self._bands[band].name, overflow.refusal, 0.0)
-            self._report.decision(self._clock() - now)
+            self._outlet.refused(tenant, band, overflow.refusal, 0.0, dequeued=False)
+            self._report(PoolEvent(decision_s=self._clock() - now))
             raise Refused(overflow.refusal, overflow.message + "; retry later",
                           drain_s=self._outlet.release_rate.drain_s(overflow.backlog, now))
         estimate = self._cost.estimate(tenant, content_length, max_tokens)
-        if estimate.clamped:
-            self._report.cost_clamped()
         held = Held(tenant, band, now, asyncio.get_running_loop().create_future(), estimate,
                     affinity=affinity or tenant, eligible=eligible, ttft_objective_s=ttft_objective_s)
         first = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)
-        self._report.queued(self._bands[band].name, tenant, 1)
+        self._report(RequestEvent(Step.QUEUED, self._bands[band].name, tenant))
         held.expiry = self._timers.at(now + self._bands[band].max_queue_wait_s, lambda: self._expire(held))
         self._strategy.queued(band, tenant, first, now)
-        self._report.decision(self._clock() - now)
+        self._report(PoolEvent(decision_s=self._clock() - now, cost_clamped=estimate.clamped))
         return held
 
     def end(self, held: Held) -> None:
@@ -196,13 +194,12 @@ class ModelDispatcher:
             occupancy = self.pool.record_finish(held, now)
             measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
             self._queue.correct(held.band, held.tenant, measured.cost - held.estimate.cost)
-            self._report.charged(held.tenant, held.estimate.prompt_tokens, measured.output_tokens, measured.cost)
-            self._report.in_flight(self.pool.in_flight)
+            self._report(Charged(held.tenant, held.estimate.prompt_tokens, measured.output_tokens, measured.cost))
+            self._report(PoolEvent(in_flight=self.pool.in_flight))
             self._strategy.ended(held.band, held.tenant, held.estimate.cost, measured.cost, self._clock())
         elif self._queue.remove(held.band, held.tenant, held):
             self._outlet.resolve(held)
             self._outlet.abandoned(held, held.band)
-            self._outlet.dequeued(held.band, held.tenant)
 
     def record_response(self, held: Held, ok: bool) -> None:
         """A released request's response began: from the engine (``ok``), or a release failure.
@@ -217,7 +214,7 @@ class ModelDispatcher:
         down = self.pool.down()
         endpoint = self.pool.record_response(held.endpoint, ok, self._clock())
         if not ok:
-            self._report.release_failed(endpoint)
+            self._report(EndpointEvent(endpoint, Change.RELEASE_FAILED))
         if self.pool.down() != down:
             self.dispatch()  # reports the change; an endpoint back up takes held requests at once
 
@@ -229,7 +226,7 @@ class ModelDispatcher:
             return  # not a member (yet): nothing to count it against
         down = self.pool.down()
         self.pool.record_served(held, held.endpoint, endpoint, self._clock())
-        self._report.release_failed(held.endpoint)
+        self._report(EndpointEvent(held.endpoint, Change.RELEASE_FAILED))
         held.endpoint = endpoint
         if self.pool.down() != down:
             self.dispatch()
@@ -242,17 +239,17 @@ class ModelDispatcher:
         """A scrape's outcome (``load`` None: failed; ``reachable=False``: its connection was refused)."""
         self.pool.record_scrape(endpoint, load, started_at, reachable=reachable)
         if load is None:
-            self._report.scrape_failed(endpoint)
+            self._report(EndpointEvent(endpoint, Change.SCRAPE_FAILED))
         else:
             self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
             snapshot = self.pool.rule.snapshot(endpoint)
-            self._report.scraped(endpoint, load, snapshot.itl_s, snapshot.limit)
+            self._report(EndpointEvent(endpoint, Change.SCRAPED, load, snapshot.itl_s, snapshot.limit))
         self._strategy.scraped(self._clock())
 
     def set_endpoints(self, endpoints: tuple[str, ...]) -> None:
         """The pool's membership changed (DNS); forget the telemetry of endpoints that left."""
         for gone in set(self.pool.endpoints) - set(endpoints):
-            self._report.endpoint_left(gone)
+            self._report(EndpointEvent(gone, Change.LEFT))
         self.pool.set_endpoints(endpoints)
 
     def reject_all(self) -> None:
@@ -263,10 +260,8 @@ class ModelDispatcher:
             if held.future.done():  # its stream was cancelled a moment ago, as in dispatch()
                 outlet.abandoned(held, band)
             else:
-                outlet.refused(held.tenant, self._bands[band].name, Refusal.SHUTTING_DOWN,
-                               self._clock() - held.enqueued_at)
+                outlet.refused(held.tenant, band, Refusal.SHUTTING_DOWN, self._clock() - held.enqueued_at)
             outlet.resolve(held, shutting_down())
-            outlet.dequeued(band, held.tenant)
 
     def dispatch(self) -> None:
         """Let go what may go now (the strategy decides)."""
@@ -278,12 +273,10 @@ class ModelDispatcher:
         now = self._clock()
         waited = now - held.enqueued_at
         priority = self._bands[held.band].name
-        self._outlet.refused(held.tenant, priority, Refusal.QUEUE_TIMEOUT, waited)
-        self._report.held(priority, held.tenant, waited)
+        self._outlet.refused(held.tenant, held.band, Refusal.QUEUE_TIMEOUT, waited)
         self._outlet.resolve(held, Refused(
             Refusal.QUEUE_TIMEOUT,
             f"request waited {waited:.1f}s in the {priority!r} queue for model {self.name!r} without capacity; "
             "retry later",
             drain_s=self._outlet.release_rate.drain_s(self._queue.band_len(held.band), now), queue_wait_s=waited,
         ))
-        self._outlet.dequeued(held.band, held.tenant)

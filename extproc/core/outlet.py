@@ -20,7 +20,7 @@ from extproc.core.fair_queue import FairQueue
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
-from extproc.core.report import DispatchReport
+from extproc.core.report import DispatchReport, RequestEvent, Step
 from extproc.core.timers import Timer
 
 
@@ -78,7 +78,6 @@ class Outlet:
 
     def release(self, band: int, tenant: str, held: Held, now: float) -> bool:
         """``held`` left the queue to be released: release it, unless its client already left (False)."""
-        self.dequeued(band, tenant)
         if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
             self.resolve(held)
             self.abandoned(held, band)
@@ -91,20 +90,16 @@ class Outlet:
         self.release_rate.record(now)
         self.queue.charge(band, tenant, held.estimate.cost)
         self.resolve(held)
-        priority = self.bands[band].name
-        self.report.released(priority, tenant)
-        self.report.held(priority, tenant, now - held.enqueued_at)
-        self.report.decided(tenant, priority, now - held.enqueued_at, "released")
+        self.report(RequestEvent(Step.RELEASED, self.bands[band].name, tenant, now - held.enqueued_at))
         return True
 
-    def refused(self, tenant: str, priority: str, refusal: Refusal, waited: float) -> None:
-        self.report.refused(refusal, tenant)
-        self.report.decided(tenant, priority, waited, f"refused:{refusal.value}")
+    def refused(self, tenant: str, band: int, refusal: Refusal, waited: float, *, dequeued: bool = True) -> None:
+        """Report a refusal (``dequeued``: it was queued, and now left the queue)."""
+        self.report(RequestEvent(Step.REFUSED, self.bands[band].name, tenant, waited, refusal, dequeued))
 
     def abandoned(self, held: Held, band: int) -> None:
-        priority = self.bands[band].name
-        self.report.abandoned(priority, held.tenant)
-        self.report.decided(held.tenant, priority, self.clock() - held.enqueued_at, "abandoned")
+        """Report a queued request whose client left; it has left the queue."""
+        self.report(RequestEvent(Step.ABANDONED, self.bands[band].name, held.tenant, self.clock() - held.enqueued_at))
 
     def resolve(self, held: Held, refused: Refused | None = None) -> None:
         if held.expiry is not None:
@@ -115,7 +110,3 @@ class Outlet:
             held.future.set_result(self.clock() - held.enqueued_at)
         else:
             held.future.set_exception(refused)
-
-    def dequeued(self, band: int, tenant: str) -> None:
-        """A request left the queue: each removal reports once, so the reported depth counts up and down exactly."""
-        self.report.queued(self.bands[band].name, tenant, -1)

@@ -1,74 +1,106 @@
-"""What a model's dispatcher reports as it works: the one interface the core writes telemetry through.
+"""What a model's dispatcher reports as it works: four kinds of event, through one call.
 
-The core calls these methods and knows nothing of Prometheus; the adapter
-(``telemetry.ModelTelemetry``) turns each call into its series. Bands are
-named by their priority class; the model is the reporter's own. Tenants are
-passed as the client's tenant id: bounding what becomes a label value is the
-adapter's business, not the scheduler's.
+The core hands each event to its :class:`DispatchReport` and knows nothing of
+Prometheus or logging; the adapter (``telemetry.ModelTelemetry``) turns each
+into its series, its decision-log line and, where an event carries a
+``note``, the operator's log line. Bands are named by their class; the model
+is the reporter's own. Tenants are passed as the client's tenant id: bounding
+what becomes a label value is the adapter's business, not the scheduler's.
+
+Events are made on the hot path (a few per request): small slotted records,
+and an adapter that ignores one returns at once.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
 
 from extproc.core.engine_load import EngineLoad
 from extproc.core.outcomes import Refusal
 
 
+class Step(StrEnum):
+    """What happened to a request at the queue."""
+
+    QUEUED = "queued"  # it entered the queue
+    RELEASED = "released"  # it left the queue for the engine
+    REFUSED = "refused"  # it was answered instead: a cap at the door, its queue timeout, the drain
+    ABANDONED = "abandoned"  # its client left while it was queued
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    """One request's step; every request that reaches the queue reports exactly one step after QUEUED."""
+
+    step: Step
+    band: str
+    tenant: str
+    # Time in the queue until this step.
+    waited_s: float = 0.0
+    refusal: Refusal | None = None
+    # Whether this step took it out of the queue (a refusal at the door: it never entered).
+    dequeued: bool = True
+
+    @property
+    def outcome(self) -> str:
+        """``released``, ``refused:<reason>`` or ``abandoned``: the decision log's word for it."""
+        return f"refused:{self.refusal.value}" if self.refusal is not None else self.step.value
+
+
+@dataclass(frozen=True, slots=True)
+class Charged:
+    """A released request ended; what it was charged in the end (``cost.py``: estimate, then correction)."""
+
+    tenant: str
+    prompt_tokens: float
+    output_tokens: float
+    cost: float
+
+
+class Change(StrEnum):
+    """What changed about one endpoint."""
+
+    SCRAPED = "scraped"  # a good scrape (load, and what the release rule shows for it now)
+    SCRAPE_FAILED = "scrape_failed"
+    LEFT = "left"  # it left the pool: forget what was reported about it
+    DEGRADED = "degraded"  # its metrics became unusable: it runs on its fallback cap
+    USABLE = "usable"  # its metrics are usable again
+    DOWN = "down"  # its engine is unreachable: nothing is released to it
+    UP = "up"  # reachable (again)
+    RELEASE_FAILED = "release_failed"  # a release failed before the engine answered (or it answered 503)
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointEvent:
+    # None: a release failure where the pool cannot tell which endpoint took it.
+    endpoint: str | None
+    change: Change
+    load: EngineLoad | None = None
+    itl_s: float | None = None
+    # The rule's limit for the endpoint (None: the rule has no such number).
+    limit: float | None = None
+    # For the operator's log; empty: nothing to say (the change is routine).
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolEvent:
+    """The model as a whole; each field set is one fact, None (or False) says nothing of it."""
+
+    in_flight: int | None = None
+    # The gate runs on fallback limits (some endpoint degraded), or no longer.
+    fallback: bool | None = None
+    note: str = ""
+    # How long the dispatcher took to take in one arrival (caps, estimate, queue, dispatch).
+    decision_s: float | None = None
+    # The arrival's max_tokens or Content-Length was beyond the model's context: its cost was clamped.
+    cost_clamped: bool = False
+
+
+Event = RequestEvent | Charged | EndpointEvent | PoolEvent
+
+
 class DispatchReport(Protocol):
-    def refused(self, refusal: Refusal, tenant: str) -> None:
-        """A request was refused (a queue cap, its queue timeout, or the drain)."""
-
-    def held(self, band: str, tenant: str, waited_s: float) -> None:
-        """A request left the queue, released or timed out, after ``waited_s``."""
-
-    def released(self, band: str, tenant: str) -> None: ...
-
-    def charged(self, tenant: str, prompt_tokens: float, output_tokens: float, cost: float) -> None:
-        """A released request ended; what it was charged in the end (``cost.py``: estimate, then correction)."""
-
-    def decision(self, seconds: float) -> None:
-        """How long the dispatcher took to take in one arrival (caps, estimate, queue, dispatch)."""
-
-    def cost_clamped(self) -> None:
-        """A request's max_tokens or Content-Length was beyond the model's context; its cost was clamped."""
-
-    def abandoned(self, band: str, tenant: str) -> None:
-        """A queued request's client left."""
-
-    def queued(self, band: str, tenant: str, change: int) -> None:
-        """A request of ``tenant`` entered (+1) or left (-1) the queue of ``band``."""
-
-    def in_flight(self, count: int) -> None:
-        """Released requests whose responses have not finished."""
-
-    def scraped(self, endpoint: str, load: EngineLoad, itl_s: float | None, limit: float | None) -> None:
-        """A good scrape, and what the release rule shows for the endpoint now (None: the rule has no such number)."""
-
-    def scrape_failed(self, endpoint: str) -> None: ...
-
-    def endpoint_left(self, endpoint: str) -> None:
-        """The endpoint left the pool: forget what was reported about it."""
-
-    def endpoint_degraded(self, endpoint: str, degraded: bool) -> None:
-        """The endpoint's metrics became unusable (True) or usable again (False)."""
-
-    def endpoint_up(self, endpoint: str, up: bool) -> None:
-        """The endpoint's engine became unreachable (False: nothing is released to it) or reachable again."""
-
-    def release_failed(self, endpoint: str | None) -> None:
-        """A released request failed before the engine answered it (or the engine answered 503).
-
-        ``endpoint`` is None where the pool cannot tell which endpoint it went to.
-        """
-
-    def decided(self, tenant: str, band: str, waited_s: float, outcome: str) -> None:
-        """How one request's time in the queue ended, once per request that reached the queue.
-
-        ``outcome``: ``released``, ``refused:<reason>`` (a Refusal's value) or
-        ``abandoned``. Called on the hot path: an adapter that does nothing
-        with it must return at once.
-        """
-
-    def fallback(self, active: bool) -> None:
-        """The model's gate runs on fallback limits (some endpoint degraded) or not."""
+    def __call__(self, event: Event) -> None: ...

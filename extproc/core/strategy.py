@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from extproc.core.outlet import Outlet
+from extproc.core.report import PoolEvent
 from extproc.core.status import ClusterStatus
 from extproc.core.timers import Timer, Timers
 
@@ -79,7 +80,7 @@ class LocalRelease:
             band, tenant, held = queue.pop()
             if outlet.release(band, tenant, held, now):
                 allowance -= 1
-        outlet.report.in_flight(outlet.pool.in_flight)
+        outlet.report(PoolEvent(in_flight=outlet.pool.in_flight))
         self._schedule_wakeup(now)
 
     def _allowance(self, band: int, now: float) -> int:

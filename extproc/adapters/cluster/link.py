@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 
 from extproc.adapters.cluster.wire import Trip, decode_grant, encode_trip
 from extproc.adapters.config import ClusterSettings
-from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.telemetry import ClusterTrip, Telemetry
 from extproc.core.cluster import Ask, ClusterSeat
 from extproc.core.outlet import Outlet
 from extproc.core.timers import Timers
@@ -87,13 +87,11 @@ class ModelLink:
         self._form = form
         self._prefix = f"{connection.settings.key_prefix}:{model}"
         self.doorbell = Doorbell()
-        telemetry = connection.telemetry
-        self._degraded = telemetry.cluster_degraded.labels(model)
-        self._instances = telemetry.cluster_instances.labels(model)
-        self._ok = telemetry.cluster_round_trips.labels(model, "ok")
-        self._failed = telemetry.cluster_round_trips.labels(model, "failed")
-        self._seconds = telemetry.cluster_round_trip.labels(model)
-        self._degraded.set(1)
+        self._telemetry = connection.telemetry
+        # Degraded until the first trip succeeds; the counters at zero from the start.
+        connection.telemetry.cluster_degraded.labels(model).set(1)
+        for outcome in ("ok", "failed"):
+            connection.telemetry.cluster_round_trips.labels(model, outcome)
         self._warned = False  # one warning per outage, not one per heartbeat
 
     def _trip(self, ask: Ask | None) -> bytes:
@@ -120,22 +118,19 @@ class ModelLink:
             reply = await asyncio.wait_for(
                 connection.script(keys=[self._prefix], args=[self._trip(ask)]), connection.timeout_s)
         except (RedisError, OSError, TimeoutError) as exc:
-            self._failed.inc()
+            self._telemetry.report(self._model)(ClusterTrip(None))
             if not self._warned:
                 self._warned = True
                 log.warning("cluster: Redis unreachable for model %s (%s); releasing on this instance's share "
                             "until it answers", self._model, exc or type(exc).__name__)
-            self._degraded.set(1)
             seat.lost(ask)
             return
-        self._seconds.observe(time.perf_counter() - started)
-        self._ok.inc()
+        seconds = time.perf_counter() - started
         grant = decode_grant(reply)
         if seat.degraded:
             self._warned = False
             log.info("cluster: model %s joined (%d instances live)", self._model, grant.instances)
-        self._degraded.set(0)
-        self._instances.set(grant.instances)
+        self._telemetry.report(self._model)(ClusterTrip(seconds, grant.instances))
         seat.granted(grant)
 
     async def leave(self) -> None:

@@ -84,7 +84,7 @@ from extproc.adapters.ext_proc.loop_lag import LoopLag
 from extproc.adapters.ext_proc.priority_body import with_priority
 from extproc.adapters.ext_proc.release_outcome import engine_answered
 from extproc.adapters.ext_proc.request_fields import RequestFields, from_body, from_metadata, max_tokens
-from extproc.adapters.telemetry import NO_TENANT, Telemetry
+from extproc.adapters.telemetry import UNKNOWN_MODEL, Admitted, ServedElsewhere, Telemetry, TurnedAway
 from extproc.core.dispatcher import Held, ModelDispatcher, shutting_down
 from extproc.core.entitlement import grant
 from extproc.core.outcomes import Refusal, Refused
@@ -511,7 +511,7 @@ class Processor:
                 served = epp.served_endpoint(message)
                 endpoint = next((e for e in dispatcher.pool.endpoints if epp.host_port(e) == served), None)
                 if endpoint is not None and endpoint != held.endpoint:
-                    self._telemetry.served_elsewhere.labels(dispatcher.name).inc()
+                    self._telemetry.report(dispatcher.name)(ServedElsewhere())
                     dispatcher.record_served(held, endpoint)
             dispatcher.record_response(held, engine_answered(_headers_of(message.response_headers)))
         elif message.HasField("response_body") and stream.response_duplex:  # passed back as it came
@@ -524,19 +524,19 @@ class Processor:
         return error_response(refused, self._config.endpoint_picker.shed_status if shed else None)
 
     def _count_admission(self, admission: Admission) -> None:
-        self._telemetry.model_names.labels(admission.model, admission.name).inc()
-        if admission.requested is not None:
-            priorities = self._config.priorities
-            self._telemetry.priority_downgraded.labels(
-                admission.model, priorities[admission.requested], priorities[admission.band]
-            ).inc()
+        priorities = self._config.priorities
+        downgraded = admission.requested is not None
+        self._telemetry.report(admission.model)(Admitted(
+            admission.name,
+            priorities[admission.requested] if admission.requested is not None else None,
+            priorities[admission.band] if downgraded else None,
+        ))
 
     def _count_refusal(self, body_model: str | None, refusal: Refusal) -> None:
         """Count a refusal made before the request reached a dispatcher (which counts its own)."""
         # Client-chosen names never become label values: unbounded series would sink Prometheus.
         resolved = self._names.resolve(body_model) if body_model else None
-        label = resolved[0] if resolved else "(unknown)"
-        self._telemetry.rejected.labels(label, refusal.value, NO_TENANT).inc()
+        self._telemetry.report(resolved[0] if resolved else UNKNOWN_MODEL)(TurnedAway(refusal))
 
     def _engine_priority(self, admission: Admission) -> int | None:
         """The body ``priority`` to write for this request, or None (model without engine_priority)."""
