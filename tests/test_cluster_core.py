@@ -6,11 +6,11 @@ import pytest
 
 from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import BandRules
-from extproc.core.caps import TenantLimits
 from extproc.core.cluster import Backlog, ClusterSeat, Grant, Release
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
+from extproc.core.entitlement import Tenant
 from extproc.core.outlet import Outlet
 from extproc.core.policies import POLICIES
 from tests.test_endpoint_down import Report
@@ -45,8 +45,8 @@ def seat_of(
     dispatcher = ModelDispatcher(
         "m", make_gate(kind="static_concurrency", max_in_flight=max_in_flight), (BandRules("standard", 60.0),),
         Report(), lambda: 0.0,
-        policy=POLICIES[policy], tenant=lambda _: TenantLimits(1.0, 100),
-        cost=CostWeights(), max_queued=100, reserved_waiting=0, timers=timers, strategy=strategy,
+        policy=POLICIES[policy], tenant=lambda _: Tenant(("standard",), "standard", weight=1.0, max_queued=100),
+        cost=CostWeights(), max_queued=100, max_queue_wait_s=120.0, reserved_waiting=0, timers=timers, strategy=strategy,
     )
     return dispatcher, seats[0], link
 

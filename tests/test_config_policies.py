@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import pytest
 
-from extproc.adapters.config import ConfigError, parse_config
+from extproc.adapters.config import BandSettings, ConfigError, TenantSettings, parse_config
+from extproc.core.bands import BandRules
+from extproc.core.entitlement import Tenant
 
 pytestmark = pytest.mark.unit
 
@@ -23,8 +26,9 @@ def test_defaults_keep_the_old_behaviour_and_make_the_lowest_band_idle_only() ->
     assert [b.idle_only for b in c.bands] == [False, False, True]
     assert [b.engine_priority for b in c.bands] == [0, 1, 2]
     assert c.models[0].policy == "round_robin" and c.models[0].reserved_waiting == 0
-    assert c.tenant("anyone").priorities is None  # every class
-    assert c.queue_wait_s(c.models[0], 2) == c.models[0].max_queue_wait_s
+    assert c.tenant("anyone").bands == c.priorities  # every band
+    assert c.tenant("anyone").default_band == "standard"
+    assert c.bands[2].queue_wait_s(c.models[0].max_queue_wait_s) == c.models[0].max_queue_wait_s
     assert not parse_config({"models": [MODEL], "priorities": ["only"], "default_priority": "only"}).bands[0].idle_only
 
 
@@ -39,9 +43,16 @@ def test_band_settings_and_the_longest_wait() -> None:
 def test_tenants_inherit_the_default_entry_field_by_field() -> None:
     c = config(tenants={"default": {"weight": 2, "priorities": ["batch", "standard"], "max_queued": 5},
                         "vip": {"priorities": ["interactive", "standard"], "default_priority": "interactive"}})
-    assert c.tenant("nobody").priorities == ("standard", "batch")  # highest first, whatever the order written
+    assert c.tenant("nobody").bands == ("standard", "batch")  # highest first, whatever the order written
     vip = c.tenant("vip")
-    assert (vip.weight, vip.max_queued, vip.priorities) == (2, 5, ("interactive", "standard"))
+    assert (vip.weight, vip.max_queued, vip.bands) == (2, 5, ("interactive", "standard"))
+
+
+def test_every_band_and_tenant_setting_is_a_field_of_the_core_type() -> None:
+    """The file's entries resolve into the core's types by field name (the entitlement's two keys are named for the file)."""
+    assert set(BandSettings.__struct_fields__) <= {f.name for f in fields(BandRules)}
+    tenant = set(TenantSettings.__struct_fields__) - {"priorities", "default_priority"}
+    assert tenant <= {f.name for f in fields(Tenant)}
 
 
 @pytest.mark.parametrize(

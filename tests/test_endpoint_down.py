@@ -15,10 +15,10 @@ import pytest
 from extproc.adapters.ext_proc.release_outcome import UPSTREAM_TIME_HEADER, engine_answered
 from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import BandRules
-from extproc.core.caps import TenantLimits
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
+from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES
 from extproc.core.release.health import CHECK_EVERY, PROBATION_S
@@ -102,8 +102,8 @@ async def test_held_requests_wait_through_an_outage_and_go_when_the_engine_answe
     dispatcher = ModelDispatcher(
         "m", make_gate(kind="static_concurrency", max_in_flight=2), (BandRules("standard", 60.0),),
         report, lambda: now[0],
-        policy=POLICIES["round_robin"], tenant=lambda _: TenantLimits(1.0, 100),
-        cost=CostWeights(), max_queued=100, reserved_waiting=0, timers=LoopTimers(lambda: now[0]),
+        policy=POLICIES["round_robin"], tenant=lambda _: Tenant(("standard",), "standard", weight=1.0, max_queued=100),
+        cost=CostWeights(), max_queued=100, max_queue_wait_s=120.0, reserved_waiting=0, timers=LoopTimers(lambda: now[0]),
     )
     held = [dispatcher.submit("alice", 0) for _ in range(6)]
     running = [h for h in held if h.future.done()]

@@ -1,10 +1,10 @@
-"""The class a request gets, decided in the core without gRPC: asked for, limited by the tenant's entitlement."""
+"""The band a request gets, decided in the core without gRPC: asked for, limited by the tenant's entitlement."""
 
 from __future__ import annotations
 
 import pytest
 
-from extproc.core.entitlement import Granted, grant
+from extproc.core.entitlement import Granted, Tenant, grant
 from extproc.core.outcomes import Refusal, Refused
 
 pytestmark = pytest.mark.unit
@@ -22,10 +22,10 @@ CLASSES = ("interactive", "standard", "batch")
 ])
 def test_a_request_gets_what_it_asks_within_its_entitlement_never_more(
         allowed: tuple[str, ...], asked: str, expected: Granted) -> None:
-    assert grant(CLASSES, allowed, "standard", "t", asked) == expected
+    assert grant(CLASSES, Tenant(allowed, "standard"), "t", asked) == expected
 
 
 def test_a_class_below_everything_the_tenant_may_use_is_refused_not_upgraded() -> None:
     with pytest.raises(Refused) as refused:
-        grant(CLASSES, ("interactive",), "interactive", "chat", "batch")
+        grant(CLASSES, Tenant(("interactive",), "interactive"), "chat", "batch")
     assert refused.value.refusal is Refusal.PRIORITY_NOT_ALLOWED and "'chat'" in refused.value.message

@@ -12,9 +12,9 @@ import pytest
 
 from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import BandRules
-from extproc.core.caps import TenantLimits
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
+from extproc.core.entitlement import Tenant
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.policies import POLICIES
 from tests.test_endpoint_down import Report
@@ -30,8 +30,8 @@ async def test_a_timer_that_fires_early_by_the_dispatchers_clock_does_not_refuse
     dispatcher = ModelDispatcher(
         "m", make_gate(kind="static_concurrency", max_in_flight=1), (BandRules("standard", LIMIT_S),),
         Report(), lambda: now[0],
-        policy=POLICIES["round_robin"], tenant=lambda _: TenantLimits(1.0, 100),
-        cost=CostWeights(), max_queued=100, reserved_waiting=0, timers=LoopTimers(lambda: now[0]),
+        policy=POLICIES["round_robin"], tenant=lambda _: Tenant(("standard",), "standard", weight=1.0, max_queued=100),
+        cost=CostWeights(), max_queued=100, max_queue_wait_s=120.0, reserved_waiting=0, timers=LoopTimers(lambda: now[0]),
     )
     running = dispatcher.submit("alice", 0)
     waiting = dispatcher.submit("alice", 0)

@@ -11,8 +11,11 @@ surprise an operator finds only under load. Rules between fields are the
 ``problems()`` methods, next to the fields they relate.
 
 :class:`ConfigFile` is the file as written; :class:`Config` is what the
-program reads, with the defaults that depend on other settings filled in (each
-priority class's band settings, each tenant's inherited entitlement).
+program reads, with the defaults that depend on other settings filled in. A
+band and a tenant resolve straight into the core's own types
+(:class:`~extproc.core.bands.BandRules`, :class:`~extproc.core.entitlement.Tenant`),
+field by field by name, so a new band or tenant setting is a field in the
+file's struct and one in the core's type.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from msgspec import Meta
 from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.ext_proc.tls import TlsFileError, load_context
 from extproc.adapters.validate import Invalid, choice, convert
+from extproc.core.bands import BandRules
 from extproc.core.cost import CostWeights
+from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES
 
@@ -294,17 +299,25 @@ class ModelConfig(_Section, frozen=True):
 
 
 class BandSettings(_Section, frozen=True):
-    """One priority class's settings as written; unset fields take the defaults :class:`Band` documents."""
+    """One band's entry as written, its fields named as :class:`~extproc.core.bands.BandRules`' (which documents them).
+
+    An unset field takes the core's default, except where that depends on
+    the band's place (:func:`_bands`).
+    """
 
     max_queue_wait_s: Positive | None = None
     max_queued: Count | None = None
     idle_only: bool | None = None
-    idle_running_share: Share = 1.0
+    idle_running_share: Share = BandRules.idle_running_share
     engine_priority: int | None = None
 
 
 class TenantSettings(_Section, frozen=True):
-    """A tenant's entry as written; unset fields are inherited from the `default` entry."""
+    """A tenant's entry as written; unset fields are inherited from the `default` entry.
+
+    Its fields are named as :class:`~extproc.core.entitlement.Tenant`'s, except
+    the two the file names for priorities (``priorities``, ``default_priority``).
+    """
 
     weight: Positive | None = None
     priorities: Names | None = None
@@ -548,55 +561,21 @@ def _tenant_problems(tenant: TenantSettings, path: str, classes: tuple[str, ...]
 
 
 def _entitlement_problems(file: ConfigFile) -> Iterator[tuple[str, str]]:
-    """A tenant's default class, inherited or not, must be one it may use."""
-    default = _default_priority(file)
+    """A tenant's default band, inherited or not, must be one it may use."""
     template, named = _tenants(file)
     for name, tenant in ((DEFAULT_TENANT_KEY, template), *named.items()):
-        own = tenant.default_priority or default
-        if tenant.priorities is not None and own not in tenant.priorities:
+        if tenant.default_band not in tenant.bands:
             yield (f"tenants.{name}.default_priority",
-                   f"{own!r} is not among the tenant's priorities {list(tenant.priorities)}; set default_priority")
+                   f"{tenant.default_band!r} is not among the tenant's priorities {list(tenant.bands)}; "
+                   "set default_priority")
 
 
 # --- what the program reads --------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Band:
-    """One priority class: its limits and how it may use the engine."""
-
-    name: str
-    # None: the model's max_queue_wait_s.
-    max_queue_wait_s: float | None = None
-    # Requests of this band a model may hold; None: only the model's cap.
-    max_queued: int | None = None
-    # Released only while no higher band waits and the engine is idle
-    # (default: the lowest of several classes).
-    idle_only: bool = False
-    # "Idle": the engine's waiting queue is empty and it runs fewer than this
-    # share of the most requests it was ever seen running.
-    idle_running_share: float = 1.0
-    # Value written into the body's `priority` for engine_priority models (vLLM:
-    # lower runs first; default: the class's position).
-    engine_priority: int = 0
-
-
-@dataclass(frozen=True)
-class Tenant:
-    """What a tenant is entitled to."""
-
-    weight: float = 1.0
-    # Classes it may use, highest first; None: all.
-    priorities: tuple[str, ...] | None = None
-    # Class when the request names none (or one that does not exist); None: the global default.
-    default_priority: str | None = None
-    # Requests of this tenant a model may hold; one more is answered 429.
-    max_queued: int = 1_000
-
-
-@dataclass(frozen=True)
 class Config:
-    """The configuration as the program uses it: each class's settings resolved, each tenant's inherited.
+    """The configuration as the program uses it: each band's settings resolved, each tenant's inherited.
 
     The file's own shape (:class:`ConfigFile`) keeps what was written, so
     errors can name its keys; this view is what everything else reads, so no
@@ -605,12 +584,12 @@ class Config:
 
     listen: Listen
     identity: Identity
+    # The bands' names, highest first.
     priorities: tuple[str, ...]
-    default_priority: str
     models: tuple[ModelConfig, ...]
     envoy: EnvoySettings
-    # One per priority class, in the order of `priorities`.
-    bands: tuple[Band, ...]
+    # One per band, in the order of `priorities`.
+    bands: tuple[BandRules, ...]
     # Explicitly configured tenants; every other tenant gets `default_tenant`.
     tenants: dict[str, Tenant]
     default_tenant: Tenant
@@ -626,13 +605,9 @@ class Config:
     def tenant(self, name: str) -> Tenant:
         return self.tenants.get(name, self.default_tenant)
 
-    def queue_wait_s(self, model: ModelConfig, band: int) -> float:
-        """How long a request of ``band`` may stay queued for ``model``."""
-        own = self.bands[band].max_queue_wait_s
-        return model.max_queue_wait_s if own is None else own
-
     def longest_queue_wait_s(self, model: ModelConfig) -> float:
-        return max(self.queue_wait_s(model, b) for b in range(len(self.priorities)))
+        """The longest any request may stay queued for ``model``, whatever its band."""
+        return max(band.queue_wait_s(model.max_queue_wait_s) for band in self.bands)
 
     def envoy_problems(self) -> list[str]:
         """What only the generated Envoy config needs, each with its key path (envoy-config refuses, check-config reports).
@@ -702,38 +677,41 @@ def _default_priority(file: ConfigFile) -> str:
     return "standard" if "standard" in file.priorities else file.priorities[-1]
 
 
-def _bands(file: ConfigFile) -> tuple[Band, ...]:
-    """Band settings by class; the lowest of several classes is idle-only unless told otherwise."""
-    bands = []
-    for index, name in enumerate(file.priorities):
-        written = file.bands.get(name, BandSettings())
-        lowest = index == len(file.priorities) - 1 and len(file.priorities) > 1
-        bands.append(Band(
-            name=name,
-            max_queue_wait_s=written.max_queue_wait_s,
-            max_queued=written.max_queued,
-            idle_only=lowest if written.idle_only is None else written.idle_only,
-            idle_running_share=written.idle_running_share,
-            engine_priority=index if written.engine_priority is None else written.engine_priority,
-        ))
-    return tuple(bands)
+def _written(section: _Section) -> dict[str, Any]:
+    """The fields of ``section`` that are set, by name (None: unset)."""
+    return {key: value for key, value in msgspec.structs.asdict(section).items() if value is not None}
 
 
-def _tenant(written: TenantSettings, base: Tenant, classes: tuple[str, ...]) -> Tenant:
-    allowed = base.priorities
-    if written.priorities is not None:  # highest first, whatever the order written
-        allowed = tuple(p for p in classes if p in written.priorities)
-    return Tenant(
-        weight=base.weight if written.weight is None else written.weight,
-        priorities=allowed,
-        default_priority=written.default_priority or base.default_priority,
-        max_queued=base.max_queued if written.max_queued is None else written.max_queued,
+def _bands(file: ConfigFile) -> tuple[BandRules, ...]:
+    """Each band's settings as written, over the defaults that depend on its place.
+
+    The lowest of several bands is idle-only; a band's engine priority is its
+    position (vLLM runs lower numbers first).
+    """
+    count = len(file.priorities)
+    return tuple(
+        BandRules(**{"name": name, "idle_only": count > 1 and index == count - 1, "engine_priority": index,
+                     **_written(file.bands.get(name, BandSettings()))})
+        for index, name in enumerate(file.priorities)
+    )
+
+
+def _tenant(written: TenantSettings, base: Tenant, bands: tuple[str, ...]) -> Tenant:
+    """``written`` over ``base``, field by field; the bands it may use are kept highest first, whatever the order written."""
+    fields = _written(written)
+    allowed = fields.pop("priorities", None)
+    default = fields.pop("default_priority", None)
+    return replace(
+        base, **fields,
+        bands=base.bands if allowed is None else tuple(b for b in bands if b in allowed),
+        default_band=base.default_band if default is None else default,
     )
 
 
 def _tenants(file: ConfigFile) -> tuple[Tenant, dict[str, Tenant]]:
     """The `default` template (inherited field by field) and the named tenants."""
-    template = _tenant(file.tenants.get(DEFAULT_TENANT_KEY, TenantSettings()), Tenant(), file.priorities)
+    every = Tenant(bands=file.priorities, default_band=_default_priority(file))
+    template = _tenant(file.tenants.get(DEFAULT_TENANT_KEY, TenantSettings()), every, file.priorities)
     named = {name: _tenant(written, template, file.priorities)
              for name, written in file.tenants.items() if name != DEFAULT_TENANT_KEY}
     return template, named
@@ -755,7 +733,6 @@ def _parse(raw: Any) -> Config:
         listen=file.listen,
         identity=file.identity,
         priorities=file.priorities,
-        default_priority=_default_priority(file),
         models=file.models,
         envoy=file.envoy,
         bands=_bands(file),

@@ -1,8 +1,9 @@
 """Each model's dispatcher, built from the config: where settings become the core's plain values.
 
 The core (dispatcher, release rules, policies, cost) never reads the config:
-this module resolves each band's limits against the model's defaults, looks
-up the model's fairness policy and release rule by name, and hands over numbers.
+this module looks up the model's fairness policy and release rule by name and
+hands over numbers, and the bands and tenants the config resolved into the
+core's own types.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig
 from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
 from extproc.adapters.timers import LoopTimers
-from extproc.core.bands import BandRules
-from extproc.core.caps import TenantLimits
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES, RuleSettings
@@ -53,20 +52,15 @@ def build_dispatcher(
 ) -> ModelDispatcher:
     """``model``'s dispatcher; with ``cluster``, its releases are decided by the cluster (a seat as its strategy)."""
     timers = LoopTimers(clock)
-    bands = tuple(
-        BandRules(band.name, config.queue_wait_s(model, index), band.max_queued, band.idle_only, band.idle_running_share)
-        for index, band in enumerate(config.bands)
-    )
-    limits = {name: TenantLimits(t.weight, t.max_queued) for name, t in config.tenants.items()}
-    default = TenantLimits(config.default_tenant.weight, config.default_tenant.max_queued)
     return ModelDispatcher(
-        model.name, build_pool(model), bands,
+        model.name, build_pool(model), config.bands,
         ModelTelemetry(telemetry, model.name, config.priorities, tenant_labels(config)), clock,
         policy=POLICIES[model.policy],
         timers=timers,
-        tenant=lambda name: limits.get(name, default),
+        tenant=config.tenant,
         cost=model.cost_weights(),
         max_queued=model.max_queued,
+        max_queue_wait_s=model.max_queue_wait_s,
         reserved_waiting=model.reserved_waiting,
         strategy=None if cluster is None else (lambda outlet: cluster.seat(model.name, outlet, timers)),
     )

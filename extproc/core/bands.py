@@ -36,11 +36,17 @@ from extproc.core.release.pool import Pool
 
 @dataclass(frozen=True)
 class BandRules:
-    """One priority band of one model (the config's class settings, with the model's defaults applied)."""
+    """One band (a priority class): every setting of it the program reads, as the config resolved them.
+
+    The config builds these straight from the file's ``bands:`` entries, so a
+    new band setting is a field here and one in the file's struct. The same
+    bands serve every model; what depends on the model is resolved by the
+    reader (:meth:`queue_wait_s`).
+    """
 
     name: str
-    # A request still queued after this long is refused (queue_timeout).
-    max_queue_wait_s: float
+    # A request still queued after this long is refused (queue_timeout); None: the model's.
+    max_queue_wait_s: float | None = None
     # Requests of this band the model may hold; None: only the model's cap.
     max_queued: int | None = None
     # Released only while no higher band waits and the engine is idle.
@@ -48,6 +54,13 @@ class BandRules:
     # "Idle": the engine's waiting queue is empty and it runs fewer than this
     # share of its capacity.
     idle_running_share: float = 1.0
+    # The body's `priority` for engine_priority models (vLLM: lower runs first);
+    # the config's default is the band's position.
+    engine_priority: int = 0
+
+    def queue_wait_s(self, model_wait_s: float) -> float:
+        """How long a request of this band may stay queued for a model whose own limit is ``model_wait_s``."""
+        return model_wait_s if self.max_queue_wait_s is None else self.max_queue_wait_s
 
 
 class BandAdmission:

@@ -12,17 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from extproc.core.bands import BandRules
+from extproc.core.entitlement import Tenant
 from extproc.core.fair_queue import FairQueue
 from extproc.core.outcomes import Refusal
-
-
-@dataclass(frozen=True)
-class TenantLimits:
-    """What the core needs to know of a tenant."""
-
-    weight: float
-    # Requests of this tenant a model may hold; one more is refused.
-    max_queued: int
 
 
 @dataclass(frozen=True)
@@ -36,7 +28,7 @@ class Overflow:
 
 class QueueCaps:
     def __init__(
-        self, model: str, bands: tuple[BandRules, ...], tenant: Callable[[str], TenantLimits], max_queued: int
+        self, model: str, bands: tuple[BandRules, ...], tenant: Callable[[str], Tenant], max_queued: int
     ) -> None:
         self._model = model
         self._bands = bands

@@ -39,9 +39,10 @@ import time
 from collections.abc import Callable
 
 from extproc.core.bands import BandAdmission, BandRules
-from extproc.core.caps import QueueCaps, TenantLimits
+from extproc.core.caps import QueueCaps
 from extproc.core.cost import CostModel, CostWeights, DecodeRate
 from extproc.core.engine_load import EngineLoad
+from extproc.core.entitlement import Tenant
 from extproc.core.fair_queue import FairQueue
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.outlet import Held, Outlet
@@ -81,15 +82,17 @@ class ModelDispatcher:
         *,
         policy: Policy,
         timers: Timers,
-        tenant: Callable[[str], TenantLimits],
+        tenant: Callable[[str], Tenant],
         cost: CostWeights,
         max_queued: int,
+        max_queue_wait_s: float,
         reserved_waiting: int,
         strategy: StrategyFactory | None = None,
     ) -> None:
         self.name = name
         self.pool = pool
         self._bands = bands
+        self._max_queue_wait_s = max_queue_wait_s
         self._report = report
         self._clock = clock
         self._timers = timers
@@ -174,7 +177,7 @@ class ModelDispatcher:
         first = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)
         self._report(RequestEvent(Step.QUEUED, self._bands[band].name, tenant))
-        held.expiry = self._timers.at(now + self._bands[band].max_queue_wait_s, lambda: self._expire(held))
+        held.expiry = self._timers.at(now + self._bands[band].queue_wait_s(self._max_queue_wait_s), lambda: self._expire(held))
         self._strategy.queued(band, tenant, first, now)
         self._report(PoolEvent(decision_s=self._clock() - now, cost_clamped=estimate.clamped))
         return held

@@ -357,11 +357,8 @@ class Processor:
         return ms / 1000
 
     def _entitled(self, model: str, tenant: str, asked: str) -> Admission:
-        """The class ``tenant`` gets when it asks for ``asked`` (core/entitlement.py decides)."""
-        priorities = self._config.priorities
-        entitlement = self._config.tenant(tenant)
-        granted = grant(priorities, entitlement.priorities or priorities,
-                        entitlement.default_priority or self._config.default_priority, tenant, asked)
+        """The band ``tenant`` gets when it asks for ``asked`` (core/entitlement.py decides)."""
+        granted = grant(self._config.priorities, self._config.tenant(tenant), tenant, asked)
         return Admission(model, tenant, granted.band, granted.requested)
 
     def _eligible(self, stream: Stream, dispatcher: ModelDispatcher) -> frozenset[str] | None:
