@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.adapters.timers import LoopTimers
-from extproc.core.bands import BandRules
+from extproc.core.bands import Band
 from extproc.core.cluster import Backlog, ClusterSeat, Grant, Release
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
@@ -43,7 +43,7 @@ def seat_of(
         return seats[0]
 
     dispatcher = ModelDispatcher(
-        "m", make_gate(kind="static_concurrency", max_in_flight=max_in_flight), (BandRules("standard", 60.0),),
+        "m", make_gate(kind="static_concurrency", max_in_flight=max_in_flight), (Band("standard", 60.0),),
         Report(), lambda: 0.0,
         policy=POLICIES[policy], tenant=lambda _: Tenant(("standard",), "standard", weight=1.0, max_queued=100),
         cost=CostWeights(), max_queued=100, max_queue_wait_s=120.0, reserved_waiting=0, timers=timers, strategy=strategy,

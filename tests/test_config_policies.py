@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from extproc.adapters.config import BandSettings, ConfigError, TenantSettings, parse_config
-from extproc.core.bands import BandRules
+from extproc.core.bands import Band
 from extproc.core.entitlement import Tenant
 
 pytestmark = pytest.mark.unit
@@ -26,7 +26,7 @@ def test_defaults_keep_the_old_behaviour_and_make_the_lowest_band_idle_only() ->
     assert [b.idle_only for b in c.bands] == [False, False, True]
     assert [b.engine_priority for b in c.bands] == [0, 1, 2]
     assert c.models[0].policy == "round_robin" and c.models[0].reserved_waiting == 0
-    assert c.tenant("anyone").bands == c.priorities  # every band
+    assert c.tenant("anyone").bands == c.band_names  # every band
     assert c.tenant("anyone").default_band == "standard"
     assert c.bands[2].queue_wait_s(c.models[0].max_queue_wait_s) == c.models[0].max_queue_wait_s
     assert not parse_config({"models": [MODEL], "priorities": ["only"], "default_priority": "only"}).bands[0].idle_only
@@ -50,7 +50,7 @@ def test_tenants_inherit_the_default_entry_field_by_field() -> None:
 
 def test_every_band_and_tenant_setting_is_a_field_of_the_core_type() -> None:
     """The file's entries resolve into the core's types by field name (the entitlement's two keys are named for the file)."""
-    assert set(BandSettings.__struct_fields__) <= {f.name for f in fields(BandRules)}
+    assert set(BandSettings.__struct_fields__) <= {f.name for f in fields(Band)}
     tenant = set(TenantSettings.__struct_fields__) - {"priorities", "default_priority"}
     assert tenant <= {f.name for f in fields(Tenant)}
 

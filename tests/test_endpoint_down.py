@@ -14,7 +14,7 @@ import pytest
 
 from extproc.adapters.ext_proc.release_outcome import UPSTREAM_TIME_HEADER, engine_answered
 from extproc.adapters.timers import LoopTimers
-from extproc.core.bands import BandRules
+from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
@@ -100,7 +100,7 @@ async def test_held_requests_wait_through_an_outage_and_go_when_the_engine_answe
     report = Report()
     now = [0.0]
     dispatcher = ModelDispatcher(
-        "m", make_gate(kind="static_concurrency", max_in_flight=2), (BandRules("standard", 60.0),),
+        "m", make_gate(kind="static_concurrency", max_in_flight=2), (Band("standard", 60.0),),
         report, lambda: now[0],
         policy=POLICIES["round_robin"], tenant=lambda _: Tenant(("standard",), "standard", weight=1.0, max_queued=100),
         cost=CostWeights(), max_queued=100, max_queue_wait_s=120.0, reserved_waiting=0, timers=LoopTimers(lambda: now[0]),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.adapters.engines.dialects import MetricsError, parse_load
-from extproc.core.bands import BandAdmission, BandRules
+from extproc.core.bands import Band, BandAdmission
 from extproc.core.engine_load import EngineLoad
 from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.adaptive_limit import ConcurrencyLimit, ItlWindow
@@ -71,8 +71,8 @@ def make_gate(
 
 def band_allowance(gate: Pool, now: float, *, reserve: int = 0, idle_share: float | None = None) -> int:
     """What a band below the first (with ``reserve``), or an idle-only band (``idle_share``), may release now."""
-    bands = (BandRules("first", 60.0), BandRules("lower", 60.0),
-             BandRules("idle", 60.0, idle_only=True, idle_running_share=idle_share or 1.0))
+    bands = (Band("first", 60.0), Band("lower", 60.0),
+             Band("idle", 60.0, idle_only=True, idle_running_share=idle_share or 1.0))
     return BandAdmission(bands, gate, reserved_waiting=reserve).allowance(1 if idle_share is None else 2, now)
 
 

@@ -163,7 +163,7 @@ async def test_rejections_are_immediate_json_answers(message: pb.ProcessingReque
 async def test_unknown_priority_falls_back_to_the_default_band() -> None:
     processor, _ = make_processor()
     headers = {"x-priority": "urgent!!"}
-    assert processor.admit(headers, RequestFields(model="m")).band == CONFIG.priorities.index("standard")
+    assert processor.admit(headers, RequestFields(model="m")).band == CONFIG.band_names.index("standard")
     assert processor.admit({"x-priority": "Interactive"}, RequestFields(model="m")).band == 0
     assert processor.admit({}, RequestFields(model="m")).tenant == "anonymous"
 
@@ -208,7 +208,7 @@ def make_policy_processor() -> tuple[Processor, Telemetry]:
 def test_a_class_beyond_the_entitlement_is_downgraded_never_upgraded(tenant: str, asked: str, granted: str) -> None:
     processor, _ = make_policy_processor()
     admission = processor.admit({"x-tenant-id": tenant, "x-priority": asked}, RequestFields(model="m"))
-    assert POLICY_CONFIG.priorities[admission.band] == granted
+    assert POLICY_CONFIG.band_names[admission.band] == granted
     assert (admission.requested is not None) == (asked not in ("", granted))
 
 

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from extproc.adapters.timers import LoopTimers
-from extproc.core.bands import BandRules
+from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.entitlement import Tenant
@@ -28,7 +28,7 @@ LIMIT_S = 0.05
 async def test_a_timer_that_fires_early_by_the_dispatchers_clock_does_not_refuse_early() -> None:
     now = [0.0]
     dispatcher = ModelDispatcher(
-        "m", make_gate(kind="static_concurrency", max_in_flight=1), (BandRules("standard", LIMIT_S),),
+        "m", make_gate(kind="static_concurrency", max_in_flight=1), (Band("standard", LIMIT_S),),
         Report(), lambda: now[0],
         policy=POLICIES["round_robin"], tenant=lambda _: Tenant(("standard",), "standard", weight=1.0, max_queued=100),
         cost=CostWeights(), max_queued=100, max_queue_wait_s=120.0, reserved_waiting=0, timers=LoopTimers(lambda: now[0]),

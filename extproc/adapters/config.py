@@ -13,7 +13,7 @@ surprise an operator finds only under load. Rules between fields are the
 :class:`ConfigFile` is the file as written; :class:`Config` is what the
 program reads, with the defaults that depend on other settings filled in. A
 band and a tenant resolve straight into the core's own types
-(:class:`~extproc.core.bands.BandRules`, :class:`~extproc.core.entitlement.Tenant`),
+(:class:`~extproc.core.bands.Band`, :class:`~extproc.core.entitlement.Tenant`),
 field by field by name, so a new band or tenant setting is a field in the
 file's struct and one in the core's type.
 """
@@ -36,7 +36,7 @@ from msgspec import Meta
 from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.ext_proc.tls import TlsFileError, load_context
 from extproc.adapters.validate import Invalid, choice, convert
-from extproc.core.bands import BandRules
+from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
@@ -299,7 +299,7 @@ class ModelConfig(_Section, frozen=True):
 
 
 class BandSettings(_Section, frozen=True):
-    """One band's entry as written, its fields named as :class:`~extproc.core.bands.BandRules`' (which documents them).
+    """One band's entry as written, its fields named as :class:`~extproc.core.bands.Band`' (which documents them).
 
     An unset field takes the core's default, except where that depends on
     the band's place (:func:`_bands`).
@@ -308,7 +308,7 @@ class BandSettings(_Section, frozen=True):
     max_queue_wait_s: Positive | None = None
     max_queued: Count | None = None
     idle_only: bool | None = None
-    idle_running_share: Share = BandRules.idle_running_share
+    idle_running_share: Share = Band.idle_running_share
     engine_priority: int | None = None
 
 
@@ -585,11 +585,11 @@ class Config:
     listen: Listen
     identity: Identity
     # The bands' names, highest first.
-    priorities: tuple[str, ...]
+    band_names: tuple[str, ...]
     models: tuple[ModelConfig, ...]
     envoy: EnvoySettings
-    # One per band, in the order of `priorities`.
-    bands: tuple[BandRules, ...]
+    # One per band, in the order of `band_names`.
+    bands: tuple[Band, ...]
     # Explicitly configured tenants; every other tenant gets `default_tenant`.
     tenants: dict[str, Tenant]
     default_tenant: Tenant
@@ -682,7 +682,7 @@ def _written(section: _Section) -> dict[str, Any]:
     return {key: value for key, value in msgspec.structs.asdict(section).items() if value is not None}
 
 
-def _bands(file: ConfigFile) -> tuple[BandRules, ...]:
+def _bands(file: ConfigFile) -> tuple[Band, ...]:
     """Each band's settings as written, over the defaults that depend on its place.
 
     The lowest of several bands is idle-only; a band's engine priority is its
@@ -690,7 +690,7 @@ def _bands(file: ConfigFile) -> tuple[BandRules, ...]:
     """
     count = len(file.priorities)
     return tuple(
-        BandRules(**{"name": name, "idle_only": count > 1 and index == count - 1, "engine_priority": index,
+        Band(**{"name": name, "idle_only": count > 1 and index == count - 1, "engine_priority": index,
                      **_written(file.bands.get(name, BandSettings()))})
         for index, name in enumerate(file.priorities)
     )
@@ -732,7 +732,7 @@ def _parse(raw: Any) -> Config:
     return Config(
         listen=file.listen,
         identity=file.identity,
-        priorities=file.priorities,
+        band_names=file.priorities,
         models=file.models,
         envoy=file.envoy,
         bands=_bands(file),

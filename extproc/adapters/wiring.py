@@ -54,7 +54,7 @@ def build_dispatcher(
     timers = LoopTimers(clock)
     return ModelDispatcher(
         model.name, build_pool(model), config.bands,
-        ModelTelemetry(telemetry, model.name, config.priorities, tenant_labels(config)), clock,
+        ModelTelemetry(telemetry, model.name, config.band_names, tenant_labels(config)), clock,
         policy=POLICIES[model.policy],
         timers=timers,
         tenant=config.tenant,

@@ -35,7 +35,7 @@ from extproc.core.release.pool import Pool
 
 
 @dataclass(frozen=True)
-class BandRules:
+class Band:
     """One band (a priority class): every setting of it the program reads, as the config resolved them.
 
     The config builds these straight from the file's ``bands:`` entries, so a
@@ -66,7 +66,7 @@ class BandRules:
 class BandAdmission:
     """How many requests of each band may go now (see the module docstring)."""
 
-    def __init__(self, bands: tuple[BandRules, ...], pool: Pool, reserved_waiting: int) -> None:
+    def __init__(self, bands: tuple[Band, ...], pool: Pool, reserved_waiting: int) -> None:
         self._bands = bands
         self._pool = pool
         self._reserved_waiting = reserved_waiting

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.core.bands import BandRules
+from extproc.core.bands import Band
 from extproc.core.entitlement import Tenant
 from extproc.core.fair_queue import FairQueue
 from extproc.core.outcomes import Refusal
@@ -28,7 +28,7 @@ class Overflow:
 
 class QueueCaps:
     def __init__(
-        self, model: str, bands: tuple[BandRules, ...], tenant: Callable[[str], Tenant], max_queued: int
+        self, model: str, bands: tuple[Band, ...], tenant: Callable[[str], Tenant], max_queued: int
     ) -> None:
         self._model = model
         self._bands = bands

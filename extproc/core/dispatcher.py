@@ -38,7 +38,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from extproc.core.bands import BandAdmission, BandRules
+from extproc.core.bands import Band, BandAdmission
 from extproc.core.caps import QueueCaps
 from extproc.core.cost import CostModel, CostWeights, DecodeRate
 from extproc.core.engine_load import EngineLoad
@@ -76,7 +76,7 @@ class ModelDispatcher:
         self,
         name: str,
         pool: Pool,
-        bands: tuple[BandRules, ...],
+        bands: tuple[Band, ...],
         report: DispatchReport,
         clock: Callable[[], float] = time.monotonic,
         *,
@@ -275,11 +275,11 @@ class ModelDispatcher:
             return
         now = self._clock()
         waited = now - held.enqueued_at
-        priority = self._bands[held.band].name
+        band_name = self._bands[held.band].name
         self._outlet.refused(held.tenant, held.band, Refusal.QUEUE_TIMEOUT, waited)
         self._outlet.resolve(held, Refused(
             Refusal.QUEUE_TIMEOUT,
-            f"request waited {waited:.1f}s in the {priority!r} queue for model {self.name!r} without capacity; "
+            f"request waited {waited:.1f}s in the {band_name!r} queue for model {self.name!r} without capacity; "
             "retry later",
             drain_s=self._outlet.release_rate.drain_s(self._queue.band_len(held.band), now), queue_wait_s=waited,
         ))

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from extproc.core.bands import BandAdmission, BandRules
+from extproc.core.bands import Band, BandAdmission
 from extproc.core.cost import Estimate
 from extproc.core.drain_time import ReleaseRate
 from extproc.core.fair_queue import FairQueue
@@ -54,7 +54,7 @@ class Outlet:
     """One model's queue, pool and band admission, and the ways a request leaves the queue."""
 
     def __init__(
-        self, name: str, queue: FairQueue[Held], pool: Pool, bands: tuple[BandRules, ...], admission: BandAdmission,
+        self, name: str, queue: FairQueue[Held], pool: Pool, bands: tuple[Band, ...], admission: BandAdmission,
         report: DispatchReport, clock: Callable[[], float], service: Callable[[str, float], float],
     ) -> None:
         self.queue = queue

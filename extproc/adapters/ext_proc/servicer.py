@@ -358,7 +358,7 @@ class Processor:
 
     def _entitled(self, model: str, tenant: str, asked: str) -> Admission:
         """The band ``tenant`` gets when it asks for ``asked`` (core/entitlement.py decides)."""
-        granted = grant(self._config.priorities, self._config.tenant(tenant), tenant, asked)
+        granted = grant(self._config.band_names, self._config.tenant(tenant), tenant, asked)
         return Admission(model, tenant, granted.band, granted.requested)
 
     def _eligible(self, stream: Stream, dispatcher: ModelDispatcher) -> frozenset[str] | None:
@@ -521,7 +521,7 @@ class Processor:
         return error_response(refused, self._config.endpoint_picker.shed_status if shed else None)
 
     def _count_admission(self, admission: Admission) -> None:
-        priorities = self._config.priorities
+        priorities = self._config.band_names
         downgraded = admission.requested is not None
         self._telemetry.report(admission.model)(Admitted(
             admission.name,
