@@ -69,3 +69,13 @@ def test_the_core_imports_only_the_core(path: Path) -> None:
 def test_adapters_do_not_import_tools(path: Path) -> None:
     tools = sorted(name for name in imports(path) if layer(name) not in ("core", "adapters"))
     assert not tools, f"{module_name(path)} imports {tools}"
+
+
+def test_every_module_is_in_the_architecture_map() -> None:
+    """docs/architecture.md's package map names every module, so a newcomer finds each one there."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    block = doc.split("```")[1]  # the map is the first code block
+    package = Path(__file__).resolve().parent.parent / "extproc"
+    modules = [f for f in package.rglob("*") if f.suffix in (".py", ".lua", ".html") and f.name != "__init__.py"]
+    assert modules
+    assert [str(m.relative_to(package)) for m in modules if f" {m.name} " not in block] == []
