@@ -213,6 +213,8 @@ def _first(headers: dict[str, str], names: tuple[str, ...]) -> str:
 _DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _BUFFERED_MODES = (processing_mode_pb2.ProcessingMode.BUFFERED, processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL)
 _HEADERS_GO_ON = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+# Refusals the dispatcher makes (and counts) itself: a queue cap.
+_QUEUE_CAPS = frozenset({Refusal.TENANT_QUEUE_FULL, Refusal.BAND_QUEUE_FULL, Refusal.MODEL_QUEUE_FULL})
 
 
 class Stream:
@@ -381,6 +383,7 @@ class Processor:
         return eligible
 
     async def process(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
+        """One stream: read the request, admit it, hold it until the dispatcher decides, then follow the response."""
         messages = aiter(requests)
         first = await anext(messages, None)
         if first is None:
@@ -401,42 +404,50 @@ class Processor:
         if acknowledged:
             yield self._acknowledgement
         headers = _headers_of(first.request_headers)
+        del first
         if headers.get(":method") == "GET" and headers.get(":path", "").split("?")[0] == "/v1/models":
             yield _models_response(self._names.listed())
             return
-        del first
         try:
-            if stream.epp and stream.has_body:
-                if not (stream.duplex or stream.buffered):
-                    raise _without_body_mode()
-                if stream.buffered:  # Envoy sends the buffered body only once the headers are answered
-                    yield _HEADERS_GO_ON
-                await stream.read_body(messages, _content_length(headers), self._config.endpoint_picker.max_body_bytes)
+            async for reply in self._read(stream, messages, headers):
+                yield reply
             admission = self.admit(headers, stream.fields)
-            limit = max_tokens(stream.fields)
             dispatcher = self._dispatchers[admission.model]
-            eligible = self._eligible(stream, dispatcher)
+            held = self._submit(stream, headers, admission, dispatcher)
         except Refused as refused:
-            self._count_refusal(stream.fields.model, refused.refusal)
-            yield self._answer(refused, stream)
-            return
-        self._count_admission(admission)
-        try:
-            held = dispatcher.submit(
-                admission.tenant, admission.band,
-                content_length=_content_length(headers), max_tokens=limit,
-                # OpenAI's prompt_cache_key names requests that share a prompt prefix; without
-                # it, a tenant's requests stick together (they often share a system prompt).
-                affinity=stream.fields.prompt_cache_key or "",
-                eligible=eligible, ttft_objective_s=admission.ttft_objective_s,
-            )
-        except Refused as refused:  # a queue cap; the dispatcher counted it
+            if refused.refusal not in _QUEUE_CAPS:  # the dispatcher counts its own
+                self._count_refusal(stream.fields.model, refused.refusal)
             yield self._answer(refused, stream)
             return
         # Not kept through the hold: a held request costs memory, 10,000 of them add up.
         del headers
         async for reply in self._hold(stream, messages, admission, dispatcher, held, acknowledged):
             yield reply
+
+    async def _read(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
+                    headers: dict[str, str]) -> AsyncIterator[pb.ProcessingResponse]:
+        """Attached by ext_proc alone, take the body in from the stream (what Envoy needs first, yielded)."""
+        if not (stream.epp and stream.has_body):
+            return
+        if not (stream.duplex or stream.buffered):
+            raise _without_body_mode()
+        if stream.buffered:  # Envoy sends the buffered body only once the headers are answered
+            yield _HEADERS_GO_ON
+        await stream.read_body(messages, _content_length(headers), self._config.endpoint_picker.max_body_bytes)
+
+    def _submit(self, stream: Stream, headers: dict[str, str], admission: Admission, dispatcher: ModelDispatcher) -> Held:
+        """Queue the admitted request (raises Refused: its inputs, its subset, or a queue cap)."""
+        limit = max_tokens(stream.fields)
+        eligible = self._eligible(stream, dispatcher)
+        self._count_admission(admission)
+        return dispatcher.submit(
+            admission.tenant, admission.band,
+            content_length=_content_length(headers), max_tokens=limit,
+            # OpenAI's prompt_cache_key names requests that share a prompt prefix; without
+            # it, a tenant's requests stick together (they often share a system prompt).
+            affinity=stream.fields.prompt_cache_key or "",
+            eligible=eligible, ttft_objective_s=admission.ttft_objective_s,
+        )
 
     async def _hold(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest], admission: Admission,
                     dispatcher: ModelDispatcher, held: Held, acknowledged: bool) -> AsyncIterator[pb.ProcessingResponse]:
