@@ -13,13 +13,13 @@ Shutdown (SIGTERM or SIGINT) drains instead of dropping, in this order:
    arrivals keep getting ``shutting_down`` and the exit is clean. The process
    exits when the last one ends, or at the hard deadline, ``deadline_seconds``
    after the signal. Responses still streaming then are not cut: the ext_proc
-   filter runs with ``failure_mode_allow`` (envoy/filters.py), so they go on
+   filter runs with ``failure_mode_allow`` (adapters/envoy/filters.py), so they go on
    through Envoy without the processor, and a restarted processor sees them as
    the engine's load.
 
 A second SIGTERM or SIGINT exits at once. Every request arriving while the
 listener is up gets the processor's JSON answer; after the exit Envoy's own
-JSON 503 ``processor_unavailable`` (envoy/routes.py).
+JSON 503 ``processor_unavailable`` (adapters/envoy/routes.py).
 """
 
 from __future__ import annotations

@@ -348,6 +348,7 @@ class ModelTelemetry:
         telemetry.models[model] = self
         t = telemetry
         t.cost_clamped.labels(model)
+        t.served_elsewhere.labels(model)
         t.gate_fallback.labels(model)
         # Children looked up once, here: ``labels()`` validates and locks on every call, and these are
         # written several times per request. Every key exists (known classes x bounded tenant values),

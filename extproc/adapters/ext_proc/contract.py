@@ -27,7 +27,7 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # a live engine from a failed release (release_outcome.py), cost one more
 # message each: the processor asks for them (mode_override) only on the
 # releases it checks (core/release/health.py: a sample, and every release to
-# an endpoint just back up). envoy/filters.py writes it into the filter;
+# an endpoint just back up). adapters/envoy/filters.py writes it into the filter;
 # the processor's overrides are the same with the request body buffered
 # (engine_priority models) and/or the response headers sent (an override
 # replaces the whole mode).

@@ -8,7 +8,7 @@ Routes, and why each exists:
 * ``/healthz``: the process answers (liveness). Nothing else: a process that
   waits for an engine is alive, and restarting it would drop its queue.
 * ``/readyz``: ready to schedule (readiness): the config is loaded (it is,
-  once this answers), every model's pool has had a usable scrape since start,
+  once this answers), every model whose gate reads metrics has had a usable scrape of one endpoint since start,
   and the processor is not draining. 503 with the reasons otherwise, so a
   probe does not send traffic to a processor that is leaving.
 * ``/`` and ``/status.json``: the live status page (``status.html``), which

@@ -15,8 +15,8 @@ What is learned, and from which signal (every scrape, newest sample):
    only tokens generated after the cut.
 2. **The engine queues** (waiting > 0): its batch is full, so the running
    count *is* its capacity right now (it changes with KV pressure and request
-   lengths). ``limit = running + target_waiting`` — exactly the old
-   waiting-target rule. Growing beyond the current limit this way is bounded
+   lengths). ``limit = running + target_waiting`` — what the
+   ``waiting_target`` rule keeps. Growing beyond the current limit this way is bounded
    like 3.
 3. **The engine ran everything** (waiting = 0) and holds about as much as the
    limit allows: it has spare capacity, so additive increase. The step is
