@@ -323,9 +323,9 @@ class Processor:
             if identity.missing_tenant == "reject":
                 raise Refused(Refusal.TENANT_MISSING, "the request carries no tenant identity; authenticate first")
             tenant = identity.default_tenant
-        admission = self._entitled(model, tenant, self._asked(headers, fields))
-        return Admission(admission.model, admission.tenant, admission.band, admission.requested, name,
-                         self._ttft_objective_s(headers))
+        # The band: what it asks for, limited by the tenant's entitlement (core/entitlement.py decides).
+        granted = grant(self._config.band_names, self._config.tenant(tenant), tenant, self._asked(headers, fields))
+        return Admission(model, tenant, granted.band, granted.requested, name, self._ttft_objective_s(headers))
 
     def _asked(self, headers: dict[str, str], fields: RequestFields) -> str:
         """The class the request asks for: the priority header, else its objective, else the body's priority."""
@@ -357,11 +357,6 @@ class Processor:
             raise Refused(Refusal.INVALID_TTFT_OBJECTIVE, f"{header} must be a number of milliseconds > 0, "
                           f"got {json.dumps(written[:40])}", param=header)
         return ms / 1000
-
-    def _entitled(self, model: str, tenant: str, asked: str) -> Admission:
-        """The band ``tenant`` gets when it asks for ``asked`` (core/entitlement.py decides)."""
-        granted = grant(self._config.band_names, self._config.tenant(tenant), tenant, asked)
-        return Admission(model, tenant, granted.band, granted.requested)
 
     def _eligible(self, stream: Stream, dispatcher: ModelDispatcher) -> frozenset[str] | None:
         """Where a request attached by ext_proc alone may go; raises Refused where nowhere can take it.
@@ -440,6 +435,8 @@ class Processor:
         limit = max_tokens(stream.fields)
         eligible = self._eligible(stream, dispatcher)
         self._count_admission(admission)
+        if not stream.duplex and admission.model not in self._engine_priority_models:
+            stream.body = b""  # buffered and passed on as it is: not worth its memory through the hold
         return dispatcher.submit(
             admission.tenant, admission.band,
             content_length=_content_length(headers), max_tokens=limit,
@@ -495,7 +492,7 @@ class Processor:
             routing.append(_header(DESTINATION_HEADER, value))
             metadata = epp.destination_metadata(value)
         body = stream.body
-        rewritten = with_priority(body, engine_priority) if engine_priority is not None and body else None
+        rewritten = with_priority(body, engine_priority) if engine_priority is not None else None
         if rewritten is not None:
             body = rewritten
             routing.append(_header("content-length", str(len(body))))  # Envoy checks a mutated body's length
@@ -505,9 +502,8 @@ class Processor:
                     *epp.streamed_body("request_body", body)]
         if rewritten is not None:
             common.body_mutation.body = body
-        phase = "request_body" if stream.has_body else "request_headers"
-        return [pb.ProcessingResponse(**{phase: pb.BodyResponse(response=common) if stream.has_body
-                                         else pb.HeadersResponse(response=common)}, dynamic_metadata=metadata)]
+        # Buffered: the body message is the one Envoy waits on (a request without a body was refused: no model).
+        return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)]
 
     def _after_release(self, stream: Stream, dispatcher: ModelDispatcher, held: Held, message: pb.ProcessingRequest,
                        engine_priority: int | None) -> list[pb.ProcessingResponse]:
@@ -532,13 +528,9 @@ class Processor:
         return error_response(refused, self._config.endpoint_picker.shed_status if shed else None)
 
     def _count_admission(self, admission: Admission) -> None:
-        priorities = self._config.band_names
-        downgraded = admission.requested is not None
-        self._telemetry.report(admission.model)(Admitted(
-            admission.name,
-            priorities[admission.requested] if admission.requested is not None else None,
-            priorities[admission.band] if downgraded else None,
-        ))
+        names = self._config.band_names
+        downgraded = None if admission.requested is None else (names[admission.requested], names[admission.band])
+        self._telemetry.report(admission.model)(Admitted(admission.name, *(downgraded or (None, None))))
 
     def _count_refusal(self, body_model: str | None, refusal: Refusal) -> None:
         """Count a refusal made before the request reached a dispatcher (which counts its own)."""
