@@ -214,12 +214,7 @@ class ModelDispatcher:
         """
         if not held.released or held.ended:
             return
-        down = self.pool.down()
-        endpoint = self.pool.record_response(held.endpoint, ok, self._clock())
-        if not ok:
-            self._report(EndpointEvent(endpoint, Change.RELEASE_FAILED))
-        if self.pool.down() != down:
-            self.dispatch()  # reports the change; an endpoint back up takes held requests at once
+        self._release_outcome(held.endpoint, ok)
 
     def record_served(self, held: Held, endpoint: str) -> None:
         """The gateway reports where ``held`` was served; another endpoint than the pick means the pick failed it."""
@@ -227,12 +222,18 @@ class ModelDispatcher:
             return
         if endpoint not in self.pool.endpoints:
             return  # not a member (yet): nothing to count it against
+        picked, held.endpoint = held.endpoint, endpoint
+        self.pool.record_moved(held, endpoint)
+        self._release_outcome(picked, False)
+
+    def _release_outcome(self, endpoint: str | None, ok: bool) -> None:
+        """How a release to ``endpoint`` went; a failure marks it down, and a change in who is down dispatches."""
         down = self.pool.down()
-        self.pool.record_served(held, held.endpoint, endpoint, self._clock())
-        self._report(EndpointEvent(held.endpoint, Change.RELEASE_FAILED))
-        held.endpoint = endpoint
+        target = self.pool.record_response(endpoint, ok, self._clock())
+        if not ok:
+            self._report(EndpointEvent(target, Change.RELEASE_FAILED))
         if self.pool.down() != down:
-            self.dispatch()
+            self.dispatch()  # reports the change; an endpoint back up takes held requests at once
 
     def serves(self, eligible: frozenset[str] | None = None) -> bool:
         """Whether an endpoint (of ``eligible``, when given) is there and not down to take a request."""

@@ -139,7 +139,6 @@ class Pool:
         """Whether any endpoint (of ``eligible``, when given) is a member that is not down."""
         return any(not self.health.is_down(e) for e in self.endpoints if eligible is None or e in eligible)
 
-    def record_served(self, request: Hashable, picked: str, served: str, now: float) -> None:
-        """The gateway served ``request`` on ``served``, not where it was picked: that one failed it."""
-        self.estimate.record_moved(request, served)
-        self.health.record_response(picked, False, now)
+    def record_moved(self, request: Hashable, endpoint: str) -> None:
+        """``request`` runs on ``endpoint`` after all (the gateway fell back to it): count it there."""
+        self.estimate.record_moved(request, endpoint)
