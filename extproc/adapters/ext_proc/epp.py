@@ -22,6 +22,7 @@ back travel in dynamic metadata and one header, named here.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Iterable
 from urllib.parse import urlsplit
@@ -40,6 +41,7 @@ SERVED_ATTRIBUTE = "upstream.address"
 BODY_CHUNK_BYTES = 62_000
 
 
+@functools.lru_cache(maxsize=4096)  # asked per release and per response, of a few pool members
 def host_port(endpoint: str) -> str | None:
     """``http://10.0.0.7:8000`` -> ``10.0.0.7:8000``; None for a host name (the protocol names addresses)."""
     parts = urlsplit(endpoint)
