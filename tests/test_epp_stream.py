@@ -33,6 +33,8 @@ CONFIG = parse_config({
     "identity": {"fairness_id_headers": ["x-gateway-inference-fairness-id"],
                  "objectives": {"chat": "interactive"}},
     "endpoint_picker": {"fallbacks": 2},
+    # The gateway in front sets the TTFT objective: trusted down to 0.1 s.
+    "bands": {"interactive": {"min_ttft_objective_s": 0.1}},
     "models": [{"name": "base", "served_names": ["base-lora-*", "alias"], "endpoints": list(ENDPOINTS),
                 "endpoint_picking": True, "target_waiting": 1}],
 })

@@ -274,6 +274,9 @@ class ModelConfig(_Section, frozen=True):
     # Write the band's numeric priority into the body's `priority` (vLLM
     # --scheduling-policy priority); only such models have their body sent to us.
     engine_priority: bool = False
+    # The most preemptions (of a preemptible band's requests, for a higher band whose
+    # objective is at risk) per second; 0: never preempt.
+    max_preemptions_per_s: NonNegative = 2.0
     # The engine's batch size (vLLM --max-num-seqs), if known; else learned from its metrics.
     max_running: Count | None = None
     # The engine's context length (vLLM --max-model-len): the most tokens one
@@ -310,6 +313,9 @@ class BandSettings(_Section, frozen=True):
     idle_only: bool | None = None
     idle_running_share: Share = Band.idle_running_share
     engine_priority: int | None = None
+    ttft_objective_s: Positive | None = None
+    min_ttft_objective_s: Positive | None = None
+    preemptible: bool | None = None
 
 
 class TenantSettings(_Section, frozen=True):
@@ -685,13 +691,21 @@ def _written(section: _Section) -> dict[str, Any]:
 def _bands(file: ConfigFile) -> tuple[Band, ...]:
     """Each band's settings as written, over the defaults that depend on its place.
 
-    The lowest of several bands is idle-only; a band's engine priority is its
-    position (vLLM runs lower numbers first).
+    The lowest of several bands is idle-only and preemptible; a band's engine
+    priority is its position (vLLM runs lower numbers first). The first of
+    several bands has a TTFT objective of 5 s (people give up after about that
+    long without progress), the middle ones 60 s (they expect a wait), the
+    lowest none.
     """
     count = len(file.priorities)
+
+    def defaults(index: int) -> dict[str, Any]:
+        lowest = count > 1 and index == count - 1
+        objective = None if count == 1 or lowest else (5.0 if index == 0 else 60.0)
+        return {"idle_only": lowest, "preemptible": lowest, "engine_priority": index, "ttft_objective_s": objective}
+
     return tuple(
-        Band(**{"name": name, "idle_only": count > 1 and index == count - 1, "engine_priority": index,
-                     **_written(file.bands.get(name, BandSettings()))})
+        Band(**{"name": name, **defaults(index), **_written(file.bands.get(name, BandSettings()))})
         for index, name in enumerate(file.priorities)
     )
 

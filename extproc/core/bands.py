@@ -57,10 +57,31 @@ class Band:
     # The body's `priority` for engine_priority models (vLLM: lower runs first);
     # the config's default is the band's position.
     engine_priority: int = 0
+    # The time-to-first-token objective of its requests (None: none; the config's
+    # default is 5 s for the first of several bands, 60 s for the middle ones).
+    ttft_objective_s: float | None = None
+    # How far a request's own objective (identity.ttft_headers) may tighten the
+    # band's: not below this (None: a request's own objective is not trusted).
+    min_ttft_objective_s: float | None = None
+    # Its released requests may be ended (503 preempted) for a higher band whose
+    # objective is at risk, while their response has not begun (default: the
+    # lowest of several bands).
+    preemptible: bool = False
 
     def queue_wait_s(self, model_wait_s: float) -> float:
         """How long a request of this band may stay queued for a model whose own limit is ``model_wait_s``."""
         return model_wait_s if self.max_queue_wait_s is None else self.max_queue_wait_s
+
+    def objective_s(self, requested_s: float | None) -> float | None:
+        """A request's TTFT objective: its own (``requested_s``) as far as the band trusts it, else the band's.
+
+        A request may only tighten the band's objective, and not below
+        ``min_ttft_objective_s``; without that floor its own is ignored.
+        """
+        if requested_s is None or self.min_ttft_objective_s is None:
+            return self.ttft_objective_s
+        ceiling = self.ttft_objective_s if self.ttft_objective_s is not None else math.inf
+        return max(self.min_ttft_objective_s, min(requested_s, ceiling))
 
 
 class BandAdmission:

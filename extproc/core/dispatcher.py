@@ -172,12 +172,16 @@ class ModelDispatcher:
             raise Refused(overflow.refusal, overflow.message + "; retry later",
                           drain_s=self._outlet.release_rate.drain_s(overflow.backlog, now))
         estimate = self._cost.estimate(tenant, content_length, max_tokens)
+        rules = self._bands[band]
+        objective = rules.objective_s(ttft_objective_s)
+        queue_wait = rules.queue_wait_s(self._max_queue_wait_s)
         held = Held(tenant, band, now, asyncio.get_running_loop().create_future(), estimate,
-                    affinity=affinity or tenant, eligible=eligible, ttft_objective_s=ttft_objective_s)
+                    affinity=affinity or tenant, eligible=eligible, ttft_objective_s=objective,
+                    deadline=now + (objective if objective is not None else queue_wait))
         first = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)
         self._report(RequestEvent(Step.QUEUED, self._bands[band].name, tenant))
-        held.expiry = self._timers.at(now + self._bands[band].queue_wait_s(self._max_queue_wait_s), lambda: self._expire(held))
+        held.expiry = self._timers.at(now + queue_wait, lambda: self._expire(held))
         self._strategy.queued(band, tenant, first, now)
         self._report(PoolEvent(decision_s=self._clock() - now, cost_clamped=estimate.clamped))
         return held

@@ -35,6 +35,7 @@ class Refusal(StrEnum):
     MODEL_QUEUE_FULL = "model_queue_full"  # the model's queue is full, for everyone
     QUEUE_TIMEOUT = "queue_timeout"  # no room freed up within the class's longest wait
     SHUTTING_DOWN = "shutting_down"  # the processor drains
+    PREEMPTED = "preempted"  # released, then ended before its response began: a higher class needed the engine
     OVERLOADED = "overloaded"  # a burst put the processor (or Envoy's admission bucket) too far behind: shed on arrival
     # Envoy's own answers (adapters/envoy: local replies and catch-all routes).
     PROCESSOR_UNAVAILABLE = "processor_unavailable"  # the processor never answered (processor_failure: closed)

@@ -10,6 +10,7 @@ the bands' admission), so a strategy needs the outlet, never the dispatcher.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,8 +45,16 @@ class Held:
     fallbacks: tuple[str, ...] = ()
     # The endpoints it may go to (a gateway's subset hint); None: any of the pool.
     eligible: frozenset[str] | None = None
-    # The client's time-to-first-token objective, when it named one.
+    # Its time-to-first-token objective (the band's, tightened by the client's as
+    # far as the band trusts it: Band.objective_s); None: none.
     ttft_objective_s: float | None = None
+    # When it should be released by, for ordering (deadline policy): enqueued_at +
+    # the objective, or + the band's longest queue wait where it has none.
+    deadline: float = math.inf
+    # Its response has begun (its headers came): it can no longer be preempted.
+    started: bool = False
+    # Resolved when it is preempted after its release: its stream answers 503 preempted.
+    preempted: asyncio.Future[None] | None = field(default=None, repr=False)
     # Whether its response's headers are read for a failed release (a sample: they cost a message).
     checked: bool = False
 

@@ -28,6 +28,7 @@ class Step(StrEnum):
     RELEASED = "released"  # it left the queue for the engine
     REFUSED = "refused"  # it was answered instead: a cap at the door, its queue timeout, the drain
     ABANDONED = "abandoned"  # its client left while it was queued
+    PREEMPTED = "preempted"  # released, it was ended before its response began (a higher band's objective)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,9 @@ class RequestEvent:
     refusal: Refusal | None = None
     # Whether this step took it out of the queue (a refusal at the door: it never entered).
     dequeued: bool = True
+    # Its TTFT objective's slack at this step: deadline - now (negative: missed); None: no objective.
+    # Set on RELEASED, on REFUSED and ABANDONED of a queued request, and on PREEMPTED.
+    slack_s: float | None = None
 
     @property
     def outcome(self) -> str:
