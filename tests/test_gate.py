@@ -73,7 +73,9 @@ def band_allowance(gate: Pool, now: float, *, reserve: int = 0, idle_share: floa
     """What a band below the first (with ``reserve``), or an idle-only band (``idle_share``), may release now."""
     bands = (Band("first", 60.0), Band("lower", 60.0),
              Band("idle", 60.0, idle_only=True, idle_running_share=idle_share or 1.0))
-    return BandAdmission(bands, gate, reserved_waiting=reserve).allowance(1 if idle_share is None else 2, now)
+    admission = BandAdmission(bands, gate, reserved_waiting=reserve)
+    admission.demand.change(1, 1, now)  # the band above has demand: the idle-only band takes free slots only
+    return admission.allowance(1 if idle_share is None else 2, now)
 
 
 def test_without_metrics_the_gate_falls_back_to_a_small_in_flight_ceiling() -> None:

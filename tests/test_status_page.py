@@ -126,9 +126,10 @@ async def test_metrics_only_at_metrics_with_openmetrics_on_request_and_json_404_
 @pytest.mark.unit
 async def test_status_json_shows_rule_endpoints_and_the_top_tenants_per_class(port: Port) -> None:
     scrape(port.m, running=5, waiting=2)
-    # One request goes (the adaptive limit starts small); the rest queue, in two classes.
-    held = [port.m.submit(f"t{i:02d}", 2) for i in range(TOP_TENANTS + 3) for _ in range(i + 1)]
-    held += [port.m.submit("vip", 0) for _ in range(3)]
+    # One request goes (the adaptive limit starts small); the rest queue, in two classes
+    # (interactive first: with its demand seen, batch only goes into free slots, and there are none).
+    held = [port.m.submit("vip", 0) for _ in range(3)]
+    held += [port.m.submit(f"t{i:02d}", 2) for i in range(TOP_TENANTS + 3) for _ in range(i + 1)]
     try:
         status, _, body = await get(f"{port.url}/status.json")
         assert status == 200

@@ -208,6 +208,9 @@ class Identity(_Section, frozen=True):
     objectives: dict[NonEmpty, NonEmpty] = msgspec.field(default_factory=dict)
     # A time-to-first-token objective in milliseconds, carried with the request to the scheduler.
     ttft_headers: tuple[Header, ...] = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
+    # A request that says it is a retry (a value other than 0) is never preempted, so a
+    # preempted request runs when it comes back. The OpenAI SDKs send the first on every retry.
+    retry_headers: tuple[Header, ...] = ("x-stainless-retry-count",)
 
 
 class CostSettings(_Section, frozen=True):

@@ -62,6 +62,7 @@ def build_dispatcher(
         max_queued=model.max_queued,
         max_queue_wait_s=model.max_queue_wait_s,
         reserved_waiting=model.reserved_waiting,
+        max_preemptions_per_s=model.max_preemptions_per_s,
         strategy=None if cluster is None else (lambda outlet: cluster.seat(model.name, outlet, timers)),
     )
 

@@ -29,9 +29,13 @@ is the fair queue's (``fair_queue.py``).
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from extproc.core.release.pool import Pool
+
+# How long a higher band's burst keeps room reserved for it in the bands below (BandDemand).
+DEMAND_WINDOW_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -84,29 +88,94 @@ class Band:
         return max(self.min_ttft_objective_s, min(requested_s, ceiling))
 
 
+class BandDemand:
+    """How many requests each band has had at once lately (queued here or in flight): the higher bands' recent peak.
+
+    What the bands below keep free for them (their reservation) follows this
+    instead of a hand-set number: a band with a burst of 3 chats in the last
+    :data:`DEMAND_WINDOW_S` has room kept for 3, a band idle that long for
+    none. Counted per band on every release, end and queueing, so it costs a
+    few integer updates per request; the window's maximum is a monotone deque
+    (amortised O(1)).
+    """
+
+    def __init__(self, bands: int) -> None:
+        self._now = [0] * bands
+        # Per band: (until when, demand of the bands above it), for values that held
+        # until a change; decreasing in demand, so the first is the window's peak.
+        self._peaks: list[deque[tuple[float, int]]] = [deque() for _ in range(bands)]
+
+    def change(self, band: int, delta: int, now: float) -> None:
+        """``band`` has ``delta`` more requests queued or in flight (a queueing, a release out of a cap, an end)."""
+        above = sum(self._now[:band + 1])  # what the band below ``band`` saw above it until now
+        for lower in range(band + 1, len(self._now)):
+            peaks = self._peaks[lower]
+            while peaks and peaks[-1][1] <= above:
+                peaks.pop()
+            peaks.append((now, above))
+            above += self._now[lower]
+        self._now[band] += delta
+
+    def above(self, band: int) -> int:
+        """What the bands above ``band`` hold now (queued or in flight)."""
+        return sum(self._now[:band])
+
+    def peak_above(self, band: int, now: float) -> int:
+        """The most the bands above ``band`` held at once in the last :data:`DEMAND_WINDOW_S` (now included)."""
+        peaks = self._peaks[band]
+        while peaks and peaks[0][0] < now - DEMAND_WINDOW_S:
+            peaks.popleft()
+        return max(self.above(band), peaks[0][1] if peaks else 0)
+
+
 class BandAdmission:
     """How many requests of each band may go now (see the module docstring)."""
 
-    def __init__(self, bands: tuple[Band, ...], pool: Pool, reserved_waiting: int) -> None:
+    def __init__(self, bands: tuple[Band, ...], pool: Pool, reserved_waiting: int, *, preemption: bool = False) -> None:
         self._bands = bands
         self._pool = pool
         self._reserved_waiting = reserved_waiting
+        # Whether preemptible bands are preempted for the bands above (max_preemptions_per_s > 0).
+        self._preemption = preemption
+        self.demand = BandDemand(len(bands))
 
     def allowance(self, band: int, now: float) -> int:
         return max(0, self.headroom(band, now))
 
+    def reserve(self, band: int, now: float) -> int:
+        """What ``band`` leaves free for the bands above: their recent peak beyond what they hold now.
+
+        At least ``reserved_waiting``; none for the first band, and none beyond
+        that floor for a preemptible band (preemption makes room when a higher
+        band needs it, so nothing need stand empty).
+        """
+        if band == 0:
+            return 0
+        if self._preemption and self._bands[band].preemptible:
+            return self._reserved_waiting
+        recent = self.demand.peak_above(band, now) - self.demand.above(band)
+        return max(self._reserved_waiting, recent)
+
+    def into_free_slots(self, band: int, now: float) -> bool:
+        """Whether ``band`` is released only into free slots now: idle-only, while the bands above had demand lately.
+
+        With no demand above it in the window, an idle-only band is released
+        like any other (into the engine's queue up to its target), so a batch
+        load alone keeps the engine as busy as sending it straight would.
+        """
+        return self._bands[band].idle_only and self.demand.peak_above(band, now) > 0
+
     def headroom(self, band: int, now: float) -> int:
         """The band's allowance before it is floored at 0 (a cluster adds it to what is in flight)."""
         rules = self._bands[band]
-        if rules.idle_only:
-            return self._idle_allowance(now, rules.idle_running_share)
-        reserve = 0 if band == 0 else self._reserved_waiting
-        return self._pool.headroom(now) - reserve
+        if self.into_free_slots(band, now):
+            return self._idle_allowance(now, rules.idle_running_share, self.reserve(band, now))
+        return self._pool.headroom(now) - self.reserve(band, now)
 
-    def _idle_allowance(self, now: float, share: float) -> int:
+    def _idle_allowance(self, now: float, share: float, reserve: int) -> int:
         pool, settings = self._pool, self._pool.settings
         if not pool.rule.uses_metrics or pool.degraded(now):
-            return max(0, pool.allowance(now) - max(1, self._reserved_waiting))
+            return max(0, pool.allowance(now) - max(1, reserve))
         estimate = pool.estimate.now()
         if estimate.waiting > 0:
             return 0
@@ -114,10 +183,10 @@ class BandAdmission:
             capacity: float = settings.max_running * len(pool.endpoints)
         else:
             capacity = pool.estimate.peak_running
-        free = math.ceil(share * capacity - estimate.held)
+        free = math.ceil(share * capacity - estimate.held) - reserve
         if free >= 1:
             return free
-        if share < 1 or settings.max_running is not None or estimate.into_slots_since:
+        if share < 1 or reserve or settings.max_running is not None or estimate.into_slots_since:
             return 0
         # Probe: growing (doubling, at most target_waiting a scrape, so a probe
         # that does not fit leaves no more than the target waiting) until the

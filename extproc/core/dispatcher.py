@@ -47,6 +47,7 @@ from extproc.core.fair_queue import FairQueue
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.outlet import Held, Outlet
 from extproc.core.policies import Policy
+from extproc.core.preemption import Need, Preemption
 from extproc.core.release.pool import Pool
 from extproc.core.report import Change, Charged, DispatchReport, EndpointEvent, PoolEvent, RequestEvent, Step
 from extproc.core.status import EndpointStatus, ModelStatus, band_status
@@ -87,6 +88,7 @@ class ModelDispatcher:
         max_queued: int,
         max_queue_wait_s: float,
         reserved_waiting: int,
+        max_preemptions_per_s: float = 0.0,
         strategy: StrategyFactory | None = None,
     ) -> None:
         self.name = name
@@ -98,9 +100,11 @@ class ModelDispatcher:
         self._timers = timers
         self._caps = QueueCaps(name, bands, tenant, max_queued)
         self._queue: FairQueue[Held] = FairQueue(len(bands), lambda: policy.new_band(lambda t: tenant(t).weight))
+        preemption = Preemption(max_preemptions_per_s)
+        admission = BandAdmission(bands, pool, reserved_waiting, preemption=preemption.enabled)
         self._outlet = Outlet(
-            name, self._queue, pool, bands, BandAdmission(bands, pool, reserved_waiting), report, clock,
-            lambda name, cost: policy.service(cost, tenant(name).weight),
+            name, self._queue, pool, bands, admission, report, clock,
+            lambda name, cost: policy.service(cost, tenant(name).weight), preemption,
         )
         self._strategy = (strategy or (lambda outlet: LocalRelease(outlet, timers)))(self._outlet)
         self._cost = CostModel(cost)
@@ -156,18 +160,21 @@ class ModelDispatcher:
         affinity: str = "",
         eligible: frozenset[str] | None = None,
         ttft_objective_s: float | None = None,
+        retried: bool = False,
     ) -> Held:
         """Queue a request and dispatch; the returned future may already be resolved.
 
         ``affinity`` groups requests that share a prompt prefix (endpoint picking
         keeps them on one engine); empty means the tenant. ``eligible`` limits
-        where it may go (endpoint picking). Raises
-        :class:`~extproc.core.outcomes.Refused` when a queue cap leaves no room.
+        where it may go (endpoint picking). ``ttft_objective_s`` is the
+        client's own objective (the band decides how far to trust it);
+        ``retried``: the client says it is a retry, so it is never preempted.
+        Raises :class:`~extproc.core.outcomes.Refused` when a queue cap leaves no room.
         """
         now = self._clock()
         overflow = self._caps.check(self._queue, tenant, band)
         if overflow is not None:
-            self._outlet.refused(tenant, band, overflow.refusal, 0.0, dequeued=False)
+            self._outlet.refused(None, tenant, band, overflow.refusal, 0.0)
             self._report(PoolEvent(decision_s=self._clock() - now))
             raise Refused(overflow.refusal, overflow.message + "; retry later",
                           drain_s=self._outlet.release_rate.drain_s(overflow.backlog, now))
@@ -177,12 +184,14 @@ class ModelDispatcher:
         queue_wait = rules.queue_wait_s(self._max_queue_wait_s)
         held = Held(tenant, band, now, asyncio.get_running_loop().create_future(), estimate,
                     affinity=affinity or tenant, eligible=eligible, ttft_objective_s=objective,
-                    deadline=now + (objective if objective is not None else queue_wait))
+                    deadline=now + (objective if objective is not None else queue_wait), retried=retried)
         first = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)
+        self._outlet.admission.demand.change(band, 1, now)
         self._report(RequestEvent(Step.QUEUED, self._bands[band].name, tenant))
         held.expiry = self._timers.at(now + queue_wait, lambda: self._expire(held))
         self._strategy.queued(band, tenant, first, now)
+        self._preempt_at_risk(now)
         self._report(PoolEvent(decision_s=self._clock() - now, cost_clamped=estimate.clamped))
         return held
 
@@ -198,15 +207,67 @@ class ModelDispatcher:
         held.ended = True
         if held.released:
             now = self._clock()
-            occupancy = self.pool.record_finish(held, now)
-            measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
-            self._queue.correct(held.band, held.tenant, measured.cost - held.estimate.cost)
-            self._report(Charged(held.tenant, held.estimate.prompt_tokens, measured.output_tokens, measured.cost))
-            self._report(PoolEvent(in_flight=self.pool.in_flight))
-            self._strategy.ended(held.band, held.tenant, held.estimate.cost, measured.cost, self._clock())
+            self._outlet.preemption.ended(held, now)
+            self._outlet.waiting_above.pop(held, None)
+            self._finish(held, now)
+            self._preempt_at_risk(self._clock())
         elif self._queue.remove(held.band, held.tenant, held):
             self._outlet.resolve(held)
             self._outlet.abandoned(held, held.band)
+
+    def _finish(self, held: Held, now: float) -> float:
+        """A released request is over (it ended, or was preempted): free its place and charge what it cost; its occupancy."""
+        occupancy = self.pool.record_finish(held, now)
+        self._outlet.admission.demand.change(held.band, -1, now)
+        measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
+        self._queue.correct(held.band, held.tenant, measured.cost - held.estimate.cost)
+        self._report(Charged(held.tenant, held.estimate.prompt_tokens, measured.output_tokens, measured.cost))
+        self._report(PoolEvent(in_flight=self.pool.in_flight))
+        self._strategy.ended(held.band, held.tenant, held.estimate.cost, measured.cost, self._clock())
+        return occupancy
+
+    def _needs(self, now: float) -> list[Need]:
+        """The higher-band requests with an objective that wait for a slot, most urgent first (preemption.py).
+
+        Those queued here in a band that is not preemptible, and those
+        released into an engine without a free slot while it still queues.
+        """
+        outlet = self._outlet
+        if not outlet.engine_full(now):
+            outlet.waiting_above.clear()  # the engine queues nothing: whoever was released runs
+            if not any(self._queue.band_len(i) for i, band in enumerate(self._bands) if not band.preemptible):
+                return []
+        waiting = [held for held in outlet.waiting_above if not held.made_room]
+        for index, band in enumerate(self._bands):
+            if band.preemptible or not self._queue.band_len(index):
+                continue
+            heads = (self._queue.head(index, tenant) for tenant in self._queue.tenant_lengths(index))
+            waiting.extend(head for head in heads if head is not None and not head.made_room)
+        deadlines = sorted(((held.enqueued_at + held.ttft_objective_s, held) for held in waiting
+                            if held.ttft_objective_s is not None), key=lambda pair: pair[0])
+        return [Need(held, deadline, ahead) for ahead, (deadline, held) in enumerate(deadlines)]
+
+    def _preempt_at_risk(self, now: float) -> None:
+        """End the preemptible requests a higher band's objective at risk needs the slots of (preemption.py)."""
+        preemption = self._outlet.preemption
+        if not preemption.candidates:
+            return
+        for victim in preemption.victims(self._needs(now), now):
+            self._preempt(victim, now)
+
+    def _preempt(self, victim: Held, now: float) -> None:
+        """End ``victim`` here at once, and tell its stream to answer 503 preempted.
+
+        Its slot counts as free from now: Envoy resets the upstream request as
+        it answers, and the engine aborts it within a step. Its stream's own
+        end later finds it ended. It is charged what it ran (a refund of the rest).
+        """
+        victim.ended = True
+        self._report(RequestEvent(Step.PREEMPTED, self._bands[victim.band].name, victim.tenant,
+                                  now - victim.released_at, slack_s=victim.slack_s(now)))
+        if victim.preempted is not None and not victim.preempted.done():
+            victim.preempted.set_result(None)
+        self._finish(victim, now)
 
     def record_response(self, held: Held, ok: bool) -> None:
         """A released request's response began: from the engine (``ok``), or a release failure.
@@ -218,6 +279,9 @@ class ModelDispatcher:
         """
         if not held.released or held.ended:
             return
+        held.started = True
+        self._outlet.preemption.started(held)
+        self._outlet.waiting_above.pop(held, None)
         self._release_outcome(held.endpoint, ok)
 
     def record_served(self, held: Held, endpoint: str) -> None:
@@ -253,6 +317,7 @@ class ModelDispatcher:
             snapshot = self.pool.rule.snapshot(endpoint)
             self._report(EndpointEvent(endpoint, Change.SCRAPED, load, snapshot.itl_s, snapshot.limit))
         self._strategy.scraped(self._clock())
+        self._preempt_at_risk(self._clock())
 
     def set_endpoints(self, endpoints: tuple[str, ...]) -> None:
         """The pool's membership changed (DNS); forget the telemetry of endpoints that left."""
@@ -268,12 +333,13 @@ class ModelDispatcher:
             if held.future.done():  # its stream was cancelled a moment ago, as in dispatch()
                 outlet.abandoned(held, band)
             else:
-                outlet.refused(held.tenant, band, Refusal.SHUTTING_DOWN, self._clock() - held.enqueued_at)
+                outlet.refused(held, held.tenant, band, Refusal.SHUTTING_DOWN, self._clock() - held.enqueued_at)
             outlet.resolve(held, shutting_down())
 
     def dispatch(self) -> None:
-        """Let go what may go now (the strategy decides)."""
+        """Let go what may go now (the strategy decides), and preempt for an objective at risk."""
         self._strategy.changed(self._clock())
+        self._preempt_at_risk(self._clock())
 
     def _expire(self, held: Held) -> None:
         if not self._queue.remove(held.band, held.tenant, held):
@@ -281,7 +347,7 @@ class ModelDispatcher:
         now = self._clock()
         waited = now - held.enqueued_at
         band_name = self._bands[held.band].name
-        self._outlet.refused(held.tenant, held.band, Refusal.QUEUE_TIMEOUT, waited)
+        self._outlet.refused(held, held.tenant, held.band, Refusal.QUEUE_TIMEOUT, waited)
         self._outlet.resolve(held, Refused(
             Refusal.QUEUE_TIMEOUT,
             f"request waited {waited:.1f}s in the {band_name!r} queue for model {self.name!r} without capacity; "

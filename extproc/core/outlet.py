@@ -20,6 +20,7 @@ from extproc.core.drain_time import ReleaseRate
 from extproc.core.fair_queue import FairQueue
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.release.health_log import HealthLog
+from extproc.core.preemption import Preemption
 from extproc.core.release.pool import Pool
 from extproc.core.report import DispatchReport, RequestEvent, Step
 from extproc.core.timers import Timer
@@ -51,12 +52,21 @@ class Held:
     # When it should be released by, for ordering (deadline policy): enqueued_at +
     # the objective, or + the band's longest queue wait where it has none.
     deadline: float = math.inf
+    released_at: float = math.nan
     # Its response has begun (its headers came): it can no longer be preempted.
     started: bool = False
+    # The client says it is a retry (x-stainless-retry-count): never preempted.
+    retried: bool = False
+    # A preemptible request was ended to make room for it (once is enough).
+    made_room: bool = False
     # Resolved when it is preempted after its release: its stream answers 503 preempted.
     preempted: asyncio.Future[None] | None = field(default=None, repr=False)
     # Whether its response's headers are read for a failed release (a sample: they cost a message).
     checked: bool = False
+
+    def slack_s(self, now: float) -> float | None:
+        """Its objective's slack at ``now``: how long before its TTFT deadline (negative: past it); None: no objective."""
+        return None if self.ttft_objective_s is None else self.enqueued_at + self.ttft_objective_s - now
 
 
 class Outlet:
@@ -65,6 +75,7 @@ class Outlet:
     def __init__(
         self, name: str, queue: FairQueue[Held], pool: Pool, bands: tuple[Band, ...], admission: BandAdmission,
         report: DispatchReport, clock: Callable[[], float], service: Callable[[str, float], float],
+        preemption: Preemption,
     ) -> None:
         self.queue = queue
         self.pool = pool
@@ -75,6 +86,10 @@ class Outlet:
         # What a release of the tenant adds to its counter (the policy's service for a cost).
         self.service = service
         self.release_rate = ReleaseRate()
+        self.preemption = preemption
+        # Released requests of non-preemptible bands with an objective that went into an
+        # engine without a free slot: they may be waiting in it (preemption's needs).
+        self.waiting_above: dict[Held, None] = {}
         self._health_log = HealthLog(name, pool, report)
 
     def note_health(self, now: float) -> None:
@@ -91,24 +106,56 @@ class Outlet:
             self.resolve(held)
             self.abandoned(held, band)
             return False
-        held.released = True
+        held.released, held.released_at = True, now
         ranked = self.pool.ranked(held.affinity, now, held.eligible)
         held.endpoint, held.fallbacks = (ranked[0], tuple(ranked[1:])) if ranked else (None, ())
         held.checked = self.pool.check_release(held.endpoint, now)
-        self.pool.record_release(held, now, held.endpoint, into_free_slot=self.bands[band].idle_only)
+        self._note_for_preemption(held, band, now)
+        self.pool.record_release(held, now, held.endpoint, into_free_slot=self.admission.into_free_slots(band, now))
         self.release_rate.record(now)
         self.queue.charge(band, tenant, held.estimate.cost)
         self.resolve(held)
-        self.report(RequestEvent(Step.RELEASED, self.bands[band].name, tenant, now - held.enqueued_at))
+        self.report(RequestEvent(Step.RELEASED, self.bands[band].name, tenant, now - held.enqueued_at,
+                                 slack_s=held.slack_s(now)))
         return True
 
-    def refused(self, tenant: str, band: int, refusal: Refusal, waited: float, *, dequeued: bool = True) -> None:
-        """Report a refusal (``dequeued``: it was queued, and now left the queue)."""
-        self.report(RequestEvent(Step.REFUSED, self.bands[band].name, tenant, waited, refusal, dequeued))
+    def _note_for_preemption(self, held: Held, band: int, now: float) -> None:
+        """What preemption must know of a release: a victim to be, or a higher request that may wait in the engine."""
+        preemption = self.preemption
+        if not preemption.enabled:
+            return
+        if self.bands[band].preemptible:
+            if not held.retried:  # a retry is never preempted: its stream need not watch for it
+                held.preempted = asyncio.get_running_loop().create_future()
+                preemption.released(held, now)
+        elif held.ttft_objective_s is not None and preemption.candidates and self.engine_full(now):
+            self.waiting_above[held] = None
+
+    def engine_full(self, now: float) -> bool:
+        """Whether the engine has no free slot now: it queues, or holds its capacity (when that is known)."""
+        estimate = self.pool.estimate.now()
+        if estimate.waiting > 0:
+            return True
+        settings = self.pool.settings
+        capacity = (settings.max_running * len(self.pool.endpoints) if settings.max_running is not None
+                    else self.pool.estimate.peak_running)
+        return capacity > 0 and estimate.held >= capacity
+
+    def refused(self, held: Held | None, tenant: str, band: int, refusal: Refusal, waited: float) -> None:
+        """Report a refusal: of ``held``, which was queued and has left the queue; None: at the door, never queued."""
+        slack = None
+        if held is not None:
+            self.admission.demand.change(band, -1, self.clock())
+            slack = held.slack_s(self.clock())
+        self.report(RequestEvent(Step.REFUSED, self.bands[band].name, tenant, waited, refusal, held is not None,
+                                 slack_s=slack))
 
     def abandoned(self, held: Held, band: int) -> None:
         """Report a queued request whose client left; it has left the queue."""
-        self.report(RequestEvent(Step.ABANDONED, self.bands[band].name, held.tenant, self.clock() - held.enqueued_at))
+        now = self.clock()
+        self.admission.demand.change(band, -1, now)
+        self.report(RequestEvent(Step.ABANDONED, self.bands[band].name, held.tenant, now - held.enqueued_at,
+                                 slack_s=held.slack_s(now)))
 
     def resolve(self, held: Held, refused: Refused | None = None) -> None:
         if held.expiry is not None:

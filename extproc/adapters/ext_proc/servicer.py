@@ -119,6 +119,8 @@ class Admission:
     # The model name the body asked for, as counted (a served name or the pattern it matched).
     name: str = ""
     ttft_objective_s: float | None = None
+    # The client says it is a retry (identity.retry_headers): never preempted.
+    retried: bool = False
 
 
 def is_pattern(name: str) -> bool:
@@ -325,7 +327,8 @@ class Processor:
             tenant = identity.default_tenant
         # The band: what it asks for, limited by the tenant's entitlement (core/entitlement.py decides).
         granted = grant(self._config.band_names, self._config.tenant(tenant), tenant, self._asked(headers, fields))
-        return Admission(model, tenant, granted.band, granted.requested, name, self._ttft_objective_s(headers))
+        retried = _first(headers, identity.retry_headers).strip() not in ("", "0")
+        return Admission(model, tenant, granted.band, granted.requested, name, self._ttft_objective_s(headers), retried)
 
     def _asked(self, headers: dict[str, str], fields: RequestFields) -> str:
         """The class the request asks for: the priority header, else its objective, else the body's priority."""
@@ -443,7 +446,7 @@ class Processor:
             # OpenAI's prompt_cache_key names requests that share a prompt prefix; without
             # it, a tenant's requests stick together (they often share a system prompt).
             affinity=stream.fields.prompt_cache_key or "",
-            eligible=eligible, ttft_objective_s=admission.ttft_objective_s,
+            eligible=eligible, ttft_objective_s=admission.ttft_objective_s, retried=admission.retried,
         )
 
     async def _hold(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest], admission: Admission,
@@ -473,11 +476,14 @@ class Processor:
                     request_headers=pb.HeadersResponse(response=pb.CommonResponse(
                         header_mutation=pb.HeaderMutation(set_headers=routing), clear_route_cache=True,
                     )),
-                    mode_override=_OVERRIDES.get((engine_priority is not None, held.checked)),
+                    # A preemptible request's response headers say when it can no longer be preempted.
+                    mode_override=_OVERRIDES.get((engine_priority is not None, held.checked or held.preempted is not None)),
                 )
-            async for message in messages:
+            async for message in _until_preempted(messages, held):
                 for reply in self._after_release(stream, dispatcher, held, message, engine_priority):
                     yield reply
+            if held.preempted is not None and held.preempted.done() and not held.started:
+                yield self._answer(_preempted(), stream)
         finally:
             dispatcher.end(held)
 
@@ -543,6 +549,34 @@ class Processor:
         if admission.model not in self._engine_priority_models:
             return None
         return self._config.bands[admission.band].engine_priority
+
+
+def _preempted() -> Refused:
+    return Refused(Refusal.PREEMPTED, "a request of a higher priority class needed the engine before this one's "
+                   "response began; retry (it will not be preempted again)")
+
+
+async def _until_preempted(messages: AsyncIterator[pb.ProcessingRequest], held: Held) -> AsyncIterator[pb.ProcessingRequest]:
+    """The stream's messages after the release, until it ends or ``held`` is preempted before its response began.
+
+    Only a preemptible request pays for the race (a task per message until its
+    response headers come); every other stream reads its messages plainly.
+    """
+    preempted = held.preempted
+    while preempted is not None and not held.started:
+        following = asyncio.ensure_future(anext(messages))
+        await asyncio.wait((following, preempted), return_when=asyncio.FIRST_COMPLETED)
+        if not following.done():
+            following.cancel()  # preempted: the stream ends with our answer
+            await asyncio.gather(following, return_exceptions=True)
+            return
+        try:
+            message = following.result()
+        except StopAsyncIteration:
+            return
+        yield message
+    async for message in messages:
+        yield message
 
 
 def _priority_body(body: bytes, priority: int) -> pb.ProcessingResponse:

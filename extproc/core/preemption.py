@@ -1,0 +1,140 @@
+"""Which released request of a preemptible band to end, and when, so a higher band's objective holds inside the engine.
+
+Once a request is inside the engine it keeps its slot until it finishes, and
+vLLM does not preempt a running request for a higher priority when it is
+short of slots (only when KV blocks run out). So an interactive request that
+arrives while batch work fills the engine waits for a batch request to
+finish. The gateway can end such a request itself: its ext_proc stream is
+still open, and while the response has not begun Envoy answers the client
+our JSON 503 ``preempted`` (with ``Retry-After``) and resets the upstream
+request, which the engine aborts at once, freeing the slot.
+
+The rules, in order:
+
+* **Only for an objective at risk.** A request of a higher band that needs a
+  slot — queued here because the gate is full, or released into an engine
+  with no free slot — is at risk when its deadline comes sooner than the
+  engine is expected to free a slot by itself for it: ``ahead + 1`` times the
+  recent interval between completions (measured; while nothing completes,
+  the time since the last completion stands in for it). A request without an
+  objective is never at risk; nobody at risk, nothing is preempted.
+* **The victim wastes least.** Among the preemptible requests in flight whose
+  response has not begun (their response headers have not come), the one
+  released last: the least progress. A different tenant than the last victim
+  when there is one, so one tenant does not absorb every preemption.
+* **Never twice in a row.** A request that says it is a retry (the OpenAI
+  SDKs send ``x-stainless-retry-count``) is never a victim: a preempted
+  request comes back as such and then runs to the end.
+* **Bounded rate.** At most ``max_preemptions_per_s`` (a token bucket of that
+  rate, holding at most one second's worth).
+
+Pure: time is passed in; the dispatcher ends the victims it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the outlet holds a Preemption: only its type is needed here
+    from extproc.core.outlet import Held
+
+# How much one new interval moves the measured interval between completions.
+_GAP_WEIGHT = 0.2
+
+
+@dataclass(frozen=True)
+class Need:
+    """A higher-band request waiting for a slot (none was made for it yet), its deadline, and how many wait before it."""
+
+    held: Held
+    deadline: float
+    ahead: int
+
+
+class Preemption:
+    """One model's preemptible requests in flight and the decision to end some of them."""
+
+    def __init__(self, rate_per_s: float) -> None:
+        self._rate = rate_per_s
+        self._tokens = min(1.0, rate_per_s)
+        self._filled_at: float | None = None
+        # Released, response not begun, not a retry: in release order (the last is the youngest).
+        self._victims: dict[Held, None] = {}
+        self._last_tenant: str | None = None
+        # The measured interval between completions, and when the last one came.
+        self._gap_s: float | None = None
+        self._last_end: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._rate > 0
+
+    @property
+    def candidates(self) -> int:
+        """Preemptible requests in flight whose response has not begun."""
+        return len(self._victims)
+
+    def released(self, held: Held, now: float) -> None:
+        """``held``, of a preemptible band and not a retry, went to the engine: it may be ended later."""
+        if self._last_end is None:
+            self._last_end = now
+        self._victims[held] = None
+
+    def started(self, held: Held) -> None:
+        """Its response began: Envoy can no longer answer for it."""
+        self._victims.pop(held, None)
+
+    def ended(self, held: Held, now: float) -> None:
+        """A released request ended by itself (whatever the outcome): measure the interval between completions."""
+        self._victims.pop(held, None)
+        if self._last_end is not None:
+            gap = now - self._last_end
+            self._gap_s = gap if self._gap_s is None else self._gap_s + _GAP_WEIGHT * (gap - self._gap_s)
+        self._last_end = now
+
+    def expected_wait_s(self, ahead: int, now: float) -> float:
+        """How long a request with ``ahead`` others before it is expected to wait for a slot freed by a completion."""
+        since = 0.0 if self._last_end is None else now - self._last_end
+        gap = max(self._gap_s or 0.0, since)
+        return (ahead + 1) * gap
+
+    def at_risk(self, need: Need, now: float) -> bool:
+        return need.deadline - now < self.expected_wait_s(need.ahead, now)
+
+    def victims(self, needs: Iterable[Need], now: float) -> list[Held]:
+        """The requests to end now: one per need at risk (most urgent first), youngest first, within the rate."""
+        if not self._victims:
+            return []
+        self._refill(now)
+        chosen: list[Held] = []
+        for need in needs:
+            if self._tokens < 1 or not self.at_risk(need, now):
+                break
+            victim = self._choose(need.held.band, chosen)
+            if victim is None:
+                break
+            need.held.made_room = True
+            chosen.append(victim)
+            self._tokens -= 1
+            self._last_tenant = victim.tenant
+        for victim in chosen:
+            del self._victims[victim]
+        return chosen
+
+    def _choose(self, band: int, taken: list[Held]) -> Held | None:
+        """The youngest candidate of a band below ``band``, of another tenant than the last victim's if there is one."""
+        fallback = None
+        for held in reversed(self._victims):
+            if held in taken or held.band <= band:
+                continue
+            if held.tenant != self._last_tenant:
+                return held
+            fallback = fallback or held
+        return fallback
+
+    def _refill(self, now: float) -> None:
+        if self._filled_at is not None:
+            self._tokens = min(max(1.0, self._rate), self._tokens + (now - self._filled_at) * self._rate)
+        self._filled_at = now
