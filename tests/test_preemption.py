@@ -60,7 +60,10 @@ async def batch(client: openai.AsyncOpenAI, **headers: str) -> tuple[str, float]
         return f"{error.status_code}:{body.get('code')}", time.monotonic() - start
 
 
-async def flood_then_chat(stack: Stack, client: openai.AsyncOpenAI, **headers: str) -> tuple[list[tuple[str, float]], float, float]:
+Run = tuple[list[tuple[str, float]], float, float]
+
+
+async def flood_then_chat(stack: Stack, client: openai.AsyncOpenAI, **headers: str) -> Run:
     """Two batch requests fill both slots; then one interactive chat.
 
     The batch outcomes, the chat's TTFT, and what the engine ran right after the chat.
@@ -69,7 +72,7 @@ async def flood_then_chat(stack: Stack, client: openai.AsyncOpenAI, **headers: s
         return await _flood_then_chat(stack, client, **headers)
 
 
-async def _flood_then_chat(stack: Stack, client: openai.AsyncOpenAI, **headers: str) -> tuple[list[tuple[str, float]], float, float]:
+async def _flood_then_chat(stack: Stack, client: openai.AsyncOpenAI, **headers: str) -> Run:
     jobs = [asyncio.create_task(batch(client, **headers)) for _ in range(2)]
     assert await poll(lambda: sim_running(stack), lambda v: v == 2) == 2
     await asyncio.sleep(0.3)  # the scrape shows them running

@@ -19,8 +19,8 @@ from extproc.core.cost import Estimate
 from extproc.core.drain_time import ReleaseRate
 from extproc.core.fair_queue import FairQueue
 from extproc.core.outcomes import Refusal, Refused
-from extproc.core.release.health_log import HealthLog
 from extproc.core.preemption import Preemption
+from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
 from extproc.core.report import DispatchReport, RequestEvent, Step
 from extproc.core.timers import Timer
