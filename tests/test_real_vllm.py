@@ -342,3 +342,49 @@ async def test_engine_priority_lets_interactive_start_before_vllms_queue(vllm: V
     print(f"flood requests finished during bob's: engine priority {with_priority}, arrival order {arrival_order}")
     assert with_priority <= 4, with_priority
     assert arrival_order >= with_priority + 4, (with_priority, arrival_order)
+
+
+# --- preemption: a batch request ended for an interactive one at risk; vLLM aborts it --------------------------
+
+PREEMPT_BATCH_TOKENS = 400  # most of the tiny model's 512-token context: a few seconds of decoding
+
+
+async def batch_completion(http: aiohttp.ClientSession, url: str) -> tuple[int, str]:
+    """One non-streamed batch completion through the gateway: its status and error code (empty when it ran)."""
+    body = {"model": FCFS_MODEL, "messages": [{"role": "user", "content": "Summarise the archive"}],
+            "max_tokens": PREEMPT_BATCH_TOKENS, **REQUEST_EXTRAS}
+    headers = {"authorization": f"Bearer {TENANT_KEYS['carol']}", "x-priority": "batch"}
+    async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as response:
+        answer = await response.json()
+        return response.status, answer.get("error", {}).get("code", "") if response.status != 200 else ""
+
+
+@IN_SESSION_LOOP
+async def test_a_preempted_batch_request_is_aborted_by_vllm(vllm: VllmServers, tmp_path: Path) -> None:
+    """Batch fills vLLM's 4 slots; an interactive chat at risk preempts one, and vLLM's running count drops.
+
+    vLLM does not preempt a running request for a higher priority when its
+    slots are full; the gateway ends one whose response has not begun (Envoy
+    answers the client 503 preempted and resets the upstream request, which
+    vLLM aborts). After the chat, vLLM runs the 3 others only.
+    """
+    settings = {"endpoints": [vllm.fcfs], "max_running": 4}
+    config = write_stack_config(tmp_path, {FCFS_MODEL: settings}, bands={"interactive": {"ttft_objective_s": 0.3}})
+    async with await start_stack(config, tmp_path, engines=False) as stack, session() as http:
+        batch = [asyncio.create_task(batch_completion(http, stack.envoy_url)) for _ in range(4)]
+
+        async def full() -> bool:
+            return (await engine_state(http, vllm.fcfs)).running == 4
+
+        await until(full, "vLLM running the 4 batch requests")
+        chat = await ask(http, stack.envoy_url, FCFS_MODEL, "bob", gateway=True, max_tokens=4, priority="interactive")
+
+        async def three() -> bool:
+            return (await engine_state(http, vllm.fcfs)).running == 3
+
+        await until(three, "vLLM running 3 batch requests after the chat: the preempted one aborted")
+        outcomes = await asyncio.gather(*batch)
+        samples = await read_metrics(stack.metrics_url)
+    assert all_complete([chat], 4), chat
+    assert sorted(outcomes) == [(200, "")] * 3 + [(503, "preempted")], outcomes
+    assert metric(samples, "extproc_released_total", model=FCFS_MODEL, priority="batch") == 4
