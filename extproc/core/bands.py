@@ -4,14 +4,20 @@ The bands share the engine without sharing a ceiling (docs/policies.md). All
 the band rules sit here, above the release rule, which knows nothing of bands:
 
 * the first band may use the rule's whole allowance;
-* bands below it only down to ``reserved_waiting``, so a burst of the first
-  band always finds room in the engine's queue, however deep the lower bands'
-  backlog;
-* an idle-only band is released only into an *idle* engine: the estimated
-  waiting queue is empty and what the engine holds is below ``share`` of its
-  capacity — ``max_running`` when configured, else the most requests it was
-  ever seen running. Such releases are sized to free slots: the load estimate
-  does not count them as waiting, and the adaptive limit keeps
+* a band below it leaves room for the bands above it: their recent demand
+  (:class:`BandDemand`: the most requests they held at once, queued or in
+  flight, in the last :data:`DEMAND_WINDOW_S`) beyond what they hold now, and
+  at least ``reserved_waiting``. So a burst of chats finds room in the engine
+  however deep the lower bands' backlog, and a band nobody above uses keeps
+  nothing back. A preemptible band keeps only ``reserved_waiting`` while
+  preemption is on: when a higher band needs a slot, one is made for it
+  (``preemption.py``), so nothing stands empty meanwhile;
+* an idle-only band, while the bands above it had demand in the window, is
+  released only into an *idle* engine: the estimated waiting queue is empty
+  and what the engine holds is below ``share`` of its capacity (less the
+  reservation) — ``max_running`` when configured, else the most requests it
+  was ever seen running. Such releases are sized to free slots: the load
+  estimate does not count them as waiting, and the adaptive limit keeps
   ``target_waiting`` above the engine's capacity, so they never eat the
   allowance of the bands above. With ``share`` 1 and no configured capacity
   the band also probes past the learned capacity (doubling, by at most
@@ -20,7 +26,10 @@ the band rules sit here, above the release rule, which knows nothing of bands:
   that does not fit waits in the engine and stops the band until the queue
   is empty again. Without usable metrics (or with a rule that ignores them)
   idleness cannot be seen: the band gets the ordinary allowance less the
-  reserve, at least one slot, for the bands above.
+  reserve, at least one slot, for the bands above;
+* an idle-only band alone (nothing above it in the window) is released like
+  any other: into the engine's queue up to the target, so a batch load alone
+  keeps the engine as busy as sending it straight would (work conservation).
 
 Strict priority itself (only the highest band holding requests may release)
 is the fair queue's (``fair_queue.py``).
