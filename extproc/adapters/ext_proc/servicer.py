@@ -20,6 +20,10 @@ SEND, everything else off):
    stream then stays open, silent, until the response has finished or the
    client has gone; its end is the request's completion, which keeps the
    gate's in-flight count exact at no per-chunk cost.
+5. A request of a preemptible class also has its response headers sent;
+   until they come the core may preempt it (``core/preemption.py``), and
+   the stream answers 503 ``preempted`` itself: Envoy sends that to the
+   client and resets the request to the engine, which aborts it.
 
 Attached by ext_proc alone — a Gateway API Inference Extension gateway, whose
 filter sends the body and reads the pick back (docs/epp.md) — there is no
