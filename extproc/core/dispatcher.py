@@ -47,7 +47,7 @@ from extproc.core.fair_queue import FairQueue
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.outlet import Held, Outlet
 from extproc.core.policies import Policy
-from extproc.core.preemption import Need, Preemption
+from extproc.core.preemption import AGAIN_AFTER_S, Need, Preemption
 from extproc.core.release.pool import Pool
 from extproc.core.report import Change, Charged, DispatchReport, EndpointEvent, PoolEvent, RequestEvent, Step
 from extproc.core.status import EndpointStatus, ModelStatus, band_status
@@ -237,15 +237,19 @@ class ModelDispatcher:
             outlet.waiting_above.clear()  # the engine queues nothing: whoever was released runs
             if not any(self._queue.band_len(i) for i, band in enumerate(self._bands) if not band.preemptible):
                 return []
-        waiting = [held for held in outlet.waiting_above if not held.made_room]
+        waiting = list(outlet.waiting_above)
         for index, band in enumerate(self._bands):
             if band.preemptible or not self._queue.band_len(index):
                 continue
             heads = (self._queue.head(index, tenant) for tenant in self._queue.tenant_lengths(index))
-            waiting.extend(head for head in heads if head is not None and not head.made_room)
+            waiting.extend(head for head in heads if head is not None)
+        again = now - AGAIN_AFTER_S
         deadlines = sorted(((held.enqueued_at + held.ttft_objective_s, held) for held in waiting
-                            if held.ttft_objective_s is not None), key=lambda pair: pair[0])
-        return [Need(held, deadline, ahead) for ahead, (deadline, held) in enumerate(deadlines)]
+                            if held.ttft_objective_s is not None and held.room_made_at <= again),
+                           key=lambda pair: pair[0])
+        # Whoever waits inside the engine may be served before them (an engine in arrival order).
+        queued = int(outlet.pool.estimate.now().waiting)
+        return [Need(held, deadline, queued + ahead) for ahead, (deadline, held) in enumerate(deadlines)]
 
     def _preempt_at_risk(self, now: float) -> None:
         """End the preemptible requests a higher band's objective at risk needs the slots of (preemption.py)."""

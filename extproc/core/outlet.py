@@ -57,8 +57,8 @@ class Held:
     started: bool = False
     # The client says it is a retry (x-stainless-retry-count): never preempted.
     retried: bool = False
-    # A preemptible request was ended to make room for it (once is enough).
-    made_room: bool = False
+    # When a preemptible request was last ended to make room for it (preemption.py).
+    room_made_at: float = -math.inf
     # Resolved when it is preempted after its release: its stream answers 503 preempted.
     preempted: asyncio.Future[None] | None = field(default=None, repr=False)
     # Whether its response's headers are read for a failed release (a sample: they cost a message).

@@ -18,6 +18,10 @@ The rules, in order:
   recent interval between completions (measured; while nothing completes,
   the time since the last completion stands in for it). A request without an
   objective is never at risk; nobody at risk, nothing is preempted.
+* **One at a time.** One victim per request in need; another only if it is
+  still waiting and at risk :data:`AGAIN_AFTER_S` later (in an engine that
+  serves its queue in arrival order, requests released before it may stand
+  ahead of it).
 * **The victim wastes least.** Among the preemptible requests in flight whose
   response has not begun (their response headers have not come), the one
   released last: the least progress. A different tenant than the last victim
@@ -42,6 +46,10 @@ if TYPE_CHECKING:  # the outlet holds a Preemption: only its type is needed here
 
 # How much one new interval moves the measured interval between completions.
 _GAP_WEIGHT = 0.2
+# After a victim was ended for a request, how long before it may need another: long
+# enough for the engine to abort it and for a scrape to show it (real vLLM shows a
+# change 50-400 ms late), so one slot freed is not mistaken for none.
+AGAIN_AFTER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,7 @@ class Preemption:
             victim = self._choose(need.held.band, chosen)
             if victim is None:
                 break
-            need.held.made_room = True
+            need.held.room_made_at = now
             chosen.append(victim)
             self._tokens -= 1
             self._last_tenant = victim.tenant
