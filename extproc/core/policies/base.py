@@ -1,9 +1,9 @@
-"""What every fairness policy is: the band-policy interface, its shared FIFO bookkeeping, its registry entry.
+"""What every fairness policy is: the band-policy interface, its shared per-tenant queues, its registry entry.
 
-A band policy holds the requests of one priority band, a FIFO per tenant,
-and decides whose head goes next. ``charge`` and ``correct`` tell it what
-each release cost (estimated at release, corrected at the end), for the
-policies that share cost rather than turns.
+A band policy holds the requests of one priority band, a queue per tenant (a
+FIFO, or by deadline), and decides whose head goes next. ``charge`` and
+``correct`` tell it what each release cost (estimated at release, corrected at
+the end), for the policies that share cost rather than turns.
 """
 
 from __future__ import annotations
@@ -131,12 +131,12 @@ class TenantQueue(Protocol[Item]):
 
 
 class TenantQueues(Generic[Item]):
-    """A FIFO per backlogged tenant: the bookkeeping every band policy shares.
+    """A queue per backlogged tenant: the bookkeeping every band policy shares.
 
     Subclasses decide whose head goes next (``pop``) and extend ``_leave``,
-    called when a tenant's FIFO runs empty, for their own per-tenant state.
-    A subclass that orders a tenant's requests otherwise gives its own
-    ``_new_queue``.
+    called when a tenant's queue runs empty, for their own per-tenant state.
+    Each queue is a FIFO unless the subclass's ``_new_queue`` orders it
+    otherwise.
     """
 
     def __init__(self) -> None:
