@@ -40,7 +40,8 @@ i is picked its counter is at most the smallest plus ``w_i`` ≤ W; the rest of
 request more than its share (two ahead of the other tenant).
 
 Picking scans the backlogged tenants twice (the smallest counter, then the
-window): about twice ``vtc``'s pick. Queueing and releasing are linear in the
+window): about twice ``vtc``'s pick, 8 µs with 10 of them, 350 µs with 1 000
+(measured with ``vtc``'s 4 and 180 on the shared 2-core machine). Queueing and releasing are linear in the
 tenant's own backlog (a list kept sorted; bounded by the queue caps).
 
 No cluster form (``Policy.cluster`` is None): the cluster's script runs a
