@@ -163,6 +163,22 @@ def test_an_urgent_tenant_is_never_more_than_one_of_its_requests_past_its_share(
             assert released["u"] <= released[other] + 2 * service["u"] + 1e-6
 
 
+def test_an_idle_tenants_window_is_forgotten_with_its_counter() -> None:
+    """Memory stays bounded by the active tenants: the sweep of idle counters takes their windows too."""
+    band: DeadlineBand[Request] = DeadlineBand(equal_weights)
+    for _ in range(2):
+        band.push("busy", Request(0.0, 60.0))
+    for i in range(500):  # one busy tenant, and 500 that send one request each
+        band.push(f"once-{i}", Request(float(i), 60.0))
+        for _ in range(2):
+            tenant, _ = band.pop()
+            band.charge(tenant, 10.0)
+            if tenant == "busy":
+                band.push("busy", Request(float(i), 60.0))
+    assert not any(band.tenant_len(f"once-{i}") for i in range(500))
+    assert len(band._largest) < 100 and set(band._largest) <= set(band._counters)
+
+
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(st.one_of(
     st.tuples(st.just("push"), st.sampled_from("abcd")),
