@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -35,6 +35,18 @@ NASTY = st.sampled_from([math.nan, math.inf, -math.inf, 1e308, 1e20, -5.0, 0.0, 
 HOSTILE_FLOATS = st.one_of(NASTY, st.floats(allow_nan=True, allow_infinity=True),
                            st.integers(-(10**30), 10**30).map(float))
 HOSTILE_LENGTHS = st.one_of(st.none(), st.integers(-(10**25), 10**25), st.sampled_from([0, 18446744073709551615]))
+
+
+# Deadlines, for ``policy: deadline``: the hostile tenant's requests are the most urgent.
+URGENT, LAX = 0.0, 1.0
+
+
+class Queued(NamedTuple):
+    """A queued request as a band sees it (``deadline``: read by ``policy: deadline``)."""
+
+    tenant: str
+    number: int
+    deadline: float = LAX
 
 
 def finite_counters(band: BandPolicy[Any], tenants: Iterable[str]) -> bool:
@@ -199,20 +211,22 @@ def run_cost_path(
     or the floor, which corrections since the last pick may have left up to
     K·E above it; another tenant is picked only while its counter is not above
     the newcomer's, so it gains at most that, one more charge U, and the
-    corrections still to come, K·E.)
+    corrections still to come, K·E.) A policy with a window adds it:
+    ``window_requests`` more charges U, which "h", always the most urgent, may
+    take.
     """
     band = policy.new_band(lambda tenant: weights[tenant])
     context = float(model.weights.max_context_tokens)
     for i in range(3):
-        band.push("h", ("h", i))
-        band.push("a", ("a", i))
+        band.push("h", Queued("h", i, URGENT))
+        band.push("a", Queued("a", i))
     pending: list[tuple[str, Estimate, float]] = []
     gained = {"h": 0.0, "a": 0.0}
     unit = error = 0.0
     waiting = False
     for index, step in enumerate(steps):
         if index == newcomer_at:
-            band.push("n", ("n", 0))
+            band.push("n", Queued("n", 0))
             waiting = True
         while len(pending) >= in_flight or (pending and step["finish"]):
             tenant, estimate, occupancy = pending.pop(0)
@@ -225,8 +239,8 @@ def run_cost_path(
             if waiting:
                 gained[tenant] += correction
         tenant, item = band.pop()
-        if item == ("n", 0):
-            return band, gained, unit + 2 * in_flight * error
+        if item == Queued("n", 0):
+            return band, gained, unit * (1 + policy.window_requests) + 2 * in_flight * error
         hostile = tenant == "h"
         estimate = model.estimate(tenant, step["length"] if hostile else 480,
                                   step["max_tokens"] if hostile else 100.0)
@@ -237,7 +251,7 @@ def run_cost_path(
         if waiting:
             gained[tenant] += service
         pending.append((tenant, estimate, step["occupancy"]))
-        band.push(tenant, (tenant, index + 3))
+        band.push(tenant, Queued(tenant, index + 3, URGENT if hostile else LAX))
         assert finite_counters(band, "ha")
         assert rate.rate is None or math.isfinite(rate.rate)
     return band, gained, math.inf  # the newcomer was never released within the run
@@ -285,8 +299,8 @@ def test_a_caller_passing_garbage_cannot_make_a_counter_infinite(
 ) -> None:
     """Defence in depth: the policy itself clamps what a buggy caller charges or corrects."""
     band = POLICIES[name].new_band(lambda tenant: weight)
-    band.push("a", 0)
-    band.push("b", 1)
+    band.push("a", Queued("a", 0))
+    band.push("b", Queued("b", 1))
     for tenant, cost, delta in charges:
         band.charge(tenant, cost)
         band.correct(tenant, delta)
@@ -294,6 +308,6 @@ def test_a_caller_passing_garbage_cannot_make_a_counter_infinite(
     counter = getattr(band, "counter", None)
     if counter is not None:
         assert all(abs(counter(t)) <= 2 * len(charges) * MAX_SERVICE for t in "ab")
-    band.push("late", 2)
+    band.push("late", Queued("late", 2))
     assert finite_counters(band, "ab")
     assert sorted(band.pop()[0] for _ in range(3)) == ["a", "b", "late"]

@@ -2,12 +2,18 @@
 
 A new policy passes these before the config accepts its name:
 
-* every request ends exactly once (popped or removed), each tenant's in arrival order;
+* every request ends exactly once (popped or removed), each tenant's in its
+  order: arrival, or earliest deadline first for a ``by_deadline`` policy;
 * no starvation within a band: a tenant that joins is served within a number
   of releases that does not grow with the backlog in front of it;
 * its own fairness bound: between continuously backlogged tenants the service
   released (the policy's own measure, ``Policy.service``) differs by at most
-  ``U + K·E`` (see :class:`extproc.core.policies.base.Policy`).
+  ``U + K·E``, plus ``window_requests`` requests' worth for a policy that may
+  move a tenant ahead (see :class:`extproc.core.policies.base.Policy`).
+
+Every request carries a deadline (as ``Held.deadline``): its arrival on a
+clock that ticks once per request, plus an objective the example draws.
+Policies that ignore deadlines must pass unchanged.
 
 Each runs on two paths, with the same properties and the same bounds:
 ``single`` is one instance's band policy; ``script`` is the policy's cluster
@@ -24,7 +30,7 @@ import itertools
 import math
 from collections.abc import AsyncIterator, Callable, Hashable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import pytest
@@ -45,8 +51,28 @@ pytestmark = pytest.mark.parametrize("name", sorted(POLICIES))
 TENANTS = st.sampled_from(["a", "b", "c", "d"])
 WEIGHTS = st.fixed_dictionaries({t: st.floats(0.25, 4) for t in "abcdx"})
 COSTS = st.floats(1, 100)
+OBJECTIVES = st.floats(0.5, 50)  # seconds, on a clock that ticks once per request
 # Function-scoped fixtures (the path factory) serve every example: each example builds its own path.
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@dataclass(frozen=True)
+class Request:
+    """A queued request: numbered in arrival order (one tick of the clock each), due by ``deadline``."""
+
+    number: int
+    deadline: float
+
+    @classmethod
+    def due(cls, number: int, objective: float) -> Request:
+        return cls(number, number + objective)
+
+
+def order(policy: Policy) -> Callable[[Request], tuple[float, ...]]:
+    """The order the policy promises within a tenant: by deadline (ties: arrival), or by arrival."""
+    if policy.by_deadline:
+        return lambda request: (request.deadline, request.number)
+    return lambda request: (request.number,)
 
 
 class Path(Protocol):
@@ -187,11 +213,11 @@ def new_path(request: pytest.FixtureRequest, name: str) -> PathFactory:
     return script
 
 
-# An operation: push (tenant, cost), pop, remove the n-th queued item, or a release's
+# An operation: push (tenant, cost, objective), pop, remove the n-th queued item, or a release's
 # end (estimate, then real = estimate + delta) reported for the tenant.
 OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("push"), TENANTS, COSTS),
+        st.tuples(st.just("push"), TENANTS, COSTS, OBJECTIVES),
         st.tuples(st.just("pop")),
         st.tuples(st.just("remove"), st.integers(0, 1000)),
         st.tuples(st.just("cost"), TENANTS, COSTS, st.floats(-50, 50)),
@@ -202,43 +228,44 @@ OPS = st.lists(
 
 @SETTINGS
 @given(ops=OPS, weights=WEIGHTS)
-async def test_every_request_ends_exactly_once_in_arrival_order(
+async def test_every_request_ends_exactly_once_in_its_tenants_order(
     new_path: PathFactory, name: str, ops: list[tuple[Any, ...]], weights: dict[str, float]
 ) -> None:
-    async with new_path(POLICIES[name], weights) as queue:
-        queued: dict[int, str] = {}
+    policy = POLICIES[name]
+    first = order(policy)
+    async with new_path(policy, weights) as queue:
+        queued: dict[Request, str] = {}
         ended: list[int] = []
-        served: list[tuple[str, int]] = []
         ids = itertools.count()
+
+        async def pop() -> None:
+            tenant, item = await queue.pop()
+            # The tenant's first queued request in the policy's order, none other.
+            assert item == min((r for r, t in queued.items() if t == tenant), key=first)
+            assert queued.pop(item) == tenant
+            ended.append(item.number)
+
         for op in ops:
             if op[0] == "push":
-                item = next(ids)
+                item = Request.due(next(ids), op[3])
                 queue.push(op[1], item, op[2])
                 queued[item] = op[1]
             elif op[0] == "pop" and queued:
-                tenant, item = await queue.pop()
-                assert queued.pop(item) == tenant
-                served.append((tenant, item))
+                await pop()
             elif op[0] == "remove" and queued:
-                item = sorted(queued)[op[1] % len(queued)]
+                item = sorted(queued, key=lambda r: r.number)[op[1] % len(queued)]
                 assert queue.remove(queued.pop(item), item)
                 assert not queue.remove("a", item) and not queue.remove("zz", item)
-                ended.append(item)
+                ended.append(item.number)
             elif op[0] == "cost":
                 queue.ended(op[1], op[2], op[2] + op[3])
             assert len(queue) == len(queued)
             assert all(queue.tenant_len(t) == list(queued.values()).count(t) for t in "abcd")
         while len(queue):
-            tenant, item = await queue.pop()
-            assert queued.pop(item) == tenant
-            served.append((tenant, item))
+            await pop()
         with pytest.raises(IndexError):
             await queue.pop()
-        ended += [item for _, item in served]
         assert sorted(ended) == list(range(next(ids)))  # nothing lost, nothing twice
-        for tenant in "abcd":
-            mine = [item for t, item in served if t == tenant]
-            assert mine == sorted(mine)
 
 
 @SETTINGS
@@ -248,10 +275,11 @@ async def test_every_request_ends_exactly_once_in_arrival_order(
     costs=st.fixed_dictionaries({t: COSTS for t in "abcdx"}),
     weights=WEIGHTS,
     newcomer=st.sampled_from(["x", "a"]),
+    objectives=st.fixed_dictionaries({t: OBJECTIVES for t in "abcdx"}),
 )
 async def test_a_tenant_that_joins_is_served_however_deep_the_backlog(
     new_path: PathFactory, name: str, backlogs: list[tuple[str, int]], served_before: int, costs: dict[str, float],
-    weights: dict[str, float], newcomer: str,
+    weights: dict[str, float], newcomer: str, objectives: dict[str, float],
 ) -> None:
     """Exact costs; the newcomer is new ("x") or returns after its own backlog ran out ("a")."""
     policy = POLICIES[name]
@@ -259,7 +287,7 @@ async def test_a_tenant_that_joins_is_served_however_deep_the_backlog(
         ids = itertools.count()
         for tenant, count in backlogs:
             for _ in range(count):
-                queue.push(tenant, next(ids), costs[tenant])
+                queue.push(tenant, Request.due(next(ids), objectives[tenant]), costs[tenant])
         for _ in range(min(served_before, len(queue))):
             await queue.pop()
         if queue.tenant_len(newcomer):
@@ -267,9 +295,10 @@ async def test_a_tenant_that_joins_is_served_however_deep_the_backlog(
         others = {t for t in "abcd" if queue.tenant_len(t)}
         service = {t: policy.service(costs[t], weights[t]) for t in "abcdx"}
         # While the newcomer waits, each other tenant can gain at most about one
-        # request's service (U) more than the newcomer has: a bound in releases.
-        rounds = math.ceil(max(service.values()) / min(service.values())) + 1
-        mark = -1
+        # request's service (U) more than the newcomer has, and its window more
+        # (one of its own requests each): a bound in releases.
+        rounds = math.ceil(max(service.values()) / min(service.values())) + 1 + policy.window_requests
+        mark = Request.due(next(ids), objectives[newcomer])
         queue.push(newcomer, mark, costs[newcomer])
         waited = 0
         while (await queue.pop())[1] != mark:
@@ -277,7 +306,7 @@ async def test_a_tenant_that_joins_is_served_however_deep_the_backlog(
         assert waited <= len(others) * rounds
 
 
-plans = st.lists(st.tuples(COSTS, COSTS), min_size=1, max_size=8)  # (estimated cost, real cost)
+plans = st.lists(st.tuples(COSTS, COSTS, OBJECTIVES), min_size=1, max_size=8)  # (estimated cost, real cost, objective)
 
 
 @SETTINGS
@@ -290,22 +319,24 @@ plans = st.lists(st.tuples(COSTS, COSTS), min_size=1, max_size=8)  # (estimated 
     completions=st.lists(st.integers(0, 5), min_size=200, max_size=200),
 )
 async def test_backlogged_tenants_stay_within_the_policys_bound(
-    new_path: PathFactory, name: str, plan: dict[str, list[tuple[float, float]]], tenants: int,
+    new_path: PathFactory, name: str, plan: dict[str, list[tuple[float, float, float]]], tenants: int,
     weights: dict[str, float], in_flight: int, steps: int, completions: list[int],
 ) -> None:
-    """|service released to A - to B| <= U + K·E at every moment, for every pair."""
+    """|service released to A - to B| <= U + K·E (+ the policy's window) at every moment, for every pair."""
     policy = POLICIES[name]
     async with new_path(policy, weights) as queue:
         names = "abc"[:tenants]
         pushed = dict.fromkeys(names, 0)
-        planned: dict[int, tuple[float, float]] = {}  # item -> its (estimate, real cost): each tenant's plan in turn
+        planned: dict[Request, tuple[float, float]] = {}  # its (estimate, real cost): each tenant's plan in turn
         released = dict.fromkeys(names, 0.0)  # real service of everything released
         pending: list[tuple[str, float, float]] = []  # in flight: (tenant, estimate, real cost)
 
-        def push(tenant: str, item: int) -> None:
-            planned[item] = plan[tenant][pushed[tenant] % len(plan[tenant])]
+        def push(tenant: str, number: int) -> None:
+            estimate, real, objective = plan[tenant][pushed[tenant] % len(plan[tenant])]
             pushed[tenant] += 1
-            queue.push(tenant, item, planned[item][0])
+            item = Request.due(number, objective)
+            planned[item] = estimate, real
+            queue.push(tenant, item, estimate)
 
         for i in range(2 * tenants):  # every tenant stays backlogged: each release is replaced
             push(names[i % tenants], i)
@@ -313,9 +344,11 @@ async def test_backlogged_tenants_stay_within_the_policys_bound(
         def service(tenant: str, cost: float) -> float:
             return policy.service(cost, weights[tenant])
 
-        requests = [(t, est, real) for t in names for est, real in plan[t]]
+        requests = [(t, est, real) for t in names for est, real, _ in plan[t]]
         unit = max(service(t, real) for t, _, real in requests)
         error = max(abs(service(t, real) - service(t, est)) for t, est, real in requests)
+        # How far the policy may move a tenant ahead: requests' worth, each at most the largest estimate.
+        window = policy.window_requests * max(service(t, est) for t, est, _ in requests)
         for step in range(steps):
             # Some in-flight requests finish (any order), then one more is released.
             for _ in range(min(completions[step], len(pending))):
@@ -328,7 +361,7 @@ async def test_backlogged_tenants_stay_within_the_policys_bound(
             pending.append((tenant, estimate, real))
             released[tenant] += service(tenant, real)
             for a, b in itertools.combinations(names, 2):
-                assert abs(released[a] - released[b]) <= unit + in_flight * error + 1e-6
+                assert abs(released[a] - released[b]) <= unit + in_flight * error + window + 1e-6
 
 
 MODEL = {"endpoints": ["http://127.0.0.1:1"]}

@@ -1,9 +1,9 @@
-"""What every fairness policy is: the band-policy interface, its shared FIFO bookkeeping, its registry entry.
+"""What every fairness policy is: the band-policy interface, its shared per-tenant queues, its registry entry.
 
-A band policy holds the requests of one priority band, a FIFO per tenant,
-and decides whose head goes next. ``charge`` and ``correct`` tell it what
-each release cost (estimated at release, corrected at the end), for the
-policies that share cost rather than turns.
+A band policy holds the requests of one priority band, a queue per tenant (a
+FIFO, or by deadline), and decides whose head goes next. ``charge`` and
+``correct`` tell it what each release cost (estimated at release, corrected at
+the end), for the policies that share cost rather than turns.
 """
 
 from __future__ import annotations
@@ -86,6 +86,15 @@ class Policy:
     where U is the most service one request gives, E the largest error of one
     estimate (in service) and K the most requests in flight at once.
 
+    A policy may let some other goal than equal service (a deadline) move a
+    tenant ahead of its share, within a window: ``window_requests`` says by how
+    many requests' worth of service, each at most the most service one request
+    is charged (its estimate). Its bound is then ``U + K·E`` plus that window.
+
+    ``by_deadline``: each tenant's requests leave earliest ``deadline`` first
+    (ties: arrival), read from the items (:class:`Deadlined`); otherwise in
+    arrival order.
+
     ``cluster`` is how a cluster of instances runs it (None: it cannot be, and
     the config refuses it with a ``cluster:`` section).
     """
@@ -94,18 +103,49 @@ class Policy:
     new_band: Callable[[TenantWeight], BandPolicy[Any]]
     service: Callable[[float, float], float]
     cluster: ClusterForm | None = None
+    window_requests: int = 0
+    by_deadline: bool = False
+
+
+class Deadlined(Hashable, Protocol):
+    """A request a deadline-ordered policy can queue: when it should be released by (``Held.deadline``)."""
+
+    @property
+    def deadline(self) -> float: ...
+
+
+class TenantQueue(Protocol[Item]):
+    """One tenant's queued requests, in the order they leave (``[0]`` next); a ``deque`` is one in arrival order."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Item: ...
+
+    def append(self, item: Item) -> None:
+        """Queue ``item`` in its place."""
+
+    def popleft(self) -> Item: ...
+
+    def remove(self, item: Item) -> None:
+        """Drop ``item``; ValueError if it is not queued."""
 
 
 class TenantQueues(Generic[Item]):
-    """A FIFO per backlogged tenant: the bookkeeping every band policy shares.
+    """A queue per backlogged tenant: the bookkeeping every band policy shares.
 
     Subclasses decide whose head goes next (``pop``) and extend ``_leave``,
-    called when a tenant's FIFO runs empty, for their own per-tenant state.
+    called when a tenant's queue runs empty, for their own per-tenant state.
+    Each queue is a FIFO unless the subclass's ``_new_queue`` orders it
+    otherwise.
     """
 
     def __init__(self) -> None:
-        self._queues: dict[str, deque[Item]] = {}
+        self._queues: dict[str, TenantQueue[Item]] = {}
         self._size = 0
+
+    def _new_queue(self) -> TenantQueue[Item]:
+        """An empty queue for a tenant that joins the backlog: a FIFO."""
+        return deque()
 
     def __len__(self) -> int:
         return self._size

@@ -31,7 +31,7 @@ class TenantRoundRobin(TenantQueues[Item]):
     def push(self, tenant: str, item: Item) -> None:
         queue = self._queues.get(tenant)
         if queue is None:
-            queue = self._queues[tenant] = deque()
+            queue = self._queues[tenant] = self._new_queue()
             self._rotation.append(tenant)
         queue.append(item)
         self._size += 1

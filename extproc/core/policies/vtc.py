@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
 from collections.abc import Hashable
 from typing import TypeVar
 
@@ -86,7 +85,7 @@ class VirtualTokenCounter(TenantQueues[Item]):
         if queue is None:
             lift = min((self._counters[t] for t in self._queues), default=self._floor)
             self._counters[tenant] = max(self.counter(tenant), lift)
-            queue = self._queues[tenant] = deque()
+            queue = self._queues[tenant] = self._new_queue()
             self._joined[tenant] = next(self._sequence)
         queue.append(item)
         self._size += 1
@@ -95,8 +94,8 @@ class VirtualTokenCounter(TenantQueues[Item]):
         """Head of the backlogged tenant with the least weighted service; IndexError when empty."""
         if not self._queues:
             raise IndexError("pop from an empty band")
-        tenant = min(self._queues, key=lambda t: (self._counters[t], self._joined[t]))
-        self._floor = max(self._floor, self._counters[tenant])
+        tenant, lowest = self._pick()
+        self._floor = max(self._floor, lowest)
         queue = self._queues[tenant]
         item = queue.popleft()
         if not queue:
@@ -106,13 +105,28 @@ class VirtualTokenCounter(TenantQueues[Item]):
             self._sweep()
         return tenant, item
 
+    def _pick(self) -> tuple[str, float]:
+        """The backlogged tenant whose head goes next, and the smallest backlogged counter (the floor rises to it)."""
+        tenant = min(self._queues, key=self._rank)
+        return tenant, self._counters[tenant]
+
+    def _rank(self, tenant: str) -> tuple[float, int]:
+        """Least weighted service first; ties: backlogged longest."""
+        return self._counters[tenant], self._joined[tenant]
+
     def charge(self, tenant: str, cost: float) -> None:
         """Add a release's estimated cost (before weighting) to the tenant's counter."""
-        self._counters[tenant] = self.counter(tenant) + _bounded(cost / self._weight(tenant))
+        self._add(tenant, cost)
 
     def correct(self, tenant: str, delta: float) -> None:
         """Adjust by real cost minus the estimate charged (negative: it cost less)."""
-        self.charge(tenant, delta)
+        self._add(tenant, delta)
+
+    def _add(self, tenant: str, cost: float) -> float:
+        """Add ``cost`` (before weighting) to the tenant's counter; the weighted service added."""
+        service = _bounded(cost / self._weight(tenant))
+        self._counters[tenant] = self.counter(tenant) + service
+        return service
 
     def _leave(self, tenant: str) -> None:
         super()._leave(tenant)
