@@ -60,6 +60,13 @@ class Port:
             "127.0.0.1", port,
         )
 
+    async def __aenter__(self) -> Port:
+        await self.server.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.server.stop()
+
     @property
     def m(self) -> ModelDispatcher:
         return self.dispatchers["m"]
@@ -86,12 +93,8 @@ OBJECTIVE_EVENTS = (
 
 @pytest.fixture
 async def port() -> AsyncIterator[Port]:
-    served = Port()
-    await served.server.start()
-    try:
+    async with Port() as served:
         yield served
-    finally:
-        await served.server.stop()
 
 
 async def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
