@@ -44,7 +44,7 @@ MISSED: Outcome = "missed"
 PREEMPTED: Outcome = "preempted"
 
 WINDOW_S = 60.0
-# Outcomes kept per model for the window (about 130 bytes each): at more than
+# Outcomes kept per model for the window (about 200 bytes each, with its tenant's string): at more than
 # RECENT_MAX / WINDOW_S requests per second the window covers less than a minute.
 RECENT_MAX = 8192
 
