@@ -3,7 +3,9 @@
 Grafana itself cannot run here, so the dashboard is checked where it can go
 wrong: every panel's query, sent to a real Prometheus (Debian's
 ``prometheus``) that scrapes a live processor under load through real Envoy,
-must return data. Every alert's signal (its expression without the final
+must return data; the TTFT objective and preemption panels must show events (a positive number), which a
+second metrics port has, its processor's telemetry fed what the core reports (releases on time and late,
+preemptions). Every alert's signal (its expression without the final
 threshold: a quiet stack fires nothing) must too, the rules must load and
 evaluate without error, ``promtool check rules`` must pass, and
 ``promtool test rules`` shows each alert firing on the series meant to fire it.
@@ -28,13 +30,16 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from prometheus_client import generate_latest
 
 from extproc.adapters.config import load_config
+from extproc.core.report import RequestEvent, Step
 from extproc.tools.power_user import chat
 from extproc.tools.procs import ManagedProcess, free_port
 from extproc.tools.stack import start_stack
 from tests.redisutil import RedisServer
 from tests.stackutil import TENANT_KEYS, write_stack_config
+from tests.test_status_page import OBJECTIVE_EVENTS, Port
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "monitoring"
@@ -45,6 +50,8 @@ DASHBOARD = json.loads((MONITORING / "grafana" / "dashboards" / "extproc.json").
 VARIABLES = {"$model": ".+", "$__rate_interval": "30s"}
 # An alert's expression is SIGNAL OP THRESHOLD (a convention the rules file states).
 THRESHOLD = re.compile(r"^(?P<signal>.*\S)\s*(?:>=|<=|==|!=|>|<)\s*[-+0-9.e]+\s*$", re.DOTALL)
+# Panels on TTFT objectives and preemption: they must show the fed processor's events, not only zeros.
+EVENTFUL = re.compile(r"extproc_(objective_requests|release_slack|release_lateness|preemptions|preempted_occupancy)")
 # A small, fast GPU (4 sequences, 10x real time): a steady flood keeps requests queued.
 FAST_SIM = ["--max-num-seqs", "4", "--step-ms", "20", "--time-scale", "0.1"]
 
@@ -89,6 +96,18 @@ def test_the_rules_are_valid_and_each_alert_fires_on_what_it_is_about() -> None:
 
 
 @pytest.mark.unit
+def test_the_processors_metrics_pass_promtool_check_metrics_with_every_kind_of_event_seen() -> None:
+    """Prometheus's own lint of names, types, units and help on the page, objective and preemption series included."""
+    promtool = tool("promtool")
+    fed = Port()
+    fed.report(*OBJECTIVE_EVENTS)
+    page = generate_latest(fed.telemetry.registry)
+    assert b'extproc_release_lateness_seconds_count{model="m",priority="interactive"} 1.0' in page
+    result = subprocess.run([promtool, "check", "metrics"], input=page, capture_output=True, timeout=60)
+    assert result.returncode == 0 and not result.stdout + result.stderr, result.stdout + result.stderr
+
+
+@pytest.mark.unit
 def test_the_dashboard_reads_only_metrics_the_processor_has_and_the_compose_profile_serves_it() -> None:
     exprs = [expr for _, expr in panel_queries()]
     assert len(exprs) >= 20
@@ -128,21 +147,36 @@ async def query(session: aiohttp.ClientSession, prometheus: str, expr: str) -> l
     return list(body["data"]["result"])
 
 
-def has_data(result: list[dict[str, Any]]) -> bool:
-    """At least one series with a number (a quantile over no observations is NaN: no data to plot)."""
-    return any(not math.isnan(float(series["value"][1])) for series in result)
+def has_data(result: list[dict[str, Any]], positive: bool = False) -> bool:
+    """At least one series with a number (a quantile over no observations is NaN: no data to plot); > 0 if ``positive``."""
+    return any(not math.isnan(v) and (v > 0 or not positive) for v in (float(s["value"][1]) for s in result))
+
+
+async def feed_objectives(port: Port, stop: asyncio.Event) -> None:
+    """What the core reports as it schedules by deadline, until ``stop``: interactive releases on time and late,
+    a batch request preempted. No refusals: the rejection alert must stay quiet."""
+    while not stop.is_set():
+        port.report(
+            RequestEvent(Step.RELEASED, "interactive", "alice", waited_s=0.5, slack_s=4.5),
+            RequestEvent(Step.RELEASED, "interactive", "bob", waited_s=0.5, slack_s=3.0),
+            RequestEvent(Step.RELEASED, "interactive", "carol", waited_s=5.4, slack_s=-0.4),
+            RequestEvent(Step.PREEMPTED, "batch", "dave", waited_s=0.6),
+        )
+        await asyncio.sleep(0.2)
 
 
 @pytest.mark.integration
 async def test_every_panel_and_alert_signal_returns_data_from_a_live_processor(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
-    """Two instances of an active-active cluster, so the cluster's panels and alert have data too."""
+    """Two instances of an active-active cluster, so the cluster's panels and alert have data too, and a metrics
+    port whose telemetry is fed objective and preemption events (``fed``), so their panels have some."""
     prometheus_bin = tool("prometheus")
     config = write_stack_config(tmp_path, {"m1": {}}, tenants={"alice": {}}, redis_url=redis_server.url,
                                 cluster_instances=2)
-    async with await start_stack(config, tmp_path, sim_args=FAST_SIM) as stack:
+    async with await start_stack(config, tmp_path, sim_args=FAST_SIM) as stack, Port() as fed:
         targets = [url.removeprefix("http://").removesuffix("/metrics") for url in stack.metrics_urls.values()]
+        targets.append(fed.url.removeprefix("http://"))
         port = free_port()
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -155,6 +189,7 @@ async def test_every_panel_and_alert_signal_returns_data_from_a_live_processor(
         stop = asyncio.Event()
         async with await ManagedProcess.start("prometheus", argv, tmp_path / "prometheus.log", ready_url=f"{prometheus}/-/ready"):
             load = asyncio.create_task(flood(stack.envoy_url, stop))
+            events = asyncio.create_task(feed_objectives(fed, stop))
             missing: list[str] = []
             async with aiohttp.ClientSession() as session:
                 # Until every query has data (a rate needs two scrapes, a quantile observations in
@@ -162,13 +197,14 @@ async def test_every_panel_and_alert_signal_returns_data_from_a_live_processor(
                 for _ in range(60):
                     await asyncio.sleep(1)
                     missing = [f"{what}: {expr}" for what, expr in [*panel_queries(), *alert_signals()]
-                               if not has_data(await query(session, prometheus, expr))]
+                               if not has_data(await query(session, prometheus, expr), bool(EVENTFUL.search(expr)))]
                     if not missing:
                         break
                 async with session.get(f"{prometheus}/api/v1/rules") as response:
                     rules = [r for g in (await response.json())["data"]["groups"] for r in g["rules"]]
             stop.set()
             sent = await load
+            await events
     assert not missing, "\n".join(missing)
     assert sent > 0
     assert {r["name"] for r in rules} == {name.removeprefix("alert ") for name, _ in alert_signals()}

@@ -30,6 +30,8 @@ from extproc.adapters.web.app import TOP_TENANTS, MetricsServer, build_app
 from extproc.adapters.wiring import build_dispatchers
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
+from extproc.core.outcomes import Refusal
+from extproc.core.report import RequestEvent, Step
 from extproc.tools.procs import free_port
 from extproc.tools.stack import start_stack
 from tests.stackutil import API_KEYS, TENANT_KEYS, wait_for_metric, write_config
@@ -53,22 +55,46 @@ class Port:
         self.draining = False
         self.url = f"http://127.0.0.1:{free_port()}"
         port = int(self.url.rsplit(":", 1)[1])
-        self.server = MetricsServer(build_app(self.telemetry.registry, self.dispatchers, lambda: self.draining),
-                                    "127.0.0.1", port)
+        self.server = MetricsServer(
+            build_app(self.telemetry.registry, self.dispatchers, lambda: self.draining, self.telemetry),
+            "127.0.0.1", port,
+        )
+
+    async def __aenter__(self) -> Port:
+        await self.server.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.server.stop()
 
     @property
     def m(self) -> ModelDispatcher:
         return self.dispatchers["m"]
 
+    def report(self, *events: RequestEvent, model: str = "m") -> None:
+        """Events as the core reports them, straight into the model's telemetry (a request is queued first)."""
+        for event in events:
+            if event.step is not Step.PREEMPTED:
+                self.telemetry.models[model](RequestEvent(Step.QUEUED, event.band, event.tenant))
+            self.telemetry.models[model](event)
+
+
+# What each TTFT objective section below is fed: interactive releases on time (alice) and late (bob),
+# one refused after its deadline (carol), batch requests preempted (dave).
+OBJECTIVE_EVENTS = (
+    RequestEvent(Step.RELEASED, "interactive", "alice", waited_s=1.0, slack_s=4.0),
+    RequestEvent(Step.RELEASED, "interactive", "alice", waited_s=2.0, slack_s=3.0),
+    RequestEvent(Step.RELEASED, "interactive", "bob", waited_s=5.5, slack_s=-0.5),
+    RequestEvent(Step.REFUSED, "interactive", "carol", waited_s=6, refusal=Refusal.SHUTTING_DOWN, slack_s=-1.0),
+    RequestEvent(Step.PREEMPTED, "batch", "dave", waited_s=0.5),
+    RequestEvent(Step.PREEMPTED, "batch", "dave", waited_s=0.7),
+)
+
 
 @pytest.fixture
 async def port() -> AsyncIterator[Port]:
-    served = Port()
-    await served.server.start()
-    try:
+    async with Port() as served:
         yield served
-    finally:
-        await served.server.stop()
 
 
 async def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -159,6 +185,10 @@ async def test_status_json_shows_rule_endpoints_and_the_top_tenants_per_class(po
         assert bands["standard"] == {"name": "standard", "queued": 0, "top_tenants": [], "other_queued": 0,
                                      "other_tenants": 0}
 
+        # Nothing with an objective has left the queue yet: every class at zero.
+        assert [b["name"] for b in m["objectives"]["bands"]] == ["interactive", "standard", "batch"]
+        assert all(b["since_start"] == {"met": 0, "missed": 0, "preempted": 0} for b in m["objectives"]["bands"])
+
         fixed = models["fixed"]
         assert fixed["rule"] == "static_rate" and fixed["rule_rate"] == 2
         # Never scraped: shown as such, and degraded does not apply to a rule that reads no metrics.
@@ -166,6 +196,25 @@ async def test_status_json_shows_rule_endpoints_and_the_top_tenants_per_class(po
     finally:
         for request in held:
             port.m.end(request)
+
+
+@pytest.mark.unit
+async def test_status_json_shows_objectives_met_missed_and_preempted_per_class_and_tenant(port: Port) -> None:
+    port.report(*OBJECTIVE_EVENTS)
+    doc = yaml.safe_load((await get(f"{port.url}/status.json"))[2])
+    objectives = {m["name"]: m["objectives"] for m in doc["models"]}
+    assert objectives["fixed"]["bands"][0]["since_start"] == {"met": 0, "missed": 0, "preempted": 0}
+    m = objectives["m"]
+    assert m["window_s"] == 60
+    interactive, standard, batch = m["bands"]
+    assert interactive["since_start"] == {"met": 2, "missed": 2, "preempted": 0}
+    # The slack at release: the median of 4, 3 and -0.5 s, the least -0.5 s (bob's, late). Carol was refused.
+    assert interactive["recent"] == {"met": 2, "missed": 2, "preempted": 0, "slack_p50_s": 3.0, "slack_min_s": -0.5}
+    assert [(t["tenant"], t["met"], t["missed"], t["slack_p50_s"]) for t in interactive["top_tenants"]] == [
+        ("alice", 2, 0, 3.5), ("bob", 0, 1, -0.5), ("carol", 0, 1, None)]
+    assert interactive["other_tenants"] == 0
+    assert standard["recent"]["slack_p50_s"] is None
+    assert batch["since_start"]["preempted"] == 2 and batch["top_tenants"][0]["tenant"] == "dave"
 
 
 @pytest.mark.unit
@@ -183,6 +232,13 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SLOW_SIM = ["--max-num-seqs", "2", "--step-ms", "20", "--time-scale", "1"]
 # A tenant whose name is markup: the page must show it as text.
 MARKUP_TENANT = "<img src=x onerror=alert(1)>eve"
+
+
+def need_chromium() -> None:
+    if CHROMIUM is None:
+        if os.environ.get("EXTPROC_CHROMIUM") == "require":
+            pytest.fail("chromium is required (EXTPROC_CHROMIUM=require) but not installed: apt-get install chromium")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
 
 
 async def chromium(*args: str) -> str:
@@ -206,10 +262,7 @@ def text_of(dom: str) -> str:
 
 @pytest.mark.integration
 async def test_status_page_in_chromium_shows_a_flood_held_behind_a_slow_engine(tmp_path: Path) -> None:
-    if CHROMIUM is None:
-        if os.environ.get("EXTPROC_CHROMIUM") == "require":
-            pytest.fail("chromium is required (EXTPROC_CHROMIUM=require) but not installed: apt-get install chromium")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
+    need_chromium()
     from extproc.tools.power_user import chat
 
     config = write_config(tmp_path)
@@ -246,6 +299,10 @@ async def test_status_page_in_chromium_shows_a_flood_held_behind_a_slow_engine(t
         endpoint = re.search(re.escape(sim) + r" (ok|degraded) (\d+) (\d+)", text)
         assert endpoint is not None and int(endpoint.group(2)) <= 2, text
         assert re.search(r"release rate: \d+\.\d/s", text), text
+        # The objectives section is drawn for every class, with numbers: the flood's class has a 60 s objective.
+        assert "TTFT objectives per class and tenant, last 60 s" in text, text
+        for band in ("interactive", "standard", "batch"):
+            assert re.search(band + r" all \d+ \d+ (\d+\.\d%|–) \d+ ", text), (band, text)
         # The markup tenant is text, escaped in the DOM, not an element.
         assert "&lt;img src=x onerror=alert(1)&gt;eve" in dom
         assert "<img" not in dom
@@ -266,3 +323,21 @@ async def test_status_page_in_chromium_shows_a_flood_held_behind_a_slow_engine(t
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.integration
+async def test_the_objectives_section_in_chromium_shows_each_class_and_its_tenants(port: Port) -> None:
+    """The page drawn by Chromium from a processor whose telemetry saw releases on time and late, a refusal
+    after its deadline and preemptions: the section shows their numbers, class by class."""
+    need_chromium()
+    port.report(*OBJECTIVE_EVENTS)
+    text = text_of(await chromium("--dump-dom", f"{port.url}/"))
+    assert "TTFT objectives per class and tenant, last 60 s" in text, text
+    # class, tenant, met, missed, met %, preempted, slack at release p50 and min.
+    assert "interactive all 2 2 50.0% 0 3.00 s -0.50 s" in text, text
+    assert "alice 2 0 100.0% 0 3.50 s 3.00 s" in text, text
+    assert "bob 0 1 0.0% 0 -0.50 s -0.50 s" in text, text
+    assert "carol 0 1 0.0% 0 – –" in text, text
+    assert "since start 2 2 50.0% 0 – –" in text, text
+    assert "standard all 0 0 – 0 – –" in text, text
+    assert "batch all 0 0 – 2 – – dave 0 0 – 2 – –" in text, text

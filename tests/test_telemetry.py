@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import aiohttp
@@ -16,11 +17,23 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.adapters.config import Config, parse_config
+from extproc.adapters.objectives import (
+    MET,
+    MISSED,
+    PREEMPTED,
+    WINDOW_S,
+    BandObjectives,
+    Counts,
+    Objectives,
+    Recent,
+    TenantRecent,
+)
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatchers
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
-from extproc.core.outcomes import Refused
+from extproc.core.outcomes import Refusal, Refused
+from extproc.core.report import RequestEvent, Step
 from extproc.tools.power_user import chat
 from extproc.tools.stack import start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
@@ -173,3 +186,143 @@ async def test_an_operator_sees_named_tenants_by_name_and_everyone_else_as_other
     scraped = metric(page, "extproc_endpoint_last_scrape_timestamp_seconds", model="m1")
     assert started <= scraped <= time.time()
     assert metric(page, "extproc_build_info") == 1 and metric(page, "process_cpu_seconds_total") > 0
+
+
+# TTFT objectives: events fed straight into the model's telemetry, as the core reports them.
+BANDS = ("interactive", "standard", "batch")
+
+
+def feed(telemetry: Telemetry, *events: RequestEvent, model: str = "m") -> None:
+    """Each event as the core reports it; a request that leaves the queue was queued first."""
+    report = telemetry.models[model]
+    for event in events:
+        if event.step is not Step.PREEMPTED and event.dequeued:
+            report(RequestEvent(Step.QUEUED, event.band, event.tenant))
+        report(event)
+
+
+@pytest.mark.unit
+def test_objective_and_preemption_series_exist_at_zero_with_bounded_labels() -> None:
+    telemetry, _ = build()
+    r = telemetry.registry
+    verdicts = samples(r, "extproc_objective_requests_total")
+    # classes x (named tenants + default + other) x (met, missed): 3 x 4 x 2.
+    assert len(verdicts) == 24 and set(verdicts.values()) == {0}
+    assert {dict(k)["outcome"] for k in verdicts} == {"met", "missed"}
+    assert {dict(k)["tenant"] for k in verdicts} == LABELLED
+    preemptions = samples(r, "extproc_preemptions_total")
+    assert len(preemptions) == 12 and set(preemptions.values()) == {0}
+    for name in ("extproc_release_slack_seconds_count", "extproc_release_lateness_seconds_count",
+                 "extproc_preempted_occupancy_seconds_total"):
+        assert {dict(k)["priority"] for k in samples(r, name)} == set(BANDS), name
+        assert set(samples(r, name).values()) == {0}, name
+
+
+@pytest.mark.unit
+def test_met_missed_or_neither_is_decided_by_the_slack_when_a_request_leaves_the_queue() -> None:
+    telemetry, _ = build()
+    r = telemetry.registry
+    feed(
+        telemetry,
+        RequestEvent(Step.RELEASED, "interactive", "alice", waited_s=0.5, slack_s=4.5),  # met
+        RequestEvent(Step.RELEASED, "interactive", "alice", waited_s=0.2, slack_s=0.0),  # met, with no time to spare
+        RequestEvent(Step.RELEASED, "interactive", "mallory", waited_s=6, slack_s=-1.0),  # missed: released late
+        RequestEvent(Step.REFUSED, "standard", "bob", waited_s=70, refusal=Refusal.QUEUE_TIMEOUT, slack_s=-10.0),  # missed
+        RequestEvent(Step.ABANDONED, "interactive", "bob", waited_s=7, slack_s=-2.0),  # missed: it left after its deadline
+        RequestEvent(Step.ABANDONED, "interactive", "bob", waited_s=1, slack_s=4.0),  # neither: it left in time
+        RequestEvent(Step.REFUSED, "standard", "bob", waited_s=3, refusal=Refusal.SHUTTING_DOWN, slack_s=57.0),  # neither
+        RequestEvent(Step.RELEASED, "batch", "alice", waited_s=1),  # neither: no objective
+    )
+    # A refusal at the door: it never entered the queue, and has no slack.
+    telemetry.models["m"](RequestEvent(Step.REFUSED, "interactive", "bob", refusal=Refusal.TENANT_QUEUE_FULL,
+                                       dequeued=False))
+
+    def outcomes(**labels: str) -> dict[str, float]:
+        return {o: value(r, "extproc_objective_requests_total", outcome=o, **labels) for o in ("met", "missed")}
+
+    assert outcomes(priority="interactive", tenant="alice") == {"met": 2, "missed": 0}
+    assert outcomes(priority="interactive", tenant="other") == {"met": 0, "missed": 1}  # mallory is not named
+    assert outcomes(priority="interactive", tenant="bob") == {"met": 0, "missed": 1}
+    assert outcomes(priority="standard") == {"met": 0, "missed": 1}
+    assert outcomes(priority="batch") == {"met": 0, "missed": 0}
+    # The slack of on-time releases, the lateness of late ones: each histogram only non-negative values.
+    slack = {"model": "m", "priority": "interactive"}
+    assert r.get_sample_value("extproc_release_slack_seconds_count", slack) == 2
+    assert r.get_sample_value("extproc_release_slack_seconds_sum", slack) == 4.5
+    assert r.get_sample_value("extproc_release_slack_seconds_bucket", {**slack, "le": "0.005"}) == 1
+    assert r.get_sample_value("extproc_release_lateness_seconds_count", slack) == 1
+    assert r.get_sample_value("extproc_release_lateness_seconds_sum", slack) == 1.0
+    assert r.get_sample_value("extproc_release_lateness_seconds_count", {**slack, "priority": "standard"}) == 0
+    # The other series are as before: every queued request left the queue once.
+    assert set(samples(r, "extproc_queue_depth").values()) == {0}
+    assert value(r, "extproc_rejected_total", reason="queue_timeout", tenant="bob") == 1
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("refusal", [None, Refusal.PREEMPTED], ids=["step only", "with its refusal"])
+def test_a_preemption_is_counted_once_per_class_and_tenant_and_is_not_a_refusal(refusal: Refusal | None) -> None:
+    telemetry, _ = build()
+    r = telemetry.registry
+    feed(telemetry, RequestEvent(Step.RELEASED, "batch", "alice", waited_s=3))
+    # Preempted 0.75 s after its release; it is no longer in the queue, whatever the event says of that.
+    for tenant, ran_s in (("alice", 0.75), ("carol", 0.25)):
+        telemetry.models["m"](RequestEvent(Step.PREEMPTED, "batch", tenant, waited_s=ran_s, refusal=refusal))
+    assert value(r, "extproc_preemptions_total", priority="batch", tenant="alice") == 1
+    assert value(r, "extproc_preemptions_total", priority="batch", tenant="other") == 1
+    assert value(r, "extproc_preemptions_total") == 2
+    assert r.get_sample_value("extproc_preempted_occupancy_seconds_total", {"model": "m", "priority": "batch"}) == 1.0
+    # Counted released (it was), never refused as well; the queue's depth is untouched.
+    assert value(r, "extproc_released_total") == 1
+    assert value(r, "extproc_rejected_total") == 0
+    assert set(samples(r, "extproc_queue_depth").values()) == {0}
+    # No objective verdict of its own: its release was judged when it went.
+    assert value(r, "extproc_objective_requests_total") == 0
+    [batch] = [b for b in telemetry.models["m"].objectives.status(10).bands if b.name == "batch"]
+    assert batch.since_start == Counts(preempted=2)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.unit
+def test_the_status_view_keeps_totals_and_the_last_minute_per_tenant_largest_first() -> None:
+    clock = Clock()
+    objectives = Objectives(BANDS, clock)
+    objectives.record("interactive", "old", MET, 9.0)
+    clock.now += 61  # out of the window, still in the totals
+    for slack in (1.0, 3.0, -0.5):
+        objectives.record("interactive", "alice", MET if slack >= 0 else MISSED, slack)
+    objectives.record("interactive", "bob", MET, 2.0)
+    objectives.record("interactive", "carol", MISSED)  # refused after its deadline: no slack at release
+    objectives.record("batch", "alice", PREEMPTED)
+    status = objectives.status(top=2)
+    assert status.window_s == WINDOW_S
+    interactive, standard, batch = status.bands
+    assert interactive.name == "interactive"
+    assert interactive.since_start == Counts(met=4, missed=2)
+    assert interactive.recent == Recent(met=3, missed=2, preempted=0, slack_p50_s=1.5, slack_min_s=-0.5)
+    assert [t.tenant for t in interactive.top_tenants] == ["alice", "bob"]  # most outcomes first, ties by name
+    assert interactive.top_tenants[0] == TenantRecent(2, 1, 0, 1.0, -0.5, tenant="alice")
+    assert (interactive.other, interactive.other_tenants) == (Counts(missed=1), 1)
+    assert standard == BandObjectives("standard", Counts(), Recent(0, 0, 0, None, None), (), Counts(), 0)
+    assert batch.recent.preempted == 1 and batch.top_tenants[0].slack_p50_s is None
+    # The JSON the page reads.
+    assert asdict(status)["bands"][0]["top_tenants"][0] == {
+        "met": 2, "missed": 1, "preempted": 0, "slack_p50_s": 1.0, "slack_min_s": -0.5, "tenant": "alice"}
+
+
+@pytest.mark.unit
+def test_the_window_is_bounded_in_memory_and_then_says_how_long_it_covers() -> None:
+    clock = Clock()
+    objectives = Objectives(BANDS, clock, most=4)
+    for _ in range(10):
+        objectives.record("interactive", "alice", MET, 1.0)
+        clock.now += 1
+    status = objectives.status(top=10)
+    # The last four outcomes, over the last 4 s; the totals count all ten.
+    assert status.window_s == 4 and status.bands[0].recent.met == 4 and status.bands[0].since_start.met == 10

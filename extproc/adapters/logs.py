@@ -7,7 +7,10 @@ their own, so that a decision line can be filtered by tenant without parsing
 its message.
 
 The per-request decision lines go to the ``extproc.decisions`` logger at
-DEBUG (see ``telemetry.ModelTelemetry.decided``).
+DEBUG (written by ``telemetry.ModelTelemetry._decided``): ``outcome``, the
+model, ``tenant``, ``class``, ``wait_ms`` (a preempted request's line has
+``ran_ms`` instead: how long it had run since its release) and, for a request
+with a TTFT objective, ``slack_ms`` (its deadline - now; negative: missed).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Literal
 LogFormat = Literal["text", "json"]
 FORMATS: tuple[LogFormat, ...] = ("text", "json")
 LEVELS = ("debug", "info", "warning", "error")
-# Where the per-request decision lines go: one line per request that entered a queue.
+# Where the per-request decision lines go: one line per request that entered a queue, and one more if
+# it was preempted after its release.
 DECISIONS = logging.getLogger("extproc.decisions")
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.

@@ -85,7 +85,8 @@ class ProcessorServer:
         # The metrics port (/metrics, /healthz, /readyz, the status page): adapters/web/app.py.
         host, port = split_address(config.listen.metrics)
         self._metrics_server = MetricsServer(
-            build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining), host, port
+            build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining, self.telemetry),
+            host, port,
         )
         self._metrics_started = False
 

@@ -16,6 +16,15 @@ unknown model, overload, a missing tenant or a class it may not use) carry
 Counters (and the queue-depth gauge) are created at zero for every label
 value known from the config (models x classes x tenants x reasons), so a
 dashboard shows 0, not "no data", before the first event.
+
+TTFT objectives (``objectives.py`` says which request met or missed its own,
+and why a request refused before its deadline is neither): the verdicts per
+class and tenant, the preemptions, and the slack at release. The slack is two
+histograms, by sign: on-time releases' slack, late releases' lateness. One
+histogram over negative and positive values would break its ``_sum``, a
+counter that ``rate()`` reads a decrease of as a reset (OpenMetrics forbids
+``_sum`` on a histogram with negative buckets), and ``histogram_quantile``
+assumes the lowest bucket starts at 0.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from typing import Any, Generic, TypeVar, overload
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
 
 from extproc.adapters.logs import DECISIONS
+from extproc.adapters.objectives import MET, MISSED, PREEMPTED, Objectives, verdict
 from extproc.core.engine_load import EngineLoad
 from extproc.core.outcomes import Refusal
 from extproc.core.report import Change, Charged, EndpointEvent, Event, PoolEvent, RequestEvent, Step
@@ -39,6 +49,9 @@ from extproc.core.report import Change, Charged, EndpointEvent, Event, PoolEvent
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Taking in one arrival costs microseconds; a dispatch that releases a burst, or a stalled loop, milliseconds.
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1)
+# Slack (and lateness) at release: objectives span 50 ms (a client's own) to a minute (the middle classes'
+# default); lateness reaches the longest queue wait (120 s by default, a few minutes at most).
+SLACK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # Endpoint health changes, as the core's events tell them (core/release/health_log.py).
 HEALTH = logging.getLogger("extproc.health")
@@ -166,6 +179,35 @@ class Telemetry:
         "model",
     )
     abandoned = _counter("extproc_abandoned", "Requests whose client left while they were queued.", "model", "priority", "tenant")
+    # TTFT objectives (adapters/objectives.py: what met and missed mean).
+    objective = _counter(
+        "extproc_objective_requests",
+        "Requests with a TTFT objective by outcome: met (released by its deadline) or missed (released after it, or "
+        "refused or abandoned once it had passed); refused or abandoned before it: neither.",
+        "model", "priority", "tenant", "outcome",
+    )
+    release_slack = _histogram(
+        "extproc_release_slack_seconds",
+        "Time left until a request's TTFT objective deadline when it was released on time (late releases: "
+        "extproc_release_lateness_seconds).",
+        "model", "priority", buckets=SLACK_BUCKETS,
+    )
+    release_lateness = _histogram(
+        "extproc_release_lateness_seconds",
+        "How long past its TTFT objective's deadline a late request was released.",
+        "model", "priority", buckets=SLACK_BUCKETS,
+    )
+    preemptions = _counter(
+        "extproc_preemptions",
+        "Released requests of a preemptible class ended before their response began (503 preempted) because a higher "
+        "class's objective was at risk.",
+        "model", "priority", "tenant",
+    )
+    preempted_occupancy = _counter(
+        "extproc_preempted_occupancy_seconds",
+        "Time preempted requests had held the engine since their release: the work thrown away.",
+        "model", "priority",
+    )
     priority_downgraded = _counter(
         "extproc_priority_downgraded",
         "Requests that asked for a priority class their tenant is not entitled to and got a lower one.",
@@ -341,7 +383,9 @@ class ModelTelemetry:
     servicer's admissions, the cluster link's round trips) take this one road.
     """
 
-    def __init__(self, telemetry: Telemetry, model: str, priorities: Iterable[str], tenants: TenantLabels) -> None:
+    def __init__(self, telemetry: Telemetry, model: str, priorities: Iterable[str], tenants: TenantLabels,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        priorities = tuple(priorities)
         self._t = telemetry
         self._model = model
         self._tenant = tenants
@@ -365,6 +409,14 @@ class ModelTelemetry:
         self._abandoned = {key: t.abandoned.labels(model, *key) for key in keys}
         self._queued = {key: t.queue_depth.labels(model, *key) for key in keys}
         self._waited = {key: t.queue_wait.labels(model, *key) for key in keys}
+        self._objective = {(*key, outcome): t.objective.labels(model, *key, outcome)
+                           for key in keys for outcome in (MET, MISSED)}
+        self._preemptions = {key: t.preemptions.labels(model, *key) for key in keys}
+        self._slack = {p: t.release_slack.labels(model, p) for p in priorities}
+        self._late = {p: t.release_lateness.labels(model, p) for p in priorities}
+        self._occupancy = {p: t.preempted_occupancy.labels(model, p) for p in priorities}
+        # The status page's view: the same outcomes, with the tenant's own id and the last minute's slack.
+        self.objectives = Objectives(priorities, clock)
         # Asked once, at start-up (logging is set up before the dispatchers are built): with
         # DEBUG off a decision costs one attribute test, not a logging call per request.
         self._decisions = DECISIONS.isEnabledFor(logging.DEBUG)
@@ -409,9 +461,21 @@ class ModelTelemetry:
         if event.step is Step.QUEUED:
             self._queued[key].inc()
             return
+        if event.step is Step.PREEMPTED:
+            # Released before: not in the queue, and already counted released (not refused as well).
+            self._preemptions[key].inc()
+            self._occupancy[event.band].inc(event.waited_s)
+            self.objectives.record(event.band, event.tenant, PREEMPTED)
+        else:
+            self._left_queue(event, key)
+        if self._decisions:
+            self._decided(event)
+
+    def _left_queue(self, event: RequestEvent, key: tuple[str, str]) -> None:
         if event.dequeued:
             self._queued[key].dec()
-        if event.step is Step.RELEASED:
+        released = event.step is Step.RELEASED
+        if released:
             self._released[key].inc()
             self._waited[key].observe(event.waited_s)
         elif event.step is Step.ABANDONED:
@@ -420,13 +484,32 @@ class ModelTelemetry:
             self._t.rejected.labels(self._model, event.refusal.value, key[1]).inc()
             if event.refusal is Refusal.QUEUE_TIMEOUT:
                 self._waited[key].observe(event.waited_s)
-        if self._decisions:
-            wait_ms = round(event.waited_s * 1000, 1)
-            DECISIONS.debug(
-                "%s %s tenant=%s class=%s wait_ms=%s", event.outcome, self._model, event.tenant, event.band, wait_ms,
-                extra={"tenant": event.tenant, "class": event.band, "model": self._model, "wait_ms": wait_ms,
-                       "outcome": event.outcome},
-            )
+        slack = event.slack_s
+        if slack is None:
+            return
+        outcome = verdict(released, slack)
+        if outcome is None:
+            return
+        self._objective[(*key, outcome)].inc()
+        if released:
+            if slack >= 0:
+                self._slack[event.band].observe(slack)
+            else:
+                self._late[event.band].observe(-slack)
+        self.objectives.record(event.band, event.tenant, outcome, slack if released else None)
+
+    def _decided(self, event: RequestEvent) -> None:
+        """The request's decision line: its outcome, its time (queued; a preempted one's: since its release), slack."""
+        preempted = event.step is Step.PREEMPTED
+        outcome = Step.PREEMPTED.value if preempted else event.outcome
+        took = "ran_ms" if preempted else "wait_ms"
+        fields: dict[str, object] = {"tenant": event.tenant, "class": event.band, "model": self._model,
+                                     took: round(event.waited_s * 1000, 1), "outcome": outcome}
+        line = f"{outcome} {self._model} tenant={event.tenant} class={event.band} {took}={fields[took]}"
+        if event.slack_s is not None:
+            fields["slack_ms"] = round(event.slack_s * 1000, 1)
+            line += f" slack_ms={fields['slack_ms']}"
+        DECISIONS.debug("%s", line, extra=fields)
 
     def _pool(self, event: PoolEvent) -> None:
         if event.decision_s is not None:

@@ -13,7 +13,10 @@ Routes, and why each exists:
   probe does not send traffic to a processor that is leaving.
 * ``/`` and ``/status.json``: the live status page (``status.html``), which
   polls the JSON. The JSON is built on request from the dispatchers' state
-  (``core/status.py``); the hot path does no work for it.
+  (``core/status.py``); the hot path does no work for it. Each model's
+  ``objectives`` (met, missed, preempted per class and tenant, the last
+  minute's slack at release) come from its telemetry, which keeps them as it
+  counts them (``adapters/objectives.py``).
 
 Anything else is 404 with the OpenAI-style error body and ``x-extproc-reason``,
 as the processor's other answers, so an HTTP probe of a wrong path fails
@@ -33,6 +36,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from extproc.adapters.answers import ANSWERS, answer_headers, error_body, retry_after_s
+from extproc.adapters.objectives import ObjectivesStatus
+from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.outcomes import Refusal
 from extproc.core.status import ModelStatus
@@ -70,17 +75,25 @@ def not_ready(statuses: list[ModelStatus], draining: bool) -> list[str]:
     return reasons
 
 
-def status_document(statuses: list[ModelStatus], draining: bool) -> dict[str, Any]:
+def status_document(statuses: list[ModelStatus], draining: bool,
+                    objectives: Mapping[str, ObjectivesStatus] | None = None) -> dict[str, Any]:
+    """What /status.json answers; each model with its ``objectives`` where ``objectives`` has them (else null)."""
+    found = objectives or {}
+    models = [{**asdict(s), "objectives": asdict(found[s.name]) if s.name in found else None} for s in statuses]
     return {"draining": draining, "not_ready": not_ready(statuses, draining), "top_tenants": TOP_TENANTS,
-            "models": [asdict(s) for s in statuses]}
+            "models": models}
 
 
 def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispatcher],
-              draining: Callable[[], bool]) -> web.Application:
-    """The app; ``draining`` tells whether the processor is shutting down."""
+              draining: Callable[[], bool], telemetry: Telemetry | None = None) -> web.Application:
+    """The app; ``draining`` tells whether the processor is shutting down; ``telemetry``, the objectives' numbers."""
 
     def statuses() -> list[ModelStatus]:
         return [d.status(TOP_TENANTS) for d in dispatchers.values()]
+
+    def objectives() -> dict[str, ObjectivesStatus]:
+        models = {} if telemetry is None else telemetry.models
+        return {name: models[name].objectives.status(TOP_TENANTS) for name in dispatchers if name in models}
 
     async def metrics(request: web.Request) -> web.Response:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
@@ -97,7 +110,7 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
         return web.json_response({"status": "ready"})
 
     async def status_json(request: web.Request) -> web.Response:
-        return web.json_response(status_document(statuses(), draining()),
+        return web.json_response(status_document(statuses(), draining(), objectives()),
                                  headers={"Cache-Control": "no-store"})
 
     async def page(request: web.Request) -> web.Response:
