@@ -173,7 +173,8 @@ async def test_debug_writes_one_json_decision_line_per_request(decisions: Captur
     ]
     assert all(d["logger"] == "extproc.decisions" and d["level"] == "debug" and "ts" in d for d in decisions.lines)
     assert all(isinstance(d["wait_ms"], float) and d["wait_ms"] >= 0 for d in decisions.lines)
-    assert re.fullmatch(r"released m tenant=alice class=standard wait_ms=[0-9.]+", str(decisions.lines[0]["msg"]))
+    assert re.fullmatch(r"released m tenant=alice class=standard wait_ms=[0-9.]+ slack_ms=[0-9.]+",
+                        str(decisions.lines[0]["msg"]))
 
 
 async def test_at_info_no_decision_line_is_made(decisions: Captured) -> None:
