@@ -108,7 +108,8 @@ async def test_each_request_through_envoy_gets_one_json_decision_line(tmp_path: 
     assert all(d["outcome"] == "released" and d["model"] == "m1" and d["level"] == "debug" for d in decisions)
     # Two slots for eight requests: some waited in the queue, and their wait is in the line.
     assert max(float(d["wait_ms"]) for d in decisions) > 0
-    # Batch has no objective by default: its lines carry no slack.
+    # Batch has no objective by default: its lines carry no slack; interactive ones (5 s) do.
     assert not [d for d in decisions if d["class"] == "batch" and "slack_ms" in d]
+    assert all("slack_ms" in d for d in decisions if d["class"] == "interactive")
     # Every line of the log is JSON (the loop above would have raised), the start-up line included.
     assert any(d["logger"] == "extproc.adapters.server" and d["msg"].startswith("serving") for d in lines)

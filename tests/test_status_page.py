@@ -304,6 +304,8 @@ async def test_status_page_in_chromium_shows_a_flood_held_behind_a_slow_engine(t
         assert "TTFT objectives per class and tenant, last 60 s" in text, text
         for band in ("interactive", "standard", "batch"):
             assert re.search(band + r" all \d+ \d+ (\d+\.\d%|–) \d+ ", text), (band, text)
+        met = re.search(r"standard all (\d+) \d+ ", text[text.index("TTFT objectives"):])
+        assert met is not None and int(met.group(1)) > 0, text  # the flood's released requests met theirs
         # The markup tenant is text, escaped in the DOM, not an element.
         assert "&lt;img src=x onerror=alert(1)&gt;eve" in dom
         assert "<img" not in dom
