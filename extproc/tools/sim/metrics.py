@@ -15,8 +15,15 @@ Differences worth knowing:
 * The three gauges are read from the scheduler at scrape time (vLLM sets them
   after every engine step); a just-arrived request is therefore visible as
   waiting until a step admits it.
-* Aborted requests count in ``vllm:request_success_total{finished_reason="abort"}``
-  but are not observed in the latency histograms.
+* A request aborted because its client went away is counted nowhere, as in
+  vLLM 0.32: ``AsyncLLM.abort`` (``vllm/v1/engine/async_llm.py``) drops the
+  request from ``OutputProcessor.abort_requests``
+  (``vllm/v1/engine/output_processor.py``) before any of its stats are
+  recorded, and the engine core's ``Scheduler.finish_requests`` emits no
+  output for it. So ``vllm:request_success_total{finished_reason="abort"}``
+  exists (vLLM pre-creates a series per finish reason) but stays 0; only the
+  gauges show the abort (the request leaves ``num_requests_running`` or
+  ``num_requests_waiting`` and its KV is freed).
 """
 
 from __future__ import annotations
@@ -117,9 +124,9 @@ class VllmMetrics:
     def on_finished(self, request: SimRequest) -> None:
         reason = request.finish_reason
         assert reason is not None, "on_finished called for a live request"
-        self._success[reason].inc()
         if reason == FINISH_ABORT:
-            return
+            return  # a client that left is counted nowhere (see the module docstring)
+        self._success[reason].inc()
         assert request.scheduled_at is not None and request.last_token_at is not None
         self._queue.observe(request.scheduled_at - request.arrival)
         self._e2e.observe(request.last_token_at - request.arrival)

@@ -17,7 +17,9 @@ Request handling, also as in vLLM:
   with ``--scheduling-policy priority``; without it any value but 0 is
   refused with 400, as vLLM does;
 * a client that disconnects is aborted in the engine at once (aiohttp's handler
-  cancellation), freeing its batch slot and KV, like vLLM's disconnect handling.
+  cancellation), freeing its batch slot and KV, like vLLM's disconnect handling
+  (its ``AsyncLLM.generate`` aborts the request when the handler is cancelled),
+  whether the request was waiting or running, streamed or not;
 
 ``--dialect`` makes ``/metrics`` speak another engine's names
 (:mod:`extproc.tools.sim.dialects`). For tests of broken metrics, ``/metrics`` can
