@@ -20,6 +20,9 @@ Request handling, also as in vLLM:
   cancellation), freeing its batch slot and KV, like vLLM's disconnect handling
   (its ``AsyncLLM.generate`` aborts the request when the handler is cancelled),
   whether the request was waiting or running, streamed or not;
+* ``--kv-mode incremental`` allocates KV in ``--block-size`` blocks as the
+  request decodes and preempts on KV pressure, as vLLM's scheduler does
+  (:mod:`extproc.tools.sim.engine`).
 
 ``--dialect`` makes ``/metrics`` speak another engine's names
 (:mod:`extproc.tools.sim.dialects`). For tests of broken metrics, ``/metrics`` can
@@ -53,6 +56,7 @@ from prometheus_client.exposition import choose_encoder
 from extproc.tools.sim.dialects import DIALECT_NAMES, DialectMetrics
 from extproc.tools.sim.engine import (
     FINISH_ABORT,
+    KV_MODES,
     SCHEDULING_POLICIES,
     RequestHandle,
     RequestTooLong,
@@ -503,6 +507,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="waiting-queue order: arrival, or the body's priority (lower first) (default: %(default)s)",
     )
     parser.add_argument(
+        "--kv-mode", choices=KV_MODES, default=SimSettings.kv_mode,
+        help="KV reserved whole at admission (reserve), or allocated block by block with vLLM's "
+             "preemption on KV pressure (incremental) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=SimSettings.block_size,
+        help="tokens per KV block, as vLLM's --block-size; incremental kv mode only (default: %(default)s)",
+    )
+    parser.add_argument(
         "--visibility-delay-ms", type=float, default=SimSettings.visibility_delay_ms,
         help="wall-clock time from a request's arrival to the scheduler and /metrics, as in vLLM; "
              "0 for none (default: %(default)s)",
@@ -529,6 +542,8 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         default_max_tokens=args.default_max_tokens,
         seed=args.seed,
         scheduling_policy=args.scheduling_policy,
+        kv_mode=args.kv_mode,
+        block_size=args.block_size,
         visibility_delay_ms=args.visibility_delay_ms,
         visibility_delay_per_pending_ms=args.visibility_delay_per_pending_ms,
         visibility_delay_max_ms=args.visibility_delay_max_ms,
