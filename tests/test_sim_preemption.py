@@ -67,16 +67,17 @@ class Run:
         self.events.extend(self.scheduler.complete(self.now))
         return step
 
-    def until_idle(self, arrivals: dict[int, list[SimRequest]] | None = None, limit: int = 1000) -> None:
+    def advance(self, arrivals: dict[int, list[SimRequest]] | None = None, steps: int | None = None) -> None:
+        """Run ``steps`` steps, or until idle; ``arrivals[n]`` are added before the n-th."""
         arrivals = arrivals or {}
-        for number in range(limit):
+        for number in range(1000 if steps is None else steps):
             for request in arrivals.get(number, []):
                 self.scheduler.add(request)
-            if not self.scheduler.has_work and number > max(arrivals, default=0):
-                return
             if self.scheduler.has_work:
                 self.step()
-        raise AssertionError(f"still busy after {limit} steps")
+            elif steps is None and number > max(arrivals, default=0):
+                return
+        assert steps is not None, "still busy after 1000 steps"
 
     @property
     def victims(self) -> list[SimRequest]:
@@ -118,10 +119,7 @@ def test_priority_preempts_the_lowest_priority_running_request_on_kv_pressure() 
     b, a, c, arrivals = _three_requests()
     scheduler = _scheduler("priority")
     run = Run(scheduler)
-    for number in range(6):
-        for request in arrivals.get(number, []):
-            scheduler.add(request)
-        run.step()
+    run.advance(arrivals, steps=6)
     assert scheduler.running == [b, c, a] and scheduler.free_blocks == 0  # admitted in priority order after b
 
     step = run.step()  # b needs its third block: b itself has the lowest priority
@@ -133,7 +131,7 @@ def test_priority_preempts_the_lowest_priority_running_request_on_kv_pressure() 
     assert run.batches[-1] == [] and step.duration == 0.0
     assert step.admitted == step.resumed == ()
 
-    run.until_idle()
+    run.advance()
     # Then a (priority 1) goes before c (priority 0), and b and a resume once there is room.
     assert run.victims == [b, a]
     assert scheduler.num_preemptions == 2 and not scheduler.has_work
@@ -145,17 +143,14 @@ def test_fcfs_preempts_the_last_admitted_whatever_its_priority() -> None:
     b, a, c, arrivals = _three_requests()
     scheduler = _scheduler("fcfs")
     run = Run(scheduler)
-    for number in range(6):
-        for request in arrivals.get(number, []):
-            scheduler.add(request)
-        run.step()
+    run.advance(arrivals, steps=6)
     assert scheduler.running == [b, a, c]
 
     step = run.step()  # b needs a block: the last admitted (c) goes, b and a run on
     assert step.preempted == (c,) and list(scheduler.waiting) == [c]
     assert scheduler.running == [b, a] and step.duration > 0
 
-    run.until_idle()
+    run.advance()
     assert run.victims == [c, a]
     assert list(scheduler.waiting) == [] and all(r.finish_reason == "length" for r in (a, b, c))
 
@@ -196,7 +191,7 @@ def test_a_waiting_higher_priority_request_never_preempts(
     lows = [_request(*low, priority=9, arrival=0.0) for _ in range(2)]
     urgent = _request(urgent_prompt, 3, priority=0, arrival=1.0)
     run = Run(scheduler)
-    run.until_idle({0: lows, 1: [urgent]})
+    run.advance({0: lows, 1: [urgent]})
 
     assert scheduler.num_preemptions == 0 and run.victims == []
     assert urgent.scheduled_at is not None
@@ -209,7 +204,7 @@ def test_a_preempted_request_is_recomputed_and_finishes_with_all_its_tokens() ->
     b, a, c, arrivals = _three_requests()
     scheduler = _scheduler("priority", prefill_ms_per_token=1.0)
     run = Run(scheduler)
-    run.until_idle(arrivals)
+    run.advance(arrivals)
 
     assert [r for step in run.steps for r in step.resumed] == [a, b]
     # Every token exactly once and in order, although the stream paused.
