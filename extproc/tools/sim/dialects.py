@@ -115,6 +115,9 @@ class DialectMetrics:
         if self._itl is not None and event.index > 0:
             self._itl.observe(event.since_previous)
 
+    def on_preempted(self, request: SimRequest) -> None:
+        pass
+
     def on_finished(self, request: SimRequest) -> None:
         if request.finish_reason == FINISH_ABORT:
             return

