@@ -27,6 +27,7 @@ pytestmark = pytest.mark.unit
 
 INTERACTIVE, STANDARD, BATCH = range(3)
 TIMEOUT_S = 2.0
+LATE_S = 0.05  # the probes' threshold in the LoopLag tests
 
 
 def shedding(queued: dict[int, int] | None = None) -> Shedding:
@@ -37,7 +38,7 @@ def shedding(queued: dict[int, int] | None = None) -> Shedding:
 # The lag's history: one stall counts nothing once it is over; a run of late probes counts from its first.
 
 def test_one_late_probe_then_one_on_time_is_no_run() -> None:
-    lag = LoopLag(late_s=ACK_LAG_S)
+    lag = LoopLag(late_s=LATE_S)
     lag.record(10.0, 1.5)  # a stall of 1.5 s, measured as it ends
     assert lag.late_for(10.0) == 0.0  # the stall is over: the loop answers now
     lag.record(10.03, 0.01)
@@ -45,16 +46,16 @@ def test_one_late_probe_then_one_on_time_is_no_run() -> None:
 
 
 def test_a_run_of_late_probes_counts_from_the_first_one_firing() -> None:
-    lag = LoopLag(late_s=ACK_LAG_S)
+    lag = LoopLag(late_s=LATE_S)
     for fired_at in (1.0, 1.3, 1.6, 1.9):
         lag.record(fired_at, 0.28)
     assert lag.late_for(2.0) == pytest.approx(1.0)
-    lag.record(2.05, ACK_LAG_S / 2)  # caught up
+    lag.record(2.05, LATE_S / 2)  # caught up
     assert lag.late_for(2.1) == 0.0
 
 
 def test_a_stall_after_a_run_continues_it_and_the_first_on_time_probe_ends_it() -> None:
-    lag = LoopLag(late_s=ACK_LAG_S)
+    lag = LoopLag(late_s=LATE_S)
     lag.record(1.0, 0.2)
     lag.record(2.5, 1.3)
     assert lag.late_for(2.5) == pytest.approx(1.5)
@@ -63,7 +64,7 @@ def test_a_stall_after_a_run_continues_it_and_the_first_on_time_probe_ends_it() 
 
 
 async def test_the_probe_sees_a_stall_end_and_a_loop_that_stays_busy_as_a_run() -> None:
-    lag = LoopLag(late_s=ACK_LAG_S)
+    lag = LoopLag(late_s=LATE_S)
     lag.start()
     loop = asyncio.get_running_loop()
     try:
@@ -90,10 +91,20 @@ async def test_the_probe_sees_a_stall_end_and_a_loop_that_stays_busy_as_a_run() 
 
 # The decision: when, and whom.
 
-def test_overload_is_sustained_from_half_the_message_timeout_of_late_probes() -> None:
+def test_overload_is_every_probe_late_for_half_the_message_timeout() -> None:
     shed = shedding()
     assert shed.sustained_s == SUSTAINED_SHARE * TIMEOUT_S == 1.0
     assert not shed.overloaded(0.99) and shed.overloaded(1.0)
+
+
+def test_the_processor_counts_a_probe_late_from_the_lag_it_acknowledges_at() -> None:
+    processor, _ = make()
+    assert processor.lag.late_for(0.0) == 0.0
+    processor.lag.record(1.0, ACK_LAG_S * 0.9)
+    assert processor.lag.late_for(2.0) == 0.0
+    for fired_at in (2.0, 2.2, 2.4, 2.6, 2.8, 3.0):
+        processor.lag.record(fired_at, ACK_LAG_S)
+    assert processor.shedding.overloaded(processor.lag.late_for(3.0))
 
 
 def test_not_overloaded_nothing_is_shed_whatever_the_class() -> None:

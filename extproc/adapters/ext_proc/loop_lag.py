@@ -6,8 +6,8 @@ streams wait their turn in the socket's and the event loop's queues, where no
 per-stream age is visible to Python; what is visible is how late a short
 timer fires, since it waits in the same queue. A probe every
 :data:`PROBE_S` records that delay, and since when every probe has been late
-(by ``late_s`` or more): one late probe is a stall that is over once it is
-measured; a run of them is a loop that has not caught up since.
+by ``late_s`` or more: one late probe is a stall, over once it is measured; a
+run of them is a loop that has not caught up since.
 
 While the loop is on time nothing changes. A late stream is acknowledged
 first and decided after (the servicer); a run of late probes as long as
@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 
 PROBE_S = 0.02
-# A probe this late counts as late by default (the servicer passes its ACK_LAG_S).
+# A probe this late counts as late by default (the servicer passes its ACK_LAG_S, the same).
 LATE_S = 0.05
 
 

@@ -98,7 +98,7 @@ from extproc.core.report import RequestEvent, Step
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # From this loop lag on, a stream is acknowledged before it is decided: the
 # acknowledgement is the cheapest reply that stops Envoy's message timer. A loop
-# late by this much on every probe for long enough is overloaded (shedding.py).
+# this late on every probe for long enough is overloaded (shedding.py).
 ACK_LAG_S = 0.05
 # The filter's own mode with, after a release, the request body buffered (engine_priority
 # models) and/or the response headers sent (a release the gate checks for failure); by
@@ -295,9 +295,9 @@ class Processor:
         }
         self._engine_priority_models = {m.name for m in config.models if m.engine_priority}
         self.draining = False
-        self.lag = LoopLag(late_s=ACK_LAG_S)
         self.shedding = Shedding(len(config.bands), config.envoy.message_timeout_ms / 1000,
                                  lambda band: sum(d.queued_in(band) for d in dispatchers.values()))
+        self.lag = LoopLag(late_s=ACK_LAG_S)
         # Prebuilt: under a burst these are sent to every arrival, so they cost no construction.
         self._acknowledgement = max(
             self._hold_reply.values(), key=lambda reply: reply.override_message_timeout.ToMilliseconds()

@@ -1,22 +1,28 @@
 """Whom to refuse when the processor is overloaded: new arrivals of the lowest class present, never a higher one.
 
-**When.** Only under *sustained* overload: the event loop has run late on
-every probe (``loop_lag.py``: each probe late by the servicer's ACK_LAG_S or
-more) for :data:`SUSTAINED_SHARE` of Envoy's ``message_timeout`` (1 s of the
-generated config's 2 s), counted from the first late probe's firing. A late
-stream costs the same reply either way: an acknowledgement
+**When.** Only under *sustained* overload: every probe of the event loop
+(``loop_lag.py``) has been late, by the servicer's ACK_LAG_S (50 ms) or more,
+for :data:`SUSTAINED_SHARE` of Envoy's ``message_timeout`` since the first
+late one fired: 1 s of the generated config's 2 s. Late at all, not late by
+much: how late the probe runs says little of how long a stream has waited,
+since most of that wait is in the socket, before the loop sees the stream
+(measured with the processor starved: probes 0.3–0.6 s late while streams
+went past Envoy's 2 s without a reply).
+That the loop has had no moment to catch up for half the timeout says that
+its backlog has grown, not shrunk, for that long; the other half is the
+margin shedding has to catch up in.
+
+A late stream costs the same reply either way: an acknowledgement
 (``override_message_timeout``, prebuilt) stops Envoy's timer as surely as a
-refusal, so a stream is acknowledged and decided whenever the loop can still
-answer it. A single stall of any length is one late probe, measured once it
-is over; the loop then answers at once, and nothing is shed. A loop that has
-stayed late for half the timeout has had no idle moment for that long: the
-streams behind it in the socket, where their age is invisible, have waited
-as long, and what it takes in beyond that brings Envoy's 504 closer for all.
-The other half of the timeout is the margin that shedding has to catch up in.
+refusal, so until then a stream is acknowledged and decided. A single stall
+of any length is one late probe, measured once it is over; if the loop then
+answers at once, nothing is shed. Only a backlog that keeps the loop late for
+half the timeout after it is overload.
 
 **Whom.** A class is *present* while it has requests queued (any model: the
 loop is the processor's) or has sent one within :data:`ARRIVING_SHARE` of the
-message timeout. An arrival is shed only when no lower class is present:
+message timeout: under overload the socket holds up to that much of the
+arrivals unseen, so a class seen that recently likely has more in it. An arrival is shed only when no lower class is present:
 batch arrivals go first, then standard ones once no batch request is queued
 or arriving, and an interactive (the first band's) request only when it is
 the only class left. Shedding a class keeps it present (its arrivals are
@@ -43,14 +49,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-# Shed only once the loop has run late for this share of Envoy's message_timeout.
+# Shed once every probe has been late for this share of Envoy's message_timeout.
 SUSTAINED_SHARE = 0.5
 # A class that sent a request within this share of the message timeout is still arriving.
 ARRIVING_SHARE = 1.0
 
 
 class Shedding:
-    """Which arrivals the servicer refuses ``overloaded``, from how long the loop has run late and who is present.
+    """Which arrivals the servicer refuses ``overloaded``: from how long the loop has run late, and who is present.
 
     ``queued(band)`` is how many requests of ``band`` all models hold now.
     Times are the event loop's.
