@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,7 +156,7 @@ class Arrivals:
     url: str
     sent: list[asyncio.Task[Answer]] = field(default_factory=list)
     # Called with each answer as it comes.
-    on_answer: list[Any] = field(default_factory=list)
+    on_answer: list[Callable[[asyncio.Task[Answer]], None]] = field(default_factory=list)
 
     def one(self, band: str) -> None:
         task = asyncio.ensure_future(_one(self.session, self.url, band))
@@ -164,7 +164,7 @@ class Arrivals:
             task.add_done_callback(call)
         self.sent.append(task)
 
-    async def at(self, pace: Any, until: Any) -> None:
+    async def at(self, pace: Callable[[], float], until: Callable[[], bool]) -> None:
         """``pace()`` requests a second (asked every 10 ms) until ``until()``."""
         due = float(len(self.sent))
         while not until():
