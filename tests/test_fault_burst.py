@@ -84,25 +84,41 @@ async def test_the_lag_probe_sees_a_blocked_loop_before_its_own_timer_fires() ->
 
 
 class _Late(LoopLag):
-    """A loop that runs this late, as under a burst."""
+    """A loop that runs this late, as under a burst, and has for ``late_for_s`` (0: one stall, now over)."""
 
-    def __init__(self, lag_s: float) -> None:
+    def __init__(self, lag_s: float, late_for_s: float = 0.0) -> None:
         super().__init__()
         self._lag_s = lag_s
+        self._late_for_s = late_for_s
 
     def seconds(self, now: float) -> float:
         return self._lag_s
 
+    def late_for(self, now: float) -> float:
+        return self._late_for_s
+
 
 @pytest.mark.unit
-async def test_far_behind_a_new_stream_is_shed_as_json_overloaded_and_never_queued() -> None:
+async def test_late_for_long_a_new_stream_is_shed_as_json_overloaded_and_never_queued() -> None:
     processor, dispatcher = make_processor()
-    processor.lag = _Late(10.0)
+    processor.lag = _Late(10.0, late_for_s=10.0)
     answer = (await Stream(processor, headers_message()).answers.get()).immediate_response
     headers = {h.header.key: h.header.raw_value.decode() for h in answer.headers.set_headers}
     assert answer.status.code == 503 and headers["x-extproc-reason"] == Refusal.OVERLOADED.value
     assert headers["retry-after"] == "1" and json.loads(answer.body)["error"]["code"] == "overloaded"
     assert dispatcher.queued == 0 and dispatcher.in_flight == 0
+
+
+@pytest.mark.unit
+async def test_far_behind_once_a_new_stream_is_acknowledged_and_decided_not_shed() -> None:
+    """One stall, however long, is over once measured: the acknowledgement costs no more than a refusal."""
+    processor, dispatcher = make_processor()
+    processor.lag = _Late(10.0)
+    stream = Stream(processor, headers_message())
+    assert (await stream.answers.get()).HasField("override_message_timeout")
+    assert (await stream.answers.get()).HasField("request_headers")  # released (fallback limit 1)
+    stream.task.cancel()
+    await asyncio.sleep(0)
 
 
 @pytest.mark.unit

@@ -10,8 +10,9 @@ Tenant labels are bounded: a tenant named under ``tenants:`` in the config
 id shares the one value ``other``. A tenant id is whatever the auth layer
 put in a header, unbounded; a label value per id would grow Prometheus
 without limit. Refusals decided before the tenant is known (bad body,
-unknown model, overload, a missing tenant or a class it may not use) carry
-``tenant="(none)"``.
+unknown model, a missing tenant or a class it may not use) carry
+``tenant="(none)"``; the processor's own shedding (``overloaded``) comes
+after admission, so it carries the tenant, and its class in ``extproc_shed``.
 
 Counters (and the queue-depth gauge) are created at zero for every label
 value known from the config (models x classes x tenants x reasons), so a
@@ -61,13 +62,12 @@ NO_TENANT = "(none)"
 UNKNOWN_MODEL = "(unknown)"
 # Refusals the ext_proc adapter decides before a request reaches a model's queue: all the model label
 # can be when the model is not served, and the refusals a known model gets before its tenant is known.
-_UNKNOWN_MODEL_REASONS = (Refusal.MODEL_MISSING, Refusal.MODEL_NOT_FOUND, Refusal.OVERLOADED,
-                          Refusal.INVALID_BODY, Refusal.BODY_TOO_LARGE)
+_UNKNOWN_MODEL_REASONS = (Refusal.MODEL_MISSING, Refusal.MODEL_NOT_FOUND, Refusal.INVALID_BODY, Refusal.BODY_TOO_LARGE)
 _ADMISSION_REASONS = (Refusal.INVALID_MAX_TOKENS, Refusal.INVALID_TTFT_OBJECTIVE, Refusal.TENANT_MISSING,
-                      Refusal.PRIORITY_NOT_ALLOWED, Refusal.NO_ENDPOINT, Refusal.SHUTTING_DOWN, Refusal.OVERLOADED)
-# Refusals of a request whose tenant is known: a queue cap, its queue timeout, the drain.
+                      Refusal.PRIORITY_NOT_ALLOWED, Refusal.NO_ENDPOINT, Refusal.SHUTTING_DOWN)
+# Refusals of a request whose tenant is known: a queue cap, its queue timeout, the drain, shedding.
 _QUEUE_REASONS = (Refusal.TENANT_QUEUE_FULL, Refusal.BAND_QUEUE_FULL, Refusal.MODEL_QUEUE_FULL,
-                  Refusal.QUEUE_TIMEOUT, Refusal.SHUTTING_DOWN)
+                  Refusal.QUEUE_TIMEOUT, Refusal.SHUTTING_DOWN, Refusal.OVERLOADED)
 
 
 def _package_version(name: str) -> str:
@@ -206,6 +206,12 @@ class Telemetry:
     preempted_occupancy = _counter(
         "extproc_preempted_occupancy_seconds",
         "Time preempted requests had held the engine since their release: the work thrown away.",
+        "model", "priority",
+    )
+    shed = _counter(
+        "extproc_shed",
+        "Requests the processor refused overloaded under sustained overload, by the class they were granted (the "
+        "lowest class present goes first).",
         "model", "priority",
     )
     priority_downgraded = _counter(
@@ -407,6 +413,7 @@ class ModelTelemetry:
         keys = [(priority, tenant) for priority in priorities for tenant in tenants.values]
         self._released = {key: t.released.labels(model, *key) for key in keys}
         self._abandoned = {key: t.abandoned.labels(model, *key) for key in keys}
+        self._shed = {priority: t.shed.labels(model, priority) for priority, _ in keys}
         self._queued = {key: t.queue_depth.labels(model, *key) for key in keys}
         self._waited = {key: t.queue_wait.labels(model, *key) for key in keys}
         self._objective = {(*key, outcome): t.objective.labels(model, *key, outcome)
@@ -482,6 +489,8 @@ class ModelTelemetry:
             self._abandoned[key].inc()
         elif event.refusal is not None:
             self._t.rejected.labels(self._model, event.refusal.value, key[1]).inc()
+            if event.refusal is Refusal.OVERLOADED:
+                self._shed[event.band].inc()
             if event.refusal is Refusal.QUEUE_TIMEOUT:
                 self._waited[key].observe(event.waited_s)
         slack = event.slack_s

@@ -114,6 +114,10 @@ class ModelDispatcher:
     def queued(self) -> int:
         return len(self._queue)
 
+    def queued_in(self, band: int) -> int:
+        """Requests held in ``band`` (the servicer sheds the lowest class present first)."""
+        return self._queue.band_len(band)
+
     @property
     def in_flight(self) -> int:
         """Released requests whose streams have not ended."""

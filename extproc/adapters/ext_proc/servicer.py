@@ -51,8 +51,12 @@ removes its entry from the queue at once.
 
 Under a burst the first reply must still reach Envoy within its
 ``message_timeout``: while the event loop runs late (``loop_lag.py``) the
-stream is acknowledged (``override_message_timeout``) before any other work,
-and past the shed bound it is answered ``overloaded`` at once.
+stream is acknowledged (``override_message_timeout``) before any other work.
+Only when the loop has stayed late long enough to call it sustained overload
+(``shedding.py``) is a new request answered ``overloaded``, and then only one
+of the lowest class present: its class is decided first, from the headers
+and our metadata, so that a shed stream gets one reply and an admitted one
+its acknowledgement.
 
 A request that does not reach the engine ends in one of the core's named
 refusals (``core/outcomes.py``); what the client hears for each — HTTP status,
@@ -88,18 +92,18 @@ from extproc.adapters.ext_proc.loop_lag import LoopLag
 from extproc.adapters.ext_proc.priority_body import with_priority
 from extproc.adapters.ext_proc.release_outcome import engine_answered
 from extproc.adapters.ext_proc.request_fields import RequestFields, from_body, from_metadata, max_tokens
+from extproc.adapters.ext_proc.shedding import Shedding
 from extproc.adapters.telemetry import UNKNOWN_MODEL, Admitted, ServedElsewhere, Telemetry, TurnedAway
 from extproc.core.dispatcher import Held, ModelDispatcher, shutting_down
 from extproc.core.entitlement import grant
 from extproc.core.outcomes import Refusal, Refused
+from extproc.core.report import RequestEvent, Step
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # From this loop lag on, a stream is acknowledged before it is decided: the
-# acknowledgement is the cheapest reply that stops Envoy's message timer.
+# acknowledgement is the cheapest reply that stops Envoy's message timer. A loop
+# this late on every probe for long enough is overloaded (shedding.py).
 ACK_LAG_S = 0.05
-# From this share of Envoy's message_timeout of loop lag on, a new stream is
-# shed (overloaded): its reply would come too close to Envoy's 504.
-SHED_LAG_SHARE = 0.5
 # The filter's own mode with, after a release, the request body buffered (engine_priority
 # models) and/or the response headers sent (a release the gate checks for failure); by
 # (body, response headers). Neither: no override.
@@ -297,14 +301,15 @@ class Processor:
         }
         self._engine_priority_models = {m.name for m in config.models if m.engine_priority}
         self.draining = False
-        self.lag = LoopLag()
-        self._shed_lag_s = SHED_LAG_SHARE * config.envoy.message_timeout_ms / 1000
+        self.shedding = Shedding(len(config.bands), config.envoy.message_timeout_ms / 1000,
+                                 lambda band: sum(d.queued_in(band) for d in dispatchers.values()))
+        self.lag = LoopLag(late_s=ACK_LAG_S)
         # Prebuilt: under a burst these are sent to every arrival, so they cost no construction.
         self._acknowledgement = max(
             self._hold_reply.values(), key=lambda reply: reply.override_message_timeout.ToMilliseconds()
         )
         overloaded = Refused(
-            Refusal.OVERLOADED, "the gateway received more requests at once than it can take in; retry shortly"
+            Refusal.OVERLOADED, "the gateway is overloaded and refuses the lowest class of requests first; retry shortly"
         )
         self._overloaded = error_response(overloaded)
         self._overloaded_epp = error_response(overloaded, config.endpoint_picker.shed_status)
@@ -396,14 +401,12 @@ class Processor:
                 yield _continue(message)
             return
         stream = Stream(first)
-        lag = self.lag.seconds(asyncio.get_running_loop().time())
-        if lag >= self._shed_lag_s:
-            self._count_refusal(stream.fields.model, Refusal.OVERLOADED)
-            yield self._overloaded_epp if stream.epp else self._overloaded
-            return
+        now = asyncio.get_running_loop().time()
+        # Sustained overload (shedding.py): then the class decides before any reply, else the acknowledgement goes first.
+        overloaded = self.shedding.overloaded(self.lag.late_for(now))
         # Only our own Envoy allows a longer message timeout; a gateway's own is long (AI Gateway: 300 s).
-        acknowledged = lag >= ACK_LAG_S and not stream.epp
-        if acknowledged:
+        acknowledged = self.lag.seconds(now) >= ACK_LAG_S and not stream.epp
+        if acknowledged and not overloaded:
             yield self._acknowledgement
         headers = _headers_of(first.request_headers)
         del first
@@ -414,6 +417,11 @@ class Processor:
             async for reply in self._read(stream, messages, headers):
                 yield reply
             admission = self.admit(headers, stream.fields)
+            if self._sheds(admission):
+                yield self._overloaded_epp if stream.epp else self._overloaded
+                return
+            if acknowledged and overloaded:
+                yield self._acknowledgement
             dispatcher = self._dispatchers[admission.model]
             held = self._submit(stream, headers, admission, dispatcher)
         except Refused as refused:
@@ -541,6 +549,20 @@ class Processor:
         names = self._config.band_names
         downgraded = None if admission.requested is None else (names[admission.requested], names[admission.band])
         self._telemetry.report(admission.model)(Admitted(admission.name, *(downgraded or (None, None))))
+
+    def _sheds(self, admission: Admission) -> bool:
+        """Whether to refuse the admitted request ``overloaded`` (shedding.py), counted if so.
+
+        Asked again after the body was read (ext_proc alone), which takes its own time.
+        Its tenant and class are known: counted as a refusal at the queue's door.
+        """
+        now = asyncio.get_running_loop().time()
+        if not self.shedding.arrived(admission.band, now, self.shedding.overloaded(self.lag.late_for(now))):
+            return False
+        band = self._config.band_names[admission.band]
+        self._telemetry.report(admission.model)(
+            RequestEvent(Step.REFUSED, band, admission.tenant, refusal=Refusal.OVERLOADED, dequeued=False))
+        return True
 
     def _count_refusal(self, body_model: str | None, refusal: Refusal) -> None:
         """Count a refusal made before the request reached a dispatcher (which counts its own)."""
