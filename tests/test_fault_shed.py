@@ -283,6 +283,7 @@ def every_request_ended(answers: list[Answer], logged: Counter[str], sent: int) 
     assert lost.total() <= sum(n for details, n in logged.items() if details != "downstream_remote_disconnect") - read
 
 
+@pytest.mark.slow
 async def test_a_starved_processor_sheds_batch_and_never_interactive_while_batch_is_queued(tmp_path: Path) -> None:
     answers, depth, left_behind = await starved_ramp(tmp_path, Ramp(), hogs=HOGS)
     counts = tally(answers)
