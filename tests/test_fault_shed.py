@@ -86,6 +86,8 @@ def shed_config(tmp_path: Path, *, hold_s: float) -> Path:
         "models": [{
             "name": "m1", "endpoints": [f"http://127.0.0.1:{free_port()}"], "gate": "static_rate",
             "release_rate": 0.001, "max_queue_wait_s": hold_s, "max_queued": 100_000,
+            # The rate's one release is kept from batch for the classes above: batch is held.
+            "reserved_waiting": 1,
         }],
         "tenants": {"default": {"max_queued": 100_000}},
         "envoy": {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}",
