@@ -32,6 +32,31 @@ Definitions (all times in model seconds, see :mod:`extproc.tools.bench.runner`):
   are compared only within their class: strict priority between classes is
   meant to be unfair. Reported: the mean and the minimum over such
   (window, class) pairs, and how many there were.
+* **Versus unloaded** — the focus group's TTFT p50 and p99 during the
+  disturbance divided by the same percentile unloaded: the scenario's
+  ``UNLOADED`` phase (the same requests replayed alone on the same arm's
+  stack first) where it has one, else its requests sent before
+  ``reference_before``.
+* **Objective attainment** — the share of a class's requests (failed ones
+  included) whose TTFT met the class's objective, as the arm's processor
+  resolved it (``ttft_objective_s``; direct FIFO is held to the same).
+* **Batch** — the batch class's makespan (its first send to its last answer),
+  its output tokens per second over it, and that against the *idle
+  capacity*: what the engine did with the batch alone (the ``BATCH_ALONE``
+  phase, straight to the engine) times the share of its slots the focus
+  group leaves free (its requests' unloaded e2e, times how many were sent
+  during the batch, over slots x the batch's makespan). Preemptions per batch
+  request: the client's count of 503 ``preempted`` answers, and the
+  processor's ``extproc_preemptions_total`` where it exports one.
+* **Classes** — each class's TTFT p50/p99 and output tokens per second over
+  its own makespan, divided by direct FIFO's for the same class.
+* **Work conservation** — the engine's running requests
+  (``vllm:num_requests_running``, as sampled) averaged over time across the
+  batch's makespan, against direct FIFO's; and where a gap comes from: the
+  time from a completion to the gateway's next release (release = the
+  answered attempt's send + its queue-wait header), and the engine's empty
+  slots (slots - running) integrated over the time the gateway held a batch
+  request (sent, not yet released), in all and per completion in that time.
 * **Processor** (arms with extproc) — from the instances' own counters at the
   end of the run, summed over instances: releases per wall-clock second of the
   run, processor CPU per request (ms, all instances), and for a cluster the
@@ -50,7 +75,7 @@ from typing import Any
 
 from extproc.core.cost import CostWeights
 from extproc.tools.bench.runner import ArmRun, EngineSample, Result
-from extproc.tools.bench.scenarios import Scenario
+from extproc.tools.bench.scenarios import BATCH, BATCH_ALONE, CLASSES, CONSERVATION, OBJECTIVES, UNLOADED, Scenario
 from extproc.tools.power_user import percentile
 
 # Cost weights of prompt and output tokens in a tenant's service: the ones the
@@ -202,8 +227,14 @@ def common_horizon(runs: Iterable[ArmRun]) -> float:
     return min(throughput(run.results).makespan for run in runs)
 
 
-def summarize(scenario: Scenario, run: ArmRun, baseline: ArmRun, horizon: float) -> dict[str, Any]:
-    """Every figure of one scenario x arm; throughput relative to ``baseline`` (direct FIFO)."""
+def summarize(
+    scenario: Scenario, run: ArmRun, baseline: ArmRun, horizon: float, *, batch_alone: float | None = None
+) -> dict[str, Any]:
+    """Every figure of one scenario x arm; throughput relative to ``baseline`` (direct FIFO).
+
+    ``batch_alone``: the batch's output tokens per second straight to the
+    engine with nothing else (:func:`batch_capacity`), for the idle capacity.
+    """
     results = list(run.results)
     focus = [r for r in results if scenario.in_focus(r.tenant, r.priority)]
     tp = throughput(results)
@@ -237,11 +268,210 @@ def summarize(scenario: Scenario, run: ArmRun, baseline: ArmRun, horizon: float)
         "wall_s": run.wall_s,
         "processor": processor(run),
     }
-    if scenario.reference_before is not None:
+    if UNLOADED in run.phases:
+        summary["focus_unloaded"] = latency(r for r in run.phases[UNLOADED].results
+                                            if scenario.in_focus(r.tenant, r.priority))
+        summary["focus_loaded"] = latency(focus)
+    elif scenario.reference_before is not None:
         cut = scenario.reference_before
         summary["focus_unloaded"] = latency(r for r in focus if r.sent < cut)
         summary["focus_loaded"] = latency(r for r in focus if r.sent >= cut)
+    if OBJECTIVES in scenario.measures:
+        loaded = [r for r in focus if scenario.reference_before is None or r.sent >= scenario.reference_before]
+        summary["slowdown"] = slowdown(summary.get("focus_loaded"), summary.get("focus_unloaded"))
+        summary["focus_objective"] = attainment(loaded, run.objectives.get(scenario.focus_priority or ""))
+        summary["objectives"] = {
+            cls: attainment([r for r in results if priority_label(r) == cls], objective)
+            for cls, objective in run.objectives.items() if any(priority_label(r) == cls for r in results)
+        }
+    if BATCH in scenario.measures:
+        summary["batch"] = batch_figures(scenario, run, baseline, batch_alone)
+    if CLASSES in scenario.measures:
+        summary["classes"] = class_figures(results, list(baseline.results))
+    if CONSERVATION in scenario.measures:
+        summary["conservation"] = conservation(scenario, run, baseline)
     return summary
+
+
+# --- #19: objectives, the batch class, classes against direct, work conservation ----------------
+
+
+def slowdown(loaded: Any, unloaded: Any) -> dict[str, float | None]:
+    """TTFT p50 and p99 of ``loaded`` over ``unloaded`` (latency blocks; None where either is missing)."""
+
+    def pct(block: Any, q: str) -> float | None:
+        value = block["ttft"][q] if isinstance(block, dict) else None
+        return None if value is None or math.isnan(value) else float(value)
+
+    return {q: _maybe_ratio(pct(loaded, q), pct(unloaded, q)) for q in ("p50", "p99")}
+
+
+def attainment(results: Sequence[Result], objective_s: float | None) -> dict[str, float | None]:
+    """How many of ``results`` got their first token within ``objective_s`` (a failed request did not)."""
+    if objective_s is None or not results:
+        return {"objective_s": objective_s, "requests": len(results), "met": None, "share": None}
+    met = sum(r.ok and r.ttft is not None and r.ttft <= objective_s for r in results)
+    return {"objective_s": objective_s, "requests": len(results), "met": met, "share": met / len(results)}
+
+
+def batch_capacity(scenario: Scenario, baseline: ArmRun) -> float | None:
+    """The batch's output tokens per second straight to the engine with nothing else (its BATCH_ALONE phase)."""
+    phase = baseline.phases.get(BATCH_ALONE)
+    if phase is None:
+        return None
+    rate = throughput([r for r in phase.results if r.priority == scenario.batch_priority]).tokens_per_s
+    return rate or None
+
+
+def slot_share(unloaded: Sequence[Result], sent: int, slots: int, span: float) -> float | None:
+    """The share of ``slots`` that ``sent`` requests like ``unloaded`` take over ``span`` (each its unloaded e2e)."""
+    ok = [r.e2e for r in unloaded if r.ok]
+    if not ok or slots <= 0 or span <= 0:
+        return None
+    return sent * statistics.fmean(ok) / (slots * span)
+
+
+def batch_figures(
+    scenario: Scenario, run: ArmRun, baseline: ArmRun, batch_alone: float | None
+) -> dict[str, float | None]:
+    """The batch class's makespan, throughput (against the idle capacity) and preemptions (see the module docstring)."""
+    batch = [r for r in run.results if r.priority == scenario.batch_priority]
+    direct = [r for r in baseline.results if r.priority == scenario.batch_priority]
+    tp = throughput(batch)
+    figures: dict[str, float | None] = {
+        "requests": len(batch),
+        "ok": sum(r.ok for r in batch),
+        "tokens": sum(r.tokens for r in batch if r.ok),
+        "makespan_s": tp.makespan or None,
+        "makespan_ratio": _maybe_ratio(tp.makespan, throughput(direct).makespan),
+        "tokens_per_s": tp.tokens_per_s,
+        "alone_tokens_per_s": batch_alone,
+        "others_slot_share": None,
+        "idle_capacity_tokens_per_s": None,
+        "capacity_ratio": None,
+        "preemptions": sum(r.preempted for r in batch),
+        "preemptions_per_request": _maybe_ratio(sum(r.preempted for r in batch), len(batch)),
+        "processor_preemptions_per_request": _maybe_ratio(run.processor.get("preemptions"), len(batch)),
+    }
+    unloaded = run.phases.get(UNLOADED)
+    if unloaded is not None and batch_alone is not None and tp.makespan > 0:
+        start = min(r.sent for r in batch)
+        others = sum(start <= r.sent <= start + tp.makespan for r in run.results if r.priority != scenario.batch_priority)
+        share = slot_share(unloaded.results, others, run.slots, tp.makespan)
+        if share is not None:
+            capacity = batch_alone * max(0.0, 1.0 - share)
+            figures.update(others_slot_share=share, idle_capacity_tokens_per_s=capacity,
+                           capacity_ratio=_maybe_ratio(tp.tokens_per_s, capacity))
+    return figures
+
+
+def class_figures(results: Sequence[Result], direct: Sequence[Result]) -> dict[str, dict[str, Any]]:
+    """Each class's TTFT p50/p99 and tokens per second, and their ratios to the same class straight to the engine."""
+    figures: dict[str, dict[str, Any]] = {}
+    for cls in sorted({priority_label(r) for r in results}):
+        mine = [r for r in results if priority_label(r) == cls]
+        theirs = [r for r in direct if priority_label(r) == cls]
+        block, base = latency(mine), latency(theirs)
+        rate, base_rate = throughput(mine).tokens_per_s, throughput(theirs).tokens_per_s
+        figures[cls] = {
+            "ok": block["ok"], "requests": block["requests"], "ttft": block["ttft"],
+            "ttft_ratio": slowdown(block, base), "tokens_per_s": rate, "tokens_ratio": _maybe_ratio(rate, base_rate),
+        }
+    return figures
+
+
+def time_mean(samples: Sequence[EngineSample], start: float, end: float) -> float | None:
+    """The running count averaged over time in [start, end] (each sample holds until the next)."""
+    if not samples:
+        return None
+    total = covered = 0.0
+    ends = [s.at for s in samples[1:]] + [end]
+    for here, until in zip(samples, ends, strict=True):
+        a, b = max(here.at, start), min(until, end)
+        if b > a:
+            total += here.running * (b - a)
+            covered += b - a
+    return total / covered if covered > 0 else None
+
+
+def _overlap(a: float, b: float, intervals: Sequence[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in intervals)
+
+
+def held_intervals(results: Iterable[Result]) -> list[tuple[float, float]]:
+    """When the gateway held at least one of ``results``: from the answered attempt's send to its release."""
+    return _merge((r.resent if r.resent is not None else r.sent, r.released_at)
+                  for r in results if r.released_at is not None and r.queue_wait)
+
+
+def empty_slots_while_held(
+    samples: Sequence[EngineSample], held: Sequence[tuple[float, float]], slots: int
+) -> dict[str, float]:
+    """Time the engine ran below ``slots`` while the gateway held requests, and the slot-seconds left empty then."""
+    below = lost = 0.0
+    for here, after in zip(samples, samples[1:], strict=False):
+        if here.running < slots:
+            overlap = _overlap(here.at, after.at, held)
+            below += overlap
+            lost += (slots - here.running) * overlap
+    return {"below_s": below, "slot_s": lost}
+
+
+def release_gaps(results: Sequence[Result], held: Sequence[tuple[float, float]]) -> list[float]:
+    """For each answer that ended while the gateway held requests: the time until its next release."""
+    releases = sorted(t for r in results if (t := r.released_at) is not None)
+    gaps = []
+    for done in sorted(r.done_at for r in results if r.ok):
+        if any(a <= done < b for a, b in held):
+            later = next((t for t in releases if t >= done), None)
+            if later is not None:
+                gaps.append(later - done)
+    return gaps
+
+
+def first_full(samples: Sequence[EngineSample], slots: int) -> float | None:
+    """When the engine was first seen running all its slots (None: never)."""
+    return next((s.at for s in samples if s.running >= slots), None)
+
+
+def conservation(scenario: Scenario, run: ArmRun, baseline: ArmRun) -> dict[str, float | None]:
+    """Does the gateway keep the engine as busy as straight to it, and where does a gap come from."""
+
+    def busy(r: ArmRun) -> tuple[float | None, float]:
+        batch = [x for x in r.results if x.priority == scenario.batch_priority and x.ok]
+        if not batch:
+            return None, 0.0
+        start, end = min(x.sent for x in batch), max(x.done_at for x in batch)
+        return time_mean(r.engine, start, end), end - start
+
+    running, makespan = busy(run)
+    direct_running, direct_makespan = busy(baseline)
+    batch = [r for r in run.results if r.priority == scenario.batch_priority]
+    held = held_intervals(batch)
+    empty = empty_slots_while_held(run.engine, held, run.slots)
+    gaps = release_gaps(batch, held)
+    completions = len(gaps)
+    return {
+        "makespan_s": makespan or None,
+        "makespan_ratio": _maybe_ratio(makespan, direct_makespan),
+        "running_mean": running,
+        "running_ratio": _maybe_ratio(running, direct_running),
+        "first_full_s": first_full(run.engine, run.slots),
+        "held_s": sum(b - a for a, b in held),
+        "below_slots_while_held_s": empty["below_s"],
+        "empty_slot_s_while_held": empty["slot_s"],
+        "completions_while_held": completions,
+        "empty_slot_ms_per_completion": 1e3 * empty["slot_s"] / completions if completions else None,
+        "release_gap_ms_mean": 1e3 * statistics.fmean(gaps) if gaps else None,
+        "release_gap_ms_p50": 1e3 * percentile(gaps, 50) if gaps else None,
+        "release_gap_ms_p99": 1e3 * percentile(gaps, 99) if gaps else None,
+    }
+
+
+def _maybe_ratio(value: float | None, reference: float | None) -> float | None:
+    if value is None or reference is None:
+        return None
+    return _ratio(value, reference)
 
 
 def processor(run: ArmRun) -> dict[str, float | None] | None:
