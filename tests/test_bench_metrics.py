@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,10 +26,11 @@ from extproc.tools.bench.metrics import (
     fairness,
     first_full,
     held_intervals,
+    itl_between,
     jain,
     latency,
     processor,
-    release_gaps,
+    refill_gaps,
     service_until,
     slowdown,
     summarize,
@@ -38,9 +42,11 @@ from extproc.tools.bench.overhead import parse_hey_csv
 from extproc.tools.bench.runner import (
     ArmRun,
     Attempt,
+    Decision,
     EngineSample,
     PhaseRun,
     Result,
+    decisions,
     preempted,
     processor_counters,
     prompt_text,
@@ -331,9 +337,37 @@ def test_empty_slots_count_only_while_the_gateway_holds_requests() -> None:
     engine = samples((0, 2), (1, 4), (5, 3), (6, 1), (8, 0))
     # Below 4 slots while held: [0, 1) with 2 empty, [5, 5.5) with 1 empty.
     assert empty_slots_while_held(engine, held, 4) == {"below_s": pytest.approx(1.5), "slot_s": pytest.approx(2.5)}
-    # The answer at 5 s came while one was still held; its next release was at 5.5 s.
-    assert release_gaps(results, held) == [pytest.approx(0.5)]
     assert first_full(engine, 4) == 1 and first_full(engine, 5) is None
+
+
+def test_the_k_th_completion_s_slot_is_refilled_by_the_release_after_the_first_slots() -> None:
+    # Two slots: releases at 0, 0 fill them; completions at 5 and 6 are refilled at 5.1 and 5.9
+    # (released before the client saw the second end: negative).
+    gaps = refill_gaps([0, 0, 5.1, 5.9], [5, 6, 10, 11], 2)
+    assert gaps == [pytest.approx(0.1), pytest.approx(-0.1)]
+    assert refill_gaps([0], [5], 2) == []
+
+
+def test_mean_step_time_from_the_engine_s_inter_token_counters() -> None:
+    engine = (EngineSample(0, 0, 4, 1.0, 100), EngineSample(1, 0, 4, 2.3, 200), EngineSample(9, 0, 4, 9.9, 900))
+    assert itl_between(engine, 0, 1) == pytest.approx(0.013)
+    assert itl_between(engine, 0.5, 1) is None  # one sample is no interval
+    assert itl_between((EngineSample(0, 0, 4), EngineSample(1, 0, 4)), 0, 1) is None  # no counters
+
+
+def test_decision_log_lines_in_the_run_s_window_become_model_seconds() -> None:
+    def line(ts: str, outcome: str = "released", logger: str = "extproc.decisions") -> str:
+        return json.dumps({"ts": ts, "level": "debug", "logger": logger, "msg": "x", "tenant": "job",
+                           "class": "batch", "model": "m", "wait_ms": 1.0, "outcome": outcome})
+
+    start = datetime.datetime(2026, 12, 1, 12, 0, 0, tzinfo=datetime.UTC).timestamp()
+    lines = [line("2026-12-01T11:59:59.000+00:00"),  # an earlier phase's
+             line("2026-12-01T12:00:01.250+00:00"), "not json extproc.decisions",
+             line("2026-12-01T12:00:02.000+00:00", "refused:preempted"),
+             line("2026-12-01T12:00:02.500+00:00", logger="extproc.health"),
+             line("2026-12-01T12:00:30.000+00:00")]  # after the run
+    assert decisions(lines, start, wall_s=10.0, time_scale=0.5) == [
+        Decision(2.5, "job", "batch", "released"), Decision(4.0, "job", "batch", "refused:preempted")]
 
 
 def test_conservation_of_a_gated_run_against_direct() -> None:
@@ -348,6 +382,14 @@ def test_conservation_of_a_gated_run_against_direct() -> None:
     assert figures["running_ratio"] == pytest.approx((20 / 11) / 2)
     assert figures["held_s"] == 1.0 and figures["empty_slot_s_while_held"] == pytest.approx(1.0)
     assert figures["first_full_s"] == 1 and figures["completions_while_held"] == 0
+    # Releases from the client's view (no decision log): at 0 and 1; the first completion (10) has none after.
+    assert figures["releases_from"] == "client" and figures["refills"] == 0
+    logged = replace(gated, decisions=(Decision(0, "job", "batch", "released"), Decision(1.0, "job", "batch", "released"),
+                                       Decision(10.2, "job", "batch", "released")))
+    figures = conservation(scenario, logged, direct)
+    assert figures["releases_from"] == "decision log" and figures["refill_ms_mean"] == pytest.approx(200)
+    # Without the engine's inter-token counters there is no makespan in steps.
+    assert figures["makespan_steps_ratio"] is None
 
 
 def test_objectives_are_the_processor_s_and_scaled_to_the_simulator_s_speed() -> None:

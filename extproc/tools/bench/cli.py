@@ -185,7 +185,8 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
                 )
                 runs.setdefault(scenario.name, []).append(run)
                 raw = {"requests": [asdict(r) for r in run.results], "engine": [asdict(e) for e in run.engine],
-                       "phases": {name: asdict(phase) for name, phase in run.phases.items()}}
+                       "phases": {name: asdict(phase) for name, phase in run.phases.items()},
+                       "decisions": [asdict(d) for d in run.decisions]}
                 (workdir / scenario.name / arm.name / "raw.json").write_text(json.dumps(raw), encoding="utf-8")
             scenario_runs = runs[scenario.name]
             baseline = scenario_runs[0]  # direct FIFO: every comparison is a ratio to it

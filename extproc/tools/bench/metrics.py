@@ -53,10 +53,14 @@ Definitions (all times in model seconds, see :mod:`extproc.tools.bench.runner`):
 * **Work conservation** — the engine's running requests
   (``vllm:num_requests_running``, as sampled) averaged over time across the
   batch's makespan, against direct FIFO's; and where a gap comes from: the
-  time from a completion to the gateway's next release (release = the
-  answered attempt's send + its queue-wait header), and the engine's empty
-  slots (slots - running) integrated over the time the gateway held a batch
-  request (sent, not yet released), in all and per completion in that time.
+  time from a completion to the release that refilled its slot (the k-th
+  completion's slot is refilled by the (k + slots)-th release; releases at
+  the processor's clock, from its decision log), and the engine's empty slots
+  (slots - running) integrated over the time the gateway held a batch
+  request (sent, not yet released: the answered attempt's send + its
+  queue-wait header), in all and per completion in that time. The makespan
+  is also given in engine steps (divided by the engine's mean inter-token
+  latency over it), which a CPU busy with other work does not lengthen.
 * **Processor** (arms with extproc) — from the instances' own counters at the
   end of the run, summed over instances: releases per wall-clock second of the
   run, processor CPU per request (ms, all instances), and for a cluster the
@@ -417,16 +421,28 @@ def empty_slots_while_held(
     return {"below_s": below, "slot_s": lost}
 
 
-def release_gaps(results: Sequence[Result], held: Sequence[tuple[float, float]]) -> list[float]:
-    """For each answer that ended while the gateway held requests: the time until its next release."""
-    releases = sorted(t for r in results if (t := r.released_at) is not None)
-    gaps = []
-    for done in sorted(r.done_at for r in results if r.ok):
-        if any(a <= done < b for a, b in held):
-            later = next((t for t in releases if t >= done), None)
-            if later is not None:
-                gaps.append(later - done)
-    return gaps
+def refill_gaps(releases: Sequence[float], completions: Sequence[float], slots: int) -> list[float]:
+    """How long each completion's slot waited for the gateway's release that refilled it.
+
+    With the engine's ``slots`` full, the k-th completion frees the slot the
+    (k + slots)-th release fills: the gap is that release's time less the
+    completion's. Negative: the gateway had released it before (into the
+    engine's queue, or it saw the end before the client did).
+    """
+    releases, completions = sorted(releases), sorted(completions)
+    return [releases[k + slots] - done for k, done in enumerate(completions) if k + slots < len(releases)]
+
+
+def itl_between(samples: Sequence[EngineSample], start: float, end: float) -> float | None:
+    """The engine's mean inter-token latency (one step of a running request) in [start, end], from its counters."""
+    inside = [s for s in samples if start <= s.at <= end and s.itl_sum is not None and s.itl_count is not None]
+    if len(inside) < 2:
+        return None
+    first, last = inside[0], inside[-1]
+    assert first.itl_sum is not None and first.itl_count is not None
+    assert last.itl_sum is not None and last.itl_count is not None
+    count = last.itl_count - first.itl_count
+    return (last.itl_sum - first.itl_sum) / count if count > 0 else None
 
 
 def first_full(samples: Sequence[EngineSample], slots: int) -> float | None:
@@ -434,26 +450,34 @@ def first_full(samples: Sequence[EngineSample], slots: int) -> float | None:
     return next((s.at for s in samples if s.running >= slots), None)
 
 
-def conservation(scenario: Scenario, run: ArmRun, baseline: ArmRun) -> dict[str, float | None]:
+def conservation(scenario: Scenario, run: ArmRun, baseline: ArmRun) -> dict[str, float | str | None]:
     """Does the gateway keep the engine as busy as straight to it, and where does a gap come from."""
 
-    def busy(r: ArmRun) -> tuple[float | None, float]:
+    def busy(r: ArmRun) -> tuple[float | None, float, float | None]:
         batch = [x for x in r.results if x.priority == scenario.batch_priority and x.ok]
         if not batch:
-            return None, 0.0
+            return None, 0.0, None
         start, end = min(x.sent for x in batch), max(x.done_at for x in batch)
-        return time_mean(r.engine, start, end), end - start
+        return time_mean(r.engine, start, end), end - start, itl_between(r.engine, start, end)
 
-    running, makespan = busy(run)
-    direct_running, direct_makespan = busy(baseline)
+    running, makespan, itl = busy(run)
+    direct_running, direct_makespan, direct_itl = busy(baseline)
+    steps = None if itl is None else makespan / itl
+    direct_steps = None if direct_itl is None else direct_makespan / direct_itl
     batch = [r for r in run.results if r.priority == scenario.batch_priority]
     held = held_intervals(batch)
     empty = empty_slots_while_held(run.engine, held, run.slots)
-    gaps = release_gaps(batch, held)
-    completions = len(gaps)
+    completions = sum(any(a <= r.done_at < b for a, b in held) for r in batch if r.ok)
+    # The releases at the processor's clock (its decision log), else as the client saw them.
+    logged = [d.at for d in run.decisions if d.outcome == "released" and d.band == scenario.batch_priority]
+    releases = logged or [t for r in batch if (t := r.released_at) is not None]
+    gaps = refill_gaps(releases, [r.done_at for r in batch if r.ok], run.slots) if releases else []
     return {
         "makespan_s": makespan or None,
         "makespan_ratio": _maybe_ratio(makespan, direct_makespan),
+        "itl_ms": None if itl is None else 1e3 * itl,
+        "makespan_steps": steps,
+        "makespan_steps_ratio": _maybe_ratio(steps, direct_steps),
         "running_mean": running,
         "running_ratio": _maybe_ratio(running, direct_running),
         "first_full_s": first_full(run.engine, run.slots),
@@ -462,9 +486,11 @@ def conservation(scenario: Scenario, run: ArmRun, baseline: ArmRun) -> dict[str,
         "empty_slot_s_while_held": empty["slot_s"],
         "completions_while_held": completions,
         "empty_slot_ms_per_completion": 1e3 * empty["slot_s"] / completions if completions else None,
-        "release_gap_ms_mean": 1e3 * statistics.fmean(gaps) if gaps else None,
-        "release_gap_ms_p50": 1e3 * percentile(gaps, 50) if gaps else None,
-        "release_gap_ms_p99": 1e3 * percentile(gaps, 99) if gaps else None,
+        "releases_from": "decision log" if logged else "client" if releases else None,
+        "refills": len(gaps),
+        "refill_ms_mean": 1e3 * statistics.fmean(gaps) if gaps else None,
+        "refill_ms_p50": 1e3 * percentile(gaps, 50) if gaps else None,
+        "refill_ms_p99": 1e3 * percentile(gaps, 99) if gaps else None,
     }
 
 

@@ -16,6 +16,10 @@ benchmark measures such costs at real speed. The TTFT objectives written into
 the processor's config are scaled the same way (``arms.scale_objectives``), and
 so is the client's wait before retrying a preempted request (``Retry-After``).
 
+The processors run with their decision log on (``--log-level debug
+--log-format json``): its lines give each release at the processor's own
+clock (:func:`decisions`), to the millisecond.
+
 A request the gateway preempts (503, reason ``preempted``) is sent again after
 its ``Retry-After``, as the OpenAI SDK does, at most ``MAX_ATTEMPTS`` times;
 its result counts the preemptions and keeps the first send as its start.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,7 +49,7 @@ from extproc.tools.bench.scenarios import Engine, Scenario
 from extproc.tools.bench.vllm import VllmEngine
 from extproc.tools.procs import cpu_seconds
 from extproc.tools.redis_proc import RedisServer
-from extproc.tools.stack import Stack, start_stack
+from extproc.tools.stack import SOLE, Stack, start_stack
 
 # How often the engine's queue is sampled (wall clock).
 SAMPLE_INTERVAL_S = 0.05
@@ -55,6 +60,9 @@ MAX_ATTEMPTS = 20
 # (a few of the processor's scrapes, so it sees the idle engine too). Wall clock.
 SETTLE_TIMEOUT_S = 60.0
 SETTLE_PAUSE_S = 0.5
+# The processors' decision log, one JSON line per request's outcome (adapters/logs.py).
+SERVE_ARGS = ("--log-level", "debug", "--log-format", "json")
+DECISIONS_LOGGER = "extproc.decisions"
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,19 @@ class EngineSample:
     at: float  # model seconds from the run's start
     waiting: float
     running: float
+    # The engine's inter-token latency counters (cumulative seconds and count; None: not exported).
+    itl_sum: float | None = None
+    itl_count: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One line of a processor's decision log: a request released, refused or abandoned (model seconds)."""
+
+    at: float
+    tenant: str
+    band: str
+    outcome: str  # "released", "refused:<reason>", "abandoned"
 
 
 @dataclass(frozen=True)
@@ -114,6 +135,8 @@ class PhaseRun:
     results: tuple[Result, ...]
     engine: tuple[EngineSample, ...]
     wall_s: float
+    # Wall-clock time (time.time()) at its start: the decision log's clock.
+    started_wall: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -137,6 +160,8 @@ class ArmRun:
     objectives: dict[str, float] = field(default_factory=dict)
     # The engine's batch size (its slots).
     slots: int = 0
+    # The processors' decision log over the run (empty: no processor).
+    decisions: tuple[Decision, ...] = ()
 
 
 def prompt_text(tokens: int, chars_per_token: int = 4) -> str:
@@ -154,7 +179,8 @@ async def _sample_engine(url: str, model: str, t0: float, time_scale: float, sto
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, MetricsError):
                 async with session.get(f"{url}/metrics") as response:
                     load = parse_load("vllm", await response.text(), model)
-                samples.append(EngineSample((started - t0) / time_scale, load.waiting, load.running))
+                samples.append(EngineSample((started - t0) / time_scale, load.waiting, load.running,
+                                            load.itl_sum, load.itl_count))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, SAMPLE_INTERVAL_S - (time.monotonic() - started)))
     return samples
@@ -188,6 +214,37 @@ def processor_counters(pages: Sequence[str]) -> dict[str, float]:
                 if key is not None:
                     totals[key] = totals.get(key, 0.0) + sample.value
     return totals
+
+
+def decisions(lines: Sequence[str], started_wall: float, wall_s: float, time_scale: float) -> list[Decision]:
+    """The decision-log lines among ``lines`` (JSON log lines) in the window of a run, its start at 0.
+
+    ``started_wall``: the run's start on the wall clock (``time.time()``);
+    lines from before it or after ``wall_s`` are other phases'.
+    """
+    found = []
+    for line in lines:
+        if DECISIONS_LOGGER not in line:
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("logger") != DECISIONS_LOGGER:
+            continue
+        offset = datetime.datetime.fromisoformat(entry["ts"]).timestamp() - started_wall
+        if 0 <= offset <= wall_s:
+            found.append(Decision(offset / time_scale, entry["tenant"], entry["class"], entry["outcome"]))
+    return sorted(found, key=lambda d: d.at)
+
+
+def _decision_log(stack: Stack, run: PhaseRun, time_scale: float) -> tuple[Decision, ...]:
+    lines: list[str] = []
+    for name in stack.processors:
+        log = stack.workdir / ("extproc.log" if name == SOLE else f"extproc-{name}.log")
+        with contextlib.suppress(OSError):
+            lines += log.read_text(encoding="utf-8", errors="replace").splitlines()
+    return tuple(decisions(lines, run.started_wall, run.wall_s, time_scale))
 
 
 async def _scrape_processors(stack: Stack) -> dict[str, float]:
@@ -371,14 +428,14 @@ async def _start(arm: Arm, config: Path, engine: Engine | VllmEngine, time_scale
         endpoint = load_config(config).models[0].endpoints[0]
         vllm = await engine.start(MODEL, endpoint, workdir, arm.scheduling_policy)
         try:
-            stack = await start_stack(config, workdir, gateway=arm.gateway, engines=False)
+            stack = await start_stack(config, workdir, serve_args=SERVE_ARGS, gateway=arm.gateway, engines=False)
         except BaseException:
             await vllm.stop()
             raise
         stack.sims.append(vllm)
         return stack
     sim_args = [*engine.sim_args(time_scale), "--scheduling-policy", arm.scheduling_policy]
-    return await start_stack(config, workdir, sim_args=sim_args, gateway=arm.gateway)
+    return await start_stack(config, workdir, sim_args=sim_args, serve_args=SERVE_ARGS, gateway=arm.gateway)
 
 
 async def _watched(
@@ -386,6 +443,7 @@ async def _watched(
     time_scale: float, on_done: Callable[[], None],
 ) -> PhaseRun:
     """Replay ``requests`` from now, sampling the engine until the last answer."""
+    started_wall = time.time()
     t0 = time.monotonic()
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample_engine(stack.sim_url(MODEL), MODEL, t0, time_scale, stop))
@@ -396,7 +454,7 @@ async def _watched(
     finally:
         stop.set()
         samples = await sampler
-    return PhaseRun(tuple(results), tuple(samples), time.monotonic() - t0)
+    return PhaseRun(tuple(results), tuple(samples), time.monotonic() - t0, started_wall)
 
 
 async def _settle(url: str) -> None:
@@ -439,7 +497,8 @@ async def _measure(
     counters = await _scrape_processors(stack) if stack.processors else {}
     # Counters over the run alone: what the phases before it added is taken off.
     counters = {key: value - counters_before.get(key, 0.0) for key, value in counters.items()}
-    return ArmRun(scenario.name, arm.name, time_scale, run.results, run.engine, run.wall_s, cpu, counters, phases)
+    return ArmRun(scenario.name, arm.name, time_scale, run.results, run.engine, run.wall_s, cpu, counters, phases,
+                  decisions=_decision_log(stack, run, time_scale))
 
 
 def _cpu(pids: Sequence[int]) -> float:
