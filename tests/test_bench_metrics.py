@@ -15,6 +15,7 @@ from extproc.tools.bench.load import LogNormal, Stream
 from extproc.tools.bench.metrics import (
     W_IN,
     W_OUT,
+    Capacity,
     attainment,
     backlog_intervals,
     batch_capacity,
@@ -287,7 +288,7 @@ def test_batch_throughput_against_the_idle_capacity_and_preemptions() -> None:
     alone = PhaseRun((batch(0, 10, tokens=1000), batch(0, 10, tokens=1000)), (), 10.0)
     direct = ArmRun("s", "direct-fifo", 1.0, (batch(0, 10, tokens=1000), batch(0, 10, tokens=1000)), (), 10.0, {},
                     phases={BATCH_ALONE: alone}, slots=4)
-    assert batch_capacity(scenario, direct) == pytest.approx(200.0)
+    assert batch_capacity(scenario, direct) == Capacity(200.0, None)
     # 20 chats of 2 s each over the batch's 20 s on 4 slots: they took half the engine.
     chats = tuple(result("u", t, 0.1, 2.0, priority="interactive") for t in range(20))
     unloaded = PhaseRun(tuple(result("u", t, 0.1, 2.0, priority="interactive") for t in range(3)), (), 3.0)
@@ -302,9 +303,11 @@ def test_batch_throughput_against_the_idle_capacity_and_preemptions() -> None:
     assert figures["idle_capacity_tokens_per_s"] == pytest.approx(100.0)
     assert figures["capacity_ratio"] == pytest.approx(1.0)
     assert figures["preemptions_per_request"] == 1.0 and figures["processor_preemptions_per_request"] == 1.5
+    # Without the engine's inter-token counters, nothing is given per step.
+    assert figures["makespan_steps_ratio"] is None and figures["capacity_steps_ratio"] is None
     # Without a batch-alone reference there is no idle capacity to compare with.
     assert batch_figures(scenario, gated, direct, None)["capacity_ratio"] is None
-    summary = summarize(scenario, gated, direct, 20.0, batch_alone=200.0)
+    summary = summarize(scenario, gated, direct, 20.0, batch_alone=Capacity(200.0))
     assert summary["focus_unloaded"]["ttft"]["p99"] == pytest.approx(0.1)
     assert summary["focus_objective"]["share"] == 1.0 and summary["slowdown"]["p99"] == pytest.approx(1.0)
     assert summary["objectives"] == {"interactive": {"objective_s": 5.0, "requests": 20, "met": 20, "share": 1.0}}
@@ -405,3 +408,23 @@ def test_objectives_are_the_processor_s_and_scaled_to_the_simulator_s_speed() ->
                                                                       "min_ttft_objective_s": 0.5}}})
     bands = parse_config(scale_objectives(arm_config(tight, ["a"]), 0.5)).bands
     assert (bands[0].ttft_objective_s, bands[0].min_ttft_objective_s) == (1.0, 0.25)
+
+
+def test_batch_figures_per_engine_step_undo_a_slower_cpu() -> None:
+    """The same work on an engine whose steps took twice as long (a busy CPU): the same per step."""
+    scenario = _scenario(measures=frozenset({BATCH}))
+
+    def engine(step: float, end: float) -> tuple[EngineSample, ...]:
+        # One token per step: the counters add a step's time and one count per step.
+        return tuple(EngineSample(t, 0, 4, t, t / step) for t in (0.0, end / 2, end))
+
+    unloaded = PhaseRun((result("u", 0, 0.1, 1.0, priority="interactive"),), (), 1.0)
+    direct = ArmRun("s", "direct-fifo", 1.0, (batch(0, 10, tokens=1000),), engine(0.01, 10), 10.0, {}, slots=4,
+                    phases={UNLOADED: unloaded})
+    slow = ArmRun("s", "extproc-rr", 1.0, (batch(0, 20, tokens=1000),), engine(0.02, 20), 20.0, {}, slots=4,
+                  phases={UNLOADED: unloaded})
+    figures = batch_figures(scenario, slow, direct, Capacity(100.0, 0.01))
+    assert figures["makespan_ratio"] == pytest.approx(2.0) and figures["makespan_steps_ratio"] == pytest.approx(1.0)
+    assert figures["itl_ms"] == pytest.approx(20.0)
+    # Nobody else sent anything during the batch: the idle capacity is the batch alone's.
+    assert figures["capacity_ratio"] == pytest.approx(0.5) and figures["capacity_steps_ratio"] == pytest.approx(1.0)

@@ -45,7 +45,9 @@ Definitions (all times in model seconds, see :mod:`extproc.tools.bench.runner`):
   capacity*: what the engine did with the batch alone (the ``BATCH_ALONE``
   phase, straight to the engine) times the share of its slots the focus
   group leaves free (its requests' unloaded e2e, times how many were sent
-  during the batch, over slots x the batch's makespan). Preemptions per batch
+  during the batch, over slots x the batch's makespan); also per engine step
+  (each rate times the engine's mean inter-token latency then), which a CPU
+  busy with other work does not change. Preemptions per batch
   request: the client's count of 503 ``preempted`` answers, and the
   processor's ``extproc_preemptions_total`` where it exports one.
 * **Classes** — each class's TTFT p50/p99 and output tokens per second over
@@ -232,12 +234,12 @@ def common_horizon(runs: Iterable[ArmRun]) -> float:
 
 
 def summarize(
-    scenario: Scenario, run: ArmRun, baseline: ArmRun, horizon: float, *, batch_alone: float | None = None
+    scenario: Scenario, run: ArmRun, baseline: ArmRun, horizon: float, *, batch_alone: Capacity | None = None
 ) -> dict[str, Any]:
     """Every figure of one scenario x arm; throughput relative to ``baseline`` (direct FIFO).
 
-    ``batch_alone``: the batch's output tokens per second straight to the
-    engine with nothing else (:func:`batch_capacity`), for the idle capacity.
+    ``batch_alone``: what the engine did with the batch alone, straight to it
+    (:func:`batch_capacity`), for the idle capacity.
     """
     results = list(run.results)
     focus = [r for r in results if scenario.in_focus(r.tenant, r.priority)]
@@ -318,13 +320,30 @@ def attainment(results: Sequence[Result], objective_s: float | None) -> dict[str
     return {"objective_s": objective_s, "requests": len(results), "met": met, "share": met / len(results)}
 
 
-def batch_capacity(scenario: Scenario, baseline: ArmRun) -> float | None:
-    """The batch's output tokens per second straight to the engine with nothing else (its BATCH_ALONE phase)."""
+@dataclass(frozen=True)
+class Capacity:
+    """What the engine did with the batch alone: output tokens per second, and its mean step then (None: unknown)."""
+
+    tokens_per_s: float
+    itl_s: float | None = None
+
+
+def _span(results: Sequence[Result]) -> tuple[float, float] | None:
+    """From the first send to the last answer of the successful ``results``."""
+    ok = [r for r in results if r.ok]
+    return (min(r.sent for r in ok), max(r.done_at for r in ok)) if ok else None
+
+
+def batch_capacity(scenario: Scenario, baseline: ArmRun) -> Capacity | None:
+    """The batch alone straight to the engine (its BATCH_ALONE phase): tokens per second and the engine's step."""
     phase = baseline.phases.get(BATCH_ALONE)
     if phase is None:
         return None
-    rate = throughput([r for r in phase.results if r.priority == scenario.batch_priority]).tokens_per_s
-    return rate or None
+    batch = [r for r in phase.results if r.priority == scenario.batch_priority]
+    rate, span = throughput(batch).tokens_per_s, _span(batch)
+    if not rate or span is None:
+        return None
+    return Capacity(rate, itl_between(phase.engine, *span))
 
 
 def slot_share(unloaded: Sequence[Result], sent: int, slots: int, span: float) -> float | None:
@@ -336,36 +355,48 @@ def slot_share(unloaded: Sequence[Result], sent: int, slots: int, span: float) -
 
 
 def batch_figures(
-    scenario: Scenario, run: ArmRun, baseline: ArmRun, batch_alone: float | None
+    scenario: Scenario, run: ArmRun, baseline: ArmRun, alone: Capacity | None
 ) -> dict[str, float | None]:
-    """The batch class's makespan, throughput (against the idle capacity) and preemptions (see the module docstring)."""
+    """The batch class's makespan, throughput (against the idle capacity) and preemptions (see the module docstring).
+
+    The ``_steps`` figures divide times by the engine's mean step over them
+    (its inter-token latency): what a CPU busy with other work does not change.
+    """
     batch = [r for r in run.results if r.priority == scenario.batch_priority]
     direct = [r for r in baseline.results if r.priority == scenario.batch_priority]
-    tp = throughput(batch)
+    tp, span = throughput(batch), _span(batch)
+    direct_tp, direct_span = throughput(direct), _span(direct)
+    itl = None if span is None else itl_between(run.engine, *span)
+    direct_itl = None if direct_span is None else itl_between(baseline.engine, *direct_span)
     figures: dict[str, float | None] = {
         "requests": len(batch),
         "ok": sum(r.ok for r in batch),
         "tokens": sum(r.tokens for r in batch if r.ok),
         "makespan_s": tp.makespan or None,
-        "makespan_ratio": _maybe_ratio(tp.makespan, throughput(direct).makespan),
+        "makespan_ratio": _maybe_ratio(tp.makespan, direct_tp.makespan),
+        "itl_ms": None if itl is None else 1e3 * itl,
+        "makespan_steps_ratio": None if itl is None or direct_itl is None
+        else _maybe_ratio(tp.makespan / itl, direct_tp.makespan / direct_itl),
         "tokens_per_s": tp.tokens_per_s,
-        "alone_tokens_per_s": batch_alone,
+        "alone_tokens_per_s": None if alone is None else alone.tokens_per_s,
         "others_slot_share": None,
         "idle_capacity_tokens_per_s": None,
         "capacity_ratio": None,
+        "capacity_steps_ratio": None,
         "preemptions": sum(r.preempted for r in batch),
         "preemptions_per_request": _maybe_ratio(sum(r.preempted for r in batch), len(batch)),
         "processor_preemptions_per_request": _maybe_ratio(run.processor.get("preemptions"), len(batch)),
     }
     unloaded = run.phases.get(UNLOADED)
-    if unloaded is not None and batch_alone is not None and tp.makespan > 0:
-        start = min(r.sent for r in batch)
-        others = sum(start <= r.sent <= start + tp.makespan for r in run.results if r.priority != scenario.batch_priority)
+    if unloaded is not None and alone is not None and span is not None and tp.makespan > 0:
+        others = sum(span[0] <= r.sent <= span[1] for r in run.results if r.priority != scenario.batch_priority)
         share = slot_share(unloaded.results, others, run.slots, tp.makespan)
         if share is not None:
-            capacity = batch_alone * max(0.0, 1.0 - share)
+            capacity = alone.tokens_per_s * max(0.0, 1.0 - share)
+            per_step = None if itl is None or alone.itl_s is None else _maybe_ratio(
+                tp.tokens_per_s * itl, capacity * alone.itl_s)
             figures.update(others_slot_share=share, idle_capacity_tokens_per_s=capacity,
-                           capacity_ratio=_maybe_ratio(tp.tokens_per_s, capacity))
+                           capacity_ratio=_maybe_ratio(tp.tokens_per_s, capacity), capacity_steps_ratio=per_step)
     return figures
 
 
@@ -454,11 +485,10 @@ def conservation(scenario: Scenario, run: ArmRun, baseline: ArmRun) -> dict[str,
     """Does the gateway keep the engine as busy as straight to it, and where does a gap come from."""
 
     def busy(r: ArmRun) -> tuple[float | None, float, float | None]:
-        batch = [x for x in r.results if x.priority == scenario.batch_priority and x.ok]
-        if not batch:
+        span = _span([x for x in r.results if x.priority == scenario.batch_priority])
+        if span is None:
             return None, 0.0, None
-        start, end = min(x.sent for x in batch), max(x.done_at for x in batch)
-        return time_mean(r.engine, start, end), end - start, itl_between(r.engine, start, end)
+        return time_mean(r.engine, *span), span[1] - span[0], itl_between(r.engine, *span)
 
     running, makespan, itl = busy(run)
     direct_running, direct_makespan, direct_itl = busy(baseline)
