@@ -173,3 +173,15 @@ def test_batch_flood_is_the_issue_s_reproduction() -> None:
     # batchjob may use the batch class only.
     assert scenario.gateway["tenants"]["batchjob"]["priorities"] == ["batch"]
     assert [r.tenant for r in batch_only().requests()] == ["batchjob"] * 48
+
+
+def test_every_scenario_is_named_in_the_bench_help() -> None:
+    import argparse
+
+    from extproc.tools.bench.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    help_text = " ".join(parser.format_help().split()).replace("- ", "-")
+    for name in [*SCENARIOS, *vllm.SCENARIOS]:
+        assert name in help_text, name

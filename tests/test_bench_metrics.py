@@ -384,6 +384,8 @@ def test_conservation_of_a_gated_run_against_direct() -> None:
     assert figures["running_mean"] == pytest.approx((1 + 2 * 9 + 1) / 11)
     assert figures["running_ratio"] == pytest.approx((20 / 11) / 2)
     assert figures["held_s"] == 1.0 and figures["empty_slot_s_while_held"] == pytest.approx(1.0)
+    # All of it at the start: the engine first ran both slots at 1 s.
+    assert figures["ramp_empty_slot_s"] == pytest.approx(1.0)
     assert figures["first_full_s"] == 1 and figures["completions_while_held"] == 0
     # Releases from the client's view (no decision log): at 0 and 1; the first completion (10) has none after.
     assert figures["releases_from"] == "client" and figures["refills"] == 0

@@ -15,14 +15,20 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc")
 
 
-def test_quick_bench_writes_sane_results(tmp_path: Path) -> None:
+def quick_bench(tmp_path: Path, *args: str, timeout: float = 120) -> Path:
+    """Run ``extproc bench --quick ARGS`` into ``tmp_path/out`` (work folder ``tmp_path/work``); returns out."""
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "extproc", "bench", "--quick", "--out", str(out), "--workdir", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "extproc", "bench", "--quick", *args, "--out", str(out),
+         "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    return out
 
+
+def test_quick_bench_writes_sane_results(tmp_path: Path) -> None:
+    out = quick_bench(tmp_path)
     results = json.loads((out / "results.json").read_text())
     scenario = results["scenarios"]["power-user"]
     assert tuple(scenario) == ARMS
@@ -54,13 +60,7 @@ def test_quick_bench_writes_sane_results(tmp_path: Path) -> None:
 
 def test_quick_bench_cluster_arm_reports_redis_round_trips(tmp_path: Path) -> None:
     """The cluster arm runs two processors and a Redis, and the figures cover both instances."""
-    out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "extproc", "bench", "--quick", "--arms", "direct-fifo,cluster-rr",
-         "--out", str(out), "--workdir", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    out = quick_bench(tmp_path, "--arms", "direct-fifo,cluster-rr")
 
     scenario = json.loads((out / "results.json").read_text())["scenarios"]["power-user"]
     assert tuple(scenario) == ("direct-fifo", "cluster-rr")
@@ -79,13 +79,7 @@ def test_quick_bench_cluster_arm_reports_redis_round_trips(tmp_path: Path) -> No
 
 def test_quick_bench_runs_a_tiny_version_of_each_issue_19_scenario(tmp_path: Path) -> None:
     """batch-flood, steady-classes and batch-only, tiny: every figure they add is there and sane."""
-    out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "extproc", "bench", "--quick", "--scenarios", "batch-flood,steady-classes,batch-only",
-         "--out", str(out), "--workdir", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=180,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    out = quick_bench(tmp_path, "--scenarios", "batch-flood,steady-classes,batch-only", timeout=180)
     results = json.loads((out / "results.json").read_text())
     scenarios = results["scenarios"]
     assert list(scenarios) == ["batch-flood", "steady-classes", "batch-only"]

@@ -50,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "scenario's own; direct-fifo always runs); 'cluster' names extproc-rr, cluster-rr, "
                         "extproc-vtc, cluster-vtc: one instance against two sharing a Redis")
     parser.add_argument("--time-scale", type=float, default=None,
-                        help=f"simulator speed: 0.25 runs 4x faster than a real GPU (default: each scenario's own, "
-                        f"{DEFAULT_TIME_SCALE} unless it runs on the vLLM-like GPU in real time)")
+                        help=f"simulator speed: 0.25 runs 4x faster than a real GPU (default: each scenario's own: "
+                        f"1 for batch-flood, steady-classes and batch-only, else {DEFAULT_TIME_SCALE})")
     parser.add_argument("--out", default="bench-out", help="results folder (default %(default)s)")
     parser.add_argument("--workdir", help="logs and configs of every run (default: a new temporary folder)")
     overhead = parser.add_mutually_exclusive_group()

@@ -60,7 +60,8 @@ Definitions (all times in model seconds, see :mod:`extproc.tools.bench.runner`):
   the processor's clock, from its decision log), and the engine's empty slots
   (slots - running) integrated over the time the gateway held a batch
   request (sent, not yet released: the answered attempt's send + its
-  queue-wait header), in all and per completion in that time. The makespan
+  queue-wait header), in all, before the engine first ran all its slots
+  (the start), and per completion in that time. The makespan
   is also given in engine steps (divided by the engine's mean inter-token
   latency over it), which a CPU busy with other work does not lengthen.
 * **Processor** (arms with extproc) — from the instances' own counters at the
@@ -497,6 +498,10 @@ def conservation(scenario: Scenario, run: ArmRun, baseline: ArmRun) -> dict[str,
     batch = [r for r in run.results if r.priority == scenario.batch_priority]
     held = held_intervals(batch)
     empty = empty_slots_while_held(run.engine, held, run.slots)
+    full = first_full(run.engine, run.slots)
+    # The start: until the engine first ran all its slots (the gateway learning or filling them).
+    ramp = empty_slots_while_held(run.engine, [(a, min(b, full)) for a, b in held if full is not None and a < full],
+                                  run.slots)
     completions = sum(any(a <= r.done_at < b for a, b in held) for r in batch if r.ok)
     # The releases at the processor's clock (its decision log), else as the client saw them.
     logged = [d.at for d in run.decisions if d.outcome == "released" and d.band == scenario.batch_priority]
@@ -510,7 +515,8 @@ def conservation(scenario: Scenario, run: ArmRun, baseline: ArmRun) -> dict[str,
         "makespan_steps_ratio": _maybe_ratio(steps, direct_steps),
         "running_mean": running,
         "running_ratio": _maybe_ratio(running, direct_running),
-        "first_full_s": first_full(run.engine, run.slots),
+        "first_full_s": full,
+        "ramp_empty_slot_s": ramp["slot_s"],
         "held_s": sum(b - a for a, b in held),
         "below_slots_while_held_s": empty["below_s"],
         "empty_slot_s_while_held": empty["slot_s"],

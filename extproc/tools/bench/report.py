@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,15 +165,18 @@ def _issue19_targets(summaries: Mapping[str, Mapping[str, Any]], gated: Sequence
             add(f">= {WITHIN_OBJECTIVE:.0%} of interactive requests within their TTFT objective ({name})", arm.name,
                 share, "–" if share is None else f"{share:.1%} ({got['met']}/{got['requests']} within "
                 f"{_s(got['objective_s'])} s)", None if share is None else share >= WITHIN_OBJECTIVE)
+    def stepped(target: str, arm: str, block: Any, key: str, detail: str, met: Callable[[float], bool]) -> None:
+        """A wall-clock ratio, shown with its detail and the same ratio per engine step (a busy CPU leaves it)."""
+        ratio, steps = _get(block, key), _get(block, key.replace("_ratio", "_steps_ratio"))
+        add(target, arm, ratio, "–" if ratio is None else f"{ratio:.3f} ({detail}; per engine step {_num(steps, 3)})",
+            None if ratio is None else met(ratio))
+
     flood = summaries.get("batch-flood", {})
     for arm in (a for a in gated if a.name in flood):
-        ratio = _get(flood, arm.name, "batch", "capacity_ratio")
-        steps = _get(flood, arm.name, "batch", "capacity_steps_ratio")
-        add(f"batch throughput >= {IDLE_CAPACITY_SHARE} of the idle capacity (batch-flood)", arm.name, ratio,
-            "–" if ratio is None else f"{ratio:.2f} ({_num(_get(flood, arm.name, 'batch', 'tokens_per_s'), 0)} vs "
-            f"{_num(_get(flood, arm.name, 'batch', 'idle_capacity_tokens_per_s'), 0)} tokens/s; per engine step "
-            f"{_num(steps)})",
-            None if ratio is None else ratio >= IDLE_CAPACITY_SHARE)
+        b = _get(flood, arm.name, "batch")
+        stepped(f"batch throughput >= {IDLE_CAPACITY_SHARE} of the idle capacity (batch-flood)", arm.name, b,
+                "capacity_ratio", f"{_num(_get(b, 'tokens_per_s'), 0)} vs "
+                f"{_num(_get(b, 'idle_capacity_tokens_per_s'), 0)} tokens/s", lambda r: r >= IDLE_CAPACITY_SHARE)
     steady = summaries.get("steady-classes", {})
     for arm in (a for a in gated if a.name in steady):
         classes = _get(steady, arm.name, "classes") or {}
@@ -191,12 +194,10 @@ def _issue19_targets(summaries: Mapping[str, Mapping[str, Any]], gated: Sequence
             worst <= CLASS_TTFT_SLACK and least >= THROUGHPUT_RATIO)
     only = summaries.get("batch-only", {})
     for arm in (a for a in gated if a.name in only):
-        ratio = _get(only, arm.name, "conservation", "makespan_ratio")
-        steps = _get(only, arm.name, "conservation", "makespan_steps_ratio")
-        add(f"batch-only makespan within {BATCH_MAKESPAN_SLACK - 1:.0%} of direct FIFO", arm.name, ratio,
-            "–" if ratio is None else f"{ratio:.3f} ({_s(_get(only, arm.name, 'conservation', 'makespan_s'))} s vs "
-            f"{_s(_get(only, DIRECT.name, 'conservation', 'makespan_s'))} s; in engine steps {_num(steps, 3)})",
-            None if ratio is None else ratio <= BATCH_MAKESPAN_SLACK)
+        c = _get(only, arm.name, "conservation")
+        stepped(f"batch-only makespan within {BATCH_MAKESPAN_SLACK - 1:.0%} of direct FIFO", arm.name, c,
+                "makespan_ratio", f"{_s(_get(c, 'makespan_s'))} s vs "
+                f"{_s(_get(only, DIRECT.name, 'conservation', 'makespan_s'))} s", lambda r: r <= BATCH_MAKESPAN_SLACK)
         running = _get(only, arm.name, "conservation", "running_ratio")
         add(f"batch-only mean running requests >= {RUNNING_RATIO} of direct FIFO", arm.name, running,
             "–" if running is None else f"{running:.3f} ({_num(_get(only, arm.name, 'conservation', 'running_mean'))} "
@@ -310,28 +311,32 @@ def _objectives_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[s
             *_table(["arm", *(f"{c} within {_s(objective[c])} s" for c in classes)], rows)]
 
 
+def _arm_rows(
+    arms: Sequence[Arm], summary: Mapping[str, Any], key: str, row: Callable[[Mapping[str, Any]], list[str]]
+) -> list[list[str]]:
+    """One row per arm whose summary has ``key``: its name, then ``row`` of that block."""
+    return [[arm.name, *row(block)] for arm in arms if (block := _get(summary, arm.name, key)) is not None]
+
+
 def _batch_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
-    rows = []
-    for arm in arms:
-        b = _get(summary, arm.name, "batch")
-        if b is None:
-            continue
-        rows.append([
-            arm.name, f"{b['ok']}/{b['requests']}", _s(b["makespan_s"]), _num(b["makespan_ratio"], 2),
+    def row(b: Mapping[str, Any]) -> list[str]:
+        return [
+            f"{b['ok']}/{b['requests']}", _s(b["makespan_s"]), _num(b["makespan_ratio"], 2),
             _num(b["itl_ms"], 1), _num(b["makespan_steps_ratio"], 2),
             _num(b["tokens_per_s"], 0), _num(b["alone_tokens_per_s"], 0),
             "–" if b["others_slot_share"] is None else f"{b['others_slot_share']:.0%}",
             _num(b["idle_capacity_tokens_per_s"], 0), _num(b["capacity_ratio"], 2),
             _num(b["capacity_steps_ratio"], 2),
             f"{_num(b['preemptions_per_request'], 2)} / {_num(b['processor_preemptions_per_request'], 2)}",
-        ])
+        ]
+
     return ["", "The batch class (makespan: its first send to its last answer; idle capacity: the batch alone "
             "straight to the engine, times the share of slots the others leave free; per step: each time over the "
             "engine's mean inter-token latency then, which a busy CPU does not change):", "",
             *_table(["arm", "batch ok", "batch makespan (s)", "vs direct", "step (ms)", "in steps vs direct",
                      "batch tokens/s", "alone tokens/s", "slots the others took", "idle capacity tokens/s",
                      "vs idle capacity", "per step vs idle capacity",
-                     "preemptions per batch request (client / processor)"], rows)]
+                     "preemptions per batch request (client / processor)"], _arm_rows(arms, summary, "batch", row))]
 
 
 def _classes_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
@@ -353,27 +358,25 @@ def _classes_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]
 
 
 def _conservation_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
-    rows = []
-    for arm in arms:
-        c = _get(summary, arm.name, "conservation")
-        if c is None:
-            continue
-        rows.append([
-            arm.name, _s(c["makespan_s"]), _num(c["makespan_ratio"], 3), _num(c["itl_ms"], 1),
+    def row(c: Mapping[str, Any]) -> list[str]:
+        return [
+            _s(c["makespan_s"]), _num(c["makespan_ratio"], 3), _num(c["itl_ms"], 1),
             _num(c["makespan_steps_ratio"], 3), _num(c["running_mean"]), _num(c["running_ratio"], 3),
             _s(c["first_full_s"]), _s(c["held_s"]), _s(c["below_slots_while_held_s"]),
-            _s(c["empty_slot_s_while_held"]), str(c["completions_while_held"]),
+            _s(c["empty_slot_s_while_held"]), _s(c["ramp_empty_slot_s"]), str(c["completions_while_held"]),
             _num(c["empty_slot_ms_per_completion"], 0),
             f"{_num(c['refill_ms_mean'], 0)} / {_num(c['refill_ms_p50'], 0)} / {_num(c['refill_ms_p99'], 0)}",
-        ])
+        ]
+
     return ["", "Work conservation (the batch's makespan, also in engine steps: over its mean inter-token latency; "
             "running: vllm:num_requests_running averaged over it; held: some batch request sent and not yet released "
             "by the gateway; refill: from a completion to the release that refilled its slot, at the processor's "
             "clock):", "",
             *_table(["arm", "makespan (s)", "vs direct", "step (ms)", "in steps vs direct", "mean running",
                      "vs direct", "first at all slots (s)", "held (s)", "below all slots while held (s)",
-                     "empty slot-s while held", "completions while held", "empty slot-ms per completion",
-                     "refill mean / p50 / p99 (ms)"], rows)]
+                     "empty slot-s while held", "of them before all slots ran", "completions while held",
+                     "empty slot-ms per completion", "refill mean / p50 / p99 (ms)"],
+                    _arm_rows(arms, summary, "conservation", row))]
 
 
 def _processor_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
