@@ -21,7 +21,8 @@ The processors run with their decision log on (``--log-level debug
 clock (:func:`decisions`), to the millisecond.
 
 A request the gateway preempts (503, reason ``preempted``) is sent again after
-its ``Retry-After``, as the OpenAI SDK does, at most ``MAX_ATTEMPTS`` times;
+its ``Retry-After``, as the OpenAI SDK does (numbering its attempts in
+``x-stainless-retry-count``, as the SDK does), at most ``MAX_ATTEMPTS`` times;
 its result counts the preemptions and keeps the first send as its start.
 """
 
@@ -56,6 +57,9 @@ SAMPLE_INTERVAL_S = 0.05
 _FILLER = "the quick brown fox jumps over the lazy dog; " * 2000
 # A preempted request is sent again at most this many times in all.
 MAX_ATTEMPTS = 20
+# The OpenAI SDKs number every attempt in this header (0 first); the gateway never
+# preempts a request that says it is a retry (identity.retry_headers).
+RETRY_HEADER = "x-stainless-retry-count"
 # Between phases: how long the engine may take to be idle again, and the pause after it
 # (a few of the processor's scrapes, so it sees the idle engine too). Wall clock.
 SETTLE_TIMEOUT_S = 60.0
@@ -351,14 +355,14 @@ async def replay(
             url = f"{base_url}/v1/chat/completions"
             sent = time.monotonic()
             resent: float | None = None
-            attempt = await send(session, url, body, headers)
+            attempt = await send(session, url, body, {**headers, RETRY_HEADER: "0"})
             times = 0
             while preempted(attempt) and times + 1 < MAX_ATTEMPTS:
                 times += 1
                 # Retry-After is the gateway's wall-clock advice to a client of the modelled GPU: model seconds.
                 await asyncio.sleep((attempt.retry_after_s or 1.0) * time_scale)
                 resent = time.monotonic()
-                attempt = await send(session, url, body, headers)
+                attempt = await send(session, url, body, {**headers, RETRY_HEADER: str(times)})
             times += preempted(attempt)
             if planned.tenant in left:
                 left[planned.tenant] -= 1
