@@ -289,8 +289,8 @@ def test_batch_throughput_against_the_idle_capacity_and_preemptions() -> None:
     direct = ArmRun("s", "direct-fifo", 1.0, (batch(0, 10, tokens=1000), batch(0, 10, tokens=1000)), (), 10.0, {},
                     phases={BATCH_ALONE: alone}, slots=4)
     assert batch_capacity(scenario, direct) == Capacity(200.0, None)
-    # 20 chats of 2 s each over the batch's 20 s on 4 slots: they took half the engine.
-    chats = tuple(result("u", t, 0.1, 2.0, priority="interactive") for t in range(20))
+    # 20 chats, each holding a slot for 2 s (first token to end) over the batch's 20 s on 4 slots: half the engine.
+    chats = tuple(result("u", 0.9 * k, 0.1, 2.1, priority="interactive") for k in range(20))
     unloaded = PhaseRun(tuple(result("u", t, 0.1, 2.0, priority="interactive") for t in range(3)), (), 3.0)
     gated = ArmRun("s", "extproc-preempt", 1.0,
                    (batch(0, 20, tokens=1000, preempted=2), batch(0, 15, tokens=1000), *chats), (), 20.0, {},
@@ -426,6 +426,7 @@ def test_batch_figures_per_engine_step_undo_a_slower_cpu() -> None:
     slow = ArmRun("s", "extproc-rr", 1.0, (batch(0, 20, tokens=1000),), engine(0.02, 20), 20.0, {}, slots=4,
                   phases={UNLOADED: unloaded})
     figures = batch_figures(scenario, slow, direct, Capacity(100.0, 0.01))
+    assert figures["others_slot_share"] == 0
     assert figures["makespan_ratio"] == pytest.approx(2.0) and figures["makespan_steps_ratio"] == pytest.approx(1.0)
     assert figures["itl_ms"] == pytest.approx(20.0)
     # Nobody else sent anything during the batch: the idle capacity is the batch alone's.

@@ -16,6 +16,8 @@ Definitions (all times in model seconds, see :mod:`extproc.tools.bench.runner`):
   requests wait delivers fewer tokens by H.
 * **Engine waiting** — ``vllm:num_requests_waiting`` sampled every 50 ms of
   wall time from the run's start to the last response: median and maximum.
+  The engine's step over the run: its mean inter-token latency
+  (``vllm:inter_token_latency_seconds``), which shows a CPU slowed by other work.
 * **Service** of a tenant — ``W_IN`` x prompt tokens (credited when the first
   token arrives, i.e. when prefill is done) plus ``W_OUT`` x output tokens
   (credited evenly between first token and end; the simulator emits them at a
@@ -43,9 +45,9 @@ Definitions (all times in model seconds, see :mod:`extproc.tools.bench.runner`):
 * **Batch** — the batch class's makespan (its first send to its last answer),
   its output tokens per second over it, and that against the *idle
   capacity*: what the engine did with the batch alone (the ``BATCH_ALONE``
-  phase, straight to the engine) times the share of its slots the focus
-  group leaves free (its requests' unloaded e2e, times how many were sent
-  during the batch, over slots x the batch's makespan); also per engine step
+  phase, straight to the engine) times the share of its slots the others
+  left free (what they held of slots x the batch's makespan, each request
+  from its first token to its end); also per engine step
   (each rate times the engine's mean inter-token latency then), which a CPU
   busy with other work does not change. Preemptions per batch
   request: the client's count of 503 ``preempted`` answers, and the
@@ -268,7 +270,7 @@ def summarize(
         "tenants": grouped(results, lambda r: r.tenant),
         "priorities": grouped(results, priority_label),
         "throughput": rates,
-        "engine": engine_queue(run.engine, tp.makespan),
+        "engine": {**engine_queue(run.engine, tp.makespan), "itl_ms": _ms(itl_between(run.engine, 0.0, tp.makespan))},
         "fairness": fairness(results, scenario.weight),
         "send_lag_max_s": max((r.sent - r.planned for r in results), default=0.0),
         "cpu_share": {name: seconds / run.wall_s for name, seconds in run.cpu_s.items()},
@@ -347,12 +349,17 @@ def batch_capacity(scenario: Scenario, baseline: ArmRun) -> Capacity | None:
     return Capacity(rate, itl_between(phase.engine, *span))
 
 
-def slot_share(unloaded: Sequence[Result], sent: int, slots: int, span: float) -> float | None:
-    """The share of ``slots`` that ``sent`` requests like ``unloaded`` take over ``span`` (each its unloaded e2e)."""
-    ok = [r.e2e for r in unloaded if r.ok]
-    if not ok or slots <= 0 or span <= 0:
+def slot_share(results: Iterable[Result], span: tuple[float, float], slots: int) -> float | None:
+    """The share of ``slots`` x ``span`` that ``results`` held: each from its first token to its end.
+
+    From the first token, not the send: a request waiting for a slot holds
+    none (its prefill step is left out, so this errs low).
+    """
+    length = span[1] - span[0]
+    if slots <= 0 or length <= 0:
         return None
-    return sent * statistics.fmean(ok) / (slots * span)
+    held = sum(_overlap(first, r.done_at, [span]) for r in results if (first := r.first_token_at) is not None)
+    return held / (slots * length)
 
 
 def batch_figures(
@@ -375,7 +382,7 @@ def batch_figures(
         "tokens": sum(r.tokens for r in batch if r.ok),
         "makespan_s": tp.makespan or None,
         "makespan_ratio": _maybe_ratio(tp.makespan, direct_tp.makespan),
-        "itl_ms": None if itl is None else 1e3 * itl,
+        "itl_ms": _ms(itl),
         "makespan_steps_ratio": None if itl is None or direct_itl is None
         else _maybe_ratio(tp.makespan / itl, direct_tp.makespan / direct_itl),
         "tokens_per_s": tp.tokens_per_s,
@@ -388,10 +395,8 @@ def batch_figures(
         "preemptions_per_request": _maybe_ratio(sum(r.preempted for r in batch), len(batch)),
         "processor_preemptions_per_request": _maybe_ratio(run.processor.get("preemptions"), len(batch)),
     }
-    unloaded = run.phases.get(UNLOADED)
-    if unloaded is not None and alone is not None and span is not None and tp.makespan > 0:
-        others = sum(span[0] <= r.sent <= span[1] for r in run.results if r.priority != scenario.batch_priority)
-        share = slot_share(unloaded.results, others, run.slots, tp.makespan)
+    if alone is not None and span is not None:
+        share = slot_share([r for r in run.results if r.priority != scenario.batch_priority and r.ok], span, run.slots)
         if share is not None:
             capacity = alone.tokens_per_s * max(0.0, 1.0 - share)
             per_step = None if itl is None or alone.itl_s is None else _maybe_ratio(
@@ -510,7 +515,7 @@ def conservation(scenario: Scenario, run: ArmRun, baseline: ArmRun) -> dict[str,
     return {
         "makespan_s": makespan or None,
         "makespan_ratio": _maybe_ratio(makespan, direct_makespan),
-        "itl_ms": None if itl is None else 1e3 * itl,
+        "itl_ms": _ms(itl),
         "makespan_steps": steps,
         "makespan_steps_ratio": _maybe_ratio(steps, direct_steps),
         "running_mean": running,
@@ -528,6 +533,10 @@ def conservation(scenario: Scenario, run: ArmRun, baseline: ArmRun) -> dict[str,
         "refill_ms_p50": 1e3 * percentile(gaps, 50) if gaps else None,
         "refill_ms_p99": 1e3 * percentile(gaps, 99) if gaps else None,
     }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
 
 
 def _maybe_ratio(value: float | None, reference: float | None) -> float | None:

@@ -244,6 +244,11 @@ def scenario_markdown(
          "Jain mean / min (windows)", f"{scenario.focus} gateway wait p50 / p99 (s)"],
         rows,
     )
+    steps = [f"{arm.name} {_num(step, 1)} ms" for arm in arms
+             if (step := _get(summary, arm.name, "engine", "itl_ms")) is not None]
+    if steps:
+        lines += ["", "The engine's mean step (inter-token latency) over the run, which a CPU busy with other work "
+                  "lengthens: " + ", ".join(steps) + "."]
     if any("focus_unloaded" in s for s in summary.values()):
         lines += _unloaded_table(scenario, arms, summary)
     if OBJECTIVES in scenario.measures:
