@@ -383,6 +383,8 @@ def test_conservation_of_a_gated_run_against_direct() -> None:
     assert figures["makespan_ratio"] == pytest.approx(1.1)
     assert figures["running_mean"] == pytest.approx((1 + 2 * 9 + 1) / 11)
     assert figures["running_ratio"] == pytest.approx((20 / 11) / 2)
+    # Direct left none of its 2 x 10 slot-s empty; the gated run 2 of its 2 x 11.
+    assert figures["empty_slot_s"] == pytest.approx(2.0) and figures["empty_slot_s_over_direct"] == pytest.approx(2.0)
     assert figures["held_s"] == 1.0 and figures["empty_slot_s_while_held"] == pytest.approx(1.0)
     # All of it at the start: the engine first ran both slots at 1 s.
     assert figures["ramp_empty_slot_s"] == pytest.approx(1.0)

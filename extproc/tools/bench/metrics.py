@@ -63,7 +63,9 @@ Definitions (all times in model seconds, see :mod:`extproc.tools.bench.runner`):
   (slots - running) integrated over the time the gateway held a batch
   request (sent, not yet released: the answered attempt's send + its
   queue-wait header), in all, before the engine first ran all its slots
-  (the start), and per completion in that time. The makespan
+  (the start), and per completion in that time; and over the whole
+  makespan for every arm (direct too), so the gateway's excess over direct
+  shows what it adds. The makespan
   is also given in engine steps (divided by the engine's mean inter-token
   latency over it), which a CPU busy with other work does not lengthen.
 * **Processor** (arms with extproc) — from the instances' own counters at the
@@ -498,6 +500,9 @@ def conservation(scenario: Scenario, run: ArmRun, baseline: ArmRun) -> dict[str,
 
     running, makespan, itl = busy(run)
     direct_running, direct_makespan, direct_itl = busy(baseline)
+    # Empty slot-seconds over the whole makespan, every arm alike (direct too: its intake and its end).
+    empty_all = None if running is None else (run.slots - running) * makespan
+    direct_empty = None if direct_running is None else (baseline.slots - direct_running) * direct_makespan
     steps = None if itl is None else makespan / itl
     direct_steps = None if direct_itl is None else direct_makespan / direct_itl
     batch = [r for r in run.results if r.priority == scenario.batch_priority]
@@ -520,6 +525,8 @@ def conservation(scenario: Scenario, run: ArmRun, baseline: ArmRun) -> dict[str,
         "makespan_steps_ratio": _maybe_ratio(steps, direct_steps),
         "running_mean": running,
         "running_ratio": _maybe_ratio(running, direct_running),
+        "empty_slot_s": empty_all,
+        "empty_slot_s_over_direct": None if empty_all is None or direct_empty is None else empty_all - direct_empty,
         "first_full_s": full,
         "ramp_empty_slot_s": ramp["slot_s"],
         "held_s": sum(b - a for a, b in held),

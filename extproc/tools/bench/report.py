@@ -367,7 +367,8 @@ def _conservation_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list
         return [
             _s(c["makespan_s"]), _num(c["makespan_ratio"], 3), _num(c["itl_ms"], 1),
             _num(c["makespan_steps_ratio"], 3), _num(c["running_mean"]), _num(c["running_ratio"], 3),
-            _s(c["first_full_s"]), _s(c["held_s"]), _s(c["below_slots_while_held_s"]),
+            _s(c["empty_slot_s"]), _s(c["empty_slot_s_over_direct"]), _s(c["first_full_s"]), _s(c["held_s"]),
+            _s(c["below_slots_while_held_s"]),
             _s(c["empty_slot_s_while_held"]), _s(c["ramp_empty_slot_s"]), str(c["completions_while_held"]),
             _num(c["empty_slot_ms_per_completion"], 0),
             f"{_num(c['refill_ms_mean'], 0)} / {_num(c['refill_ms_p50'], 0)} / {_num(c['refill_ms_p99'], 0)}",
@@ -378,7 +379,8 @@ def _conservation_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list
             "by the gateway; refill: from a completion to the release that refilled its slot, at the processor's "
             "clock):", "",
             *_table(["arm", "makespan (s)", "vs direct", "step (ms)", "in steps vs direct", "mean running",
-                     "vs direct", "first at all slots (s)", "held (s)", "below all slots while held (s)",
+                     "vs direct", "empty slot-s", "more than direct", "first at all slots (s)", "held (s)",
+                     "below all slots while held (s)",
                      "empty slot-s while held", "of them before all slots ran", "completions while held",
                      "empty slot-ms per completion", "refill mean / p50 / p99 (ms)"],
                     _arm_rows(arms, summary, "conservation", row))]
