@@ -8,9 +8,20 @@ import statistics
 import numpy as np
 import pytest
 
+from extproc.tools.bench import vllm
 from extproc.tools.bench.arms import ARMS
-from extproc.tools.bench.load import LogNormal, Pareto, Stream, plan, poisson_times
-from extproc.tools.bench.scenarios import full_set, quick_set
+from extproc.tools.bench.load import LogNormal, Pareto, Stream, periodic_times, plan, poisson_times, subplan
+from extproc.tools.bench.scenarios import (
+    BATCH_ALONE,
+    QUICK,
+    SCENARIOS,
+    UNLOADED,
+    VLLM_LIKE,
+    batch_flood,
+    batch_only,
+    full_set,
+    quick_set,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -77,16 +88,22 @@ def test_pareto_lengths_are_power_law_above_the_scale() -> None:
 def test_named_scenarios_are_well_formed() -> None:
     scenarios = full_set()
     assert [s.name for s in scenarios] == [
-        "power-user", "steady-mix", "priority-mix", "noisy-neighbour", "join-leave", "gate-mix"
+        "power-user", "steady-mix", "priority-mix", "noisy-neighbour", "join-leave", "gate-mix",
+        "batch-flood", "steady-classes", "batch-only",
     ]
     known_arms = {a.name for a in ARMS}
-    for scenario in [*scenarios, *quick_set()]:
+    for scenario in [*scenarios, *quick_set(), *QUICK.values()]:
         requests = scenario.requests()
         assert requests, scenario.name
         assert any(scenario.in_focus(r.tenant, r.priority) for r in requests), scenario.name
         assert "direct-fifo" in scenario.arms and set(scenario.arms) <= known_arms, scenario.name
-        # Every request fits the simulated engine's context (prompt + output <= KV cache).
-        assert max(r.prompt_tokens + r.max_tokens for r in requests) <= 65536
+        # Every request fits the simulated engine's context (prompt + output <= KV cache), and on
+        # the 4-slot GPU four of them at once (its KV holds 4 x 512 tokens, the tiny model's context).
+        engine = scenario.engine
+        fits = 65536 if engine is None else engine.kv_cache_tokens // engine.max_num_seqs
+        assert max(r.prompt_tokens + r.max_tokens for r in requests) <= fits, scenario.name
+        for phase in scenario.phases:
+            assert scenario.phase_requests(phase), (scenario.name, phase.name)
     power = scenarios[0].requests()
     assert sum(r.tenant == "alice" for r in power) == 200
     assert sorted(r.tenant for r in power if r.tenant != "alice") == ["bob", "carol"]
@@ -94,3 +111,77 @@ def test_named_scenarios_are_well_formed() -> None:
     rates = {s.tenant: s.rate for s in noisy.streams}
     assert rates["noisy"] == pytest.approx(10 * rates["quiet1"])
     assert math.isclose(scenarios[2].reference_before or 0, 15.0)
+
+
+def test_real_vllm_scenarios_run_known_arms_and_fit_the_tiny_model() -> None:
+    known = {a.name for a in vllm.ARMS}
+    assert set(vllm.SCENARIOS) == {"power-user", "priority-mix", "batch-flood", "steady-classes", "batch-only"}
+    for scenario in vllm.SCENARIOS.values():
+        assert "direct-fifo" in scenario.arms and set(scenario.arms) <= known, scenario.name
+        # Prompt + answer within the 512-token context, with room for the chat template.
+        assert max(r.prompt_tokens + r.max_tokens for r in scenario.requests()) <= 480, scenario.name
+    # The new scenarios are the very ones the simulator runs on its vLLM-like GPU.
+    assert vllm.SCENARIOS["batch-flood"] == SCENARIOS["batch-flood"]
+    assert vllm.SCENARIOS["batch-only"] == SCENARIOS["batch-only"]
+
+
+def test_periodic_arrivals_are_evenly_spaced_in_the_window() -> None:
+    assert periodic_times(0.4, 1.0, 3.0) == pytest.approx([1.0, 1.4, 1.8, 2.2, 2.6])
+    # The end is left out even where floating point lands on it.
+    assert len(periodic_times(0.4, 0.0, 12.0)) == 30
+    assert periodic_times(0.0, 0, 10) == [] and periodic_times(1.0, 5, 5) == []
+
+
+def test_a_stream_carries_its_answer_mode_and_its_stop_into_every_request() -> None:
+    requests = plan([Stream("job", *CHAT, burst=3, stream=False, priority="batch"),
+                     Stream("chat", *CHAT, every=0.5, end=2.0, stop_after="job")], seed=1)
+    job = [r for r in requests if r.tenant == "job"]
+    chats = [r for r in requests if r.tenant == "chat"]
+    assert len(job) == 3 and all(not r.stream and r.stop_after is None for r in job)
+    assert [r.at for r in chats] == [0.0, 0.5, 1.0, 1.5]
+    assert all(r.stream and r.stop_after == "job" for r in chats)
+
+
+def test_subplan_is_the_same_requests_alone_moved_to_zero_and_cut_to_its_duration() -> None:
+    requests = plan([Stream("job", *CHAT, burst=4), Stream("chat", *CHAT, every=0.5, start=1.0, end=5.0)], seed=2)
+    chats = [r for r in requests if r.tenant == "chat"]
+    alone = subplan(requests, frozenset({"chat"}), duration=1.0)
+    assert [r.at for r in alone] == [0.0, 0.5]
+    assert [(r.prompt_tokens, r.max_tokens) for r in alone] == [(r.prompt_tokens, r.max_tokens) for r in chats[:2]]
+    assert len(subplan(requests, frozenset({"chat"}))) == len(chats)
+    assert subplan(requests, frozenset({"nobody"})) == []
+
+
+def test_batch_flood_is_the_issue_s_reproduction() -> None:
+    scenario = batch_flood()
+    requests = scenario.requests()
+    job = [r for r in requests if r.tenant == "batchjob"]
+    assert len(job) == 48 and {r.at for r in job} == {0.0}
+    assert all(r.max_tokens == 200 and not r.stream and r.priority == "batch" for r in job)
+    chats = [r for r in requests if r.tenant == "chat"]
+    assert chats[0].at == 1.0 and chats[1].at == pytest.approx(1.4)
+    assert all(r.stream and r.priority == "interactive" and r.stop_after == "batchjob" for r in chats)
+    # The unloaded reference is the first 12 s of those very chats, on every arm; the batch alone runs direct only.
+    [unloaded] = [p for p in scenario.phases if p.name == UNLOADED]
+    reference = scenario.phase_requests(unloaded)
+    assert len(reference) == 30
+    assert [r.max_tokens for r in reference] == [r.max_tokens for r in chats[:30]]
+    assert [p.name for p in scenario.phases_of("extproc-preempt")] == [UNLOADED]
+    assert [p.name for p in scenario.phases_of("direct-fifo")] == [UNLOADED, BATCH_ALONE]
+    assert scenario.planned_requests("direct-fifo") == len(requests) + 30 + 48
+    assert scenario.engine == VLLM_LIKE and scenario.time_scale == 1.0
+    # batchjob may use the batch class only.
+    assert scenario.gateway["tenants"]["batchjob"]["priorities"] == ["batch"]
+    assert [r.tenant for r in batch_only().requests()] == ["batchjob"] * 48
+
+
+def test_every_scenario_is_named_in_the_bench_help() -> None:
+    import argparse
+
+    from extproc.tools.bench.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    help_text = " ".join(parser.format_help().split()).replace("- ", "-")
+    for name in [*SCENARIOS, *vllm.SCENARIOS]:
+        assert name in help_text, name

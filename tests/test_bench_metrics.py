@@ -2,29 +2,65 @@
 
 from __future__ import annotations
 
+import datetime
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from extproc.adapters.config import ConfigError, parse_config
-from extproc.tools.bench.arms import ARMS, Arm, arm_config
+from extproc.tools.bench.arms import ARMS, Arm, arm_config, band_objectives, scale_objectives
 from extproc.tools.bench.load import LogNormal, Stream
 from extproc.tools.bench.metrics import (
     W_IN,
     W_OUT,
+    Capacity,
+    attainment,
     backlog_intervals,
+    batch_capacity,
+    batch_figures,
+    class_figures,
     common_horizon,
+    conservation,
+    empty_slots_while_held,
     fairness,
+    first_full,
+    held_intervals,
+    itl_between,
     jain,
+    latency,
     processor,
+    refill_gaps,
     service_until,
+    slowdown,
     summarize,
     throughput,
+    time_mean,
     tokens_until,
 )
 from extproc.tools.bench.overhead import parse_hey_csv
-from extproc.tools.bench.runner import ArmRun, EngineSample, Result, processor_counters, prompt_text
-from extproc.tools.bench.scenarios import Scenario
+from extproc.tools.bench.runner import (
+    ArmRun,
+    Attempt,
+    Decision,
+    EngineSample,
+    PhaseRun,
+    Result,
+    decisions,
+    preempted,
+    processor_counters,
+    prompt_text,
+)
+from extproc.tools.bench.scenarios import (
+    BATCH,
+    BATCH_ALONE,
+    BATCH_ONLY_TENANT,
+    CONSERVATION,
+    OBJECTIVES,
+    UNLOADED,
+    Scenario,
+)
 from extproc.tools.sim.server import estimate_tokens
 
 pytestmark = pytest.mark.unit
@@ -201,3 +237,199 @@ def test_processor_figures_sum_every_instance_of_a_cluster() -> None:
     assert single is not None and single["releases_per_s"] == 2.0 and single["round_trips_per_release"] is None
     assert single["round_trip_p99_ms"] is None
     assert processor(ArmRun("s", "direct-fifo", 0.5, (), (), 10.0, {})) is None
+
+
+# --- #19: objectives, the batch class, classes against direct, work conservation ----------------
+
+
+def batch(sent: float, e2e: float, *, tokens: int = 100, queue_wait: float | None = None, preempted: int = 0,
+          resent: float | None = None) -> Result:
+    return Result("job", "batch", sent, sent, 200, e2e, e2e, queue_wait, 10, tokens, tokens, stream=False,
+                  preempted=preempted, resent=resent)
+
+
+def test_attainment_counts_a_failed_request_as_missed() -> None:
+    failed = Result("u", "interactive", 0, 0, 503, None, 1, None, 10, 10, 0, error="overloaded")
+    got = attainment([result("u", 0, 0.5, 1), result("u", 0, 6.0, 7), failed], 5.0)
+    assert got == {"objective_s": 5.0, "requests": 3, "met": 1, "share": pytest.approx(1 / 3)}
+    assert attainment([result("u", 0, 0.5, 1)], None)["share"] is None
+    assert attainment([], 5.0)["share"] is None
+
+
+def test_slowdown_is_loaded_over_unloaded_per_percentile() -> None:
+    unloaded = latency([result("u", 0, 0.1, 1), result("u", 0, 0.2, 1)])
+    loaded = latency([result("u", 0, 0.3, 1), result("u", 0, 0.8, 1)])
+    assert slowdown(loaded, unloaded) == {"p50": pytest.approx(3.0), "p99": pytest.approx(4.0)}
+    assert slowdown(loaded, latency([])) == {"p50": None, "p99": None}
+    assert slowdown(None, unloaded) == {"p50": None, "p99": None}
+
+
+def test_a_preempted_answer_is_recognised_by_its_reason_or_its_error_code() -> None:
+    assert preempted(Attempt(503, None, 0.1, None, 0, "", "preempted", 1.0))
+    assert preempted(Attempt(503, None, 0.1, None, 0, '{"error": {"code": "preempted"}}'))
+    assert not preempted(Attempt(503, None, 0.1, None, 0, "", "overloaded", 1.0))
+    assert not preempted(Attempt(200, 0.1, 0.2, None, 5))
+
+
+def test_a_retried_request_is_released_from_its_last_send() -> None:
+    assert batch(0, 10, queue_wait=2.0).released_at == 2.0
+    assert batch(0, 10, queue_wait=2.0, resent=5.0, preempted=1).released_at == 7.0
+    assert batch(0, 10).released_at is None
+
+
+def _scenario(**kwargs: object) -> Scenario:
+    streams = (Stream("job", LogNormal(1, 0), LogNormal(1, 0), burst=1, priority="batch"),
+               Stream("u", LogNormal(1, 0), LogNormal(1, 0), burst=1, priority="interactive"))
+    return Scenario("s", "test", streams, focus="interactive", focus_priority="interactive", **kwargs)  # type: ignore[arg-type]
+
+
+def test_batch_throughput_against_the_idle_capacity_and_preemptions() -> None:
+    scenario = _scenario(measures=frozenset({BATCH, OBJECTIVES}))
+    alone = PhaseRun((batch(0, 10, tokens=1000), batch(0, 10, tokens=1000)), (), 10.0)
+    direct = ArmRun("s", "direct-fifo", 1.0, (batch(0, 10, tokens=1000), batch(0, 10, tokens=1000)), (), 10.0, {},
+                    phases={BATCH_ALONE: alone}, slots=4)
+    assert batch_capacity(scenario, direct) == Capacity(200.0, None)
+    # 20 chats, each holding a slot for 2 s (first token to end) over the batch's 20 s on 4 slots: half the engine.
+    chats = tuple(result("u", 0.9 * k, 0.1, 2.1, priority="interactive") for k in range(20))
+    unloaded = PhaseRun(tuple(result("u", t, 0.1, 2.0, priority="interactive") for t in range(3)), (), 3.0)
+    gated = ArmRun("s", "extproc-preempt", 1.0,
+                   (batch(0, 20, tokens=1000, preempted=2), batch(0, 15, tokens=1000), *chats), (), 20.0, {},
+                   processor={"preemptions": 3.0}, phases={UNLOADED: unloaded}, objectives={"interactive": 5.0},
+                   slots=4)
+    figures = batch_figures(scenario, gated, direct, batch_capacity(scenario, direct))
+    assert figures["makespan_s"] == 20 and figures["makespan_ratio"] == 2.0
+    assert figures["tokens_per_s"] == pytest.approx(100.0)
+    assert figures["others_slot_share"] == pytest.approx(0.5)
+    assert figures["idle_capacity_tokens_per_s"] == pytest.approx(100.0)
+    assert figures["capacity_ratio"] == pytest.approx(1.0)
+    assert figures["preemptions_per_request"] == 1.0 and figures["processor_preemptions_per_request"] == 1.5
+    # Without the engine's inter-token counters, nothing is given per step.
+    assert figures["makespan_steps_ratio"] is None and figures["capacity_steps_ratio"] is None
+    # Without a batch-alone reference there is no idle capacity to compare with.
+    assert batch_figures(scenario, gated, direct, None)["capacity_ratio"] is None
+    summary = summarize(scenario, gated, direct, 20.0, batch_alone=Capacity(200.0))
+    assert summary["focus_unloaded"]["ttft"]["p99"] == pytest.approx(0.1)
+    assert summary["focus_objective"]["share"] == 1.0 and summary["slowdown"]["p99"] == pytest.approx(1.0)
+    assert summary["objectives"] == {"interactive": {"objective_s": 5.0, "requests": 20, "met": 20, "share": 1.0}}
+
+
+def test_class_figures_compare_each_class_with_direct() -> None:
+    direct = [result("u", 0, 0.1, 1, priority="interactive"), result("b", 0, 1.0, 10, tokens=100, priority="batch")]
+    gated = [result("u", 0, 0.2, 1, priority="interactive"), result("b", 0, 1.0, 20, tokens=100, priority="batch")]
+    figures = class_figures(gated, direct)
+    assert figures["interactive"]["ttft_ratio"] == {"p50": pytest.approx(2.0), "p99": pytest.approx(2.0)}
+    assert figures["batch"]["tokens_ratio"] == pytest.approx(0.5)
+
+
+def samples(*points: tuple[float, float]) -> tuple[EngineSample, ...]:
+    return tuple(EngineSample(at, 0, running) for at, running in points)
+
+
+def test_running_is_averaged_over_time_not_over_samples() -> None:
+    engine = samples((0, 4), (1, 4), (1.1, 0), (4, 0))
+    # 4 for 1.1 s, 0 for 2.9 s, in [0, 4].
+    assert time_mean(engine, 0, 4) == pytest.approx(4 * 1.1 / 4)
+    assert time_mean(engine, 0.5, 1.05) == pytest.approx(4.0)
+    assert time_mean((), 0, 1) is None
+
+
+def test_empty_slots_count_only_while_the_gateway_holds_requests() -> None:
+    results = [batch(0, 5, queue_wait=0.0), batch(0, 6, queue_wait=2.0), batch(0, 8, queue_wait=5.5)]
+    held = held_intervals(results)
+    assert held == [(0, 5.5)]  # released at once, at 2 s and at 5.5 s: one held stretch
+    engine = samples((0, 2), (1, 4), (5, 3), (6, 1), (8, 0))
+    # Below 4 slots while held: [0, 1) with 2 empty, [5, 5.5) with 1 empty.
+    assert empty_slots_while_held(engine, held, 4) == {"below_s": pytest.approx(1.5), "slot_s": pytest.approx(2.5)}
+    assert first_full(engine, 4) == 1 and first_full(engine, 5) is None
+
+
+def test_the_k_th_completion_s_slot_is_refilled_by_the_release_after_the_first_slots() -> None:
+    # Two slots: releases at 0, 0 fill them; completions at 5 and 6 are refilled at 5.1 and 5.9
+    # (released before the client saw the second end: negative).
+    gaps = refill_gaps([0, 0, 5.1, 5.9], [5, 6, 10, 11], 2)
+    assert gaps == [pytest.approx(0.1), pytest.approx(-0.1)]
+    assert refill_gaps([0], [5], 2) == []
+
+
+def test_mean_step_time_from_the_engine_s_inter_token_counters() -> None:
+    engine = (EngineSample(0, 0, 4, 1.0, 100), EngineSample(1, 0, 4, 2.3, 200), EngineSample(9, 0, 4, 9.9, 900))
+    assert itl_between(engine, 0, 1) == pytest.approx(0.013)
+    assert itl_between(engine, 0.5, 1) is None  # one sample is no interval
+    assert itl_between((EngineSample(0, 0, 4), EngineSample(1, 0, 4)), 0, 1) is None  # no counters
+
+
+def test_decision_log_lines_in_the_run_s_window_become_model_seconds() -> None:
+    def line(ts: str, outcome: str = "released", logger: str = "extproc.decisions") -> str:
+        return json.dumps({"ts": ts, "level": "debug", "logger": logger, "msg": "x", "tenant": "job",
+                           "class": "batch", "model": "m", "wait_ms": 1.0, "outcome": outcome})
+
+    start = datetime.datetime(2026, 12, 1, 12, 0, 0, tzinfo=datetime.UTC).timestamp()
+    lines = [line("2026-12-01T11:59:59.000+00:00"),  # an earlier phase's
+             line("2026-12-01T12:00:01.250+00:00"), "not json extproc.decisions",
+             line("2026-12-01T12:00:02.000+00:00", "refused:preempted"),
+             line("2026-12-01T12:00:02.500+00:00", logger="extproc.health"),
+             line("2026-12-01T12:00:30.000+00:00")]  # after the run
+    assert decisions(lines, start, wall_s=10.0, time_scale=0.5) == [
+        Decision(2.5, "job", "batch", "released"), Decision(4.0, "job", "batch", "refused:preempted")]
+
+
+def test_conservation_of_a_gated_run_against_direct() -> None:
+    scenario = _scenario(measures=frozenset({CONSERVATION}))
+    direct = ArmRun("s", "direct-fifo", 1.0, (batch(0, 10), batch(0, 10)), samples((0, 2), (10, 0)), 10.0, {},
+                    slots=2)
+    gated = ArmRun("s", "extproc-rr", 1.0, (batch(0, 10, queue_wait=0.0), batch(0, 11, queue_wait=1.0)),
+                   samples((0, 1), (1, 2), (10, 1), (11, 0)), 11.0, {}, slots=2)
+    figures = conservation(scenario, gated, direct)
+    assert figures["makespan_ratio"] == pytest.approx(1.1)
+    assert figures["running_mean"] == pytest.approx((1 + 2 * 9 + 1) / 11)
+    assert figures["running_ratio"] == pytest.approx((20 / 11) / 2)
+    # Direct left none of its 2 x 10 slot-s empty; the gated run 2 of its 2 x 11.
+    assert figures["empty_slot_s"] == pytest.approx(2.0) and figures["empty_slot_s_over_direct"] == pytest.approx(2.0)
+    assert figures["held_s"] == 1.0 and figures["empty_slot_s_while_held"] == pytest.approx(1.0)
+    # All of it at the start: the engine first ran both slots at 1 s.
+    assert figures["ramp_empty_slot_s"] == pytest.approx(1.0)
+    assert figures["first_full_s"] == 1 and figures["completions_while_held"] == 0
+    # Releases from the client's view (no decision log): at 0 and 1; the first completion (10) has none after.
+    assert figures["releases_from"] == "client" and figures["refills"] == 0
+    logged = replace(gated, decisions=(Decision(0, "job", "batch", "released"), Decision(1.0, "job", "batch", "released"),
+                                       Decision(10.2, "job", "batch", "released")))
+    figures = conservation(scenario, logged, direct)
+    assert figures["releases_from"] == "decision log" and figures["refill_ms_mean"] == pytest.approx(200)
+    # Without the engine's inter-token counters there is no makespan in steps.
+    assert figures["makespan_steps_ratio"] is None
+
+
+def test_objectives_are_the_processor_s_and_scaled_to_the_simulator_s_speed() -> None:
+    doc = arm_config(ARMS[0], ["job"], scenario={"tenants": {"job": BATCH_ONLY_TENANT}})
+    assert band_objectives(doc) == {"interactive": 5.0, "standard": 60.0}
+    scaled = scale_objectives(doc, 0.25)
+    assert band_objectives(scaled) == {"interactive": 1.25, "standard": 15.0}
+    assert scale_objectives(doc, 1.0) == doc
+    config = parse_config(scaled)
+    assert config.tenant("job").bands == ("batch",)
+    # A band's own objective (and its floor for a request's own) is scaled too.
+    tight = Arm("t", "extproc", "t", top={"bands": {"interactive": {"ttft_objective_s": 2.0,
+                                                                      "min_ttft_objective_s": 0.5}}})
+    bands = parse_config(scale_objectives(arm_config(tight, ["a"]), 0.5)).bands
+    assert (bands[0].ttft_objective_s, bands[0].min_ttft_objective_s) == (1.0, 0.25)
+
+
+def test_batch_figures_per_engine_step_undo_a_slower_cpu() -> None:
+    """The same work on an engine whose steps took twice as long (a busy CPU): the same per step."""
+    scenario = _scenario(measures=frozenset({BATCH}))
+
+    def engine(step: float, end: float) -> tuple[EngineSample, ...]:
+        # One token per step: the counters add a step's time and one count per step.
+        return tuple(EngineSample(t, 0, 4, t, t / step) for t in (0.0, end / 2, end))
+
+    unloaded = PhaseRun((result("u", 0, 0.1, 1.0, priority="interactive"),), (), 1.0)
+    direct = ArmRun("s", "direct-fifo", 1.0, (batch(0, 10, tokens=1000),), engine(0.01, 10), 10.0, {}, slots=4,
+                    phases={UNLOADED: unloaded})
+    slow = ArmRun("s", "extproc-rr", 1.0, (batch(0, 20, tokens=1000),), engine(0.02, 20), 20.0, {}, slots=4,
+                  phases={UNLOADED: unloaded})
+    figures = batch_figures(scenario, slow, direct, Capacity(100.0, 0.01))
+    assert figures["others_slot_share"] == 0
+    assert figures["makespan_ratio"] == pytest.approx(2.0) and figures["makespan_steps_ratio"] == pytest.approx(1.0)
+    assert figures["itl_ms"] == pytest.approx(20.0)
+    # Nobody else sent anything during the batch: the idle capacity is the batch alone's.
+    assert figures["capacity_ratio"] == pytest.approx(0.5) and figures["capacity_steps_ratio"] == pytest.approx(1.0)

@@ -15,14 +15,20 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc")
 
 
-def test_quick_bench_writes_sane_results(tmp_path: Path) -> None:
+def quick_bench(tmp_path: Path, *args: str, timeout: float = 120) -> Path:
+    """Run ``extproc bench --quick ARGS`` into ``tmp_path/out`` (work folder ``tmp_path/work``); returns out."""
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "extproc", "bench", "--quick", "--out", str(out), "--workdir", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "extproc", "bench", "--quick", *args, "--out", str(out),
+         "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    return out
 
+
+def test_quick_bench_writes_sane_results(tmp_path: Path) -> None:
+    out = quick_bench(tmp_path)
     results = json.loads((out / "results.json").read_text())
     scenario = results["scenarios"]["power-user"]
     assert tuple(scenario) == ARMS
@@ -54,13 +60,7 @@ def test_quick_bench_writes_sane_results(tmp_path: Path) -> None:
 
 def test_quick_bench_cluster_arm_reports_redis_round_trips(tmp_path: Path) -> None:
     """The cluster arm runs two processors and a Redis, and the figures cover both instances."""
-    out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "extproc", "bench", "--quick", "--arms", "direct-fifo,cluster-rr",
-         "--out", str(out), "--workdir", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    out = quick_bench(tmp_path, "--arms", "direct-fifo,cluster-rr")
 
     scenario = json.loads((out / "results.json").read_text())["scenarios"]["power-user"]
     assert tuple(scenario) == ("direct-fifo", "cluster-rr")
@@ -75,3 +75,45 @@ def test_quick_bench_cluster_arm_reports_redis_round_trips(tmp_path: Path) -> No
     # Both instances and the Redis left their logs in the run's folder.
     logs = {p.name for p in (tmp_path / "work" / "power-user" / "cluster-rr").iterdir()}
     assert any(name.startswith("redis-") for name in logs), logs
+
+
+def test_quick_bench_runs_a_tiny_version_of_each_issue_19_scenario(tmp_path: Path) -> None:
+    """batch-flood, steady-classes and batch-only, tiny: every figure they add is there and sane."""
+    out = quick_bench(tmp_path, "--scenarios", "batch-flood,steady-classes,batch-only", timeout=180)
+    results = json.loads((out / "results.json").read_text())
+    scenarios = results["scenarios"]
+    assert list(scenarios) == ["batch-flood", "steady-classes", "batch-only"]
+    for name, arms in scenarios.items():
+        for arm, summary in arms.items():
+            assert summary["requests"] == summary["ok"] > 0, (name, arm, summary["errors"])
+
+    flood = scenarios["batch-flood"]
+    assert tuple(flood) == ("direct-fifo", "extproc-preempt")
+    for arm, summary in flood.items():
+        # The chats' unloaded reference ran on the same stack first; the flood's chats stopped with the batch.
+        assert summary["focus_unloaded"]["ok"] > 0 and summary["focus_loaded"]["ok"] > 0, arm
+        assert summary["slowdown"]["p99"] > 0 and 0 <= summary["focus_objective"]["share"] <= 1, arm
+        figures = summary["batch"]
+        assert figures["ok"] == figures["requests"] == 8 and figures["tokens"] == 8 * 48, arm
+        assert figures["alone_tokens_per_s"] > 0 and math.isfinite(figures["capacity_ratio"]), arm
+        assert figures["preemptions_per_request"] >= 0, arm
+        assert summary["engine"]["samples"] > 0
+    raw = json.loads((tmp_path / "work" / "batch-flood" / "direct-fifo" / "raw.json").read_text())
+    assert set(raw["phases"]) == {"unloaded", "batch-alone"}
+
+    classes = scenarios["steady-classes"]["extproc-preempt"]["classes"]
+    assert set(classes) == {"interactive", "standard", "batch"}
+    assert all(math.isfinite(c["ttft_ratio"]["p99"]) and c["tokens_ratio"] > 0 for c in classes.values())
+
+    conserved = scenarios["batch-only"]
+    assert tuple(conserved) == ("direct-fifo", "extproc-rr")
+    gated = conserved["extproc-rr"]["conservation"]
+    assert gated["makespan_ratio"] > 0 and gated["running_ratio"] > 0 and gated["held_s"] >= 0
+    assert conserved["direct-fifo"]["conservation"]["held_s"] == 0
+
+    targets = {row["target"] for row in results["targets"]}
+    assert any("idle capacity" in t for t in targets) and any("batch-only makespan" in t for t in targets)
+    summary_md = (out / "summary.md").read_text()
+    for heading in ("### batch-flood", "### steady-classes", "### batch-only", "vs idle capacity",
+                    "Each class against straight to the engine", "Work conservation"):
+        assert heading in summary_md, heading

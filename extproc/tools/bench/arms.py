@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
+from extproc.adapters.config import parse_config
 from extproc.tools.procs import free_port
 from extproc.tools.stack import Gateway
 
@@ -59,6 +60,11 @@ ARMS: tuple[Arm, ...] = (
     Arm("extproc-rr", "extproc", "Envoy + extproc, round-robin per tenant, adaptive gate (the defaults)"),
     Arm("extproc-vtc", "extproc", "Envoy + extproc, cost-weighted fair queueing (vtc), adaptive gate",
         model={"policy": "vtc"}),
+    Arm("extproc-no-preempt", "extproc", "as extproc-rr with preemption off (max_preemptions_per_s: 0)",
+        model={"max_preemptions_per_s": 0}),
+    Arm("extproc-preempt", "extproc",
+        "as extproc-rr, preempting batch requests for interactive ones at risk (max_preemptions_per_s: 2, the default)",
+        model={"max_preemptions_per_s": 2}),
     Arm("cluster-rr", "extproc", "2 extproc instances sharing Redis (active-active), round-robin, adaptive gate",
         instances=2),
     Arm("cluster-vtc", "extproc", "2 extproc instances sharing Redis (active-active), vtc, adaptive gate",
@@ -74,6 +80,10 @@ ARMS: tuple[Arm, ...] = (
 )
 # Which arms a scenario runs unless it names its own: the fairness comparison.
 FAIRNESS_ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc")
+# Preemption of the batch class (#19): straight to the engine, the gateway without it and with it.
+PREEMPTION_ARMS = ("direct-fifo", "extproc-no-preempt", "extproc-preempt")
+# A batch-only load (work conservation): the engine alone, Envoy alone (its own cost) and the gateway.
+CONSERVATION_ARMS = ("direct-fifo", "envoy", "extproc-rr")
 # One instance against two sharing Redis, on the same fairness scenarios:
 # `--arms cluster` (direct FIFO runs anyway, as the baseline).
 CLUSTER_ARMS = ("extproc-rr", "cluster-rr", "extproc-vtc", "cluster-vtc")
@@ -96,11 +106,15 @@ def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]
     return merged
 
 
-def arm_config(arm: Arm, tenants: Iterable[str], redis_url: str | None = None) -> dict[str, Any]:
+def arm_config(
+    arm: Arm, tenants: Iterable[str], redis_url: str | None = None, scenario: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The extproc config document for one run of ``arm``, on free loopback ports.
 
     A cluster arm (``instances > 1``) needs ``redis_url``; its instances are
-    named a, b, ... and Envoy's generated config lists them all.
+    named a, b, ... and Envoy's generated config lists them all. ``scenario``
+    is the scenario's own top-level config (its tenants' entitlements), merged
+    before the arm's.
     """
     model = {"name": MODEL, "endpoints": [f"http://127.0.0.1:{free_port()}"], "target_waiting": TARGET_WAITING}
     doc = {
@@ -124,9 +138,33 @@ def arm_config(arm: Arm, tenants: Iterable[str], redis_url: str | None = None) -
                 for i in range(arm.instances)
             },
         }
-    return _merge(doc, arm.top)
+    return _merge(_merge(doc, scenario or {}), arm.top)
 
 
-def write_arm_config(path: Path, arm: Arm, tenants: Iterable[str], redis_url: str | None = None) -> Path:
-    path.write_text(yaml.safe_dump(arm_config(arm, tenants, redis_url), sort_keys=False), encoding="utf-8")
+def band_objectives(doc: Mapping[str, Any]) -> dict[str, float]:
+    """Each band's TTFT objective (s) as the processor resolves ``doc``: written or defaulted; bands without none."""
+    return {band.name: band.ttft_objective_s for band in parse_config(dict(doc)).bands
+            if band.ttft_objective_s is not None}
+
+
+def scale_objectives(doc: Mapping[str, Any], time_scale: float) -> dict[str, Any]:
+    """``doc`` with every band's TTFT objective (and floor) multiplied by ``time_scale``.
+
+    The benchmark's objectives are model seconds, like every duration of a
+    scenario; the processor keeps them on its wall clock, so a simulator run
+    faster than real time (0.25) needs them 4x shorter to mean the same.
+    """
+    if time_scale == 1:
+        return dict(doc)
+    bands: dict[str, Any] = {}
+    for band in parse_config(dict(doc)).bands:
+        scaled = {key: value * time_scale for key in ("ttft_objective_s", "min_ttft_objective_s")
+                  if (value := getattr(band, key)) is not None}
+        if scaled:
+            bands[band.name] = scaled
+    return _merge(dict(doc), {"bands": bands})
+
+
+def write_config(path: Path, doc: Mapping[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(dict(doc), sort_keys=False), encoding="utf-8")
     return path

@@ -5,7 +5,9 @@
     extproc bench --scenarios power-user,priority-mix --arms direct-fifo,extproc-rr
     extproc bench --scenarios power-user,noisy-neighbour --arms cluster   # 1 instance vs 2 + Redis
     extproc bench --overhead-only      # just the ext_proc hop (needs `hey`)
-    extproc bench --engine vllm        # power-user and priority-mix on a real vLLM (CPU build; ~10 min)
+    extproc bench --engine vllm        # the scenarios sized for a real vLLM (CPU build; ~25 min)
+    extproc bench --scenarios batch-flood [--engine vllm]   # one scenario by name (see docs/benchmarks.md)
+    extproc bench --quick --scenarios batch-flood,batch-only   # tiny versions of named scenarios
 """
 
 from __future__ import annotations
@@ -39,13 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the simulator, or a real vLLM per arm (its own scenarios and arms; real time, no "
                         "overhead run; needs .venv-vllm or $EXTPROC_VLLM_PYTHON, see docs/real-vllm.md)")
     parser.add_argument("--quick", action="store_true",
-                        help="CI smoke run: a small power-user scenario, no overhead benchmark")
-    parser.add_argument("--scenarios", help="comma-separated scenario names (default: all; see docs/benchmarks.md)")
+                        help="CI smoke run: a small power-user scenario (with --scenarios: tiny versions of those), "
+                        "no overhead benchmark")
+    parser.add_argument("--scenarios", help="comma-separated scenario names (default: all; see docs/benchmarks.md): "
+                        "power-user, steady-mix, priority-mix, noisy-neighbour, join-leave, gate-mix, batch-flood, "
+                        "steady-classes, batch-only")
     parser.add_argument("--arms", help="comma-separated arm names, run on every chosen scenario (default: each "
                         "scenario's own; direct-fifo always runs); 'cluster' names extproc-rr, cluster-rr, "
                         "extproc-vtc, cluster-vtc: one instance against two sharing a Redis")
-    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
-                        help="simulator speed: 0.25 runs 4x faster than a real GPU (default %(default)s)")
+    parser.add_argument("--time-scale", type=float, default=None,
+                        help=f"simulator speed: 0.25 runs 4x faster than a real GPU (default: each scenario's own: "
+                        f"1 for batch-flood, steady-classes and batch-only, else {DEFAULT_TIME_SCALE})")
     parser.add_argument("--out", default="bench-out", help="results folder (default %(default)s)")
     parser.add_argument("--workdir", help="logs and configs of every run (default: a new temporary folder)")
     overhead = parser.add_mutually_exclusive_group()
@@ -101,39 +107,54 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from extproc.tools.bench.arms import ARMS, CLUSTER_ARMS, DIRECT
-    from extproc.tools.bench.metrics import common_horizon, summarize
+    from extproc.tools.bench.metrics import batch_capacity, common_horizon, summarize
     from extproc.tools.bench.overhead import ROUNDS as OVERHEAD_ROUNDS
     from extproc.tools.bench.overhead import find_hey, run_overhead, summarize_overhead
     from extproc.tools.bench.report import write_outputs
     from extproc.tools.bench.runner import run_arm
-    from extproc.tools.bench.scenarios import SCENARIOS, Engine, quick_set
+    from extproc.tools.bench.scenarios import QUICK, SCENARIOS, Engine, quick_set
     from extproc.tools.bench.vllm import ARMS as VLLM_ARMS
     from extproc.tools.bench.vllm import SCENARIOS as VLLM_SCENARIOS
     from extproc.tools.bench.vllm import VllmEngine
 
     on_vllm = args.engine == "vllm"
     if on_vllm and (args.quick or args.overhead_only):
-        raise SystemExit("error: --engine vllm runs its own two scenarios; --quick and --overhead-only are for the simulator")
-    known = VLLM_SCENARIOS if on_vllm else SCENARIOS
-    scenarios: list[Scenario] = quick_set() if args.quick else _pick(args.scenarios, known, "scenario")
+        raise SystemExit("error: --engine vllm runs its own scenarios; --quick and --overhead-only are for the simulator")
+    known = VLLM_SCENARIOS if on_vllm else QUICK if args.quick else SCENARIOS
+    scenarios: list[Scenario] = (quick_set() if args.quick and not args.scenarios
+                                 else _pick(args.scenarios, known, "scenario"))
     known_arms = VLLM_ARMS if on_vllm else ARMS
     arm_names = ",".join(CLUSTER_ARMS) if args.arms == "cluster" else args.arms
     arms: list[Arm] = [DIRECT] + [a for a in _pick(arm_names, {a.name: a for a in known_arms}, "arm") if a != DIRECT]
-    if args.time_scale <= 0:
+    if args.time_scale is not None and args.time_scale <= 0:
         raise SystemExit("error: --time-scale must be > 0")
-    time_scale = 1.0 if on_vllm else args.time_scale  # a real engine runs in real time
+
+    def time_scale_of(scenario: Scenario) -> float:
+        if on_vllm:
+            return 1.0  # a real engine runs in real time
+        return args.time_scale or scenario.time_scale or DEFAULT_TIME_SCALE
+
+    def engine_of(scenario: Scenario) -> Engine | VllmEngine:
+        return default_engine if on_vllm else scenario.engine or default_engine
+
     if args.overhead_only:
         scenarios = []
     with_overhead = not (args.quick or args.no_overhead or on_vllm)
     if with_overhead:
         find_hey()  # fail before the long part, with the install hint
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="extproc-bench-"))
-    engine: Engine | VllmEngine = VllmEngine() if on_vllm else Engine()
+    default_engine: Engine | VllmEngine = VllmEngine() if on_vllm else Engine()
+    meta_time_scale = 1.0 if on_vllm else args.time_scale or DEFAULT_TIME_SCALE
     meta: dict[str, Any] = {
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": _machine(),
-        "time_scale": time_scale,
-        "engine": {"kind": args.engine, **_engine_version(on_vllm), **asdict(engine)},
+        "time_scale": meta_time_scale,
+        "engine": {"kind": args.engine, **_engine_version(on_vllm), **asdict(default_engine)},
+        # A scenario on another simulated GPU, or at another speed, than the run's default.
+        "scenario_engines": {
+            s.name: {"time_scale": time_scale_of(s), **asdict(engine_of(s))} for s in scenarios
+            if engine_of(s) != default_engine or time_scale_of(s) != meta_time_scale
+        },
         "arms": [{"name": a.name, "gateway": a.gateway, "model": dict(a.model), "top": dict(a.top)} for a in arms],
         "quick": args.quick,
     }
@@ -146,7 +167,12 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
             return arms
         return [a for a in arms if a == DIRECT or a.name in scenario.arms]
 
-    total = sum(len(s.requests()) * len(arms_of(s)) for s in scenarios) + (2 * OVERHEAD_ROUNDS if with_overhead else 0)
+    if scenarios:  # the tables name only the arms that run
+        running = {a.name for s in scenarios for a in arms_of(s)}
+        arms = [a for a in arms if a.name in running]
+        meta["arms"] = [m for m in meta["arms"] if m["name"] in running]
+    total = sum(s.planned_requests(a.name) for s in scenarios for a in arms_of(s))
+    total += 2 * OVERHEAD_ROUNDS if with_overhead else 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("starting", total=total)
@@ -154,16 +180,21 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
             for arm in arms_of(scenario):
                 progress.update(task, description=f"{scenario.name} · {arm.name}")
                 run = await run_arm(
-                    scenario, arm, engine=engine, time_scale=time_scale,
+                    scenario, arm, engine=engine_of(scenario), time_scale=time_scale_of(scenario),
                     workdir=workdir / scenario.name / arm.name, on_done=lambda: progress.advance(task),
                 )
                 runs.setdefault(scenario.name, []).append(run)
-                raw = {"requests": [asdict(r) for r in run.results], "engine": [asdict(e) for e in run.engine]}
+                raw = {"requests": [asdict(r) for r in run.results], "engine": [asdict(e) for e in run.engine],
+                       "phases": {name: asdict(phase) for name, phase in run.phases.items()},
+                       "decisions": [asdict(d) for d in run.decisions]}
                 (workdir / scenario.name / arm.name / "raw.json").write_text(json.dumps(raw), encoding="utf-8")
             scenario_runs = runs[scenario.name]
             baseline = scenario_runs[0]  # direct FIFO: every comparison is a ratio to it
             horizon = common_horizon(scenario_runs)
-            summaries[scenario.name] = {run.arm: summarize(scenario, run, baseline, horizon) for run in scenario_runs}
+            capacity = batch_capacity(scenario, baseline)
+            summaries[scenario.name] = {
+                run.arm: summarize(scenario, run, baseline, horizon, batch_alone=capacity) for run in scenario_runs
+            }
         if with_overhead:
 
             def step(label: str) -> None:

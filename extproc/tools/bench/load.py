@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -67,9 +67,14 @@ class Pareto:
 
 @dataclass(frozen=True)
 class Stream:
-    """One tenant's traffic: a burst at ``start`` and/or Poisson arrivals in [start, end).
+    """One tenant's traffic: a burst at ``start``, Poisson arrivals and/or one every ``every`` s in [start, end).
 
-    ``rate`` is requests per model second (0: burst only).
+    ``rate`` is requests per model second (0: none); ``every`` the period of
+    evenly spaced arrivals (0: none). ``stream`` False asks for the whole answer
+    at once (a non-streamed completion, as batch clients send). ``stop_after``
+    names a tenant: once every request of that tenant has been answered, this
+    stream sends no more (chats "until the batch is done"); the runner applies
+    it, the plan lists every request up to ``end``.
     """
 
     tenant: str
@@ -80,6 +85,9 @@ class Stream:
     end: float = 0.0
     burst: int = 0
     priority: str | None = None  # None: the gateway's default class
+    every: float = 0.0
+    stream: bool = True
+    stop_after: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,8 @@ class Planned:
     priority: str | None
     prompt_tokens: int
     max_tokens: int
+    stream: bool = True
+    stop_after: str | None = None
 
 
 def poisson_times(rng: np.random.Generator, rate: float, start: float, end: float) -> list[float]:
@@ -111,11 +121,23 @@ def poisson_times(rng: np.random.Generator, rate: float, start: float, end: floa
             times.append(t)
 
 
+def periodic_times(every: float, start: float, end: float) -> list[float]:
+    """One arrival every ``every`` seconds from ``start``, before ``end``."""
+    if every <= 0 or end <= start:
+        return []
+    times = (start + k * every for k in range(math.ceil((end - start) / every) + 1))
+    return [t for t in times if t < end]
+
+
 def stream_requests(stream: Stream, rng: np.random.Generator) -> list[Planned]:
     times = [stream.start] * stream.burst + poisson_times(rng, stream.rate, stream.start, stream.end)
+    times += periodic_times(stream.every, stream.start, stream.end)
     prompts = stream.prompt.sample(rng, len(times))
     outputs = stream.output.sample(rng, len(times))
-    return [Planned(t, stream.tenant, stream.priority, p, o) for t, p, o in zip(times, prompts, outputs, strict=True)]
+    return [
+        Planned(t, stream.tenant, stream.priority, p, o, stream.stream, stream.stop_after)
+        for t, p, o in zip(times, prompts, outputs, strict=True)
+    ]
 
 
 def plan(streams: Sequence[Stream], seed: int) -> list[Planned]:
@@ -126,3 +148,18 @@ def plan(streams: Sequence[Stream], seed: int) -> list[Planned]:
     ]
     # Stable sort on time only: a burst keeps its order, streams keep theirs on ties.
     return sorted(requests, key=lambda r: r.at)
+
+
+def subplan(requests: Sequence[Planned], tenants: frozenset[str], duration: float | None = None) -> list[Planned]:
+    """The requests of ``tenants`` alone, moved to start at 0, and only those within ``duration`` of the first.
+
+    The same requests as in the whole plan (same sizes, same spacing): a
+    reference phase replays them without the others.
+    """
+    mine = [r for r in requests if r.tenant in tenants]
+    if not mine:
+        return []
+    first = mine[0].at
+    return [
+        replace(r, at=r.at - first) for r in mine if duration is None or r.at - first < duration
+    ]

@@ -16,6 +16,8 @@ Definitions (all times in model seconds, see :mod:`extproc.tools.bench.runner`):
   requests wait delivers fewer tokens by H.
 * **Engine waiting** — ``vllm:num_requests_waiting`` sampled every 50 ms of
   wall time from the run's start to the last response: median and maximum.
+  The engine's step over the run: its mean inter-token latency
+  (``vllm:inter_token_latency_seconds``), which shows a CPU slowed by other work.
 * **Service** of a tenant — ``W_IN`` x prompt tokens (credited when the first
   token arrives, i.e. when prefill is done) plus ``W_OUT`` x output tokens
   (credited evenly between first token and end; the simulator emits them at a
@@ -32,6 +34,40 @@ Definitions (all times in model seconds, see :mod:`extproc.tools.bench.runner`):
   are compared only within their class: strict priority between classes is
   meant to be unfair. Reported: the mean and the minimum over such
   (window, class) pairs, and how many there were.
+* **Versus unloaded** — the focus group's TTFT p50 and p99 during the
+  disturbance divided by the same percentile unloaded: the scenario's
+  ``UNLOADED`` phase (the same requests replayed alone on the same arm's
+  stack first) where it has one, else its requests sent before
+  ``reference_before``.
+* **Objective attainment** — the share of a class's requests (failed ones
+  included) whose TTFT met the class's objective, as the arm's processor
+  resolved it (``ttft_objective_s``; direct FIFO is held to the same).
+* **Batch** — the batch class's makespan (its first send to its last answer),
+  its output tokens per second over it, and that against the *idle
+  capacity*: what the engine did with the batch alone (the ``BATCH_ALONE``
+  phase, straight to the engine) times the share of its slots the others
+  left free (what they held of slots x the batch's makespan, each request
+  from its first token to its end); also per engine step
+  (each rate times the engine's mean inter-token latency then), which a CPU
+  busy with other work does not change. Preemptions per batch
+  request: the client's count of 503 ``preempted`` answers, and the
+  processor's ``extproc_preemptions_total`` where it exports one.
+* **Classes** — each class's TTFT p50/p99 and output tokens per second over
+  its own makespan, divided by direct FIFO's for the same class.
+* **Work conservation** — the engine's running requests
+  (``vllm:num_requests_running``, as sampled) averaged over time across the
+  batch's makespan, against direct FIFO's; and where a gap comes from: the
+  time from a completion to the release that refilled its slot (the k-th
+  completion's slot is refilled by the (k + slots)-th release; releases at
+  the processor's clock, from its decision log), and the engine's empty slots
+  (slots - running) integrated over the time the gateway held a batch
+  request (sent, not yet released: the answered attempt's send + its
+  queue-wait header), in all, before the engine first ran all its slots
+  (the start), and per completion in that time; and over the whole
+  makespan for every arm (direct too), so the gateway's excess over direct
+  shows what it adds. The makespan
+  is also given in engine steps (divided by the engine's mean inter-token
+  latency over it), which a CPU busy with other work does not lengthen.
 * **Processor** (arms with extproc) — from the instances' own counters at the
   end of the run, summed over instances: releases per wall-clock second of the
   run, processor CPU per request (ms, all instances), and for a cluster the
@@ -50,7 +86,7 @@ from typing import Any
 
 from extproc.core.cost import CostWeights
 from extproc.tools.bench.runner import ArmRun, EngineSample, Result
-from extproc.tools.bench.scenarios import Scenario
+from extproc.tools.bench.scenarios import BATCH, BATCH_ALONE, CLASSES, CONSERVATION, OBJECTIVES, UNLOADED, Scenario
 from extproc.tools.power_user import percentile
 
 # Cost weights of prompt and output tokens in a tenant's service: the ones the
@@ -202,8 +238,14 @@ def common_horizon(runs: Iterable[ArmRun]) -> float:
     return min(throughput(run.results).makespan for run in runs)
 
 
-def summarize(scenario: Scenario, run: ArmRun, baseline: ArmRun, horizon: float) -> dict[str, Any]:
-    """Every figure of one scenario x arm; throughput relative to ``baseline`` (direct FIFO)."""
+def summarize(
+    scenario: Scenario, run: ArmRun, baseline: ArmRun, horizon: float, *, batch_alone: Capacity | None = None
+) -> dict[str, Any]:
+    """Every figure of one scenario x arm; throughput relative to ``baseline`` (direct FIFO).
+
+    ``batch_alone``: what the engine did with the batch alone, straight to it
+    (:func:`batch_capacity`), for the idle capacity.
+    """
     results = list(run.results)
     focus = [r for r in results if scenario.in_focus(r.tenant, r.priority)]
     tp = throughput(results)
@@ -230,18 +272,284 @@ def summarize(scenario: Scenario, run: ArmRun, baseline: ArmRun, horizon: float)
         "tenants": grouped(results, lambda r: r.tenant),
         "priorities": grouped(results, priority_label),
         "throughput": rates,
-        "engine": engine_queue(run.engine, tp.makespan),
+        "engine": {**engine_queue(run.engine, tp.makespan), "itl_ms": _ms(itl_between(run.engine, 0.0, tp.makespan))},
         "fairness": fairness(results, scenario.weight),
         "send_lag_max_s": max((r.sent - r.planned for r in results), default=0.0),
         "cpu_share": {name: seconds / run.wall_s for name, seconds in run.cpu_s.items()},
         "wall_s": run.wall_s,
         "processor": processor(run),
     }
-    if scenario.reference_before is not None:
+    if UNLOADED in run.phases:
+        summary["focus_unloaded"] = latency(r for r in run.phases[UNLOADED].results
+                                            if scenario.in_focus(r.tenant, r.priority))
+        summary["focus_loaded"] = latency(focus)
+    elif scenario.reference_before is not None:
         cut = scenario.reference_before
         summary["focus_unloaded"] = latency(r for r in focus if r.sent < cut)
         summary["focus_loaded"] = latency(r for r in focus if r.sent >= cut)
+    if OBJECTIVES in scenario.measures:
+        loaded = [r for r in focus if scenario.reference_before is None or r.sent >= scenario.reference_before]
+        summary["slowdown"] = slowdown(summary.get("focus_loaded"), summary.get("focus_unloaded"))
+        summary["focus_objective"] = attainment(loaded, run.objectives.get(scenario.focus_priority or ""))
+        summary["objectives"] = {
+            cls: attainment([r for r in results if priority_label(r) == cls], objective)
+            for cls, objective in run.objectives.items() if any(priority_label(r) == cls for r in results)
+        }
+    if BATCH in scenario.measures:
+        summary["batch"] = batch_figures(scenario, run, baseline, batch_alone)
+    if CLASSES in scenario.measures:
+        summary["classes"] = class_figures(results, list(baseline.results))
+    if CONSERVATION in scenario.measures:
+        summary["conservation"] = conservation(scenario, run, baseline)
     return summary
+
+
+# --- #19: objectives, the batch class, classes against direct, work conservation ----------------
+
+
+def slowdown(loaded: Any, unloaded: Any) -> dict[str, float | None]:
+    """TTFT p50 and p99 of ``loaded`` over ``unloaded`` (latency blocks; None where either is missing)."""
+
+    def pct(block: Any, q: str) -> float | None:
+        value = block["ttft"][q] if isinstance(block, dict) else None
+        return None if value is None or math.isnan(value) else float(value)
+
+    return {q: _maybe_ratio(pct(loaded, q), pct(unloaded, q)) for q in ("p50", "p99")}
+
+
+def attainment(results: Sequence[Result], objective_s: float | None) -> dict[str, float | None]:
+    """How many of ``results`` got their first token within ``objective_s`` (a failed request did not)."""
+    if objective_s is None or not results:
+        return {"objective_s": objective_s, "requests": len(results), "met": None, "share": None}
+    met = sum(r.ok and r.ttft is not None and r.ttft <= objective_s for r in results)
+    return {"objective_s": objective_s, "requests": len(results), "met": met, "share": met / len(results)}
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the engine did with the batch alone: output tokens per second, and its mean step then (None: unknown)."""
+
+    tokens_per_s: float
+    itl_s: float | None = None
+
+
+def _span(results: Sequence[Result]) -> tuple[float, float] | None:
+    """From the first send to the last answer of the successful ``results``."""
+    ok = [r for r in results if r.ok]
+    return (min(r.sent for r in ok), max(r.done_at for r in ok)) if ok else None
+
+
+def batch_capacity(scenario: Scenario, baseline: ArmRun) -> Capacity | None:
+    """The batch alone straight to the engine (its BATCH_ALONE phase): tokens per second and the engine's step."""
+    phase = baseline.phases.get(BATCH_ALONE)
+    if phase is None:
+        return None
+    batch = [r for r in phase.results if r.priority == scenario.batch_priority]
+    rate, span = throughput(batch).tokens_per_s, _span(batch)
+    if not rate or span is None:
+        return None
+    return Capacity(rate, itl_between(phase.engine, *span))
+
+
+def slot_share(results: Iterable[Result], span: tuple[float, float], slots: int) -> float | None:
+    """The share of ``slots`` x ``span`` that ``results`` held: each from its first token to its end.
+
+    From the first token, not the send: a request waiting for a slot holds
+    none (its prefill step is left out, so this errs low).
+    """
+    length = span[1] - span[0]
+    if slots <= 0 or length <= 0:
+        return None
+    held = sum(_overlap(first, r.done_at, [span]) for r in results if (first := r.first_token_at) is not None)
+    return held / (slots * length)
+
+
+def batch_figures(
+    scenario: Scenario, run: ArmRun, baseline: ArmRun, alone: Capacity | None
+) -> dict[str, float | None]:
+    """The batch class's makespan, throughput (against the idle capacity) and preemptions (see the module docstring).
+
+    The ``_steps`` figures divide times by the engine's mean step over them
+    (its inter-token latency): what a CPU busy with other work does not change.
+    """
+    batch = [r for r in run.results if r.priority == scenario.batch_priority]
+    direct = [r for r in baseline.results if r.priority == scenario.batch_priority]
+    tp, span = throughput(batch), _span(batch)
+    direct_tp, direct_span = throughput(direct), _span(direct)
+    itl = None if span is None else itl_between(run.engine, *span)
+    direct_itl = None if direct_span is None else itl_between(baseline.engine, *direct_span)
+    figures: dict[str, float | None] = {
+        "requests": len(batch),
+        "ok": sum(r.ok for r in batch),
+        "tokens": sum(r.tokens for r in batch if r.ok),
+        "makespan_s": tp.makespan or None,
+        "makespan_ratio": _maybe_ratio(tp.makespan, direct_tp.makespan),
+        "itl_ms": _ms(itl),
+        "makespan_steps_ratio": None if itl is None or direct_itl is None
+        else _maybe_ratio(tp.makespan / itl, direct_tp.makespan / direct_itl),
+        "tokens_per_s": tp.tokens_per_s,
+        "alone_tokens_per_s": None if alone is None else alone.tokens_per_s,
+        "others_slot_share": None,
+        "idle_capacity_tokens_per_s": None,
+        "capacity_ratio": None,
+        "capacity_steps_ratio": None,
+        "preemptions": sum(r.preempted for r in batch),
+        "preemptions_per_request": _maybe_ratio(sum(r.preempted for r in batch), len(batch)),
+        "processor_preemptions_per_request": _maybe_ratio(run.processor.get("preemptions"), len(batch)),
+    }
+    if alone is not None and span is not None:
+        share = slot_share([r for r in run.results if r.priority != scenario.batch_priority and r.ok], span, run.slots)
+        if share is not None:
+            capacity = alone.tokens_per_s * max(0.0, 1.0 - share)
+            per_step = None if itl is None or alone.itl_s is None else _maybe_ratio(
+                tp.tokens_per_s * itl, capacity * alone.itl_s)
+            figures.update(others_slot_share=share, idle_capacity_tokens_per_s=capacity,
+                           capacity_ratio=_maybe_ratio(tp.tokens_per_s, capacity), capacity_steps_ratio=per_step)
+    return figures
+
+
+def class_figures(results: Sequence[Result], direct: Sequence[Result]) -> dict[str, dict[str, Any]]:
+    """Each class's TTFT p50/p99 and tokens per second, and their ratios to the same class straight to the engine."""
+    figures: dict[str, dict[str, Any]] = {}
+    for cls in sorted({priority_label(r) for r in results}):
+        mine = [r for r in results if priority_label(r) == cls]
+        theirs = [r for r in direct if priority_label(r) == cls]
+        block, base = latency(mine), latency(theirs)
+        rate, base_rate = throughput(mine).tokens_per_s, throughput(theirs).tokens_per_s
+        figures[cls] = {
+            "ok": block["ok"], "requests": block["requests"], "ttft": block["ttft"],
+            "ttft_ratio": slowdown(block, base), "tokens_per_s": rate, "tokens_ratio": _maybe_ratio(rate, base_rate),
+        }
+    return figures
+
+
+def time_mean(samples: Sequence[EngineSample], start: float, end: float) -> float | None:
+    """The running count averaged over time in [start, end] (each sample holds until the next)."""
+    if not samples:
+        return None
+    total = covered = 0.0
+    ends = [s.at for s in samples[1:]] + [end]
+    for here, until in zip(samples, ends, strict=True):
+        a, b = max(here.at, start), min(until, end)
+        if b > a:
+            total += here.running * (b - a)
+            covered += b - a
+    return total / covered if covered > 0 else None
+
+
+def _overlap(a: float, b: float, intervals: Sequence[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in intervals)
+
+
+def held_intervals(results: Iterable[Result]) -> list[tuple[float, float]]:
+    """When the gateway held at least one of ``results``: from the answered attempt's send to its release."""
+    return _merge((r.resent if r.resent is not None else r.sent, r.released_at)
+                  for r in results if r.released_at is not None and r.queue_wait)
+
+
+def empty_slots_while_held(
+    samples: Sequence[EngineSample], held: Sequence[tuple[float, float]], slots: int
+) -> dict[str, float]:
+    """Time the engine ran below ``slots`` while the gateway held requests, and the slot-seconds left empty then."""
+    below = lost = 0.0
+    for here, after in zip(samples, samples[1:], strict=False):
+        if here.running < slots:
+            overlap = _overlap(here.at, after.at, held)
+            below += overlap
+            lost += (slots - here.running) * overlap
+    return {"below_s": below, "slot_s": lost}
+
+
+def refill_gaps(releases: Sequence[float], completions: Sequence[float], slots: int) -> list[float]:
+    """How long each completion's slot waited for the gateway's release that refilled it.
+
+    With the engine's ``slots`` full, the k-th completion frees the slot the
+    (k + slots)-th release fills: the gap is that release's time less the
+    completion's. Negative: the gateway had released it before (into the
+    engine's queue, or it saw the end before the client did).
+    """
+    releases, completions = sorted(releases), sorted(completions)
+    return [releases[k + slots] - done for k, done in enumerate(completions) if k + slots < len(releases)]
+
+
+def itl_between(samples: Sequence[EngineSample], start: float, end: float) -> float | None:
+    """The engine's mean inter-token latency (one step of a running request) in [start, end], from its counters."""
+    inside = [s for s in samples if start <= s.at <= end and s.itl_sum is not None and s.itl_count is not None]
+    if len(inside) < 2:
+        return None
+    first, last = inside[0], inside[-1]
+    assert first.itl_sum is not None and first.itl_count is not None
+    assert last.itl_sum is not None and last.itl_count is not None
+    count = last.itl_count - first.itl_count
+    return (last.itl_sum - first.itl_sum) / count if count > 0 else None
+
+
+def first_full(samples: Sequence[EngineSample], slots: int) -> float | None:
+    """When the engine was first seen running all its slots (None: never)."""
+    return next((s.at for s in samples if s.running >= slots), None)
+
+
+def conservation(scenario: Scenario, run: ArmRun, baseline: ArmRun) -> dict[str, float | str | None]:
+    """Does the gateway keep the engine as busy as straight to it, and where does a gap come from."""
+
+    def busy(r: ArmRun) -> tuple[float | None, float, float | None]:
+        span = _span([x for x in r.results if x.priority == scenario.batch_priority])
+        if span is None:
+            return None, 0.0, None
+        return time_mean(r.engine, *span), span[1] - span[0], itl_between(r.engine, *span)
+
+    running, makespan, itl = busy(run)
+    direct_running, direct_makespan, direct_itl = busy(baseline)
+    # Empty slot-seconds over the whole makespan, every arm alike (direct too: its intake and its end).
+    empty_all = None if running is None else (run.slots - running) * makespan
+    direct_empty = None if direct_running is None else (baseline.slots - direct_running) * direct_makespan
+    steps = None if itl is None else makespan / itl
+    direct_steps = None if direct_itl is None else direct_makespan / direct_itl
+    batch = [r for r in run.results if r.priority == scenario.batch_priority]
+    held = held_intervals(batch)
+    empty = empty_slots_while_held(run.engine, held, run.slots)
+    full = first_full(run.engine, run.slots)
+    # The start: until the engine first ran all its slots (the gateway learning or filling them).
+    ramp = empty_slots_while_held(run.engine, [(a, min(b, full)) for a, b in held if full is not None and a < full],
+                                  run.slots)
+    completions = sum(any(a <= r.done_at < b for a, b in held) for r in batch if r.ok)
+    # The releases at the processor's clock (its decision log), else as the client saw them.
+    logged = [d.at for d in run.decisions if d.outcome == "released" and d.band == scenario.batch_priority]
+    releases = logged or [t for r in batch if (t := r.released_at) is not None]
+    gaps = refill_gaps(releases, [r.done_at for r in batch if r.ok], run.slots) if releases else []
+    return {
+        "makespan_s": makespan or None,
+        "makespan_ratio": _maybe_ratio(makespan, direct_makespan),
+        "itl_ms": _ms(itl),
+        "makespan_steps": steps,
+        "makespan_steps_ratio": _maybe_ratio(steps, direct_steps),
+        "running_mean": running,
+        "running_ratio": _maybe_ratio(running, direct_running),
+        "empty_slot_s": empty_all,
+        "empty_slot_s_over_direct": None if empty_all is None or direct_empty is None else empty_all - direct_empty,
+        "first_full_s": full,
+        "ramp_empty_slot_s": ramp["slot_s"],
+        "held_s": sum(b - a for a, b in held),
+        "below_slots_while_held_s": empty["below_s"],
+        "empty_slot_s_while_held": empty["slot_s"],
+        "completions_while_held": completions,
+        "empty_slot_ms_per_completion": 1e3 * empty["slot_s"] / completions if completions else None,
+        "releases_from": "decision log" if logged else "client" if releases else None,
+        "refills": len(gaps),
+        "refill_ms_mean": 1e3 * statistics.fmean(gaps) if gaps else None,
+        "refill_ms_p50": 1e3 * percentile(gaps, 50) if gaps else None,
+        "refill_ms_p99": 1e3 * percentile(gaps, 99) if gaps else None,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+def _maybe_ratio(value: float | None, reference: float | None) -> float | None:
+    if value is None or reference is None:
+        return None
+    return _ratio(value, reference)
 
 
 def processor(run: ArmRun) -> dict[str, float | None] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, Arm  # noqa: E402
 from extproc.tools.bench.metrics import cumulative_service  # noqa: E402
 from extproc.tools.bench.runner import ArmRun  # noqa: E402
-from extproc.tools.bench.scenarios import Scenario  # noqa: E402
+from extproc.tools.bench.scenarios import BATCH, CLASSES, CONSERVATION, OBJECTIVES, Scenario  # noqa: E402
 
 DPI = 80
 # Targets from the project's benchmark issue (reported, not asserted).
@@ -32,6 +32,18 @@ WAITING_SLACK = 2
 JAIN_VTC = 0.99
 FLOOD_SLOWDOWN = 1.5
 ADDED_P50_MS = 1.0
+# Issue #19's targets.
+WITHIN_OBJECTIVE = 0.99
+IDLE_CAPACITY_SHARE = 0.9
+# "No class worse than straight to the engine": read as TTFT p50 and p99 within this
+# factor of direct FIFO's (the envoy control's spread) and tokens/s at THROUGHPUT_RATIO.
+CLASS_TTFT_SLACK = 1.1
+BATCH_MAKESPAN_SLACK = 1.05
+RUNNING_RATIO = 0.97
+# Scenarios whose batch answers arrive whole (non-streamed): their tokens by the horizon jump
+# by a whole answer at a time, so the throughput target reads their own figures instead
+# (batch makespan, throughput vs idle capacity, running requests).
+WHOLE_ANSWERS = ("batch-flood", "batch-only")
 
 
 def _get(data: Any, *path: str) -> Any:
@@ -100,8 +112,9 @@ def targets(
         add(f"power-user newcomer TTFT p50 >= {NEWCOMER_SPEEDUP:g}x better than direct FIFO", arm.name, speedup,
             "–" if speedup is None else f"{speedup:.0f}x ({_s(mine)} s vs {_s(fifo)} s)",
             None if speedup is None else speedup >= NEWCOMER_SPEEDUP)
+    streamed = {name: s for name, s in summaries.items() if name not in WHOLE_ANSWERS}
     for arm in gated:
-        worst = _worst(summaries, arm.name, ("throughput", "horizon_tokens_ratio"), highest=False)
+        worst = _worst(streamed, arm.name, ("throughput", "horizon_tokens_ratio"), highest=False)
         add(f"throughput (output tokens in the common horizon) >= {THROUGHPUT_RATIO} of direct FIFO", arm.name,
             worst[1] if worst else None,
             "–" if worst is None else f"{worst[1]:.3f} (lowest, {worst[0]})",
@@ -120,14 +133,16 @@ def targets(
         add(f"Jain >= {JAIN_VTC} under vtc", arm.name, lowest,
             "–" if lowest is None else f"{lowest:.3f} (lowest scenario mean)" + ("" if vtc else "; not a vtc arm"),
             None if lowest is None or not vtc else lowest >= JAIN_VTC)
-    mix = summaries.get("priority-mix", {})
-    for arm in gated:
-        loaded = _get(mix, arm.name, "focus_loaded", "ttft", "p99")
-        unloaded = _get(mix, arm.name, "focus_unloaded", "ttft", "p99")
-        slowdown = _ratio(loaded, unloaded)
-        add(f"interactive TTFT p99 under batch flood <= {FLOOD_SLOWDOWN}x unloaded", arm.name, slowdown,
-            "–" if slowdown is None else f"{slowdown:.1f}x ({_s(loaded)} s vs {_s(unloaded)} s)",
-            None if slowdown is None else slowdown <= FLOOD_SLOWDOWN)
+    for name in ("priority-mix", "batch-flood"):
+        mix = summaries.get(name, {})
+        for arm in (a for a in gated if a.name in mix):
+            loaded = _get(mix, arm.name, "focus_loaded", "ttft", "p99")
+            unloaded = _get(mix, arm.name, "focus_unloaded", "ttft", "p99")
+            slowdown = _ratio(loaded, unloaded)
+            add(f"interactive TTFT p99 under batch flood <= {FLOOD_SLOWDOWN}x unloaded ({name})", arm.name, slowdown,
+                "–" if slowdown is None else f"{slowdown:.1f}x ({_s(loaded)} s vs {_s(unloaded)} s)",
+                None if slowdown is None else slowdown <= FLOOD_SLOWDOWN)
+    rows += _issue19_targets(summaries, gated)
     added = _get(overhead, "extproc_added_ms", "p50")
     add(f"ext_proc added p50 <= {ADDED_P50_MS:g} ms at {_get(overhead, 'fixed_rate') or 300} req/s", "envoy+extproc",
         added,
@@ -135,11 +150,75 @@ def targets(
     return rows
 
 
+def _issue19_targets(summaries: Mapping[str, Mapping[str, Any]], gated: Sequence[Arm]) -> list[dict[str, Any]]:
+    """Objective attainment, batch throughput, no class worse than direct, work conservation (#19)."""
+    rows: list[dict[str, Any]] = []
+
+    def add(target: str, arm: str, value: float | None, shown: str, met: bool | None) -> None:
+        rows.append({"target": target, "arm": arm, "value": value, "shown": shown, "met": met})
+
+    for name in ("priority-mix", "batch-flood", "steady-classes"):
+        mix = summaries.get(name, {})
+        for arm in (a for a in gated if a.name in mix):
+            got = _get(mix, arm.name, "focus_objective")
+            share = _get(got, "share")
+            add(f">= {WITHIN_OBJECTIVE:.0%} of interactive requests within their TTFT objective ({name})", arm.name,
+                share, "–" if share is None else f"{share:.1%} ({got['met']}/{got['requests']} within "
+                f"{_s(got['objective_s'])} s)", None if share is None else share >= WITHIN_OBJECTIVE)
+    def stepped(target: str, arm: str, block: Any, key: str, detail: str, met: Callable[[float], bool]) -> None:
+        """A wall-clock ratio, shown with its detail and the same ratio per engine step (a busy CPU leaves it)."""
+        ratio, steps = _get(block, key), _get(block, key.replace("_ratio", "_steps_ratio"))
+        add(target, arm, ratio, "–" if ratio is None else f"{ratio:.3f} ({detail}; per engine step {_num(steps, 3)})",
+            None if ratio is None else met(ratio))
+
+    flood = summaries.get("batch-flood", {})
+    for arm in (a for a in gated if a.name in flood):
+        b = _get(flood, arm.name, "batch")
+        stepped(f"batch throughput >= {IDLE_CAPACITY_SHARE} of the idle capacity (batch-flood)", arm.name, b,
+                "capacity_ratio", f"{_num(_get(b, 'tokens_per_s'), 0)} vs "
+                f"{_num(_get(b, 'idle_capacity_tokens_per_s'), 0)} tokens/s", lambda r: r >= IDLE_CAPACITY_SHARE)
+    steady = summaries.get("steady-classes", {})
+    for arm in (a for a in gated if a.name in steady):
+        classes = _get(steady, arm.name, "classes") or {}
+        ttft = [(v, f"{cls} {q}") for cls, c in classes.items() for q in ("p50", "p99")
+                if (v := _get(c, "ttft_ratio", q)) is not None]
+        tokens = [(v, cls) for cls, c in classes.items() if (v := c.get("tokens_ratio")) is not None]
+        if not ttft or not tokens:
+            add("no class worse than direct FIFO (steady-classes)", arm.name, None, "–", None)
+            continue
+        worst, what = max(ttft)
+        least, which = min(tokens)
+        add(f"no class worse than direct FIFO: TTFT p50/p99 <= {CLASS_TTFT_SLACK}x, tokens/s >= {THROUGHPUT_RATIO} "
+            "(steady-classes)", arm.name, worst,
+            f"worst TTFT {worst:.2f}x ({what}), tokens {least:.3f} ({which})",
+            worst <= CLASS_TTFT_SLACK and least >= THROUGHPUT_RATIO)
+    only = summaries.get("batch-only", {})
+    for arm in (a for a in gated if a.name in only):
+        c = _get(only, arm.name, "conservation")
+        stepped(f"batch-only makespan within {BATCH_MAKESPAN_SLACK - 1:.0%} of direct FIFO", arm.name, c,
+                "makespan_ratio", f"{_s(_get(c, 'makespan_s'))} s vs "
+                f"{_s(_get(only, DIRECT.name, 'conservation', 'makespan_s'))} s", lambda r: r <= BATCH_MAKESPAN_SLACK)
+        running = _get(only, arm.name, "conservation", "running_ratio")
+        add(f"batch-only mean running requests >= {RUNNING_RATIO} of direct FIFO", arm.name, running,
+            "–" if running is None else f"{running:.3f} ({_num(_get(only, arm.name, 'conservation', 'running_mean'))} "
+            f"vs {_num(_get(only, DIRECT.name, 'conservation', 'running_mean'))})",
+            None if running is None else running >= RUNNING_RATIO)
+    return rows
+
+
 # --- Markdown ---------------------------------------------------------------------------
 
 
-def scenario_markdown(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
+def scenario_markdown(
+    scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any], engine: Mapping[str, Any] | None = None
+) -> list[str]:
+    """One scenario's tables; ``engine``: its own simulated GPU and time scale, where not the run's."""
     lines = [f"### {scenario.name}", "", scenario.description + ".", ""]
+    if engine:
+        lines += [f"On its own simulated GPU: {engine['max_num_seqs']} sequences, {engine['step_ms']:g} ms steps "
+                  f"+ {engine['step_ms_per_seq']:g} ms per running sequence, {engine['prefill_ms_per_token']:g} ms "
+                  f"of prefill per prompt token, {engine['kv_cache_tokens']} tokens of KV; time scale "
+                  f"{engine['time_scale']:g}.", ""]
     rows = []
     for arm in arms:
         s = summary.get(arm.name)
@@ -165,18 +244,21 @@ def scenario_markdown(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[
          "Jain mean / min (windows)", f"{scenario.focus} gateway wait p50 / p99 (s)"],
         rows,
     )
-    if scenario.reference_before is not None:
-        lines += ["", f"{scenario.focus} TTFT before the flood (unloaded) and during it:", ""]
-        lines += _table(
-            ["arm", "unloaded p50 / p95 / p99 (s)", "during flood p50 / p95 / p99 (s)", "p99 slowdown"],
-            [
-                [arm.name, _pct(summary[arm.name].get("focus_unloaded"), "ttft"),
-                 _pct(summary[arm.name].get("focus_loaded"), "ttft"),
-                 _num(_ratio(_get(summary[arm.name], "focus_loaded", "ttft", "p99"),
-                             _get(summary[arm.name], "focus_unloaded", "ttft", "p99")), 1)]
-                for arm in arms if arm.name in summary
-            ],
-        )
+    steps = [f"{arm.name} {_num(step, 1)} ms" for arm in arms
+             if (step := _get(summary, arm.name, "engine", "itl_ms")) is not None]
+    if steps:
+        lines += ["", "The engine's mean step (inter-token latency) over the run, which a CPU busy with other work "
+                  "lengthens: " + ", ".join(steps) + "."]
+    if any("focus_unloaded" in s for s in summary.values()):
+        lines += _unloaded_table(scenario, arms, summary)
+    if OBJECTIVES in scenario.measures:
+        lines += _objectives_table(arms, summary)
+    if BATCH in scenario.measures:
+        lines += _batch_table(arms, summary)
+    if CLASSES in scenario.measures:
+        lines += _classes_table(arms, summary)
+    if CONSERVATION in scenario.measures:
+        lines += _conservation_table(arms, summary)
     lines += _processor_table(arms, summary)
     for kind, title in (("tenants", "tenant"), ("priorities", "priority class")):
         groups = sorted({g for s in summary.values() for g in s[kind]})
@@ -196,6 +278,112 @@ def scenario_markdown(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[
               f"![{scenario.name}: engine waiting queue over time]({scenario.name}-waiting.png)",
               f"![{scenario.name}: cumulative service per tenant]({scenario.name}-service.png)", ""]
     return lines
+
+
+def _unloaded_table(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
+    where = ("replayed alone on the same stack first" if scenario.phases
+             else "its requests sent before the flood")
+    rows = []
+    for arm in arms:
+        s = summary.get(arm.name)
+        if s is None or "focus_unloaded" not in s:
+            continue
+        ratio = s.get("slowdown") or {
+            "p99": _ratio(_get(s, "focus_loaded", "ttft", "p99"), _get(s, "focus_unloaded", "ttft", "p99"))}
+        rows.append([arm.name, _pct(s["focus_unloaded"], "ttft"), _pct(s["focus_loaded"], "ttft"),
+                     _num(ratio.get("p50"), 1), _num(ratio.get("p99"), 1)])
+    return ["", f"{scenario.focus} TTFT unloaded ({where}) and during the flood:", "",
+            *_table(["arm", "unloaded p50 / p95 / p99 (s)", "during flood p50 / p95 / p99 (s)", "p50 slowdown",
+                     "p99 slowdown"], rows)]
+
+
+def _objectives_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
+    classes = sorted({c for s in summary.values() for c in s.get("objectives", {})})
+    if not classes:
+        return []
+
+    def cell(got: Any) -> str:
+        if got is None or got.get("share") is None:
+            return "–"
+        return f"{got['share']:.1%} ({got['met']}/{got['requests']})"
+
+    rows = [[arm.name, *(cell(_get(summary, arm.name, "objectives", c)) for c in classes)]
+            for arm in arms if arm.name in summary]
+    objective = {c: next((_get(s, "objectives", c, "objective_s") for s in summary.values()
+                          if _get(s, "objectives", c, "objective_s") is not None), None) for c in classes}
+    return ["", "Requests whose TTFT met their class's objective (all of the run; the processor's "
+            "ttft_objective_s, model seconds):", "",
+            *_table(["arm", *(f"{c} within {_s(objective[c])} s" for c in classes)], rows)]
+
+
+def _arm_rows(
+    arms: Sequence[Arm], summary: Mapping[str, Any], key: str, row: Callable[[Mapping[str, Any]], list[str]]
+) -> list[list[str]]:
+    """One row per arm whose summary has ``key``: its name, then ``row`` of that block."""
+    return [[arm.name, *row(block)] for arm in arms if (block := _get(summary, arm.name, key)) is not None]
+
+
+def _batch_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
+    def row(b: Mapping[str, Any]) -> list[str]:
+        return [
+            f"{b['ok']}/{b['requests']}", _s(b["makespan_s"]), _num(b["makespan_ratio"], 2),
+            _num(b["itl_ms"], 1), _num(b["makespan_steps_ratio"], 2),
+            _num(b["tokens_per_s"], 0), _num(b["alone_tokens_per_s"], 0),
+            "–" if b["others_slot_share"] is None else f"{b['others_slot_share']:.0%}",
+            _num(b["idle_capacity_tokens_per_s"], 0), _num(b["capacity_ratio"], 2),
+            _num(b["capacity_steps_ratio"], 2),
+            f"{_num(b['preemptions_per_request'], 2)} / {_num(b['processor_preemptions_per_request'], 2)}",
+        ]
+
+    return ["", "The batch class (makespan: its first send to its last answer; idle capacity: the batch alone "
+            "straight to the engine, times the share of slots the others leave free; per step: each time over the "
+            "engine's mean inter-token latency then, which a busy CPU does not change):", "",
+            *_table(["arm", "batch ok", "batch makespan (s)", "vs direct", "step (ms)", "in steps vs direct",
+                     "batch tokens/s", "alone tokens/s", "slots the others took", "idle capacity tokens/s",
+                     "vs idle capacity", "per step vs idle capacity",
+                     "preemptions per batch request (client / processor)"], _arm_rows(arms, summary, "batch", row))]
+
+
+def _classes_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
+    ran = [a for a in arms if a.name in summary]
+    classes = sorted({c for s in summary.values() for c in s.get("classes", {})})
+    rows = []
+    for cls in classes:
+        for arm in ran:
+            c = _get(summary, arm.name, "classes", cls)
+            if c is None:
+                continue
+            rows.append([cls, arm.name, f"{c['ok']}/{c['requests']}",
+                         " / ".join(_s(_get(c, "ttft", q)) for q in ("p50", "p99")),
+                         " / ".join(_num(_get(c, "ttft_ratio", q)) for q in ("p50", "p99")),
+                         _num(c["tokens_per_s"], 0), _num(c["tokens_ratio"], 3)])
+    return ["", "Each class against straight to the engine:", "",
+            *_table(["class", "arm", "ok", "TTFT p50 / p99 (s)", "vs direct p50 / p99", "tokens/s",
+                     "tokens/s vs direct"], rows)]
+
+
+def _conservation_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
+    def row(c: Mapping[str, Any]) -> list[str]:
+        return [
+            _s(c["makespan_s"]), _num(c["makespan_ratio"], 3), _num(c["itl_ms"], 1),
+            _num(c["makespan_steps_ratio"], 3), _num(c["running_mean"]), _num(c["running_ratio"], 3),
+            _s(c["empty_slot_s"]), _s(c["empty_slot_s_over_direct"]), _s(c["first_full_s"]), _s(c["held_s"]),
+            _s(c["below_slots_while_held_s"]),
+            _s(c["empty_slot_s_while_held"]), _s(c["ramp_empty_slot_s"]), str(c["completions_while_held"]),
+            _num(c["empty_slot_ms_per_completion"], 0),
+            f"{_num(c['refill_ms_mean'], 0)} / {_num(c['refill_ms_p50'], 0)} / {_num(c['refill_ms_p99'], 0)}",
+        ]
+
+    return ["", "Work conservation (the batch's makespan, also in engine steps: over its mean inter-token latency; "
+            "running: vllm:num_requests_running averaged over it; held: some batch request sent and not yet released "
+            "by the gateway; refill: from a completion to the release that refilled its slot, at the processor's "
+            "clock):", "",
+            *_table(["arm", "makespan (s)", "vs direct", "step (ms)", "in steps vs direct", "mean running",
+                     "vs direct", "empty slot-s", "more than direct", "first at all slots (s)", "held (s)",
+                     "below all slots while held (s)",
+                     "empty slot-s while held", "of them before all slots ran", "completions while held",
+                     "empty slot-ms per completion", "refill mean / p50 / p99 (ms)"],
+                    _arm_rows(arms, summary, "conservation", row))]
 
 
 def _processor_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
@@ -285,7 +473,8 @@ def markdown(
     if summaries:
         lines += ["## Scenarios", ""]
         for scenario in scenarios:
-            lines += scenario_markdown(scenario, arms, summaries[scenario.name])
+            lines += scenario_markdown(scenario, arms, summaries[scenario.name],
+                                       meta.get("scenario_engines", {}).get(scenario.name))
     if overhead is not None:
         lines += ["## Overhead of the ext_proc hop (real time, fast upstream)", ""]
         lines += overhead_markdown(overhead)
@@ -305,19 +494,20 @@ def _save(fig: Figure, path: Path) -> None:
 def plot_ttft(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any], path: Path) -> None:
     """Grouped bars: the focus group's TTFT p50/p95/p99 per arm (log scale)."""
     names = [a.name for a in arms if a.name in summary]
-    block = "focus_loaded" if scenario.reference_before is not None else "focus"
+    referenced = any("focus_unloaded" in summary[n] for n in names)
+    block = "focus_loaded" if referenced else "focus"
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
     width = 0.26
     for i, q in enumerate(("p50", "p95", "p99")):
         values = [_get(summary[n], block, "ttft", q) or math.nan for n in names]
         ax.bar([x + (i - 1) * width for x in range(len(names))], values, width, label=q)
-    if scenario.reference_before is not None:
+    if referenced:
         unloaded = [_get(summary[n], "focus_unloaded", "ttft", "p99") or math.nan for n in names]
         ax.scatter(range(len(names)), unloaded, marker="_", s=600, color="black", zorder=3, label="p99 unloaded")
     ax.set_xticks(range(len(names)), names)
     ax.set_yscale("log")
     ax.set_ylabel("TTFT (model s)")
-    during = " during the flood" if scenario.reference_before is not None else ""
+    during = " during the flood" if referenced else ""
     ax.set_title(f"{scenario.name}: {scenario.focus} time to first token{during}", fontsize=10)
     ax.legend(fontsize=8)
     _save(fig, path)

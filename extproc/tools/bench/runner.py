@@ -6,19 +6,35 @@ scheduler (no queue, no fairness counters carried over), and replays the very
 same requests at the very same offsets. A cluster arm also gets its own
 Redis, started before its processors and stopped after them.
 
+A scenario's phases (references such as its focus group alone) are replayed
+first, each on its own once the engine is idle again, on the same stack.
+
 Times in the results are *model seconds*: wall-clock time divided by the time
 scale, so they read like a real GPU's. A fixed wall-clock cost (the ~1 ms of
 the Envoy hop) is magnified by ``1 / time_scale`` in these units; the overhead
-benchmark measures such costs at real speed.
+benchmark measures such costs at real speed. The TTFT objectives written into
+the processor's config are scaled the same way (``arms.scale_objectives``), and
+so is the client's wait before retrying a preempted request (``Retry-After``).
+
+The processors run with their decision log on (``--log-level debug
+--log-format json``): its lines give each release at the processor's own
+clock (:func:`decisions`), to the millisecond.
+
+A request the gateway preempts (503, reason ``preempted``) is sent again after
+its ``Retry-After``, as the OpenAI SDK does (numbering its attempts in
+``x-stainless-retry-count``, as the SDK does), at most ``MAX_ATTEMPTS`` times;
+its result counts the preemptions and keeps the first send as its start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import json
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -26,18 +42,31 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.adapters.config import load_config
 from extproc.adapters.engines.dialects import MetricsError, parse_load
-from extproc.tools.bench.arms import MODEL, Arm, api_key, write_arm_config
+from extproc.adapters.ext_proc.contract import QUEUE_WAIT_HEADER, REASON_HEADER
+from extproc.core.outcomes import Refusal
+from extproc.tools.bench.arms import MODEL, Arm, api_key, arm_config, band_objectives, scale_objectives, write_config
 from extproc.tools.bench.load import Planned
 from extproc.tools.bench.scenarios import Engine, Scenario
 from extproc.tools.bench.vllm import VllmEngine
-from extproc.tools.power_user import chat
 from extproc.tools.procs import cpu_seconds
 from extproc.tools.redis_proc import RedisServer
-from extproc.tools.stack import Stack, start_stack
+from extproc.tools.stack import SOLE, Stack, start_stack
 
 # How often the engine's queue is sampled (wall clock).
 SAMPLE_INTERVAL_S = 0.05
 _FILLER = "the quick brown fox jumps over the lazy dog; " * 2000
+# A preempted request is sent again at most this many times in all.
+MAX_ATTEMPTS = 20
+# The OpenAI SDKs number every attempt in this header (0 first); the gateway never
+# preempts a request that says it is a retry (identity.retry_headers).
+RETRY_HEADER = "x-stainless-retry-count"
+# Between phases: how long the engine may take to be idle again, and the pause after it
+# (a few of the processor's scrapes, so it sees the idle engine too). Wall clock.
+SETTLE_TIMEOUT_S = 60.0
+SETTLE_PAUSE_S = 0.5
+# The processors' decision log, one JSON line per request's outcome (adapters/logs.py).
+SERVE_ARGS = ("--log-level", "debug", "--log-format", "json")
+DECISIONS_LOGGER = "extproc.decisions"
 
 
 @dataclass(frozen=True)
@@ -56,6 +85,12 @@ class Result:
     max_tokens: int
     tokens: int
     error: str = ""
+    # A non-streamed request's first token arrives with its whole answer: its ttft is its e2e.
+    stream: bool = True
+    # Times the gateway preempted it (503 preempted) before the answer counted here.
+    preempted: int = 0
+    # When the answered attempt was sent (None: the first one was answered).
+    resent: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -69,12 +104,43 @@ class Result:
     def done_at(self) -> float:
         return self.sent + self.e2e
 
+    @property
+    def released_at(self) -> float | None:
+        """When the gateway released the answered attempt (None: no queue-wait header, e.g. direct)."""
+        if self.queue_wait is None:
+            return None
+        return (self.sent if self.resent is None else self.resent) + self.queue_wait
+
 
 @dataclass(frozen=True)
 class EngineSample:
     at: float  # model seconds from the run's start
     waiting: float
     running: float
+    # The engine's inter-token latency counters (cumulative seconds and count; None: not exported).
+    itl_sum: float | None = None
+    itl_count: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One line of a processor's decision log: a request released, refused or abandoned (model seconds)."""
+
+    at: float
+    tenant: str
+    band: str
+    outcome: str  # "released", "refused:<reason>", "abandoned"
+
+
+@dataclass(frozen=True)
+class PhaseRun:
+    """One phase of a scenario replayed alone (its own start: ``sent`` and samples count from it)."""
+
+    results: tuple[Result, ...]
+    engine: tuple[EngineSample, ...]
+    wall_s: float
+    # Wall-clock time (time.time()) at its start: the decision log's clock.
+    started_wall: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -88,8 +154,18 @@ class ArmRun:
     # CPU seconds used during the run, per component ("engine", "envoy", "extproc", "client");
     # "extproc" is the sum over every processor instance.
     cpu_s: dict[str, float]
-    # The processors' own counters at the end of the run, summed over instances (see processor_counters).
+    # The processors' own counters over the run (its phases left out), summed over instances (see
+    # processor_counters).
     processor: dict[str, float] = field(default_factory=dict)
+    # The scenario's phases on this arm, by name, replayed before the run.
+    phases: dict[str, PhaseRun] = field(default_factory=dict)
+    # The TTFT objective of each class (model seconds) as this arm's processor resolved them
+    # (direct: as the gateway would have): what objective attainment counts against.
+    objectives: dict[str, float] = field(default_factory=dict)
+    # The engine's batch size (its slots).
+    slots: int = 0
+    # The processors' decision log over the run (empty: no processor).
+    decisions: tuple[Decision, ...] = ()
 
 
 def prompt_text(tokens: int, chars_per_token: int = 4) -> str:
@@ -107,7 +183,8 @@ async def _sample_engine(url: str, model: str, t0: float, time_scale: float, sto
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, MetricsError):
                 async with session.get(f"{url}/metrics") as response:
                     load = parse_load("vllm", await response.text(), model)
-                samples.append(EngineSample((started - t0) / time_scale, load.waiting, load.running))
+                samples.append(EngineSample((started - t0) / time_scale, load.waiting, load.running,
+                                            load.itl_sum, load.itl_count))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, SAMPLE_INTERVAL_S - (time.monotonic() - started)))
     return samples
@@ -116,6 +193,7 @@ async def _sample_engine(url: str, model: str, t0: float, time_scale: float, sto
 # Processor series the bench reads, summed over instances and labels (prometheus_client's sample names).
 _COUNTERS = {
     "extproc_released_total": "released",
+    "extproc_preemptions_total": "preemptions",
     "extproc_cluster_round_trip_seconds_sum": "round_trip_seconds_sum",
     "extproc_cluster_round_trip_seconds_count": "round_trip_count",
 }
@@ -142,6 +220,37 @@ def processor_counters(pages: Sequence[str]) -> dict[str, float]:
     return totals
 
 
+def decisions(lines: Sequence[str], started_wall: float, wall_s: float, time_scale: float) -> list[Decision]:
+    """The decision-log lines among ``lines`` (JSON log lines) in the window of a run, its start at 0.
+
+    ``started_wall``: the run's start on the wall clock (``time.time()``);
+    lines from before it or after ``wall_s`` are other phases'.
+    """
+    found = []
+    for line in lines:
+        if DECISIONS_LOGGER not in line:
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("logger") != DECISIONS_LOGGER:
+            continue
+        offset = datetime.datetime.fromisoformat(entry["ts"]).timestamp() - started_wall
+        if 0 <= offset <= wall_s:
+            found.append(Decision(offset / time_scale, entry["tenant"], entry["class"], entry["outcome"]))
+    return sorted(found, key=lambda d: d.at)
+
+
+def _decision_log(stack: Stack, run: PhaseRun, time_scale: float) -> tuple[Decision, ...]:
+    lines: list[str] = []
+    for name in stack.processors:
+        log = stack.workdir / ("extproc.log" if name == SOLE else f"extproc-{name}.log")
+        with contextlib.suppress(OSError):
+            lines += log.read_text(encoding="utf-8", errors="replace").splitlines()
+    return tuple(decisions(lines, run.started_wall, run.wall_s, time_scale))
+
+
 async def _scrape_processors(stack: Stack) -> dict[str, float]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
         pages = []
@@ -150,6 +259,62 @@ async def _scrape_processors(stack: Stack) -> dict[str, float]:
                 response.raise_for_status()
                 pages.append(await response.text())
     return processor_counters(pages)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One HTTP exchange as the client saw it (wall seconds from its own send)."""
+
+    status: int
+    ttft_s: float | None
+    total_s: float
+    queue_wait_s: float | None
+    tokens: int
+    error: str = ""
+    reason: str | None = None  # the gateway's reason header on its own answers
+    retry_after_s: float | None = None
+
+
+async def send(
+    session: aiohttp.ClientSession, url: str, body: Mapping[str, object], headers: Mapping[str, str]
+) -> Attempt:
+    """One chat completion, streamed or whole as ``body`` says; never raises for HTTP or connection errors.
+
+    A streamed answer's tokens are its content chunks (one token each, the
+    simulator's and vLLM's default); a whole one's, its usage.
+    """
+    start = time.monotonic()
+    ttft: float | None = None
+    tokens = 0
+    try:
+        async with session.post(url, json=body, headers=headers) as response:
+            wait_ms = response.headers.get(QUEUE_WAIT_HEADER)
+            queue_wait = int(wait_ms) / 1000 if wait_ms is not None else None
+            if response.status != 200:
+                retry = response.headers.get("retry-after")
+                return Attempt(response.status, None, time.monotonic() - start, queue_wait, 0,
+                               (await response.text())[:200], response.headers.get(REASON_HEADER),
+                               float(retry) if retry and retry.isdigit() else None)
+            if not body.get("stream"):
+                answer = await response.json()
+                total = time.monotonic() - start
+                return Attempt(200, total, total, queue_wait, int(answer.get("usage", {}).get("completion_tokens", 0)))
+            async for raw in response.content:
+                line = raw.strip()
+                if line.startswith(b"data: {") and any(
+                    c.get("delta", {}).get("content") for c in json.loads(line[6:]).get("choices", [])
+                ):
+                    tokens += 1
+                    ttft = time.monotonic() - start if ttft is None else ttft
+            return Attempt(200, ttft, time.monotonic() - start, queue_wait, tokens)
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        return Attempt(0, None, time.monotonic() - start, None, 0, repr(exc))
+
+
+def preempted(attempt: Attempt) -> bool:
+    """The gateway ended the request before its answer began, for a higher class: send it again."""
+    return attempt.status == 503 and (attempt.reason == Refusal.PREEMPTED.value
+                                      or f'"code": "{Refusal.PREEMPTED.value}"' in attempt.error)
 
 
 async def replay(
@@ -162,40 +327,76 @@ async def replay(
     engine: Engine | VllmEngine,
     on_done: Callable[[], None] = lambda: None,
 ) -> list[Result]:
-    """Send every planned request at ``t0 + at * time_scale`` (open loop) and wait for all answers."""
+    """Send every planned request at ``t0 + at * time_scale`` (open loop) and wait for all answers.
+
+    A request whose stream stops after a tenant (``Planned.stop_after``) is
+    not sent once every request of that tenant has been answered (it counts as
+    done for ``on_done``, and has no result).
+    """
     connector = aiohttp.TCPConnector(limit=0)  # one connection per concurrent request, as separate clients
+    scale = 1.0 / time_scale
+    # Requests of each tenant not yet answered: a stream that stops after a tenant stops at 0.
+    # (Only tenants this replay sends: a phase without them stops nothing.)
+    stops = {r.stop_after for r in requests if r.stop_after is not None}
+    left = {t: n for t in stops if (n := sum(r.tenant == t for r in requests))}
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as session:
 
         async def one(planned: Planned) -> Result:
+            headers = {"content-type": "application/json"}
+            if planned.priority:
+                headers["x-priority"] = planned.priority
+            if key := api_keys.get(planned.tenant):
+                headers["authorization"] = f"Bearer {key}"
+            body = {
+                "model": MODEL, "max_tokens": planned.max_tokens, "stream": planned.stream,
+                "messages": [{"role": "user", "content": prompt_text(planned.prompt_tokens, engine.chars_per_token)}],
+                **engine.request_extras,
+            }
+            url = f"{base_url}/v1/chat/completions"
             sent = time.monotonic()
-            headers = {"x-priority": planned.priority} if planned.priority else None
-            outcome = await chat(
-                session, base_url, planned.tenant, MODEL, api_key=api_keys.get(planned.tenant),
-                max_tokens=planned.max_tokens, extra_headers=headers, extra_body=engine.request_extras,
-                prompt=prompt_text(planned.prompt_tokens, engine.chars_per_token),
-            )
+            resent: float | None = None
+            attempt = await send(session, url, body, {**headers, RETRY_HEADER: "0"})
+            times = 0
+            while preempted(attempt) and times + 1 < MAX_ATTEMPTS:
+                times += 1
+                # Retry-After is the gateway's wall-clock advice to a client of the modelled GPU: model seconds.
+                await asyncio.sleep((attempt.retry_after_s or 1.0) * time_scale)
+                resent = time.monotonic()
+                attempt = await send(session, url, body, {**headers, RETRY_HEADER: str(times)})
+            times += preempted(attempt)
+            if planned.tenant in left:
+                left[planned.tenant] -= 1
             on_done()
-            scale = 1.0 / time_scale
+            since = (resent or sent) - sent  # the answered attempt's start, from the first send
             return Result(
                 tenant=planned.tenant,
                 priority=planned.priority,
                 planned=planned.at,
                 sent=(sent - t0) * scale,
-                status=outcome.status,
-                ttft=None if outcome.ttft_s is None else outcome.ttft_s * scale,
-                e2e=outcome.total_s * scale,
-                queue_wait=None if outcome.queue_wait_s is None else outcome.queue_wait_s * scale,
+                status=attempt.status,
+                ttft=None if attempt.ttft_s is None else (since + attempt.ttft_s) * scale,
+                e2e=(since + attempt.total_s) * scale,
+                queue_wait=None if attempt.queue_wait_s is None else attempt.queue_wait_s * scale,
                 prompt_tokens=planned.prompt_tokens,
                 max_tokens=planned.max_tokens,
-                tokens=outcome.tokens,
-                error=outcome.error,
+                tokens=attempt.tokens,
+                error=attempt.error,
+                stream=planned.stream,
+                preempted=times,
+                resent=None if resent is None else (resent - t0) * scale,
             )
+
+        def stopped(planned: Planned) -> bool:
+            return planned.stop_after in left and left[planned.stop_after] == 0
 
         tasks: list[asyncio.Task[Result]] = []
         for planned in requests:
             delay = t0 + planned.at * time_scale - time.monotonic()
-            if delay > 0:
+            if delay > 0 and not stopped(planned):
                 await asyncio.sleep(delay)
+            if stopped(planned):
+                on_done()
+                continue
             tasks.append(asyncio.create_task(one(planned)))
         return list(await asyncio.gather(*tasks))
 
@@ -209,15 +410,17 @@ async def run_arm(
     workdir: Path,
     on_done: Callable[[], None] = lambda: None,
 ) -> ArmRun:
-    """Start the arm's engine and stack, replay the scenario through it, stop everything."""
+    """Start the arm's engine and stack, replay the scenario (its phases first) through it, stop everything."""
     workdir.mkdir(parents=True, exist_ok=True)
     redis = RedisServer(workdir) if arm.instances > 1 else None
     if redis is not None:
         await redis.start()
     try:
-        config = write_arm_config(workdir / "config.yaml", arm, scenario.tenants, redis.url if redis else None)
+        doc = arm_config(arm, scenario.tenants, redis.url if redis else None, scenario.gateway)
+        config = write_config(workdir / "config.yaml", scale_objectives(doc, time_scale))
         async with await _start(arm, config, engine, time_scale, workdir) as stack:
-            return await _measure(scenario, arm, stack, engine, time_scale, on_done)
+            run = await _measure(scenario, arm, stack, engine, time_scale, on_done)
+        return replace(run, objectives=band_objectives(doc), slots=engine.max_num_seqs)
     finally:
         if redis is not None:
             await redis.stop()
@@ -229,14 +432,47 @@ async def _start(arm: Arm, config: Path, engine: Engine | VllmEngine, time_scale
         endpoint = load_config(config).models[0].endpoints[0]
         vllm = await engine.start(MODEL, endpoint, workdir, arm.scheduling_policy)
         try:
-            stack = await start_stack(config, workdir, gateway=arm.gateway, engines=False)
+            stack = await start_stack(config, workdir, serve_args=SERVE_ARGS, gateway=arm.gateway, engines=False)
         except BaseException:
             await vllm.stop()
             raise
         stack.sims.append(vllm)
         return stack
     sim_args = [*engine.sim_args(time_scale), "--scheduling-policy", arm.scheduling_policy]
-    return await start_stack(config, workdir, sim_args=sim_args, gateway=arm.gateway)
+    return await start_stack(config, workdir, sim_args=sim_args, serve_args=SERVE_ARGS, gateway=arm.gateway)
+
+
+async def _watched(
+    stack: Stack, base_url: str, requests: Sequence[Planned], keys: dict[str, str], engine: Engine | VllmEngine,
+    time_scale: float, on_done: Callable[[], None],
+) -> PhaseRun:
+    """Replay ``requests`` from now, sampling the engine until the last answer."""
+    started_wall = time.time()
+    t0 = time.monotonic()
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(_sample_engine(stack.sim_url(MODEL), MODEL, t0, time_scale, stop))
+    try:
+        results = await replay(
+            base_url, requests, time_scale=time_scale, api_keys=keys, t0=t0, engine=engine, on_done=on_done,
+        )
+    finally:
+        stop.set()
+        samples = await sampler
+    return PhaseRun(tuple(results), tuple(samples), time.monotonic() - t0, started_wall)
+
+
+async def _settle(url: str) -> None:
+    """Wait until the engine runs and queues nothing (at most SETTLE_TIMEOUT_S), then SETTLE_PAUSE_S more."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, MetricsError):
+                async with session.get(f"{url}/metrics") as response:
+                    load = parse_load("vllm", await response.text(), MODEL)
+                if load.running == 0 and load.waiting == 0:
+                    break
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
+    await asyncio.sleep(SETTLE_PAUSE_S)
 
 
 async def _measure(
@@ -246,6 +482,12 @@ async def _measure(
     direct = arm.gateway == "direct"
     base_url = stack.sim_url(MODEL) if direct else stack.envoy_url
     keys = {} if direct else {t: api_key(t) for t in scenario.tenants}
+    phases = {}
+    for phase in scenario.phases_of(arm.name):
+        phases[phase.name] = await _watched(
+            stack, base_url, scenario.phase_requests(phase), keys, engine, time_scale, on_done)
+        await _settle(stack.sim_url(MODEL))
+    counters_before = await _scrape_processors(stack) if stack.processors and phases else {}
     pids = {"engine": [stack.sims[0].process.pid]}
     if stack.envoy is not None:
         pids["envoy"] = [stack.envoy.process.pid]
@@ -253,22 +495,14 @@ async def _measure(
         pids["extproc"] = [p.process.pid for p in stack.processors.values()]
     cpu_before = {name: _cpu(group) for name, group in pids.items()}
     client_before = time.process_time()
-    t0 = time.monotonic()
-    stop = asyncio.Event()
-    sampler = asyncio.create_task(_sample_engine(stack.sim_url(MODEL), MODEL, t0, time_scale, stop))
-    try:
-        results = await replay(
-            base_url, scenario.requests(), time_scale=time_scale, api_keys=keys, t0=t0, engine=engine,
-            on_done=on_done,
-        )
-    finally:
-        stop.set()
-        samples = await sampler
-    wall = time.monotonic() - t0
+    run = await _watched(stack, base_url, scenario.requests(), keys, engine, time_scale, on_done)
     cpu = {name: _cpu(group) - cpu_before[name] for name, group in pids.items()}
     cpu["client"] = time.process_time() - client_before
     counters = await _scrape_processors(stack) if stack.processors else {}
-    return ArmRun(scenario.name, arm.name, time_scale, tuple(results), tuple(samples), wall, cpu, counters)
+    # Counters over the run alone: what the phases before it added is taken off.
+    counters = {key: value - counters_before.get(key, 0.0) for key, value in counters.items()}
+    return ArmRun(scenario.name, arm.name, time_scale, run.results, run.engine, run.wall_s, cpu, counters, phases,
+                  decisions=_decision_log(stack, run, time_scale))
 
 
 def _cpu(pids: Sequence[int]) -> float:

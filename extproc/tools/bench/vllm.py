@@ -6,10 +6,12 @@ with their lag. Every arm gets a fresh vLLM server (no prefix cache or
 counters carried over) started by :func:`extproc.tools.realvllm.start_vllm`, serving
 the tiny local model with a batch of :data:`MAX_NUM_SEQS`.
 
-The scenarios are the simulator's ``power-user`` and ``priority-mix``, sized
-for this engine: the tiny model's context is 512 tokens, and on 2 cores,
-beside Envoy, the processor and the load generator, vLLM CPU serves only a
-few such requests a second, so the floods are small. Times are real seconds (time scale 1).
+The scenarios are the simulator's, sized for this engine: the tiny model's
+context is 512 tokens, and on 2 cores, beside Envoy, the processor and the
+load generator, vLLM CPU serves only a few such requests a second, so the
+floods are small. ``batch-flood`` and ``batch-only`` are the very ones the
+simulator runs on its vLLM-like GPU (``scenarios.VLLM_LIKE``). Times are real
+seconds (time scale 1).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from extproc.tools.bench import scenarios
+from extproc.tools.bench.arms import ARMS as SIM_ARMS
 from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, Arm
-from extproc.tools.bench.load import LogNormal
 from extproc.tools.bench.scenarios import Scenario
 from extproc.tools.procs import ManagedProcess
 from extproc.tools.realvllm import REQUEST_EXTRAS, SchedulingPolicy, start_vllm
@@ -45,19 +47,21 @@ class VllmEngine:
 
 
 # Prompt plus answer stay within the 512-token context (with the chat template's few tokens).
-SIZES = scenarios.Sizes(
-    prompt=LogNormal(median=100, sigma=0.6, lo=16, hi=200),
-    output=LogNormal(median=64, sigma=0.6, lo=8, hi=256),
-    turn_prompt=LogNormal(median=60, sigma=0.5, lo=16, hi=160),
-    turn_output=LogNormal(median=32, sigma=0.5, lo=8, hi=128),
-)
+SIZES = scenarios.TINY_SIZES
 
 # The operator knows vLLM's --max-num-seqs and says so (docs/real-vllm.md).
 _KNOWN_BATCH = {"max_running": MAX_NUM_SEQS, "target_waiting": TARGET_WAITING}
+ENVOY = next(a for a in SIM_ARMS if a.name == "envoy")
 ARMS: tuple[Arm, ...] = (
     DIRECT,
+    ENVOY,
     Arm("extproc-rr", "extproc", "Envoy + extproc, round-robin per tenant, adaptive gate; vLLM fcfs",
         model=_KNOWN_BATCH),
+    Arm("extproc-no-preempt", "extproc", "as extproc-rr with preemption off (max_preemptions_per_s: 0)",
+        model={**_KNOWN_BATCH, "max_preemptions_per_s": 0}),
+    Arm("extproc-preempt", "extproc",
+        "as extproc-rr, preempting batch requests for interactive ones at risk (max_preemptions_per_s: 2, the default)",
+        model={**_KNOWN_BATCH, "max_preemptions_per_s": 2}),
     Arm("extproc-engine-priority", "extproc",
         "as extproc-rr, with engine_priority: true and vLLM --scheduling-policy priority",
         model={**_KNOWN_BATCH, "engine_priority": True}, scheduling_policy="priority"),
@@ -79,7 +83,15 @@ def power_user() -> Scenario:
 
 def priority_mix() -> Scenario:
     return scenarios.priority_mix(120, flood_at=10.0, duration=40.0, users=8, sizes=SIZES,
-                                  arms=tuple(a.name for a in ARMS))
+                                  arms=tuple(a.name for a in ARMS if a.gateway != "envoy"))
 
 
-SCENARIOS = {s.name: s for s in (power_user(), priority_mix())}
+def steady_classes() -> Scenario:
+    # About 40% of this engine's 4 slots.
+    return scenarios.steady_classes(40.0, sizes=SIZES, load=1.5)
+
+
+SCENARIOS = {s.name: s for s in (
+    power_user(), priority_mix(), scenarios.batch_flood(), steady_classes(),
+    scenarios.batch_only(),
+)}
