@@ -33,6 +33,10 @@ MODEL = "bench-model"
 # (Scraping faster would not fix that: rendering the simulator's /metrics page
 # costs ~2 ms of its CPU, and at 40 scrapes/s it slowed the simulated GPU by 4%.)
 TARGET_WAITING = 3
+# An interactive objective a few times the unloaded TTFT (the benchmark's engines: 0.1 s or less),
+# under which a full engine puts every arrival at risk: preemption at its most eager.
+TIGHT_OBJECTIVE_S = 0.25
+TIGHT_OBJECTIVE = {"bands": {"interactive": {"ttft_objective_s": TIGHT_OBJECTIVE_S}}}
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,9 @@ ARMS: tuple[Arm, ...] = (
     Arm("extproc-preempt", "extproc",
         "as extproc-rr, preempting batch requests for interactive ones at risk (max_preemptions_per_s: 2, the default)",
         model={"max_preemptions_per_s": 2}),
+    Arm("extproc-preempt-tight", "extproc",
+        f"as extproc-preempt, with interactive's objective at {TIGHT_OBJECTIVE_S:g} s instead of 5 s",
+        model={"max_preemptions_per_s": 2}, top=TIGHT_OBJECTIVE),
     Arm("cluster-rr", "extproc", "2 extproc instances sharing Redis (active-active), round-robin, adaptive gate",
         instances=2),
     Arm("cluster-vtc", "extproc", "2 extproc instances sharing Redis (active-active), vtc, adaptive gate",
@@ -81,7 +88,7 @@ ARMS: tuple[Arm, ...] = (
 # Which arms a scenario runs unless it names its own: the fairness comparison.
 FAIRNESS_ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc")
 # Preemption of the batch class (#19): straight to the engine, the gateway without it and with it.
-PREEMPTION_ARMS = ("direct-fifo", "extproc-no-preempt", "extproc-preempt")
+PREEMPTION_ARMS = ("direct-fifo", "extproc-no-preempt", "extproc-preempt", "extproc-preempt-tight")
 # A batch-only load (work conservation): the engine alone, Envoy alone (its own cost) and the gateway.
 CONSERVATION_ARMS = ("direct-fifo", "envoy", "extproc-rr")
 # One instance against two sharing Redis, on the same fairness scenarios:

@@ -23,7 +23,7 @@ from typing import Any
 
 from extproc.tools.bench import scenarios
 from extproc.tools.bench.arms import ARMS as SIM_ARMS
-from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, Arm
+from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, TIGHT_OBJECTIVE, TIGHT_OBJECTIVE_S, Arm
 from extproc.tools.bench.scenarios import Scenario
 from extproc.tools.procs import ManagedProcess
 from extproc.tools.realvllm import REQUEST_EXTRAS, SchedulingPolicy, start_vllm
@@ -62,6 +62,9 @@ ARMS: tuple[Arm, ...] = (
     Arm("extproc-preempt", "extproc",
         "as extproc-rr, preempting batch requests for interactive ones at risk (max_preemptions_per_s: 2, the default)",
         model={**_KNOWN_BATCH, "max_preemptions_per_s": 2}),
+    Arm("extproc-preempt-tight", "extproc",
+        f"as extproc-preempt, with interactive's objective at {TIGHT_OBJECTIVE_S:g} s instead of 5 s",
+        model={**_KNOWN_BATCH, "max_preemptions_per_s": 2}, top=TIGHT_OBJECTIVE),
     Arm("extproc-engine-priority", "extproc",
         "as extproc-rr, with engine_priority: true and vLLM --scheduling-policy priority",
         model={**_KNOWN_BATCH, "engine_priority": True}, scheduling_policy="priority"),
