@@ -66,17 +66,23 @@ def test_the_reservation_follows_the_higher_bands_recent_demand() -> None:
     pool = make_gate(kind="static_concurrency", max_in_flight=4)
     admission = BandAdmission(BANDS, pool, reserved_waiting=0)
     assert admission.allowance(STANDARD, 0.0) == 4  # nobody above asked lately: nothing kept back
-    admission.demand.change(INTERACTIVE, 2, 0.0)
-    admission.demand.change(INTERACTIVE, -2, 1.0)
-    assert admission.reserve(STANDARD, 2.0) == 2 and admission.allowance(STANDARD, 2.0) == 2
-    admission.demand.change(INTERACTIVE, 1, 3.0)  # one of them is back, in flight: one slot more is kept
-    assert admission.reserve(STANDARD, 3.0) == 1
-    assert admission.allowance(STANDARD, 3.0 + DEMAND_WINDOW_S + 1) == 4  # one in flight holds its own slot
+    admission.demand.change(INTERACTIVE, 2, 0.0)  # chats hold 2, for a long while
+    assert admission.reserve(STANDARD, 120.0) == 0  # ...which they hold now: nothing more is kept free
+    admission.demand.change(INTERACTIVE, -2, 120.0)
+    assert admission.reserve(STANDARD, 120.5) == 2 and admission.allowance(STANDARD, 120.5) == 2
+    admission.demand.change(INTERACTIVE, 1, 121.0)  # one of them is back, in flight: one slot more is kept
+    assert admission.reserve(STANDARD, 121.0) == 1
+    admission.demand.change(INTERACTIVE, -1, 122.0)
+    assert admission.allowance(STANDARD, 122.0 + 2 * DEMAND_WINDOW_S) == 4  # unused for a minute: given back
+    # A burst is not a habit: 3 chats for a second keep nothing free after them.
+    admission.demand.change(INTERACTIVE, 3, 300.0)
+    admission.demand.change(INTERACTIVE, -3, 301.0)
+    assert admission.reserve(STANDARD, 301.0) == 0
     # A preemptible band keeps nothing free when preemption is on: room is made when it is needed.
     preempting = BandAdmission(BANDS, pool, reserved_waiting=0, preemption=True)
     preempting.demand.change(INTERACTIVE, 2, 0.0)
-    preempting.demand.change(INTERACTIVE, -2, 1.0)
-    assert preempting.reserve(BATCH, 2.0) == 0 and preempting.reserve(STANDARD, 2.0) == 2
+    preempting.demand.change(INTERACTIVE, -2, 120.0)
+    assert preempting.reserve(BATCH, 120.5) == 0 and preempting.reserve(STANDARD, 120.5) == 2
 
 
 def test_an_idle_only_band_alone_is_released_like_any_other() -> None:

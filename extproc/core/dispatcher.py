@@ -251,9 +251,10 @@ class ModelDispatcher:
         deadlines = sorted(((held.enqueued_at + held.ttft_objective_s, held) for held in waiting
                             if held.ttft_objective_s is not None and held.room_made_at <= again),
                            key=lambda pair: pair[0])
-        # Whoever waits inside the engine may be served before them (an engine in arrival order).
-        queued = int(outlet.pool.estimate.now().waiting)
-        return [Need(held, deadline, queued + ahead) for ahead, (deadline, held) in enumerate(deadlines)]
+        # Others waiting inside the engine (not these, which the estimate counts too) may be
+        # served before them (an engine in arrival order).
+        others = max(0, int(outlet.pool.estimate.now().waiting) - len(outlet.waiting_above))
+        return [Need(held, deadline, others + ahead) for ahead, (deadline, held) in enumerate(deadlines)]
 
     def _preempt_at_risk(self, now: float) -> None:
         """End the preemptible requests a higher band's objective at risk needs the slots of (preemption.py)."""
