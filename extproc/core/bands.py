@@ -4,10 +4,10 @@ The bands share the engine without sharing a ceiling (docs/policies.md). All
 the band rules sit here, above the release rule, which knows nothing of bands:
 
 * the first band may use the rule's whole allowance;
-* a band below it leaves room for the bands above it: their recent demand
-  (:class:`BandDemand`: the most requests they held at once, queued or in
-  flight, in the last :data:`DEMAND_WINDOW_S`) beyond what they hold now, and
-  at least ``reserved_waiting``. So a burst of chats finds room in the engine
+* a band below it leaves room for the bands above it: their usual demand
+  (:class:`BandDemand`: what they held on average, queued or in flight, over
+  the last :data:`DEMAND_WINDOW_S` or so) beyond what they hold now, and at
+  least ``reserved_waiting``. So a burst of chats finds room in the engine
   however deep the lower bands' backlog, and a band nobody above uses keeps
   nothing back. A preemptible band keeps only ``reserved_waiting`` while
   preemption is on: when a higher band needs a slot, one is made for it
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from extproc.core.release.pool import Pool
 
-# How long a higher band's burst keeps room reserved for it in the bands below (BandDemand).
+# The window of the higher bands' demand (BandDemand): the time constant of its mean, the span of its peak.
 DEMAND_WINDOW_S = 30.0
 
 
@@ -214,11 +214,7 @@ class BandAdmission:
         estimate = pool.estimate.now()
         if estimate.waiting > 0:
             return 0
-        if settings.max_running is not None:
-            capacity: float = settings.max_running * len(pool.endpoints)
-        else:
-            capacity = pool.estimate.peak_running
-        free = math.ceil(share * capacity - estimate.held) - reserve
+        free = math.ceil(share * pool.capacity() - estimate.held) - reserve
         if free >= 1:
             return free
         if share < 1 or reserve or settings.max_running is not None or estimate.into_slots_since:

@@ -237,7 +237,8 @@ class ModelDispatcher:
         released into an engine without a free slot while it still queues.
         """
         outlet = self._outlet
-        if not outlet.engine_full(now):
+        estimate = outlet.pool.estimate.now()
+        if not outlet.engine_full(estimate):
             outlet.waiting_above.clear()  # the engine queues nothing: whoever was released runs
             if not any(self._queue.band_len(i) for i, band in enumerate(self._bands) if not band.preemptible):
                 return []
@@ -248,12 +249,12 @@ class ModelDispatcher:
             heads = (self._queue.head(index, tenant) for tenant in self._queue.tenant_lengths(index))
             waiting.extend(head for head in heads if head is not None)
         again = now - AGAIN_AFTER_S
-        deadlines = sorted(((held.enqueued_at + held.ttft_objective_s, held) for held in waiting
-                            if held.ttft_objective_s is not None and held.room_made_at <= again),
+        deadlines = sorted(((due, held) for held in waiting
+                            if (due := held.objective_due) is not None and held.room_made_at <= again),
                            key=lambda pair: pair[0])
         # Others waiting inside the engine (not these, which the estimate counts too) may be
         # served before them (an engine in arrival order).
-        others = max(0, int(outlet.pool.estimate.now().waiting) - len(outlet.waiting_above))
+        others = max(0, int(estimate.waiting) - len(outlet.waiting_above))
         return [Need(held, deadline, others + ahead) for ahead, (deadline, held) in enumerate(deadlines)]
 
     def _preempt_at_risk(self, now: float) -> None:

@@ -20,6 +20,7 @@ from extproc.core.drain_time import ReleaseRate
 from extproc.core.fair_queue import FairQueue
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.preemption import Preemption
+from extproc.core.release.estimate import LoadNow
 from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
 from extproc.core.report import DispatchReport, RequestEvent, Step
@@ -64,9 +65,15 @@ class Held:
     # Whether its response's headers are read for a failed release (a sample: they cost a message).
     checked: bool = False
 
+    @property
+    def objective_due(self) -> float | None:
+        """When its TTFT objective runs out (``deadline`` without the queue-wait fallback); None: no objective."""
+        return None if self.ttft_objective_s is None else self.enqueued_at + self.ttft_objective_s
+
     def slack_s(self, now: float) -> float | None:
         """Its objective's slack at ``now``: how long before its TTFT deadline (negative: past it); None: no objective."""
-        return None if self.ttft_objective_s is None else self.enqueued_at + self.ttft_objective_s - now
+        due = self.objective_due
+        return None if due is None else due - now
 
 
 class Outlet:
@@ -128,25 +135,23 @@ class Outlet:
             if not held.retried:  # a retry is never preempted: its stream need not watch for it
                 held.preempted = asyncio.get_running_loop().create_future()
                 preemption.released(held, now)
-        elif held.ttft_objective_s is not None and preemption.candidates and self.engine_full(now):
+        elif held.ttft_objective_s is not None and preemption.candidates and self.engine_full(self.pool.estimate.now()):
             self.waiting_above[held] = None
 
-    def engine_full(self, now: float) -> bool:
-        """Whether the engine has no free slot now: it queues, or holds its capacity (when that is known)."""
-        estimate = self.pool.estimate.now()
+    def engine_full(self, estimate: LoadNow) -> bool:
+        """Whether the engine has no free slot, by ``estimate``: it queues, or holds its capacity (when that is known)."""
         if estimate.waiting > 0:
             return True
-        settings = self.pool.settings
-        capacity = (settings.max_running * len(self.pool.endpoints) if settings.max_running is not None
-                    else self.pool.estimate.peak_running)
+        capacity = self.pool.capacity()
         return capacity > 0 and estimate.held >= capacity
 
     def refused(self, held: Held | None, tenant: str, band: int, refusal: Refusal, waited: float) -> None:
         """Report a refusal: of ``held``, which was queued and has left the queue; None: at the door, never queued."""
         slack = None
         if held is not None:
-            self.admission.demand.change(band, -1, self.clock())
-            slack = held.slack_s(self.clock())
+            now = self.clock()
+            self.admission.demand.change(band, -1, now)
+            slack = held.slack_s(now)
         self.report(RequestEvent(Step.REFUSED, self.bands[band].name, tenant, waited, refusal, held is not None,
                                  slack_s=slack))
 

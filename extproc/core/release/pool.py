@@ -54,6 +54,12 @@ class Pool:
     def in_flight(self) -> int:
         return self.estimate.in_flight
 
+    def capacity(self) -> float:
+        """How many requests the engines run at once: ``max_running`` per endpoint when configured, else the most seen."""
+        if self.settings.max_running is not None:
+            return self.settings.max_running * len(self.endpoints)
+        return self.estimate.peak_running
+
     def set_endpoints(self, endpoints: Sequence[str]) -> None:
         """The pool's members changed (DNS); new ones start degraded until scraped."""
         self.estimate.set_endpoints(endpoints)
