@@ -1,0 +1,153 @@
+"""One gRPC call of the h2grpc transport: its message framing, its inbox, and what it owes flow control.
+
+Split from h2grpc_connection.py so the per-stream state, the part that
+10,000 held requests multiply, reads on its own. The statuses and messages are
+grpcio's (or grpc-go's where grpcio does not check), so a client sees what a
+reference gRPC server would have said.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+# gRPC status codes (https://grpc.github.io/grpc/core/md_doc_statuscodes.html) this server sends.
+OK, UNKNOWN, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 2, 3, 5, 8, 12, 13
+# What grpcio's server says of a message it cannot decode (grpc/_server.py).
+UNDECODABLE = "Exception deserializing request!"
+TRUNCATED = "the stream ended inside a message (its length prefix promised more bytes)"
+PREFIX = 5  # a message's compressed flag and 4-byte length
+
+
+class Message(Protocol):
+    def SerializeToString(self) -> bytes: ...  # noqa: N802 (protobuf's name)
+
+
+class GrpcError(Exception):
+    """Raised by a handler: the call ends with this status instead of OK."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Method:
+    """One RPC: how to decode its requests, and the handler that turns them into replies."""
+
+    decode: Callable[[bytes], Any]
+    handler: Callable[[AsyncIterator[Any]], AsyncIterator[Message]]
+
+
+class Consumer(Protocol):
+    """The connection, told when a handler took a message: its bytes may now be acknowledged."""
+
+    def consumed(self, call: Call, size: int) -> None: ...
+
+
+class Call:
+    """One stream: its undecoded bytes, decoded messages not yet read, and the reader waiting for them.
+
+    Slotted and lazily filled, because 10,000 of these sit idle while their requests are held.
+    ``buffered`` counts the request bytes received and not yet taken by the
+    handler (the partial message and the inbox); ``unacked`` the flow-controlled
+    bytes not yet handed back to the peer. The connection keeps the two such
+    that the peer can never make ``buffered`` exceed one message's worth.
+    """
+
+    __slots__ = ("stream_id", "method", "owner", "buffer", "inbox", "waiter", "ended", "task", "started",
+                 "outgoing", "closing", "buffered", "unacked")
+
+    def __init__(self, stream_id: int, method: Method, owner: Consumer) -> None:
+        self.stream_id = stream_id
+        self.method = method
+        self.owner = owner
+        self.buffer: bytes | bytearray = b""
+        self.inbox: deque[tuple[Any, int]] | None = None  # (message, its size on the wire)
+        self.waiter: asyncio.Future[None] | None = None
+        self.ended = False  # the client half-closed: no more messages
+        self.task: asyncio.Task[None] | None = None
+        self.started = False  # the response headers went out
+        self.outgoing = b""  # bytes the flow-control window did not yet let out
+        self.closing: list[tuple[bytes, bytes]] | None = None  # trailers to send once outgoing is out
+        self.buffered = 0
+        self.unacked = 0
+
+    def __aiter__(self) -> Call:
+        return self
+
+    async def __anext__(self) -> Any:
+        while not self.inbox:
+            if self.ended:
+                raise StopAsyncIteration
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        message, size = self.inbox.popleft()
+        if not self.inbox:
+            self.inbox = None  # an empty deque is about 600 bytes, kept by every held stream
+        self.buffered -= size
+        self.owner.consumed(self, size)
+        return message
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def received(self, data: bytes, limit: int) -> None:
+        """Decode every complete length-prefixed message (of at most ``limit`` bytes) in the bytes received so far.
+
+        Raises GrpcError for what ends the call: a compressed message (Envoy
+        does not compress), one larger than ``limit``, one that does not decode.
+        """
+        self.buffered += len(data)
+        if self.buffer:  # a message arriving in many frames grows in place, not by a copy per frame
+            self.buffer += data
+            buffer: bytes | bytearray = self.buffer
+        else:
+            buffer = data
+        start = 0
+        while len(buffer) - start >= PREFIX:
+            size = int.from_bytes(buffer[start + 1:start + PREFIX], "big")
+            if buffer[start] != 0:
+                raise GrpcError(INTERNAL, "Compression bit set but no encoding configured")  # grpcio's words
+            if size > limit:
+                raise GrpcError(RESOURCE_EXHAUSTED, f"Received message larger than max ({size} vs. {limit})")
+            end = start + PREFIX + size
+            if len(buffer) < end:
+                break
+            try:
+                message = self.method.decode(bytes(buffer[start + PREFIX:end]))
+            except Exception:  # noqa: BLE001 (any decoder's error is the peer's bytes, never ours)
+                raise GrpcError(INTERNAL, UNDECODABLE) from None
+            if self.inbox is None:
+                self.inbox = deque()
+            self.inbox.append((message, PREFIX + size))
+            start = end
+        if start == len(buffer):
+            self.buffer = b""
+        elif start or not isinstance(buffer, bytearray):
+            self.buffer = bytearray(buffer[start:])
+        self.wake()
+
+    def end(self) -> None:
+        """The client half-closed. Raises GrpcError if that cut a message short (grpcio would answer OK)."""
+        self.ended = True
+        self.wake()
+        if self.buffer:
+            raise GrpcError(INTERNAL, TRUNCATED)
+
+
+def trailers(status: int, message: str) -> list[tuple[bytes, bytes]]:
+    out = [(b"grpc-status", str(status).encode())]
+    if message:
+        # grpc-message is the UTF-8 bytes, percent-encoded outside printable ASCII (and '%' itself).
+        encoded = b"".join(bytes([b]) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in message.encode())
+        out.append((b"grpc-message", encoded))
+    return out

@@ -1,0 +1,465 @@
+"""One HTTP/2 connection of the h2grpc transport: what a peer may send on it, and what it costs.
+
+Envoy keeps one or a few long-lived connections to us, each carrying every
+held request of its share as a stream, so a mistake that ends a connection
+ends all of them. Everything a peer can send therefore ends at most its own
+stream, with the status a reference gRPC server would send, or, for a broken
+connection (an HTTP/2 protocol error), that connection; never a traceback,
+and a warning at most once per peer per 10 s (h2grpc_limits.py).
+
+Memory is bounded by flow control. A stream's bytes are handed back to the
+peer (WINDOW_UPDATE) as its handler takes its messages, beyond what one whole
+message needs to arrive, so a stream holds at most one message's worth. Over
+a connection, request bytes no handler has taken are capped too: past the
+cap, the stream holding the most is ended RESOURCE_EXHAUSTED. Ending one
+rather than pausing the connection's window keeps it deadlock-free: partial
+messages of many streams can never wedge every other stream on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, cast
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+from hyperframe.frame import Frame, GoAwayFrame
+
+from extproc.adapters.ext_proc.h2grpc_call import (
+    INTERNAL,
+    INVALID_ARGUMENT,
+    OK,
+    PREFIX,
+    RESOURCE_EXHAUSTED,
+    UNIMPLEMENTED,
+    Call,
+    GrpcError,
+    trailers,
+)
+
+if TYPE_CHECKING:
+    from extproc.adapters.ext_proc.h2grpc import GrpcServer
+
+log = logging.getLogger("extproc.adapters.ext_proc.h2grpc")
+
+# Receive windows: large enough that a buffered body arrives without waiting on window updates.
+STREAM_WINDOW = 1024 * 1024
+CONNECTION_WINDOW = 16 * 1024 * 1024
+# A stream holding at least this much unread is a candidate when its connection's cap is reached.
+BIG = 64 * 1024
+LAST_STREAM = 2**31 - 1
+_SHUTDOWN_PING = b"h2grpc\x00\x01"
+_H2_CONFIG = h2.config.H2Configuration(
+    client_side=False, header_encoding=None,
+    validate_inbound_headers=False, normalize_inbound_headers=False,
+    validate_outbound_headers=False, normalize_outbound_headers=False,
+)
+_RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
+_ProtocolError = h2.exceptions.ProtocolError
+
+
+class _H2Connection(h2.connection.H2Connection):
+    """h2's connection, with GOAWAY as a message instead of the end, and without its walk per new stream.
+
+    h2 takes a GOAWAY, sent or received, as the connection's end: it then
+    refuses to send anything, so every stream still running would fail. HTTP/2
+    means it as "no new streams": here it is only a frame, and the connection
+    decides (h2grpc ends once the last stream has).
+
+    h2 also counts the open streams on each new inbound stream, walking them
+    all: with thousands held that made a burst quadratic (7 s of CPU for 10,000
+    streams on one connection, 39 s for 20,000). The count is ours (the calls
+    of the connection, against listen.max_streams_per_connection); the walk,
+    which also forgets closed streams, runs once per half as many new streams
+    as it covers: amortized constant per stream.
+    """
+
+    _since_walk = 0
+
+    @property
+    def open_inbound_streams(self) -> int:
+        self._since_walk += 1
+        if self._since_walk * 2 >= len(self.streams):
+            self._since_walk = 0
+            _ = super().open_inbound_streams  # forgets the closed streams
+        return 0  # never over h2's limit: Connection refuses past its own
+
+    def _receive_goaway_frame(self, frame: GoAwayFrame) -> tuple[list[Frame], list[h2.events.Event]]:
+        event = h2.events.ConnectionTerminated()
+        try:
+            event.error_code = h2.errors.ErrorCodes(frame.error_code)
+        except ValueError:
+            event.error_code = frame.error_code
+        event.last_stream_id = frame.last_stream_id
+        event.additional_data = frame.additional_data or None
+        return [], [event]
+
+    def send_goaway(self, last_stream_id: int, error_code: int = 0, reason: bytes = b"") -> None:
+        self._prepare_for_sending([GoAwayFrame(0, last_stream_id=last_stream_id, error_code=error_code,
+                                               additional_data=reason)])
+
+
+def is_grpc(content_type: bytes) -> bool:
+    """grpc-go's rule: ``application/grpc``, alone or followed by ``+`` or ``;`` (so not gRPC-Web)."""
+    value = content_type.lower()
+    return value == b"application/grpc" or value[:17] in (b"application/grpc+", b"application/grpc;")
+
+
+class Connection(asyncio.Protocol):
+    """One HTTP/2 connection (Envoy keeps one or a few to us, each carrying many streams)."""
+
+    def __init__(self, server: GrpcServer) -> None:
+        self._server = server
+        self._limits = server.limits
+        self._h2 = _H2Connection(_H2_CONFIG)
+        self._transport: asyncio.Transport | None = None
+        self._peer: object = None
+        self.calls: dict[int, Call] = {}
+        self._pending: dict[int, Call] = {}  # calls with reply bytes waiting on a window, oldest first
+        self._big: set[Call] = set()  # calls holding at least BIG unread bytes
+        self.buffered = 0  # request bytes received that no handler has taken yet
+        # One message (and the frame that brings its last byte) must fit, whatever else a stream holds.
+        self._stream_budget = server.max_message_bytes + PREFIX + 16_384
+        self._connection_budget = max(self._limits.connection_buffer_bytes, self._stream_budget)
+        self._timer: asyncio.TimerHandle | None = None
+        self._handshaken = False
+        self._last_frame = 0.0
+        self._draining = False  # a GOAWAY went either way: the connection ends with its last stream
+        self._last_stream: int | None = None  # streams after it are refused (our final GOAWAY)
+
+    # -- the connection's life --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass, but one in kind
+        self._peer = transport.get_extra_info("peername")
+        loop = asyncio.get_running_loop()
+        self._last_frame = loop.time()
+        if len(self._server.connections) >= self._limits.max_connections:
+            self._server.warnings.warn(self._peer, "connection refused: %d open (listen.max_connections)",
+                                       len(self._server.connections))
+            self._h2.initiate_connection()
+            self._h2.send_goaway(0, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, b"too many connections")
+            self._flush()
+            self.close()
+            return
+        self._server.connections.add(self)
+        self._h2.local_settings = h2.settings.Settings(client=False, initial_values={
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._limits.max_streams_per_connection,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+            # h2's default, kept: ext_proc carries the HTTP headers inside messages, not here.
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 2**16,
+        })
+        self._h2.initiate_connection()
+        self._h2.increment_flow_control_window(CONNECTION_WINDOW - 65_535)
+        self._flush()
+        self._timer = loop.call_later(self._limits.handshake_timeout_s, self._handshake_expired)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server.connections.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        for call in self.calls.values():
+            _cancel(call)
+        self.calls.clear()
+        self._pending.clear()
+        self._big.clear()
+        self._transport = None
+
+    def _handshake_expired(self) -> None:
+        self._server.warnings.warn(self._peer, "no HTTP/2 preface and SETTINGS within %gs: connection closed",
+                                   self._limits.handshake_timeout_s)
+        self.close()
+
+    def _idle_check(self) -> None:
+        """Close a connection without streams or frames for listen.idle_timeout_s (Envoy reconnects when it needs one)."""
+        loop = asyncio.get_running_loop()
+        quiet = loop.time() - self._last_frame
+        idle = self._limits.idle_timeout_s
+        if self.calls or quiet < idle:
+            self._timer = loop.call_later(idle if self.calls else idle - quiet, self._idle_check)
+            return
+        log.debug("connection from %s idle for %gs: closed", self._peer, quiet)
+        self._h2.send_goaway(self._h2.highest_inbound_stream_id, 0, b"idle")
+        self._flush()
+        self.close()
+
+    def go_away(self) -> None:
+        """No new streams (shutdown), in HTTP/2's two steps, so a stream already on its way is not lost.
+
+        First GOAWAY(last stream 2^31-1) and a PING; once the PING comes back,
+        every stream the client had sent before reading the first is here, and
+        the final GOAWAY names the last one. Running streams go on; the
+        connection ends with the last of them.
+        """
+        if self._transport is None or self._draining:
+            return
+        self._draining = True
+        self._h2.send_goaway(LAST_STREAM)
+        self._h2.ping(_SHUTDOWN_PING)
+        self._flush()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def _end_if_done(self) -> None:
+        if self._draining and not self.calls:
+            self._flush()
+            self.close()
+
+    # -- frames in ------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        self._last_frame = asyncio.get_running_loop().time()
+        try:
+            events = self._h2.receive_data(data)
+        except _ProtocolError as exc:  # h2 has queued the GOAWAY that says why
+            self._server.warnings.warn(self._peer, "HTTP/2 protocol error, connection closed: %s", exc)
+            self._flush()
+            self.close()
+            return
+        for event in events:
+            self._handle(event)
+        self._flush()
+
+    def _handle(self, event: h2.events.Event) -> None:
+        if isinstance(event, h2.events.RequestReceived):
+            self._start(event)
+        elif isinstance(event, h2.events.DataReceived):
+            self._data(event)
+        elif isinstance(event, h2.events.StreamEnded):
+            call = self.calls.get(event.stream_id)
+            if call is not None and call.closing is None:
+                try:
+                    call.end()
+                except GrpcError as exc:
+                    self._fail(call, exc)
+        elif isinstance(event, h2.events.StreamReset):
+            call = self._drop(event.stream_id)
+            if call is not None:
+                _cancel(call)
+        elif isinstance(event, h2.events.WindowUpdated):
+            if event.stream_id:
+                pending = self._pending.get(event.stream_id)
+                if pending is not None:
+                    self._drain(pending)
+            else:
+                self._drain_pending()
+        elif isinstance(event, h2.events.RemoteSettingsChanged) and not self._handshaken:
+            self._handshaken = True
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_later(self._limits.idle_timeout_s, self._idle_check)
+        elif isinstance(event, h2.events.PingAckReceived) and event.ping_data == _SHUTDOWN_PING:
+            self._last_stream = self._h2.highest_inbound_stream_id
+            self._h2.send_goaway(self._last_stream)
+            self._end_if_done()
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            self._peer_goaway(event)
+
+    def _peer_goaway(self, event: h2.events.ConnectionTerminated) -> None:
+        """The client opens no more streams; NO_ERROR lets the running ones finish, an error ends them."""
+        if event.error_code == h2.errors.ErrorCodes.NO_ERROR:
+            self._draining = True
+            self._end_if_done()
+            return
+        self._server.warnings.warn(self._peer, "GOAWAY %s (%r), connection closed", event.error_code,
+                                   event.additional_data)
+        self.close()
+
+    def _start(self, event: h2.events.RequestReceived) -> None:
+        stream_id = event.stream_id
+        if self._last_stream is not None and stream_id > self._last_stream:
+            self._reset(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)  # after our final GOAWAY: retry elsewhere
+            return
+        if len(self.calls) >= self._limits.max_streams_per_connection:
+            self._server.warnings.warn(self._peer, "stream refused: %d open on one connection "
+                                       "(listen.max_streams_per_connection)", len(self.calls))
+            self._reset(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            return
+        headers = dict(event.headers or ())
+        # Refused as grpc-go refuses them (grpc.aio serves them as gRPC): HTTP 415 or 405, and a gRPC status.
+        content_type = headers.get(b"content-type", b"")
+        verb = headers.get(b":method", b"")
+        refusal = (
+            (b"415", INVALID_ARGUMENT, f'invalid gRPC request content-type "{content_type.decode("latin-1")}"')
+            if not is_grpc(content_type) else
+            (b"405", INTERNAL, f'Received a HEADERS frame with :method "{verb.decode("latin-1")}" which should be POST')
+            if verb != b"POST" else None
+        )
+        if refusal is not None:
+            self._server.warnings.warn(self._peer, "not a gRPC request: %s", refusal[2])
+            self._close_stream(stream_id, [(b":status", refusal[0]), (b"content-type", b"application/grpc"),
+                                           *trailers(refusal[1], refusal[2])])
+            return
+        method = self._server.methods.get(headers.get(b":path", b"").decode("latin-1"))
+        if method is None:  # grpcio's words
+            self._close_stream(stream_id, [*_RESPONSE_HEADERS, *trailers(UNIMPLEMENTED, "Method not found!")])
+            return
+        call = Call(stream_id, method, self)
+        self.calls[stream_id] = call
+        call.task = asyncio.ensure_future(self._run(call))
+
+    def _data(self, event: h2.events.DataReceived) -> None:
+        size = event.flow_controlled_length or 0
+        call = self.calls.get(event.stream_id)
+        if call is None or call.closing is not None:  # a stream we are done with: only the window matters
+            self._h2.acknowledge_received_data(size, event.stream_id)
+            return
+        call.unacked += size
+        data = event.data or b""
+        self.buffered += len(data)
+        try:
+            call.received(data, self._server.max_message_bytes)
+        except GrpcError as exc:
+            self._fail(call, exc)
+            return
+        self._account(call)
+        self._acknowledge(call)
+        while self.buffered > self._connection_budget:
+            victim = max(self._big, key=lambda c: c.buffered) if self._big else call
+            if not victim.buffered:
+                break
+            self._fail(victim, GrpcError(RESOURCE_EXHAUSTED, f"more than {self._connection_budget} request bytes "
+                                         "unread on this connection (listen.connection_buffer_bytes)"))
+
+    # -- flow control ---------------------------------------------------------------------
+
+    def consumed(self, call: Call, size: int) -> None:
+        """A handler took a message: hand its bytes back to the peer (Call.__anext__)."""
+        self.buffered -= size
+        self._account(call)
+        if call.unacked and self._transport is not None:
+            self._acknowledge(call)
+            self._flush()
+
+    def _acknowledge(self, call: Call) -> None:
+        """Hand back what keeps the call's unread bytes, plus what the peer may still send, within one message."""
+        keep = max(0, call.buffered + STREAM_WINDOW - self._stream_budget)
+        if call.unacked > keep:
+            self._h2.acknowledge_received_data(call.unacked - keep, call.stream_id)
+            call.unacked = keep
+
+    def _account(self, call: Call) -> None:
+        if call.buffered >= BIG:
+            self._big.add(call)
+        else:
+            self._big.discard(call)
+
+    def _release(self, call: Call) -> None:
+        """The call will read nothing more: its unread bytes are gone, its window is the connection's again."""
+        self.buffered -= call.buffered
+        call.buffered = 0
+        call.buffer = b""
+        call.inbox = None
+        self._big.discard(call)
+        if call.unacked:
+            self._h2.acknowledge_received_data(call.unacked, call.stream_id)
+            call.unacked = 0
+
+    # -- replies out ----------------------------------------------------------------------
+
+    async def _run(self, call: Call) -> None:
+        status, message = OK, ""
+        try:
+            async for reply in call.method.handler(call):
+                if call.closing is not None:  # finished by the transport (bad input): nothing more to say
+                    return
+                if not call.started:
+                    self._h2.send_headers(call.stream_id, _RESPONSE_HEADERS)
+                    call.started = True
+                payload = reply.SerializeToString()
+                call.outgoing += b"\0" + len(payload).to_bytes(4, "big") + payload
+                self._drain(call)
+                self._flush()
+        except _ProtocolError:  # the stream was reset or closed while the reply was being made
+            self._drop(call.stream_id)
+            return
+        except GrpcError as exc:
+            status, message = exc.status, exc.message
+        except Exception:
+            log.exception("handler for stream %d failed", call.stream_id)
+            status, message = INTERNAL, "internal error"
+        if call.closing is None and self.calls.get(call.stream_id) is call:
+            self._finish(call, status, message)
+            self._flush()
+
+    def _fail(self, call: Call, exc: GrpcError) -> None:
+        """The peer's bytes end this call (and only it): the handler is cancelled, the client gets the status."""
+        self._server.warnings.warn(self._peer, "stream %d ended with gRPC status %d: %s", call.stream_id,
+                                   exc.status, exc.message)
+        _cancel(call)
+        self._release(call)
+        self._finish(call, exc.status, exc.message)
+
+    def _finish(self, call: Call, status: int, message: str) -> None:
+        """End the call with trailers (after any reply bytes still waiting on the window)."""
+        status_trailers = trailers(status, message)
+        call.closing = status_trailers if call.started else [*_RESPONSE_HEADERS, *status_trailers]
+        if not call.outgoing:
+            self._close_stream(call.stream_id, call.closing)
+
+    def _close_stream(self, stream_id: int, last: list[tuple[bytes, bytes]]) -> None:
+        self._drop(stream_id)
+        try:
+            self._h2.send_headers(stream_id, last, end_stream=True)
+        except _ProtocolError:  # closed by the client's end or reset: nothing more to say
+            return
+        # The client may still send (our StreamEnded may not have been handled yet): we are done listening.
+        self._reset(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+
+    def _reset(self, stream_id: int, code: h2.errors.ErrorCodes) -> None:
+        try:
+            self._h2.reset_stream(stream_id, code)
+        except _ProtocolError:
+            pass
+
+    def _drop(self, stream_id: int) -> Call | None:
+        """Forget a call whose stream is over (the connection ends with its last, once draining)."""
+        call = self.calls.pop(stream_id, None)
+        self._pending.pop(stream_id, None)
+        if call is not None:
+            self._release(call)
+            self._end_if_done()
+        return call
+
+    def _drain(self, call: Call) -> None:
+        """Send as much of the call's pending reply bytes as the flow-control windows allow."""
+        self._pending.pop(call.stream_id, None)
+        try:
+            while call.outgoing:
+                size = min(len(call.outgoing), self._h2.local_flow_control_window(call.stream_id),
+                           self._h2.max_outbound_frame_size)
+                if size <= 0:
+                    self._pending[call.stream_id] = call  # at the back: the next window goes to the others first
+                    return
+                self._h2.send_data(call.stream_id, call.outgoing[:size])
+                call.outgoing = call.outgoing[size:]
+        except _ProtocolError:
+            call.outgoing = b""
+            self._drop(call.stream_id)
+            return
+        if call.closing is not None:
+            self._close_stream(call.stream_id, call.closing)
+
+    def _drain_pending(self) -> None:
+        """The connection's window opened: the calls waiting on it, not every call, get their turn."""
+        for call in list(self._pending.values()):
+            if self._h2.outbound_flow_control_window <= 0:
+                return
+            self._drain(call)
+
+    def _flush(self) -> None:
+        data = self._h2.data_to_send()
+        if data and self._transport is not None:
+            self._transport.write(data)
+
+
+def _cancel(call: Call) -> None:
+    if call.task is not None:
+        call.task.cancel()

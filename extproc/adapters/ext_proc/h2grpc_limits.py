@@ -1,0 +1,53 @@
+"""What the h2grpc transport allows a peer, and how it tells the operator about peers that break the rules.
+
+The limits are the ``listen`` section's (config.py, docs/configuration.md).
+The warnings are rate-limited per peer host: whatever a peer sends can cost it
+its stream or its connection, but never a flood of log lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("extproc.adapters.ext_proc.h2grpc")
+
+# How long a peer's further warnings are counted instead of logged, and how many peers are remembered.
+WARN_EVERY_S = 10.0
+MAX_PEERS = 4096
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-listener bounds; the defaults are far above what Envoy's held requests need (docs/configuration.md)."""
+
+    max_streams_per_connection: int = 100_000
+    max_connections: int = 1_000
+    # Request bytes received and not yet taken by the handlers, over one connection's streams.
+    connection_buffer_bytes: int = 32 * 1024 * 1024
+    idle_timeout_s: float = 3600.0
+    handshake_timeout_s: float = 10.0
+
+
+class PeerWarnings:
+    """At most one warning per peer host per ``every_s``; the next one says how many were not logged."""
+
+    def __init__(self, every_s: float = WARN_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._every_s = every_s
+        self._clock = clock
+        self._peers: dict[str, tuple[float, int]] = {}  # host -> (last logged, suppressed since)
+
+    def warn(self, peer: object, message: str, *args: object) -> None:
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+        now = self._clock()
+        last, suppressed = self._peers.get(host, (float("-inf"), 0))
+        if now - last < self._every_s:
+            self._peers[host] = (last, suppressed + 1)
+            return
+        if len(self._peers) >= MAX_PEERS:  # forget the quiet ones: a bounded table whoever connects
+            self._peers = {h: v for h, v in self._peers.items() if now - v[0] < self._every_s}
+        self._peers[host] = (now, 0)
+        more = f" ({suppressed} more from this peer not logged)" if suppressed else ""
+        log.warning("peer %s: " + message + more, host, *args)
