@@ -183,6 +183,13 @@ class Listen(_Section, frozen=True):
     grpc: Address = "127.0.0.1:50051"
     metrics: Address = "127.0.0.1:9464"
     tls: TlsSettings | None = None
+    # The gRPC port's bounds on what one peer can hold (adapters/ext_proc/h2grpc_limits.py); far
+    # above what Envoy's held requests need, each held request being one stream.
+    max_streams_per_connection: Count = 100_000
+    max_connections: Count = 1_000
+    connection_buffer_bytes: Count = 32 * 1024 * 1024
+    idle_timeout_s: Positive = 3600.0
+    handshake_timeout_s: Positive = 10.0
 
 
 class Identity(_Section, frozen=True):

@@ -36,7 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.engines.discovery import watch_pool
-from extproc.adapters.ext_proc.h2grpc import GrpcServer, Method
+from extproc.adapters.ext_proc.h2grpc import GrpcServer, Limits, Method
 from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.ext_proc.tls import RELOAD_OUTCOMES, ServerTls
@@ -69,12 +69,15 @@ class ProcessorServer:
         self.processor = Processor(config, self.dispatchers, self.telemetry)
         # Ready once every model's pool has a member: what the Endpoint Picker Protocol calls synced.
         self._health = Health(lambda: all(d.pool.endpoints for d in self.dispatchers.values()))
-        # Every held request is an open stream: the transport never limits them, and
-        # keeps each small (h2grpc.py; measured per held request in docs/reliability.md).
+        # Every held request is an open stream: the transport's limits (listen.*) are far above
+        # them, and it keeps each small (h2grpc.py; measured per held request in docs/reliability.md).
         self._grpc = GrpcServer({
             PROCESS_PATH: Method(pb.ProcessingRequest.FromString, self.processor.process),
             **self._health.methods(),
-        }, max_message_bytes=config.endpoint_picker.max_body_bytes + BODY_MESSAGE_MARGIN)
+        }, max_message_bytes=config.endpoint_picker.max_body_bytes + BODY_MESSAGE_MARGIN, limits=Limits(
+            config.listen.max_streams_per_connection, config.listen.max_connections,
+            config.listen.connection_buffer_bytes, config.listen.idle_timeout_s, config.listen.handshake_timeout_s,
+        ))
         # TLS on the gRPC port (listen.tls), its files reloaded while serving.
         tls = config.listen.tls
         self._tls = None if tls is None else ServerTls(tls, self.telemetry.tls_reloaded)
