@@ -405,13 +405,14 @@ class Connection(asyncio.Protocol):
             self._close_stream(call.stream_id, call.closing)
 
     def _close_stream(self, stream_id: int, last: list[tuple[bytes, bytes]]) -> None:
-        self._drop(stream_id)
         try:
             self._h2.send_headers(stream_id, last, end_stream=True)
         except _ProtocolError:  # closed by the client's end or reset: nothing more to say
-            return
-        # The client may still send (our StreamEnded may not have been handled yet): we are done listening.
-        self._reset(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+            pass
+        else:
+            # The client may still send (our StreamEnded may not have been handled yet): we are done listening.
+            self._reset(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        self._drop(stream_id)  # last: a draining connection ends with it
 
     def _reset(self, stream_id: int, code: h2.errors.ErrorCodes) -> None:
         try:

@@ -1,0 +1,407 @@
+"""The ext_proc transport (h2grpc) under abuse: what a peer that can reach the port may send.
+
+Each test attacks a real GrpcServer on a loopback socket with a raw HTTP/2
+client (tests/h2raw.py) or grpcio's, and asserts what the peers observe:
+the attacked stream's status, that another stream on the same connection
+still completes, what the server buffers, that stalled connections close, and
+that nothing a peer sends puts a traceback in the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import h2.errors
+import pytest
+from google.protobuf import wrappers_pb2
+from hyperframe.frame import PingFrame, WindowUpdateFrame
+
+from extproc.adapters.ext_proc.h2grpc import MAX_MESSAGE_BYTES, GrpcServer, Limits, Method
+from extproc.adapters.ext_proc.h2grpc_call import TRUNCATED, UNDECODABLE
+from extproc.adapters.ext_proc.h2grpc_limits import PeerWarnings
+from extproc.tools.procs import free_port
+from tests.h2raw import RawClient, message
+
+pytestmark = pytest.mark.unit
+
+Bytes = wrappers_pb2.BytesValue
+ECHO, HOLD, GATE = b"/t.T/Echo", b"/t.T/Hold", b"/t.T/Gate"
+OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL = 0, 3, 8, 13
+NOT_PROTOBUF = b"\x0a\x05ab"  # field 1 says 5 bytes follow, 2 do
+HI = message(Bytes(value=b"hi").SerializeToString())
+
+
+class Handlers:
+    def __init__(self) -> None:
+        self.opened = asyncio.Event()
+        self.holding = 0
+
+    async def echo(self, requests: AsyncIterator[Bytes]) -> AsyncIterator[Bytes]:
+        async for request in requests:
+            yield Bytes(value=request.value * 2)
+
+    async def hold(self, requests: AsyncIterator[Bytes]) -> AsyncIterator[Bytes]:
+        """Answers the first message, then reads on until the client's end, as a held ext_proc stream."""
+        async for _ in requests:
+            yield Bytes(value=b"held")
+            break
+        self.holding += 1
+        try:
+            async for _ in requests:
+                pass
+        finally:
+            self.holding -= 1
+
+    async def gate(self, requests: AsyncIterator[Bytes]) -> AsyncIterator[Bytes]:
+        """Reads nothing until the gate opens, then counts what came (a handler busy elsewhere)."""
+        await self.opened.wait()
+        total = 0
+        async for request in requests:
+            total += len(request.value)
+        yield Bytes(value=str(total).encode())
+
+
+@pytest.fixture
+def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    caplog.set_level(logging.INFO)
+    yield caplog
+    assert [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
+
+
+async def _serving(handlers: Handlers, **limits: Any) -> tuple[GrpcServer, int]:
+    methods = {path.decode(): Method(Bytes.FromString, fn) for path, fn in
+               ((ECHO, handlers.echo), (HOLD, handlers.hold), (GATE, handlers.gate))}
+    server = GrpcServer(methods, limits=Limits(**limits))
+    port = free_port()
+    await server.start("127.0.0.1", port)
+    return server, port
+
+
+async def _held(client: RawClient) -> int:
+    stream = client.request(HOLD)
+    client.send(stream, HI)
+    await client.until(lambda: any(getattr(e, "data", b"") for e in client.of(stream)))
+    return stream
+
+
+async def _echoes(client: RawClient) -> bool:
+    stream = client.request(ECHO)
+    client.send(stream, HI, end=True)
+    await client.until(lambda: client.ended(stream))
+    return client.status(stream) == OK
+
+
+async def test_an_undecodable_message_ends_only_its_stream(no_tracebacks: pytest.LogCaptureFixture) -> None:
+    """grpcio's answer (INTERNAL "Exception deserializing request!"); the connection and its held stream live on."""
+    handlers = Handlers()
+    server, port = await _serving(handlers)
+    channel: Any = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        held = channel.stream_stream(HOLD.decode(), request_serializer=Bytes.SerializeToString,
+                                     response_deserializer=Bytes.FromString)()
+        await held.write(Bytes(value=b"hi"))
+        assert (await held.read()).value == b"held"
+        garbage = channel.unary_unary(ECHO.decode(), request_serializer=lambda _: NOT_PROTOBUF,
+                                      response_deserializer=Bytes.FromString)
+        for _ in range(3):
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await garbage(Bytes())
+            assert (raised.value.code(), raised.value.details()) == (grpc.StatusCode.INTERNAL, UNDECODABLE)
+        await held.done_writing()  # the held stream, on the same connection, still completes
+        assert await held.code() == grpc.StatusCode.OK
+        assert len(server.connections) == 1
+        # One warning line for the three (rate-limited per peer).
+        assert len([r for r in no_tracebacks.records if "deserializing" in r.getMessage()]) == 1
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_a_truncated_message_then_the_stream_end_is_internal_not_ok(no_tracebacks: pytest.LogCaptureFixture) -> None:
+    server, port = await _serving(Handlers())
+    client = await RawClient.connect(port)
+    try:
+        for cut in (HI[:-1], HI[:3]):  # inside the payload, inside the length prefix
+            stream = client.request(ECHO)
+            client.send(stream, cut, end=True)
+            await client.until(lambda s=stream: client.ended(s))  # type: ignore[misc]
+            assert client.status(stream) == INTERNAL
+            assert client.headers(stream)[b"grpc-message"] == TRUNCATED.encode()
+        assert await _echoes(client)
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_a_client_goaway_lets_running_streams_finish_then_the_connection_closes(
+        no_tracebacks: pytest.LogCaptureFixture) -> None:
+    handlers = Handlers()
+    server, port = await _serving(handlers)
+    client = await RawClient.connect(port)
+    try:
+        held = await _held(client)
+        racing = client.request(ECHO)  # a request and the GOAWAY in the same burst
+        client.send(racing, HI, end=True)
+        client.goaway()
+        await client.until(lambda: client.ended(racing))
+        assert client.status(racing) == OK
+        await asyncio.sleep(0.1)
+        assert not client.eof and handlers.holding == 1  # the held stream was not cut
+        client.send(held, b"", end=True)
+        await client.until(lambda: client.eof)  # closed once none are left
+        assert client.status(held) == OK
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_a_client_goaway_with_an_error_closes_the_connection(no_tracebacks: pytest.LogCaptureFixture) -> None:
+    handlers = Handlers()
+    server, port = await _serving(handlers)
+    client = await RawClient.connect(port)
+    try:
+        await _held(client)
+        client.goaway(h2.errors.ErrorCodes.INTERNAL_ERROR)
+        await client.until(lambda: client.eof)
+        await client.until(lambda: handlers.holding == 0)  # its handler was cancelled
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_our_shutdown_goaway_is_two_step_and_lets_running_streams_end(
+        no_tracebacks: pytest.LogCaptureFixture) -> None:
+    handlers = Handlers()
+    server, port = await _serving(handlers)
+    client = await RawClient.connect(port)
+    try:
+        held = await _held(client)
+        stopping = asyncio.ensure_future(server.stop(5.0))
+        await client.until(lambda: len(client.goaways()) == 2)  # 2^31-1 first; after our PING, the last stream
+        assert [g.last_stream_id for g in client.goaways()] == [2**31 - 1, held]
+        assert handlers.holding == 1 and not stopping.done()
+        client.send(held, b"", end=True)
+        await client.until(lambda: client.ended(held))
+        assert client.status(held) == OK
+        await asyncio.wait_for(stopping, 2.0)  # done as soon as the last stream was, not after the grace
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_data_is_acknowledged_as_the_handler_reads_it(no_tracebacks: pytest.LogCaptureFixture) -> None:
+    """A handler that does not read: the peer can push one message's worth, no more; once it reads, the rest comes."""
+    handlers = Handlers()
+    server, port = await _serving(handlers)
+    client = await RawClient.connect(port)
+    try:
+        await client.until(lambda: client.h2.remote_settings.initial_window_size > 65_535)
+        stream = client.request(GATE)
+        chunk = message(Bytes(value=b"x" * 60_000).SerializeToString())
+        rest = chunk * 200  # 12 MB of whole messages: three times what one stream may hold
+        for _ in range(50):
+            rest = client.send_within_window(stream, rest)
+            await asyncio.sleep(0.01)
+        (conn,) = server.connections
+        budget = MAX_MESSAGE_BYTES + 5 + 16_384
+        assert rest and client.h2.local_flow_control_window(stream) == 0
+        assert 0.5 * budget < conn.buffered <= budget
+        assert await _echoes(client)  # the connection's other streams are not held up
+        handlers.opened.set()
+        while rest:
+            rest = client.send_within_window(stream, rest)
+            await asyncio.sleep(0.005)
+        client.send(stream, b"", end=True)
+        await client.until(lambda: client.ended(stream), timeout=20)
+        assert client.status(stream) == OK
+        assert conn.buffered == 0
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_messages_never_finished_on_many_streams_are_bounded_per_connection(
+        no_tracebacks: pytest.LogCaptureFixture) -> None:
+    """24 streams each one byte short of a whole 4 MiB message: the connection holds its budget, no more."""
+    server, port = await _serving(Handlers(), connection_buffer_bytes=8 * 1024 * 1024)
+    client = await RawClient.connect(port)
+    try:
+        body = Bytes(value=b"x" * (MAX_MESSAGE_BYTES - 16)).SerializeToString()
+        streams = {client.request(ECHO): message(body)[:-1] for _ in range(24)}
+        (conn,) = server.connections
+        most = 0
+        for _ in range(100):
+            for stream, rest in streams.items():
+                if not client.ended(stream):
+                    streams[stream] = client.send_within_window(stream, rest)
+            await asyncio.sleep(0.01)
+            most = max(most, conn.buffered)
+        assert most <= 8 * 1024 * 1024
+        refused = [s for s in streams if client.ended(s)]
+        assert refused and all(client.status(s) == RESOURCE_EXHAUSTED for s in refused)
+        assert await _echoes(client)
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_streams_past_the_limit_are_refused_and_the_rest_complete(no_tracebacks: pytest.LogCaptureFixture) -> None:
+    server, port = await _serving(Handlers(), max_streams_per_connection=3)
+    client = await RawClient.connect(port)
+    try:
+        await client.until(lambda: client.h2.remote_settings.max_concurrent_streams == 3)
+        held = [await _held(client) for _ in range(3)]
+        extra = client.request(ECHO)
+        client.send(extra, HI, end=True)
+        await client.until(lambda: client.ended(extra))
+        assert client.reset_code(extra) == h2.errors.ErrorCodes.REFUSED_STREAM
+        for stream in held:
+            client.send(stream, b"", end=True)
+        await client.until(lambda: all(client.ended(s) for s in held))
+        assert [client.status(s) for s in held] == [OK] * 3
+        assert await _echoes(client)  # room again
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_connections_past_the_limit_are_refused_with_one_log_line(no_tracebacks: pytest.LogCaptureFixture) -> None:
+    server, port = await _serving(Handlers(), max_connections=2)
+    clients = [await RawClient.connect(port) for _ in range(2)]
+    try:
+        await asyncio.sleep(0.05)
+        refused = [await RawClient.connect(port) for _ in range(5)]
+        clients += refused
+        for client in refused:
+            await client.until(lambda c=client: c.eof)  # type: ignore[misc]
+            assert [g.error_code for g in client.goaways()] == [h2.errors.ErrorCodes.ENHANCE_YOUR_CALM]
+        assert all([await _echoes(c) for c in clients[:2]])
+        assert len([r for r in no_tracebacks.records if "listen.max_connections" in r.getMessage()]) == 1
+    finally:
+        for client in clients:
+            await client.close()
+        await server.stop(0)
+
+
+async def test_stalled_handshakes_and_idle_connections_are_closed_but_not_one_holding_a_stream(
+        no_tracebacks: pytest.LogCaptureFixture) -> None:
+    handlers = Handlers()
+    server, port = await _serving(handlers, handshake_timeout_s=0.2, idle_timeout_s=0.4)
+    silent = await RawClient.connect(port, preface=False)
+    idle = await RawClient.connect(port)
+    holding = await RawClient.connect(port)
+    try:
+        held = await _held(holding)
+        await silent.until(lambda: silent.eof, timeout=3)
+        await idle.until(lambda: idle.eof, timeout=3)
+        assert idle.goaways() and idle.goaways()[0].error_code == 0
+        assert not holding.eof
+        holding.write(PingFrame(0, opaque_data=b"12345678").serialize())  # answered, as h2 does
+        await holding.until(lambda: any(type(e).__name__ == "PingAckReceived" for e in holding.events))
+        holding.send(held, b"", end=True)
+        await holding.until(lambda: holding.ended(held))
+        assert holding.status(held) == OK
+        await holding.until(lambda: holding.eof, timeout=3)  # idle now: closed in turn
+    finally:
+        for client in (silent, idle, holding):
+            await client.close()
+        await server.stop(0)
+
+
+@pytest.mark.parametrize(("content_type", "method", "http", "grpc_status"), [
+    (b"text/plain", b"POST", b"415", INVALID_ARGUMENT),
+    (b"application/json", b"POST", b"415", INVALID_ARGUMENT),
+    (b"application/grpc-web", b"POST", b"415", INVALID_ARGUMENT),
+    (b"application/grpc-web+proto", b"POST", b"415", INVALID_ARGUMENT),
+    (None, b"POST", b"415", INVALID_ARGUMENT),
+    (b"application/grpc", b"GET", b"405", INTERNAL),
+    (b"application/grpc", b"PUT", b"405", INTERNAL),
+    (b"application/grpc+proto", b"POST", b"200", OK),
+    (b"application/grpc; charset=utf-8", b"POST", b"200", OK),
+])
+async def test_non_grpc_requests_are_refused_as_grpc_go_refuses_them(
+        content_type: bytes | None, method: bytes, http: bytes, grpc_status: int,
+        no_tracebacks: pytest.LogCaptureFixture) -> None:
+    server, port = await _serving(Handlers())
+    client = await RawClient.connect(port)
+    try:
+        stream = client.request(ECHO, content_type=content_type, method=method)
+        client.send(stream, HI, end=True)
+        await client.until(lambda: client.ended(stream))
+        assert (client.headers(stream)[b":status"], client.status(stream)) == (http, grpc_status)
+        assert await _echoes(client)
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_a_connection_window_update_walks_the_waiting_calls_not_every_call() -> None:
+    """With many held streams, WINDOW_UPDATEs in bulk cost what they cost with none (they walked every call)."""
+    handlers = Handlers()
+    server, port = await _serving(handlers)
+    client = await RawClient.connect(port)
+    updates = WindowUpdateFrame(0, window_increment=1).serialize() * 5_000
+
+    async def behind_updates() -> float:
+        before = len(client.events)
+        started = time.perf_counter()
+        client.write(updates + PingFrame(0, opaque_data=b"abcdefgh").serialize())
+        await client.until(lambda: any(type(e).__name__ == "PingAckReceived" for e in client.events[before:]))
+        return time.perf_counter() - started
+
+    try:
+        alone = min([await behind_updates() for _ in range(3)])
+        for _ in range(3_000):
+            client.send(client.request(HOLD), HI)
+        await client.until(lambda: handlers.holding == 3_000, timeout=30)
+        held = min([await behind_updates() for _ in range(3)])
+        assert held < 3 * alone + 0.02  # walking 3,000 calls per update took ~0.5 s here
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_garbage_floods_and_rapid_resets_cost_no_traceback(no_tracebacks: pytest.LogCaptureFixture) -> None:
+    handlers = Handlers()
+    server, port = await _serving(handlers)
+    bystander = await RawClient.connect(port)
+    garbage = await RawClient.connect(port)
+    resetting = await RawClient.connect(port)
+    try:
+        held = await _held(bystander)
+        garbage.write(b"\x00\x00\x08\x07\x00\x00\x00\x00\x01" + b"\xff" * 4096)  # a GOAWAY on stream 1, and noise
+        await garbage.until(lambda: garbage.eof)
+        for _ in range(1_000):  # open and reset at once
+            stream = resetting.request(HOLD)
+            resetting.h2.reset_stream(stream, h2.errors.ErrorCodes.CANCEL)
+        resetting.flush()
+        assert await _echoes(resetting)
+        await resetting.until(lambda: server.calls() == 1)  # only the bystander's stream is left
+        bystander.send(held, b"", end=True)
+        await bystander.until(lambda: bystander.ended(held))
+        assert bystander.status(held) == OK
+    finally:
+        for client in (bystander, garbage, resetting):
+            await client.close()
+        await server.stop(0)
+
+
+def test_warnings_are_one_per_peer_per_window_and_count_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    warnings = PeerWarnings(every_s=10.0, clock=lambda: now[0])
+    caplog.set_level(logging.WARNING)
+    for _ in range(5):
+        warnings.warn(("10.0.0.1", 1234), "bad %s", "frame")
+    warnings.warn(("10.0.0.2", 99), "bad %s", "frame")
+    now[0] = 10.5
+    warnings.warn(("10.0.0.1", 555), "bad %s", "frame")
+    assert [r.getMessage() for r in caplog.records] == [
+        "peer 10.0.0.1: bad frame", "peer 10.0.0.2: bad frame",
+        "peer 10.0.0.1: bad frame (4 more from this peer not logged)",
+    ]
+
