@@ -122,7 +122,7 @@ async def test_errors_end_the_call_with_a_status_the_client_reads() -> None:
 
 
 async def test_thousands_of_held_streams_on_one_connection_and_a_reset_ends_each_handler_at_once() -> None:
-    """No concurrent-stream limit (held requests are streams); a client that leaves cancels its handler."""
+    """Far under the stream limit (held requests are streams); a client that leaves cancels its handler."""
     handlers = Handlers()
     server, channel = await _serving(handlers)
     n = 2_000
