@@ -360,7 +360,7 @@ async def test_a_connection_window_update_walks_the_waiting_calls_not_every_call
             client.send(client.request(HOLD), HI)
         await client.until(lambda: handlers.holding == 3_000, timeout=30)
         held = min([await behind_updates() for _ in range(3)])
-        assert held < 3 * alone + 0.02  # walking 3,000 calls per update took ~0.5 s here
+        assert held < 2 * alone + 0.01, (held, alone)  # walking the 3,000 calls per update: 4-5 times alone
     finally:
         await client.close()
         await server.stop(0)
