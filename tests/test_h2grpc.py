@@ -2,8 +2,8 @@
 
 grpcio is an independent implementation of the same protocol, so these check
 the wire behaviour Envoy relies on: replies and statuses, flow control for
-messages larger than the windows, cancellation on a client reset, no stream
-limit, and the health service's drain.
+messages larger than the windows, cancellation on a client reset, thousands
+of streams on one connection, and the health service's drain (abuse: test_h2grpc_abuse.py).
 """
 
 from __future__ import annotations

@@ -48,6 +48,8 @@ class PeerWarnings:
             return
         if len(self._peers) >= MAX_PEERS:  # forget the quiet ones: a bounded table whoever connects
             self._peers = {h: v for h, v in self._peers.items() if now - v[0] < self._every_s}
+            if len(self._peers) >= MAX_PEERS:  # that many loud at once: start over rather than grow
+                self._peers.clear()
         self._peers[host] = (now, 0)
         more = f" ({suppressed} more from this peer not logged)" if suppressed else ""
         log.warning("peer %s: " + message + more, host, *args)
