@@ -184,8 +184,9 @@ async def retire(dispatcher: ModelDispatcher, scraper: asyncio.Task[None], drain
     """Drain a dispatcher no request reaches any more: release what it holds for up to ``drain_s``, answer the rest.
 
     Its scraper runs while it holds requests (the release rule needs the
-    engine's numbers), then stops; released requests end on their own
-    streams. ``gone``: the model left the config, so its endpoints' gauges go too.
+    engine's numbers), then stops. The task ends when its released requests
+    have ended on their own streams, so a shutdown meanwhile counts them as
+    in flight. ``gone``: the model left the config, so its endpoints' gauges go too.
     """
     deadline = time.monotonic() + drain_s
     try:
@@ -198,8 +199,10 @@ async def retire(dispatcher: ModelDispatcher, scraper: asyncio.Task[None], drain
     finally:
         scraper.cancel()
         await asyncio.gather(scraper, return_exceptions=True)
-        if gone:
-            dispatcher.set_endpoints(())
+    while dispatcher.in_flight:
+        await asyncio.sleep(RETIRE_POLL_S)
+    if gone:
+        dispatcher.set_endpoints(())
 
 
 def envoy_document(config: Config) -> Any:

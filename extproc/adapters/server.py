@@ -152,7 +152,7 @@ class ProcessorServer:
         page and readiness all read the same one.
         """
         labels = tenant_labels(config)
-        self.telemetry.expect((m.name for m in (*plan.added, *plan.rebuilt)), labels)
+        self.telemetry.expect((m.name for m in config.models), labels)
         for name in plan.removed:
             self._retire(name, removed_model(name), gone=True)
         for model in (*plan.rebuilt, *plan.added):
