@@ -32,14 +32,16 @@ def _serve(args: argparse.Namespace) -> int:
     from extproc.adapters.reload import ConfigSource
     from extproc.adapters.server import serve
 
-    config = load_config(args.config).for_shard(args.shard).for_instance(args.instance)
+    # Read once: SIGHUP reloads the same file, compared with this content (adapters/reload.py).
     source = ConfigSource(Path(args.config), args.shard, args.instance)
+    text = source.read()
+    config, _ = source.load(text)
     for key, address in (("listen.grpc", config.listen.grpc), ("listen.metrics", config.listen.metrics)):
         problem = bind_problem(address)
         if problem is not None:
             raise CannotStart(f"{key}: {address} {problem} (set {key} to a free address)")
     try:
-        uvloop.run(serve(config, args.drain_seconds, args.deadline_seconds, source, args.watch_config))
+        uvloop.run(serve(config, args.drain_seconds, args.deadline_seconds, (source, text), args.watch_config))
     except OSError as exc:  # a bind lost a race with another process since the check above
         raise CannotStart(f"cannot listen: {exc} (listen.grpc {config.listen.grpc}, "
                           f"listen.metrics {config.listen.metrics})") from exc

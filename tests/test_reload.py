@@ -7,6 +7,7 @@ with the same line and key path ``extproc check-config`` prints.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -126,8 +127,9 @@ def test_a_bad_file_keeps_the_old_config_and_says_where(tmp_path: Path, caplog: 
     write(path, doc())
     telemetry = Telemetry()
     source = ConfigSource(path)
-    target = Target(source.load(path.read_bytes())[0])
-    reloader = Reloader(source, target, telemetry)
+    text = path.read_bytes()
+    target = Target(source.load(text)[0])
+    reloader = Reloader(source, text, target, telemetry)
     started = target.config
     write(path, doc(models=[model("m1", target_waiting="three")]))
     with caplog.at_level(logging.ERROR, "extproc.adapters.reload"):
@@ -145,8 +147,9 @@ def test_an_applied_reload_is_counted_hashed_and_tells_whether_envoy_must_change
     write(path, doc())
     telemetry = Telemetry()
     source = ConfigSource(path)
-    target = Target(source.load(path.read_bytes())[0])
-    reloader = Reloader(source, target, telemetry)
+    text = path.read_bytes()
+    target = Target(source.load(text)[0])
+    reloader = Reloader(source, text, target, telemetry)
     first = {labels for (name, labels), _ in samples(telemetry).items() if name == "extproc_config_info"}
     write(path, doc(tenants={"alice": {"weight": 5}}))  # the processor's business only
     assert reloader.reload("SIGHUP")
@@ -165,8 +168,9 @@ def test_no_reload_while_draining(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     path = tmp_path / "config.yaml"
     write(path, doc())
     source = ConfigSource(path)
-    target = Target(source.load(path.read_bytes())[0])
-    reloader = Reloader(source, target, Telemetry())
+    text = path.read_bytes()
+    target = Target(source.load(text)[0])
+    reloader = Reloader(source, text, target, Telemetry())
     target.draining = True
     with caplog.at_level(logging.ERROR, "extproc.adapters.reload"):
         assert not reloader.reload("SIGHUP")
@@ -188,3 +192,28 @@ def test_relabelled_queue_depths_follow_what_is_queued() -> None:
     report(RequestEvent(Step.RELEASED, "standard", "carol", 0.1))
     report(RequestEvent(Step.RELEASED, "standard", "alice", 0.1))
     assert (depth("alice"), depth("carol"), depth("other")) == (0, 1, 0)
+
+
+async def test_the_watch_reloads_when_the_content_changes_not_when_the_file_is_touched(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    write(path, doc())
+    telemetry = Telemetry()
+    source = ConfigSource(path)
+    text = path.read_bytes()
+    target = Target(source.load(text)[0])
+    watch = asyncio.create_task(Reloader(source, text, target, telemetry).watch(interval_s=0.01))
+    try:
+        path.write_bytes(text)  # rewritten, same content
+        await asyncio.sleep(0.1)
+        assert not target.applied
+        write(path, doc(tenants={"alice": {"weight": 2}}))
+        for _ in range(100):
+            if target.applied:
+                break
+            await asyncio.sleep(0.01)
+        write(path, doc(models=[model("m1", target_waiting=0)]))  # bad: rejected once, not again and again
+        await asyncio.sleep(0.1)
+    finally:
+        watch.cancel()
+    assert len(target.applied) == 1
+    assert metric(samples(telemetry), "extproc_config_reloads_total", outcome="rejected") == 1

@@ -6,8 +6,8 @@ requests already queued; an added tenant and an added model serve (the model
 once Envoy runs the new generated config, which the processor says it must);
 a bad file keeps the old config, names its key path and counts a rejection;
 a removed model's queue drains for ``--drain-seconds`` and the rest is
-answered 404 ``model_not_found``. Assertions are on counts, statuses and
-order, not speed.
+answered 404 ``model_not_found``; a rebuilt model's old queue drains beside
+the new one. Assertions are on counts, statuses and order, not speed.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ import yaml
 
 from extproc.adapters.config import load_config
 from extproc.adapters.envoy import bootstrap
+from extproc.adapters.reload import ConfigSource, Reloader
+from extproc.adapters.server import ProcessorServer
+from extproc.core.outcomes import Refusal, Refused
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.power_user import Outcome, chat
 from extproc.tools.procs import free_port
@@ -158,3 +161,33 @@ async def test_a_removed_models_queue_drains_then_is_answered_404(tmp_path: Path
     assert still.status == 200
     assert finished.status == 200 and finished.tokens == 150  # released before: it runs to its end
     assert metric(samples, "extproc_rejected_total", model="m2", reason="model_not_found") == 4
+
+
+async def test_a_rebuilt_models_old_queue_drains_while_new_requests_go_to_the_new_one(tmp_path: Path) -> None:
+    """A changed ``policy`` needs a new queue: the old one keeps its requests and order, then answers what is left."""
+    path = write_stack_config(tmp_path, {"m1": ONE_AT_A_TIME})
+    source = ConfigSource(path)
+    text = path.read_bytes()
+    server = ProcessorServer(source.load(text)[0])
+    await server.start()
+    try:
+        server.retire_drain_s = 0.3
+        reloader = Reloader(source, text, server, server.telemetry)
+        old = server.dispatchers["m1"]
+        running = old.submit("alice", 1)
+        waiting = [old.submit("bob", 1) for _ in range(3)]
+        assert running.released and not any(h.released for h in waiting)
+        rewrite(path, lambda doc: doc["models"][0].update(policy="vtc"))
+        assert reloader.reload("test")
+        new = server.dispatchers["m1"]
+        assert new is not old
+        assert server.queued() == 3  # still counted: a SIGTERM now would drain it too
+        old.end(running)
+        assert waiting[0].released  # the old queue goes on, in its order
+        assert new.submit("carol", 1).released  # new requests: the new queue
+        answers = await asyncio.gather(*(h.future for h in waiting[1:]), return_exceptions=True)
+    finally:
+        await server.close()
+    assert [type(a) for a in answers] == [Refused, Refused]
+    assert all(isinstance(a, Refused) and a.refusal is Refusal.SHUTTING_DOWN and "rebuilt" in a.message
+               for a in answers)

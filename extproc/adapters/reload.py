@@ -254,11 +254,11 @@ class Target(Protocol):
 class Reloader:
     """Reloads ``source`` into ``target`` on request: checked, applied or rejected, logged and counted."""
 
-    def __init__(self, source: ConfigSource, target: Target, telemetry: Telemetry) -> None:
+    def __init__(self, source: ConfigSource, text: bytes, target: Target, telemetry: Telemetry) -> None:
+        """``text``: the file's content the process started with (``target.config`` was loaded from it)."""
         self._source = source
         self._target = target
         self._telemetry = telemetry
-        text = source.read()
         # The file's content last read (the watch reloads only when it changes) and the one serving.
         self._read = self._serving = digest(text)
         _, whole = source.load(text)

@@ -223,9 +223,12 @@ class ProcessorServer:
         await self._grpc.stop(0)
 
 
-async def serve(config: Config, drain_seconds: float, deadline_seconds: float, source: ConfigSource | None = None,
-                watch_config: bool = False) -> None:
-    """Run until SIGTERM/SIGINT, then drain; a second signal stops at once. SIGHUP reloads ``source``."""
+async def serve(config: Config, drain_seconds: float, deadline_seconds: float,
+                source: tuple[ConfigSource, bytes] | None = None, watch_config: bool = False) -> None:
+    """Run until SIGTERM/SIGINT, then drain; a second signal stops at once.
+
+    SIGHUP reloads ``source`` (where ``config`` came from, and the content it was loaded from).
+    """
     server = ProcessorServer(config)
     await server.start()
     stop, force = asyncio.Event(), asyncio.Event()
@@ -242,10 +245,11 @@ async def serve(config: Config, drain_seconds: float, deadline_seconds: float, s
     await server.drain_and_stop(drain_seconds, deadline_seconds, force)
 
 
-def _serve_reloads(server: ProcessorServer, source: ConfigSource, drain_seconds: float, watch: bool) -> None:
+def _serve_reloads(server: ProcessorServer, source: tuple[ConfigSource, bytes], drain_seconds: float,
+                   watch: bool) -> None:
     """SIGHUP (and with ``watch``, a change of the file) reloads the config (adapters/reload.py)."""
     server.retire_drain_s = drain_seconds
-    reloader = Reloader(source, server, server.telemetry)
+    reloader = Reloader(*source, server, server.telemetry)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
     if watch:
         server.add_task(asyncio.create_task(reloader.watch()))
