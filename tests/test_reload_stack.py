@@ -191,3 +191,30 @@ async def test_a_rebuilt_models_old_queue_drains_while_new_requests_go_to_the_ne
     assert [type(a) for a in answers] == [Refused, Refused]
     assert all(isinstance(a, Refused) and a.refusal is Refusal.SHUTTING_DOWN and "rebuilt" in a.message
                for a in answers)
+
+
+async def test_a_model_added_whose_engine_is_not_up_yet_does_not_make_a_serving_processor_unready(
+        tmp_path: Path) -> None:
+    path = write_stack_config(tmp_path, {"m1": ONE_AT_A_TIME})  # a static gate: ready without a scrape
+    source = ConfigSource(path)
+    text = path.read_bytes()
+    config = source.load(text)[0]
+    server = ProcessorServer(config)
+    await server.start()
+    readyz = f"http://{config.listen.metrics}/readyz"
+    try:
+        reloader = Reloader(source, text, server, server.telemetry)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(readyz) as before:
+                assert before.status == 200
+            # m2 reads metrics, and nothing listens at its endpoint yet.
+            rewrite(path, lambda doc: doc["models"].append({"name": "m2", "endpoints": [f"http://127.0.0.1:{free_port()}"]}))
+            assert reloader.reload("test")
+            await asyncio.sleep(0.3)  # a few failed scrapes of m2
+            async with session.get(readyz) as after:
+                assert after.status == 200, await after.text()
+            async with session.get(f"http://{config.listen.metrics}/status.json") as status:
+                models = [m["name"] for m in (await status.json())["models"]]
+    finally:
+        await server.close()
+    assert models == ["m1", "m2"]  # the status page shows it (not scraped yet)

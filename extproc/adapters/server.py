@@ -90,11 +90,14 @@ class ProcessorServer:
         self._retired: dict[asyncio.Task[None], ModelDispatcher] = {}
         # How long a retired dispatcher keeps releasing what it holds (serve's --drain-seconds).
         self.retire_drain_s = 30.0
+        # Models a reload added or rebuilt: readiness does not wait for their first scrape.
+        self._reloaded: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
         # The metrics port (/metrics, /healthz, /readyz, the status page): adapters/web/app.py.
         host, port = split_address(config.listen.metrics)
         self._metrics_server = MetricsServer(
-            build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining, self.telemetry),
+            build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining, self.telemetry,
+                      lambda model: model not in self._reloaded),
             host, port,
         )
         self._metrics_started = False
@@ -160,6 +163,7 @@ class ProcessorServer:
                 self._retire(model.name, rebuilt_model(model.name), gone=False)
             dispatcher = build_dispatcher(config, model, self.telemetry, cluster=self._cluster)
             self.dispatchers[model.name] = dispatcher
+            self._reloaded.add(model.name)
             self._start_scraper(model, dispatcher)
         for model in plan.kept:
             dispatcher = self.dispatchers[model.name]
