@@ -218,3 +218,29 @@ async def test_a_model_added_whose_engine_is_not_up_yet_does_not_make_a_serving_
     finally:
         await server.close()
     assert models == ["m1", "m2"]  # the status page shows it (not scraped yet)
+
+
+async def test_changed_endpoints_and_limits_apply_to_the_same_dispatcher(tmp_path: Path) -> None:
+    path = write_stack_config(tmp_path, {"m1": ONE_AT_A_TIME})
+    source = ConfigSource(path)
+    text = path.read_bytes()
+    server = ProcessorServer(source.load(text)[0])
+    await server.start()
+    try:
+        reloader = Reloader(source, text, server, server.telemetry)
+        live = server.dispatchers["m1"]
+        held = [live.submit("alice", 1) for _ in range(3)]
+        moved = f"http://127.0.0.1:{free_port()}"
+        rewrite(path, lambda doc: doc["models"][0].update(endpoints=[moved], max_in_flight=3))
+        assert reloader.reload("test")
+        assert server.dispatchers["m1"] is live  # nothing rebuilt: the queue is the same object
+        assert all(h.released for h in held)  # the raised cap released the two queued at once
+        for _ in range(100):  # the restarted scraper takes the new member list
+            if live.pool.endpoints == (moved,):
+                break
+            await asyncio.sleep(0.01)
+        assert live.pool.endpoints == (moved,)
+        for h in held:
+            live.end(h)
+    finally:
+        await server.close()
