@@ -16,10 +16,12 @@ import pytest
 import yaml
 
 from extproc.adapters.config import Config, ConfigError, parse_config
-from extproc.adapters.reload import ConfigSource, Plan, Reloader, plan
+from extproc.adapters.reload import ConfigSource, Plan, Reloader, plan, removed_model, retire
 from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
+from extproc.core.outcomes import Refusal, Refused
 from extproc.core.report import RequestEvent, Step
 from tests.stackutil import metric
+from tests.test_reload_core import dispatcher
 
 pytestmark = pytest.mark.unit
 
@@ -217,3 +219,21 @@ async def test_the_watch_reloads_when_the_content_changes_not_when_the_file_is_t
         watch.cancel()
     assert len(target.applied) == 1
     assert metric(samples(telemetry), "extproc_config_reloads_total", outcome="rejected") == 1
+
+
+async def test_a_retired_dispatcher_drains_answers_the_rest_and_forgets_its_endpoints() -> None:
+    d = dispatcher("round_robin", {}, 1)
+    running, waiting = d.submit("alice", 1), d.submit("bob", 1)
+    async def scraping() -> None:
+        await asyncio.Event().wait()
+
+    scraper = asyncio.create_task(scraping())
+    retiring = asyncio.create_task(retire(d, scraper, 0.05, removed_model("m"), gone=True))
+    with pytest.raises(Refused) as refused:
+        await waiting.future  # not released within the drain: answered
+    assert refused.value.refusal is Refusal.MODEL_NOT_FOUND and "'m' was removed" in refused.value.message
+    await asyncio.sleep(0.1)
+    assert scraper.cancelled() and not retiring.done()  # the one in flight still runs
+    d.end(running)
+    await asyncio.wait_for(retiring, 1)
+    assert d.pool.endpoints == ()
