@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.adapters.config import load_config
+from extproc.adapters.config import ModelConfig, load_config
 from extproc.adapters.envoy import bootstrap
 from extproc.adapters.reload import ConfigSource, Reloader
 from extproc.adapters.server import ProcessorServer
@@ -73,16 +73,18 @@ async def test_sighup_applies_a_weight_a_tenant_and_a_model_without_dropping_the
     config = write_stack_config(tmp_path, {"m1": {**ONE_AT_A_TIME, "policy": "vtc"}},
                                 tenants={"alice": {"weight": 1}, "bob": {"weight": 1}})
     async with await start_stack(config, tmp_path, sim_args=SIM) as stack:
+        # The engine of the model to be added, up before anything is queued (the reload must come quickly).
+        m2_endpoint = f"http://127.0.0.1:{free_port()}"
+        stack.sims.append(await start_sim(ModelConfig(name="m2", endpoints=(m2_endpoint,)), m2_endpoint, tmp_path, SIM))
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=120)) as session:
-            holding = send_chat(session, stack, "dave", 150)  # the one slot, for about 3 s
+            holding = send_chat(session, stack, "dave", 250)  # the one slot, for about 5 s
             assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", lambda v: v == 1, model="m1") == 1
             queued = [send_chat(session, stack, tenant, 8) for _ in range(8) for tenant in ("alice", "bob")]
             depth = await wait_for_metric(stack.metrics_url, "extproc_queue_depth", lambda v: v == 16, model="m1")
             assert depth == 16
             order = in_order(queued)
 
-            m2_endpoint = f"http://127.0.0.1:{free_port()}"
             new_envoy = {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}"}
 
             def change(doc: dict[str, Any]) -> None:
@@ -91,10 +93,6 @@ async def test_sighup_applies_a_weight_a_tenant_and_a_model_without_dropping_the
                 doc["envoy"].update(new_envoy)  # where the rolled Envoy listens; the processor does not mind
 
             rewrite(config, change)
-            new = load_config(config)
-            m2 = new.model("m2")
-            assert m2 is not None
-            stack.sims.append(await start_sim(m2, m2_endpoint, tmp_path, SIM))
             assert await reloaded(stack, "applied", 1) == 1
             assert not holding.done(), "the reload came after the queue began to move: the test would mean little"
             samples = await read_metrics(stack.metrics_url)
@@ -104,7 +102,7 @@ async def test_sighup_applies_a_weight_a_tenant_and_a_model_without_dropping_the
             # The added tenant is served under its own name.
             carol = await send_chat(session, stack, "carol", 4)
             # The rolled Envoy (the new generated config) routes the added model.
-            rolled = await start_envoy(bootstrap(new), tmp_path / "envoy-rolled")
+            rolled = await start_envoy(bootstrap(load_config(config)), tmp_path / "envoy-rolled")
             try:
                 served = await chat(session, f"http://{new_envoy['listen']}", "carol", "m2",
                                     api_key=TENANT_KEYS["carol"], max_tokens=4)
