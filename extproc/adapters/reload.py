@@ -52,6 +52,7 @@ from typing import Any, Protocol
 import msgspec
 
 from extproc.adapters.config import Config, ConfigError, ModelConfig, parse_config_text
+from extproc.adapters.envoy import bootstrap
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.outcomes import Refusal, Refused
@@ -207,8 +208,6 @@ async def retire(dispatcher: ModelDispatcher, scraper: asyncio.Task[None], drain
 
 def envoy_document(config: Config) -> Any:
     """What ``extproc envoy-config`` prints for ``config`` (its bootstrap), or the error it prints instead."""
-    from extproc.adapters.envoy import bootstrap
-
     try:
         return bootstrap(config)
     except ConfigError as exc:
