@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -28,15 +29,19 @@ class CannotStart(RuntimeError):
 def _serve(args: argparse.Namespace) -> int:
     import uvloop
 
+    from extproc.adapters.reload import ConfigSource
     from extproc.adapters.server import serve
 
-    config = load_config(args.config).for_shard(args.shard).for_instance(args.instance)
+    # Read once: SIGHUP reloads the same file, compared with this content (adapters/reload.py).
+    source = ConfigSource(Path(args.config), args.shard, args.instance)
+    text = source.read()
+    config, _ = source.load(text)
     for key, address in (("listen.grpc", config.listen.grpc), ("listen.metrics", config.listen.metrics)):
         problem = bind_problem(address)
         if problem is not None:
             raise CannotStart(f"{key}: {address} {problem} (set {key} to a free address)")
     try:
-        uvloop.run(serve(config, args.drain_seconds, args.deadline_seconds))
+        uvloop.run(serve(config, args.drain_seconds, args.deadline_seconds, (source, text), args.watch_config))
     except OSError as exc:  # a bind lost a race with another process since the check above
         raise CannotStart(f"cannot listen: {exc} (listen.grpc {config.listen.grpc}, "
                           f"listen.metrics {config.listen.metrics})") from exc
@@ -166,7 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="YAML configuration file")
     serve.add_argument(
         "--drain-seconds", type=float, default=30.0,
-        help="on SIGTERM, how long queued requests keep being released before the rest get 503 (default 30)",
+        help="on SIGTERM, how long queued requests keep being released before the rest get 503 (default 30); "
+        "also how long a model a reload removes keeps releasing what it holds",
+    )
+    serve.add_argument(
+        "--watch-config", action="store_true",
+        help="reload the config when the file's content changes (checked every second), as SIGHUP does "
+        "(docs/configuration.md#reloading)",
     )
     serve.add_argument(
         "--deadline-seconds", type=float, default=600.0,

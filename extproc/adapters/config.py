@@ -780,6 +780,11 @@ def load_config(path: str | Path) -> Config:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    return parse_config_text(path, text)
+
+
+def parse_config_text(path: str | Path, text: str) -> Config:
+    """The file ``path`` whose content is ``text`` (already read: a reload hashes what it parses), as load_config."""
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()

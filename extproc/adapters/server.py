@@ -34,15 +34,18 @@ import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.cluster.link import ClusterConnection
-from extproc.adapters.config import Config, split_address
+from extproc.adapters.config import Config, ModelConfig, split_address
 from extproc.adapters.engines.discovery import watch_pool
 from extproc.adapters.ext_proc.h2grpc import GrpcServer, Limits, Method
 from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.ext_proc.tls import RELOAD_OUTCOMES, ServerTls
+from extproc.adapters.reload import ConfigSource, Plan, Reloader, rebuilt_model, removed_model, retire
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import MetricsServer, build_app
-from extproc.adapters.wiring import build_dispatchers, cluster_forms
+from extproc.adapters.wiring import build_dispatcher, build_dispatchers, cluster_forms, live_settings, tenant_labels
+from extproc.core.dispatcher import ModelDispatcher
+from extproc.core.outcomes import Refused
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +87,20 @@ class ProcessorServer:
         for outcome in RELOAD_OUTCOMES if tls is not None else ():
             self.telemetry.tls_reloads.labels(outcome=outcome)  # at 0 from the start
         self._tasks: list[asyncio.Task[None]] = []
+        # Each model's scraper (watch_pool), by model name: a reload restarts, adds or retires one.
+        self._scrapers: dict[str, asyncio.Task[None]] = {}
+        # Dispatchers a reload took out of service (model removed or rebuilt), each draining in its task.
+        self._retired: dict[asyncio.Task[None], ModelDispatcher] = {}
+        # How long a retired dispatcher keeps releasing what it holds (serve's --drain-seconds).
+        self.retire_drain_s = 30.0
+        # Models a reload added or rebuilt: readiness does not wait for their first scrape.
+        self._reloaded: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
         # The metrics port (/metrics, /healthz, /readyz, the status page): adapters/web/app.py.
         host, port = split_address(config.listen.metrics)
         self._metrics_server = MetricsServer(
-            build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining, self.telemetry),
+            build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining, self.telemetry,
+                      lambda model: model not in self._reloaded),
             host, port,
         )
         self._metrics_started = False
@@ -110,18 +122,68 @@ class ProcessorServer:
         if self._tls is not None:
             self._tasks.append(asyncio.create_task(self._tls.watch()))
         for model in self.config.models:
-            self._tasks.append(asyncio.create_task(watch_pool(self._session, model, self.dispatchers[model.name])))
+            self._start_scraper(model, self.dispatchers[model.name])
         if self._cluster is not None:
             self._cluster.start()
         self._health.start()
         log.info("serving ext_proc on %s%s, metrics on %s", self.config.listen.grpc,
                  "" if self._tls is None else " (TLS)", self.config.listen.metrics)
 
+    def add_task(self, task: asyncio.Task[None]) -> None:
+        """A task that lives as long as the server (cancelled by close)."""
+        self._tasks.append(task)
+
+    def _every_dispatcher(self) -> list[ModelDispatcher]:
+        """The dispatchers serving and those a reload retired that still drain."""
+        return [*self.dispatchers.values(), *self._retired.values()]
+
     def queued(self) -> int:
-        return sum(d.queued for d in self.dispatchers.values())
+        return sum(d.queued for d in self._every_dispatcher())
 
     def in_flight(self) -> int:
-        return sum(d.in_flight for d in self.dispatchers.values())
+        return sum(d.in_flight for d in self._every_dispatcher())
+
+    def _start_scraper(self, model: ModelConfig, dispatcher: ModelDispatcher) -> None:
+        assert self._session is not None
+        self._scrapers[model.name] = asyncio.create_task(watch_pool(self._session, model, dispatcher))
+
+    def accepts_reload(self) -> str | None:
+        """Why a reload cannot be applied now, or None (adapters/reload.py asks first)."""
+        return "the processor is draining (shutting down)" if self.processor.draining else None
+
+    def apply(self, config: Config, plan: Plan) -> None:
+        """Apply a checked reload (adapters/reload.py says what each step keeps); synchronous: between two requests.
+
+        The dispatchers dict is changed in place: the processor, the status
+        page and readiness all read the same one.
+        """
+        labels = tenant_labels(config)
+        self.telemetry.expect((m.name for m in config.models), labels)
+        for name in plan.removed:
+            self._retire(name, removed_model(name), gone=True)
+        for model in (*plan.rebuilt, *plan.added):
+            if model.name in self.dispatchers:
+                self._retire(model.name, rebuilt_model(model.name), gone=False)
+            dispatcher = build_dispatcher(config, model, self.telemetry, cluster=self._cluster)
+            self.dispatchers[model.name] = dispatcher
+            self._reloaded.add(model.name)
+            self._start_scraper(model, dispatcher)
+        for model in plan.kept:
+            dispatcher = self.dispatchers[model.name]
+            self.telemetry.models[model.name].relabel(labels, dispatcher.queued_by_tenant())
+            dispatcher.reconfigure(live_settings(config, model))
+            if model.name in plan.rescraped:
+                self._scrapers.pop(model.name).cancel()
+                self._start_scraper(model, dispatcher)
+        self.processor.reconfigure(config)
+        self.config = config
+
+    def _retire(self, name: str, leftover: Callable[[], Refused], *, gone: bool) -> None:
+        """Take ``name``'s dispatcher out of service; it drains in a task (adapters/reload.py ``retire``)."""
+        dispatcher = self.dispatchers.pop(name)
+        task = asyncio.create_task(retire(dispatcher, self._scrapers.pop(name), self.retire_drain_s, leftover, gone))
+        self._retired[task] = dispatcher
+        task.add_done_callback(self._retired.pop)
 
     async def drain_and_stop(
         self, drain_seconds: float, deadline_seconds: float, force: asyncio.Event | None = None
@@ -137,7 +199,7 @@ class ProcessorServer:
         await self._wait(lambda: self.queued() == 0, start + min(drain_seconds, deadline_seconds), force)
         if self.queued():
             log.info("drain deadline: answering %d queued requests shutting_down", self.queued())
-        for dispatcher in self.dispatchers.values():
+        for dispatcher in self._every_dispatcher():
             dispatcher.reject_all()
         await self._wait(lambda: self.in_flight() == 0, start + deadline_seconds, force)
         if self.in_flight():
@@ -155,9 +217,10 @@ class ProcessorServer:
 
     async def close(self) -> None:
         await self.processor.lag.stop()
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._scrapers.values(), *self._retired]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._cluster is not None:
             await self._cluster.stop()
         if self._session is not None:
@@ -167,12 +230,18 @@ class ProcessorServer:
         await self._grpc.stop(0)
 
 
-async def serve(config: Config, drain_seconds: float, deadline_seconds: float) -> None:
-    """Run until SIGTERM/SIGINT, then drain; a second signal stops at once."""
+async def serve(config: Config, drain_seconds: float, deadline_seconds: float,
+                source: tuple[ConfigSource, bytes] | None = None, watch_config: bool = False) -> None:
+    """Run until SIGTERM/SIGINT, then drain; a second signal stops at once.
+
+    SIGHUP reloads ``source`` (where ``config`` came from, and the content it was loaded from).
+    """
     server = ProcessorServer(config)
     await server.start()
     stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+    if source is not None:
+        _serve_reloads(server, source, drain_seconds, watch_config)
 
     def on_signal() -> None:
         (force if stop.is_set() else stop).set()
@@ -181,3 +250,13 @@ async def serve(config: Config, drain_seconds: float, deadline_seconds: float) -
         loop.add_signal_handler(sig, on_signal)
     await stop.wait()
     await server.drain_and_stop(drain_seconds, deadline_seconds, force)
+
+
+def _serve_reloads(server: ProcessorServer, source: tuple[ConfigSource, bytes], drain_seconds: float,
+                   watch: bool) -> None:
+    """SIGHUP (and with ``watch``, a change of the file) reloads the config (adapters/reload.py)."""
+    server.retire_drain_s = drain_seconds
+    reloader = Reloader(*source, server, server.telemetry)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
+    if watch:
+        server.add_task(asyncio.create_task(reloader.watch()))

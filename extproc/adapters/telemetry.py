@@ -307,6 +307,25 @@ class Telemetry:
         "outcome",
     )
 
+    # Live configuration (adapters/reload.py).
+    config_reloads = _counter(
+        "extproc_config_reloads",
+        "Reloads of the config file (SIGHUP or --watch-config), by outcome (rejected: the previous config still serves).",
+        "outcome",
+    )
+    config_info = _gauge(
+        "extproc_config_info", "Always 1; the label is the SHA-256 (first 12 hex digits) of the config file serving.",
+        "sha256",
+    )
+    config_applied = _gauge(
+        "extproc_config_last_applied_timestamp_seconds", "When the config serving was loaded (start or last applied reload).",
+    )
+    envoy_config_stale = _gauge(
+        "extproc_envoy_config_stale",
+        "1 when `extproc envoy-config` prints another document for the config serving than for the one the process "
+        "started with: Envoy must be rolled to the new one.",
+    )
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -394,17 +413,38 @@ class ModelTelemetry:
         priorities = tuple(priorities)
         self._t = telemetry
         self._model = model
-        self._tenant = tenants
+        self._priorities = priorities
         telemetry.models[model] = self
         t = telemetry
         t.cost_clamped.labels(model)
         t.served_elsewhere.labels(model)
         t.gate_fallback.labels(model)
-        # Children looked up once, here: ``labels()`` validates and locks on every call, and these are
-        # written several times per request. Every key exists (known classes x bounded tenant values),
-        # so each series starts at zero.
         self._decision = t.decision_latency.labels(model)
         self._in_flight = t.in_flight.labels(model)
+        self._label(tenants)
+        self._slack = {p: t.release_slack.labels(model, p) for p in priorities}
+        self._late = {p: t.release_lateness.labels(model, p) for p in priorities}
+        self._occupancy = {p: t.preempted_occupancy.labels(model, p) for p in priorities}
+        # The status page's view: the same outcomes, with the tenant's own id and the last minute's slack.
+        self.objectives = Objectives(priorities, clock)
+        # Asked once, at start-up (logging is set up before the dispatchers are built): with
+        # DEBUG off a decision costs one attribute test, not a logging call per request.
+        self._decisions = DECISIONS.isEnabledFor(logging.DEBUG)
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            RequestEvent: self._request, PoolEvent: self._pool, Charged: self._charged_event,
+            EndpointEvent: self._endpoint, Admitted: self._admitted, TurnedAway: self._turned_away,
+            ServedElsewhere: self._served_elsewhere, ClusterTrip: self._cluster_trip,
+        }
+
+    def _label(self, tenants: TenantLabels) -> None:
+        """Look up the children of every (class, tenant value) once.
+
+        ``labels()`` validates and locks on every call, and these are written
+        several times per request. Every key exists (known classes x bounded
+        tenant values), so each series starts at zero.
+        """
+        t, model, priorities = self._t, self._model, self._priorities
+        self._tenant = tenants
         self._charged = {
             tenant: (t.charged_prompt_tokens.labels(model, tenant), t.charged_output_tokens.labels(model, tenant),
                      t.charged_cost.labels(model, tenant))
@@ -419,19 +459,23 @@ class ModelTelemetry:
         self._objective = {(*key, outcome): t.objective.labels(model, *key, outcome)
                            for key in keys for outcome in (MET, MISSED)}
         self._preemptions = {key: t.preemptions.labels(model, *key) for key in keys}
-        self._slack = {p: t.release_slack.labels(model, p) for p in priorities}
-        self._late = {p: t.release_lateness.labels(model, p) for p in priorities}
-        self._occupancy = {p: t.preempted_occupancy.labels(model, p) for p in priorities}
-        # The status page's view: the same outcomes, with the tenant's own id and the last minute's slack.
-        self.objectives = Objectives(priorities, clock)
-        # Asked once, at start-up (logging is set up before the dispatchers are built): with
-        # DEBUG off a decision costs one attribute test, not a logging call per request.
-        self._decisions = DECISIONS.isEnabledFor(logging.DEBUG)
-        self._handlers: dict[type, Callable[[Any], None]] = {
-            RequestEvent: self._request, PoolEvent: self._pool, Charged: self._charged_event,
-            EndpointEvent: self._endpoint, Admitted: self._admitted, TurnedAway: self._turned_away,
-            ServedElsewhere: self._served_elsewhere, ClusterTrip: self._cluster_trip,
-        }
+
+    def relabel(self, tenants: TenantLabels, queued: dict[tuple[str, str], int]) -> None:
+        """The config now names other tenants (a reload): new label values, queue depths recounted.
+
+        A queued request was counted under the label its tenant had then; the
+        depth gauges are set again from what is queued now (``queued``: by
+        class and tenant), so its leaving, counted under the new label, keeps
+        them exact. Counters keep what they counted.
+        """
+        before = list(self._queued)  # a tenant the config no longer names: its depth goes to 0
+        self._label(tenants)
+        depth: dict[tuple[str, str], int] = dict.fromkeys([*before, *self._queued], 0)
+        for (band, tenant), count in queued.items():
+            key = (band, tenants(tenant))
+            depth[key] = depth.get(key, 0) + count
+        for key, count in depth.items():
+            self._t.queue_depth.labels(self._model, *key).set(count)
 
     def __call__(self, event: Event | AdapterEvent) -> None:
         # By type, not by a chain of isinstance tests: several events per request pass here.

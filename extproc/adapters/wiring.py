@@ -15,16 +15,16 @@ from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig
 from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
 from extproc.adapters.timers import LoopTimers
-from extproc.core.dispatcher import ModelDispatcher
+from extproc.core.dispatcher import LiveSettings, ModelDispatcher
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.pool import Pool
 
 
-def build_pool(model: ModelConfig) -> Pool:
-    """The release side of ``model``'s pool: its rule by the config's ``gate:`` name, on the shared estimate."""
+def rule_settings(model: ModelConfig) -> RuleSettings:
+    """What ``model``'s release rule reads of its settings."""
     itl_ms = model.max_inter_token_latency_ms
-    settings = RuleSettings(
+    return RuleSettings(
         target_waiting=model.target_waiting,
         max_in_flight=model.max_in_flight,
         release_rate=model.release_rate,
@@ -33,8 +33,12 @@ def build_pool(model: ModelConfig) -> Pool:
         itl_window_s=model.itl_window_s,
         max_running=model.max_running,
     )
+
+
+def build_pool(model: ModelConfig) -> Pool:
+    """The release side of ``model``'s pool: its rule by the config's ``gate:`` name, on the shared estimate."""
     return Pool(
-        model.endpoints, RULES[model.gate], settings,
+        model.endpoints, RULES[model.gate], rule_settings(model),
         stale_after_s=model.stale_after_s,
         fallback_max_in_flight=model.fallback_max_in_flight,
         pick_endpoints=model.endpoint_picking,
@@ -44,6 +48,15 @@ def build_pool(model: ModelConfig) -> Pool:
 def tenant_labels(config: Config) -> TenantLabels:
     """Tenant label values: the tenants the config names (and the default tenant); all others are ``other``."""
     return TenantLabels({*config.tenants, config.identity.default_tenant})
+
+
+def live_settings(config: Config, model: ModelConfig) -> LiveSettings:
+    """What a reload hands ``model``'s live dispatcher (adapters/reload.py): the settings it takes in place."""
+    return LiveSettings(
+        bands=config.bands, tenant=config.tenant, cost=model.cost_weights(), max_queued=model.max_queued,
+        max_queue_wait_s=model.max_queue_wait_s, reserved_waiting=model.reserved_waiting,
+        rule=RULES[model.gate], rule_settings=rule_settings(model),
+    )
 
 
 def build_dispatcher(

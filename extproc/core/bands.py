@@ -174,6 +174,11 @@ class BandAdmission:
         self._preemption = preemption
         self.demand = BandDemand(len(bands))
 
+    def reconfigure(self, bands: tuple[Band, ...], reserved_waiting: int) -> None:
+        """New settings for the same bands (names and order kept: the demand's history stays valid)."""
+        self._bands = bands
+        self._reserved_waiting = reserved_waiting
+
     def allowance(self, band: int, now: float) -> int:
         return max(0, self.headroom(band, now))
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from extproc.core.bands import Band, BandAdmission
 from extproc.core.caps import QueueCaps
@@ -49,12 +50,13 @@ from extproc.core.outlet import Held, Outlet
 from extproc.core.policies import Policy
 from extproc.core.preemption import AGAIN_AFTER_S, Need, Preemption
 from extproc.core.release.pool import Pool
+from extproc.core.release.rule import ReleaseRule, RuleSettings
 from extproc.core.report import Change, Charged, DispatchReport, EndpointEvent, PoolEvent, RequestEvent, Step
 from extproc.core.status import EndpointStatus, ModelStatus, band_status
 from extproc.core.strategy import LocalRelease, ReleaseStrategy
 from extproc.core.timers import Timers
 
-__all__ = ["Held", "ModelDispatcher", "shutting_down"]
+__all__ = ["Held", "LiveSettings", "ModelDispatcher", "shutting_down"]
 
 # Builds a model's release strategy on its outlet (default: LocalRelease, this instance alone).
 StrategyFactory = Callable[[Outlet], ReleaseStrategy]
@@ -63,6 +65,26 @@ StrategyFactory = Callable[[Outlet], ReleaseStrategy]
 def shutting_down() -> Refused:
     """The refusal while the processor drains (a new exception each time: one is raised per request)."""
     return Refused(Refusal.SHUTTING_DOWN, "the gateway is restarting; retry shortly")
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    """A model's settings that a dispatcher takes while it holds requests (:meth:`ModelDispatcher.reconfigure`).
+
+    They change what happens next, never what is queued: a weight is read at
+    each charge, a cap at each arrival, a band's settings at each release. Any
+    other setting (the policy, the bands' names, endpoint picking) shapes the
+    queue or the pool themselves and needs a new dispatcher.
+    """
+
+    bands: tuple[Band, ...]
+    tenant: Callable[[str], Tenant]
+    cost: CostWeights
+    max_queued: int
+    max_queue_wait_s: float
+    reserved_waiting: int
+    rule: type[ReleaseRule]
+    rule_settings: RuleSettings
 
 
 class ModelDispatcher:
@@ -98,17 +120,51 @@ class ModelDispatcher:
         self._report = report
         self._clock = clock
         self._timers = timers
-        self._caps = QueueCaps(name, bands, tenant, max_queued)
-        self._queue: FairQueue[Held] = FairQueue(len(bands), lambda: policy.new_band(lambda t: tenant(t).weight))
+        # Read through self._tenant at every use, so that reconfigure() reaches the policies' weights.
+        self._tenant = tenant
+        self._caps = QueueCaps(name, bands, self._tenant_of, max_queued)
+        self._queue: FairQueue[Held] = FairQueue(len(bands), lambda: policy.new_band(lambda t: self._tenant(t).weight))
         preemption = Preemption(max_preemptions_per_s)
         admission = BandAdmission(bands, pool, reserved_waiting, preemption=preemption.enabled)
         self._outlet = Outlet(
             name, self._queue, pool, bands, admission, report, clock,
-            lambda name, cost: policy.service(cost, tenant(name).weight), preemption,
+            lambda name, cost: policy.service(cost, self._tenant(name).weight), preemption,
         )
         self._strategy = (strategy or (lambda outlet: LocalRelease(outlet, timers)))(self._outlet)
         self._cost = CostModel(cost)
         self._decode_rate = DecodeRate()
+
+    def _tenant_of(self, name: str) -> Tenant:
+        return self._tenant(name)
+
+    def reconfigure(self, settings: LiveSettings) -> None:
+        """Take new settings for what comes next; every held request keeps its place, band and deadline.
+
+        The bands must keep their names and order (a queued request's band is
+        its index). A changed release rule or rule setting starts the rule
+        afresh (an adaptive limit is learned again within a few scrapes) on
+        the same load estimate and endpoint health: what is in flight stays
+        counted. A request already queued keeps the wait limit it was queued
+        with. Dispatches at once: a raised limit releases now.
+        """
+        names = tuple(b.name for b in settings.bands)
+        if names != tuple(b.name for b in self._bands):
+            raise ValueError(f"the bands {names} are not the dispatcher's {tuple(b.name for b in self._bands)}")
+        self._bands = settings.bands
+        self._tenant = settings.tenant
+        self._max_queue_wait_s = settings.max_queue_wait_s
+        self._caps = QueueCaps(self.name, settings.bands, self._tenant_of, settings.max_queued)
+        self._outlet.bands = settings.bands
+        self._outlet.admission.reconfigure(settings.bands, settings.reserved_waiting)
+        self._cost.weights = settings.cost
+        if (type(self.pool.rule), self.pool.settings) != (settings.rule, settings.rule_settings):
+            self.pool.reconfigure(settings.rule, settings.rule_settings)
+        self.dispatch()
+
+    def queued_by_tenant(self) -> dict[tuple[str, str], int]:
+        """How many requests each (band name, tenant) has queued now (telemetry recounts its gauges from it)."""
+        return {(band.name, tenant): count for index, band in enumerate(self._bands)
+                for tenant, count in self._queue.tenant_lengths(index).items()}
 
     @property
     def queued(self) -> int:
@@ -335,16 +391,17 @@ class ModelDispatcher:
             self._report(EndpointEvent(gone, Change.LEFT))
         self.pool.set_endpoints(endpoints)
 
-    def reject_all(self) -> None:
-        """Refuse every queued request with ``shutting_down`` (draining ran out of time)."""
+    def reject_all(self, refused: Callable[[], Refused] = shutting_down) -> None:
+        """Refuse every queued request with ``refused()`` (default ``shutting_down``: draining ran out of time)."""
         outlet = self._outlet
         while len(self._queue):
             band, _, held = self._queue.pop()
+            answer = refused()
             if held.future.done():  # its stream was cancelled a moment ago, as in dispatch()
                 outlet.abandoned(held, band)
             else:
-                outlet.refused(held, held.tenant, band, Refusal.SHUTTING_DOWN, self._clock() - held.enqueued_at)
-            outlet.resolve(held, shutting_down())
+                outlet.refused(held, held.tenant, band, answer.refusal, self._clock() - held.enqueued_at)
+            outlet.resolve(held, answer)
 
     def dispatch(self) -> None:
         """Let go what may go now (the strategy decides), and preempt for an objective at risk."""

@@ -290,9 +290,33 @@ class Processor:
     """
 
     def __init__(self, config: Config, dispatchers: dict[str, ModelDispatcher], telemetry: Telemetry) -> None:
-        self._config = config
         self._dispatchers = dispatchers
         self._telemetry = telemetry
+        self.draining = False
+        self.lag = LoopLag(late_s=ACK_LAG_S)
+        self.shedding = self._shedding(config)
+        self._config = config
+        self._derive(config)
+
+    def _shedding(self, config: Config) -> Shedding:
+        dispatchers = self._dispatchers
+        return Shedding(len(config.bands), config.envoy.message_timeout_ms / 1000,
+                        lambda band: sum(d.queued_in(band) for d in dispatchers.values()))
+
+    def reconfigure(self, config: Config) -> None:
+        """Read ``config`` from the next request on (a reload: adapters/reload.py); held streams keep their dispatcher.
+
+        The dispatchers (the same dict) must already hold its models. Shedding
+        keeps its history unless the classes or the message timeout changed.
+        """
+        old = self._config
+        if (old.band_names, old.envoy.message_timeout_ms) != (config.band_names, config.envoy.message_timeout_ms):
+            self.shedding = self._shedding(config)
+        self._config = config
+        self._derive(config)
+
+    def _derive(self, config: Config) -> None:
+        """What the processor keeps prebuilt from the config."""
         self._names = ModelNames(config.models)
         # Prebuilt, like the two replies below: one is sent to every request that has to wait.
         self._hold_reply = {
@@ -300,10 +324,6 @@ class Processor:
             for m in config.models
         }
         self._engine_priority_models = {m.name for m in config.models if m.engine_priority}
-        self.draining = False
-        self.shedding = Shedding(len(config.bands), config.envoy.message_timeout_ms / 1000,
-                                 lambda band: sum(d.queued_in(band) for d in dispatchers.values()))
-        self.lag = LoopLag(late_s=ACK_LAG_S)
         # Prebuilt: under a burst these are sent to every arrival, so they cost no construction.
         self._acknowledgement = max(
             self._hold_reply.values(), key=lambda reply: reply.override_message_timeout.ToMilliseconds()

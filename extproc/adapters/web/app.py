@@ -8,8 +8,8 @@ Routes, and why each exists:
 * ``/healthz``: the process answers (liveness). Nothing else: a process that
   waits for an engine is alive, and restarting it would drop its queue.
 * ``/readyz``: ready to schedule (readiness): the config is loaded (it is,
-  once this answers), every model whose gate reads metrics has had a usable scrape of one endpoint since start,
-  and the processor is not draining. 503 with the reasons otherwise, so a
+  once this answers), every model whose gate reads metrics has had a usable scrape of one endpoint since start
+  (a model a reload added or rebuilt is not waited for), and the processor is not draining. 503 with the reasons otherwise, so a
   probe does not send traffic to a processor that is leaving.
 * ``/`` and ``/status.json``: the live status page (``status.html``), which
   polls the JSON. The JSON is built on request from the dispatchers' state
@@ -85,8 +85,13 @@ def status_document(statuses: list[ModelStatus], draining: bool,
 
 
 def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispatcher],
-              draining: Callable[[], bool], telemetry: Telemetry | None = None) -> web.Application:
-    """The app; ``draining`` tells whether the processor is shutting down; ``telemetry``, the objectives' numbers."""
+              draining: Callable[[], bool], telemetry: Telemetry | None = None,
+              awaited: Callable[[str], bool] = lambda model: True) -> web.Application:
+    """The app; ``draining`` tells whether the processor is shutting down; ``telemetry``, the objectives' numbers.
+
+    ``awaited``: whether readiness waits for a model's first scrape (not for
+    one a reload added: a serving processor does not turn unready for it).
+    """
 
     def statuses() -> list[ModelStatus]:
         return [d.status(TOP_TENANTS) for d in dispatchers.values()]
@@ -104,7 +109,7 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
         return web.json_response({"status": "alive"})
 
     async def readyz(request: web.Request) -> web.Response:
-        reasons = not_ready(statuses(), draining())
+        reasons = not_ready([s for s in statuses() if awaited(s.name)], draining())
         if reasons:
             return error(Refusal.NOT_READY, "; ".join(reasons))
         return web.json_response({"status": "ready"})

@@ -60,6 +60,17 @@ class Pool:
             return self.settings.max_running * len(self.endpoints)
         return self.estimate.peak_running
 
+    def reconfigure(self, rule: type[ReleaseRule], settings: RuleSettings) -> None:
+        """A new rule, or new settings for it: started afresh on the same load estimate and endpoint health.
+
+        What is in flight stays counted (the estimate holds it); what the old
+        rule had learned (an adaptive limit) is learned again from the next scrapes.
+        """
+        if self.pick_endpoints and not rule.per_endpoint:
+            raise ValueError(f"{rule.name} does not pick endpoints (it has no per-endpoint state)")
+        self.settings = settings
+        self.rule = rule(settings, self.estimate, self.health)
+
     def set_endpoints(self, endpoints: Sequence[str]) -> None:
         """The pool's members changed (DNS); new ones start degraded until scraped."""
         self.estimate.set_endpoints(endpoints)
