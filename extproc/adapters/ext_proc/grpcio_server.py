@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -33,6 +33,10 @@ from extproc.adapters.ext_proc.tls import ServerTls
 log = logging.getLogger(__name__)
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+if TYPE_CHECKING:  # grpc-stubs make it generic; grpcio's class is not subscriptable
+    _GenericRpcHandler = grpc.GenericRpcHandler[Any, Any]
+else:
+    _GenericRpcHandler = grpc.GenericRpcHandler
 
 
 class _Undecodable(Exception):
@@ -52,7 +56,7 @@ def _serialize(message: Message) -> bytes:
     return message.SerializeToString()
 
 
-class _Handlers(grpc.GenericRpcHandler[Any, Any]):
+class _Handlers(_GenericRpcHandler):
     """Every method of the table as a bidirectional stream, as h2grpc serves them (any cardinality fits)."""
 
     def __init__(self, server: GrpcioServer) -> None:
