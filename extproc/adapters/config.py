@@ -183,6 +183,9 @@ class Listen(_Section, frozen=True):
     grpc: Address = "127.0.0.1:50051"
     metrics: Address = "127.0.0.1:9464"
     tls: TlsSettings | None = None
+    # The gRPC server under ext_proc: ours on h2 (~3 KB a held request) or grpc.aio, the reference
+    # (~24 KB; docs/reliability.md, "Choosing the transport").
+    transport: Literal["h2", "grpcio"] = "h2"
 
 
 class Identity(_Section, frozen=True):
