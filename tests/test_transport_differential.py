@@ -593,6 +593,18 @@ async def test_a_three_megabyte_message_round_trips(served: Served) -> None:
     assert (await unary(channel, ECHO)(Bytes(value=big))).value == big * 2
 
 
+async def test_a_burst_of_three_thousand_held_calls_on_one_connection_all_served(served: Served) -> None:
+    """Envoy opens a burst's streams on the connections it has: none may be refused for arriving together."""
+    channel = served.channel()
+    calls = [stream(channel, HOLD)() for _ in range(3_000)]
+    await asyncio.gather(*(call.write(Bytes(value=b"hi")) for call in calls))
+    assert {r.value for r in await asyncio.gather(*(call.read() for call in calls))} == {b"held"}
+    for call in calls:
+        await call.done_writing()
+    assert {await call.code() for call in calls} == {grpc.StatusCode.OK}
+    assert await settle(lambda: served.handlers.ended == 3_000)
+
+
 async def test_two_hundred_connections_each_with_a_held_call_all_complete(served: Served) -> None:
     channels = [served.channel() for _ in range(200)]
     calls = [stream(channel, HOLD)() for channel in channels]
