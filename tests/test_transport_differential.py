@@ -173,6 +173,7 @@ class RawClient:
         self.goaway: int | None = None  # the server's GOAWAY error code
         self.closed = False  # the server closed the socket
         self.settled = False  # the server's SETTINGS arrived
+        self.refused: h2.exceptions.ProtocolError | None = None  # what the server sent that this client refused
 
     @classmethod
     async def connect(cls, port: int, *, acknowledge: bool = True, window: int | None = None) -> RawClient:
@@ -216,9 +217,9 @@ class RawClient:
                 break
             try:
                 data = await asyncio.wait_for(self.reader.read(65_536), remaining)
-            except (TimeoutError, ConnectionError):
-                if not self.reader.at_eof() and loop.time() < deadline:
-                    continue
+            except TimeoutError:
+                break
+            except ConnectionError:  # reset by the server
                 data = b""
             if not data:
                 self.closed = True
@@ -229,7 +230,8 @@ class RawClient:
     def handle(self, data: bytes) -> None:
         try:
             events = self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError:
+        except h2.exceptions.ProtocolError as exc:  # ours to refuse: the state machine cannot go on
+            self.refused = exc
             self.closed = True
             return
         for event in events:
@@ -497,10 +499,12 @@ async def test_unknown_frames_are_ignored_and_a_malformed_frame_ends_the_connect
     unknown = (8).to_bytes(3, "big") + bytes([0xFA, 0]) + (0).to_bytes(4, "big") + b"whatever"
     client.write_raw(unknown)
     assert await client.alive()
-    data_on_stream_0 = (4).to_bytes(3, "big") + bytes([0x0, 0]) + (0).to_bytes(4, "big") + b"oops"
-    client.write_raw(data_on_stream_0)
+    # HEADERS on stream 0: a connection error (RFC 9113, 6.2). h2grpc says GOAWAY(PROTOCOL_ERROR) and
+    # closes; the reference just closes. (DATA on stream 0, as much an error, the reference ignores.)
+    headers_on_stream_0 = (4).to_bytes(3, "big") + bytes([0x1, 0x4]) + (0).to_bytes(4, "big") + b"oops"
+    client.write_raw(headers_on_stream_0)
     await client.pump(lambda: False, timeout=3)
-    assert client.closed or client.goaway == 1, (client.closed, client.goaway)  # PROTOCOL_ERROR
+    assert client.closed and client.goaway in (None, 1), (client.closed, client.goaway)
     assert await served.serves()
 
 
@@ -527,38 +531,26 @@ async def test_zero_window_client_cannot_make_the_server_buffer_unboundedly(
         served: Served, raw: Connect) -> None:
     """It never reads replies (window 0, no updates) yet keeps sending echo requests."""
     client = await raw(acknowledge=False, window=0)
-    attempt = 128 * 1024 * 1024
-    pushed = await push(client, [client.request(body=None, end=False) for _ in range(4)],
-                        echo_message(b"z" * (1024 * 1024 - 16)), attempt, repeat=True)
+    attempt = 96 * 1024 * 1024
+    pushed = await push(client, [client.request(body=None, end=False) for _ in range(2)],
+                        echo_message(b"z" * (1024 * 1024 - 16)), attempt)
     assert await served.serves()
-    # The server took in what its windows bound (the reference: about 4 MiB a stream, one reply
-    # waiting on the window), not all the client had to push.
-    assert pushed < attempt / 4, f"{served.transport} accepted {pushed / 2**20:.1f} MiB of {attempt / 2**20:.0f}"
+    # The reference stops reading a stream once its reply cannot go out: one message reached each
+    # handler, and C-core took in 5-18 MiB a stream (measured), not all the client had to push.
+    assert pushed < attempt / 2, f"{served.transport} accepted {pushed / 2**20:.1f} MiB of {attempt / 2**20:.0f}"
 
 
-async def test_messages_one_byte_short_are_bounded_by_the_windows(served: Served, raw: Connect) -> None:
-    """24 streams each one byte short of a whole 4 MiB message: what the server holds undecoded."""
-    client = await raw()
-    ids = [client.request(body=None, end=False) for _ in range(24)]
-    short = message(b"q" * (MAX_MESSAGE_BYTES - 5))[:-1]
-    pushed = await push(client, ids, short, len(ids) * len(short), repeat=False)
-    assert served.handlers.received == 0
-    assert await served.serves()
-    # Measured: grpcio 8 MiB, h2grpc 16 MiB (its connection window): not the 96 MiB offered.
-    assert pushed < len(ids) * len(short) / 2, f"{served.transport} took {pushed / 2**20:.1f} MiB"
-
-
-async def push(client: RawClient, ids: list[int], body: bytes, attempt: int, *, repeat: bool) -> int:
-    """Send ``body`` on every stream (again and again if ``repeat``) as fast as the server's windows let,
-    until ``attempt`` bytes went out or nothing moved for 1.5 s; returns the bytes sent."""
+async def push(client: RawClient, ids: list[int], body: bytes, attempt: int) -> int:
+    """Send ``body`` on every stream, again and again, as fast as the server's windows let,
+    until ``attempt`` bytes went out or nothing moved for 3 s; returns the bytes sent."""
     offset = dict.fromkeys(ids, 0)
     loop = asyncio.get_running_loop()
     stalled_since = loop.time()
-    while sum(offset.values()) < attempt and loop.time() - stalled_since < 1.5:
+    while sum(offset.values()) < attempt and loop.time() - stalled_since < 3:
         progressed = False
         for stream_id in ids:
             window = min(client.h2.local_flow_control_window(stream_id), client.h2.max_outbound_frame_size)
-            start = offset[stream_id] % len(body) if repeat else offset[stream_id]
+            start = offset[stream_id] % len(body)
             piece = body[start: start + window]
             if piece:
                 client.h2.send_data(stream_id, piece)
