@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -304,6 +305,17 @@ async def settle(condition: Callable[[], bool], timeout: float = 10) -> bool:
 
 def goaway(last_stream_id: int = 0, error_code: int = 0) -> bytes:
     return bytes(GoAwayFrame(0, last_stream_id=last_stream_id, error_code=error_code).serialize())
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+async def test_a_port_in_use_is_an_os_error(transport: str) -> None:
+    """What ProcessorServer turns into ``listen.grpc: cannot bind ...`` (grpcio would share it with SO_REUSEPORT)."""
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        with pytest.raises(OSError):
+            await TRANSPORTS[transport]({}).start("127.0.0.1", port)
 
 
 # --- conformance: per-stream failures stay in their stream -------------------------------------------------

@@ -20,6 +20,7 @@ so a rotated certificate serves new connections as on h2grpc.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -111,10 +112,14 @@ class GrpcioServer:
             ("grpc.server.max_pending_requests", 2**30), ("grpc.server.max_pending_requests_hard_limit", 2**30),
         ])
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        bound = (self._server.add_insecure_port(address) if tls is None
-                 else self._server.add_secure_port(address, _credentials(tls)))
-        if bound == 0:
-            raise OSError(98, "Address already in use")  # grpcio says only that it could not bind
+        try:
+            if tls is None:
+                self._server.add_insecure_port(address)
+            else:
+                self._server.add_secure_port(address, _credentials(tls))
+        except RuntimeError:  # grpcio says only that it could not bind; an OSError, as h2grpc raises
+            raise OSError(errno.EADDRINUSE, "Address already in use, or not permitted (grpcio does not say which)"
+                          ) from None
         await self._server.start()
 
     def calls(self) -> int:
