@@ -145,8 +145,8 @@ def _credentials(tls: ServerTls) -> grpc.ServerCredentials:
     def fetch() -> grpc.ServerCertificateConfiguration | None:
         if tls.current is loaded[0]:
             return None
-        # Read just after ServerTls validated them: files rewritten in between would be a pair it has
-        # not checked (grpcio then fails those handshakes until ServerTls sees the change and reloads).
+        # Read just after ServerTls validated them: files rewritten in between would hand grpcio a pair
+        # ServerTls has not checked (until its next look at the files, a few reload_s later).
         loaded[0] = tls.current
         try:
             return configuration()
