@@ -11,7 +11,9 @@ import pytest
 from extproc.adapters.config import parse_config
 from extproc.adapters.engines.dialects import parse_load
 from extproc.tools.bench.arms import MODEL
+from extproc.tools.bench.held import run_held
 from extproc.tools.bench.overhead import REQUEST_BODY, overhead_config, run_overhead, summarize_overhead, upstream_bootstrap
+from extproc.tools.bench.report import overhead_markdown
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.procs import free_port
 
@@ -36,10 +38,12 @@ async def test_fast_upstream_answers_chat_and_reports_an_idle_engine(tmp_path: P
 
 @pytest.mark.skipif(shutil.which("hey") is None, reason="the load tool `hey` is not installed (apt-get install hey)")
 async def test_short_overhead_run_measures_every_path(tmp_path: Path) -> None:
-    """Direct, Envoy alone, our metadata fast path and the GIE shape's two body modes, all answered."""
+    """Direct, Envoy alone, our metadata fast path (on each transport) and the GIE shape's two body modes, all answered."""
     summary = summarize_overhead(await run_overhead(tmp_path, seconds=0.5))
-    assert list(summary["paths"]) == ["upstream", "envoy", "envoy+extproc", "gie-buffered", "gie-duplex"]
-    assert list(summary["added_ms"]) == ["envoy+extproc", "gie-buffered", "gie-duplex"]
+    assert list(summary["paths"]) == ["upstream", "envoy", "envoy+extproc", "envoy+extproc-grpcio", "gie-buffered",
+                                      "gie-duplex"]
+    assert list(summary["added_ms"]) == ["envoy+extproc", "envoy+extproc-grpcio", "gie-buffered", "gie-duplex"]
+    assert all(summary["transports"][t]["cpu_us_per_request_fixed"] > 0 for t in ("h2", "grpcio"))
     assert summary["added_ms"]["envoy+extproc"] == summary["extproc_added_ms"]
     for path, figures in summary["paths"].items():
         for run in ("fixed", "max"):
@@ -48,3 +52,13 @@ async def test_short_overhead_run_measures_every_path(tmp_path: Path) -> None:
     assert summary["extproc_max_rate"] > 0
     assert summary["extproc_cpu_us_per_request"] > 0
     assert set(summary["extproc_added_ms"]) == {"p50", "p99"}
+
+
+async def test_memory_per_held_request_is_measured_on_each_transport(tmp_path: Path) -> None:
+    """grpc.aio's native per-stream state shows: several times h2grpc's per held request (measured 27 vs 6 KB)."""
+    held = await run_held(tmp_path, 500)
+    figures = summarize_overhead([], held)["transports"]
+    assert [f["held"] for f in figures.values()] == [499, 499]  # all queued but the one the gate released
+    assert figures["grpcio"]["kb_per_held"] > 2 * figures["h2"]["kb_per_held"] > 0
+    table = "\n".join(overhead_markdown({"paths": {}, "max_workers": 32, "transports": figures}))
+    assert "| h2 | 499 |" in table and "| grpcio | 499 |" in table

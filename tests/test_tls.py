@@ -20,6 +20,7 @@ import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.adapters.config import ConfigError, parse_config
+from extproc.adapters.ext_proc.grpcio_server import GrpcioServer
 from extproc.adapters.ext_proc.h2grpc import GrpcServer
 from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.tls import ServerTls
@@ -85,13 +86,21 @@ def _tls(ca: CA, server: Pair, *, mutual: bool = False, reload_s: float = 5.0) -
     return config.listen.tls
 
 
-async def _serving(tls: ServerTls) -> tuple[GrpcServer, int]:
+async def _serving(tls: ServerTls, transport: str) -> tuple[GrpcServer | GrpcioServer, int]:
+    """Health over TLS on either transport (listen.transport); grpcio reads the files, asking ``tls`` of reloads."""
     health = Health(lambda: True)
     health.start()
-    server = GrpcServer(health.methods())
     port = free_port()
+    if transport == "grpcio":
+        grpcio = GrpcioServer(health.methods())
+        await grpcio.start("127.0.0.1", port, tls)
+        return grpcio, port
+    server = GrpcServer(health.methods())
     await server.start("127.0.0.1", port, tls.listener)
     return server, port
+
+
+TRANSPORTS = pytest.mark.parametrize("transport", ["h2", "grpcio"])
 
 
 def _credentials(ca: CA, client: Pair | None = None) -> grpc.ChannelCredentials:
@@ -115,9 +124,10 @@ async def _check(target: str, credentials: grpc.ChannelCredentials | None) -> An
         await channel.close()
 
 
-async def test_grpcio_checks_health_over_tls_and_a_plaintext_client_is_refused(tmp_path: Path) -> None:
+@TRANSPORTS
+async def test_grpcio_checks_health_over_tls_and_a_plaintext_client_is_refused(tmp_path: Path, transport: str) -> None:
     ca = CA(tmp_path)
-    server, port = await _serving(ServerTls(_tls(ca, ca.issue("server"))))
+    server, port = await _serving(ServerTls(_tls(ca, ca.issue("server"))), transport)
     try:
         for host in ("127.0.0.1", "localhost"):  # without SNI (an IP address) and with it
             assert await _check(f"{host}:{port}", _credentials(ca)) == SERVING
@@ -128,9 +138,10 @@ async def test_grpcio_checks_health_over_tls_and_a_plaintext_client_is_refused(t
         await server.stop(0)
 
 
-async def test_mutual_tls_refuses_a_client_without_a_certificate_of_the_client_ca(tmp_path: Path) -> None:
+@TRANSPORTS
+async def test_mutual_tls_refuses_a_client_without_a_certificate_of_the_client_ca(tmp_path: Path, transport: str) -> None:
     ca = CA(tmp_path)
-    server, port = await _serving(ServerTls(_tls(ca, ca.issue("server"), mutual=True)))
+    server, port = await _serving(ServerTls(_tls(ca, ca.issue("server"), mutual=True)), transport)
     target = f"127.0.0.1:{port}"
     try:
         assert await _check(target, _credentials(ca, ca.issue("client", server=False))) == SERVING
@@ -167,7 +178,7 @@ async def _eventually(read: Callable[[], Awaitable[T]], expected: T, timeout_s: 
     return value
 
 
-async def _rotation(tmp_path: Path) -> None:
+async def _rotation(tmp_path: Path, transport: str) -> None:
     ca = CA(tmp_path / "ca")
     client = ca.issue("client", server=False)
     volume = SecretVolume(tmp_path / "secret")
@@ -184,7 +195,7 @@ async def _rotation(tmp_path: Path) -> None:
     assert settings is not None
     outcomes: list[str] = []
     tls = ServerTls(settings, outcomes.append)
-    server, port = await _serving(tls)
+    server, port = await _serving(tls, transport)
     watch = asyncio.create_task(tls.watch())
     # A connection opened before the rotation (grpcio's blocking client, on its own threads: any loop).
     held = grpc.secure_channel(f"127.0.0.1:{port}", _credentials(ca, client))
@@ -219,13 +230,14 @@ async def _now(value: T) -> T:
     return value
 
 
+@TRANSPORTS
 @pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
 def test_changed_files_serve_new_connections_without_a_restart_and_a_broken_pair_keeps_the_old(
-    tmp_path: Path, loop_factory: Callable[[], asyncio.AbstractEventLoop]
+    tmp_path: Path, loop_factory: Callable[[], asyncio.AbstractEventLoop], transport: str
 ) -> None:
     """A Secret volume's symlink swap: new handshakes get the new certificate once reload_s has passed."""
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(_rotation(tmp_path))
+        runner.run(_rotation(tmp_path, transport))
 
 
 async def test_serve_listens_with_tls_and_counts_reloads(tmp_path: Path) -> None:

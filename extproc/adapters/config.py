@@ -190,6 +190,9 @@ class Listen(_Section, frozen=True):
     connection_buffer_bytes: Count = 32 * 1024 * 1024
     idle_timeout_s: Positive = 3600.0
     handshake_timeout_s: Positive = 10.0
+    # The gRPC server under ext_proc: ours on h2 (~3 KB a held request) or grpc.aio, the reference
+    # (~24 KB; docs/reliability.md, "Choosing the transport").
+    transport: Literal["h2", "grpcio"] = "h2"
 
 
 class Identity(_Section, frozen=True):

@@ -36,6 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig, split_address
 from extproc.adapters.engines.discovery import watch_pool
+from extproc.adapters.ext_proc.grpcio_server import GrpcioServer
 from extproc.adapters.ext_proc.h2grpc import GrpcServer, Limits, Method
 from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.servicer import Processor
@@ -73,8 +74,10 @@ class ProcessorServer:
         # Ready once every model's pool has a member: what the Endpoint Picker Protocol calls synced.
         self._health = Health(lambda: all(d.pool.endpoints for d in self.dispatchers.values()))
         # Every held request is an open stream: the transport's limits (listen.*) are far above
-        # them, and it keeps each small (h2grpc.py; measured per held request in docs/reliability.md).
-        self._grpc = GrpcServer({
+        # them, and it keeps each small (h2grpc.py; measured per held request in docs/reliability.md),
+        # unless the operator chose grpc.aio (listen.transport: grpcio), the reference.
+        transport = GrpcioServer if config.listen.transport == "grpcio" else GrpcServer
+        self._grpc = transport({
             PROCESS_PATH: Method(pb.ProcessingRequest.FromString, self.processor.process),
             **self._health.methods(),
         }, max_message_bytes=config.endpoint_picker.max_body_bytes + BODY_MESSAGE_MARGIN, limits=Limits(
@@ -108,7 +111,10 @@ class ProcessorServer:
     async def start(self) -> None:
         host, port = split_address(self.config.listen.grpc)
         try:
-            await self._grpc.start(host, port, None if self._tls is None else self._tls.listener)
+            if isinstance(self._grpc, GrpcioServer):  # grpcio reads the files itself, asking ServerTls of reloads
+                await self._grpc.start(host, port, self._tls)
+            else:
+                await self._grpc.start(host, port, None if self._tls is None else self._tls.listener)
         except OSError as exc:
             raise OSError(f"listen.grpc: cannot bind {self.config.listen.grpc} ({exc.strerror})") from exc
         self.processor.lag.start()
@@ -126,8 +132,8 @@ class ProcessorServer:
         if self._cluster is not None:
             self._cluster.start()
         self._health.start()
-        log.info("serving ext_proc on %s%s, metrics on %s", self.config.listen.grpc,
-                 "" if self._tls is None else " (TLS)", self.config.listen.metrics)
+        log.info("serving ext_proc on %s%s (transport %s), metrics on %s", self.config.listen.grpc,
+                 "" if self._tls is None else " (TLS)", self.config.listen.transport, self.config.listen.metrics)
 
     def add_task(self, task: asyncio.Task[None]) -> None:
         """A task that lives as long as the server (cancelled by close)."""

@@ -81,8 +81,10 @@ class Call:
         return self
 
     async def __anext__(self) -> Any:
-        while not self.inbox:
-            if self.ended:
+        # While a reply waits on the peer's window, the next message waits too: its bytes stay
+        # unacknowledged, so a client that reads nothing cannot make us buffer without end.
+        while self.outgoing or not self.inbox:
+            if self.ended and not self.inbox and not self.outgoing:
                 raise StopAsyncIteration
             self.waiter = asyncio.get_running_loop().create_future()
             try:

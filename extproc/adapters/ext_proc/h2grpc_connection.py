@@ -441,6 +441,7 @@ class Connection(asyncio.Protocol):
                     return
                 self._h2.send_data(call.stream_id, call.outgoing[:size])
                 call.outgoing = call.outgoing[size:]
+            call.wake()  # its handler may read on
         except _ProtocolError:
             call.outgoing = b""
             self._drop(call.stream_id)

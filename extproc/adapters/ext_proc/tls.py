@@ -104,8 +104,8 @@ class ServerTls:
     """
 
     def __init__(self, settings: TlsSettings, reloaded: Callable[[str], None] = lambda outcome: None) -> None:
-        self._settings = settings
         self._reloaded = reloaded
+        self.settings = settings
         self._paths = [p for p in (settings.cert_file, settings.key_file, settings.client_ca_file) if p is not None]
         self._loaded = self._contents()
         self.listener = self._load()
@@ -113,7 +113,7 @@ class ServerTls:
         self.listener.sni_callback = self._on_client_hello
 
     def _load(self) -> ssl.SSLContext:
-        s = self._settings
+        s = self.settings
         return load_context(s.cert_file, s.key_file, s.client_ca_file)
 
     def _contents(self) -> tuple[bytes | str, ...]:
@@ -155,5 +155,5 @@ class ServerTls:
     async def watch(self) -> None:
         """Check the files every ``reload_s``, until cancelled."""
         while True:
-            await asyncio.sleep(self._settings.reload_s)
+            await asyncio.sleep(self.settings.reload_s)
             self.check()

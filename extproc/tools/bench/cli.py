@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     overhead.add_argument("--overhead-only", action="store_true", help="run only the overhead benchmark")
     parser.add_argument("--overhead-seconds", type=float, default=OVERHEAD_SECONDS,
                         help="length of each overhead measurement (default %(default)s)")
+    parser.add_argument("--held-streams", type=int,
+                        help="ext_proc streams held per transport for the memory per held request (default 2000)")
 
 
 def _pick(names: str | None, available: dict[str, Any], what: str) -> list[Any]:
@@ -107,6 +109,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from extproc.tools.bench.arms import ARMS, CLUSTER_ARMS, DIRECT
+    from extproc.tools.bench.held import HELD, TRANSPORTS, run_held
     from extproc.tools.bench.metrics import batch_capacity, common_horizon, summarize
     from extproc.tools.bench.overhead import ROUNDS as OVERHEAD_ROUNDS
     from extproc.tools.bench.overhead import find_hey, run_overhead, summarize_overhead
@@ -172,7 +175,7 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         arms = [a for a in arms if a.name in running]
         meta["arms"] = [m for m in meta["arms"] if m["name"] in running]
     total = sum(s.planned_requests(a.name) for s in scenarios for a in arms_of(s))
-    total += 2 * OVERHEAD_ROUNDS if with_overhead else 0
+    total += 2 * OVERHEAD_ROUNDS + len(TRANSPORTS) if with_overhead else 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("starting", total=total)
@@ -203,9 +206,14 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
 
             progress.update(task, description="overhead · starting")
 
-            overhead = summarize_overhead(
-                await run_overhead(workdir / "overhead", seconds=args.overhead_seconds, on_step=step)
-            )
+            paths = await run_overhead(workdir / "overhead", seconds=args.overhead_seconds, on_step=step)
+            held = []
+            streams = args.held_streams or HELD
+            for transport in TRANSPORTS:  # each transport's memory per held request, after the timed runs
+                progress.update(task, description=f"overhead · {streams} held on {transport}")
+                held += await run_held(workdir / "held", streams, (transport,))
+                progress.advance(task)
+            overhead = summarize_overhead(paths, held)
         progress.update(task, description="done")
     meta["wall_s"] = time.monotonic() - started
     meta["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]

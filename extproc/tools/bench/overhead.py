@@ -11,6 +11,8 @@ vLLM page that reports an idle engine):
   held and released at once: the pure cost of the hop, on our metadata fast
   path (Envoy's json_to_metadata hands the processor the body's fields; the
   body never crosses the hop);
+* ``envoy+extproc-grpcio`` — the same on the reference transport
+  (``listen.transport: grpcio``, grpc.aio), for the transports' CPU per request;
 * ``gie-buffered``, ``gie-duplex`` — the processor attached as a GIE Endpoint
   Picker, by ext_proc alone, in Envoy AI Gateway's shape
   (tools/gie_gateway.py's ``strict``, plaintext like the other paths), the
@@ -29,7 +31,9 @@ answers take less than that. The load tool, the Envoys and the processor
 share the machine's cores: the max-rate figure is for this machine as a whole.
 
 CPU per request is the processor's (and the gateway Envoy's) user + system
-time during the run, from ``/proc``, divided by the requests completed.
+time during the run, from ``/proc``, divided by the requests completed. With
+each transport's memory per held request (held.py), :func:`summarize_overhead`
+puts both transports side by side.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import yaml
 
 from extproc.tools import gie_gateway
 from extproc.tools.bench.arms import MODEL, api_key
+from extproc.tools.bench.held import HeldResult
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.power_user import percentile
 from extproc.tools.procs import cpu_seconds, free_port
@@ -176,13 +181,13 @@ def upstream_bootstrap(listen_port: int, admin_port: int) -> dict[str, Any]:
     }
 
 
-def overhead_config(upstream_url: str, *, endpoint_picking: bool = False) -> dict[str, Any]:
+def overhead_config(upstream_url: str, *, endpoint_picking: bool = False, transport: str = "h2") -> dict[str, Any]:
     """An extproc config whose gate never holds: the queue is far below ``target_waiting``.
 
     ``endpoint_picking`` for the GIE paths: their Envoy routes to the endpoint the processor names.
     """
     return {
-        "listen": {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"},
+        "listen": {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}", "transport": transport},
         "models": [{
             "name": MODEL,
             "endpoints": [upstream_url],
@@ -201,15 +206,19 @@ def overhead_config(upstream_url: str, *, endpoint_picking: bool = False) -> dic
     }
 
 
-# The paths behind Envoy: name, what runs behind it, and the GIE gateway shape's body mode (None: our bootstrap).
-PATHS: tuple[tuple[str, Gateway, gie_gateway.BodyMode | None], ...] = (
-    ("envoy", "envoy", None),
-    ("envoy+extproc", "extproc", None),
-    ("gie-buffered", "extproc", "buffered"),
-    ("gie-duplex", "extproc", "duplex"),
+# The paths behind Envoy: name, what runs behind it, the GIE gateway shape's body mode (None: our
+# bootstrap), and the processor's transport (listen.transport).
+PATHS: tuple[tuple[str, Gateway, gie_gateway.BodyMode | None, str], ...] = (
+    ("envoy", "envoy", None, "h2"),
+    ("envoy+extproc", "extproc", None, "h2"),
+    ("envoy+extproc-grpcio", "extproc", None, "grpcio"),
+    ("gie-buffered", "extproc", "buffered", "h2"),
+    ("gie-duplex", "extproc", "duplex", "h2"),
 )
 # Each path with a processor, compared with Envoy alone (summarize_overhead's added_ms).
-PROCESSOR_PATHS = tuple(path for path, gateway, _ in PATHS if gateway == "extproc")
+PROCESSOR_PATHS = tuple(path for path, gateway, _, _ in PATHS if gateway == "extproc")
+# The metadata fast path on each transport: the two compared in summarize_overhead's "transports".
+TRANSPORT_PATHS = {"h2": "envoy+extproc", "grpcio": "envoy+extproc-grpcio"}
 
 
 @dataclass(frozen=True)
@@ -262,11 +271,11 @@ async def run_overhead(
         await running.enter_async_context(upstream)
         upstream_url = f"http://127.0.0.1:{up_port}"
         targets = [_Target("upstream", upstream_url, {})]
-        for path, gateway, shape in PATHS:
+        for path, gateway, shape, transport in PATHS:
             folder = workdir / path
             folder.mkdir(exist_ok=True)
             config_path = folder / "config.yaml"
-            config = overhead_config(upstream_url, endpoint_picking=shape is not None)
+            config = overhead_config(upstream_url, endpoint_picking=shape is not None, transport=transport)
             config_path.write_text(yaml.safe_dump(config), encoding="utf-8")
             envoy_bootstrap = None if shape is None else functools.partial(gie_gateway.strict, model=MODEL, body=shape)
             stack = await running.enter_async_context(
@@ -305,8 +314,9 @@ def _difference(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
-def summarize_overhead(paths: list[PathResult]) -> dict[str, Any]:
-    """Per path: rates, latency percentiles (pooled over rounds) and CPU per request; then what each processor path adds."""
+def summarize_overhead(paths: list[PathResult], held: list[HeldResult] | None = None) -> dict[str, Any]:
+    """Per path: rates, latency percentiles (pooled over rounds) and CPU per request; then what each processor
+    path adds; then each transport's CPU per request and (from ``held``) memory per held request."""
     by_path = {
         p.path: {
             "fixed": _pooled(p.fixed),
@@ -317,7 +327,8 @@ def summarize_overhead(paths: list[PathResult]) -> dict[str, Any]:
         for p in paths
     }
     summary: dict[str, Any] = {
-        "fixed_rate": FIXED_RATE, "max_workers": MAX_WORKERS, "rounds": len(paths[0].fixed), "paths": by_path,
+        "fixed_rate": FIXED_RATE, "max_workers": MAX_WORKERS, "rounds": len(paths[0].fixed) if paths else 0,
+        "paths": by_path,
     }
     runs = {p.path: p for p in paths}
     if "envoy" in runs:
@@ -336,4 +347,19 @@ def summarize_overhead(paths: list[PathResult]) -> dict[str, Any]:
         ]
         summary["extproc_max_rate"] = by_path["envoy+extproc"]["max"]["rate"]
         summary["extproc_cpu_us_per_request"] = by_path["envoy+extproc"]["cpu_us_per_request_fixed"]["extproc"]
+    memory = {h.transport: h.summary() for h in held or ()}
+    transports = {
+        transport: {
+            **({} if path not in by_path else {
+                "cpu_us_per_request_fixed": by_path[path]["cpu_us_per_request_fixed"]["extproc"],
+                "cpu_us_per_request_max": by_path[path]["cpu_us_per_request_max"]["extproc"],
+                "max_rate": by_path[path]["max"]["rate"],
+                "added_p50_ms": summary.get("added_ms", {}).get(path, {}).get("p50"),
+            }),
+            **memory.get(transport, {}),
+        }
+        for transport, path in TRANSPORT_PATHS.items()
+    }
+    if any(transports.values()):
+        summary["transports"] = {t: figures for t, figures in transports.items() if figures}
     return summary

@@ -438,6 +438,17 @@ def overhead_markdown(overhead: Mapping[str, Any]) -> list[str]:
     if by_attachment:
         lines += ["", "Added to Envoy alone at the fixed rate, p50 / p99 (ms): " + "; ".join(
             f"{path} {_num(added['p50'])} / {_num(added['p99'])}" for path, added in by_attachment.items()) + "."]
+    transports = overhead.get("transports") or {}
+    if transports:
+        lines += ["", "Per transport (`listen.transport`): memory per held request (processor RSS growth with the "
+                      "streams held, Envoy not included) and processor CPU per request on the metadata fast path:", ""]
+        lines += _table(
+            ["transport", "held", "KB per held", "CPU µs per stream opened", "CPU µs/request (fixed)",
+             "CPU µs/request (max)", "max rate (req/s)", "added p50 (ms)"],
+            [[t, _num(f.get("held"), 0), _num(f.get("kb_per_held"), 1), _num(f.get("cpu_us_per_stream"), 0),
+              _num(f.get("cpu_us_per_request_fixed"), 0), _num(f.get("cpu_us_per_request_max"), 0),
+              _num(f.get("max_rate"), 0), _num(f.get("added_p50_ms"))] for t, f in transports.items()],
+        )
     return lines
 
 
