@@ -17,7 +17,7 @@ import yaml
 from google.protobuf.json_format import ParseError
 
 from extproc.adapters.answers import ANSWERS
-from extproc.adapters.config import ConfigError, load_config
+from extproc.adapters.config import ConfigError, load_config, parse_config
 from extproc.adapters.envoy import DROP_IN_HEADER, bootstrap, drop_in, hold_timeout_s, render
 from extproc.adapters.envoy.clusters import model_cluster_name
 from extproc.adapters.envoy.filters import FILTERS, Chain, drop_in_name
@@ -160,7 +160,7 @@ def test_filter_chain_order_and_settings() -> None:
         "envoy.filters.http.router",
     ]
     admission = http_filter(doc, "envoy.filters.http.local_ratelimit")["typed_config"]
-    assert admission["token_bucket"]["max_tokens"] == config.envoy.admission_burst
+    assert admission["token_bucket"]["max_tokens"] == config.envoy.admission_tokens
     assert admission["status"] == {"code": "ServiceUnavailable"}
     # Its reply gets reason, Retry-After and JSON from local_reply_config, by its details.
     [overloaded] = [m for m in hcm(doc)["local_reply_config"]["mappers"] if "local_rate_limited" in str(m["filter"])]
@@ -179,6 +179,21 @@ def test_filter_chain_order_and_settings() -> None:
     assert seconds(ext["message_timeout"]) == config.envoy.message_timeout_ms / 1000
     assert seconds(ext["max_message_timeout"]) == max(m.max_queue_wait_s for m in config.models) + 30
     assert ext["metadata_options"]["forwarding_namespaces"]["untyped"] == ["extproc"]
+
+
+@pytest.mark.parametrize(("envoy", "tokens", "per_second"), [
+    ({}, 3000, 1000),  # the defaults: the processor's intake (1,500/s) x the message timeout (2 s)
+    ({"message_timeout_ms": 5000}, 7500, 1000),  # a longer timeout: the processor takes in more of a burst
+    ({"admission_per_second": 500}, 1500, 500),  # a slower processor: its intake (750/s) x the timeout
+    ({"admission_per_second": 1001, "message_timeout_ms": 1000}, 1502, 1001),  # 1,501.5: rounded up
+    ({"admission_burst": 300, "admission_per_second": 500}, 300, 500),  # set: as written
+])
+def test_the_admission_bucket_holds_what_the_processor_takes_in_within_the_message_timeout(
+    envoy: dict[str, int], tokens: int, per_second: int,
+) -> None:
+    doc = bootstrap(parse_config({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"]}], "envoy": envoy}))
+    bucket = http_filter(doc, "envoy.filters.http.local_ratelimit")["typed_config"]["token_bucket"]
+    assert bucket == {"max_tokens": tokens, "tokens_per_fill": per_second, "fill_interval": "1s"}
 
 
 def test_timeouts_outlast_the_queue() -> None:

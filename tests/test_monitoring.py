@@ -128,7 +128,8 @@ def test_the_dashboard_reads_only_metrics_the_processor_has_and_the_compose_prof
 
 
 async def flood(envoy_url: str, stop: asyncio.Event) -> int:
-    """Named (alice) and unnamed (carol, dave) tenants, more at once than the engine runs, until ``stop``."""
+    """Tenants named under tenants: (alice) and by their API keys only (carol, dave), more at once than the engine
+    runs, until ``stop``."""
     sent = 0
     async with aiohttp.ClientSession() as session:
         while not stop.is_set():

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.adapters.config import Config, parse_config
+from extproc.adapters.config import Config, load_config, parse_config
 from extproc.adapters.objectives import (
     MET,
     MISSED,
@@ -29,7 +30,7 @@ from extproc.adapters.objectives import (
     TenantRecent,
 )
 from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.wiring import build_dispatchers
+from extproc.adapters.wiring import build_dispatchers, tenant_labels
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.core.outcomes import Refusal, Refused
@@ -39,10 +40,8 @@ from extproc.tools.stack import start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
 
 ENDPOINT = "http://127.0.0.1:1"
-CONFIG = parse_config({
-    "models": [{"name": "m", "endpoints": [ENDPOINT], "fallback_max_in_flight": 1, "max_queue_wait_s": 60}],
-    "tenants": {"alice": {"max_queued": 1}, "bob": {}},
-})
+CONFIG_MODELS = [{"name": "m", "endpoints": [ENDPOINT], "fallback_max_in_flight": 1, "max_queue_wait_s": 60}]
+CONFIG = parse_config({"models": CONFIG_MODELS, "tenants": {"alice": {"max_queued": 1}, "bob": {}}})
 LABELLED = {"alice", "bob", "anonymous", "other"}  # the config's tenants, its default tenant, everyone else
 
 
@@ -136,6 +135,37 @@ async def test_a_finished_request_charges_its_tokens_and_vtc_cost_to_its_tenant(
     assert r.get_sample_value("extproc_charged_cost_total", {"model": "m", "tenant": "other"}) == 200
 
 
+# The compose demo's shape: tenants named only by their API keys, no tenants: section.
+KEYS_ONLY = parse_config({"models": CONFIG_MODELS, "envoy": {"api_keys": {"key-alice": "alice", "key-bob": "bob"}}})
+
+
+@pytest.mark.unit
+def test_an_api_keys_tenant_is_known_by_name_and_the_label_set_stays_the_configs() -> None:
+    labels = tenant_labels(KEYS_ONLY)
+    assert set(labels.values) == LABELLED
+    assert (labels("alice"), labels("bob"), labels("mallory"), labels("anonymous")) == ("alice", "bob", "other", "anonymous")
+    # Named in both places: one value, not two.
+    both = parse_config({"models": CONFIG_MODELS, "tenants": {"alice": {}}, "envoy": {"api_keys": {"k": "alice"}}})
+    assert tenant_labels(both).values == ("alice", "anonymous", "other")
+    # The compose demo's own config: its four tenants have keys and no tenants: entries.
+    demo = load_config(Path(__file__).parents[1] / "extproc" / "data" / "compose.yaml")
+    assert tenant_labels(demo).values == ("alice", "anonymous", "bob", "carol", "dave", "other")
+
+
+@pytest.mark.unit
+async def test_an_api_keys_tenant_is_on_the_metrics_page_by_name() -> None:
+    telemetry, dispatchers = build(KEYS_ONLY)
+    for tenant in ("alice", "mallory"):
+        dispatchers["m"].end(dispatchers["m"].submit(tenant, 1))
+    page = {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(generate_latest(telemetry.registry).decode())
+            for s in family.samples}
+    assert metric(page, "extproc_released_total", model="m", tenant="alice") == 1
+    assert metric(page, "extproc_released_total", model="m", tenant="bob") == 0  # there at 0 from the start
+    assert metric(page, "extproc_released_total", model="m", tenant="other") == 1  # mallory has no key
+    assert {dict(labels).get("tenant") for (_, labels) in page} <= LABELLED | {"(none)", None}
+
+
 @pytest.mark.unit
 async def test_a_good_scrape_stamps_its_time_and_kv_usage_is_a_ratio() -> None:
     telemetry, dispatchers = build()
@@ -156,8 +186,11 @@ async def test_a_good_scrape_stamps_its_time_and_kv_usage_is_a_ratio() -> None:
 
 
 @pytest.mark.integration
-async def test_an_operator_sees_named_tenants_by_name_and_everyone_else_as_other(tmp_path: Path) -> None:
-    """Through real Envoy: alice and bob are named in the config; carol and dave are not."""
+async def test_an_operator_sees_every_tenant_the_config_names_by_name(tmp_path: Path) -> None:
+    """Through real Envoy: alice and bob are under tenants:, carol and dave only have API keys (the demo's shape).
+
+    A tenant with no key cannot pass api_key_auth, so ``other`` stays at 0 here (the unit tests send it).
+    """
     config = write_stack_config(tmp_path, {"m1": {}}, tenants={"alice": {}, "bob": {}})
     sent = {"alice": 3, "bob": 2, "carol": 1, "dave": 1}
     started = time.time()
@@ -171,10 +204,11 @@ async def test_an_operator_sees_named_tenants_by_name_and_everyone_else_as_other
                                 json={"model": "nope", "messages": []}) as response:
             assert response.status == 404
         page = await read_metrics(stack.metrics_url)
-    released = {t: metric(page, "extproc_released_total", model="m1", tenant=t) for t in LABELLED}
-    assert released == {"alice": 3, "bob": 2, "other": 2, "anonymous": 0}
-    assert {dict(labels).get("tenant") for (_, labels) in page} <= LABELLED | {"(none)", None}
-    assert metric(page, "extproc_queue_wait_seconds_count", tenant="other") == 2
+    named = LABELLED | {"carol", "dave"}
+    released = {t: metric(page, "extproc_released_total", model="m1", tenant=t) for t in named}
+    assert released == {"alice": 3, "bob": 2, "carol": 1, "dave": 1, "other": 0, "anonymous": 0}
+    assert {dict(labels).get("tenant") for (_, labels) in page} <= named | {"(none)", None}
+    assert metric(page, "extproc_queue_wait_seconds_count", tenant="carol") == 1
     assert metric(page, "extproc_rejected_total", model="(unknown)", reason="model_not_found", tenant="(none)") == 1
     assert ("extproc_rejected_total", (("model", "m1"), ("reason", "queue_timeout"), ("tenant", "alice"))) in page
     # Charged per tenant: prompt tokens from Content-Length, at most max_tokens of output each, priced 1 and 2.

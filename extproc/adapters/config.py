@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -372,6 +374,10 @@ class EndpointPickerSettings(_Section, frozen=True):
     fallbacks: Count0 = 0
 
 
+# The admission bucket's refill as a share of the processor's intake (EnvoySettings.admission_tokens).
+ADMISSION_REFILL_SHARE = Fraction(2, 3)
+
+
 class EnvoySettings(_Section, frozen=True):
     """What `extproc envoy-config` needs to print a complete bootstrap."""
 
@@ -387,11 +393,15 @@ class EnvoySettings(_Section, frozen=True):
     # timeout): "closed" answers 503 (nothing passes unscheduled); "open" forwards the
     # request unscheduled, routed on the body's model (nothing is lost, fairness is).
     processor_failure: Literal["closed", "open"] = "closed"
-    # Admission in front of the processor (Envoy's local rate limit, one token bucket):
-    # up to admission_burst requests at once, then admission_per_second. A burst larger
-    # than the processor can answer within message_timeout_ms is answered 503
-    # `overloaded` by Envoy at once, instead of 504s two seconds later.
-    admission_burst: Count = 1000
+    # Admission in front of the processor (Envoy's local rate limit, one token bucket): up to
+    # admission_burst requests at once, then admission_per_second. Sized to the processor's
+    # intake, what it takes in of a burst per second within message_timeout_ms (3,000 in 2 s on a
+    # loaded 2-core machine: 1,500/s). admission_per_second is 2/3 of it, since requests that
+    # keep arriving while a burst is taken in add to it; unset, admission_burst is the intake x
+    # the timeout (3,000 at 2 s), so a longer timeout takes in a larger burst. Beyond that,
+    # Envoy answers 503 `overloaded` at once rather than let streams outrun the message timeout
+    # (docs/reliability.md, "Bursts and the admission bucket").
+    admission_burst: Count | None = None
     admission_per_second: Count = 1000
     # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
     jwt: JwtSettings | None = None
@@ -401,6 +411,14 @@ class EnvoySettings(_Section, frozen=True):
     processor_ca_file: NonEmpty | None = None
     processor_client_cert_file: NonEmpty | None = None
     processor_client_key_file: NonEmpty | None = None
+
+    @property
+    def admission_tokens(self) -> int:
+        """The bucket's size: ``admission_burst``, else what the processor takes in within the message timeout."""
+        if self.admission_burst is not None:
+            return self.admission_burst
+        intake_per_s = self.admission_per_second / ADMISSION_REFILL_SHARE
+        return math.ceil(intake_per_s * self.message_timeout_ms / 1000)
 
     def problems(self) -> Iterator[tuple[str, str]]:
         if self.api_keys and self.jwt is not None:

@@ -46,8 +46,14 @@ def build_pool(model: ModelConfig) -> Pool:
 
 
 def tenant_labels(config: Config) -> TenantLabels:
-    """Tenant label values: the tenants the config names (and the default tenant); all others are ``other``."""
-    return TenantLabels({*config.tenants, config.identity.default_tenant})
+    """Tenant label values: every tenant the config names, and the default tenant; all others are ``other``.
+
+    A tenant is named under ``tenants:`` or as an API key's tenant (``envoy.api_keys``): an operator
+    who listed a tenant's key expects its series by name, as the compose demo's do. Both are the
+    operator's finite lists, so the label stays bounded; a JWT claim's values are not listed anywhere
+    and stay ``other`` unless named under ``tenants:``.
+    """
+    return TenantLabels({*config.tenants, *config.envoy.api_keys.values(), config.identity.default_tenant})
 
 
 def live_settings(config: Config, model: ModelConfig) -> LiveSettings:

@@ -7,6 +7,12 @@ request, fires ``--n`` requests at once, samples the processor's and Envoy's
 RSS while they are held, and counts the answers. An answer is *bare* when it
 is not the OpenAI-style JSON error with an ``x-extproc-reason`` header — e.g.
 Envoy's own 504 when the processor's first reply missed the message timeout.
+An answer is *missed* when its stream outran the message timeout all the
+same: the routes answer it ``processor_unavailable`` (failure_mode_allow),
+JSON but never scheduled, which is what the admission bucket is there to
+prevent. Of the ``overloaded`` answers, Envoy's bucket gave as many as its
+admin counter ``rate_limited`` says; the processor's own shedding
+(ext_proc/shedding.py) the rest.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from typing import Any
 import aiohttp
 import yaml
 
+from extproc.adapters.envoy.filters import ADMISSION_STAT_PREFIX
 from extproc.adapters.ext_proc.contract import REASON_HEADER
+from extproc.core.outcomes import Refusal
 from extproc.tools import gie_gateway
 from extproc.tools.procs import cpu_seconds, free_port
 from extproc.tools.stack import Stack, start_stack
@@ -53,6 +61,11 @@ class BurstReport:
     def not_json(self) -> list[Answer]:
         """Failures whose body is not the OpenAI-style JSON error."""
         return [a for a in self.answers if not (200 <= a.status < 300 or a.json_error)]
+
+    @property
+    def missed(self) -> list[Answer]:
+        """Streams that outran the message timeout: answered by the routes, never scheduled."""
+        return [a for a in self.answers if a.reason == Refusal.PROCESSOR_UNAVAILABLE.value]
 
     def counts(self) -> Counter[tuple[int, str]]:
         return Counter((a.status, a.reason or a.details) for a in self.answers)
@@ -92,6 +105,15 @@ async def fire(
         return BurstReport(list(await asyncio.gather(*requests)))
 
 
+async def bucket_shed(stack: Stack) -> int:
+    """How many requests Envoy's admission bucket answered ``overloaded`` (its ``rate_limited`` counter)."""
+    assert stack.envoy is not None
+    url = f"{stack.envoy.admin_url}/stats?format=json&filter={ADMISSION_STAT}"
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        stats = (await response.json())["stats"]
+    return sum(int(s.get("value", 0)) for s in stats if s.get("name") == ADMISSION_STAT)
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of process ``pid`` (Linux ``/proc``)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -99,6 +121,11 @@ def rss_bytes(pid: int) -> int:
             return int(line.split()[1]) * 1024
     raise LookupError(f"no VmRSS for pid {pid}")
 
+
+# Envoy's counter of the requests its admission bucket refused (filters.py's stat_prefix).
+ADMISSION_STAT = f"{ADMISSION_STAT_PREFIX}.http_local_rate_limit.rate_limited"
+# Limits no burst reaches: the bucket out of the way (--no-bucket), so the processor alone decides.
+NO_BUCKET = {"admission_burst": 1_000_000, "admission_per_second": 1_000_000}
 
 # An Endpoint Picker's gate: one request in flight, which outlasts the hold (GIE_MAX_TOKENS).
 _PICKING_GATE = {"gate": "static_concurrency", "max_in_flight": 1, "endpoint_picking": True}
@@ -185,8 +212,9 @@ async def burst_and_hold(
 async def _main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.workdir or tmp)
-        envoy = {key: value for key, value in (("admission_burst", args.admission_burst),
-                                               ("admission_per_second", args.admission_per_second)) if value}
+        envoy = NO_BUCKET if args.no_bucket else {
+            key: value for key, value in (("admission_burst", args.admission_burst),
+                                          ("admission_per_second", args.admission_per_second)) if value}
         config = holding_config(workdir, hold_s=args.hold_s, max_queued=max(args.n, 10_000), envoy=envoy,
                                 picking=args.gie is not None)
         # Envoy's default circuit breaker would cut the EPP's streams at 1024 (tools/gie_gateway.py).
@@ -201,7 +229,12 @@ async def _main(args: argparse.Namespace) -> None:
                 stack, args.n, wave=args.wave, prompt="hi" if args.body_bytes is None else "x" * args.body_bytes,
                 max_tokens=4 if args.gie is None else GIE_MAX_TOKENS,
             )
-        print(f"n={args.n} held={held.held:.0f} bare={len(report.bare)} not-json={len(report.not_json)} "
+            by_bucket = await bucket_shed(stack)
+        admission = stack.config.envoy
+        print(f"bucket: {admission.admission_tokens} at once, then {admission.admission_per_second}/s")
+        print(f"n={args.n} held={held.held:.0f} shed-by-bucket={by_bucket} "
+              f"shed-by-processor={report.counts()[(503, Refusal.OVERLOADED.value)] - by_bucket} "
+              f"missed={len(report.missed)} bare={len(report.bare)} not-json={len(report.not_json)} "
               f"answers={sorted(report.counts().items())}")
         print(f"processor RSS idle {held.processor_idle / 2**20:.0f} MiB, held {held.processor_held / 2**20:.0f} MiB, "
               f"{held.processor_per_held / 1024:.1f} KiB per held request")
@@ -216,6 +249,7 @@ def main() -> None:
     parser.add_argument("--hold-s", type=float, default=30.0, help="how long each admitted request is held (then 503)")
     parser.add_argument("--admission-burst", type=int, help="envoy.admission_burst (default: the config's)")
     parser.add_argument("--admission-per-second", type=int, help="envoy.admission_per_second (default: the config's)")
+    parser.add_argument("--no-bucket", action="store_true", help="admission limits no burst reaches (the processor alone)")
     parser.add_argument("--wave", type=int, help="send this many per second instead of all at once")
     parser.add_argument("--workdir", help="keep configs and logs here (default: a temporary directory)")
     parser.add_argument("--before-s", type=float, default=0.0, help="wait this long before firing (to attach a profiler)")

@@ -61,6 +61,8 @@ JWKS_CACHE_S = 600.0
 ECHOED_HEADERS = (QUEUE_WAIT_HEADER,)
 # json_to_metadata compares the whole Content-Type: list the spellings SDKs send.
 JSON_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8", "application/json;charset=utf-8")
+# The admission bucket's statistics: ``<prefix>.http_local_rate_limit.rate_limited`` counts what it shed.
+ADMISSION_STAT_PREFIX = "extproc_admission"
 # A drop-in's filters are named so, so a merge finds them again.
 DROP_IN_FILTER_PREFIX = "extproc."
 
@@ -190,13 +192,14 @@ def _json_to_metadata(config: Config, chain: Chain) -> Json:
 def _admission(config: Config, chain: Chain) -> Json:
     """A token bucket in front of the processor: a burst it cannot answer in time is shed here.
 
-    The processor takes in new streams at a bounded rate (each costs it about
-    0.4 ms of CPU); Envoy starts every stream's message timeout at once, so the
-    tail of a large enough burst would get a bare 504. Envoy answers the excess
-    itself, at once: 503 ``overloaded`` with Retry-After (the JSON error comes
-    from local_replies.py, which knows the filter's reply by its details,
-    ``local_rate_limited``). Held requests hold no token: the bucket limits
-    arrivals, not the queue.
+    The processor takes in new streams at a bounded rate; Envoy starts every
+    stream's message timeout at once, so the tail of a large enough burst would
+    outrun it. The bucket holds what the processor takes in within that timeout
+    (``EnvoySettings.admission_tokens``), so a burst it can hold reaches it
+    whole. Envoy answers the excess itself, at once: 503 ``overloaded`` with
+    Retry-After (the JSON error comes from local_replies.py, which knows the
+    filter's reply by its details, ``local_rate_limited``). Held requests hold
+    no token: the bucket limits arrivals, not the queue.
     """
     envoy = config.envoy
 
@@ -205,12 +208,12 @@ def _admission(config: Config, chain: Chain) -> Json:
 
     return typed(
         "envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
-        stat_prefix="extproc_admission",
+        stat_prefix=ADMISSION_STAT_PREFIX,
         status={"code": "ServiceUnavailable"},
-        token_bucket={"max_tokens": envoy.admission_burst, "tokens_per_fill": envoy.admission_per_second,
+        token_bucket={"max_tokens": envoy.admission_tokens, "tokens_per_fill": envoy.admission_per_second,
                       "fill_interval": "1s"},
-        filter_enabled=always("extproc_admission.enabled"),
-        filter_enforced=always("extproc_admission.enforced"),
+        filter_enabled=always(f"{ADMISSION_STAT_PREFIX}.enabled"),
+        filter_enforced=always(f"{ADMISSION_STAT_PREFIX}.enforced"),
     )
 
 
