@@ -18,7 +18,7 @@ import yaml
 from aiohttp import web
 
 from extproc.adapters.config import Config, load_config
-from extproc.adapters.engines.probe import Answer, Prober, probe, probe_session
+from extproc.adapters.engines.probe import Answer, Prober, listening, probe, probe_session
 from extproc.adapters.engines.scraper import scrape_endpoint
 from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import Band
@@ -90,9 +90,16 @@ async def test_a_probe_tells_a_live_process_from_one_that_does_not_answer(health
         assert await probe(session, url + "/health", 1.0) is expected
 
 
-async def test_a_probe_of_a_port_nothing_listens_on_is_unreachable() -> None:
+async def test_a_port_nothing_listens_on_is_unreachable_to_either_look() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
     async with probe_session() as session:
-        assert await probe(session, f"http://127.0.0.1:{free_port()}/health", 1.0) is Answer.UNREACHABLE
+        assert await probe(session, url + "/health", 1.0) is Answer.UNREACHABLE
+    assert await listening(url, 1.0) is Answer.UNREACHABLE
+
+
+async def test_a_port_that_accepts_is_alive_to_the_cheap_look() -> None:
+    async with engine(_reset, _reset) as url:
+        assert await listening(url, 1.0) is Answer.ALIVE
 
 
 @pytest.mark.parametrize(("health", "down"), [(_status(200), False), (_reset, True)], ids=["health-answers", "health-resets"])
@@ -111,9 +118,9 @@ async def test_a_reset_metrics_connection_is_down_only_when_the_engine_does_not_
 
 
 async def test_an_end_is_probed_and_its_slot_freed_when_the_engine_answers(tmp_path: Path) -> None:
-    async with engine(_page, _status(200)) as url, probe_session() as probes:
+    async with engine(_page, _status(200)) as url:
         dispatcher = _dispatcher(url)
-        prober = Prober(probes, _config(url, tmp_path).models[0], dispatcher)
+        prober = Prober(_config(url, tmp_path).models[0], dispatcher)
         dispatcher.probe_with(prober)
         first, second = dispatcher.submit("alice", 0), dispatcher.submit("alice", 0)
         assert first.future.done() and not second.future.done()
@@ -126,17 +133,16 @@ async def test_an_end_is_probed_and_its_slot_freed_when_the_engine_answers(tmp_p
 
 async def test_an_end_whose_probe_is_refused_marks_the_engine_down(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    async with probe_session() as probes:
-        dispatcher = _dispatcher(url)
-        prober = Prober(probes, _config(url, tmp_path).models[0], dispatcher)
-        dispatcher.probe_with(prober)
-        first, second = dispatcher.submit("alice", 0), dispatcher.submit("alice", 0)
-        dispatcher.end(first)
-        for _ in range(100):
-            if dispatcher.pool.down():
-                break
-            await asyncio.sleep(0.01)
-        assert dispatcher.pool.down() == [url] and not second.future.done()
-        second.future.cancel()
-        dispatcher.end(second)
-        await prober.close()
+    dispatcher = _dispatcher(url)
+    prober = Prober(_config(url, tmp_path).models[0], dispatcher)
+    dispatcher.probe_with(prober)
+    first, second = dispatcher.submit("alice", 0), dispatcher.submit("alice", 0)
+    dispatcher.end(first)
+    for _ in range(100):
+        if dispatcher.pool.down():
+            break
+        await asyncio.sleep(0.01)
+    assert dispatcher.pool.down() == [url] and not second.future.done()
+    second.future.cancel()
+    dispatcher.end(second)
+    await prober.close()

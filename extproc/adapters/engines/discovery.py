@@ -61,7 +61,7 @@ async def watch_pool(session: aiohttp.ClientSession, model: ModelConfig, dispatc
     tasks: dict[str, asyncio.Task[None]] = {}
     needs_dns = not all(is_ip_address(urlsplit(e).hostname or "") for e in model.endpoints)
     probes = probe_session()
-    prober = Prober(probes, model, dispatcher)
+    prober = Prober(model, dispatcher)
     dispatcher.probe_with(prober)
     try:
         while True:
