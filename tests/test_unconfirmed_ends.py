@@ -155,3 +155,21 @@ async def test_a_crash_cuts_what_the_engine_held_and_the_queue_waits_for_its_ret
         h.future.cancel()
         dispatcher.end(h)
     await asyncio.sleep(0)
+
+
+async def test_with_nothing_queued_an_end_is_not_held_nor_looked_at() -> None:
+    probed: list[tuple[str, ...]] = []
+    dispatcher = ModelDispatcher(
+        "m", make_gate(kind="static_concurrency", max_in_flight=1), (Band("standard", 60.0),),
+        lambda _: None, lambda: 0.0,
+        policy=POLICIES["round_robin"], tenant=lambda _: Tenant(("standard",), "standard", weight=1.0, max_queued=100),
+        cost=CostWeights(), max_queued=100, max_queue_wait_s=120.0, reserved_waiting=0, timers=LoopTimers(lambda: 0.0),
+    )
+    dispatcher.probe_with(probed.append)
+    alone = dispatcher.submit("alice", 0)
+    dispatcher.end(alone)
+    assert probed == [] and dispatcher.pool.allowance(0.0) == 1
+    arrival = dispatcher.submit("alice", 0)
+    assert arrival.future.done()
+    dispatcher.end(arrival)
+    await asyncio.sleep(0)

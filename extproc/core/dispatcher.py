@@ -225,7 +225,8 @@ class ModelDispatcher:
             self._outlet.preemption.ended(held, now)
             self._outlet.waiting_above.pop(held, None)
             # Before the finish, whose dispatch would refill the slot: it waits for a sign of life.
-            probe = self.pool.record_end(held.endpoint, now)
+            # With nothing queued, nothing would be sent into a dead engine: no need to look.
+            probe = self.pool.record_end(held.endpoint, now) if len(self._queue) else ()
             self._finish(held, now)
             if probe and self._probe is not None:
                 self._probe(probe)

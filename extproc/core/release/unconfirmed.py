@@ -14,7 +14,9 @@ life after it: a probe of its health endpoint (the adapter sends one at
 once, and one for every burst of ends), a good scrape, or a checked
 response from it — each counts only if it started after the end. Until
 then the freed slot stays taken: the pool's room is reduced by the
-unconfirmed ends. The engine still has whatever it holds and whatever waits
+unconfirmed ends. Only an end while requests are queued is held (the
+dispatcher's choice): with nothing queued, nothing would be refilled into a
+dead engine, and the look would cost for nothing. The engine still has whatever it holds and whatever waits
 in it, so a confirmation a few milliseconds later costs no throughput;
 arrivals that find room elsewhere go at once. A probe the engine refuses
 marks it down (``health.py``) and nothing more goes to it.
