@@ -9,17 +9,19 @@ out and the client gets a 503: a crash cost twice what was inside it.
 The processor cannot tell those ends from normal ones: Envoy ends every
 ext_proc stream the same way, finished response or cut one (it sends no
 trailers for an HTTP/1 engine), and reading every response's headers costs a
-message per request. So every end is *unconfirmed* until the engine shows
-life after it: a probe of its health endpoint (the adapter sends one at
-once, and one for every burst of ends), a good scrape, or a checked
-response from it — each counts only if it started after the end. Until
-then the freed slot stays taken: the pool's room is reduced by the
-unconfirmed ends. Only an end while requests are queued is held (the
-dispatcher's choice): with nothing queued, nothing would be refilled into a
-dead engine, and the look would cost for nothing. The engine still has whatever it holds and whatever waits
-in it, so a confirmation a few milliseconds later costs no throughput;
-arrivals that find room elsewhere go at once. A probe the engine refuses
-marks it down (``health.py``) and nothing more goes to it.
+message per request. So an end is *unconfirmed* until the engine shows life
+after it: a look at its port (the adapter's, ``adapters/engines/probe.py``:
+a TCP connect, sent at once, and again while newer ends wait), a good
+scrape, or a checked response from it — each counts only if it started
+after the end. Until then the freed slot stays taken: the pool's room is
+reduced by the unconfirmed ends. The engine still runs whatever it holds
+and whatever waits in it, so a confirmation a fraction of a millisecond
+later costs no throughput; arrivals that find room go at once. A look the
+engine refuses marks it down (``health.py``) and nothing more goes to it.
+
+Only an end while requests are queued is held (the dispatcher's choice):
+with nothing queued, nothing would be refilled into a dead engine, and the
+look would cost for nothing.
 
 Without endpoint picking an end cannot be attributed to one endpoint of a
 pool of several: it is confirmed once every endpoint that is up has shown
