@@ -133,6 +133,17 @@ class ModelDispatcher:
         self._strategy = (strategy or (lambda outlet: LocalRelease(outlet, timers)))(self._outlet)
         self._cost = CostModel(cost)
         self._decode_rate = DecodeRate()
+        self._probe: Callable[[tuple[str, ...]], None] | None = None
+
+    def probe_with(self, probe: Callable[[tuple[str, ...]], None]) -> None:
+        """Ask ``probe`` to look at endpoints after a request to them ended; their slots wait for its answer.
+
+        The adapter that can reach the engines (``adapters/engines/probe.py``)
+        calls it, and answers through :meth:`record_probe`
+        (``core/release/unconfirmed.py`` says why).
+        """
+        self._probe = probe
+        self.pool.probe_ends = True
 
     def _tenant_of(self, name: str) -> Tenant:
         return self._tenant(name)
@@ -269,7 +280,12 @@ class ModelDispatcher:
             now = self._clock()
             self._outlet.preemption.ended(held, now)
             self._outlet.waiting_above.pop(held, None)
+            # Before the finish, whose dispatch would refill the slot: it waits for a sign of life.
+            # With nothing queued, nothing would be sent into a dead engine: no need to look.
+            probe = self.pool.record_end(held.endpoint, now) if len(self._queue) else ()
             self._finish(held, now)
+            if probe and self._probe is not None:
+                self._probe(probe)
             self._preempt_at_risk(self._clock())
         elif self._queue.remove(held.band, held.tenant, held):
             self._outlet.resolve(held)
@@ -368,6 +384,12 @@ class ModelDispatcher:
             self._report(EndpointEvent(target, Change.RELEASE_FAILED))
         if self.pool.down() != down:
             self.dispatch()  # reports the change; an endpoint back up takes held requests at once
+
+    def record_probe(self, endpoint: str, alive: bool, started_at: float) -> None:
+        """A probe of ``endpoint`` (started at ``started_at``): its engine answered, or nothing listens (down)."""
+        down = self.pool.down()
+        if self.pool.record_probe(endpoint, alive, started_at) or self.pool.down() != down:
+            self.dispatch()  # slots confirmed free, or who is down changed (dispatch reports it)
 
     def serves(self, eligible: frozenset[str] | None = None) -> bool:
         """Whether an endpoint (of ``eligible``, when given) is there and not down to take a request."""

@@ -64,6 +64,9 @@ class EngineDialect:
     replica_labels: tuple[str, ...] = ()
     # Cumulative generated-token counter: the cost model's decode rate per sequence.
     generation_tokens: tuple[str, ...] = ()
+    # What answers whether the process serves (probe.py): vLLM, SGLang, TGI, llama.cpp
+    # and trtllm-serve all have GET /health.
+    health_path: str = "/health"
 
 
 DIALECTS: dict[str, EngineDialect] = {

@@ -8,7 +8,8 @@ resolved every ``dns_refresh_s``; a failed lookup keeps the last known
 addresses (and, before the first success, the name itself as one member, so a
 pool is never empty and traffic never stops).
 
-:func:`watch_pool` keeps one scrape task per member running.
+:func:`watch_pool` keeps one scrape task per member running, and probes a
+member when a request to it ended (``probe.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from extproc.adapters.config import ModelConfig, is_ip_address
+from extproc.adapters.engines.probe import Prober, probe_session
 from extproc.adapters.engines.scraper import scrape_endpoint
 from extproc.core.dispatcher import ModelDispatcher
 
@@ -58,6 +60,9 @@ async def watch_pool(session: aiohttp.ClientSession, model: ModelConfig, dispatc
     resolved = {e: [e] for e in model.endpoints}
     tasks: dict[str, asyncio.Task[None]] = {}
     needs_dns = not all(is_ip_address(urlsplit(e).hostname or "") for e in model.endpoints)
+    probes = probe_session()
+    prober = Prober(model, dispatcher)
+    dispatcher.probe_with(prober)
     try:
         while True:
             resolved = await _members(model.endpoints, resolved)
@@ -70,7 +75,7 @@ async def watch_pool(session: aiohttp.ClientSession, model: ModelConfig, dispatc
                 dispatcher.set_endpoints(members)
                 for new in members:
                     if new not in tasks:
-                        tasks[new] = asyncio.create_task(scrape_endpoint(session, model, dispatcher, new))
+                        tasks[new] = asyncio.create_task(scrape_endpoint(session, model, dispatcher, new, probes))
             if not needs_dns:
                 await asyncio.Event().wait()  # a static pool: nothing to refresh
             await asyncio.sleep(model.dns_refresh_s)
@@ -78,3 +83,5 @@ async def watch_pool(session: aiohttp.ClientSession, model: ModelConfig, dispatc
         for task in tasks.values():
             task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
+        await prober.close()
+        await probes.close()

@@ -4,9 +4,13 @@ One task per endpoint, on a fixed period measured from the start of each
 scrape. A scrape that fails, times out or returns text the reader rejects is
 reported as "no load" — the gate then falls back to its conservative limit —
 and logged once when an endpoint turns bad and once when it recovers, not on
-every attempt. A refused or dropped connection (nothing listens: the engine
-process is gone) is reported as unreachable: the gate marks the endpoint down and
-releases nothing to it. An HTTP error, a garbage page or a slow answer means
+every attempt. A refused connection (nothing listens: the engine process is
+gone) is reported as unreachable: the gate marks the endpoint down and
+releases nothing to it. A connection reset or dropped mid-answer may be the
+engine going away, or only its metrics (a broken exporter, a proxy in front
+of it): the engine's health endpoint is probed on a fresh connection
+(``probe.py``) before it is called down, and while that answers the engine
+serves on the fallback. An HTTP error, a garbage page or a slow answer means
 the engine lives and may serve, so traffic keeps flowing on the fallback.
 """
 
@@ -19,7 +23,8 @@ import time
 import aiohttp
 
 from extproc.adapters.config import ModelConfig
-from extproc.adapters.engines.dialects import MetricsError, parse_load
+from extproc.adapters.engines.dialects import DIALECTS, MetricsError, parse_load
+from extproc.adapters.engines.probe import Answer, probe
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 
@@ -34,9 +39,10 @@ async def _scrape_once(session: aiohttp.ClientSession, url: str, engine: str, mo
 
 
 async def scrape_endpoint(
-    session: aiohttp.ClientSession, model: ModelConfig, dispatcher: ModelDispatcher, endpoint: str
+    session: aiohttp.ClientSession, model: ModelConfig, dispatcher: ModelDispatcher, endpoint: str,
+    probes: aiohttp.ClientSession,
 ) -> None:
-    """Scrape ``endpoint`` of ``model``'s pool forever (until cancelled)."""
+    """Scrape ``endpoint`` of ``model``'s pool forever (until cancelled); ``probes`` opens a connection per request."""
     url = f"{endpoint}/metrics"
     # A scrape slower than the staleness limit is useless: give up on it then.
     healthy: bool | None = None
@@ -49,12 +55,20 @@ async def scrape_endpoint(
             )
         except (TimeoutError, aiohttp.ClientError, MetricsError, UnicodeDecodeError) as exc:
             load = None
-            # Refused or reset (ClientOSError; the name does not resolve), or the connection
-            # dropped mid-answer: the engine process is gone or going. A connect timeout is
-            # left to the overall one: a busy host may be slow to accept and still serve.
-            reachable = not isinstance(exc, aiohttp.ClientOSError | aiohttp.ServerDisconnectedError)
+            # Refused (or the name does not resolve): nothing listens, the engine is gone.
+            # Reset or dropped mid-answer: gone, or only its metrics broken; its health says
+            # which. A connect timeout is left to the overall one: a busy host may be slow
+            # to accept and still serve.
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                reachable = False
+            elif isinstance(exc, aiohttp.ClientOSError | aiohttp.ServerDisconnectedError):
+                answer = await probe(probes, endpoint + DIALECTS[model.engine].health_path, model.stale_after_s)
+                reachable = answer is not Answer.UNREACHABLE
+                if answer is Answer.ALIVE:
+                    dispatcher.record_probe(endpoint, True, started)
             if healthy is not False:
-                log.warning("model %s: cannot read %s: %s", model.name, url, exc or type(exc).__name__)
+                log.warning("model %s: cannot read %s: %s%s", model.name, url, exc or type(exc).__name__,
+                            "" if reachable else " (the engine does not answer)")
         else:
             if healthy is False:
                 log.info("model %s: %s readable again", model.name, url)

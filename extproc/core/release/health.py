@@ -14,14 +14,16 @@ lag, and the page still did not move, its data is as old as its first
 appearance, and goes stale like a failed scrape's.
 
 An endpoint is *down* when its engine cannot be reached: a scrape's
-connection was refused, or a request released to it failed (Envoy could not
-connect or was reset before a response, or the engine itself answered 503).
+connection was refused, a look at its port after a request to it ended was
+refused (``unconfirmed.py``), or a request released to it failed (Envoy could
+not connect or was reset before a response, or the engine itself answered 503).
 Down is not degraded: nothing at all goes to a down endpoint (the gate would
 otherwise keep releasing into it, each failure freeing the slot it took, and
 empty the queue into errors). Held requests wait instead (up to their queue
 timeout) or go to an endpoint that is up. The endpoint is up again on the
 first sign of a live engine after it went down: a scrape that started later
-and got any HTTP answer, or a response from it that is not a failure.
+and got any HTTP answer, a look at it that was answered, or a response from
+it that is not a failure.
 
 A failed release is read from the response's headers, which cost the
 processor one more message; so only some releases are checked

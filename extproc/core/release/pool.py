@@ -12,6 +12,12 @@ A *down* endpoint (``health.py``: its engine cannot be reached) gets
 nothing: with endpoint picking it has no room; without, the rule counts only
 the endpoints that are up, and with every endpoint down the pool releases
 nothing at all, so held requests wait for the engine to come back.
+
+A slot freed by an ended request stays taken until the engine has shown
+life after the end (``unconfirmed.py``): an engine that dies cuts every
+request it serves at once, and their slots must not be refilled into it.
+Only where the adapter probes (``probe_ends``); otherwise ends free their
+slots at once.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from extproc.core.release import picking
 from extproc.core.release.estimate import LoadEstimate
 from extproc.core.release.health import EndpointHealth
 from extproc.core.release.rule import ReleaseRule, RuleSettings
+from extproc.core.release.unconfirmed import UnconfirmedEnds
 
 
 class Pool:
@@ -45,6 +52,9 @@ class Pool:
         self.estimate = LoadEstimate(endpoints, stale_after_s=stale_after_s, per_endpoint=pick_endpoints)
         self.health = EndpointHealth(endpoints, stale_after_s=stale_after_s, fallback_max_in_flight=fallback_max_in_flight)
         self.rule = rule(settings, self.estimate, self.health)
+        self.unconfirmed = UnconfirmedEnds(endpoints, per_endpoint=pick_endpoints)
+        # Set by the adapter that probes the endpoints (``probe_ends``): ends then wait for a sign of life.
+        self.probe_ends = False
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -76,6 +86,7 @@ class Pool:
         self.estimate.set_endpoints(endpoints)
         self.health.set_endpoints(endpoints)
         self.rule.set_endpoints(self.endpoints)
+        self.unconfirmed.set_endpoints(self.endpoints)
 
     def record_release(
         self, request: Hashable, now: float, endpoint: str | None = None, *, into_free_slot: bool = False
@@ -94,12 +105,46 @@ class Pool:
         self.rule.record_finish(now)
         return occupancy
 
+    def record_end(self, endpoint: str | None, now: float) -> tuple[str, ...]:
+        """A released request's stream ended (not preempted): its slot waits for a sign of life; the endpoints to probe."""
+        if not self.probe_ends:
+            return ()
+        return self.unconfirmed.ended(endpoint, now)
+
+    def record_alive(self, endpoint: str, started_at: float) -> bool:
+        """``endpoint`` showed life (a probe or scrape that started at ``started_at``); True if slots came free."""
+        return self.unconfirmed.alive(endpoint, started_at, self.health.serving())
+
+    def record_probe(self, endpoint: str, alive: bool, started_at: float) -> bool:
+        """A probe of ``endpoint`` that started at ``started_at``: its engine answered (``alive``), or nothing listens.
+
+        Alive, it is up (if it was down) and the ends before the probe are
+        confirmed; otherwise it is down. True if slots came free.
+        """
+        if not alive:
+            self.health.mark_down(endpoint, started_at)
+            self._forget_down()
+            return False
+        self.health.record_response(endpoint, True, started_at)
+        return self.record_alive(endpoint, started_at)
+
+    def _forget_down(self) -> None:
+        """What an endpoint that is down held is gone: its unconfirmed ends hold nothing any more."""
+        up = self.health.serving()
+        for endpoint in self.health.down():
+            self.unconfirmed.gone(endpoint, up)
+
     def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float, *, reachable: bool = True) -> None:
         """A scrape of ``endpoint`` that started at ``started_at`` returned ``load`` (None: failed).
 
         ``reachable=False``: its connection was refused (the engine is down).
         """
-        if not self.health.record_scrape(endpoint, load, started_at, reachable=reachable):
+        usable = self.health.record_scrape(endpoint, load, started_at, reachable=reachable)
+        if not reachable:
+            self._forget_down()
+        elif load is not None:  # a page, frozen or not: the engine lives
+            self.record_alive(endpoint, started_at)
+        if not usable:
             return  # failed, frozen, or of an endpoint that left: nothing to learn from it
         assert load is not None
         held_then = self.estimate.record_scrape(endpoint, load, started_at)
@@ -114,6 +159,10 @@ class Pool:
         target = endpoint if endpoint is not None else self.endpoints[0] if len(self.endpoints) == 1 else None
         if target is not None:
             self.health.record_response(target, ok, now)
+            if ok:
+                self.record_alive(target, now)
+            else:
+                self._forget_down()
         return target
 
     def allowance(self, now: float) -> int:
@@ -126,10 +175,12 @@ class Pool:
             return 0  # every engine down: hold everything until one returns
         if self.pick_endpoints:
             return sum(self._room(e, now) for e in self.endpoints)
-        return self.rule.allowance(now)
+        return self.rule.allowance(now) - self.unconfirmed.count()
 
     def _room(self, endpoint: str, now: float) -> int:
-        return 0 if self.health.is_down(endpoint) else self.rule.endpoint_allowance(endpoint, now)
+        if self.health.is_down(endpoint):
+            return 0
+        return max(0, self.rule.endpoint_allowance(endpoint, now) - self.unconfirmed.count(endpoint))
 
     def degraded(self, now: float) -> list[str]:
         """Endpoints whose metrics are unusable now (down ones included), where the rule reads metrics at all."""

@@ -29,9 +29,11 @@ Request handling, also as in vLLM:
 be made to fail: ``--metrics-fault`` at start, or at run time
 ``PUT /sim/metrics-fault`` with ``{"mode": MODE}``; modes are ``ok``,
 ``garbage`` (200 with unparseable text), ``error`` (HTTP 500), ``slow``
-(answers after 30 s), ``frozen`` (the same page forever) and ``nan`` (a
+(answers after 30 s), ``frozen`` (the same page forever), ``nan`` (a
 well-formed page whose vLLM queue and KV gauges read NaN, as a broken
-exporter's can; vLLM dialect only).
+exporter's can; vLLM dialect only) and ``reset`` (the connection is reset
+before an answer, as a broken proxy in front of the exporter does, while
+the API and ``/health`` still serve).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ logger = logging.getLogger(__name__)
 Metrics = VllmMetrics | DialectMetrics
 ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
 METRICS_KEY: web.AppKey[Metrics] = web.AppKey("sim_metrics")
-METRICS_FAULTS = ("ok", "garbage", "error", "slow", "frozen", "nan")
+METRICS_FAULTS = ("ok", "garbage", "error", "slow", "frozen", "nan", "reset")
 _SLOW_METRICS_S = 30.0
 # A sample of vLLM's queue and KV gauges, up to its value: the ``nan`` fault's target.
 _GAUGE_SAMPLE = re.compile(rb"^((?:vllm:num_requests_\w+|vllm:kv_cache_usage_perc)(?:\{[^}]*\})? )\S+", re.M)
@@ -226,6 +228,10 @@ class _Handlers:
 
     async def prometheus(self, request: web.Request) -> web.Response:
         fault = self.metrics_fault
+        if fault == "reset":
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
         if fault == "error":
             raise ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, "metrics exporter failed", "InternalServerError")
         if fault == "garbage":
