@@ -13,6 +13,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -21,11 +23,12 @@ import pytest
 from google.protobuf import wrappers_pb2
 from hyperframe.frame import PingFrame, WindowUpdateFrame
 
-from extproc.adapters.ext_proc.h2grpc import MAX_MESSAGE_BYTES, GrpcServer, Limits, Method
+from extproc.adapters.ext_proc.h2grpc import MAX_MESSAGE_BYTES, GrpcServer, Limits
 from extproc.adapters.ext_proc.h2grpc_call import TRUNCATED, UNDECODABLE
 from extproc.adapters.ext_proc.h2grpc_limits import PeerWarnings
 from extproc.tools.procs import free_port
 from tests.h2raw import RawClient, message
+from tests.test_h2grpc import Handlers
 
 pytestmark = pytest.mark.unit
 
@@ -36,36 +39,6 @@ NOT_PROTOBUF = b"\x0a\x05ab"  # field 1 says 5 bytes follow, 2 do
 HI = message(Bytes(value=b"hi").SerializeToString())
 
 
-class Handlers:
-    def __init__(self) -> None:
-        self.opened = asyncio.Event()
-        self.holding = 0
-
-    async def echo(self, requests: AsyncIterator[Bytes]) -> AsyncIterator[Bytes]:
-        async for request in requests:
-            yield Bytes(value=request.value * 2)
-
-    async def hold(self, requests: AsyncIterator[Bytes]) -> AsyncIterator[Bytes]:
-        """Answers the first message, then reads on until the client's end, as a held ext_proc stream."""
-        async for _ in requests:
-            yield Bytes(value=b"held")
-            break
-        self.holding += 1
-        try:
-            async for _ in requests:
-                pass
-        finally:
-            self.holding -= 1
-
-    async def gate(self, requests: AsyncIterator[Bytes]) -> AsyncIterator[Bytes]:
-        """Reads nothing until the gate opens, then counts what came (a handler busy elsewhere)."""
-        await self.opened.wait()
-        total = 0
-        async for request in requests:
-            total += len(request.value)
-        yield Bytes(value=str(total).encode())
-
-
 @pytest.fixture
 def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     caplog.set_level(logging.INFO)
@@ -73,13 +46,36 @@ def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptur
     assert [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
 
 
-async def _serving(handlers: Handlers, **limits: Any) -> tuple[GrpcServer, int]:
-    methods = {path.decode(): Method(Bytes.FromString, fn) for path, fn in
-               ((ECHO, handlers.echo), (HOLD, handlers.hold), (GATE, handlers.gate))}
-    server = GrpcServer(methods, limits=Limits(**limits))
-    port = free_port()
-    await server.start("127.0.0.1", port)
-    return server, port
+@dataclass
+class _Served:
+    server: GrpcServer
+    port: int
+    clients: list[RawClient] = field(default_factory=list)
+
+    async def connect(self, *, preface: bool = True) -> RawClient:
+        """A raw client, closed when the server stops."""
+        self.clients.append(client := await RawClient.connect(self.port, preface=preface))
+        return client
+
+
+@asynccontextmanager
+async def _serving(handlers: Handlers, **limits: Any) -> AsyncIterator[_Served]:
+    server = GrpcServer(handlers.methods(*(p.decode() for p in (ECHO, HOLD, GATE))), limits=Limits(**limits))
+    served = _Served(server, free_port())
+    await server.start("127.0.0.1", served.port)
+    try:
+        yield served
+    finally:
+        for client in served.clients:
+            await client.close()
+        await server.stop(0)
+
+
+@asynccontextmanager
+async def _connected(handlers: Handlers | None = None, **limits: Any) -> AsyncIterator[tuple[GrpcServer, RawClient]]:
+    """A server and one raw client connected to it."""
+    async with _serving(handlers or Handlers(), **limits) as served:
+        yield served.server, await served.connect()
 
 
 async def _held(client: RawClient) -> int:
@@ -98,34 +94,30 @@ async def _echoes(client: RawClient) -> bool:
 
 async def test_an_undecodable_message_ends_only_its_stream(no_tracebacks: pytest.LogCaptureFixture) -> None:
     """grpcio's answer (INTERNAL "Exception deserializing request!"); the connection and its held stream live on."""
-    handlers = Handlers()
-    server, port = await _serving(handlers)
-    channel: Any = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        held = channel.stream_stream(HOLD.decode(), request_serializer=Bytes.SerializeToString,
-                                     response_deserializer=Bytes.FromString)()
-        await held.write(Bytes(value=b"hi"))
-        assert (await held.read()).value == b"held"
-        garbage = channel.unary_unary(ECHO.decode(), request_serializer=lambda _: NOT_PROTOBUF,
-                                      response_deserializer=Bytes.FromString)
-        for _ in range(3):
-            with pytest.raises(grpc.aio.AioRpcError) as raised:
-                await garbage(Bytes())
-            assert (raised.value.code(), raised.value.details()) == (grpc.StatusCode.INTERNAL, UNDECODABLE)
-        await held.done_writing()  # the held stream, on the same connection, still completes
-        assert await held.code() == grpc.StatusCode.OK
-        assert len(server.connections) == 1
-        # One warning line for the three (rate-limited per peer).
-        assert len([r for r in no_tracebacks.records if "deserializing" in r.getMessage()]) == 1
-    finally:
-        await channel.close()
-        await server.stop(0)
+    async with _serving(Handlers()) as served:
+        channel: Any = grpc.aio.insecure_channel(f"127.0.0.1:{served.port}")
+        try:
+            held = channel.stream_stream(HOLD.decode(), request_serializer=Bytes.SerializeToString,
+                                         response_deserializer=Bytes.FromString)()
+            await held.write(Bytes(value=b"hi"))
+            assert (await held.read()).value == b"held"
+            garbage = channel.unary_unary(ECHO.decode(), request_serializer=lambda _: NOT_PROTOBUF,
+                                          response_deserializer=Bytes.FromString)
+            for _ in range(3):
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await garbage(Bytes())
+                assert (raised.value.code(), raised.value.details()) == (grpc.StatusCode.INTERNAL, UNDECODABLE)
+            await held.done_writing()  # the held stream, on the same connection, still completes
+            assert await held.code() == grpc.StatusCode.OK
+            assert len(served.server.connections) == 1
+            # One warning line for the three (rate-limited per peer).
+            assert len([r for r in no_tracebacks.records if "deserializing" in r.getMessage()]) == 1
+        finally:
+            await channel.close()
 
 
 async def test_a_truncated_message_then_the_stream_end_is_internal_not_ok(no_tracebacks: pytest.LogCaptureFixture) -> None:
-    server, port = await _serving(Handlers())
-    client = await RawClient.connect(port)
-    try:
+    async with _connected() as (_, client):
         for cut in (HI[:-1], HI[:3]):  # inside the payload, inside the length prefix
             stream = client.request(ECHO)
             client.send(stream, cut, end=True)
@@ -133,17 +125,12 @@ async def test_a_truncated_message_then_the_stream_end_is_internal_not_ok(no_tra
             assert client.status(stream) == INTERNAL
             assert client.headers(stream)[b"grpc-message"] == TRUNCATED.encode()
         assert await _echoes(client)
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_a_client_goaway_lets_running_streams_finish_then_the_connection_closes(
         no_tracebacks: pytest.LogCaptureFixture) -> None:
     handlers = Handlers()
-    server, port = await _serving(handlers)
-    client = await RawClient.connect(port)
-    try:
+    async with _connected(handlers) as (_, client):
         held = await _held(client)
         racing = client.request(ECHO)  # a request and the GOAWAY in the same burst
         client.send(racing, HI, end=True)
@@ -155,31 +142,21 @@ async def test_a_client_goaway_lets_running_streams_finish_then_the_connection_c
         client.send(held, b"", end=True)
         await client.until(lambda: client.eof)  # closed once none are left
         assert client.status(held) == OK
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_a_client_goaway_with_an_error_closes_the_connection(no_tracebacks: pytest.LogCaptureFixture) -> None:
     handlers = Handlers()
-    server, port = await _serving(handlers)
-    client = await RawClient.connect(port)
-    try:
+    async with _connected(handlers) as (_, client):
         await _held(client)
         client.goaway(h2.errors.ErrorCodes.INTERNAL_ERROR)
         await client.until(lambda: client.eof)
         await client.until(lambda: handlers.holding == 0)  # its handler was cancelled
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_our_shutdown_goaway_is_two_step_and_lets_running_streams_end(
         no_tracebacks: pytest.LogCaptureFixture) -> None:
     handlers = Handlers()
-    server, port = await _serving(handlers)
-    client = await RawClient.connect(port)
-    try:
+    async with _connected(handlers) as (server, client):
         held = await _held(client)
         stopping = asyncio.ensure_future(server.stop(5.0))
         await client.until(lambda: len(client.goaways()) == 2)  # 2^31-1 first; after our PING, the last stream
@@ -189,17 +166,12 @@ async def test_our_shutdown_goaway_is_two_step_and_lets_running_streams_end(
         await client.until(lambda: client.ended(held))
         assert client.status(held) == OK
         await asyncio.wait_for(stopping, 2.0)  # done as soon as the last stream was, not after the grace
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_data_is_acknowledged_as_the_handler_reads_it(no_tracebacks: pytest.LogCaptureFixture) -> None:
     """A handler that does not read: the peer can push one message's worth, no more; once it reads, the rest comes."""
     handlers = Handlers()
-    server, port = await _serving(handlers)
-    client = await RawClient.connect(port)
-    try:
+    async with _connected(handlers) as (server, client):
         await client.until(lambda: client.h2.remote_settings.initial_window_size > 65_535)
         stream = client.request(GATE)
         chunk = message(Bytes(value=b"x" * 60_000).SerializeToString())
@@ -220,17 +192,12 @@ async def test_data_is_acknowledged_as_the_handler_reads_it(no_tracebacks: pytes
         await client.until(lambda: client.ended(stream), timeout=20)
         assert client.status(stream) == OK
         assert conn.buffered == 0
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_messages_never_finished_on_many_streams_are_bounded_per_connection(
         no_tracebacks: pytest.LogCaptureFixture) -> None:
     """24 streams each one byte short of a whole 4 MiB message: the connection holds its budget, no more."""
-    server, port = await _serving(Handlers(), connection_buffer_bytes=8 * 1024 * 1024)
-    client = await RawClient.connect(port)
-    try:
+    async with _connected(connection_buffer_bytes=8 * 1024 * 1024) as (server, client):
         body = Bytes(value=b"x" * (MAX_MESSAGE_BYTES - 16)).SerializeToString()
         streams = {client.request(ECHO): message(body)[:-1] for _ in range(24)}
         (conn,) = server.connections
@@ -245,15 +212,10 @@ async def test_messages_never_finished_on_many_streams_are_bounded_per_connectio
         refused = [s for s in streams if client.ended(s)]
         assert refused and all(client.status(s) == RESOURCE_EXHAUSTED for s in refused)
         assert await _echoes(client)
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_streams_past_the_limit_are_refused_and_the_rest_complete(no_tracebacks: pytest.LogCaptureFixture) -> None:
-    server, port = await _serving(Handlers(), max_streams_per_connection=3)
-    client = await RawClient.connect(port)
-    try:
+    async with _connected(max_streams_per_connection=3) as (_, client):
         await client.until(lambda: client.h2.remote_settings.max_concurrent_streams == 3)
         held = [await _held(client) for _ in range(3)]
         extra = client.request(ECHO)
@@ -265,37 +227,26 @@ async def test_streams_past_the_limit_are_refused_and_the_rest_complete(no_trace
         await client.until(lambda: all(client.ended(s) for s in held))
         assert [client.status(s) for s in held] == [OK] * 3
         assert await _echoes(client)  # room again
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_connections_past_the_limit_are_refused_with_one_log_line(no_tracebacks: pytest.LogCaptureFixture) -> None:
-    server, port = await _serving(Handlers(), max_connections=2)
-    clients = [await RawClient.connect(port) for _ in range(2)]
-    try:
+    async with _serving(Handlers(), max_connections=2) as served:
+        clients = [await served.connect() for _ in range(2)]
         await asyncio.sleep(0.05)
-        refused = [await RawClient.connect(port) for _ in range(5)]
-        clients += refused
+        refused = [await served.connect() for _ in range(5)]
         for client in refused:
             await client.until(lambda c=client: c.eof)  # type: ignore[misc]
             assert [g.error_code for g in client.goaways()] == [h2.errors.ErrorCodes.ENHANCE_YOUR_CALM]
         assert all([await _echoes(c) for c in clients[:2]])
         assert len([r for r in no_tracebacks.records if "listen.max_connections" in r.getMessage()]) == 1
-    finally:
-        for client in clients:
-            await client.close()
-        await server.stop(0)
 
 
 async def test_stalled_handshakes_and_idle_connections_are_closed_but_not_one_holding_a_stream(
         no_tracebacks: pytest.LogCaptureFixture) -> None:
-    handlers = Handlers()
-    server, port = await _serving(handlers, handshake_timeout_s=0.2, idle_timeout_s=0.4)
-    silent = await RawClient.connect(port, preface=False)
-    idle = await RawClient.connect(port)
-    holding = await RawClient.connect(port)
-    try:
+    async with _serving(Handlers(), handshake_timeout_s=0.2, idle_timeout_s=0.4) as served:
+        silent = await served.connect(preface=False)
+        idle = await served.connect()
+        holding = await served.connect()
         held = await _held(holding)
         await silent.until(lambda: silent.eof, timeout=3)
         await idle.until(lambda: idle.eof, timeout=3)
@@ -307,10 +258,6 @@ async def test_stalled_handshakes_and_idle_connections_are_closed_but_not_one_ho
         await holding.until(lambda: holding.ended(held))
         assert holding.status(held) == OK
         await holding.until(lambda: holding.eof, timeout=3)  # idle now: closed in turn
-    finally:
-        for client in (silent, idle, holding):
-            await client.close()
-        await server.stop(0)
 
 
 @pytest.mark.parametrize(("content_type", "method", "http", "grpc_status"), [
@@ -327,52 +274,40 @@ async def test_stalled_handshakes_and_idle_connections_are_closed_but_not_one_ho
 async def test_non_grpc_requests_are_refused_as_grpc_go_refuses_them(
         content_type: bytes | None, method: bytes, http: bytes, grpc_status: int,
         no_tracebacks: pytest.LogCaptureFixture) -> None:
-    server, port = await _serving(Handlers())
-    client = await RawClient.connect(port)
-    try:
+    async with _connected() as (_, client):
         stream = client.request(ECHO, content_type=content_type, method=method)
         client.send(stream, HI, end=True)
         await client.until(lambda: client.ended(stream))
         assert (client.headers(stream)[b":status"], client.status(stream)) == (http, grpc_status)
         assert await _echoes(client)
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_a_connection_window_update_walks_the_waiting_calls_not_every_call() -> None:
     """With many held streams, WINDOW_UPDATEs in bulk cost what they cost with none (they walked every call)."""
     handlers = Handlers()
-    server, port = await _serving(handlers)
-    client = await RawClient.connect(port)
     updates = WindowUpdateFrame(0, window_increment=1).serialize() * 5_000
+    async with _connected(handlers) as (_, client):
 
-    async def behind_updates() -> float:
-        before = len(client.events)
-        started = time.perf_counter()
-        client.write(updates + PingFrame(0, opaque_data=b"abcdefgh").serialize())
-        await client.until(lambda: any(type(e).__name__ == "PingAckReceived" for e in client.events[before:]))
-        return time.perf_counter() - started
+        async def behind_updates() -> float:
+            before = len(client.events)
+            started = time.perf_counter()
+            client.write(updates + PingFrame(0, opaque_data=b"abcdefgh").serialize())
+            await client.until(lambda: any(type(e).__name__ == "PingAckReceived" for e in client.events[before:]))
+            return time.perf_counter() - started
 
-    try:
         alone = min([await behind_updates() for _ in range(3)])
         for _ in range(3_000):
             client.send(client.request(HOLD), HI)
         await client.until(lambda: handlers.holding == 3_000, timeout=30)
         held = min([await behind_updates() for _ in range(3)])
         assert held < 2 * alone + 0.01, (held, alone)  # walking the 3,000 calls per update: 4-5 times alone
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_garbage_floods_and_rapid_resets_cost_no_traceback(no_tracebacks: pytest.LogCaptureFixture) -> None:
-    handlers = Handlers()
-    server, port = await _serving(handlers)
-    bystander = await RawClient.connect(port)
-    garbage = await RawClient.connect(port)
-    resetting = await RawClient.connect(port)
-    try:
+    async with _serving(Handlers()) as served:
+        bystander = await served.connect()
+        garbage = await served.connect()
+        resetting = await served.connect()
         held = await _held(bystander)
         garbage.write(b"\x00\x00\x08\x07\x00\x00\x00\x00\x01" + b"\xff" * 4096)  # a GOAWAY on stream 1, and noise
         await garbage.until(lambda: garbage.eof)
@@ -381,14 +316,10 @@ async def test_garbage_floods_and_rapid_resets_cost_no_traceback(no_tracebacks: 
             resetting.h2.reset_stream(stream, h2.errors.ErrorCodes.CANCEL)
         resetting.flush()
         assert await _echoes(resetting)
-        await resetting.until(lambda: server.calls() == 1)  # only the bystander's stream is left
+        await resetting.until(lambda: served.server.calls() == 1)  # only the bystander's stream is left
         bystander.send(held, b"", end=True)
         await bystander.until(lambda: bystander.ended(held))
         assert bystander.status(held) == OK
-    finally:
-        for client in (bystander, garbage, resetting):
-            await client.close()
-        await server.stop(0)
 
 
 def test_warnings_are_one_per_peer_per_window_and_count_the_rest(caplog: pytest.LogCaptureFixture) -> None:

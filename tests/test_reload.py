@@ -124,14 +124,19 @@ def samples(telemetry: Telemetry) -> dict[tuple[str, tuple[tuple[str, str], ...]
             for family in telemetry.registry.collect() for s in family.samples}
 
 
-def test_a_bad_file_keeps_the_old_config_and_says_where(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def reloading(tmp_path: Path, telemetry: Telemetry) -> tuple[Path, Target, Reloader]:
+    """A config file (``doc()``), the Target loaded from it and the Reloader that reloads it into the Target."""
     path = tmp_path / "config.yaml"
     write(path, doc())
-    telemetry = Telemetry()
     source = ConfigSource(path)
     text = path.read_bytes()
     target = Target(source.load(text)[0])
-    reloader = Reloader(source, text, target, telemetry)
+    return path, target, Reloader(source, text, target, telemetry)
+
+
+def test_a_bad_file_keeps_the_old_config_and_says_where(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    telemetry = Telemetry()
+    path, target, reloader = reloading(tmp_path, telemetry)
     started = target.config
     write(path, doc(models=[model("m1", target_waiting="three")]))
     with caplog.at_level(logging.ERROR, "extproc.adapters.reload"):
@@ -145,13 +150,8 @@ def test_a_bad_file_keeps_the_old_config_and_says_where(tmp_path: Path, caplog: 
 
 
 def test_an_applied_reload_is_counted_hashed_and_tells_whether_envoy_must_change(tmp_path: Path) -> None:
-    path = tmp_path / "config.yaml"
-    write(path, doc())
     telemetry = Telemetry()
-    source = ConfigSource(path)
-    text = path.read_bytes()
-    target = Target(source.load(text)[0])
-    reloader = Reloader(source, text, target, telemetry)
+    path, target, reloader = reloading(tmp_path, telemetry)
     first = {labels for (name, labels), _ in samples(telemetry).items() if name == "extproc_config_info"}
     write(path, doc(tenants={"alice": {"weight": 5}}))  # the processor's business only
     assert reloader.reload("SIGHUP")
@@ -167,12 +167,7 @@ def test_an_applied_reload_is_counted_hashed_and_tells_whether_envoy_must_change
 
 
 def test_no_reload_while_draining(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    path = tmp_path / "config.yaml"
-    write(path, doc())
-    source = ConfigSource(path)
-    text = path.read_bytes()
-    target = Target(source.load(text)[0])
-    reloader = Reloader(source, text, target, Telemetry())
+    _, target, reloader = reloading(tmp_path, Telemetry())
     target.draining = True
     with caplog.at_level(logging.ERROR, "extproc.adapters.reload"):
         assert not reloader.reload("SIGHUP")
@@ -197,15 +192,11 @@ def test_relabelled_queue_depths_follow_what_is_queued() -> None:
 
 
 async def test_the_watch_reloads_when_the_content_changes_not_when_the_file_is_touched(tmp_path: Path) -> None:
-    path = tmp_path / "config.yaml"
-    write(path, doc())
     telemetry = Telemetry()
-    source = ConfigSource(path)
-    text = path.read_bytes()
-    target = Target(source.load(text)[0])
-    watch = asyncio.create_task(Reloader(source, text, target, telemetry).watch(interval_s=0.01))
+    path, target, reloader = reloading(tmp_path, telemetry)
+    watch = asyncio.create_task(reloader.watch(interval_s=0.01))
     try:
-        path.write_bytes(text)  # rewritten, same content
+        path.write_bytes(path.read_bytes())  # rewritten, same content
         await asyncio.sleep(0.1)
         assert not target.applied
         write(path, doc(tenants={"alice": {"weight": 2}}))

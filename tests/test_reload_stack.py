@@ -16,6 +16,8 @@ import asyncio
 import json
 import re
 import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,20 @@ def in_order(tasks: list[asyncio.Task[Outcome]]) -> list[str]:
 def mean_rank(order: list[str], tenant: str) -> float:
     ranks = [i for i, t in enumerate(order) if t == tenant]
     return sum(ranks) / len(ranks)
+
+
+@asynccontextmanager
+async def reloadable(tmp_path: Path) -> AsyncIterator[tuple[Path, ProcessorServer, Reloader]]:
+    """An in-process ProcessorServer on m1 (one at a time), started, and the Reloader a SIGHUP would drive."""
+    path = write_stack_config(tmp_path, {"m1": ONE_AT_A_TIME})  # a static gate: ready without a scrape
+    source = ConfigSource(path)
+    text = path.read_bytes()
+    server = ProcessorServer(source.load(text)[0])
+    await server.start()
+    try:
+        yield path, server, Reloader(source, text, server, server.telemetry)
+    finally:
+        await server.close()
 
 
 async def test_sighup_applies_a_weight_a_tenant_and_a_model_without_dropping_the_queue(tmp_path: Path) -> None:
@@ -163,14 +179,8 @@ async def test_a_removed_models_queue_drains_then_is_answered_404(tmp_path: Path
 
 async def test_a_rebuilt_models_old_queue_drains_while_new_requests_go_to_the_new_one(tmp_path: Path) -> None:
     """A changed ``policy`` needs a new queue: the old one keeps its requests and order, then answers what is left."""
-    path = write_stack_config(tmp_path, {"m1": ONE_AT_A_TIME})
-    source = ConfigSource(path)
-    text = path.read_bytes()
-    server = ProcessorServer(source.load(text)[0])
-    await server.start()
-    try:
+    async with reloadable(tmp_path) as (path, server, reloader):
         server.retire_drain_s = 0.3
-        reloader = Reloader(source, text, server, server.telemetry)
         old = server.dispatchers["m1"]
         running = old.submit("alice", 1)
         waiting = [old.submit("bob", 1) for _ in range(3)]
@@ -184,8 +194,6 @@ async def test_a_rebuilt_models_old_queue_drains_while_new_requests_go_to_the_ne
         assert waiting[0].released  # the old queue goes on, in its order
         assert new.submit("carol", 1).released  # new requests: the new queue
         answers = await asyncio.gather(*(h.future for h in waiting[1:]), return_exceptions=True)
-    finally:
-        await server.close()
     assert [type(a) for a in answers] == [Refused, Refused]
     assert all(isinstance(a, Refused) and a.refusal is Refusal.SHUTTING_DOWN and "rebuilt" in a.message
                for a in answers)
@@ -193,15 +201,9 @@ async def test_a_rebuilt_models_old_queue_drains_while_new_requests_go_to_the_ne
 
 async def test_a_model_added_whose_engine_is_not_up_yet_does_not_make_a_serving_processor_unready(
         tmp_path: Path) -> None:
-    path = write_stack_config(tmp_path, {"m1": ONE_AT_A_TIME})  # a static gate: ready without a scrape
-    source = ConfigSource(path)
-    text = path.read_bytes()
-    config = source.load(text)[0]
-    server = ProcessorServer(config)
-    await server.start()
-    readyz = f"http://{config.listen.metrics}/readyz"
-    try:
-        reloader = Reloader(source, text, server, server.telemetry)
+    async with reloadable(tmp_path) as (path, server, reloader):
+        metrics = server.config.listen.metrics
+        readyz = f"http://{metrics}/readyz"
         async with aiohttp.ClientSession() as session:
             async with session.get(readyz) as before:
                 assert before.status == 200
@@ -211,21 +213,13 @@ async def test_a_model_added_whose_engine_is_not_up_yet_does_not_make_a_serving_
             await asyncio.sleep(0.3)  # a few failed scrapes of m2
             async with session.get(readyz) as after:
                 assert after.status == 200, await after.text()
-            async with session.get(f"http://{config.listen.metrics}/status.json") as status:
+            async with session.get(f"http://{metrics}/status.json") as status:
                 models = [m["name"] for m in (await status.json())["models"]]
-    finally:
-        await server.close()
     assert models == ["m1", "m2"]  # the status page shows it (not scraped yet)
 
 
 async def test_changed_endpoints_and_limits_apply_to_the_same_dispatcher(tmp_path: Path) -> None:
-    path = write_stack_config(tmp_path, {"m1": ONE_AT_A_TIME})
-    source = ConfigSource(path)
-    text = path.read_bytes()
-    server = ProcessorServer(source.load(text)[0])
-    await server.start()
-    try:
-        reloader = Reloader(source, text, server, server.telemetry)
+    async with reloadable(tmp_path) as (path, server, reloader):
         live = server.dispatchers["m1"]
         held = [live.submit("alice", 1) for _ in range(3)]
         moved = f"http://127.0.0.1:{free_port()}"
@@ -240,5 +234,3 @@ async def test_changed_endpoints_and_limits_apply_to_the_same_dispatcher(tmp_pat
         assert live.pool.endpoints == (moved,)
         for h in held:
             live.end(h)
-    finally:
-        await server.close()

@@ -32,45 +32,18 @@ from google.protobuf import wrappers_pb2
 from hyperframe.frame import GoAwayFrame, PingFrame, SettingsFrame
 
 from extproc.adapters.ext_proc.grpcio_server import GrpcioServer
-from extproc.adapters.ext_proc.h2grpc import MAX_MESSAGE_BYTES, GrpcServer, Method
+from extproc.adapters.ext_proc.h2grpc import MAX_MESSAGE_BYTES, GrpcServer
 from extproc.tools.procs import free_port
+from tests.test_h2grpc import ECHO, HOLD, Handlers
 
 pytestmark = pytest.mark.integration
 
 Bytes = wrappers_pb2.BytesValue
-ECHO, HOLD = "/t.T/Echo", "/t.T/Hold"
 TRANSPORTS: dict[str, type[GrpcServer] | type[GrpcioServer]] = {"h2": GrpcServer, "grpcio": GrpcioServer}
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 OK, INTERNAL, RESOURCE_EXHAUSTED = 0, 13, 8
 # Not a BytesValue: field 1 says 5 bytes follow, 2 do.
 NOT_PROTOBUF = b"\x0a\x05ab"
-
-
-class Handlers:
-    """Echo (each message back, doubled) and Hold (answer once, then wait for the client's end)."""
-
-    def __init__(self) -> None:
-        self.received = 0  # messages that reached a handler
-        self.holding = 0
-        self.ended = 0
-
-    async def echo(self, requests: AsyncIterator[Bytes]) -> AsyncIterator[Bytes]:
-        async for request in requests:
-            self.received += 1
-            yield Bytes(value=request.value * 2)
-
-    async def hold(self, requests: AsyncIterator[Bytes]) -> AsyncIterator[Bytes]:
-        self.holding += 1
-        try:
-            async for _ in requests:
-                self.received += 1
-                yield Bytes(value=b"held")
-                break
-            async for _ in requests:
-                pass
-        finally:
-            self.holding -= 1
-            self.ended += 1
 
 
 @dataclass
@@ -101,8 +74,7 @@ class Served:
 @pytest.fixture(params=list(TRANSPORTS))
 async def served(request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Served]:
     handlers = Handlers()
-    methods = {ECHO: Method(Bytes.FromString, handlers.echo), HOLD: Method(Bytes.FromString, handlers.hold)}
-    server = TRANSPORTS[request.param](methods)
+    server = TRANSPORTS[request.param](handlers.methods(ECHO, HOLD))
     port = free_port()
     await server.start("127.0.0.1", port)
     it = Served(request.param, server, port, handlers)
@@ -422,7 +394,7 @@ async def test_rapid_reset_cancels_every_handler_and_others_are_served(served: S
         client.h2.reset_stream(stream_id)
     client.flush()
     await client.pump(lambda: False, timeout=1)
-    assert await settle(lambda: served.server.calls() == 0 and served.handlers.holding == 0)
+    assert await settle(lambda: served.server.calls() == 0 and served.handlers.running == 0)
     assert await served.serves()
     # The flooding connection itself: the reference may close it (it counts resets); either is fine.
 
@@ -447,7 +419,7 @@ async def test_stream_flood_stays_within_the_advertised_limit_and_every_handler_
     assert served.handlers.received <= min(n, limit)
     assert await served.serves()
     await client.close()
-    assert await settle(lambda: served.server.calls() == 0 and served.handlers.holding == 0)
+    assert await settle(lambda: served.server.calls() == 0 and served.handlers.running == 0)
 
 
 async def _flood(served: Served, raw: Connect, frame: bytes, count: int) -> RawClient:
@@ -615,7 +587,7 @@ async def test_two_hundred_connections_each_with_a_held_call_all_complete(served
     for call in calls:
         await call.write(Bytes(value=b"hi"))
     assert {r.value for r in await asyncio.gather(*(call.read() for call in calls))} == {b"held"}
-    assert served.handlers.holding == 200
+    assert served.handlers.running == 200
     for call in calls:
         await call.done_writing()
     assert [await call.code() for call in calls] == [grpc.StatusCode.OK] * 200
