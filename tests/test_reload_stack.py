@@ -13,6 +13,7 @@ the new one. Assertions are on counts, statuses and order, not speed.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import re
 import signal
@@ -234,3 +235,17 @@ async def test_changed_endpoints_and_limits_apply_to_the_same_dispatcher(tmp_pat
         assert live.pool.endpoints == (moved,)
         for h in held:
             live.end(h)
+
+
+async def test_a_shutdown_during_a_drain_or_a_rescrape_closes_every_scrapers_sessions(tmp_path: Path) -> None:
+    """close() right after a reload retired a queue and restarted a scraper: their sessions close (no leak warning)."""
+    async with reloadable(tmp_path) as (path, server, reloader):
+        old = server.dispatchers["m1"]
+        held = [old.submit("bob", 1) for _ in range(2)]
+        assert not held[1].released  # queued: the old queue will drain, its scraper running
+        rewrite(path, lambda doc: doc["models"][0].update(policy="vtc"))
+        assert reloader.reload("test")
+        rewrite(path, lambda doc: doc["models"][0].update(endpoints=[f"http://127.0.0.1:{free_port()}"]))
+        assert reloader.reload("test")  # the new queue's scraper restarts
+        await asyncio.sleep(0.05)  # the scrapers are running, their sessions open
+    gc.collect()  # an unclosed aiohttp session warns here, which the suite's filterwarnings makes an error

@@ -198,8 +198,11 @@ async def retire(dispatcher: ModelDispatcher, scraper: asyncio.Task[None], drain
                      dispatcher.queued, drain_s, leftover().refusal.value)
             dispatcher.reject_all(leftover)
     finally:
-        scraper.cancel()
-        await asyncio.gather(scraper, return_exceptions=True)
+        if not scraper.cancelling():  # a shutdown may have cancelled it already
+            scraper.cancel()
+        # wait, not gather: a shutdown cancelling this task must not cancel the scraper's own cleanup
+        # a second time; the server's close() waits for it (ProcessorServer._retire).
+        await asyncio.wait([scraper])
     while dispatcher.in_flight:
         await asyncio.sleep(RETIRE_POLL_S)
     if gone:

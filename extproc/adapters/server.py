@@ -36,6 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig, split_address
 from extproc.adapters.engines.discovery import watch_pool
+from extproc.adapters.engines.probe import probe_session
 from extproc.adapters.ext_proc.grpcio_server import GrpcioServer
 from extproc.adapters.ext_proc.h2grpc import GrpcServer, Limits, Method
 from extproc.adapters.ext_proc.health import Health
@@ -99,6 +100,7 @@ class ProcessorServer:
         # Models a reload added or rebuilt: readiness does not wait for their first scrape.
         self._reloaded: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
+        self._probes: aiohttp.ClientSession | None = None  # the engines' /health looks (probe.probe_session)
         # The metrics port (/metrics, /healthz, /readyz, the status page): adapters/web/app.py.
         host, port = split_address(config.listen.metrics)
         self._metrics_server = MetricsServer(
@@ -125,6 +127,7 @@ class ProcessorServer:
             raise OSError(f"listen.metrics: cannot bind {self.config.listen.metrics} ({exc.strerror})") from exc
         self._metrics_started = True
         self._session = aiohttp.ClientSession()
+        self._probes = probe_session()
         if self._tls is not None:
             self._tasks.append(asyncio.create_task(self._tls.watch()))
         for model in self.config.models:
@@ -150,8 +153,8 @@ class ProcessorServer:
         return sum(d.in_flight for d in self._every_dispatcher())
 
     def _start_scraper(self, model: ModelConfig, dispatcher: ModelDispatcher) -> None:
-        assert self._session is not None
-        self._scrapers[model.name] = asyncio.create_task(watch_pool(self._session, model, dispatcher))
+        assert self._session is not None and self._probes is not None
+        self._scrapers[model.name] = asyncio.create_task(watch_pool(self._session, self._probes, model, dispatcher))
 
     def accepts_reload(self) -> str | None:
         """Why a reload cannot be applied now, or None (adapters/reload.py asks first)."""
@@ -179,15 +182,23 @@ class ProcessorServer:
             self.telemetry.models[model.name].relabel(labels, dispatcher.queued_by_tenant())
             dispatcher.reconfigure(live_settings(config, model))
             if model.name in plan.rescraped:
-                self._scrapers.pop(model.name).cancel()
+                old = self._scrapers.pop(model.name)
+                old.cancel()
+                self._stopping(old)
                 self._start_scraper(model, dispatcher)
         self.processor.reconfigure(config)
         self.config = config
 
+    def _stopping(self, task: asyncio.Task[None]) -> None:
+        """A scraper taken out of service: close() waits for it to close its sessions (earlier ones that ended go)."""
+        self._tasks = [*(t for t in self._tasks if not t.done()), task]
+
     def _retire(self, name: str, leftover: Callable[[], Refused], *, gone: bool) -> None:
         """Take ``name``'s dispatcher out of service; it drains in a task (adapters/reload.py ``retire``)."""
         dispatcher = self.dispatchers.pop(name)
-        task = asyncio.create_task(retire(dispatcher, self._scrapers.pop(name), self.retire_drain_s, leftover, gone))
+        scraper = self._scrapers.pop(name)
+        self._stopping(scraper)
+        task = asyncio.create_task(retire(dispatcher, scraper, self.retire_drain_s, leftover, gone))
         self._retired[task] = dispatcher
         task.add_done_callback(self._retired.pop)
 
@@ -229,8 +240,9 @@ class ProcessorServer:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._cluster is not None:
             await self._cluster.stop()
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._probes):
+            if session is not None:
+                await session.close()
         if self._metrics_started:
             await self._metrics_server.stop()
         await self._grpc.stop(0)

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from extproc.adapters.config import ModelConfig, is_ip_address
-from extproc.adapters.engines.probe import Prober, probe_session
+from extproc.adapters.engines.probe import Prober
 from extproc.adapters.engines.scraper import scrape_endpoint
 from extproc.core.dispatcher import ModelDispatcher
 
@@ -55,12 +55,16 @@ async def _members(configured: tuple[str, ...], previous: dict[str, list[str]]) 
     return result
 
 
-async def watch_pool(session: aiohttp.ClientSession, model: ModelConfig, dispatcher: ModelDispatcher) -> None:
-    """Scrape every member of ``model``'s pool, re-resolving host names, until cancelled."""
+async def watch_pool(session: aiohttp.ClientSession, probes: aiohttp.ClientSession, model: ModelConfig,
+                     dispatcher: ModelDispatcher) -> None:
+    """Scrape every member of ``model``'s pool, re-resolving host names, until cancelled.
+
+    ``probes`` is a :func:`~.probe.probe_session`. Both sessions are the caller's, closed by it: a
+    scraper cancelled twice (a reload's drain, then a shutdown) would cut short its own cleanup.
+    """
     resolved = {e: [e] for e in model.endpoints}
     tasks: dict[str, asyncio.Task[None]] = {}
     needs_dns = not all(is_ip_address(urlsplit(e).hostname or "") for e in model.endpoints)
-    probes = probe_session()
     prober = Prober(model, dispatcher)
     dispatcher.probe_with(prober)
     try:
@@ -84,4 +88,3 @@ async def watch_pool(session: aiohttp.ClientSession, model: ModelConfig, dispatc
             task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
         await prober.close()
-        await probes.close()
