@@ -254,10 +254,12 @@ async def serve(config: Config, drain_seconds: float, deadline_seconds: float,
 
     SIGHUP reloads ``source`` (where ``config`` came from, and the content it was loaded from).
     """
+    loop = asyncio.get_running_loop()
+    if source is not None:  # until the reloader takes it: SIGHUP's default would end the process
+        loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP while starting: ignored; send it again once serving")
     server = ProcessorServer(config)
     await server.start()
     stop, force = asyncio.Event(), asyncio.Event()
-    loop = asyncio.get_running_loop()
     if source is not None:
         _serve_reloads(server, source, drain_seconds, watch_config)
 
