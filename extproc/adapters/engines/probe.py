@@ -21,7 +21,8 @@ Two questions need it:
   its model) or no answer in time says nothing either way.
 
 :class:`Prober` keeps at most one look in flight per endpoint, and looks
-again while ends newer than its last look wait.
+again while ends newer than its last look wait; a look counts only for the ends
+at least ``SETTLE_S`` before it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ import aiohttp
 
 from extproc.adapters.config import ModelConfig
 from extproc.core.dispatcher import ModelDispatcher
+
+
+# A killed engine's port still accepts connections for about 2 ms after its requests were cut
+# (measured on the simulator): a connect sooner after an end than this would find a dying process
+# "alive" and refill its slot into it. The slot waits this much longer; the engine meanwhile runs
+# what it holds and what waits in it.
+SETTLE_S = 0.02
 
 
 class Answer(Enum):
@@ -94,12 +102,14 @@ class Prober:
         try:
             pool = self._dispatcher.pool
             while endpoint in pool.endpoints and pool.unconfirmed.waits_on(endpoint):
+                await asyncio.sleep(SETTLE_S)
                 started = time.monotonic()
                 answer = await listening(endpoint, self._model.stale_after_s)
                 if answer is Answer.UNKNOWN:
                     await asyncio.sleep(self._model.scrape_interval_s)  # a scrape may settle it meanwhile
                     continue
-                self._dispatcher.record_probe(endpoint, answer is Answer.ALIVE, started)
+                # A port that still accepts shows life only for the ends at least SETTLE_S before the look.
+                self._dispatcher.record_probe(endpoint, answer is Answer.ALIVE, started - SETTLE_S)
                 if answer is Answer.UNREACHABLE:
                     break
         finally:
