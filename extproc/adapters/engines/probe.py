@@ -37,7 +37,6 @@ import aiohttp
 from extproc.adapters.config import ModelConfig
 from extproc.core.dispatcher import ModelDispatcher
 
-
 # A killed engine's port still accepts connections for about 2 ms after its requests were cut
 # (measured on the simulator): a connect sooner after an end than this would find a dying process
 # "alive" and refill its slot into it. The slot waits this much longer; the engine meanwhile runs
