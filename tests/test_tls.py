@@ -87,16 +87,12 @@ def _tls(ca: CA, server: Pair, *, mutual: bool = False, reload_s: float = 5.0) -
 
 
 async def _serving(tls: ServerTls, transport: str) -> tuple[GrpcServer | GrpcioServer, int]:
-    """Health over TLS on either transport (listen.transport); grpcio reads the files, asking ``tls`` of reloads."""
+    """Health over TLS on either transport (listen.transport), both given the same ServerTls."""
     health = Health(lambda: True)
     health.start()
     port = free_port()
-    if transport == "grpcio":
-        grpcio = GrpcioServer(health.methods())
-        await grpcio.start("127.0.0.1", port, tls)
-        return grpcio, port
-    server = GrpcServer(health.methods())
-    await server.start("127.0.0.1", port, tls.listener)
+    server = (GrpcioServer if transport == "grpcio" else GrpcServer)(health.methods())
+    await server.start("127.0.0.1", port, tls)
     return server, port
 
 

@@ -113,10 +113,7 @@ class ProcessorServer:
     async def start(self) -> None:
         host, port = split_address(self.config.listen.grpc)
         try:
-            if isinstance(self._grpc, GrpcioServer):  # grpcio reads the files itself, asking ServerTls of reloads
-                await self._grpc.start(host, port, self._tls)
-            else:
-                await self._grpc.start(host, port, None if self._tls is None else self._tls.listener)
+            await self._grpc.start(host, port, self._tls)
         except OSError as exc:
             raise OSError(f"listen.grpc: cannot bind {self.config.listen.grpc} ({exc.strerror})") from exc
         self.processor.lag.start()

@@ -27,7 +27,6 @@ h2grpc_connection.py (one connection), h2grpc_limits.py (limits, warnings).
 from __future__ import annotations
 
 import asyncio
-import ssl
 
 from extproc.adapters.ext_proc.h2grpc_call import (
     INTERNAL,
@@ -42,6 +41,7 @@ from extproc.adapters.ext_proc.h2grpc_call import (
 )
 from extproc.adapters.ext_proc.h2grpc_connection import Connection
 from extproc.adapters.ext_proc.h2grpc_limits import Limits, PeerWarnings
+from extproc.adapters.ext_proc.tls import ServerTls
 
 __all__ = ["INTERNAL", "MAX_MESSAGE_BYTES", "NOT_FOUND", "OK", "RESOURCE_EXHAUSTED", "UNIMPLEMENTED", "UNKNOWN",
            "GrpcError", "GrpcServer", "Limits", "Message", "Method"]
@@ -63,11 +63,11 @@ class GrpcServer:
         self.connections: set[Connection] = set()
         self._listener: asyncio.Server | None = None
 
-    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
-        """Listen; with ``tls`` (a server context offering ALPN h2: tls.py), every connection is TLS."""
+    async def start(self, host: str, port: int, tls: ServerTls | None = None) -> None:
+        """Listen; with ``tls`` (its listener context offers ALPN h2, reloaded files included), every connection is TLS."""
         loop = asyncio.get_running_loop()
         self._listener = await loop.create_server(
-            lambda: Connection(self), host, port, reuse_address=True, ssl=tls,
+            lambda: Connection(self), host, port, reuse_address=True, ssl=None if tls is None else tls.listener,
             # The TLS handshake counts against the HTTP/2 one's limit (which starts after it).
             ssl_handshake_timeout=None if tls is None else self.limits.handshake_timeout_s,
         )
