@@ -272,11 +272,14 @@ class Reloader:
         telemetry.config_applied.set(time.time())
         telemetry.envoy_config_stale.set(0)
 
-    def reload(self, why: str) -> bool:
-        """Read, check and apply the file; False (the old config kept, the reason logged) when it is rejected."""
+    def reload(self, why: str, text: bytes | None = None) -> bool:
+        """Read, check and apply the file; False (the old config kept, the reason logged) when it is rejected.
+
+        ``text``: the file's content when the caller has just read it (the watch), so it is not read twice.
+        """
         started = time.perf_counter()
         try:
-            text = self._source.read()
+            text = self._source.read() if text is None else text
             self._read = digest(text)
             config, whole = self._source.load(text)
             refusal = self._target.accepts_reload()
@@ -312,4 +315,4 @@ class Reloader:
             except ConfigError:
                 continue  # mid-replace, or gone for a moment: the next look decides
             if digest(text) != self._read:
-                self.reload("file changed")
+                self.reload("file changed", text)
