@@ -49,6 +49,7 @@ from extproc.core.outcomes import Refusal, Refused
 from extproc.core.outlet import Held, Outlet
 from extproc.core.policies import Policy
 from extproc.core.preemption import AGAIN_AFTER_S, Need, Preemption
+from extproc.core.prefix import NO_PREFIX, Prefix
 from extproc.core.release.pool import Pool
 from extproc.core.release.rule import ReleaseRule, RuleSettings
 from extproc.core.report import Change, Charged, DispatchReport, EndpointEvent, PoolEvent, RequestEvent, Step
@@ -229,6 +230,7 @@ class ModelDispatcher:
         content_length: int | None = None,
         max_tokens: float | None = None,
         affinity: str = "",
+        prefix: Prefix = NO_PREFIX,
         eligible: frozenset[str] | None = None,
         ttft_objective_s: float | None = None,
         retried: bool = False,
@@ -236,7 +238,8 @@ class ModelDispatcher:
         """Queue a request and dispatch; the returned future may already be resolved.
 
         ``affinity`` groups requests that share a prompt prefix (endpoint picking
-        keeps them on one engine); empty means the tenant. ``eligible`` limits
+        keeps them on one engine); empty means the tenant. ``prefix`` is its
+        prompt's signature (``core/prefix.py``). ``eligible`` limits
         where it may go (endpoint picking). ``ttft_objective_s`` is the
         client's own objective (the band decides how far to trust it);
         ``retried``: the client says it is a retry, so it is never preempted.
@@ -254,7 +257,7 @@ class ModelDispatcher:
         objective = rules.objective_s(ttft_objective_s)
         queue_wait = rules.queue_wait_s(self._max_queue_wait_s)
         held = Held(tenant, band, now, asyncio.get_running_loop().create_future(), estimate,
-                    affinity=affinity or tenant, eligible=eligible, ttft_objective_s=objective,
+                    affinity=affinity or tenant, prefix=prefix, eligible=eligible, ttft_objective_s=objective,
                     deadline=now + (objective if objective is not None else queue_wait), retried=retried)
         first = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)

@@ -20,6 +20,7 @@ from extproc.core.drain_time import ReleaseRate
 from extproc.core.fair_queue import FairQueue
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.preemption import Preemption
+from extproc.core.prefix import NO_PREFIX, Prefix
 from extproc.core.release.estimate import LoadNow
 from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
@@ -42,6 +43,8 @@ class Held:
     ended: bool = False
     # Prefix-cache affinity key (endpoint picking) and the endpoint picked on release.
     affinity: str = ""
+    # Its prompt's prefix signature (NO_PREFIX: the model computes none).
+    prefix: Prefix = field(default=NO_PREFIX, repr=False)
     endpoint: str | None = None
     # After the pick, the other endpoints in order of preference (the gateway's fallbacks).
     fallbacks: tuple[str, ...] = ()
