@@ -3,7 +3,9 @@
 A new policy passes these before the config accepts its name:
 
 * every request ends exactly once (popped or removed), each tenant's in its
-  order: arrival, or earliest deadline first for a ``by_deadline`` policy;
+  order: arrival, or earliest deadline first for a ``by_deadline`` policy, none
+  overtaken by more than ``overtakes`` later requests of its tenant (a
+  ``locality`` policy's reordering; 0 for the others: strictly in order);
 * no starvation within a band: a tenant that joins is served within a number
   of releases that does not grow with the backlog in front of it;
 * its own fairness bound: between continuously backlogged tenants the service
@@ -52,20 +54,29 @@ TENANTS = st.sampled_from(["a", "b", "c", "d"])
 WEIGHTS = st.fixed_dictionaries({t: st.floats(0.25, 4) for t in "abcdx"})
 COSTS = st.floats(1, 100)
 OBJECTIVES = st.floats(0.5, 50)  # seconds, on a clock that ticks once per request
+HITS = st.sampled_from([0.0, 0.0, 16.0, 128.0, 2048.0])  # cached prompt tokens; equal ones tie
 # Function-scoped fixtures (the path factory) serve every example: each example builds its own path.
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @dataclass(frozen=True)
 class Request:
-    """A queued request: numbered in arrival order (one tick of the clock each), due by ``deadline``."""
+    """A queued request: numbered in arrival order (one tick of the clock each), due by ``deadline``.
+
+    ``hit``: the prompt tokens it would find cached (``Cached``, what a
+    locality policy orders by). Policies that ignore it must pass unchanged.
+    """
 
     number: int
     deadline: float
+    hit: float = 0.0
 
     @classmethod
-    def due(cls, number: int, objective: float) -> Request:
-        return cls(number, number + objective)
+    def due(cls, number: int, objective: float, hit: float = 0.0) -> Request:
+        return cls(number, number + objective, hit)
+
+    def cached_tokens(self) -> float:
+        return self.hit
 
 
 def order(policy: Policy) -> Callable[[Request], tuple[float, ...]]:
@@ -217,7 +228,7 @@ def new_path(request: pytest.FixtureRequest, name: str) -> PathFactory:
 # end (estimate, then real = estimate + delta) reported for the tenant.
 OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("push"), TENANTS, COSTS, OBJECTIVES),
+        st.tuples(st.just("push"), TENANTS, COSTS, OBJECTIVES, HITS),
         st.tuples(st.just("pop")),
         st.tuples(st.just("remove"), st.integers(0, 1000)),
         st.tuples(st.just("cost"), TENANTS, COSTS, st.floats(-50, 50)),
@@ -238,16 +249,21 @@ async def test_every_request_ends_exactly_once_in_its_tenants_order(
         ended: list[int] = []
         ids = itertools.count()
 
+        passed: dict[Request, int] = {}  # how many later requests of its tenant left before it
+
         async def pop() -> None:
             tenant, item = await queue.pop()
-            # The tenant's first queued request in the policy's order, none other.
-            assert item == min((r for r, t in queued.items() if t == tenant), key=first)
+            # The tenant's first queued request in the policy's order, or one at most
+            # ``overtakes`` later requests of its tenant have gone before.
             assert queued.pop(item) == tenant
+            for earlier in (r for r, t in queued.items() if t == tenant and first(r) < first(item)):
+                passed[earlier] = passed.get(earlier, 0) + 1
+                assert passed[earlier] <= policy.overtakes
             ended.append(item.number)
 
         for op in ops:
             if op[0] == "push":
-                item = Request.due(next(ids), op[3])
+                item = Request.due(next(ids), op[3], op[4])
                 queue.push(op[1], item, op[2])
                 queued[item] = op[1]
             elif op[0] == "pop" and queued:
@@ -276,10 +292,11 @@ async def test_every_request_ends_exactly_once_in_its_tenants_order(
     weights=WEIGHTS,
     newcomer=st.sampled_from(["x", "a"]),
     objectives=st.fixed_dictionaries({t: OBJECTIVES for t in "abcdx"}),
+    hits=st.fixed_dictionaries({t: HITS for t in "abcdx"}),
 )
 async def test_a_tenant_that_joins_is_served_however_deep_the_backlog(
     new_path: PathFactory, name: str, backlogs: list[tuple[str, int]], served_before: int, costs: dict[str, float],
-    weights: dict[str, float], newcomer: str, objectives: dict[str, float],
+    weights: dict[str, float], newcomer: str, objectives: dict[str, float], hits: dict[str, float],
 ) -> None:
     """Exact costs; the newcomer is new ("x") or returns after its own backlog ran out ("a")."""
     policy = POLICIES[name]
@@ -287,7 +304,7 @@ async def test_a_tenant_that_joins_is_served_however_deep_the_backlog(
         ids = itertools.count()
         for tenant, count in backlogs:
             for _ in range(count):
-                queue.push(tenant, Request.due(next(ids), objectives[tenant]), costs[tenant])
+                queue.push(tenant, Request.due(next(ids), objectives[tenant], hits[tenant]), costs[tenant])
         for _ in range(min(served_before, len(queue))):
             await queue.pop()
         if queue.tenant_len(newcomer):
@@ -298,7 +315,7 @@ async def test_a_tenant_that_joins_is_served_however_deep_the_backlog(
         # request's service (U) more than the newcomer has, and its window more
         # (one of its own requests each): a bound in releases.
         rounds = math.ceil(max(service.values()) / min(service.values())) + 1 + policy.window_requests
-        mark = Request.due(next(ids), objectives[newcomer])
+        mark = Request.due(next(ids), objectives[newcomer], hits[newcomer])
         queue.push(newcomer, mark, costs[newcomer])
         waited = 0
         while (await queue.pop())[1] != mark:
@@ -306,7 +323,7 @@ async def test_a_tenant_that_joins_is_served_however_deep_the_backlog(
         assert waited <= len(others) * rounds
 
 
-plans = st.lists(st.tuples(COSTS, COSTS, OBJECTIVES), min_size=1, max_size=8)  # (estimated cost, real cost, objective)
+plans = st.lists(st.tuples(COSTS, COSTS, OBJECTIVES, HITS), min_size=1, max_size=8)  # (estimate, real cost, objective, hit)
 
 
 @SETTINGS
@@ -319,7 +336,7 @@ plans = st.lists(st.tuples(COSTS, COSTS, OBJECTIVES), min_size=1, max_size=8)  #
     completions=st.lists(st.integers(0, 5), min_size=200, max_size=200),
 )
 async def test_backlogged_tenants_stay_within_the_policys_bound(
-    new_path: PathFactory, name: str, plan: dict[str, list[tuple[float, float, float]]], tenants: int,
+    new_path: PathFactory, name: str, plan: dict[str, list[tuple[float, float, float, float]]], tenants: int,
     weights: dict[str, float], in_flight: int, steps: int, completions: list[int],
 ) -> None:
     """|service released to A - to B| <= U + K·E (+ the policy's window) at every moment, for every pair."""
@@ -332,9 +349,9 @@ async def test_backlogged_tenants_stay_within_the_policys_bound(
         pending: list[tuple[str, float, float]] = []  # in flight: (tenant, estimate, real cost)
 
         def push(tenant: str, number: int) -> None:
-            estimate, real, objective = plan[tenant][pushed[tenant] % len(plan[tenant])]
+            estimate, real, objective, hit = plan[tenant][pushed[tenant] % len(plan[tenant])]
             pushed[tenant] += 1
-            item = Request.due(number, objective)
+            item = Request.due(number, objective, hit)
             planned[item] = estimate, real
             queue.push(tenant, item, estimate)
 
@@ -344,7 +361,7 @@ async def test_backlogged_tenants_stay_within_the_policys_bound(
         def service(tenant: str, cost: float) -> float:
             return policy.service(cost, weights[tenant])
 
-        requests = [(t, est, real) for t in names for est, real, _ in plan[t]]
+        requests = [(t, est, real) for t in names for est, real, _, _ in plan[t]]
         unit = max(service(t, real) for t, _, real in requests)
         error = max(abs(service(t, real) - service(t, est)) for t, est, real in requests)
         # How far the policy may move a tenant ahead: requests' worth, each at most the largest estimate.

@@ -26,3 +26,8 @@ class EngineLoad:
     itl_count: float | None = None
     # Cumulative generated tokens, where the dialect has the counter (the cost model's decode rate).
     generation_tokens: float | None = None
+    # Cumulative prompt tokens looked up in the prefix cache, and found there (vLLM's prefix_cache_* counters).
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+    # The KV cache's size in tokens (vLLM: cache_config_info's num_gpu_blocks x block_size).
+    kv_capacity_tokens: float | None = None

@@ -95,6 +95,9 @@ class Policy:
     (ties: arrival), read from the items (:class:`Deadlined`); otherwise in
     arrival order.
 
+    ``overtakes``: the most later requests of its own tenant that may leave
+    before a request (0: each tenant's requests leave in the order above).
+
     ``cluster`` is how a cluster of instances runs it (None: it cannot be, and
     the config refuses it with a ``cluster:`` section).
     """
@@ -105,6 +108,7 @@ class Policy:
     cluster: ClusterForm | None = None
     window_requests: int = 0
     by_deadline: bool = False
+    overtakes: int = 0
 
 
 class Deadlined(Hashable, Protocol):
@@ -112,6 +116,12 @@ class Deadlined(Hashable, Protocol):
 
     @property
     def deadline(self) -> float: ...
+
+
+class Cached(Hashable, Protocol):
+    """A request a locality-ordered policy can queue: how many of its prompt tokens the engine likely holds now."""
+
+    def cached_tokens(self) -> float: ...
 
 
 class TenantQueue(Protocol[Item]):

@@ -55,8 +55,8 @@ from bisect import insort_right
 from typing import Generic, TypeVar
 
 from extproc.core.policies import vtc
-from extproc.core.policies.base import Deadlined, Policy, TenantQueue, TenantWeight
-from extproc.core.policies.vtc import VirtualTokenCounter
+from extproc.core.policies.base import Deadlined, Policy, TenantQueue
+from extproc.core.policies.vtc import LargestCharge
 
 Urgent = TypeVar("Urgent", bound=Deadlined)
 
@@ -86,33 +86,20 @@ class DeadlineQueue(Generic[Urgent]):
         self._items.remove(item)
 
 
-class DeadlineBand(VirtualTokenCounter[Urgent]):
+class DeadlineBand(LargestCharge[Urgent]):
     """One band: ``vtc``'s counters, the earliest deadline first within each tenant's window (module docstring)."""
-
-    def __init__(self, weight: TenantWeight) -> None:
-        super().__init__(weight)
-        # The largest weighted charge of each tenant with a counter: its window.
-        self._largest: dict[str, float] = {}
 
     def window(self, tenant: str) -> float:
         """How far above the smallest counter the tenant's counter may be and its deadline still choose it."""
-        return self._largest.get(tenant, 0.0)
+        return self.largest(tenant)
 
     def _new_queue(self) -> TenantQueue[Urgent]:
         return DeadlineQueue()
 
-    def _pick(self) -> tuple[str, float]:
+    def _pick(self) -> tuple[str, float, int]:
         lowest = min(self._counters[t] for t in self._queues)
         within = (t for t in self._queues if self._counters[t] <= lowest + self.window(t))
         tenant = min(within, key=lambda t: (self._queues[t][0].deadline, *self._rank(t)))
-        return tenant, lowest
-
-    def charge(self, tenant: str, cost: float) -> None:
-        self._largest[tenant] = max(self.window(tenant), self._add(tenant, cost))
-
-    def _sweep(self) -> None:
-        super()._sweep()
-        self._largest = {t: w for t, w in self._largest.items() if t in self._counters}
-
+        return tenant, lowest, 0
 
 POLICY = Policy("deadline", DeadlineBand, service=vtc.POLICY.service, window_requests=1, by_deadline=True)

@@ -94,10 +94,10 @@ class VirtualTokenCounter(TenantQueues[Item]):
         """Head of the backlogged tenant with the least weighted service; IndexError when empty."""
         if not self._queues:
             raise IndexError("pop from an empty band")
-        tenant, lowest = self._pick()
+        tenant, lowest, position = self._pick()
         self._floor = max(self._floor, lowest)
         queue = self._queues[tenant]
-        item = queue.popleft()
+        item = queue.popleft() if not position else self._take_at(tenant, position)
         if not queue:
             self._leave(tenant)
         self._size -= 1
@@ -105,10 +105,15 @@ class VirtualTokenCounter(TenantQueues[Item]):
             self._sweep()
         return tenant, item
 
-    def _pick(self) -> tuple[str, float]:
-        """The backlogged tenant whose head goes next, and the smallest backlogged counter (the floor rises to it)."""
+    def _pick(self) -> tuple[str, float, int]:
+        """The backlogged tenant whose request goes next, the smallest backlogged counter (the floor rises to it),
+        and the request's position in the tenant's queue (0: its head; only ``locality`` picks another)."""
         tenant = min(self._queues, key=self._rank)
-        return tenant, self._counters[tenant]
+        return tenant, self._counters[tenant], 0
+
+    def _take_at(self, tenant: str, position: int) -> Item:
+        """Dequeue the tenant's request at ``position`` (> 0), for a policy whose ``_pick`` chooses one."""
+        raise NotImplementedError("this policy serves each tenant's queue in order")
 
     def _rank(self, tenant: str) -> tuple[float, int]:
         """Least weighted service first; ties: backlogged longest."""
@@ -136,6 +141,31 @@ class VirtualTokenCounter(TenantQueues[Item]):
         """Forget idle tenants at or below the floor: their return lifts them there anyway."""
         for tenant in [t for t, c in self._counters.items() if t not in self._queues and c <= self._floor]:
             del self._counters[tenant]
+
+
+
+class LargestCharge(VirtualTokenCounter[Item]):
+    """``vtc`` that remembers each tenant's largest weighted charge: the unit of a policy's window past fairness.
+
+    ``deadline`` and ``locality`` let a tenant go ahead of the smallest counter
+    by some of its own requests' worth, so a tenant of small requests cannot
+    jump by a large one's worth.
+    """
+
+    def __init__(self, weight: TenantWeight) -> None:
+        super().__init__(weight)
+        self._largest: dict[str, float] = {}
+
+    def largest(self, tenant: str) -> float:
+        """The largest weighted charge of ``tenant`` (0 before its first)."""
+        return self._largest.get(tenant, 0.0)
+
+    def charge(self, tenant: str, cost: float) -> None:
+        self._largest[tenant] = max(self.largest(tenant), self._add(tenant, cost))
+
+    def _sweep(self) -> None:
+        super()._sweep()
+        self._largest = {t: w for t, w in self._largest.items() if t in self._counters}
 
 
 POLICY = Policy("vtc", VirtualTokenCounter, service=lambda cost, weight: cost / weight, cluster=ClusterForm.COUNTER)
