@@ -42,11 +42,15 @@ URGENT, LAX = 0.0, 1.0
 
 
 class Queued(NamedTuple):
-    """A queued request as a band sees it (``deadline``: read by ``policy: deadline``)."""
+    """A queued request as a band sees it (``deadline``: read by ``policy: deadline``; its hit by ``locality``)."""
 
     tenant: str
     number: int
     deadline: float = LAX
+
+    def cached_tokens(self) -> float:
+        """Read by ``policy: locality``: a hostile (urgent) request claims an infinite or a NaN hit."""
+        return (math.inf if self.number % 2 else math.nan) if self.deadline == URGENT else 0.0
 
 
 def finite_counters(band: BandPolicy[Any], tenants: Iterable[str]) -> bool:

@@ -162,6 +162,12 @@ class Telemetry:
         "Prompt tokens charged to finished requests (estimated from Content-Length; see docs/configuration.md).",
         "model", "tenant",
     )
+    charged_cached_prompt_tokens = _counter(
+        "extproc_charged_cached_prompt_tokens",
+        "Of the prompt tokens charged, those charged as found in the engine's prefix cache (models with prefix "
+        "signatures: the account of what each endpoint holds, confirmed by its prefix-cache counters).",
+        "model", "tenant",
+    )
     charged_output_tokens = _counter(
         "extproc_charged_output_tokens",
         "Output tokens charged to finished requests (occupancy x decode rate capped by max_tokens; else the estimate).",
@@ -169,7 +175,8 @@ class Telemetry:
     )
     charged_cost = _counter(
         "extproc_charged_cost",
-        "Cost charged to finished requests in vtc units (input_weight x prompt + output_weight x output tokens).",
+        "Cost charged to finished requests in vtc units (input_weight x uncached + cached_input_weight x cached prompt"
+        " + output_weight x output tokens).",
         "model", "tenant",
     )
     cost_clamped = _counter(
@@ -446,8 +453,8 @@ class ModelTelemetry:
         t, model, priorities = self._t, self._model, self._priorities
         self._tenant = tenants
         self._charged = {
-            tenant: (t.charged_prompt_tokens.labels(model, tenant), t.charged_output_tokens.labels(model, tenant),
-                     t.charged_cost.labels(model, tenant))
+            tenant: (t.charged_prompt_tokens.labels(model, tenant), t.charged_cached_prompt_tokens.labels(model, tenant),
+                     t.charged_output_tokens.labels(model, tenant), t.charged_cost.labels(model, tenant))
             for tenant in tenants.values
         }
         keys = [(priority, tenant) for priority in priorities for tenant in tenants.values]
@@ -482,8 +489,9 @@ class ModelTelemetry:
         self._handlers[type(event)](event)
 
     def _charged_event(self, event: Charged) -> None:
-        prompt, output, units = self._charged[self._tenant(event.tenant)]
+        prompt, cached, output, units = self._charged[self._tenant(event.tenant)]
         prompt.inc(event.prompt_tokens)
+        cached.inc(event.cached_tokens)
         output.inc(event.output_tokens)
         units.inc(event.cost)
 

@@ -1,6 +1,7 @@
 """What a request costs, for the ``vtc`` policy: estimated at release, measured at the end.
 
-cost = input_weight x prompt tokens + output_weight x output tokens
+cost = input_weight x uncached prompt tokens + cached_input_weight x cached prompt tokens
+     + output_weight x output tokens
 
 The processor sees only the request headers and Envoy's metadata, never the
 prompt or the answer (that is what keeps it cheap), so:
@@ -20,6 +21,12 @@ At release (estimated)
     an absurd Content-Length must not make one release cost more than any real
     request could (see Bounds below).
 
+  * cached prompt tokens (models with prefix signatures: ``core/prefix.py``)
+    = what the account of the picked endpoint's cache predicts
+    (``core/prefix_cache.py``), scaled by how far the engine's own counters
+    confirm the account there; 0 without signatures. Always at least one
+    prompt token is uncached (the engine recomputes the last one).
+
 At completion (measured, then derived)
   * **measured**: the request's occupancy of the engine — from our release to
     the end of its ext_proc stream (the response's last byte, or the client
@@ -33,6 +40,9 @@ At completion (measured, then derived)
     what it used.
   * prompt tokens stay estimated: usage per request would need the response
     body, which is deliberately never sent to the processor.
+  * cached prompt tokens: the prediction made at release, scaled again by
+    the endpoint's confirmation as it stands at the end (its counters have
+    seen the request by then).
 
   Without a decode rate (engine without the counter, no scrape yet) the
   estimate stands uncorrected.
@@ -56,7 +66,7 @@ Pure: times are passed in.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 AVERAGE_WEIGHT = 0.2
 
@@ -67,6 +77,8 @@ class CostWeights:
 
     input_weight: float = 1.0
     output_weight: float = 2.0
+    # A prompt token the engine found in its prefix cache (no prefill): cheaper.
+    cached_input_weight: float = 0.1
     # Prompt tokens are estimated from the request's Content-Length, less the
     # body's JSON structure (model, role, max_tokens...), which is not prompt.
     bytes_per_token: float = 4.0
@@ -83,16 +95,23 @@ def _tokens(value: float, most: float) -> float:
     return min(max(value, 1.0), most) if not math.isnan(value) else 1.0
 
 
+def _cached(prompt_tokens: float, cached: float) -> float:
+    """Cached prompt tokens as charged: in ``[0, prompt - 1]`` (one is always recomputed), NaN as none."""
+    return min(max(cached, 0.0), prompt_tokens - 1.0) if not math.isnan(cached) else 0.0
+
+
 def _blend(old: float | None, new: float) -> float:
     return new if old is None else (1 - AVERAGE_WEIGHT) * old + AVERAGE_WEIGHT * new
 
 
 @dataclass(frozen=True)
 class Charge:
-    """What a finished request costs in the end: its output tokens (measured, else estimated) and the price."""
+    """What a finished request costs in the end: its output tokens (measured, else estimated), the price, and its
+    prompt tokens charged as cached."""
 
     output_tokens: float
     cost: float
+    cached_tokens: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +125,9 @@ class Estimate:
     # The client's max_tokens or Content-Length was beyond the context (or not
     # a number): worth a metric, as it is a mistake or an attempt at poisoning.
     clamped: bool = False
+    # Prompt tokens charged as cached, and the account's prediction before confirmation (cached_at).
+    cached_tokens: float = 0.0
+    predicted_cached: float = 0.0
 
 
 class CostModel:
@@ -116,8 +138,16 @@ class CostModel:
         self._prompt_avg: dict[str, float] = {}
         self._output_avg: dict[str, float] = {}
 
-    def price(self, prompt_tokens: float, output_tokens: float) -> float:
-        return self.weights.input_weight * prompt_tokens + self.weights.output_weight * output_tokens
+    def price(self, prompt_tokens: float, output_tokens: float, cached_tokens: float = 0.0) -> float:
+        weights = self.weights
+        return (weights.input_weight * (prompt_tokens - cached_tokens) + weights.cached_input_weight * cached_tokens
+                + weights.output_weight * output_tokens)
+
+    def cached_at(self, estimate: Estimate, predicted: float, confirmed: float) -> Estimate:
+        """``estimate`` once released where ``predicted`` prompt tokens are likely cached, ``confirmed`` of them so far."""
+        cached = _cached(estimate.prompt_tokens, predicted * confirmed)
+        return replace(estimate, cached_tokens=cached, predicted_cached=predicted,
+                       cost=self.price(estimate.prompt_tokens, estimate.output_tokens, cached))
 
     def estimate(self, tenant: str, content_length: int | None, max_tokens: float | None) -> Estimate:
         """What a release is charged; finite and bounded whatever the client sent (see Bounds)."""
@@ -138,15 +168,17 @@ class CostModel:
             output = self._output_avg.get(tenant, _tokens(self.weights.default_output_tokens, context))
         return Estimate(prompt, output, max_tokens, self.price(prompt, output), clamped)
 
-    def measure(self, tenant: str, estimate: Estimate, occupancy_s: float, decode_rate: float | None) -> Charge:
-        """The request's cost as far as it can be measured (see the module docstring)."""
+    def measure(self, tenant: str, estimate: Estimate, occupancy_s: float, decode_rate: float | None,
+                confirmed: float = 1.0) -> Charge:
+        """The request's cost as far as it can be measured; ``confirmed``: its endpoint's confirmation now (module docstring)."""
+        cached = _cached(estimate.prompt_tokens, estimate.predicted_cached * confirmed)
         if decode_rate is None or not math.isfinite(decode_rate) or not math.isfinite(occupancy_s):
-            return Charge(estimate.output_tokens, estimate.cost)
+            return Charge(estimate.output_tokens, self.price(estimate.prompt_tokens, estimate.output_tokens, cached), cached)
         output = _tokens(occupancy_s * decode_rate, self.weights.max_context_tokens)
         if estimate.max_tokens is not None:
             output = min(output, estimate.max_tokens)
         self._output_avg[tenant] = _blend(self._output_avg.get(tenant), output)
-        return Charge(output, self.price(estimate.prompt_tokens, output))
+        return Charge(output, self.price(estimate.prompt_tokens, output, cached), cached)
 
 
 class DecodeRate:

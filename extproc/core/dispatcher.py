@@ -21,6 +21,8 @@ The loop decides nothing itself; each question has its own module:
 * whether a request may enter at all: ``caps.py``;
 * what a release costs (``policy: vtc``): ``cost.py``, estimated at release,
   corrected when its stream ends;
+* what each endpoint's prefix cache likely holds (``prefix_cache.py``): the
+  ``locality`` policy's order, picking's preference, the cost's cached part;
 * when to retry after a refusal: ``drain_time.py``;
 * what may go now and to whom: its release strategy (``strategy.py``): this
   instance alone, or a seat of a cluster of instances (``cluster.py``);
@@ -50,6 +52,7 @@ from extproc.core.outlet import Held, Outlet
 from extproc.core.policies import Policy
 from extproc.core.preemption import AGAIN_AFTER_S, Need, Preemption
 from extproc.core.prefix import NO_PREFIX, Prefix
+from extproc.core.prefix_cache import PrefixCaches
 from extproc.core.release.pool import Pool
 from extproc.core.release.rule import ReleaseRule, RuleSettings
 from extproc.core.report import Change, Charged, DispatchReport, EndpointEvent, PoolEvent, RequestEvent, Step
@@ -127,9 +130,12 @@ class ModelDispatcher:
         self._queue: FairQueue[Held] = FairQueue(len(bands), lambda: policy.new_band(lambda t: self._tenant(t).weight))
         preemption = Preemption(max_preemptions_per_s)
         admission = BandAdmission(bands, pool, reserved_waiting, preemption=preemption.enabled)
+        # What each endpoint's prefix cache likely holds (requests with a prefix signature only).
+        self._caches = PrefixCaches()
         self._outlet = Outlet(
             name, self._queue, pool, bands, admission, report, clock,
             lambda name, cost: policy.service(cost, self._tenant(name).weight), preemption,
+            priced=self._priced, hit=self._hit_at,
         )
         self._strategy = (strategy or (lambda outlet: LocalRelease(outlet, timers)))(self._outlet)
         self._cost = CostModel(cost)
@@ -259,6 +265,8 @@ class ModelDispatcher:
         held = Held(tenant, band, now, asyncio.get_running_loop().create_future(), estimate,
                     affinity=affinity or tenant, prefix=prefix, eligible=eligible, ttft_objective_s=objective,
                     deadline=now + (objective if objective is not None else queue_wait), retried=retried)
+        if prefix.blocks:
+            held.expected_hit = self._expected_hit
         first = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)
         self._outlet.admission.demand.change(band, 1, now)
@@ -268,6 +276,38 @@ class ModelDispatcher:
         self._preempt_at_risk(now)
         self._report(PoolEvent(decision_s=self._clock() - now, cost_clamped=estimate.clamped))
         return held
+
+    def _cache_of(self, held: Held) -> str:
+        """Whose cache account a release's prefix goes into: its endpoint; without picking, the pool's one or all as one."""
+        if held.endpoint is not None:
+            return held.endpoint
+        endpoints = self.pool.endpoints
+        return endpoints[0] if len(endpoints) == 1 else ""
+
+    def _expected_hit(self, held: Held) -> float:
+        """The prompt tokens ``held`` would find cached if released now: where picking would look, at best."""
+        if not self.pool.pick_endpoints:
+            return self._caches.expected(held.prefix, self._cache_of(held))
+        down = set(self.pool.down())
+        return self._caches.best(held.prefix, (e for e in self.pool.endpoints
+                                               if e not in down and (held.eligible is None or e in held.eligible)))
+
+    def _hit_at(self, held: Held) -> Callable[[str], float] | None:
+        """Per endpoint, the prompt tokens ``held`` would find cached there (picking weighs them); None: no signature."""
+        if not held.prefix.blocks:
+            return None
+        return lambda endpoint: self._caches.expected(held.prefix, endpoint)
+
+    def _priced(self, held: Held) -> None:
+        """``held`` goes to its endpoint: its prefix joins that cache's account, its estimate prices the cached part."""
+        prefix = held.prefix
+        if not prefix.blocks:
+            return
+        estimate = held.estimate
+        cache = self._cache_of(held)
+        rest = max(0.0, estimate.prompt_tokens - prefix.tokens) + estimate.output_tokens
+        predicted = self._caches.released(cache, prefix, rest)
+        held.estimate = self._cost.cached_at(estimate, predicted, self._caches.factor(cache))
 
     def end(self, held: Held) -> None:
         """The request's stream is over, whatever happened; safe to call more than once.
@@ -298,9 +338,11 @@ class ModelDispatcher:
         """A released request is over (it ended, or was preempted): free its place and charge what it cost; its occupancy."""
         occupancy = self.pool.record_finish(held, now)
         self._outlet.admission.demand.change(held.band, -1, now)
-        measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate)
+        measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate,
+                                      self._caches.factor(self._cache_of(held)))
         self._queue.correct(held.band, held.tenant, measured.cost - held.estimate.cost)
-        self._report(Charged(held.tenant, held.estimate.prompt_tokens, measured.output_tokens, measured.cost))
+        self._report(Charged(held.tenant, held.estimate.prompt_tokens, measured.output_tokens, measured.cost,
+                             measured.cached_tokens))
         self._report(PoolEvent(in_flight=self.pool.in_flight))
         self._strategy.ended(held.band, held.tenant, held.estimate.cost, measured.cost, self._clock())
         return occupancy
@@ -405,6 +447,7 @@ class ModelDispatcher:
             self._report(EndpointEvent(endpoint, Change.SCRAPE_FAILED))
         else:
             self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
+            self._caches.scraped(endpoint, load)
             snapshot = self.pool.rule.snapshot(endpoint)
             self._report(EndpointEvent(endpoint, Change.SCRAPED, load, snapshot.itl_s, snapshot.limit))
         self._strategy.scraped(self._clock())
@@ -412,8 +455,10 @@ class ModelDispatcher:
 
     def set_endpoints(self, endpoints: tuple[str, ...]) -> None:
         """The pool's membership changed (DNS); forget the telemetry of endpoints that left."""
-        for gone in set(self.pool.endpoints) - set(endpoints):
-            self._report(EndpointEvent(gone, Change.LEFT))
+        gone = set(self.pool.endpoints) - set(endpoints)
+        self._caches.forget(gone)
+        for endpoint in gone:
+            self._report(EndpointEvent(endpoint, Change.LEFT))
         self.pool.set_endpoints(endpoints)
 
     def reject_all(self, refused: Callable[[], Refused] = shutting_down) -> None:

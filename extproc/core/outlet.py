@@ -67,6 +67,12 @@ class Held:
     preempted: asyncio.Future[None] | None = field(default=None, repr=False)
     # Whether its response's headers are read for a failed release (a sample: they cost a message).
     checked: bool = False
+    # The prompt tokens it would find cached if released now (the dispatcher's account); None: no signatures.
+    expected_hit: Callable[[Held], float] | None = field(default=None, repr=False)
+
+    def cached_tokens(self) -> float:
+        """What the ``locality`` policy orders by (``policies.base.Cached``)."""
+        return self.expected_hit(self) if self.expected_hit is not None else 0.0
 
     @property
     def objective_due(self) -> float | None:
@@ -85,9 +91,14 @@ class Outlet:
     def __init__(
         self, name: str, queue: FairQueue[Held], pool: Pool, bands: tuple[Band, ...], admission: BandAdmission,
         report: DispatchReport, clock: Callable[[], float], service: Callable[[str, float], float],
-        preemption: Preemption,
+        preemption: Preemption, priced: Callable[[Held], None] | None = None,
+        hit: Callable[[Held], Callable[[str], float] | None] | None = None,
     ) -> None:
         self.queue = queue
+        # Prices a release at its endpoint (the cost of its cached prompt tokens), before it is charged.
+        self._priced = priced
+        # Where a release's prefix is likely cached (per endpoint), for picking; None: not known.
+        self._hit = hit
         self.pool = pool
         self.bands = bands
         self.admission = admission
@@ -117,8 +128,11 @@ class Outlet:
             self.abandoned(held, band)
             return False
         held.released, held.released_at = True, now
-        ranked = self.pool.ranked(held.affinity, now, held.eligible)
+        hit = self._hit(held) if self._hit is not None else None
+        ranked = self.pool.ranked(held.affinity, now, held.eligible, hit)
         held.endpoint, held.fallbacks = (ranked[0], tuple(ranked[1:])) if ranked else (None, ())
+        if self._priced is not None:
+            self._priced(held)
         held.checked = self.pool.check_release(held.endpoint, now)
         self._note_for_preemption(held, band, now)
         self.pool.record_release(held, now, held.endpoint, into_free_slot=self.admission.into_free_slots(band, now))

@@ -61,6 +61,8 @@ class Charged:
     prompt_tokens: float
     output_tokens: float
     cost: float
+    # Of the prompt tokens, those charged as cached (prefix signatures: cost.py).
+    cached_tokens: float = 0.0
 
 
 class Change(StrEnum):

@@ -131,8 +131,9 @@ class LocalityBand(LargestCharge[Local]):
             queue = self._queue(tenant)
             joined = self._joined[tenant]
             for index in range(queue.candidates()):
-                # Most cached first; ties: smaller counter, backlogged longer, earlier request.
-                rank = (-queue[index].cached_tokens(), counter, joined, index)
+                hit = queue[index].cached_tokens()
+                # Most cached first (NaN: nothing); ties: smaller counter, backlogged longer, earlier request.
+                rank = (-hit if hit > 0 else 0.0, counter, joined, index)
                 if best is None or rank < best:
                     best, choice = rank, (tenant, index)
         return choice[0], lowest, choice[1]

@@ -22,7 +22,7 @@ slots at once.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from extproc.core.engine_load import EngineLoad
 from extproc.core.release import picking
@@ -190,18 +190,20 @@ class Pool:
         """Endpoints whose engine cannot be reached: nothing goes to them, whatever the rule."""
         return self.health.down()
 
-    def ranked(self, key: str, now: float, eligible: frozenset[str] | None = None) -> list[str]:
+    def ranked(self, key: str, now: float, eligible: frozenset[str] | None = None,
+               hit: Callable[[str], float] | None = None) -> list[str]:
         """Where the next release with affinity ``key`` goes, best first (empty: without picking).
 
         Only endpoints up, and in ``eligible`` when given (a gateway's subset
         hint); if every one of those is down, all of them, so a release still
-        names somewhere to try.
+        names somewhere to try. ``hit``: the prompt tokens it would find cached
+        at each (``picking.py`` weighs them against load).
         """
         if not self.pick_endpoints:
             return []
         candidates = [e for e in self.endpoints if eligible is None or e in eligible]
         up = [e for e in candidates if not self.health.is_down(e)]
-        return picking.ranked(key, up or candidates, lambda e: self._room(e, now), self.settings.target_waiting)
+        return picking.ranked(key, up or candidates, lambda e: self._room(e, now), self.settings.target_waiting, hit)
 
     def serves(self, eligible: frozenset[str] | None = None) -> bool:
         """Whether any endpoint (of ``eligible``, when given) is a member that is not down."""

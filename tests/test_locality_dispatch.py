@@ -1,0 +1,91 @@
+"""Prefix signatures through a model's dispatcher: the locality order, the cached part of the cost, prefix picking."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.adapters.timers import LoopTimers
+from extproc.core.cost import CostWeights
+from extproc.core.dispatcher import Held, ModelDispatcher
+from extproc.core.engine_load import EngineLoad
+from extproc.core.policies import POLICIES
+from extproc.core.prefix import Prefix, signature
+from extproc.core.report import Charged, DispatchReport
+from tests.test_endpoint_down import Report
+from tests.test_gate import make_gate
+from tests.test_reload_core import BANDS, tenants
+
+pytestmark = pytest.mark.unit
+
+DOC_BYTES = 8_000  # ~2,000 tokens at 4 bytes a token: 15 blocks of 512 bytes
+
+
+def document(name: str) -> Prefix:
+    return signature(name.encode() * DOC_BYTES, block_bytes=512, max_blocks=16, bytes_per_token=4)
+
+
+def dispatcher(policy: str, endpoints: tuple[str, ...] = ("e1",), *, pick: bool = False,
+               report: DispatchReport | None = None) -> ModelDispatcher:
+    clock = lambda: 0.0  # noqa: E731 - one instant: the order is the policy's alone
+    pool = make_gate(endpoints, kind="static_concurrency", max_in_flight=1, pick=pick)
+    return ModelDispatcher(
+        "m", pool, BANDS, report or Report(), clock, policy=POLICIES[policy], tenant=tenants({}), cost=CostWeights(),
+        max_queued=1_000, max_queue_wait_s=120.0, reserved_waiting=0, timers=LoopTimers(clock),
+    )
+
+
+async def released_documents(policy: str) -> list[str]:
+    """A RAG tenant's questions on two documents, alternating, beside a flood; one in flight at a time."""
+    d = dispatcher(policy)
+    order: list[tuple[str, Held]] = []
+    for i in range(8):
+        name = "AB"[i % 2]
+        order.append((name, d.submit("rag", 0, content_length=DOC_BYTES + 200, max_tokens=10,
+                                     prefix=document(name))))
+        order.append(("-", d.submit("flood", 0, content_length=DOC_BYTES + 200, max_tokens=10)))
+    sequence: list[str] = []
+    while len(sequence) < len(order):
+        (name, held), = [(n, h) for n, h in order if h.released and not h.ended]
+        sequence.append(name)
+        d.end(held)
+    return [name for name in sequence if name != "-"]
+
+
+async def test_locality_releases_a_tenants_questions_on_a_cached_document_together() -> None:
+    assert await released_documents("vtc") == list("ABABABAB")  # arrival order
+    got = await released_documents("locality")
+    assert sorted(got) == sorted("ABABABAB")
+    switches = sum(a != b for a, b in zip(got, got[1:], strict=False))
+    assert switches <= 2  # grouped: A's questions while A is cached, then B's
+
+
+async def test_a_release_onto_its_cached_prefix_is_charged_the_cached_price_and_corrected_by_the_engine() -> None:
+    charges: list[Charged] = []
+    d = dispatcher("vtc", report=lambda event: charges.append(event) if isinstance(event, Charged) else None)
+    d.record_scrape("e1", EngineLoad(0, 0, prefix_queries=0, prefix_hits=0), 0.0)
+    first = d.submit("rag", 0, content_length=DOC_BYTES + 80, max_tokens=10, prefix=document("A"))
+    d.end(first)
+    second = d.submit("rag", 0, content_length=DOC_BYTES + 80, max_tokens=10, prefix=document("A"))
+    assert first.estimate.cached_tokens == 0 and first.estimate.cost == 2_000 + 2 * 10
+    assert second.estimate.cached_tokens == 15 * 128  # 15 full blocks of the 2,000-token prompt
+    weights = CostWeights()
+
+    def price(cached: float) -> float:
+        return (2_000 - cached) * weights.input_weight + cached * weights.cached_input_weight + 2 * 10
+
+    assert second.estimate.cost == pytest.approx(price(1_920))
+    # The engine's counters found a quarter of the hits the account predicted: the end charges that.
+    d.record_scrape("e1", EngineLoad(0, 1, prefix_queries=4_000, prefix_hits=480), 0.0)
+    d.end(second)
+    assert charges[-1].cached_tokens == pytest.approx(480)
+    assert charges[-1].cost == pytest.approx(price(480))
+
+
+async def test_picking_sends_a_prefix_where_it_is_cached_while_load_allows() -> None:
+    d = dispatcher("locality", ("e1", "e2"), pick=True)
+    first = d.submit("rag", 0, content_length=DOC_BYTES + 80, max_tokens=10, prefix=document("A"))
+    d.end(first)
+    again = d.submit("rag", 0, content_length=DOC_BYTES + 80, max_tokens=10, prefix=document("A"))
+    assert again.endpoint == first.endpoint  # cached there, and it has room
+    other = d.submit("rag", 0, content_length=DOC_BYTES + 80, max_tokens=10, prefix=document("A"))
+    assert other.endpoint != first.endpoint  # the cached endpoint is full: load wins
