@@ -65,7 +65,9 @@ class EndpointCache:
     def leading(self, prefix: Prefix) -> int:
         """How many of ``prefix``'s leading blocks the account holds."""
         blocks, lru = prefix.blocks, self._lru
-        low, high = 0, len(blocks)  # blocks[:low] held; blocks[high:] not
+        if not blocks or blocks[0] not in lru:
+            return 0  # the common case of a request with nothing cached: one lookup
+        low, high = 1, len(blocks)  # blocks[:low] held; blocks[high:] not
         while low < high:
             middle = (low + high + 1) // 2
             if blocks[middle - 1] in lru:

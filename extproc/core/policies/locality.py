@@ -19,7 +19,7 @@ request go by its prefix match while the client's deficit counter allows it.
   counter plus its quantum.
 * **Within the quantum: the longest expected cache hit first.** Of the
   candidates of those tenants (the first :data:`LOOKAHEAD` requests of each
-  tenant's queue), the one with the most prompt tokens expected cached
+  tenant's queue, at most :data:`SCORED` in all), the one with the most prompt tokens expected cached
   (``Cached.cached_tokens``: the dispatcher's account of the endpoints'
   caches, ``core/prefix_cache.py``) goes. Ties, and so a band with nothing
   cached: the smaller counter, then backlogged longest, then the tenant's
@@ -40,14 +40,18 @@ tenant i is picked its counter is at most the smallest plus ``Q·w_i`` ≤ Q·W;
 the rest of ``vtc``'s argument is unchanged. DLPM's own bound is of the same
 form (its quantum plus one request, per client pair).
 
-Cost: a pick scores at most LOOKAHEAD requests of each tenant inside the
-quantum, each a bisection over its prefix's blocks per endpoint (measured in
-docs/locality.md). No cluster form (``Policy.cluster`` is None): the
+Cost: a pick finds ``vtc``'s choice (a scan of the backlogged tenants), then
+scores at most :data:`SCORED` requests, each a bisection over its prefix's
+blocks per endpoint: the fair choice's tenant first, then the tenants within
+their quantum in the order they joined the backlog. With more tenants than
+that inside the quantum, the later ones are served by fairness alone
+(measured in docs/locality.md). No cluster form (``Policy.cluster`` is None): the
 cluster's script cannot see the engines' caches.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import Generic, TypeVar, cast
 
@@ -63,6 +67,8 @@ QUANTUM_REQUESTS = 2
 LOOKAHEAD = 8
 # The most later requests of its own tenant that may go before a request.
 OVERTAKES = 8
+# The most requests scored per pick: the cost of a pick stays bounded however many tenants are backlogged.
+SCORED = 64
 
 
 class LocalityQueue(Generic[Local]):
@@ -121,21 +127,26 @@ class LocalityBand(LargestCharge[Local]):
         return LocalityQueue()
 
     def _pick(self) -> tuple[str, float, int]:
-        lowest = min(self._counters[t] for t in self._queues)
+        fair = min(self._queues, key=self._rank)  # vtc's pick: always a candidate
+        lowest = self._counters[fair]
         best: tuple[float, float, int, int] | None = None
-        choice = ("", 0)
-        for tenant in self._queues:
+        choice = (fair, 0)
+        budget = SCORED
+        for tenant in itertools.chain((fair,), (t for t in self._queues if t != fair)):
             counter = self._counters[tenant]
             if counter > lowest + self.quantum(tenant):
                 continue
             queue = self._queue(tenant)
             joined = self._joined[tenant]
-            for index in range(queue.candidates()):
+            for index in range(min(queue.candidates(), budget)):
                 hit = queue[index].cached_tokens()
                 # Most cached first (NaN: nothing); ties: smaller counter, backlogged longer, earlier request.
                 rank = (-hit if hit > 0 else 0.0, counter, joined, index)
                 if best is None or rank < best:
                     best, choice = rank, (tenant, index)
+                budget -= 1
+            if budget <= 0:
+                break
         return choice[0], lowest, choice[1]
 
     def _take_at(self, tenant: str, position: int) -> Local:
