@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.adapters.timers import LoopTimers
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.core.policies import POLICIES
+from extproc.core.policies.locality import OVERTAKES
 from extproc.core.prefix import Prefix, signature
 from extproc.core.report import Charged, DispatchReport
 from tests.test_endpoint_down import Report
@@ -25,8 +34,8 @@ def document(name: str) -> Prefix:
 
 
 def dispatcher(policy: str, endpoints: tuple[str, ...] = ("e1",), *, pick: bool = False,
-               report: DispatchReport | None = None) -> ModelDispatcher:
-    clock = lambda: 0.0  # noqa: E731 - one instant: the order is the policy's alone
+               report: DispatchReport | None = None, clock: Callable[[], float] = lambda: 0.0) -> ModelDispatcher:
+    """One slot in flight per endpoint; by default one instant, so the order is the policy's alone."""
     pool = make_gate(endpoints, kind="static_concurrency", max_in_flight=1, pick=pick)
     return ModelDispatcher(
         "m", pool, BANDS, report or Report(), clock, policy=POLICIES[policy], tenant=tenants({}), cost=CostWeights(),
@@ -89,3 +98,55 @@ async def test_picking_sends_a_prefix_where_it_is_cached_while_load_allows() -> 
     assert again.endpoint == first.endpoint  # cached there, and it has room
     other = d.submit("rag", 0, content_length=DOC_BYTES + 80, max_tokens=10, prefix=document("A"))
     assert other.endpoint != first.endpoint  # the cached endpoint is full: load wins
+
+
+pages = st.builds(
+    EngineLoad, st.just(0.0), st.just(1.0),
+    prefix_queries=st.one_of(st.none(), st.floats(allow_nan=True)),
+    prefix_hits=st.one_of(st.none(), st.floats(allow_nan=True)),
+    kv_capacity_tokens=st.one_of(st.none(), st.floats(allow_nan=True)),
+)
+steps = st.lists(st.one_of(
+    st.tuples(st.just("submit"), st.sampled_from(["a", "b", "c"]), st.sampled_from(["", "A", "B", "C"])),
+    st.tuples(st.just("end"), st.integers(0, 50)),
+    st.tuples(st.just("leave"), st.integers(0, 50)),
+    st.tuples(st.just("scrape"), st.sampled_from(["e1", "e2"]), pages),
+), max_size=80)
+
+
+@settings(max_examples=150, deadline=None)
+@given(script=steps, pick=st.booleans())
+def test_with_prefixes_every_request_ends_once_in_a_bounded_order_and_every_charge_is_sane(
+    script: list[tuple[Any, ...]], pick: bool,
+) -> None:
+    async def run() -> None:
+        charges: list[Charged] = []
+        ticks = itertools.count()
+        d = dispatcher("locality", ("e1", "e2"), pick=pick, clock=lambda: float(next(ticks)),
+                       report=lambda event: charges.append(event) if isinstance(event, Charged) else None)
+        every: list[Held] = []
+        for step in script:
+            if step[0] == "submit":
+                prefix = document(step[2]) if step[2] else Prefix((), 0.0)
+                every.append(d.submit(step[1], 0, content_length=DOC_BYTES + 200, max_tokens=10, prefix=prefix))
+            elif step[0] == "scrape":
+                d.record_scrape(step[1], step[2], 0.0)
+            else:
+                pool = [h for h in every if not h.ended and h.released == (step[0] == "end")]
+                if pool:
+                    d.end(pool[step[1] % len(pool)])
+        for _ in range(len(every) + 1):
+            for held in [h for h in every if h.released and not h.ended]:
+                d.end(held)
+        assert d.queued == 0 and d.in_flight == 0
+        assert all(h.ended and h.future.done() and h.future.exception() is None for h in every)
+        for charge in charges:
+            assert math.isfinite(charge.cost) and charge.cost > 0
+            assert 0 <= charge.cached_tokens <= charge.prompt_tokens - 1
+        # Released in an order where none was overtaken by more than OVERTAKES later requests of its tenant.
+        for tenant in "abc":
+            mine = [h for h in every if h.tenant == tenant and h.released]
+            for i, held in enumerate(mine):
+                assert sum(later.released_at < held.released_at for later in mine[i + 1:]) <= OVERTAKES
+
+    asyncio.run(run())
