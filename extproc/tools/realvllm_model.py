@@ -2,7 +2,7 @@
 
 Run it with the vLLM venv's python (it needs only torch, transformers and
 tokenizers, which vLLM brings), not the project's: ``python realvllm_model.py
-OUT_DIR``. Nothing is downloaded: the weights are random (seeded) and the BPE
+OUT_DIR [SIZE]``. Nothing is downloaded: the weights are random (seeded) and the BPE
 tokenizer is trained on text generated here, so the same versions of those
 libraries build the same model on every machine.
 
@@ -15,6 +15,16 @@ on one core of a 2-core machine. At two layers of width 128 a step took 3 ms:
 the API server (tokenizing, streaming) fell so far behind that a flood of 40
 requests was finished inside the engine before the first answers reached
 their clients, and vLLM's /metrics stalled for up to a second.
+
+The ``prefill`` size is for measuring prefix caching: there a prompt's
+prefill must cost much more than the work around it (tokenizing, the API
+server, a decode step), as it does on a GPU serving a real model, or skipping
+it changes nothing measurable. Twelve layers of width 768 (85M parameters,
+170 MB) and a 4,096-token context: on a 2-core machine with AMX, an uncached
+2,000-token prompt takes about ten times as long to its first token as the
+same prompt cached, and a decode step of a few sequences still takes tens of
+milliseconds (figures in ``docs/real-vllm.md``). The tiny size's 512-token
+context leaves prefill too cheap to matter.
 
 Every token of the vocabulary decodes to visible ASCII text (no byte
 fragments), so a streamed answer never waits on an incomplete character.
@@ -30,6 +40,7 @@ import os
 import random
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,7 +48,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 VOCAB_SIZE = 2048
-MAX_POSITIONS = 512
 SEED = 0
 BOS, EOS = "<s>", "</s>"
 # Roles as plain text (no special tokens), ending with the assistant's turn.
@@ -45,6 +55,22 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class Size:
+    """The shape of one model variant (head size 64: supported by every vLLM attention backend)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    max_positions: int
+
+
+SIZES = {
+    "tiny": Size(hidden=512, intermediate=1536, layers=8, max_positions=512),
+    "prefill": Size(hidden=768, intermediate=2048, layers=12, max_positions=4096),
+}
 
 
 def corpus(lines: int = 4000) -> list[str]:
@@ -59,7 +85,7 @@ def corpus(lines: int = 4000) -> list[str]:
     ]
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(max_positions: int) -> PreTrainedTokenizerFast:
     """Byte-level BPE without the 256-byte alphabet: every token is ASCII, so none decodes to nothing."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -70,20 +96,20 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         raise SystemExit(f"tokenizer has {tokenizer.get_vocab_size()} tokens, the model {VOCAB_SIZE}")
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=EOS)
     wrapped.chat_template = CHAT_TEMPLATE
-    wrapped.model_max_length = MAX_POSITIONS
+    wrapped.model_max_length = max_positions
     return wrapped
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+def build_model(tokenizer: PreTrainedTokenizerFast, size: Size) -> LlamaForCausalLM:
     torch.manual_seed(SEED)
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,  # head size 64: supported by every vLLM attention backend
-        num_key_value_heads=8,
-        max_position_embeddings=MAX_POSITIONS,
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.hidden // 64,
+        num_key_value_heads=size.hidden // 64,
+        max_position_embeddings=size.max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -92,12 +118,12 @@ def build_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
-def main(out: Path) -> None:
+def main(out: Path, size: Size) -> None:
     if (out / "config.json").exists():
         return
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer).save_pretrained(partial)
+    tokenizer = build_tokenizer(size.max_positions)
+    build_model(tokenizer, size).save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     try:
         partial.rename(out)
@@ -108,6 +134,6 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: realvllm_model.py OUT_DIR")
-    main(Path(sys.argv[1]))
+    if len(sys.argv) not in (2, 3) or sys.argv[2:3] and sys.argv[2] not in SIZES:
+        raise SystemExit(f"usage: realvllm_model.py OUT_DIR [{'|'.join(SIZES)}] (default tiny)")
+    main(Path(sys.argv[1]), SIZES[sys.argv[2] if len(sys.argv) == 3 else "tiny"])
