@@ -20,6 +20,12 @@ Waiting and running are required: without them the gate cannot work and the
 scrape counts as failed. KV usage and inter-token latency are optional; an
 engine (or version) that lacks them just gives the controller fewer signals.
 
+What an engine says about its prefix cache (read for the locality policy's
+account of each endpoint's cache, ``core/prefix_cache.py``) is optional too:
+two cumulative counters, prompt tokens looked up and prompt tokens found
+cached, and the KV cache's size in tokens. Engines name them differently and
+some only have the size, or nothing (the table in ``docs/gate.md``).
+
 Inter-token latency is read as two cumulative counters (a histogram's
 ``_sum``/``_count``, or llama.cpp's seconds/tokens counters): the controller
 takes their deltas over a short window, which is the mean over the tokens
@@ -32,6 +38,7 @@ histograms we do not need and the scrape runs every 100 ms per endpoint.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -46,11 +53,29 @@ class MetricsError(ValueError):
 
 
 @dataclass(frozen=True)
+class InfoLabels:
+    """A number carried in the labels of an info gauge (a gauge fixed at 1, one sample per engine).
+
+    Each candidate is a product of labels, most current first; the first whose
+    labels are all numbers is used (a label may read ``"None"`` until the
+    engine has sized its cache).
+    """
+
+    metric: str
+    products: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
 class EngineDialect:
     """Which samples carry each quantity, for one engine.
 
     Each field lists candidate sample names, most current first; the first one
-    present in the exposition is used. ``itl`` pairs are (seconds total, count).
+    present in the exposition is used. ``itl`` pairs are (seconds total, count);
+    ``prefix`` pairs are (prompt tokens looked up, prompt tokens found cached),
+    read as a pair so the two always come from the same source. Each
+    ``kv_capacity`` candidate is a product of samples (tokens, or blocks times
+    tokens per block); ``kv_capacity_info`` reads it from an info gauge's
+    labels instead, and is tried first.
     ``replica_labels`` mark copies of one quantity (SGLang reports the same
     scheduler gauge once per tensor/pipeline-parallel rank): samples that
     differ only in those labels are not added up.
@@ -64,6 +89,10 @@ class EngineDialect:
     replica_labels: tuple[str, ...] = ()
     # Cumulative generated-token counter: the cost model's decode rate per sequence.
     generation_tokens: tuple[str, ...] = ()
+    # The prefix cache: (queried, hit) token counters, and the KV cache's size in tokens.
+    prefix: tuple[tuple[str, str], ...] = ()
+    kv_capacity: tuple[tuple[str, ...], ...] = ()
+    kv_capacity_info: InfoLabels | None = None
     # What answers whether the process serves (probe.py): vLLM, SGLang, TGI, llama.cpp
     # and trtllm-serve all have GET /health.
     health_path: str = "/health"
@@ -88,6 +117,14 @@ DIALECTS: dict[str, EngineDialect] = {
             ("vllm:request_time_per_output_token_seconds_sum", "vllm:request_time_per_output_token_seconds_count"),
         ),
         generation_tokens=("vllm:generation_tokens_total",),
+        # Counted when the scheduler looks a request up (a preempted request's lookup counts again).
+        prefix=(("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),),
+        kv_capacity_info=InfoLabels(
+            "vllm:cache_config_info",
+            # kv_cache_size_tokens: set after the KV cache is sized, since ~0.13 (group-aware: right for
+            # hybrid models too); before, num_gpu_blocks x block_size.
+            (("kv_cache_size_tokens",), ("num_gpu_blocks", "block_size")),
+        ),
     ),
     "sglang": EngineDialect(
         waiting=("sglang:num_queue_reqs",),
@@ -99,6 +136,10 @@ DIALECTS: dict[str, EngineDialect] = {
         ),
         replica_labels=("tp_rank", "pp_rank"),
         generation_tokens=("sglang:generation_tokens_total",),
+        # Per finished request, by the tokenizer manager. sglang:cache_hit_rate is a gauge over the last
+        # logging interval, which cannot be turned into counters: not read.
+        prefix=(("sglang:prompt_tokens_total", "sglang:cached_tokens_total"),),
+        kv_capacity=(("sglang:max_total_num_tokens",),),
     ),
     "tgi": EngineDialect(
         waiting=("tgi_queue_size",),
@@ -121,28 +162,53 @@ DIALECTS: dict[str, EngineDialect] = {
         running=("trtllm_num_requests_running",),
         kv_usage=("trtllm_kv_cache_utilization",),
         itl=(("trtllm_time_per_output_token_seconds_sum", "trtllm_time_per_output_token_seconds_count"),),
+        # Per finished request, and only with return_perf_metrics: true in the LLM args.
+        prefix=(("trtllm_prompt_tokens_total", "trtllm_prompt_cached_tokens_total"),),
+        kv_capacity=(("trtllm_kv_cache_max_blocks", "trtllm_kv_cache_tokens_per_block"),),
     ),
 }
 
 
+@functools.cache
 def _wanted(dialect: EngineDialect) -> frozenset[str]:
-    pairs = [name for pair in dialect.itl for name in pair]
-    return frozenset((*dialect.waiting, *dialect.running, *dialect.kv_usage, *pairs, *dialect.generation_tokens))
+    pairs = [name for pair in (*dialect.itl, *dialect.prefix) for name in pair]
+    capacity = [name for product in dialect.kv_capacity for name in product]
+    info = [dialect.kv_capacity_info.metric] if dialect.kv_capacity_info else []
+    return frozenset((*dialect.waiting, *dialect.running, *dialect.kv_usage, *pairs, *dialect.generation_tokens,
+                      *capacity, *info))
 
 
-def _relevant(text: str, wanted: frozenset[str]) -> str:
-    """Only the sample lines we read, and the HELP/TYPE lines of their families."""
-    keep = []
+_SUFFIXES = ("_total", "_sum", "_count", "_bucket")
+
+
+@functools.cache
+def _families(wanted: frozenset[str]) -> frozenset[str]:
+    """The names HELP/TYPE lines give the families of ``wanted`` samples (a histogram's has no ``_sum``)."""
+    return wanted | {name.removesuffix(suffix) for name in wanted for suffix in _SUFFIXES if name.endswith(suffix)}
+
+
+def _relevant(text: str, wanted: frozenset[str], info: str | None) -> tuple[str, list[str]]:
+    """Only the sample lines we read, and the HELP/TYPE lines of their families; the info gauge's lines apart."""
+    keep, info_lines, families = [], [], _families(wanted)
     for line in text.splitlines():
         if line.startswith("#"):
             parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and any(w.startswith(parts[2]) for w in wanted):
+            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2] in families:
                 keep.append(line)
         else:
             name = line.split("{", 1)[0].split(None, 1)
-            if name and name[0] in wanted:
+            if name and name[0] == info:
+                info_lines.append(line)
+            elif name and name[0] in wanted:
                 keep.append(line)
-    return "\n".join(keep) + "\n"
+    return "\n".join(keep) + "\n", info_lines
+
+
+@functools.lru_cache(maxsize=64)
+def _info_labels(line: str) -> list[dict[str, str]]:
+    """The labels of an info gauge's sample line, parsed once: the line (vLLM's has ~40 labels, a
+    quarter of a page's parsing time) stays the same for the life of the engine."""
+    return [sample.labels for family in text_string_to_metric_families(line + "\n") for sample in family.samples]
 
 
 def _combine(values: dict[tuple[tuple[str, str], ...], float], replica_labels: tuple[str, ...], use_max: bool) -> float:
@@ -162,6 +228,30 @@ def _plausible(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) and value >= 0 else None
 
 
+def _product(values: Iterable[float | str | None]) -> float | None:
+    """The product of ``values`` if each is a finite positive number (labels are text), else None."""
+    result = 1.0
+    for value in values:
+        try:
+            number = float(value) if value is not None else math.nan
+        except ValueError:
+            return None
+        if not (math.isfinite(number) and number > 0):
+            return None
+        result *= number
+    return result
+
+
+def _info_value(info: InfoLabels, labels: dict[str, str]) -> float | None:
+    return next((v for p in info.products if (v := _product(labels.get(name) for name in p)) is not None), None)
+
+
+def _capacity(dialect: EngineDialect, totals: dict[str, float]) -> float | None:
+    if dialect.kv_capacity_info and dialect.kv_capacity_info.metric in totals:
+        return totals[dialect.kv_capacity_info.metric]
+    return next((v for p in dialect.kv_capacity if (v := _product(totals.get(name) for name in p)) is not None), None)
+
+
 def parse_load(engine: str, text: str, model: str) -> EngineLoad:
     """The load that ``text`` reports for ``model`` (raises :class:`MetricsError`).
 
@@ -171,16 +261,23 @@ def parse_load(engine: str, text: str, model: str) -> EngineLoad:
     fullest one.
     """
     dialect = DIALECTS[engine]
-    wanted = _wanted(dialect)
+    wanted, info = _wanted(dialect), dialect.kv_capacity_info
     by_name: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+
+    def add(name: str, labels: dict[str, str], value: float | None) -> None:
+        if value is not None and not (dialect.model_label and labels.get(dialect.model_label, model) != model):
+            by_name.setdefault(name, {})[tuple(sorted(labels.items()))] = value
+
     try:
-        for family in text_string_to_metric_families(_relevant(text, wanted)):
+        kept, info_lines = _relevant(text, wanted, info.metric if info else None)
+        for family in text_string_to_metric_families(kept):
             for sample in family.samples:
-                if sample.name not in wanted:
-                    continue
-                if dialect.model_label and sample.labels.get(dialect.model_label, model) != model:
-                    continue
-                by_name.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+                if sample.name in wanted:
+                    add(sample.name, sample.labels, sample.value)
+        if info:  # the number is in the labels
+            for line in info_lines:
+                for labels in _info_labels(line):
+                    add(info.metric, labels, _info_value(info, labels))
     except ValueError as exc:
         raise MetricsError(f"unparseable metrics: {exc}") from exc
     kv_names = set(dialect.kv_usage)
@@ -193,16 +290,25 @@ def parse_load(engine: str, text: str, model: str) -> EngineLoad:
         raise MetricsError(f"no {missing} for model {model!r}")
     if _plausible(waiting) is None or _plausible(running) is None:  # NaN or negative: not a queue length
         raise MetricsError(f"implausible values waiting={waiting} running={running}")
-    itl_sum = itl_count = None
-    for sum_name, count_name in dialect.itl:
-        if sum_name in totals and count_name in totals:
-            itl_sum, itl_count = _plausible(totals[sum_name]), _plausible(totals[count_name])
-            break
+    itl_sum, itl_count = _pair(totals, dialect.itl)
+    queries, hits = _pair(totals, dialect.prefix)
     return EngineLoad(
         waiting=waiting,
         running=running,
         kv_usage=_plausible(_first(totals, dialect.kv_usage)),
-        itl_sum=itl_sum if itl_count is not None else None,
-        itl_count=itl_count if itl_sum is not None else None,
+        itl_sum=itl_sum,
+        itl_count=itl_count,
         generation_tokens=_plausible(_first(totals, dialect.generation_tokens)),
+        prefix_queries=queries,
+        prefix_hits=hits,
+        kv_capacity_tokens=_capacity(dialect, totals),
     )
+
+
+def _pair(totals: dict[str, float], pairs: tuple[tuple[str, str], ...]) -> tuple[float | None, float | None]:
+    """The first pair of counters both present, each None if implausible; both None unless both are read."""
+    for first, second in pairs:
+        if first in totals and second in totals:
+            a, b = _plausible(totals[first]), _plausible(totals[second])
+            return (a, b) if a is not None and b is not None else (None, None)
+    return None, None
