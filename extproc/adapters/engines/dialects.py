@@ -117,12 +117,12 @@ DIALECTS: dict[str, EngineDialect] = {
             ("vllm:request_time_per_output_token_seconds_sum", "vllm:request_time_per_output_token_seconds_count"),
         ),
         generation_tokens=("vllm:generation_tokens_total",),
-        # Counted when the scheduler looks a request up (a preempted request's lookup counts again).
+        # Counted when the scheduler first looks a request up (not again when a preempted one resumes).
         prefix=(("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),),
         kv_capacity_info=InfoLabels(
             "vllm:cache_config_info",
-            # kv_cache_size_tokens: set after the KV cache is sized, since ~0.13 (group-aware: right for
-            # hybrid models too); before, num_gpu_blocks x block_size.
+            # kv_cache_size_tokens: set once the KV cache is sized (0.32 has it; group-aware, so right for
+            # hybrid models too); older releases have only num_gpu_blocks x block_size.
             (("kv_cache_size_tokens",), ("num_gpu_blocks", "block_size")),
         ),
     ),
