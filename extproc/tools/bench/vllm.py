@@ -4,7 +4,10 @@ The simulator is what we believe an engine does; this is what vLLM does: its
 scheduler, its FIFO (or ``--scheduling-policy priority``), its ``/metrics``
 with their lag. Every arm gets a fresh vLLM server (no prefix cache or
 counters carried over) started by :func:`extproc.tools.realvllm.start_vllm`, serving
-the tiny local model with a batch of :data:`MAX_NUM_SEQS`.
+the tiny local model with a batch of :data:`MAX_NUM_SEQS`, or with
+:data:`PREFILL` the prefill-size one, whose 4,096-token context and costly
+prefill make vLLM's prefix cache matter (an uncached 2,000-token prompt
+reaches its first token ~8x later than the same prompt cached).
 
 The scenarios are the simulator's, sized for this engine: the tiny model's
 context is 512 tokens, and on 2 cores, beside Envoy, the processor and the
@@ -26,7 +29,7 @@ from extproc.tools.bench.arms import ARMS as SIM_ARMS
 from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, TIGHT_OBJECTIVE, TIGHT_OBJECTIVE_S, Arm
 from extproc.tools.bench.scenarios import Scenario
 from extproc.tools.procs import ManagedProcess
-from extproc.tools.realvllm import REQUEST_EXTRAS, SchedulingPolicy, start_vllm
+from extproc.tools.realvllm import REQUEST_EXTRAS, ModelSize, SchedulingPolicy, start_vllm
 
 MAX_NUM_SEQS = 4
 
@@ -36,14 +39,22 @@ class VllmEngine:
     """A real vLLM server per arm (see the module docstring)."""
 
     max_num_seqs: int = MAX_NUM_SEQS
-    # The tiny model's BPE tokenizer reads the bench's filler text at ~2 characters a
+    size: ModelSize = "tiny"
+    # The KV cache in tokens; None: max_num_seqs full contexts (room beyond that keeps more prefixes cached).
+    kv_cache_tokens: int | None = None
+    # The models' BPE tokenizer (the same for both sizes) reads the bench's filler text at ~2 characters a
     # token (measured: 1,125 characters, 576 tokens).
     chars_per_token: int = 2
     request_extras: Mapping[str, Any] = field(default_factory=lambda: dict(REQUEST_EXTRAS))
 
     async def start(self, model: str, endpoint: str, workdir: Path, policy: SchedulingPolicy) -> ManagedProcess:
         port = int(endpoint.rsplit(":", 1)[1])
-        return await start_vllm(model, port, workdir, max_num_seqs=self.max_num_seqs, scheduling_policy=policy)
+        return await start_vllm(model, port, workdir, max_num_seqs=self.max_num_seqs, scheduling_policy=policy,
+                                size=self.size, kv_cache_tokens=self.kv_cache_tokens)
+
+
+# For prefix caching: 4 sequences of up to 4,096 tokens, and their 16,384 tokens of KV cache.
+PREFILL = VllmEngine(size="prefill")
 
 
 # Prompt plus answer stay within the 512-token context (with the chat template's few tokens).
