@@ -8,6 +8,8 @@ streaming client and the counters on ``/metrics``.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import random
 import time
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
@@ -16,10 +18,12 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.tools.realvllm import BLOCK_SIZE, REQUEST_EXTRAS
 from extproc.tools.sim import RunningSim, SimSettings, add_arguments, start_sim
 from extproc.tools.sim.engine import Scheduler, SimRequest
 from extproc.tools.sim.kvcache import BlockPool, block_hashes
 from extproc.tools.sim.server import prompt_units, settings_from_args
+from tests.vllmutil import FCFS_MODEL, VllmServers
 
 MODEL = "sim-model"
 BLOCK = 4
@@ -299,3 +303,50 @@ async def test_off_by_default_the_same_prompt_costs_the_same_and_nothing_is_coun
         assert _one(samples, "vllm:prefix_cache_hits_total") == 0
         (info, _), = samples["vllm:cache_config_info"]
         assert info["enable_prefix_caching"] == "False"
+
+
+async def _prefix_counters(http: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    async with http.get(f"{url}/metrics") as response:
+        text = await response.text()
+    values = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+    }
+    return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
+
+
+async def _send_twice_each(http: aiohttp.ClientSession, url: str, prompts: list[list[int]]) -> tuple[float, float]:
+    """The counters' growth over each prompt sent twice, one after the other (token ids: no tokenizer between)."""
+    queries, hits = await _prefix_counters(http, url)
+    for ids in prompts:
+        for _ in range(2):
+            body = {"model": FCFS_MODEL, "prompt": ids, "max_tokens": 2, **REQUEST_EXTRAS}
+            async with http.post(f"{url}/v1/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+                await response.read()
+    expected = 2 * sum(len(ids) for ids in prompts)
+    deadline = time.monotonic() + 10.0
+    while (now := await _prefix_counters(http, url))[0] - queries < expected and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)  # vLLM's page shows a step's stats a moment after it
+    return now[0] - queries, now[1] - hits
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.asyncio(loop_scope="session")
+async def test_the_simulator_counts_prefix_queries_and_hits_as_real_vllm_does(vllm: VllmServers) -> None:
+    # Fresh random token ids, so no earlier test of the session has them cached: 300 tokens (2 full blocks and
+    # 44 more: the second send hits both), and exactly 2 blocks (the second hits 1: the last token is recomputed).
+    rng = random.Random()
+    prompts = [[rng.randrange(1, 1000) for _ in range(length)] for length in (300, 2 * BLOCK_SIZE)]
+    settings = SimSettings(
+        model=FCFS_MODEL, prefix_caching=True, block_size=BLOCK_SIZE, kv_cache_tokens=16 * BLOCK_SIZE, **TIMED
+    )
+    async with aiohttp.ClientSession() as http:
+        real = await _send_twice_each(http, vllm.fcfs, prompts)
+        async with await start_sim(settings) as sim:
+            simulated = await _send_twice_each(http, sim.url, prompts)
+    assert real == simulated == (2 * (300 + 256), 2 * BLOCK_SIZE + BLOCK_SIZE)
