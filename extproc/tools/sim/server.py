@@ -130,21 +130,21 @@ def _message_text(message: object, index: int) -> str:
     raise _bad_request(f"messages[{index}].content must be a string or a list of parts", "messages")
 
 
-def chat_prompt(body: dict[str, Any]) -> list[str]:
-    """The chat prompt's tokens: the message texts' units, concatenated in order."""
+def chat_prompt(body: dict[str, Any]) -> str:
+    """The chat prompt: the message texts, concatenated in order."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad_request("'messages' must be a non-empty list", "messages")
-    return prompt_units("".join(_message_text(m, i) for i, m in enumerate(messages)))
+    return "".join(_message_text(m, i) for i, m in enumerate(messages))
 
 
-def completion_prompt(body: dict[str, Any]) -> list[str] | list[int]:
-    """The completion prompt's tokens: the text's units, or the token ids as sent."""
+def completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    """The completion prompt: its text, or the token ids as sent."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return prompt_units(prompt)
+        return prompt
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return prompt  # already token ids
     raise _bad_request("'prompt' must be a string or a list of token ids (one prompt only)", "prompt")
@@ -299,11 +299,16 @@ class _Handlers:
         return body
 
     async def _generate(
-        self, request: web.Request, api: _Api, body: dict[str, Any], prompt: Sequence[Hashable]
+        self, request: web.Request, api: _Api, body: dict[str, Any], prompt: str | list[int]
     ) -> web.StreamResponse:
         params = _parse_params(body, self.settings.default_max_tokens, self.settings.scheduling_policy)
+        tokens = estimate_tokens(prompt) if isinstance(prompt, str) else len(prompt)
+        # The units only where they are hashed: cutting a 32 MB prompt into its 8 million takes 1.4 s.
+        units: Sequence[Hashable] = ()
+        if self.settings.prefix_caching:
+            units = prompt_units(prompt) if isinstance(prompt, str) else prompt
         try:
-            handle = self.engine.submit(len(prompt), params.max_tokens, params.priority, prompt)
+            handle = self.engine.submit(tokens, params.max_tokens, params.priority, units)
         except RequestTooLong as exc:
             raise _bad_request(str(exc)) from exc
         try:
