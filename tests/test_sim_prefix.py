@@ -275,7 +275,7 @@ async def test_a_repeated_long_prompt_is_a_hit_and_its_ttft_is_shorter_by_the_pr
         (info, one), = samples["vllm:cache_config_info"]
         assert one == 1.0
         assert info["block_size"] == "16" and info["enable_prefix_caching"] == "True"
-        assert int(info["num_gpu_blocks"]) * 16 == settings.kv_cache_tokens
+        assert (int(info["num_gpu_blocks"]) - 1) * 16 == settings.kv_cache_tokens  # vLLM counts its null block
         assert _one(samples, "vllm:kv_cache_usage_perc") == 0.0  # both ended: their cached blocks are free
 
 
@@ -317,16 +317,18 @@ async def _prefix_counters(http: aiohttp.ClientSession, url: str) -> tuple[float
     return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
 
 
-async def _send_twice_each(http: aiohttp.ClientSession, url: str, prompts: list[list[int]]) -> tuple[float, float]:
-    """The counters' growth over each prompt sent twice, one after the other (token ids: no tokenizer between)."""
+async def _send_each(
+    http: aiohttp.ClientSession, url: str, prompts: list[list[int]], times: int
+) -> tuple[float, float]:
+    """The counters' growth over each prompt sent ``times`` times, one after the other (token ids: no tokenizer between)."""
     queries, hits = await _prefix_counters(http, url)
     for ids in prompts:
-        for _ in range(2):
+        for _ in range(times):
             body = {"model": FCFS_MODEL, "prompt": ids, "max_tokens": 2, **REQUEST_EXTRAS}
             async with http.post(f"{url}/v1/completions", json=body) as response:
                 assert response.status == 200, await response.text()
                 await response.read()
-    expected = 2 * sum(len(ids) for ids in prompts)
+    expected = times * sum(len(ids) for ids in prompts)
     deadline = time.monotonic() + 10.0
     while (now := await _prefix_counters(http, url))[0] - queries < expected and time.monotonic() < deadline:
         await asyncio.sleep(0.1)  # vLLM's page shows a step's stats a moment after it
@@ -342,11 +344,46 @@ async def test_the_simulator_counts_prefix_queries_and_hits_as_real_vllm_does(vl
     # 44 more: the second send hits both), and exactly 2 blocks (the second hits 1: the last token is recomputed).
     rng = random.Random()
     prompts = [[rng.randrange(1, 1000) for _ in range(length)] for length in (300, 2 * BLOCK_SIZE)]
-    settings = SimSettings(
-        model=FCFS_MODEL, prefix_caching=True, block_size=BLOCK_SIZE, kv_cache_tokens=16 * BLOCK_SIZE, **TIMED
-    )
     async with aiohttp.ClientSession() as http:
-        real = await _send_twice_each(http, vllm.fcfs, prompts)
-        async with await start_sim(settings) as sim:
-            simulated = await _send_twice_each(http, sim.url, prompts)
+        real = await _send_each(http, vllm.fcfs, prompts, times=2)
+        async with await start_sim(_like_the_session_vllm()) as sim:
+            simulated = await _send_each(http, sim.url, prompts, times=2)
     assert real == simulated == (2 * (300 + 256), 2 * BLOCK_SIZE + BLOCK_SIZE)
+
+
+def _like_the_session_vllm() -> SimSettings:
+    """The session's vLLM: 16 blocks of 128 (``realvllm.start_vllm`` for 4 sequences), one of them the null block."""
+    return SimSettings(
+        model=FCFS_MODEL, prefix_caching=True, block_size=BLOCK_SIZE, kv_cache_tokens=15 * BLOCK_SIZE, **TIMED
+    )
+
+
+async def _hits_per_request(http: aiohttp.ClientSession, url: str, prompts: list[list[int]]) -> list[int]:
+    """Each prompt sent alone, in turn; the tokens each one found cached."""
+    hits = []
+    for ids in prompts:
+        hits.append(int((await _send_each(http, url, [ids], times=1))[1]))
+    return hits
+
+
+# Prompts of 2-3 full blocks and a partial one, in an order found (by the simulator) to evict some
+# prompts whole and one by its tail only; 14 or 16 usable blocks give other hits, so the order tells.
+EVICTION_LENGTHS = (300, 400, 200, 450, 300, 400, 200, 300)
+EVICTION_ORDER = (0, 1, 2, 3, 0, 1, 7, 4, 6, 1, 4, 5, 3, 4)
+EVICTION_HITS = [0, 0, 0, 0, 256, 384, 0, 0, 0, 384, 256, 0, 128, 256]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.asyncio(loop_scope="session")
+async def test_the_simulator_evicts_what_real_vllm_evicts(vllm: VllmServers) -> None:
+    # Every block of the session's vLLM is free now; what earlier tests left cached never matches fresh ids.
+    rng = random.Random()
+    distinct = [[rng.randrange(1, 1000) for _ in range(length)] for length in EVICTION_LENGTHS]
+    prompts = [distinct[i] for i in EVICTION_ORDER]
+    async with aiohttp.ClientSession() as http:
+        real = await _hits_per_request(http, vllm.fcfs, prompts)
+        async with await start_sim(_like_the_session_vllm()) as sim:
+            simulated = await _hits_per_request(http, sim.url, prompts)
+    assert real == simulated == EVICTION_HITS

@@ -40,10 +40,12 @@ Differences worth knowing:
   (``PrometheusStatLogger.log_metrics_info``, labelled with the
   ``CacheConfig`` fields), here with the fields the simulator has:
   ``block_size``, ``enable_prefix_caching``, ``engine``,
-  ``kv_cache_size_tokens`` and ``num_gpu_blocks`` (no null block, so
-  ``num_gpu_blocks * block_size`` is exactly the capacity; vLLM counts one
-  unusable block more). The KV usage gauge counts cached but free blocks as
-  free, as vLLM's ``BlockPool.get_usage``.
+  ``kv_cache_size_tokens`` and ``num_gpu_blocks``. vLLM's pool holds one
+  block no request can use (``BlockPool.null_block``), which
+  ``num_gpu_blocks`` and ``kv_cache_size_tokens`` count, so the simulator
+  reports its capacity plus one block: ``(num_gpu_blocks - 1) * block_size``
+  is the usable KV of both. The KV usage gauge counts cached but free blocks
+  as free, as vLLM's ``BlockPool.get_usage``.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ class VllmMetrics:
             *labels
         ).set_function(lambda: scheduler.kv_usage)
 
-        num_blocks = scheduler.kv_capacity // scheduler.block_size
+        num_blocks = scheduler.kv_capacity // scheduler.block_size + 1  # and vLLM's null block
         cache_config = {
             "block_size": str(scheduler.block_size),
             "enable_prefix_caching": str(scheduler.prefix_caching),
