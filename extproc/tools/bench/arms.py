@@ -72,6 +72,9 @@ ARMS: tuple[Arm, ...] = (
     Arm("extproc-preempt-tight", "extproc",
         f"as extproc-preempt, with interactive's objective at {TIGHT_OBJECTIVE_S:g} s instead of 5 s",
         model={"max_preemptions_per_s": 2}, top=TIGHT_OBJECTIVE),
+    Arm("extproc-locality", "extproc",
+        "Envoy + extproc, locality-aware fair queueing (policy: locality: the longest expected prefix-cache hit "
+        "first within a deficit quantum of vtc's share)", model={"policy": "locality"}),
     Arm("cluster-rr", "extproc", "2 extproc instances sharing Redis (active-active), round-robin, adaptive gate",
         instances=2),
     Arm("cluster-vtc", "extproc", "2 extproc instances sharing Redis (active-active), vtc, adaptive gate",
@@ -94,6 +97,9 @@ CONSERVATION_ARMS = ("direct-fifo", "envoy", "extproc-rr")
 # One instance against two sharing Redis, on the same fairness scenarios:
 # `--arms cluster` (direct FIFO runs anyway, as the baseline).
 CLUSTER_ARMS = ("extproc-rr", "cluster-rr", "extproc-vtc", "cluster-vtc")
+# Prefix locality (#21): the two fair policies against the locality-aware one (direct FIFO, or Envoy's own
+# balancing across replicas, as the baseline).
+LOCALITY_ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc", "extproc-locality")
 # The gate comparison (gate-mix): the release rules against each other, same policy.
 GATE_ARMS = ("direct-fifo", "gate-static-concurrency", "gate-static-rate", "gate-waiting", "extproc-rr")
 
@@ -114,16 +120,19 @@ def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]
 
 
 def arm_config(
-    arm: Arm, tenants: Iterable[str], redis_url: str | None = None, scenario: Mapping[str, Any] | None = None
+    arm: Arm, tenants: Iterable[str], redis_url: str | None = None, scenario: Mapping[str, Any] | None = None,
+    *, replicas: int = 1, model_settings: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The extproc config document for one run of ``arm``, on free loopback ports.
 
     A cluster arm (``instances > 1``) needs ``redis_url``; its instances are
     named a, b, ... and Envoy's generated config lists them all. ``scenario``
     is the scenario's own top-level config (its tenants' entitlements), merged
-    before the arm's.
+    before the arm's; ``model_settings`` its settings for the model (merged
+    before the arm's), on ``replicas`` endpoints.
     """
-    model = {"name": MODEL, "endpoints": [f"http://127.0.0.1:{free_port()}"], "target_waiting": TARGET_WAITING}
+    model = {"name": MODEL, "endpoints": [f"http://127.0.0.1:{free_port()}" for _ in range(replicas)],
+             "target_waiting": TARGET_WAITING, **(model_settings or {})}
     doc = {
         "listen": {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"},
         "priorities": ["interactive", "standard", "batch"],

@@ -138,7 +138,9 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
         return args.time_scale or scenario.time_scale or DEFAULT_TIME_SCALE
 
     def engine_of(scenario: Scenario) -> Engine | VllmEngine:
-        return default_engine if on_vllm else scenario.engine or default_engine
+        if on_vllm:
+            return scenario.vllm_engine or default_engine
+        return scenario.engine or default_engine
 
     if args.overhead_only:
         scenarios = []

@@ -88,11 +88,23 @@ class Stream:
     every: float = 0.0
     stream: bool = True
     stop_after: str | None = None
+    # Shared prefixes (#21). RAG: each request starts with one of ``documents`` documents of
+    # ``document_tokens``, drawn at random, then its own prompt (its question). Chats: requests are
+    # the turns of ``chats`` conversations in turn, and a turn starts with its chat's whole history
+    # (each earlier turn's prompt and answer), then its own prompt.
+    documents: int = 0
+    document_tokens: int = 0
+    chats: int = 0
 
 
 @dataclass(frozen=True)
 class Planned:
-    """One request of the plan."""
+    """One request of the plan.
+
+    ``prefix`` names the text its prompt starts with (shared with every request
+    of the same name: a document, a chat's history) and ``prefix_tokens`` how
+    much of it; "" none. ``prompt_tokens`` counts the prefix in.
+    """
 
     at: float
     tenant: str
@@ -101,6 +113,8 @@ class Planned:
     max_tokens: int
     stream: bool = True
     stop_after: str | None = None
+    prefix: str = ""
+    prefix_tokens: int = 0
 
 
 def poisson_times(rng: np.random.Generator, rate: float, start: float, end: float) -> list[float]:
@@ -134,10 +148,27 @@ def stream_requests(stream: Stream, rng: np.random.Generator) -> list[Planned]:
     times += periodic_times(stream.every, stream.start, stream.end)
     prompts = stream.prompt.sample(rng, len(times))
     outputs = stream.output.sample(rng, len(times))
+    prefixes = _prefixes(stream, rng, prompts, outputs)
     return [
-        Planned(t, stream.tenant, stream.priority, p, o, stream.stream, stream.stop_after)
-        for t, p, o in zip(times, prompts, outputs, strict=True)
+        Planned(t, stream.tenant, stream.priority, p + n, o, stream.stream, stream.stop_after, name, n)
+        for t, p, o, (name, n) in zip(times, prompts, outputs, prefixes, strict=True)
     ]
+
+
+def _prefixes(stream: Stream, rng: np.random.Generator, prompts: list[int], outputs: list[int]) -> list[tuple[str, int]]:
+    """Each request's shared prefix (name, tokens), in the order of its times (a chat stream's are in arrival order)."""
+    if stream.documents:
+        drawn = rng.integers(0, stream.documents, len(prompts))
+        return [(f"{stream.tenant}-doc{int(d)}", stream.document_tokens) for d in drawn]
+    if stream.chats:
+        history = [0] * stream.chats
+        out = []
+        for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+            chat = i % stream.chats
+            out.append((f"{stream.tenant}-chat{chat}", history[chat]))
+            history[chat] += prompt + output
+        return out
+    return [("", 0)] * len(prompts)
 
 
 def plan(streams: Sequence[Stream], seed: int) -> list[Planned]:

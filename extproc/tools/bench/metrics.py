@@ -86,7 +86,16 @@ from typing import Any
 
 from extproc.core.cost import CostWeights
 from extproc.tools.bench.runner import ArmRun, EngineSample, Result
-from extproc.tools.bench.scenarios import BATCH, BATCH_ALONE, CLASSES, CONSERVATION, OBJECTIVES, UNLOADED, Scenario
+from extproc.tools.bench.scenarios import (
+    BATCH,
+    BATCH_ALONE,
+    CLASSES,
+    CONSERVATION,
+    LOCALITY,
+    OBJECTIVES,
+    UNLOADED,
+    Scenario,
+)
 from extproc.tools.power_user import percentile
 
 # Cost weights of prompt and output tokens in a tenant's service: the ones the
@@ -229,6 +238,41 @@ def fairness(
     return {"mean": statistics.fmean(indices), "min": min(indices), "windows": len(indices)}
 
 
+def service_difference(
+    results: Sequence[Result], weight: Callable[[str], float], window: float = JAIN_WINDOW_S
+) -> dict[str, float | None]:
+    """The VTC paper's service difference: per window, the largest gap in weighted service received between tenants
+    backlogged through it (Sheng et al., OSDI 2024, their fairness figures), its mean and max over the run.
+
+    Service as :func:`fairness` counts it (``W_IN`` x prompt + ``W_OUT`` x
+    output tokens, the paper's 1 and 2), a tenant backlogged while one of its
+    requests waits for its first token. Lower is fairer; 0 when no window has
+    two tenants backlogged.
+    """
+    tenants = sorted({r.tenant for r in results})
+    backlog = {t: backlog_intervals(r for r in results if r.tenant == t) for t in tenants}
+    end = max((r.done_at for r in results), default=0.0)
+    gaps = []
+    for k in range(math.floor(end / window)):
+        a, b = k * window, (k + 1) * window
+        busy = [t for t in tenants if _covers(backlog[t], a, b)]
+        if len(busy) < 2:
+            continue
+        served = [sum(service_until(r, b) - service_until(r, a) for r in results if r.tenant == t) / weight(t)
+                  for t in busy]
+        gaps.append(max(served) - min(served))
+    if not gaps:
+        return {"mean": None, "max": None, "windows": 0}
+    return {"mean": statistics.fmean(gaps), "max": max(gaps), "windows": len(gaps)}
+
+
+def prefix_hits(run: ArmRun) -> dict[str, float | None]:
+    """The engines' prefix-cache hit rate over the run (hit tokens / queried tokens, every replica), and the tokens."""
+    queries, hits = run.prefix_cache.get("queries"), run.prefix_cache.get("hits")
+    rate = hits / queries if queries and hits is not None else None
+    return {"hit_rate": rate, "queried_tokens": queries, "hit_tokens": hits}
+
+
 def priority_label(result: Result) -> str:
     return result.priority or "default"
 
@@ -301,6 +345,8 @@ def summarize(
         summary["classes"] = class_figures(results, list(baseline.results))
     if CONSERVATION in scenario.measures:
         summary["conservation"] = conservation(scenario, run, baseline)
+    if LOCALITY in scenario.measures:
+        summary["locality"] = {**prefix_hits(run), "service_difference": service_difference(results, scenario.weight)}
     return summary
 
 

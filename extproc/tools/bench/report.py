@@ -22,7 +22,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, Arm  # noqa: E402
 from extproc.tools.bench.metrics import cumulative_service  # noqa: E402
 from extproc.tools.bench.runner import ArmRun  # noqa: E402
-from extproc.tools.bench.scenarios import BATCH, CLASSES, CONSERVATION, OBJECTIVES, Scenario  # noqa: E402
+from extproc.tools.bench.scenarios import BATCH, CLASSES, CONSERVATION, LOCALITY, OBJECTIVES, Scenario  # noqa: E402
 
 DPI = 80
 # Targets from the project's benchmark issue (reported, not asserted).
@@ -259,6 +259,8 @@ def scenario_markdown(
         lines += _classes_table(arms, summary)
     if CONSERVATION in scenario.measures:
         lines += _conservation_table(arms, summary)
+    if LOCALITY in scenario.measures:
+        lines += _locality_table(arms, summary)
     lines += _processor_table(arms, summary)
     for kind, title in (("tenants", "tenant"), ("priorities", "priority class")):
         groups = sorted({g for s in summary.values() for g in s[kind]})
@@ -384,6 +386,21 @@ def _conservation_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list
                      "empty slot-s while held", "of them before all slots ran", "completions while held",
                      "empty slot-ms per completion", "refill mean / p50 / p99 (ms)"],
                     _arm_rows(arms, summary, "conservation", row))]
+
+
+def _locality_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
+    rows = [[arm.name, _num(_get(s, "locality", "hit_rate"), 3),
+             f"{_num(_get(s, 'locality', 'hit_tokens'), 0)} / {_num(_get(s, 'locality', 'queried_tokens'), 0)}",
+             _num(_get(s, "throughput", "requests_ratio"), 3), _num(_get(s, "throughput", "tokens_ratio"), 3),
+             _s(_get(s, "throughput", "makespan_s")),
+             f"{_num(_get(s, 'locality', 'service_difference', 'mean'), 0)} / "
+             f"{_num(_get(s, 'locality', 'service_difference', 'max'), 0)}"]
+            for arm in arms if (s := summary.get(arm.name)) is not None]
+    return ["", "Prefix cache and fairness: the engines' prefix-cache hit rate (hit / queried prompt tokens, every "
+            "replica), throughput against the FIFO baseline, and the VTC paper's service difference (per 10 s window, "
+            "the largest gap in service received between backlogged tenants; mean / max; lower is fairer):", "",
+            *_table(["arm", "hit rate", "hit / queried tokens", "req/s vs FIFO", "tokens/s vs FIFO", "makespan (s)",
+                     "service difference mean / max"], rows)]
 
 
 def _processor_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:

@@ -31,7 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import json
+import random
+import string
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -166,6 +169,9 @@ class ArmRun:
     slots: int = 0
     # The processors' decision log over the run (empty: no processor).
     decisions: tuple[Decision, ...] = ()
+    # The engines' prefix-cache counters' growth over the run, summed over replicas (tokens: queries, hits);
+    # empty when they export none.
+    prefix_cache: dict[str, float] = field(default_factory=dict)
 
 
 def prompt_text(tokens: int, chars_per_token: int = 4) -> str:
@@ -173,6 +179,33 @@ def prompt_text(tokens: int, chars_per_token: int = 4) -> str:
     chars = chars_per_token * tokens
     repeats = -(-chars // len(_FILLER))
     return (_FILLER * repeats)[:chars]
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_text(name: str, chars: int) -> str:
+    """``chars`` characters of the text named ``name``: the same name gives the same text, and a longer cut of it
+    starts with the shorter one; two names differ from their first character (the name leads)."""
+    rng = random.Random(name)
+    words: list[str] = [f"<{name}>"]
+    size = len(words[0])
+    while size < chars:
+        word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9)))
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)[:chars]
+
+
+def planned_prompt(planned: Planned, number: int, chars_per_token: int) -> str:
+    """A prompt of about ``planned.prompt_tokens`` tokens: its shared prefix's text, then text its own.
+
+    Its own part leads with the request's number, so nothing past the prefix
+    matches another request's prompt (the engine's prefix cache finds only
+    what the plan shares).
+    """
+    prefix = _shared_text(planned.prefix, chars_per_token * planned.prefix_tokens) if planned.prefix else ""
+    own = f" #{number} {planned.tenant}: " + prompt_text(max(1, planned.prompt_tokens - planned.prefix_tokens),
+                                                          chars_per_token)
+    return prefix + own[:chars_per_token * max(1, planned.prompt_tokens - planned.prefix_tokens)]
 
 
 async def _sample_engine(url: str, model: str, t0: float, time_scale: float, stop: asyncio.Event) -> list[EngineSample]:
@@ -318,7 +351,7 @@ def preempted(attempt: Attempt) -> bool:
 
 
 async def replay(
-    base_url: str,
+    base_urls: Sequence[str],
     requests: Sequence[Planned],
     *,
     time_scale: float,
@@ -326,13 +359,18 @@ async def replay(
     t0: float,
     engine: Engine | VllmEngine,
     on_done: Callable[[], None] = lambda: None,
+    unique_prompts: bool = False,
 ) -> list[Result]:
     """Send every planned request at ``t0 + at * time_scale`` (open loop) and wait for all answers.
 
     A request whose stream stops after a tenant (``Planned.stop_after``) is
     not sent once every request of that tenant has been answered (it counts as
-    done for ``on_done``, and has no result).
+    done for ``on_done``, and has no result). The requests go to ``base_urls``
+    in turn (several: the engine replicas straight, as clients split evenly).
+    ``unique_prompts``: each prompt is its shared prefix and text of its own
+    (:func:`planned_prompt`), else the same filler text for all.
     """
+    numbers = {id(planned): number for number, planned in enumerate(requests)}
     connector = aiohttp.TCPConnector(limit=0)  # one connection per concurrent request, as separate clients
     scale = 1.0 / time_scale
     # Requests of each tenant not yet answered: a stream that stops after a tenant stops at 0.
@@ -347,12 +385,14 @@ async def replay(
                 headers["x-priority"] = planned.priority
             if key := api_keys.get(planned.tenant):
                 headers["authorization"] = f"Bearer {key}"
+            text = (planned_prompt(planned, numbers[id(planned)], engine.chars_per_token) if unique_prompts
+                    else prompt_text(planned.prompt_tokens, engine.chars_per_token))
             body = {
                 "model": MODEL, "max_tokens": planned.max_tokens, "stream": planned.stream,
-                "messages": [{"role": "user", "content": prompt_text(planned.prompt_tokens, engine.chars_per_token)}],
+                "messages": [{"role": "user", "content": text}],
                 **engine.request_extras,
             }
-            url = f"{base_url}/v1/chat/completions"
+            url = f"{base_urls[numbers[id(planned)] % len(base_urls)]}/v1/chat/completions"
             sent = time.monotonic()
             resent: float | None = None
             attempt = await send(session, url, body, {**headers, RETRY_HEADER: "0"})
@@ -416,7 +456,8 @@ async def run_arm(
     if redis is not None:
         await redis.start()
     try:
-        doc = arm_config(arm, scenario.tenants, redis.url if redis else None, scenario.gateway)
+        doc = arm_config(arm, scenario.tenants, redis.url if redis else None, scenario.gateway,
+                         replicas=scenario.replicas, model_settings=scenario.model)
         config = write_config(workdir / "config.yaml", scale_objectives(doc, time_scale))
         async with await _start(arm, config, engine, time_scale, workdir) as stack:
             run = await _measure(scenario, arm, stack, engine, time_scale, on_done)
@@ -429,31 +470,34 @@ async def run_arm(
 async def _start(arm: Arm, config: Path, engine: Engine | VllmEngine, time_scale: float, workdir: Path) -> Stack:
     if isinstance(engine, VllmEngine):
         # vLLM first: it takes tens of seconds to start, and the processor should find it up.
-        endpoint = load_config(config).models[0].endpoints[0]
-        vllm = await engine.start(MODEL, endpoint, workdir, arm.scheduling_policy)
+        servers = []
         try:
+            for endpoint in load_config(config).models[0].endpoints:
+                servers.append(await engine.start(MODEL, endpoint, workdir, arm.scheduling_policy))
             stack = await start_stack(config, workdir, serve_args=SERVE_ARGS, gateway=arm.gateway, engines=False)
         except BaseException:
-            await vllm.stop()
+            for server in servers:
+                await server.stop()
             raise
-        stack.sims.append(vllm)
+        stack.sims.extend(servers)
         return stack
     sim_args = [*engine.sim_args(time_scale), "--scheduling-policy", arm.scheduling_policy]
     return await start_stack(config, workdir, sim_args=sim_args, serve_args=SERVE_ARGS, gateway=arm.gateway)
 
 
 async def _watched(
-    stack: Stack, base_url: str, requests: Sequence[Planned], keys: dict[str, str], engine: Engine | VllmEngine,
-    time_scale: float, on_done: Callable[[], None],
+    stack: Stack, base_urls: Sequence[str], requests: Sequence[Planned], keys: dict[str, str],
+    engine: Engine | VllmEngine, time_scale: float, on_done: Callable[[], None], *, unique_prompts: bool = False,
 ) -> PhaseRun:
-    """Replay ``requests`` from now, sampling the engine until the last answer."""
+    """Replay ``requests`` from now, sampling the (first) engine until the last answer."""
     started_wall = time.time()
     t0 = time.monotonic()
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample_engine(stack.sim_url(MODEL), MODEL, t0, time_scale, stop))
     try:
         results = await replay(
-            base_url, requests, time_scale=time_scale, api_keys=keys, t0=t0, engine=engine, on_done=on_done,
+            base_urls, requests, time_scale=time_scale, api_keys=keys, t0=t0, engine=engine, on_done=on_done,
+            unique_prompts=unique_prompts,
         )
     finally:
         stop.set()
@@ -480,29 +524,57 @@ async def _measure(
     on_done: Callable[[], None],
 ) -> ArmRun:
     direct = arm.gateway == "direct"
-    base_url = stack.sim_url(MODEL) if direct else stack.envoy_url
+    endpoints = _endpoints(stack)
+    base_urls = endpoints if direct else [stack.envoy_url]
     keys = {} if direct else {t: api_key(t) for t in scenario.tenants}
+    unique = scenario.unique_prompts
     phases = {}
     for phase in scenario.phases_of(arm.name):
         phases[phase.name] = await _watched(
-            stack, base_url, scenario.phase_requests(phase), keys, engine, time_scale, on_done)
+            stack, base_urls, scenario.phase_requests(phase), keys, engine, time_scale, on_done, unique_prompts=unique)
         await _settle(stack.sim_url(MODEL))
     counters_before = await _scrape_processors(stack) if stack.processors and phases else {}
-    pids = {"engine": [stack.sims[0].process.pid]}
+    pids = {"engine": [sim.process.pid for sim in stack.sims]}
     if stack.envoy is not None:
         pids["envoy"] = [stack.envoy.process.pid]
     if stack.processors:
         pids["extproc"] = [p.process.pid for p in stack.processors.values()]
     cpu_before = {name: _cpu(group) for name, group in pids.items()}
     client_before = time.process_time()
-    run = await _watched(stack, base_url, scenario.requests(), keys, engine, time_scale, on_done)
+    prefix_before = await _prefix_counters(endpoints)
+    run = await _watched(stack, base_urls, scenario.requests(), keys, engine, time_scale, on_done, unique_prompts=unique)
+    prefix_after = await _prefix_counters(endpoints)
+    prefix_cache = {key: prefix_after[key] - prefix_before.get(key, 0.0) for key in prefix_after}
     cpu = {name: _cpu(group) - cpu_before[name] for name, group in pids.items()}
     cpu["client"] = time.process_time() - client_before
     counters = await _scrape_processors(stack) if stack.processors else {}
     # Counters over the run alone: what the phases before it added is taken off.
     counters = {key: value - counters_before.get(key, 0.0) for key, value in counters.items()}
     return ArmRun(scenario.name, arm.name, time_scale, run.results, run.engine, run.wall_s, cpu, counters, phases,
-                  decisions=_decision_log(stack, run, time_scale))
+                  decisions=_decision_log(stack, run, time_scale), prefix_cache=prefix_cache)
+
+
+def _endpoints(stack: Stack) -> list[str]:
+    found = stack.config.model(MODEL)
+    assert found is not None
+    return list(found.endpoints)
+
+
+async def _prefix_counters(endpoints: Sequence[str]) -> dict[str, float]:
+    """The engines' prefix-cache counters, summed over ``endpoints`` (tokens queried and found: ``queries``, ``hits``).
+
+    Empty when an engine does not export them (prefix caching off on the simulator).
+    """
+    total = {"queries": 0.0, "hits": 0.0}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
+        for endpoint in endpoints:
+            async with session.get(f"{endpoint}/metrics") as response:
+                load = parse_load("vllm", await response.text(), MODEL)
+            if load.prefix_queries is None or load.prefix_hits is None:
+                return {}
+            total["queries"] += load.prefix_queries
+            total["hits"] += load.prefix_hits
+    return total
 
 
 def _cpu(pids: Sequence[int]) -> float:

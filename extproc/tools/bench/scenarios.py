@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.tools.bench.arms import CONSERVATION_ARMS, FAIRNESS_ARMS, GATE_ARMS, PREEMPTION_ARMS
+from extproc.tools.bench.arms import CONSERVATION_ARMS, FAIRNESS_ARMS, GATE_ARMS, LOCALITY_ARMS, PREEMPTION_ARMS
 from extproc.tools.bench.load import Lengths, LogNormal, Pareto, Planned, Stream, plan, subplan
 from extproc.tools.sim.engine import SimSettings
 
@@ -35,6 +35,9 @@ class Engine:
     # The simulator counts ~4 characters a token.
     chars_per_token: int = 4
     request_extras: Mapping[str, Any] = field(default_factory=dict)
+    # vLLM's automatic prefix caching (the simulator's --prefix-caching), in blocks of block_size tokens.
+    prefix_caching: bool = False
+    block_size: int = 16
 
     def sim_args(self, time_scale: float) -> list[str]:
         # The simulator's visibility delay (vLLM's API-server lag) is wall-clock; the bench
@@ -50,6 +53,7 @@ class Engine:
             "--visibility-delay-ms", str(SimSettings.visibility_delay_ms * time_scale),
             "--visibility-delay-per-pending-ms", str(SimSettings.visibility_delay_per_pending_ms * time_scale),
             "--visibility-delay-max-ms", str(SimSettings.visibility_delay_max_ms * time_scale),
+            *(("--prefix-caching", "--block-size", str(self.block_size)) if self.prefix_caching else ()),
         ]
 
 
@@ -90,6 +94,7 @@ OBJECTIVES = "objectives"  # the focus group's TTFT against its class's objectiv
 BATCH = "batch"  # the batch class: makespan, throughput vs idle capacity, preemptions
 CLASSES = "classes"  # every class against straight to the engine
 CONSERVATION = "conservation"  # the engine kept as busy as without the gateway, and where the gap comes from
+LOCALITY = "locality"  # the engines' prefix-cache hit rate, and the VTC paper's service difference
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,14 @@ class Scenario:
     measures: frozenset[str] = frozenset()
     # The class whose requests are the batch (BATCH, CONSERVATION).
     batch_priority: str = "batch"
+    # Engine replicas serving the model (each its own simulator or vLLM); straight to them, clients split evenly.
+    replicas: int = 1
+    # Settings for the model entry of every gateway arm (merged before the arm's own).
+    model: Mapping[str, Any] = field(default_factory=dict)
+    # Prompts are their shared prefix and text of their own (load.Planned.prefix), not one filler for all.
+    unique_prompts: bool = False
+    # Its real engine for ``--engine vllm`` (a vllm.VllmEngine; None: the run's).
+    vllm_engine: Any = None
 
     @property
     def tenants(self) -> list[str]:
@@ -378,7 +391,56 @@ def batch_only(
 
 def full_set() -> list[Scenario]:
     return [power_user(), steady_mix(), priority_mix(), noisy_neighbour(), join_leave(), gate_mix(),
-            batch_flood(), steady_classes(), batch_only()]
+            batch_flood(), steady_classes(), batch_only(), prefix_share(1), prefix_share(2)]
+
+
+# A GPU where prefill dominates a request (#21): 1 ms of prefill a prompt token, so a 2,000-token document
+# costs 2 s to prefill and ~40 decode steps' worth; its KV cache holds a few documents beside a busy batch.
+PREFILL_HEAVY = Engine(max_num_seqs=8, kv_cache_tokens=24_576, step_ms=20.0, step_ms_per_seq=0.5,
+                       prefill_ms_per_token=1.0, prefix_caching=True, block_size=16)
+QUESTION = LogNormal(median=40, sigma=0.5, lo=8, hi=200)
+SHORT_ANSWER = LogNormal(median=24, sigma=0.5, lo=4, hi=128)
+UNRELATED_PROMPT = LogNormal(median=600, sigma=0.6, lo=64, hi=3000)
+
+
+def prefix_share(
+    replicas: int = 1, *, duration: float = 60.0, documents: int = 6, document_tokens: int = 2000,
+    rag_rate: float = 0.6, chats: int = 4, chat_rate: float = 0.4, flood: int = 120, engine: Engine = PREFILL_HEAVY,
+    arms: tuple[str, ...] = LOCALITY_ARMS, vllm_engine: Any = None, time_scale: float | None = None,
+) -> Scenario:
+    """Tenants that share long prefixes beside a flood of unrelated requests (#21).
+
+    ``rag`` asks questions about ``documents`` documents of ``document_tokens``
+    each (a document drawn at random per question), ``chat`` holds ``chats``
+    multi-turn conversations whose every turn re-sends the history, and
+    ``flood`` sends ``flood`` unrelated requests at once: each tenant's
+    requests share nothing with the others', so what the engine's prefix
+    cache finds depends on the order of release.
+    """
+    per_replica = "" if replicas == 1 else f"-{replicas}"
+    return Scenario(
+        name=f"prefix-share{per_replica}",
+        description=f"rag: questions ({rag_rate:g}/s) over {documents} documents of {document_tokens} tokens; chat: "
+        f"{chats} multi-turn conversations ({chat_rate:g} turns/s); flood: {flood} unrelated requests at once; "
+        f"{replicas} engine replica{'s' if replicas > 1 else ''} with prefix caching",
+        streams=(
+            Stream("rag", QUESTION, SHORT_ANSWER, rate=rag_rate, end=duration, documents=documents,
+                   document_tokens=document_tokens),
+            Stream("chat", QUESTION, SHORT_ANSWER, rate=chat_rate, end=duration, chats=chats),
+            Stream("flood", UNRELATED_PROMPT, SHORT_ANSWER, burst=flood),
+        ),
+        focus="sharing tenants",
+        focus_tenants=frozenset({"rag", "chat"}),
+        seed=21,
+        arms=arms,
+        engine=engine,
+        time_scale=time_scale,
+        measures=frozenset({LOCALITY}),
+        replicas=replicas,
+        model={"prefix": {"block_tokens": engine.block_size}, **({"endpoint_picking": True} if replicas > 1 else {})},
+        unique_prompts=True,
+        vllm_engine=vllm_engine,
+    )
 
 
 def quick_set() -> list[Scenario]:

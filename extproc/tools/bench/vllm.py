@@ -20,7 +20,7 @@ seconds (time scale 1).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +84,19 @@ ARMS: tuple[Arm, ...] = (
         "a slot stays free for an interactive arrival",
         model={**_KNOWN_BATCH, "engine_priority": True}, scheduling_policy="priority",
         top={"bands": {"batch": {"idle_running_share": 0.75}}}),
+    Arm("extproc-vtc", "extproc", "Envoy + extproc, cost-weighted fair queueing (vtc), adaptive gate",
+        model={**_KNOWN_BATCH, "policy": "vtc"}),
+    Arm("extproc-locality", "extproc", "Envoy + extproc, policy: locality (prefix-cache aware within a deficit quantum)",
+        model={**_KNOWN_BATCH, "policy": "locality"}),
     Arm("extproc-priority-reserve-2", "extproc",
         "as extproc-priority-reserve with two slots kept free (idle_running_share 0.5)",
         model={**_KNOWN_BATCH, "engine_priority": True}, scheduling_policy="priority",
         top={"bands": {"batch": {"idle_running_share": 0.5}}}),
 )
+
+
+# The policy comparison's arms (prefix-share), not the priority comparison's.
+_POLICY_ARMS = ("extproc-vtc", "extproc-locality")
 
 
 def power_user() -> Scenario:
@@ -97,7 +105,7 @@ def power_user() -> Scenario:
 
 def priority_mix() -> Scenario:
     return scenarios.priority_mix(120, flood_at=10.0, duration=40.0, users=8, sizes=SIZES,
-                                  arms=tuple(a.name for a in ARMS if a.gateway != "envoy"))
+                                  arms=tuple(a.name for a in ARMS if a.gateway != "envoy" and a.name not in _POLICY_ARMS))
 
 
 def steady_classes() -> Scenario:
@@ -105,7 +113,16 @@ def steady_classes() -> Scenario:
     return scenarios.steady_classes(40.0, sizes=SIZES, load=1.5)
 
 
+def prefix_share(replicas: int) -> Scenario:
+    """#21 on the prefill-size model: its 2,000-token documents take ~0.6 s to prefill uncached, ~0.08 s cached."""
+    return scenarios.prefix_share(
+        replicas, duration=40.0, documents=6, document_tokens=1500, rag_rate=0.5, chats=4, chat_rate=0.3, flood=40,
+        engine=replace(scenarios.PREFILL_HEAVY, block_size=128), vllm_engine=PREFILL,
+        arms=("direct-fifo", "envoy", "extproc-rr", "extproc-vtc", "extproc-locality"),
+    )
+
+
 SCENARIOS = {s.name: s for s in (
     power_user(), priority_mix(), scenarios.batch_flood(), steady_classes(),
-    scenarios.batch_only(),
+    scenarios.batch_only(), prefix_share(1), prefix_share(2),
 )}
