@@ -89,7 +89,7 @@ def test_named_scenarios_are_well_formed() -> None:
     scenarios = full_set()
     assert [s.name for s in scenarios] == [
         "power-user", "steady-mix", "priority-mix", "noisy-neighbour", "join-leave", "gate-mix",
-        "batch-flood", "steady-classes", "batch-only",
+        "batch-flood", "steady-classes", "batch-only", "prefix-share", "prefix-share-2",
     ]
     known_arms = {a.name for a in ARMS}
     for scenario in [*scenarios, *quick_set(), *QUICK.values()]:
@@ -115,11 +115,14 @@ def test_named_scenarios_are_well_formed() -> None:
 
 def test_real_vllm_scenarios_run_known_arms_and_fit_the_tiny_model() -> None:
     known = {a.name for a in vllm.ARMS}
-    assert set(vllm.SCENARIOS) == {"power-user", "priority-mix", "batch-flood", "steady-classes", "batch-only"}
+    assert set(vllm.SCENARIOS) == {"power-user", "priority-mix", "batch-flood", "steady-classes", "batch-only",
+                                   "prefix-share", "prefix-share-2"}
     for scenario in vllm.SCENARIOS.values():
         assert "direct-fifo" in scenario.arms and set(scenario.arms) <= known, scenario.name
-        # Prompt + answer within the 512-token context, with room for the chat template.
-        assert max(r.prompt_tokens + r.max_tokens for r in scenario.requests()) <= 480, scenario.name
+        # Prompt + answer within the context (the tiny model's 512 tokens, the prefill one's 4,096), with room
+        # for the chat template.
+        context = 4096 if scenario.vllm_engine is vllm.PREFILL else 512
+        assert max(r.prompt_tokens + r.max_tokens for r in scenario.requests()) <= context - 32, scenario.name
     # The new scenarios are the very ones the simulator runs on its vLLM-like GPU.
     assert vllm.SCENARIOS["batch-flood"] == SCENARIOS["batch-flood"]
     assert vllm.SCENARIOS["batch-only"] == SCENARIOS["batch-only"]
@@ -185,3 +188,29 @@ def test_every_scenario_is_named_in_the_bench_help() -> None:
     help_text = " ".join(parser.format_help().split()).replace("- ", "-")
     for name in [*SCENARIOS, *vllm.SCENARIOS]:
         assert name in help_text, name
+
+
+def test_shared_prefixes_are_planned_deterministically_and_a_chat_turn_carries_its_history() -> None:
+    from extproc.tools.bench.runner import planned_prompt
+
+    requests = plan([Stream("rag", *CHAT, rate=2.0, end=20.0, documents=3, document_tokens=500),
+                     Stream("talk", *CHAT, rate=1.0, end=20.0, chats=2)], seed=4)
+    rag = [r for r in requests if r.tenant == "rag"]
+    assert {r.prefix for r in rag} == {"rag-doc0", "rag-doc1", "rag-doc2"}
+    assert all(r.prefix_tokens == 500 and r.prompt_tokens > 500 for r in rag)
+    assert requests == plan([Stream("rag", *CHAT, rate=2.0, end=20.0, documents=3, document_tokens=500),
+                             Stream("talk", *CHAT, rate=1.0, end=20.0, chats=2)], seed=4)
+    talk = [r for r in requests if r.tenant == "talk"]
+    first, second = (next(r for r in talk if r.prefix == f"talk-chat{c}") for c in (0, 1))
+    assert first.prefix_tokens == second.prefix_tokens == 0  # each chat's first turn has no history
+    turns = [r for r in talk if r.prefix == "talk-chat0"]
+    for earlier, later in zip(turns, turns[1:], strict=False):  # each turn re-sends the one before it, and its answer
+        assert later.prefix_tokens == earlier.prefix_tokens + (earlier.prompt_tokens - earlier.prefix_tokens) \
+            + earlier.max_tokens
+    # The prompt texts: one document's share its text, a longer history extends a shorter one, the rest differs.
+    a, b = [r for r in rag if r.prefix == "rag-doc0"][:2]
+    text_a, text_b = planned_prompt(a, 1, 4), planned_prompt(b, 2, 4)
+    assert text_a[:2000] == text_b[:2000] and text_a[2000:2010] != text_b[2000:2010]
+    other = next(r for r in rag if r.prefix == "rag-doc1")
+    assert planned_prompt(other, 3, 4)[0:10] != text_a[0:10]
+    assert abs(len(text_a) - 4 * a.prompt_tokens) <= 4
