@@ -27,7 +27,8 @@ from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_confi
 
 pytestmark = pytest.mark.integration
 
-FAST_SIM = ["--max-num-seqs", "4", "--step-ms", "20", "--time-scale", "0.1"]
+# Priority scheduling, so the engine takes the body's rewritten `priority` (engine_priority models).
+FAST_SIM = ["--max-num-seqs", "4", "--step-ms", "20", "--time-scale", "0.1", "--scheduling-policy", "priority"]
 SYSTEM = "You are the ACME support desk's assistant; answer briefly and kindly. " * 30  # ~2 KB: 4 blocks of 512 B
 QUESTION: Any = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is my order #1234?"}]
 
@@ -38,6 +39,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
         # One request at a time: the others are held, on their body message.
         "signed": {"prefix": {}, "gate": "static_concurrency", "max_in_flight": 1},
         "plain": {},
+        "ranked": {"prefix": {}, "engine_priority": True},
     })
     async with await start_stack(config, tmp_path, sim_args=FAST_SIM) as s:
         yield s
@@ -108,3 +110,15 @@ async def test_a_model_without_prefix_never_sends_its_body_to_the_processor(stac
     plain, signed = await across("plain"), await across("signed")
     assert plain < body_bytes / 10, (plain, body_bytes)  # headers and trailers only
     assert signed > body_bytes, (signed, body_bytes)  # the body, for its signature
+
+
+async def test_engine_priority_with_prefix_rewrites_the_body_in_the_release(stack: Stack) -> None:
+    expected = await direct_prompt_tokens(stack, "ranked", QUESTION)
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{stack.envoy_url}/v1/chat/completions", headers={"authorization": f"Bearer {TENANT_KEYS['bob']}"},
+        json={"model": "ranked", "messages": QUESTION, "max_tokens": 7, "priority": "not a number"},
+    ) as response:
+        answer = await response.json()
+    # The engine refuses a non-integer priority (400): it got the class's number, in a body of the right length.
+    assert response.status == 200, answer
+    assert (answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]) == (expected, 7)

@@ -31,6 +31,7 @@ from extproc.core.engine_load import EngineLoad
 from extproc.core.outcomes import Refused
 from extproc.core.prefix import NO_PREFIX, Prefix
 from extproc.tools.procs import free_port
+from tests.test_epp_stream import BUFFERED, DUPLEX, first_message
 from tests.test_processor import Stream, settle
 
 pytestmark = pytest.mark.unit
@@ -241,6 +242,19 @@ async def test_a_queued_request_with_signatures_is_held_on_its_body_message() ->
     assert released.HasField("request_body") and released.request_body.response.clear_route_cache
     assert len(submitted) == 2 and submitted[0].blocks == submitted[1].blocks
     second.close()
+    await settle()
+
+
+@pytest.mark.parametrize("mode", [BUFFERED, DUPLEX])
+async def test_attached_by_ext_proc_alone_the_body_read_for_its_fields_gives_the_signature(mode: int) -> None:
+    processor, _, submitted = make(prefix={})
+    stream = Stream(processor, first_message(mode, {"x-tenant-id": "t"}))
+    stream._inbox.put_nowait(body_message(BODY))
+    while not (answer := await asyncio.wait_for(stream.answers.get(), 5)).HasField("request_body"):
+        assert not answer.HasField("immediate_response"), answer
+    [prefix] = submitted
+    assert prefix.blocks == Signer(config(prefix={}).models[0]).sign(prompt(CHAT), None).blocks and len(prefix.blocks) == 2
+    stream.close()
     await settle()
 
 
