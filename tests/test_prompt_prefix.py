@@ -245,6 +245,28 @@ async def test_a_queued_request_with_signatures_is_held_on_its_body_message() ->
     await settle()
 
 
+async def test_a_late_loop_acknowledges_the_body_message_too() -> None:
+    processor, _, _ = make(prefix={}, gate="static_concurrency", max_in_flight=1)
+    processor.lag._measured = 0.2  # the loop runs late (not yet for long: no shedding)
+    occupying = Stream(processor, headers_message(BODY))
+    assert (await occupying.answers.get()).HasField("override_message_timeout")  # the headers' acknowledgement
+    assert (await occupying.answers.get()).mode_override.request_body_mode == BUFFERED
+    occupying._inbox.put_nowait(body_message(BODY))
+    assert (await occupying.answers.get()).HasField("override_message_timeout")  # the body's own: Envoy took one per message
+    assert (await occupying.answers.get()).HasField("request_body")  # released
+    waiting = Stream(processor, headers_message(BODY))
+    for _ in range(2):
+        await waiting.answers.get()
+    waiting._inbox.put_nowait(body_message(BODY))
+    assert (await waiting.answers.get()).HasField("override_message_timeout")
+    await settle()
+    assert waiting.answers.empty()  # queued: the acknowledgement was its hold, no second override (Envoy ignores it)
+    occupying.close()
+    assert (await asyncio.wait_for(waiting.answers.get(), 5)).HasField("request_body")
+    waiting.close()
+    await settle()
+
+
 @pytest.mark.parametrize("mode", [BUFFERED, DUPLEX])
 async def test_attached_by_ext_proc_alone_the_body_read_for_its_fields_gives_the_signature(mode: int) -> None:
     processor, _, submitted = make(prefix={})
