@@ -304,7 +304,7 @@ class ModelConfig(_Section, frozen=True):
     # to free (costs some throughput when completions come in bursts).
     reserved_waiting: Count0 = 0
     # Write the band's numeric priority into the body's `priority` (vLLM
-    # --scheduling-policy priority); only such models have their body sent to us.
+    # --scheduling-policy priority); only such models (and those with `prefix`) have their body sent to us.
     engine_priority: bool = False
     # The most preemptions (of a preemptible band's requests, for a higher band whose
     # objective is at risk) per second; 0: never preempt.
