@@ -243,6 +243,23 @@ class CostSettings(_Section, frozen=True):
             yield "", "input_weight and output_weight cannot both be 0"
 
 
+class PrefixSettings(_Section, frozen=True):
+    """Prefix signatures for a model (adapters/ext_proc/prompt_prefix.py, core/prefix.py).
+
+    Present, the processor reads each request's body before it holds it (one
+    more ext_proc message behind the generated Envoy) to hash its prompt's
+    leading blocks; absent, the body never reaches Python (the fast path).
+    """
+
+    # Tokens one block covers: the engine's KV block size (vLLM --block-size; its CPU build
+    # defaults to 128, GPU to 16). A block is block_tokens x cost.bytes_per_token bytes of text.
+    block_tokens: Count = 128
+    # How many leading blocks are hashed: bounds the cost per request whatever the prompt.
+    max_blocks: Annotated[int, Meta(ge=1, le=256)] = 16
+    # The price of a cached prompt token, against cost.input_weight for an uncached one.
+    cached_input_weight: NonNegative = CostWeights.cached_input_weight
+
+
 class ModelConfig(_Section, frozen=True):
     """One model pool: the endpoints that serve it and how hard to fill them."""
 
@@ -287,7 +304,7 @@ class ModelConfig(_Section, frozen=True):
     # to free (costs some throughput when completions come in bursts).
     reserved_waiting: Count0 = 0
     # Write the band's numeric priority into the body's `priority` (vLLM
-    # --scheduling-policy priority); only such models have their body sent to us.
+    # --scheduling-policy priority); only such models (and those with `prefix`) have their body sent to us.
     engine_priority: bool = False
     # The most preemptions (of a preemptible band's requests, for a higher band whose
     # objective is at risk) per second; 0: never preempt.
@@ -300,10 +317,20 @@ class ModelConfig(_Section, frozen=True):
     # real request could, not infinity (docs/policies.md).
     max_context_tokens: Count = CostWeights.max_context_tokens
     cost: CostSettings = msgspec.field(default_factory=CostSettings)
+    # Prefix signatures of the requests' prompts (absent: none, unless policy is locality,
+    # which gets the defaults: _parse fills it in).
+    prefix: PrefixSettings | None = None
 
     def cost_weights(self) -> CostWeights:
-        """How the `vtc` policy prices this model's requests: the cost section and the context length."""
-        return replace(self.cost.weights(), max_context_tokens=self.max_context_tokens)
+        """How the `vtc` policy prices this model's requests: the cost section, the context length, the cached price."""
+        cached = self.prefix.cached_input_weight if self.prefix else CostWeights.cached_input_weight
+        return replace(self.cost.weights(), max_context_tokens=self.max_context_tokens, cached_input_weight=cached)
+
+    def block_bytes(self) -> int:
+        """The bytes of leading text one prefix block covers (at least 1); 0 without signatures."""
+        if self.prefix is None:
+            return 0
+        return max(1, round(self.prefix.block_tokens * self.cost.bytes_per_token))
 
     def problems(self) -> Iterator[tuple[str, str]]:
         rule = RULES[self.gate]
@@ -314,6 +341,9 @@ class ModelConfig(_Section, frozen=True):
             yield "endpoint_picking", f"does not work with gate: {rule.name} (no per-endpoint state)"
         if self.endpoint_picking and any(e.startswith("https:") for e in self.endpoints):
             yield "endpoint_picking", "needs http:// endpoints (the picked-endpoint cluster is plain HTTP)"
+        if self.prefix is not None and self.prefix.cached_input_weight > self.cost.input_weight:
+            yield "prefix.cached_input_weight", (f"must not exceed cost.input_weight ({self.cost.input_weight:g}): "
+                                                 "a cached prompt token costs the engine less, not more")
 
 
 class BandSettings(_Section, frozen=True):
@@ -762,6 +792,13 @@ def _tenants(file: ConfigFile) -> tuple[Tenant, dict[str, Tenant]]:
     return template, named
 
 
+def _with_prefix(model: ModelConfig) -> ModelConfig:
+    """``policy: locality`` orders by prefix signatures: without a ``prefix:`` section it gets the defaults."""
+    if model.prefix is None and model.policy == "locality":
+        return msgspec.structs.replace(model, prefix=PrefixSettings())
+    return model
+
+
 def parse_config(raw: Any) -> Config:
     """Validate an already-loaded YAML document; a ConfigError lists every mistake."""
     try:
@@ -778,7 +815,7 @@ def _parse(raw: Any) -> Config:
         listen=file.listen,
         identity=file.identity,
         band_names=file.priorities,
-        models=file.models,
+        models=tuple(_with_prefix(m) for m in file.models),
         envoy=file.envoy,
         bands=_bands(file),
         tenants=tenants,

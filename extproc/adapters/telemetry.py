@@ -162,6 +162,12 @@ class Telemetry:
         "Prompt tokens charged to finished requests (estimated from Content-Length; see docs/configuration.md).",
         "model", "tenant",
     )
+    prefix_blocks = _histogram(
+        "extproc_prefix_blocks",
+        "Leading prompt blocks hashed per request of a model with prefix signatures (models[].prefix); 0: too short "
+        "a prompt, or none found in the body.",
+        "model", buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
+    )
     charged_cached_prompt_tokens = _counter(
         "extproc_charged_cached_prompt_tokens",
         "Of the prompt tokens charged, those charged as found in the engine's prefix cache (models with prefix "
@@ -393,6 +399,13 @@ class TurnedAway:
 
 
 @dataclass(frozen=True, slots=True)
+class Signed:
+    """The servicer computed a request's prefix signature: ``blocks`` leading blocks hashed."""
+
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class ServedElsewhere:
     """The gateway served a release on another endpoint than the pick (a fallback was taken)."""
 
@@ -405,7 +418,7 @@ class ClusterTrip:
     instances: int | None = None
 
 
-AdapterEvent = Admitted | TurnedAway | ServedElsewhere | ClusterTrip
+AdapterEvent = Admitted | TurnedAway | Signed | ServedElsewhere | ClusterTrip
 
 
 class ModelTelemetry:
@@ -427,6 +440,7 @@ class ModelTelemetry:
         t.served_elsewhere.labels(model)
         t.gate_fallback.labels(model)
         self._decision = t.decision_latency.labels(model)
+        self._prefix_blocks = t.prefix_blocks.labels(model)
         self._in_flight = t.in_flight.labels(model)
         self._label(tenants)
         self._slack = {p: t.release_slack.labels(model, p) for p in priorities}
@@ -440,7 +454,7 @@ class ModelTelemetry:
         self._handlers: dict[type, Callable[[Any], None]] = {
             RequestEvent: self._request, PoolEvent: self._pool, Charged: self._charged_event,
             EndpointEvent: self._endpoint, Admitted: self._admitted, TurnedAway: self._turned_away,
-            ServedElsewhere: self._served_elsewhere, ClusterTrip: self._cluster_trip,
+            ServedElsewhere: self._served_elsewhere, ClusterTrip: self._cluster_trip, Signed: self._signed,
         }
 
     def _label(self, tenants: TenantLabels) -> None:
@@ -502,6 +516,9 @@ class ModelTelemetry:
 
     def _turned_away(self, event: TurnedAway) -> None:
         self._t.rejected.labels(self._model, event.refusal.value, NO_TENANT).inc()
+
+    def _signed(self, event: Signed) -> None:
+        self._prefix_blocks.observe(event.blocks)
 
     def _served_elsewhere(self, event: ServedElsewhere) -> None:
         self._t.served_elsewhere.labels(self._model).inc()

@@ -12,6 +12,9 @@ from types import MappingProxyType
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Dynamic-metadata namespace that Envoy's json_to_metadata filter writes the body fields into.
 METADATA_NAMESPACE = "extproc"
+# A string in that namespace an operator's own filter may fill with a request's leading
+# prompt text: hashed as it is (prompt_prefix.py), so such a model's body need not be sent.
+PROMPT_PREFIX_FIELD = "prompt_prefix"
 # Set by the processor on released requests; Envoy copies it onto the response
 # (ext_proc itself skips response headers), so clients and logs see the wait.
 QUEUE_WAIT_HEADER = "x-extproc-queue-wait-ms"

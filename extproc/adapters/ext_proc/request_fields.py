@@ -8,7 +8,10 @@ on the stream and is read here. Both roads end in the same
 :class:`RequestFields`, so admission does not care which one a request took.
 
 Reading a body decodes only the few fields named in :class:`_Wanted`: msgspec
-skips every other key (the messages, tools, images) without building them.
+skips every other key (tools, images) without building them. The prompt
+(``messages`` or ``prompt``) is kept as it is, an undecoded slice of the body
+(:class:`Prompt`): only a model with prefix signatures reads it
+(prompt_prefix.py), so one pass over the body serves both.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import msgspec
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.adapters.ext_proc.contract import METADATA_NAMESPACE
+from extproc.adapters.ext_proc.contract import METADATA_NAMESPACE, PROMPT_PREFIX_FIELD
 from extproc.core.outcomes import Refusal, Refused
 
 # The body's output limits, in the order they are read: the later one wins (as in vLLM).
@@ -40,15 +43,44 @@ class RequestFields:
     priority: Any = None
 
 
+# A Raw field captures any value, null included; absent, it stays empty (b"").
+_ABSENT = msgspec.Raw()
+
+
+class Prompt(msgspec.Struct, frozen=True):
+    """A request's prompt as it came: undecoded slices of the body, or the text a metadata field carries.
+
+    Kept apart from :class:`RequestFields` so that a held request does not keep
+    its body alive through them (the servicer drops it once signed).
+    """
+
+    # The body's `messages` (chat) and `prompt` (completions), each as written (empty: absent).
+    messages: msgspec.Raw = _ABSENT
+    prompt: msgspec.Raw = _ABSENT
+    # The leading text an operator's filter put into metadata (`prompt_prefix`), if any.
+    text: bytes | None = None
+
+
+NO_PROMPT = Prompt()
+
+
 class _Wanted(msgspec.Struct):
     model: Any = None
     max_tokens: Any = None
     max_completion_tokens: Any = None
     prompt_cache_key: Any = None
     priority: Any = None
+    messages: msgspec.Raw = _ABSENT
+    prompt: msgspec.Raw = _ABSENT
+
+
+class _PromptOnly(msgspec.Struct):
+    messages: msgspec.Raw = _ABSENT
+    prompt: msgspec.Raw = _ABSENT
 
 
 _decoder = msgspec.json.Decoder(_Wanted)
+_prompt_decoder = msgspec.json.Decoder(_PromptOnly)
 # Metadata values read as what they are; any other kind (Envoy drops lists and objects) by its name.
 _SCALARS = ("string_value", "number_value", "bool_value")
 
@@ -78,14 +110,37 @@ def from_metadata(request: pb.ProcessingRequest) -> RequestFields | None:
     return _fields(value("model"), limits, value("prompt_cache_key"), None)
 
 
-def from_body(body: bytes) -> RequestFields:
-    """The fields of a JSON body; raises Refused when it is not a JSON object."""
+def prompt_from_metadata(request: pb.ProcessingRequest) -> Prompt | None:
+    """The leading prompt text an operator's own filter put into ``extproc.prompt_prefix`` (a string); else None."""
+    namespace = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
+    item = namespace.fields.get(PROMPT_PREFIX_FIELD) if namespace is not None else None
+    if item is None or item.WhichOneof("kind") != "string_value":
+        return None
+    return Prompt(text=item.string_value.encode())
+
+
+def from_body(body: bytes) -> tuple[RequestFields, Prompt]:
+    """The fields of a JSON body and its prompt, in one pass; raises Refused when it is not a JSON object."""
     try:
         wanted = _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise Refused(Refusal.INVALID_BODY, f"the request body must be a JSON object: {exc}") from None
     limits = {f: getattr(wanted, f) for f in LIMIT_FIELDS if getattr(wanted, f) is not None}
-    return _fields(wanted.model, limits, wanted.prompt_cache_key, wanted.priority)
+    return (_fields(wanted.model, limits, wanted.prompt_cache_key, wanted.priority),
+            Prompt(wanted.messages, wanted.prompt))
+
+
+def prompt_of(body: bytes) -> Prompt:
+    """The prompt of a body whose fields came by metadata; nothing (never an error) if it is not a JSON object.
+
+    Its fields were read by Envoy (json_to_metadata): a body Envoy passed
+    stays the engine's to judge, as for a model without signatures.
+    """
+    try:
+        wanted = _prompt_decoder.decode(body)
+    except msgspec.DecodeError:
+        return NO_PROMPT
+    return Prompt(wanted.messages, wanted.prompt)
 
 
 def _fields(model: Any, limits: dict[str, Any], prompt_cache_key: Any, priority: Any) -> RequestFields:

@@ -36,7 +36,27 @@ unchanged, the protocol's statuses for a refusal.
 For ``engine_priority`` models only, the CONTINUE also switches the stream to
 a buffered request body (ext_proc ``mode_override``): Envoy then sends the
 body, which comes back with the band's ``priority`` written in (priority_body.py).
-Every other model stays headers-only.
+
+A model with prefix signatures (``models[].prefix``, or ``policy: locality``)
+needs its prompt before the hold, to queue the request with its signature
+(prompt_prefix.py). Attached by ext_proc alone the body is already read.
+Behind our own Envoy the headers are answered at once, without a decision,
+switching the stream to a buffered body (and the response headers sent: a
+mode can be overridden only in a headers reply, and whether a release is
+checked is known only at the release); the request is held on the body
+message, and the release answers it: the routing headers, and the
+``priority`` rewrite, go in the body reply. Envoy keeps the headers until
+then: in BUFFERED mode its headers reply does not continue the request
+("we're not ready to continue processing because then we won't be able to
+modify the headers any more"), and the body reply applies header mutations,
+checks Content-Length against a mutated body and clears the route cache
+(``ProcessorState::handleHeadersResponse`` and ``handleBodyResponse`` in
+envoyproxy/envoy source/extensions/filters/http/ext_proc/processor_state.cc at
+055a650d3bfa4b2cad214cdb649eee0d85051b28; ``Filter::onReceiveMessage`` in
+ext_proc.cc honours ``mode_override`` only ``inHeaderProcessState()``). An
+operator's own filter may instead put the leading text into
+``extproc.prompt_prefix`` metadata: then the body is not sent. Every other
+model stays headers-only.
 
 Who asks and how urgently: the tenant comes from the tenant header, which
 only Envoy's auth filter can set (missing: the default tenant, or 401 with
@@ -90,13 +110,23 @@ from extproc.adapters.ext_proc.contract import (
 )
 from extproc.adapters.ext_proc.loop_lag import LoopLag
 from extproc.adapters.ext_proc.priority_body import with_priority
+from extproc.adapters.ext_proc.prompt_prefix import Signer
 from extproc.adapters.ext_proc.release_outcome import engine_answered
-from extproc.adapters.ext_proc.request_fields import RequestFields, from_body, from_metadata, max_tokens
+from extproc.adapters.ext_proc.request_fields import (
+    NO_PROMPT,
+    RequestFields,
+    from_body,
+    from_metadata,
+    max_tokens,
+    prompt_from_metadata,
+    prompt_of,
+)
 from extproc.adapters.ext_proc.shedding import Shedding
-from extproc.adapters.telemetry import UNKNOWN_MODEL, Admitted, ServedElsewhere, Telemetry, TurnedAway
+from extproc.adapters.telemetry import UNKNOWN_MODEL, Admitted, ServedElsewhere, Signed, Telemetry, TurnedAway
 from extproc.core.dispatcher import Held, ModelDispatcher, shutting_down
 from extproc.core.entitlement import grant
 from extproc.core.outcomes import Refusal, Refused
+from extproc.core.prefix import NO_PREFIX, Prefix
 from extproc.core.report import RequestEvent, Step
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -115,6 +145,9 @@ _OVERRIDES = {
     })
     for body in (False, True) for checked in (False, True) if body or checked
 }
+# A model with prefix signatures behind our Envoy: the headers answered at once, the body
+# wanted before the hold (and the response headers, as the release may be checked).
+_PROMPT_FIRST = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_OVERRIDES[(True, True)])
 
 
 @dataclass(frozen=True)
@@ -239,7 +272,11 @@ class Stream:
         # Attached by ext_proc alone (no json_to_metadata in front): the Endpoint Picker Protocol applies.
         self.epp = metadata is None
         self.fields = metadata or RequestFields()
+        # The prompt, undecoded, until the request is signed (or an operator's metadata text).
+        self.prompt = (prompt_from_metadata(first) if metadata is not None else None) or NO_PROMPT
         self.body = b""
+        # Behind our Envoy, the body was read before the hold: the release answers the body message.
+        self.body_first = False
         config = first.protocol_config
         self.duplex = self.epp and config.request_body_mode == _DUPLEX
         self.buffered = self.epp and config.request_body_mode in _BUFFERED_MODES
@@ -249,24 +286,36 @@ class Stream:
 
     async def read_body(self, messages: AsyncIterator[pb.ProcessingRequest], declared: int | None,
                         limit: int) -> None:
-        """Take in the body from the stream (its end, or the request's trailers, ends it); raises Refused."""
-        if declared is not None and declared > limit:
-            raise _too_large(declared, limit)
-        chunks, size = [], 0
-        async for message in messages:
-            if message.HasField("request_trailers"):
-                break
-            if not message.HasField("request_body"):
-                continue
-            chunk = message.request_body
-            size += len(chunk.body)
-            if size > limit:
-                raise _too_large(size, limit)
-            chunks.append(chunk.body)
-            if chunk.end_of_stream:
-                break
-        self.body = b"".join(chunks)
-        self.fields = from_body(self.body)
+        """Take in the body and its fields from the stream; raises Refused."""
+        self.body = await _body(messages, declared, limit)
+        self.fields, self.prompt = from_body(self.body)
+
+    async def read_prompt(self, messages: AsyncIterator[pb.ProcessingRequest], declared: int | None,
+                          limit: int) -> None:
+        """Take in the body for its prompt only: its fields came by metadata; raises Refused."""
+        self.body = await _body(messages, declared, limit)
+        self.prompt = prompt_of(self.body)
+        self.body_first = True
+
+
+async def _body(messages: AsyncIterator[pb.ProcessingRequest], declared: int | None, limit: int) -> bytes:
+    """The body from the stream (its end, or the request's trailers, ends it); raises Refused."""
+    if declared is not None and declared > limit:
+        raise _too_large(declared, limit)
+    chunks, size = [], 0
+    async for message in messages:
+        if message.HasField("request_trailers"):
+            break
+        if not message.HasField("request_body"):
+            continue
+        chunk = message.request_body
+        size += len(chunk.body)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk.body)
+        if chunk.end_of_stream:
+            break
+    return b"".join(chunks)
 
 
 def _too_large(size: int, limit: int) -> Refused:
@@ -324,6 +373,7 @@ class Processor:
             for m in config.models
         }
         self._engine_priority_models = {m.name for m in config.models if m.engine_priority}
+        self._signers = {m.name: Signer(m) for m in config.models if m.prefix is not None}
         # Prebuilt: under a burst these are sent to every arrival, so they cost no construction.
         self._acknowledgement = max(
             self._hold_reply.values(), key=lambda reply: reply.override_message_timeout.ToMilliseconds()
@@ -442,8 +492,20 @@ class Processor:
                 return
             if acknowledged and overloaded:
                 yield self._acknowledgement
+            prefix = NO_PREFIX
+            signer = self._signers.get(admission.model)
+            if signer is not None:
+                async for reply in self._read_prompt(stream, messages, headers):
+                    yield reply
+                if stream.body_first:  # the acknowledgement stopped the headers' timer, not the body's
+                    acknowledged = self.lag.seconds(asyncio.get_running_loop().time()) >= ACK_LAG_S
+                    if acknowledged:
+                        yield self._acknowledgement
+                prefix = signer.sign(stream.prompt, stream.fields.prompt_cache_key)
+                self._telemetry.report(admission.model)(Signed(len(prefix.blocks)))
+            stream.prompt = NO_PROMPT  # its slices would keep the body alive through the hold
             dispatcher = self._dispatchers[admission.model]
-            held = self._submit(stream, headers, admission, dispatcher)
+            held = self._submit(stream, headers, admission, dispatcher, prefix)
         except Refused as refused:
             if refused.refusal not in _QUEUE_CAPS:  # the dispatcher counts its own
                 self._count_refusal(stream.fields.model, refused.refusal)
@@ -465,7 +527,16 @@ class Processor:
             yield _HEADERS_GO_ON
         await stream.read_body(messages, _content_length(headers), self._config.endpoint_picker.max_body_bytes)
 
-    def _submit(self, stream: Stream, headers: dict[str, str], admission: Admission, dispatcher: ModelDispatcher) -> Held:
+    async def _read_prompt(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
+                           headers: dict[str, str]) -> AsyncIterator[pb.ProcessingResponse]:
+        """Behind our Envoy, take in the body of a model with signatures before the hold (unless metadata had the text)."""
+        if stream.epp or not stream.has_body or stream.prompt.text is not None:
+            return
+        yield _PROMPT_FIRST
+        await stream.read_prompt(messages, _content_length(headers), self._config.endpoint_picker.max_body_bytes)
+
+    def _submit(self, stream: Stream, headers: dict[str, str], admission: Admission, dispatcher: ModelDispatcher,
+                prefix: Prefix) -> Held:
         """Queue the admitted request (raises Refused: its inputs, its subset, or a queue cap)."""
         limit = max_tokens(stream.fields)
         eligible = self._eligible(stream, dispatcher)
@@ -477,7 +548,7 @@ class Processor:
             content_length=_content_length(headers), max_tokens=limit,
             # OpenAI's prompt_cache_key names requests that share a prompt prefix; without
             # it, a tenant's requests stick together (they often share a system prompt).
-            affinity=stream.fields.prompt_cache_key or "",
+            affinity=stream.fields.prompt_cache_key or "", prefix=prefix,
             eligible=eligible, ttft_objective_s=admission.ttft_objective_s, retried=admission.retried,
         )
 
@@ -504,13 +575,18 @@ class Processor:
                 destination = epp.host_port(held.endpoint) if held.endpoint else None
                 if destination:
                     routing.append(_header(DESTINATION_HEADER, destination))
-                yield pb.ProcessingResponse(
-                    request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                        header_mutation=pb.HeaderMutation(set_headers=routing), clear_route_cache=True,
-                    )),
-                    # A preemptible request's response headers say when it can no longer be preempted.
-                    mode_override=_OVERRIDES.get((engine_priority is not None, held.checked or held.preempted is not None)),
-                )
+                if stream.body_first:
+                    yield _body_release(stream.body, routing, engine_priority)
+                    stream.body = b""
+                else:
+                    yield pb.ProcessingResponse(
+                        request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+                            header_mutation=pb.HeaderMutation(set_headers=routing), clear_route_cache=True,
+                        )),
+                        # A preemptible request's response headers say when it can no longer be preempted.
+                        mode_override=_OVERRIDES.get((engine_priority is not None,
+                                                      held.checked or held.preempted is not None)),
+                    )
             async for message in _until_preempted(messages, held):
                 for reply in self._after_release(stream, dispatcher, held, message, engine_priority):
                     yield reply
@@ -626,16 +702,23 @@ async def _until_preempted(messages: AsyncIterator[pb.ProcessingRequest], held: 
 
 
 def _priority_body(body: bytes, priority: int) -> pb.ProcessingResponse:
-    rewritten = with_priority(body, priority)
-    if rewritten is None:  # not a JSON object: the engine will say so itself
+    """The body reply of an ``engine_priority`` model: its ``priority`` written in."""
+    return _body_release(body, [], priority)
+
+
+def _body_release(body: bytes, routing: list[base_pb2.HeaderValueOption], priority: int | None) -> pb.ProcessingResponse:
+    """The answer to a buffered body: ``routing`` set (the route recomputed), and the engine priority written in."""
+    rewritten = with_priority(body, priority) if priority is not None else None
+    headers = list(routing)
+    if rewritten is not None:  # None: no priority to write, or not a JSON object (the engine will say so itself)
+        # Envoy refuses a mutated body whose length disagrees with Content-Length (503).
+        headers.append(_header("content-length", str(len(rewritten))))
+    if not headers:
         return pb.ProcessingResponse(request_body=pb.BodyResponse())
-    # Envoy refuses a mutated body whose length disagrees with Content-Length (503).
-    length = pb.HeaderMutation(set_headers=[_header("content-length", str(len(rewritten)))])
-    return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(
-            response=pb.CommonResponse(header_mutation=length, body_mutation=pb.BodyMutation(body=rewritten))
-        )
-    )
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=bool(routing))
+    if rewritten is not None:
+        common.body_mutation.body = rewritten
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
 
 
 def _continue(message: pb.ProcessingRequest) -> pb.ProcessingResponse:
