@@ -89,7 +89,7 @@ def test_named_scenarios_are_well_formed() -> None:
     scenarios = full_set()
     assert [s.name for s in scenarios] == [
         "power-user", "steady-mix", "priority-mix", "noisy-neighbour", "join-leave", "gate-mix",
-        "batch-flood", "steady-classes", "batch-only", "prefix-share", "prefix-share-2",
+        "batch-flood", "steady-classes", "batch-only", "prefix-share", "prefix-share-2", "prefix-burst",
     ]
     known_arms = {a.name for a in ARMS}
     for scenario in [*scenarios, *quick_set(), *QUICK.values()]:

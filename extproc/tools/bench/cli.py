@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "no overhead benchmark")
     parser.add_argument("--scenarios", help="comma-separated scenario names (default: all; see docs/benchmarks.md): "
                         "power-user, steady-mix, priority-mix, noisy-neighbour, join-leave, gate-mix, batch-flood, "
-                        "steady-classes, batch-only, prefix-share, prefix-share-2 (2 engine replicas)")
+                        "steady-classes, batch-only, prefix-share, prefix-share-2 (2 engine replicas), prefix-burst")
     parser.add_argument("--arms", help="comma-separated arm names, run on every chosen scenario (default: each "
                         "scenario's own; direct-fifo always runs); 'cluster' names extproc-rr, cluster-rr, "
                         "extproc-vtc, cluster-vtc: one instance against two sharing a Redis")

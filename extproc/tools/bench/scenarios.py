@@ -391,7 +391,8 @@ def batch_only(
 
 def full_set() -> list[Scenario]:
     return [power_user(), steady_mix(), priority_mix(), noisy_neighbour(), join_leave(), gate_mix(),
-            batch_flood(), steady_classes(), batch_only(), prefix_share(1), prefix_share(2)]
+            batch_flood(), steady_classes(), batch_only(), prefix_share(1), prefix_share(2),
+            prefix_share(1, documents=16, rag_burst=80, rag_rate=0.2)]
 
 
 # A GPU where prefill dominates a request (#21): 1 ms of prefill a prompt token, so a 2,000-token document
@@ -405,8 +406,9 @@ UNRELATED_PROMPT = LogNormal(median=600, sigma=0.6, lo=64, hi=3000)
 
 def prefix_share(
     replicas: int = 1, *, duration: float = 60.0, documents: int = 6, document_tokens: int = 2000,
-    rag_rate: float = 0.6, chats: int = 4, chat_rate: float = 0.4, flood: int = 120, engine: Engine = PREFILL_HEAVY,
-    arms: tuple[str, ...] = LOCALITY_ARMS, vllm_engine: Any = None, time_scale: float | None = None,
+    rag_rate: float = 0.6, rag_burst: int = 0, chats: int = 4, chat_rate: float = 0.4, flood: int = 120,
+    engine: Engine = PREFILL_HEAVY, arms: tuple[str, ...] = LOCALITY_ARMS, vllm_engine: Any = None,
+    time_scale: float | None = None,
 ) -> Scenario:
     """Tenants that share long prefixes beside a flood of unrelated requests (#21).
 
@@ -415,16 +417,21 @@ def prefix_share(
     multi-turn conversations whose every turn re-sends the history, and
     ``flood`` sends ``flood`` unrelated requests at once: each tenant's
     requests share nothing with the others', so what the engine's prefix
-    cache finds depends on the order of release.
+    cache finds depends on the order of release. ``rag_burst``: ``rag`` also
+    sends that many questions at once at the start (a backlog over more
+    documents than the cache holds: ``prefix-burst``), where the order decides most.
     """
+    kind = "prefix-burst" if rag_burst else "prefix-share"
     per_replica = "" if replicas == 1 else f"-{replicas}"
+    burst = f"{rag_burst} questions at once, then " if rag_burst else ""
     return Scenario(
-        name=f"prefix-share{per_replica}",
-        description=f"rag: questions ({rag_rate:g}/s) over {documents} documents of {document_tokens} tokens; chat: "
+        name=f"{kind}{per_replica}",
+        description=f"rag: {burst}questions ({rag_rate:g}/s) over {documents} documents of {document_tokens} tokens; "
+        "chat: "
         f"{chats} multi-turn conversations ({chat_rate:g} turns/s); flood: {flood} unrelated requests at once; "
         f"{replicas} engine replica{'s' if replicas > 1 else ''} with prefix caching",
         streams=(
-            Stream("rag", QUESTION, SHORT_ANSWER, rate=rag_rate, end=duration, documents=documents,
+            Stream("rag", QUESTION, SHORT_ANSWER, rate=rag_rate, end=duration, burst=rag_burst, documents=documents,
                    document_tokens=document_tokens),
             Stream("chat", QUESTION, SHORT_ANSWER, rate=chat_rate, end=duration, chats=chats),
             Stream("flood", UNRELATED_PROMPT, SHORT_ANSWER, burst=flood),
@@ -437,7 +444,9 @@ def prefix_share(
         time_scale=time_scale,
         measures=frozenset({LOCALITY}),
         replicas=replicas,
-        model={"prefix": {"block_tokens": engine.block_size}, **({"endpoint_picking": True} if replicas > 1 else {})},
+        # Signature blocks of 128 tokens (the default) cover 2,048 tokens in 16 blocks, whatever the engine's
+        # own block: a block of 16 tokens would cover only 256, and the cost could not know the rest cached.
+        model={"prefix": {"block_tokens": 128}, **({"endpoint_picking": True} if replicas > 1 else {})},
         unique_prompts=True,
         vllm_engine=vllm_engine,
     )
