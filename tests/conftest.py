@@ -9,7 +9,6 @@ use 2 % of a core.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,24 +16,15 @@ import pytest
 import pytest_asyncio
 
 from extproc.tools.procs import ManagedProcess, free_port
-from extproc.tools.realvllm import VllmUnavailable, start_vllm, vllm_python
+from extproc.tools.realvllm import start_vllm
 from tests.redisutil import RedisServer, redis_server_binary
-from tests.vllmutil import FCFS_MODEL, PRIORITY_MODEL, VllmServers
+from tests.vllmutil import FCFS_MODEL, PRIORITY_MODEL, VllmServers, require_vllm
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def vllm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmServers]:
-    """Both servers (4 sequences each), or a skip that says why there is no vLLM here.
-
-    With ``EXTPROC_VLLM=require`` (CI) a missing vLLM fails instead: there it
-    was installed on purpose, and a skip would hide that it is gone.
-    """
-    try:
-        vllm_python()
-    except VllmUnavailable as exc:
-        if os.environ.get("EXTPROC_VLLM") == "require":
-            pytest.fail(f"EXTPROC_VLLM=require: {exc}")
-        pytest.skip(str(exc))
+    """Both servers (4 sequences each), or a skip that says why there is no vLLM here (``require_vllm``)."""
+    require_vllm()
     workdir = tmp_path_factory.mktemp("vllm")
     ports = free_port(), free_port()
     started = await asyncio.gather(

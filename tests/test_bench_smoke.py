@@ -117,3 +117,20 @@ def test_quick_bench_runs_a_tiny_version_of_each_issue_19_scenario(tmp_path: Pat
     for heading in ("### batch-flood", "### steady-classes", "### batch-only", "vs idle capacity",
                     "Each class against straight to the engine", "Work conservation"):
         assert heading in summary_md, heading
+
+
+def test_quick_bench_runs_the_prefix_scenario_on_two_replicas_and_counts_their_cache(tmp_path: Path) -> None:
+    """``prefix-share-2`` tiny: two simulators with prefix caching, the locality policy picking between them."""
+    out = quick_bench(tmp_path, "--scenarios", "prefix-share-2", timeout=180)
+    scenario = json.loads((out / "results.json").read_text())["scenarios"]["prefix-share-2"]
+    assert tuple(scenario) == ("direct-fifo", "extproc-locality")
+    for arm, summary in scenario.items():
+        assert summary["requests"] == summary["ok"] > 0, (arm, summary["errors"])
+        locality = summary["locality"]
+        # Questions on 2 documents and multi-turn chats: the engines find some of every arm's prompts cached.
+        assert locality["queried_tokens"] > locality["hit_tokens"] > 0, arm
+        assert 0 < locality["hit_rate"] < 1
+        assert locality["service_difference"]["windows"] >= 0
+    logs = {p.name for p in (tmp_path / "work" / "prefix-share-2" / "extproc-locality").iterdir()}
+    assert sum(name.startswith("sim-") for name in logs) == 2, logs  # two replicas
+    assert "Prefix cache and fairness" in (out / "summary.md").read_text()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import statistics
 import time
@@ -31,10 +30,10 @@ import pytest_asyncio
 from extproc.adapters.engines.dialects import parse_load
 from extproc.core.engine_load import EngineLoad
 from extproc.tools.procs import free_port
-from extproc.tools.realvllm import BLOCK_SIZE, MAX_MODEL_LEN, REQUEST_EXTRAS, VllmUnavailable, start_vllm, vllm_python
+from extproc.tools.realvllm import BLOCK_SIZE, MAX_MODEL_LEN, REQUEST_EXTRAS, start_vllm
 from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
-from tests.vllmutil import FCFS_MODEL, PRIORITY_MODEL, VllmServers
+from tests.vllmutil import FCFS_MODEL, PRIORITY_MODEL, VllmServers, require_vllm
 
 # The processor's /metrics, as tests.stackutil.read_metrics returns them: (name, labels) -> value.
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -405,12 +404,7 @@ LONG_PROMPT = 2_000  # tokens; 15 full blocks of 128 can be cached
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def prefill_vllm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
     """Its own server (the session's two serve the tiny model), started only for these tests."""
-    try:
-        vllm_python()
-    except VllmUnavailable as exc:
-        if os.environ.get("EXTPROC_VLLM") == "require":
-            pytest.fail(f"EXTPROC_VLLM=require: {exc}")
-        pytest.skip(str(exc))
+    require_vllm()
     port = free_port()
     server = await start_vllm(PREFILL_MODEL, port, tmp_path_factory.mktemp("vllm-prefill"), size="prefill",
                               max_num_seqs=PREFILL_SEQS)

@@ -465,6 +465,8 @@ QUICK = {
         batch_flood(8, 48, chats_from=0.2, unloaded_s=1.0, until=30.0, arms=_QUICK_ARMS),
         steady_classes(8.0, load=2.0, time_scale=0.25, arms=_QUICK_ARMS),
         batch_only(8, 48, arms=("direct-fifo", "extproc-rr")),
+        prefix_share(2, duration=8.0, documents=2, rag_rate=1.0, chats=2, chat_rate=0.5, flood=8,
+                     arms=("direct-fifo", "extproc-locality")),
     )
 }
 
