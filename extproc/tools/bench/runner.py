@@ -200,12 +200,15 @@ def planned_prompt(planned: Planned, number: int, chars_per_token: int) -> str:
 
     Its own part leads with the request's number, so nothing past the prefix
     matches another request's prompt (the engine's prefix cache finds only
-    what the plan shares).
+    what the plan shares). A prompt that is all shared text (a chat turn, whose
+    whole prompt the next turn re-sends) has no part of its own.
     """
     prefix = _shared_text(planned.prefix, chars_per_token * planned.prefix_tokens) if planned.prefix else ""
-    own = f" #{number} {planned.tenant}: " + prompt_text(max(1, planned.prompt_tokens - planned.prefix_tokens),
-                                                          chars_per_token)
-    return prefix + own[:chars_per_token * max(1, planned.prompt_tokens - planned.prefix_tokens)]
+    own_tokens = planned.prompt_tokens - planned.prefix_tokens
+    if prefix and own_tokens <= 0:
+        return prefix
+    own = f" #{number} {planned.tenant}: " + prompt_text(max(1, own_tokens), chars_per_token)
+    return prefix + own[:chars_per_token * max(1, own_tokens)]
 
 
 async def _sample_engine(url: str, model: str, t0: float, time_scale: float, stop: asyncio.Event) -> list[EngineSample]:
