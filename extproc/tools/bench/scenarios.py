@@ -130,6 +130,10 @@ class Scenario:
     unique_prompts: bool = False
     # Its real engine for ``--engine vllm`` (a vllm.VllmEngine; None: the run's).
     vllm_engine: Any = None
+    # The arm every throughput ratio is against: FIFO straight to the engine, or across replicas Envoy's own
+    # balancing ("direct" only splits clients evenly, it cannot spread by load). Falls back to direct FIFO
+    # when that arm does not run.
+    baseline: str = "direct-fifo"
 
     @property
     def tenants(self) -> list[str]:
@@ -440,6 +444,7 @@ def prefix_share(
         model={"prefix": {"block_tokens": engine.block_size}, **({"endpoint_picking": True} if replicas > 1 else {})},
         unique_prompts=True,
         vllm_engine=vllm_engine,
+        baseline="direct-fifo" if replicas == 1 else "envoy",
     )
 
 
