@@ -46,13 +46,14 @@ def test_service_difference_without_two_backlogged_tenants_has_no_windows() -> N
     assert service_difference(alone, weight=lambda t: 1.0, window=10.0) == {"mean": None, "max": None, "windows": 0}
 
 
-def run(arm: str, results: list[Result], prefix_cache: dict[str, float]) -> ArmRun:
-    return ArmRun("prefix-share-2", arm, 1.0, tuple(results), (), 1.0, {}, prefix_cache=prefix_cache)
+def run(arm: str, results: list[Result], prefix_cache: dict[str, float], replicas: tuple[float, ...] = ()) -> ArmRun:
+    return ArmRun("prefix-share-2", arm, 1.0, tuple(results), (), 1.0, {}, prefix_cache=prefix_cache,
+                  replica_queries=replicas)
 
 
 def test_hit_rate_is_hit_over_queried_tokens_and_absent_without_counters() -> None:
-    assert prefix_hits(run("x", [], {"queries": 8000.0, "hits": 2000.0})) == {
-        "hit_rate": 0.25, "queried_tokens": 8000.0, "hit_tokens": 2000.0}
+    assert prefix_hits(run("x", [], {"queries": 8000.0, "hits": 2000.0}, (6000.0, 2000.0))) == {
+        "hit_rate": 0.25, "queried_tokens": 8000.0, "hit_tokens": 2000.0, "replica_shares": [0.75, 0.25]}
     assert prefix_hits(run("x", [], {}))["hit_rate"] is None  # the engine exports no prefix-cache counters
     assert prefix_hits(run("x", [], {"queries": 0.0, "hits": 0.0}))["hit_rate"] is None  # nothing was looked up
 
@@ -64,14 +65,14 @@ def test_two_replicas_compare_with_envoy_alone_and_the_report_shows_the_locality
     assert scenario.model == {"prefix": {"block_tokens": scenario.engine.block_size if scenario.engine else 0},
                               "endpoint_picking": True}
     assert SCENARIOS["prefix-share"].baseline == "direct-fifo"
-    envoy = run("envoy", TWO_WINDOWS, {"queries": 1000.0, "hits": 100.0})
-    local = run("extproc-locality", TWO_WINDOWS[:3] + TWO_WINDOWS[5:], {"queries": 1000.0, "hits": 600.0})
+    envoy = run("envoy", TWO_WINDOWS, {"queries": 1000.0, "hits": 100.0}, (500.0, 500.0))
+    local = run("extproc-locality", TWO_WINDOWS[:3] + TWO_WINDOWS[5:], {"queries": 1000.0, "hits": 600.0}, (900.0, 100.0))
     summary = {r.arm: summarize(scenario, r, envoy, 21.0) for r in (envoy, local)}
     assert summary["envoy"]["throughput"]["requests_ratio"] == 1.0
     assert summary["extproc-locality"]["throughput"]["requests_ratio"] == pytest.approx(4 / 6, rel=0.1)
     assert summary["extproc-locality"]["locality"]["hit_rate"] == pytest.approx(0.6)
     arms = [a for a in ARMS if a.name in summary]
     text = "\n".join(scenario_markdown(scenario, arms, summary))
-    assert "FIFO baseline (envoy)" in text and "0.600" in text and "prefix-share-2-locality.png" in text
+    assert "FIFO baseline (envoy)" in text and "0.600" in text and "0.90 / 0.10" in text and "prefix-share-2-locality.png" in text
     plot_locality(scenario, arms, summary, tmp_path / "locality.png")
     assert (tmp_path / "locality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -117,3 +117,23 @@ def test_quick_bench_runs_a_tiny_version_of_each_issue_19_scenario(tmp_path: Pat
     for heading in ("### batch-flood", "### steady-classes", "### batch-only", "vs idle capacity",
                     "Each class against straight to the engine", "Work conservation"):
         assert heading in summary_md, heading
+
+
+def test_quick_bench_runs_the_prefix_share_comparison_on_two_replicas(tmp_path: Path) -> None:
+    """prefix-share-2, tiny, on two simulators with prefix caching: the locality figures are there and sane."""
+    out = quick_bench(tmp_path, "--scenarios", "prefix-share-2", timeout=240)
+    arms = json.loads((out / "results.json").read_text())["scenarios"]["prefix-share-2"]
+    assert tuple(arms) == ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc", "extproc-locality")
+    for arm, summary in arms.items():
+        assert summary["requests"] == summary["ok"] > 0, (arm, summary["errors"])
+        locality = summary["locality"]
+        # Both replicas' counters moved: the documents and chat histories were found again, the flood never.
+        assert locality["queried_tokens"] > 0 and 0 < locality["hit_rate"] < 1, (arm, locality)
+        assert set(summary["tenants"]) == {"rag", "chat", "flood"}
+        # Every arm sent prompts to both replicas (direct: clients split; Envoy balancing; the processor picking).
+        shares = locality["replica_shares"]
+        assert len(shares) == 2 and min(shares) > 0 and sum(shares) == pytest.approx(1.0), (arm, shares)
+    assert arms["envoy"]["throughput"]["requests_ratio"] == 1.0  # the baseline across replicas: Envoy alone
+    summary_md = (out / "summary.md").read_text()
+    assert "### prefix-share-2" in summary_md and "FIFO baseline (envoy)" in summary_md
+    assert (out / "prefix-share-2-locality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

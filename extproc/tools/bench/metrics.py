@@ -266,11 +266,13 @@ def service_difference(
     return {"mean": statistics.fmean(gaps), "max": max(gaps), "windows": len(gaps)}
 
 
-def prefix_hits(run: ArmRun) -> dict[str, float | None]:
-    """The engines' prefix-cache hit rate over the run (hit tokens / queried tokens, every replica), and the tokens."""
+def prefix_hits(run: ArmRun) -> dict[str, Any]:
+    """The engines' prefix-cache hit rate over the run (hit tokens / queried tokens, every replica), the tokens, and
+    each replica's share of the queried tokens (how evenly the arm spread the prompts)."""
     queries, hits = run.prefix_cache.get("queries"), run.prefix_cache.get("hits")
     rate = hits / queries if queries and hits is not None else None
-    return {"hit_rate": rate, "queried_tokens": queries, "hit_tokens": hits}
+    shares = [q / queries for q in run.replica_queries] if queries else []
+    return {"hit_rate": rate, "queried_tokens": queries, "hit_tokens": hits, "replica_shares": shares}
 
 
 def priority_label(result: Result) -> str:

@@ -393,6 +393,7 @@ def _locality_table(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[st
              f"{_num(_get(s, 'locality', 'hit_tokens'), 0)} / {_num(_get(s, 'locality', 'queried_tokens'), 0)}",
              _num(_get(s, "throughput", "requests_ratio"), 3), _num(_get(s, "throughput", "tokens_ratio"), 3),
              _s(_get(s, "throughput", "makespan_s")),
+             " / ".join(_num(share, 2) for share in _get(s, "locality", "replica_shares") or [None]),
              f"{_num(_get(s, 'locality', 'service_difference', 'mean'), 0)} / "
              f"{_num(_get(s, 'locality', 'service_difference', 'max'), 0)}"]
             for arm in arms if (s := summary.get(arm.name)) is not None]
@@ -401,7 +402,7 @@ def _locality_table(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[st
             "difference (per 10 s window, the largest gap in service received between backlogged tenants; "
             "mean / max; lower is fairer):", "",
             *_table(["arm", "hit rate", "hit / queried tokens", "req/s vs FIFO", "tokens/s vs FIFO", "makespan (s)",
-                     "service difference mean / max"], rows),
+                     "queried tokens per replica (share)", "service difference mean / max"], rows),
             "", f"![{scenario.name}: prefix-cache hit rate, throughput, service difference]"
             f"({scenario.name}-locality.png)"]
 

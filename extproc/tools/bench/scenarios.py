@@ -461,6 +461,9 @@ QUICK = {
         batch_flood(8, 48, chats_from=0.2, unloaded_s=1.0, until=30.0, arms=_QUICK_ARMS),
         steady_classes(8.0, load=2.0, time_scale=0.25, arms=_QUICK_ARMS),
         batch_only(8, 48, arms=("direct-fifo", "extproc-rr")),
+        # Two replicas, two documents, two chats and a small flood: every arm of the locality comparison.
+        prefix_share(2, duration=6.0, documents=2, document_tokens=400, rag_rate=1.0, chats=2, chat_rate=1.0,
+                     flood=12),
     )
 }
 
