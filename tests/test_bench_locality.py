@@ -1,4 +1,4 @@
-"""The prefix-locality figures (#21) on hand-made runs: hit rate, the VTC service difference, the report."""
+"""The prefix-locality figures (#21) on hand-made runs: hit rate, the VTC artifact's service difference, the report."""
 
 from __future__ import annotations
 
@@ -19,31 +19,35 @@ def result(tenant: str, sent: float, ttft: float, e2e: float, tokens: int = 10, 
     return Result(tenant, None, sent, sent, 200, ttft, e2e, None, prompt, tokens, tokens)
 
 
-# a is served 30 output tokens in each 10 s window; b 10 in the first and 40 in the second; both wait for a first
-# token through both windows (their last requests answer at 20.5). c is served much, but never waits through one.
-TWO_WINDOWS = [
-    result("a", 0, 0, 20, tokens=60),
-    result("a", 0, 20.5, 21),
-    result("b", 0, 0, 10, tokens=10),
-    result("b", 0, 10, 20, tokens=40),
-    result("b", 0, 20.5, 21),
-    result("c", 0, 0.1, 20, tokens=500),
+# One window, [0, 10] (the tick at 5): a's answer (60 service units: W_OUT 2 x 30 tokens) streams within it: 6/s,
+# as much as it asked. b's first answer (20 units) streams over [5, 15]: half in the window, 1/s; its second
+# (100 units) only after it. b asked for 12/s.
+ONE_WINDOW = [
+    result("a", 0, 0, 10, tokens=30),
+    result("b", 0, 5, 15, tokens=10),
+    result("b", 1, 19, 29, tokens=50),
 ]
 
 
-def test_service_difference_is_the_largest_gap_between_backlogged_tenants_per_window() -> None:
-    # Window 1: a 60, b 20 (W_OUT 2 per output token): 40. Window 2: a 60, b 80: 20.
+def test_service_difference_is_a_tenant_s_shortfall_from_the_best_served_capped_by_its_demand() -> None:
     assert W_OUT == 2
-    even = service_difference(TWO_WINDOWS, weight=lambda t: 1.0, window=10.0)
-    assert even == {"mean": pytest.approx(30.0), "max": pytest.approx(40.0), "windows": 2}
-    # A weight divides what a tenant received: b at 0.5 counts 40 then 160 (gaps 20 and 100).
-    weighted = service_difference(TWO_WINDOWS, weight=lambda t: 0.5 if t == "b" else 1.0, window=10.0)
-    assert weighted == {"mean": pytest.approx(60.0), "max": pytest.approx(100.0), "windows": 2}
+    # b is 5/s short of a, and asked for 11/s more than it got: 5.
+    assert service_difference(ONE_WINDOW, weight=lambda t: 1.0, window=10.0, ticks=[5.0]) == {
+        "mean": pytest.approx(5.0), "max": pytest.approx(5.0), "ticks": 1}
+    # Without its second request b asked for only 2/s: short of a by 5, but of its own demand by 1 only.
+    assert service_difference(ONE_WINDOW[:2], weight=lambda t: 1.0, window=10.0, ticks=[5.0])["max"] == \
+        pytest.approx(1.0)
+    # A weight divides rates: b at 0.5 is served 2/s of a's 6: 4 short.
+    assert service_difference(ONE_WINDOW, weight=lambda t: 0.5 if t == "b" else 1.0, window=10.0,
+                              ticks=[5.0])["max"] == pytest.approx(4.0)
+    # A later window where nobody is served nor asks: 0; the mean is over both ticks.
+    both = service_difference(ONE_WINDOW, weight=lambda t: 1.0, window=10.0, ticks=[5.0, 50.0])
+    assert both == {"mean": pytest.approx(2.5), "max": pytest.approx(5.0), "ticks": 2}
 
 
-def test_service_difference_without_two_backlogged_tenants_has_no_windows() -> None:
-    alone = [result("a", 0, 30, 31), result("b", 0, 0.1, 40)]
-    assert service_difference(alone, weight=lambda t: 1.0, window=10.0) == {"mean": None, "max": None, "windows": 0}
+def test_service_difference_needs_two_tenants() -> None:
+    alone = [result("a", 0, 30, 31), result("a", 5, 0.1, 40)]
+    assert service_difference(alone, weight=lambda t: 1.0) == {"mean": None, "max": None, "ticks": 0}
 
 
 def run(arm: str, results: list[Result], prefix_cache: dict[str, float], replicas: tuple[float, ...] = ()) -> ArmRun:
@@ -65,11 +69,12 @@ def test_two_replicas_compare_with_envoy_alone_and_the_report_shows_the_locality
     assert scenario.model == {"prefix": {"block_tokens": scenario.engine.block_size if scenario.engine else 0},
                               "endpoint_picking": True}
     assert SCENARIOS["prefix-share"].baseline == "direct-fifo"
-    envoy = run("envoy", TWO_WINDOWS, {"queries": 1000.0, "hits": 100.0}, (500.0, 500.0))
-    local = run("extproc-locality", TWO_WINDOWS[:3] + TWO_WINDOWS[5:], {"queries": 1000.0, "hits": 600.0}, (900.0, 100.0))
-    summary = {r.arm: summarize(scenario, r, envoy, 21.0) for r in (envoy, local)}
+    envoy = run("envoy", ONE_WINDOW, {"queries": 1000.0, "hits": 100.0}, (500.0, 500.0))
+    local = run("extproc-locality", ONE_WINDOW[:2], {"queries": 1000.0, "hits": 600.0}, (900.0, 100.0))
+    summary = {r.arm: summarize(scenario, r, envoy, 29.0) for r in (envoy, local)}
     assert summary["envoy"]["throughput"]["requests_ratio"] == 1.0
-    assert summary["extproc-locality"]["throughput"]["requests_ratio"] == pytest.approx(4 / 6, rel=0.1)
+    # 2 requests in 15 s against 3 in 30 s.
+    assert summary["extproc-locality"]["throughput"]["requests_ratio"] == pytest.approx((2 / 15) / (3 / 30))
     assert summary["extproc-locality"]["locality"]["hit_rate"] == pytest.approx(0.6)
     arms = [a for a in ARMS if a.name in summary]
     text = "\n".join(scenario_markdown(scenario, arms, summary))

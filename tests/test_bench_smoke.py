@@ -129,6 +129,8 @@ def test_quick_bench_runs_the_prefix_share_comparison_on_two_replicas(tmp_path: 
         locality = summary["locality"]
         # Both replicas' counters moved: the documents and chat histories were found again, the flood never.
         assert locality["queried_tokens"] > 0 and 0 < locality["hit_rate"] < 1, (arm, locality)
+        difference = locality["service_difference"]
+        assert difference["ticks"] == 19 and 0 <= difference["mean"] <= difference["max"], (arm, difference)
         assert set(summary["tenants"]) == {"rag", "chat", "flood"}
         # Every arm sent prompts to both replicas (direct: clients split; Envoy balancing; the processor picking).
         shares = locality["replica_shares"]

@@ -394,13 +394,14 @@ def _locality_table(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[st
              _num(_get(s, "throughput", "requests_ratio"), 3), _num(_get(s, "throughput", "tokens_ratio"), 3),
              _s(_get(s, "throughput", "makespan_s")),
              " / ".join(_num(share, 2) for share in _get(s, "locality", "replica_shares") or [None]),
-             f"{_num(_get(s, 'locality', 'service_difference', 'mean'), 0)} / "
-             f"{_num(_get(s, 'locality', 'service_difference', 'max'), 0)}"]
+             f"{_num(_get(s, 'locality', 'service_difference', 'mean'), 1)} / "
+             f"{_num(_get(s, 'locality', 'service_difference', 'max'), 1)}"]
             for arm in arms if (s := summary.get(arm.name)) is not None]
     return ["", "Prefix cache and fairness: the engines' prefix-cache hit rate (hit / queried prompt tokens, every "
             f"replica), throughput against the FIFO baseline ({scenario.baseline}), and the VTC paper's service "
-            "difference (per 10 s window, the largest gap in service received between backlogged tenants; "
-            "mean / max; lower is fairer):", "",
+            "difference as its artifact computes it (per 10 s window at 19 ticks, the largest shortfall of a tenant's "
+            "service rate from the best-served tenant's, capped by what it asked for; service units/s, mean / max; "
+            "lower is fairer):", "",
             *_table(["arm", "hit rate", "hit / queried tokens", "req/s vs FIFO", "tokens/s vs FIFO", "makespan (s)",
                      "queried tokens per replica (share)", "service difference mean / max"], rows),
             "", f"![{scenario.name}: prefix-cache hit rate, throughput, service difference]"
@@ -597,7 +598,7 @@ def plot_locality(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str,
     for i, key in enumerate(("mean", "max")):
         gaps.bar([k + (i - 0.5) * width for k in x],
                  [_get(summary[n], "locality", "service_difference", key) or math.nan for n in names], width, label=key)
-    gaps.set_title("service difference (token units; lower is fairer)", fontsize=9)
+    gaps.set_title("service difference (units/s; lower is fairer)", fontsize=9)
     gaps.legend(fontsize=7)
     for ax in (hits, rates, gaps):
         ax.set_xticks(x, names, rotation=30, ha="right", fontsize=7)
