@@ -202,11 +202,14 @@ def test_shared_prefixes_are_planned_deterministically_and_a_chat_turn_carries_i
                              Stream("talk", *CHAT, rate=1.0, end=20.0, chats=2)], seed=4)
     talk = [r for r in requests if r.tenant == "talk"]
     first, second = (next(r for r in talk if r.prefix == f"talk-chat{c}") for c in (0, 1))
-    assert first.prefix_tokens == second.prefix_tokens == 0  # each chat's first turn has no history
+    assert first.prefix_tokens == first.prompt_tokens  # a turn is all its chat's text
     turns = [r for r in talk if r.prefix == "talk-chat0"]
+    assert len(turns) >= 5
     for earlier, later in zip(turns, turns[1:], strict=False):  # each turn re-sends the one before it, and its answer
-        assert later.prefix_tokens == earlier.prefix_tokens + (earlier.prompt_tokens - earlier.prefix_tokens) \
-            + earlier.max_tokens
+        assert later.prefix_tokens == later.prompt_tokens > earlier.prompt_tokens + earlier.max_tokens
+        text_earlier, text_later = planned_prompt(earlier, 5, 4), planned_prompt(later, 6, 4)
+        assert text_later.startswith(text_earlier)
+    assert not planned_prompt(turns[1], 7, 4).startswith(planned_prompt(second, 8, 4)[:16])  # chats differ in their first block
     # The prompt texts: one document's share its text, a longer history extends a shorter one, the rest differs.
     a, b = [r for r in rag if r.prefix == "rag-doc0"][:2]
     text_a, text_b = planned_prompt(a, 1, 4), planned_prompt(b, 2, 4)

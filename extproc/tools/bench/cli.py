@@ -194,7 +194,8 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
                        "decisions": [asdict(d) for d in run.decisions]}
                 (workdir / scenario.name / arm.name / "raw.json").write_text(json.dumps(raw), encoding="utf-8")
             scenario_runs = runs[scenario.name]
-            baseline = scenario_runs[0]  # direct FIFO: every comparison is a ratio to it
+            # Every comparison is a ratio to the scenario's baseline (direct FIFO, which runs first, unless it names another).
+            baseline = next((r for r in scenario_runs if r.arm == scenario.baseline), scenario_runs[0])
             horizon = common_horizon(scenario_runs)
             capacity = batch_capacity(scenario, baseline)
             summaries[scenario.name] = {

@@ -103,7 +103,9 @@ class Planned:
 
     ``prefix`` names the text its prompt starts with (shared with every request
     of the same name: a document, a chat's history) and ``prefix_tokens`` how
-    much of it; "" none. ``prompt_tokens`` counts the prefix in.
+    much of it; "" none. ``prompt_tokens`` counts the prefix in; a chat turn's
+    prompt is all its chat's text (``prefix_tokens == prompt_tokens``): a
+    longer cut of one name's text starts with every shorter one.
     """
 
     at: float
@@ -150,25 +152,34 @@ def stream_requests(stream: Stream, rng: np.random.Generator) -> list[Planned]:
     outputs = stream.output.sample(rng, len(times))
     prefixes = _prefixes(stream, rng, prompts, outputs)
     return [
-        Planned(t, stream.tenant, stream.priority, p + n, o, stream.stream, stream.stop_after, name, n)
-        for t, p, o, (name, n) in zip(times, prompts, outputs, prefixes, strict=True)
+        Planned(t, stream.tenant, stream.priority, total, o, stream.stream, stream.stop_after, name, shared)
+        for t, o, (name, shared, total) in zip(times, outputs, prefixes, strict=True)
     ]
 
 
-def _prefixes(stream: Stream, rng: np.random.Generator, prompts: list[int], outputs: list[int]) -> list[tuple[str, int]]:
-    """Each request's shared prefix (name, tokens), in the order of its times (a chat stream's are in arrival order)."""
+def _prefixes(
+    stream: Stream, rng: np.random.Generator, prompts: list[int], outputs: list[int]
+) -> list[tuple[str, int, int]]:
+    """Each request's shared prefix (name, its tokens, the prompt's tokens in all), in the order of its times.
+
+    A RAG question is its document and then its own ``prompts`` tokens. A chat
+    turn is its chat's text entire: the history (every earlier turn's prompt and
+    answer) and its own question, which the next turn re-sends; so turn k's
+    prompt starts with turn k-1's whole prompt, as a chat client's does.
+    """
     if stream.documents:
         drawn = rng.integers(0, stream.documents, len(prompts))
-        return [(f"{stream.tenant}-doc{int(d)}", stream.document_tokens) for d in drawn]
+        return [(f"{stream.tenant}-doc{int(d)}", stream.document_tokens, stream.document_tokens + p)
+                for d, p in zip(drawn, prompts, strict=True)]
     if stream.chats:
         history = [0] * stream.chats
         out = []
         for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
             chat = i % stream.chats
-            out.append((f"{stream.tenant}-chat{chat}", history[chat]))
+            out.append((f"{stream.tenant}-chat{chat}", history[chat] + prompt, history[chat] + prompt))
             history[chat] += prompt + output
         return out
-    return [("", 0)] * len(prompts)
+    return [("", 0, p) for p in prompts]
 
 
 def plan(streams: Sequence[Stream], seed: int) -> list[Planned]:

@@ -260,7 +260,7 @@ def scenario_markdown(
     if CONSERVATION in scenario.measures:
         lines += _conservation_table(arms, summary)
     if LOCALITY in scenario.measures:
-        lines += _locality_table(arms, summary)
+        lines += _locality_table(scenario, arms, summary)
     lines += _processor_table(arms, summary)
     for kind, title in (("tenants", "tenant"), ("priorities", "priority class")):
         groups = sorted({g for s in summary.values() for g in s[kind]})
@@ -388,19 +388,24 @@ def _conservation_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list
                     _arm_rows(arms, summary, "conservation", row))]
 
 
-def _locality_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
+def _locality_table(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
     rows = [[arm.name, _num(_get(s, "locality", "hit_rate"), 3),
              f"{_num(_get(s, 'locality', 'hit_tokens'), 0)} / {_num(_get(s, 'locality', 'queried_tokens'), 0)}",
              _num(_get(s, "throughput", "requests_ratio"), 3), _num(_get(s, "throughput", "tokens_ratio"), 3),
              _s(_get(s, "throughput", "makespan_s")),
-             f"{_num(_get(s, 'locality', 'service_difference', 'mean'), 0)} / "
-             f"{_num(_get(s, 'locality', 'service_difference', 'max'), 0)}"]
+             " / ".join(_num(share, 2) for share in _get(s, "locality", "replica_shares") or [None]),
+             f"{_num(_get(s, 'locality', 'service_difference', 'mean'), 1)} / "
+             f"{_num(_get(s, 'locality', 'service_difference', 'max'), 1)}"]
             for arm in arms if (s := summary.get(arm.name)) is not None]
     return ["", "Prefix cache and fairness: the engines' prefix-cache hit rate (hit / queried prompt tokens, every "
-            "replica), throughput against the FIFO baseline, and the VTC paper's service difference (per 10 s window, "
-            "the largest gap in service received between backlogged tenants; mean / max; lower is fairer):", "",
+            f"replica), throughput against the FIFO baseline ({scenario.baseline}), and the VTC paper's service "
+            "difference as its artifact computes it (per 10 s window at 19 ticks, the largest shortfall of a tenant's "
+            "service rate from the best-served tenant's, capped by what it asked for; service units/s, mean / max; "
+            "lower is fairer):", "",
             *_table(["arm", "hit rate", "hit / queried tokens", "req/s vs FIFO", "tokens/s vs FIFO", "makespan (s)",
-                     "service difference mean / max"], rows)]
+                     "queried tokens per replica (share)", "service difference mean / max"], rows),
+            "", f"![{scenario.name}: prefix-cache hit rate, throughput, service difference]"
+            f"({scenario.name}-locality.png)"]
 
 
 def _processor_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
@@ -575,6 +580,32 @@ def plot_service(scenario: Scenario, runs: Sequence[ArmRun], path: Path) -> None
     _save(fig, path)
 
 
+def plot_locality(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any], path: Path) -> None:
+    """Three panels per arm: the engines' prefix-cache hit rate, throughput vs the baseline, service difference."""
+    names = [a.name for a in arms if a.name in summary]
+    x = range(len(names))
+    fig, (hits, rates, gaps) = plt.subplots(1, 3, figsize=(12.0, 3.4))
+    hits.bar(x, [_get(summary[n], "locality", "hit_rate") or math.nan for n in names])
+    hits.set_ylim(0, 1)
+    hits.set_title("prefix-cache hit rate (tokens)", fontsize=9)
+    width = 0.38
+    for i, (key, label) in enumerate((("requests_ratio", "req/s"), ("tokens_ratio", "output tokens/s"))):
+        rates.bar([k + (i - 0.5) * width for k in x], [_get(summary[n], "throughput", key) or math.nan for n in names],
+                  width, label=label)
+    rates.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+    rates.set_title(f"throughput vs {scenario.baseline}", fontsize=9)
+    rates.legend(fontsize=7)
+    for i, key in enumerate(("mean", "max")):
+        gaps.bar([k + (i - 0.5) * width for k in x],
+                 [_get(summary[n], "locality", "service_difference", key) or math.nan for n in names], width, label=key)
+    gaps.set_title("service difference (units/s; lower is fairer)", fontsize=9)
+    gaps.legend(fontsize=7)
+    for ax in (hits, rates, gaps):
+        ax.set_xticks(x, names, rotation=30, ha="right", fontsize=7)
+    fig.suptitle(f"{scenario.name}: locality against fairness", fontsize=10)
+    _save(fig, path)
+
+
 def write_outputs(
     out: Path,
     meta: Mapping[str, Any],
@@ -598,4 +629,7 @@ def write_outputs(
         plot_waiting(scenario, scenario_runs, out / f"{scenario.name}-waiting.png")
         plot_service(scenario, scenario_runs, out / f"{scenario.name}-service.png")
         written += [out / f"{scenario.name}-{kind}.png" for kind in ("ttft", "waiting", "service")]
+        if LOCALITY in scenario.measures:
+            plot_locality(scenario, arms, summaries[scenario.name], out / f"{scenario.name}-locality.png")
+            written.append(out / f"{scenario.name}-locality.png")
     return written

@@ -172,6 +172,9 @@ class ArmRun:
     # The engines' prefix-cache counters' growth over the run, summed over replicas (tokens: queries, hits);
     # empty when they export none.
     prefix_cache: dict[str, float] = field(default_factory=dict)
+    # Prompt tokens each replica looked up in its prefix cache over the run (in endpoint order): how the arm spread
+    # the work (a locality router may pile it on one); empty as prefix_cache.
+    replica_queries: tuple[float, ...] = ()
 
 
 def prompt_text(tokens: int, chars_per_token: int = 4) -> str:
@@ -200,12 +203,15 @@ def planned_prompt(planned: Planned, number: int, chars_per_token: int) -> str:
 
     Its own part leads with the request's number, so nothing past the prefix
     matches another request's prompt (the engine's prefix cache finds only
-    what the plan shares).
+    what the plan shares). A prompt that is all shared text (a chat turn, whose
+    whole prompt the next turn re-sends) has no part of its own.
     """
     prefix = _shared_text(planned.prefix, chars_per_token * planned.prefix_tokens) if planned.prefix else ""
-    own = f" #{number} {planned.tenant}: " + prompt_text(max(1, planned.prompt_tokens - planned.prefix_tokens),
-                                                          chars_per_token)
-    return prefix + own[:chars_per_token * max(1, planned.prompt_tokens - planned.prefix_tokens)]
+    own_tokens = planned.prompt_tokens - planned.prefix_tokens
+    if prefix and own_tokens <= 0:
+        return prefix
+    own = f" #{number} {planned.tenant}: " + prompt_text(max(1, own_tokens), chars_per_token)
+    return prefix + own[:chars_per_token * max(1, own_tokens)]
 
 
 async def _sample_engine(url: str, model: str, t0: float, time_scale: float, stop: asyncio.Event) -> list[EngineSample]:
@@ -544,14 +550,17 @@ async def _measure(
     prefix_before = await _prefix_counters(endpoints)
     run = await _watched(stack, base_urls, scenario.requests(), keys, engine, time_scale, on_done, unique_prompts=unique)
     prefix_after = await _prefix_counters(endpoints)
-    prefix_cache = {key: prefix_after[key] - prefix_before.get(key, 0.0) for key in prefix_after}
+    grown = [(after[0] - before[0], after[1] - before[1])
+             for before, after in zip(prefix_before, prefix_after, strict=True)]
+    prefix_cache = {"queries": sum(q for q, _ in grown), "hits": sum(h for _, h in grown)} if grown else {}
     cpu = {name: _cpu(group) - cpu_before[name] for name, group in pids.items()}
     cpu["client"] = time.process_time() - client_before
     counters = await _scrape_processors(stack) if stack.processors else {}
     # Counters over the run alone: what the phases before it added is taken off.
     counters = {key: value - counters_before.get(key, 0.0) for key, value in counters.items()}
     return ArmRun(scenario.name, arm.name, time_scale, run.results, run.engine, run.wall_s, cpu, counters, phases,
-                  decisions=_decision_log(stack, run, time_scale), prefix_cache=prefix_cache)
+                  decisions=_decision_log(stack, run, time_scale), prefix_cache=prefix_cache,
+                  replica_queries=tuple(q for q, _ in grown))
 
 
 def _endpoints(stack: Stack) -> list[str]:
@@ -560,21 +569,20 @@ def _endpoints(stack: Stack) -> list[str]:
     return list(found.endpoints)
 
 
-async def _prefix_counters(endpoints: Sequence[str]) -> dict[str, float]:
-    """The engines' prefix-cache counters, summed over ``endpoints`` (tokens queried and found: ``queries``, ``hits``).
+async def _prefix_counters(endpoints: Sequence[str]) -> list[tuple[float, float]]:
+    """Each engine's prefix-cache counters (prompt tokens queried, found), in the order of ``endpoints``.
 
     Empty when an engine does not export them (prefix caching off on the simulator).
     """
-    total = {"queries": 0.0, "hits": 0.0}
+    counters = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
         for endpoint in endpoints:
             async with session.get(f"{endpoint}/metrics") as response:
                 load = parse_load("vllm", await response.text(), MODEL)
             if load.prefix_queries is None or load.prefix_hits is None:
-                return {}
-            total["queries"] += load.prefix_queries
-            total["hits"] += load.prefix_hits
-    return total
+                return []
+            counters.append((load.prefix_queries, load.prefix_hits))
+    return counters
 
 
 def _cpu(pids: Sequence[int]) -> float:

@@ -130,6 +130,10 @@ class Scenario:
     unique_prompts: bool = False
     # Its real engine for ``--engine vllm`` (a vllm.VllmEngine; None: the run's).
     vllm_engine: Any = None
+    # The arm every throughput ratio is against: FIFO straight to the engine, or across replicas Envoy's own
+    # balancing ("direct" only splits clients evenly, it cannot spread by load). Falls back to direct FIFO
+    # when that arm does not run.
+    baseline: str = "direct-fifo"
 
     @property
     def tenants(self) -> list[str]:
@@ -449,6 +453,7 @@ def prefix_share(
         model={"prefix": {"block_tokens": 128}, **({"endpoint_picking": True} if replicas > 1 else {})},
         unique_prompts=True,
         vllm_engine=vllm_engine,
+        baseline="direct-fifo" if replicas == 1 else "envoy",
     )
 
 
@@ -465,8 +470,9 @@ QUICK = {
         batch_flood(8, 48, chats_from=0.2, unloaded_s=1.0, until=30.0, arms=_QUICK_ARMS),
         steady_classes(8.0, load=2.0, time_scale=0.25, arms=_QUICK_ARMS),
         batch_only(8, 48, arms=("direct-fifo", "extproc-rr")),
-        prefix_share(2, duration=8.0, documents=2, rag_rate=1.0, chats=2, chat_rate=0.5, flood=8,
-                     arms=("direct-fifo", "extproc-locality")),
+        # Two replicas, two documents, two chats and a small flood: every arm of the locality comparison.
+        prefix_share(2, duration=6.0, documents=2, document_tokens=400, rag_rate=1.0, chats=2, chat_rate=1.0,
+                     flood=12),
     )
 }
 
