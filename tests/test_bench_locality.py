@@ -80,3 +80,11 @@ def test_two_replicas_compare_with_envoy_alone_and_the_report_shows_the_locality
     assert "FIFO baseline (envoy)" in text and "0.600" in text and "0.90 / 0.10" in text and "prefix-share-2-locality.png" in text
     plot_locality(scenario, arms, summary, tmp_path / "locality.png")
     assert (tmp_path / "locality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_scenario_on_its_own_real_vllm_is_described_as_such() -> None:
+    from extproc.tools.bench.report import scenario_markdown
+
+    engine = {"size": "prefill", "max_num_seqs": 4, "kv_cache_tokens": None, "chars_per_token": 2}
+    lines = scenario_markdown(SCENARIOS["prefix-share"], [], {}, engine)
+    assert "On its own real vLLM: the prefill model, 4 sequences, the default tokens of KV." in lines

@@ -214,7 +214,11 @@ def scenario_markdown(
 ) -> list[str]:
     """One scenario's tables; ``engine``: its own simulated GPU and time scale, where not the run's."""
     lines = [f"### {scenario.name}", "", scenario.description + ".", ""]
-    if engine:
+    if engine and "size" in engine:  # a real vLLM of its own (vllm.VllmEngine)
+        kv = engine["kv_cache_tokens"]
+        lines += [f"On its own real vLLM: the {engine['size']} model, {engine['max_num_seqs']} sequences, "
+                  f"{'the default' if kv is None else kv} tokens of KV.", ""]
+    elif engine:
         lines += [f"On its own simulated GPU: {engine['max_num_seqs']} sequences, {engine['step_ms']:g} ms steps "
                   f"+ {engine['step_ms_per_seq']:g} ms per running sequence, {engine['prefill_ms_per_token']:g} ms "
                   f"of prefill per prompt token, {engine['kv_cache_tokens']} tokens of KV; time scale "
