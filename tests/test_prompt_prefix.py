@@ -114,7 +114,7 @@ def test_prefix_config_defaults_locality_implies_it_and_mistakes_name_the_key() 
     assert config().models[0].prefix is None
     [model] = config(prefix={}).models
     assert (model.prefix is not None and (model.prefix.block_tokens, model.prefix.max_blocks) == (128, 16)
-            and model.block_bytes() == 512 and model.cost_weights().cached_input_weight == 0.1)
+            and Signer(model).block_bytes == 512 and model.cost_weights().cached_input_weight == 0.1)
     [locality] = config(policy="locality").models
     assert locality.prefix is not None and locality.prefix.max_blocks == 16
     assert config(prefix={"cached_input_weight": 0.25}).models[0].cost_weights().cached_input_weight == 0.25

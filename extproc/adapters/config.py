@@ -251,8 +251,9 @@ class PrefixSettings(_Section, frozen=True):
     leading blocks; absent, the body never reaches Python (the fast path).
     """
 
-    # Tokens one block covers: the engine's KV block size (vLLM --block-size; its CPU build
-    # defaults to 128, GPU to 16). A block is block_tokens x cost.bytes_per_token bytes of text.
+    # Tokens one block covers; need not be the engine's KV block (vLLM --block-size: 16 on a GPU,
+    # 128 on CPU): block_tokens x max_blocks is how much of a prompt is seen (docs/locality.md).
+    # A block is block_tokens x cost.bytes_per_token bytes of text.
     block_tokens: Count = 128
     # How many leading blocks are hashed: bounds the cost per request whatever the prompt.
     max_blocks: Annotated[int, Meta(ge=1, le=256)] = 16
@@ -325,12 +326,6 @@ class ModelConfig(_Section, frozen=True):
         """How the `vtc` policy prices this model's requests: the cost section, the context length, the cached price."""
         cached = self.prefix.cached_input_weight if self.prefix else CostWeights.cached_input_weight
         return replace(self.cost.weights(), max_context_tokens=self.max_context_tokens, cached_input_weight=cached)
-
-    def block_bytes(self) -> int:
-        """The bytes of leading text one prefix block covers (at least 1); 0 without signatures."""
-        if self.prefix is None:
-            return 0
-        return max(1, round(self.prefix.block_tokens * self.cost.bytes_per_token))
 
     def problems(self) -> Iterator[tuple[str, str]]:
         rule = RULES[self.gate]

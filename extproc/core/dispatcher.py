@@ -288,9 +288,9 @@ class ModelDispatcher:
         """The prompt tokens ``held`` would find cached if released now: where picking would look, at best."""
         if not self.pool.pick_endpoints:
             return self._caches.expected(held.prefix, self._cache_of(held))
-        down = set(self.pool.down())
+        health = self.pool.health
         return self._caches.best(held.prefix, (e for e in self.pool.endpoints
-                                               if e not in down and (held.eligible is None or e in held.eligible)))
+                                               if not health.is_down(e) and (held.eligible is None or e in held.eligible)))
 
     def _hit_at(self, held: Held) -> Callable[[str], float] | None:
         """Per endpoint, the prompt tokens ``held`` would find cached there (picking weighs them); None: no signature."""

@@ -98,7 +98,8 @@ class Signer:
     def __init__(self, model: ModelConfig) -> None:
         if model.prefix is None:
             raise ValueError(f"model {model.name!r} has no prefix section")
-        self.block_bytes = model.block_bytes()
+        # The bytes of leading text one block covers (at least 1).
+        self.block_bytes = max(1, round(model.prefix.block_tokens * model.cost.bytes_per_token))
         self.max_blocks = model.prefix.max_blocks
         self.bytes_per_token = model.cost.bytes_per_token
 
