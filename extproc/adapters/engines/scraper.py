@@ -50,9 +50,10 @@ async def scrape_endpoint(
         started = time.monotonic()
         reachable = True
         try:
-            load: EngineLoad | None = await asyncio.wait_for(
-                _scrape_once(session, url, model.engine, model.name), model.stale_after_s
-            )
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result of a scrape that
+            # finished as the task was cancelled, losing the cancel (a shutdown then waited forever).
+            async with asyncio.timeout(model.stale_after_s):
+                load: EngineLoad | None = await _scrape_once(session, url, model.engine, model.name)
         except (TimeoutError, aiohttp.ClientError, MetricsError, UnicodeDecodeError) as exc:
             load = None
             # Refused (or the name does not resolve): nothing listens, the engine is gone.
