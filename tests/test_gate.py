@@ -73,8 +73,9 @@ def band_allowance(gate: Pool, now: float, *, reserve: int = 0, idle_share: floa
     """What a band below the first (with ``reserve``), or an idle-only band (``idle_share``), may release now."""
     bands = (Band("first", 60.0), Band("lower", 60.0),
              Band("idle", 60.0, idle_only=True, idle_running_share=idle_share or 1.0))
-    admission = BandAdmission(bands, gate, reserved_waiting=reserve)
-    admission.demand.change(1, 1, now)  # the band above has demand: the idle-only band takes free slots only
+    admission = BandAdmission(bands, gate, reserved_waiting=reserve, held=lambda band: 0)
+    admission.arrived(0, now)  # the bands above arrive now: the lower band leaves the reserve,
+    admission.arrived(1, now)  # the idle-only band takes free slots only
     return admission.allowance(1 if idle_share is None else 2, now)
 
 
@@ -215,9 +216,37 @@ def test_the_limit_learns_capacity_from_the_engine_queue() -> None:
     assert limit.limit == 7
 
 
+def test_a_burst_never_cuts_the_limit_below_what_the_engine_ran_at_once() -> None:
+    """A page that catches a burst mid-step (16 slots, 3 running, 9 waiting) is not the engine's capacity."""
+    limit = ConcurrencyLimit(3, target_waiting=3)
+    for at, running in ((0.1, 3), (0.2, 6), (0.3, 9), (0.4, 12), (0.5, 15), (0.6, 16)):
+        limit.observe(EngineLoad(waiting=0, running=running), at=at)
+    limit.observe(EngineLoad(waiting=2, running=16), at=0.7)
+    assert limit.limit == 19
+    limit.observe(EngineLoad(waiting=9, running=3), at=0.8)
+    assert limit.limit == 16  # at least the 16 it has run at once
+    told = ConcurrencyLimit(3 + 16, target_waiting=3, floor=16)  # max_running: 16
+    told.observe(EngineLoad(waiting=9, running=3), at=0.1)
+    assert told.limit == 16
+
+
+def test_a_cut_limit_recovers_once_the_queue_drains_whether_or_not_the_gate_fills_it() -> None:
+    limit = ConcurrencyLimit(3 + 16, target_waiting=3, floor=16)
+    limit.observe(EngineLoad(waiting=9, running=3), at=0.1)
+    assert limit.limit == 16
+    # The engine drained; the gate sends little (a lower class held back): the limit returns all the same.
+    limit.observe(EngineLoad(waiting=0, running=4), at=0.2, held=4)
+    assert limit.limit == 19
+    # Near a ceiling it returns by one a scrape, not at once; past one it is cut.
+    slow = ConcurrencyLimit(3 + 16, target_waiting=3, floor=16, max_kv_usage=0.9)
+    slow.observe(EngineLoad(waiting=9, running=3, kv_usage=0.6), at=0.1)
+    slow.observe(EngineLoad(waiting=0, running=4, kv_usage=0.6), at=0.2, held=4)
+    assert slow.limit == 17
+
+
 def test_an_itl_ceiling_cuts_the_limit_once_per_window_and_only_if_it_is_to_blame() -> None:
     limit = ConcurrencyLimit(20, target_waiting=3, max_itl_s=0.05, itl_window_s=1.0)
-    limit.observe(EngineLoad(0, 18, itl_sum=0.0, itl_count=0), at=0.0)
+    limit.observe(EngineLoad(0, 17, itl_sum=0.0, itl_count=0), at=0.0)
     limit.observe(EngineLoad(0, 20, itl_sum=8.0, itl_count=100), at=0.5)  # 80 ms a token
     assert limit.pressure == pytest.approx(1.6)
     assert limit.limit == pytest.approx(16)  # x0.8

@@ -1,4 +1,4 @@
-"""Priority inside the engine, in the pure core: the self-tuning reservation, work conservation and preemption.
+"""Priority inside the engine, in the pure core: reservations lent when unused, minimum shares, work conservation, preemption.
 
 The dispatcher runs on a static_concurrency gate of two slots (``max_running``
 2, so a full engine is known without metrics) and a clock the test moves.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.adapters.timers import LoopTimers
-from extproc.core.bands import DEMAND_WINDOW_S, Band, BandAdmission, BandDemand
+from extproc.core.bands import ARRIVING_S, MAX_DEFAULT_SHARE, Band, BandActivity, BandAdmission, BandShares
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.engine_load import EngineLoad
@@ -51,48 +51,86 @@ def fill(dispatcher: ModelDispatcher, tenants: tuple[str, ...] = ("bob", "bob"))
     return batch
 
 
-def test_demand_is_the_peak_of_the_bands_above_in_the_window() -> None:
-    demand = BandDemand(3)
+def test_a_band_arrives_now_for_a_couple_of_seconds_after_a_request() -> None:
+    activity = BandActivity(3)
+    assert not activity.arriving(INTERACTIVE, 0.0)
+    activity.arrived(INTERACTIVE, 10.0)
+    assert activity.arriving(INTERACTIVE, 11.0) and not activity.arriving(STANDARD, 11.0)
+    assert not activity.arriving(INTERACTIVE, 10.0 + 2 * ARRIVING_S)  # one request is not a stream
+    for t in range(20, 40, 2):  # one every 2 s: a steady stream, however thin
+        activity.arrived(INTERACTIVE, float(t))
+    assert activity.arriving(INTERACTIVE, 39.9)
+
+
+def test_a_lower_band_is_lent_everything_while_nobody_above_has_work() -> None:
+    """No average of what the chats held keeps anything back: only their requests held now, or arriving."""
+    pool = make_gate(target=3, max_running=4)
+    pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
+    held = [0, 0, 0]
+    admission = BandAdmission(BANDS, pool, reserved_waiting=2, held=held.__getitem__)
+    assert admission.allowance(STANDARD, 0.0) == 7  # 4 slots and the queue room of 3
+    admission.arrived(INTERACTIVE, 0.0)  # chats arrive: standard leaves them 2 of the queue room...
+    assert admission.allowance(STANDARD, 0.0) == 5
+    assert admission.allowance(BATCH, 0.0) == 4  # ...and batch goes into free slots only
+    pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=3 * ARRIVING_S)
+    assert admission.allowance(STANDARD, 3 * ARRIVING_S) == 7  # they stopped: lent again
+    held[INTERACTIVE] = 1  # one is held here (strict priority serves it first anyway)
+    assert admission.allowance(STANDARD, 3 * ARRIVING_S) == 5
+
+
+def test_free_slots_are_never_kept_back_for_the_bands_above() -> None:
+    """Work conservation: whatever the reserve, a free slot goes to whoever is held."""
+    pool = make_gate(target=3, max_running=4)
+    pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
+    admission = BandAdmission(BANDS, pool, reserved_waiting=100, held=lambda band: 0)
+    admission.arrived(INTERACTIVE, 0.0)
+    assert pool.free_slots(0.0) == 4 and admission.allowance(STANDARD, 0.0) == 4
+    for i in range(3):
+        pool.record_release(i, 0.0, into_free_slot=True)
+    assert pool.free_slots(0.0) == 1 and admission.allowance(STANDARD, 0.0) == 1
+    pool.record_release(3, 0.0, into_free_slot=True)
+    assert pool.free_slots(0.0) == 0 and admission.allowance(STANDARD, 0.0) == 0
+    assert pool.allowance(0.0) == 3  # the queue room stays the chats'
+
+
+def test_a_lower_band_gets_its_minimum_share_of_releases_while_it_holds_requests() -> None:
+    bands = (Band("interactive"), Band("standard", min_share=0.25), Band("batch", idle_only=True, min_share=0.0))
+    held = [10, 10, 10]
+    shares = BandShares(bands, BandActivity(3))
+    picks = [shares.pick(INTERACTIVE, held.__getitem__, 0.0) for _ in range(100)]
+    assert picks.count(STANDARD) == 25 and picks.count(BATCH) == 0
+    assert picks[:4] == [INTERACTIVE, INTERACTIVE, INTERACTIVE, STANDARD]  # spread, not saved up
+    held[STANDARD] = 0  # nothing held: no credit is saved for later
+    for _ in range(10):
+        assert shares.pick(INTERACTIVE, held.__getitem__, 0.0) == INTERACTIVE
+    held[STANDARD] = 10
+    assert [shares.pick(INTERACTIVE, held.__getitem__, 0.0) for _ in range(4)].count(STANDARD) == 1
+
+
+def test_the_default_minimum_share_is_the_bands_share_of_arrivals_at_most_a_half() -> None:
+    """What FIFO would give the band against the bands above it, so it is never served slower than by FIFO."""
+    activity = BandActivity(3)
+    shares = BandShares(BANDS, activity)
+    assert shares.share(STANDARD, 0.0) == 0.0
     for _ in range(3):
-        demand.change(0, 1, 0.0)
-    demand.change(0, -3, 1.0)
-    assert demand.peak_above(1, 2.0) == 3 and demand.peak_above(2, 2.0) == 3 and demand.above(1) == 0
-    assert demand.peak_above(1, 1.0 + DEMAND_WINDOW_S + 0.1) == 0  # the burst is forgotten
-    demand.change(1, 2, 50.0)
-    assert demand.peak_above(1, 50.0) == 0 and demand.peak_above(2, 50.0) == 2
-
-
-def test_the_reservation_follows_the_higher_bands_recent_demand() -> None:
-    pool = make_gate(kind="static_concurrency", max_in_flight=4)
-    admission = BandAdmission(BANDS, pool, reserved_waiting=0)
-    assert admission.allowance(STANDARD, 0.0) == 4  # nobody above asked lately: nothing kept back
-    admission.demand.change(INTERACTIVE, 2, 0.0)  # chats hold 2, for a long while
-    assert admission.reserve(STANDARD, 120.0) == 0  # ...which they hold now: nothing more is kept free
-    admission.demand.change(INTERACTIVE, -2, 120.0)
-    assert admission.reserve(STANDARD, 120.5) == 2 and admission.allowance(STANDARD, 120.5) == 2
-    admission.demand.change(INTERACTIVE, 1, 121.0)  # one of them is back, in flight: one slot more is kept
-    assert admission.reserve(STANDARD, 121.0) == 1
-    admission.demand.change(INTERACTIVE, -1, 122.0)
-    assert admission.allowance(STANDARD, 122.0 + 2 * DEMAND_WINDOW_S) == 4  # unused for a minute: given back
-    # A burst is not a habit: 3 chats for a second keep nothing free after them.
-    admission.demand.change(INTERACTIVE, 3, 300.0)
-    admission.demand.change(INTERACTIVE, -3, 301.0)
-    assert admission.reserve(STANDARD, 301.0) == 0
-    # A preemptible band keeps nothing free when preemption is on: room is made when it is needed.
-    preempting = BandAdmission(BANDS, pool, reserved_waiting=0, preemption=True)
-    preempting.demand.change(INTERACTIVE, 2, 0.0)
-    preempting.demand.change(INTERACTIVE, -2, 120.0)
-    assert preempting.reserve(BATCH, 120.5) == 0 and preempting.reserve(STANDARD, 120.5) == 2
+        activity.arrived(INTERACTIVE, 1.0)
+    activity.arrived(STANDARD, 1.0)
+    for _ in range(50):
+        activity.arrived(BATCH, 1.0)  # the bands below do not count
+    assert shares.share(STANDARD, 1.0) == pytest.approx(0.25)
+    for _ in range(10):
+        activity.arrived(STANDARD, 2.0)
+    assert shares.share(STANDARD, 2.0) == MAX_DEFAULT_SHARE
 
 
 def test_an_idle_only_band_alone_is_released_like_any_other() -> None:
-    """Work conservation: with nothing above it lately, batch fills the engine's queue to its target too."""
+    """Work conservation: with nothing above it working, batch fills the engine's queue to its target too."""
     pool = make_gate(target=3, max_running=2)
     pool.record_scrape("e1", EngineLoad(waiting=0, running=2), started_at=0.0)
-    admission = BandAdmission(BANDS, pool, reserved_waiting=0)
+    admission = BandAdmission(BANDS, pool, reserved_waiting=0, held=lambda band: 0)
     alone = admission.allowance(BATCH, 0.1)
     assert not admission.into_free_slots(BATCH, 0.1) and alone == pool.allowance(0.1) and alone > 0
-    admission.demand.change(INTERACTIVE, 1, 0.1)
+    admission.arrived(INTERACTIVE, 0.1)
     assert admission.into_free_slots(BATCH, 0.2) and admission.allowance(BATCH, 0.2) == 0  # no slot is free
 
 

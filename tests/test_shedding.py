@@ -188,10 +188,12 @@ def rejected(telemetry: Telemetry, reason: str, tenant: str) -> float:
 
 
 async def test_overloaded_batch_is_shed_and_interactive_acknowledged_and_admitted_while_batch_is_queued() -> None:
-    # One release is kept back for the classes above batch (reserved_waiting): batch is held, interactive goes.
+    # While interactive requests arrive, one release is kept back for them (reserved_waiting): batch is held,
+    # interactive goes.
     processor, telemetry = make({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "gate": "static_rate",
                                              "release_rate": 0.001, "reserved_waiting": 1}]})
     dispatcher = processor._dispatchers["m"]  # noqa: SLF001 - what the test holds
+    dispatcher._outlet.admission.arrived(0, time.monotonic())  # noqa: SLF001 - a chat arrived a moment ago
     queued = Stream(processor, headers_message(priority="batch"))
     assert (await queued.answers.get()).HasField("override_message_timeout")
     assert dispatcher.queued_in(2) == 1

@@ -145,6 +145,8 @@ Count0 = Annotated[int, Meta(ge=0)]
 Positive = Annotated[float, Meta(gt=0)]
 NonNegative = Annotated[float, Meta(ge=0)]
 Share = Annotated[float, Meta(gt=0, le=1)]
+# A share that may be nothing but never everything (a minimum share of releases).
+ReleaseShare = Annotated[float, Meta(ge=0, lt=1)]
 Names = Annotated[tuple[NonEmpty, ...], Meta(min_length=1)]
 
 
@@ -300,9 +302,10 @@ class ModelConfig(_Section, frozen=True):
     policy: Annotated[str, choice(POLICIES)] = "round_robin"
     # Requests this model may hold in all; one more is answered 503.
     max_queued: Count = 10_000
-    # Part of target_waiting that bands below the first may not fill, so the
-    # first band finds room in the engine's queue without waiting for a slot
-    # to free (costs some throughput when completions come in bursts).
+    # Of the engine's queue room beyond its free slots, what bands below the first
+    # leave to the bands above while those have work now (requests held or arriving),
+    # so a chat finds a place in the engine's queue without waiting for a slot;
+    # free slots themselves are never kept back (core/bands.py).
     reserved_waiting: Count0 = 0
     # Write the band's numeric priority into the body's `priority` (vLLM
     # --scheduling-policy priority); only such models (and those with `prefix`) have their body sent to us.
@@ -356,6 +359,7 @@ class BandSettings(_Section, frozen=True):
     ttft_objective_s: Positive | None = None
     min_ttft_objective_s: Positive | None = None
     preemptible: bool | None = None
+    min_share: ReleaseShare | None = None
 
 
 class TenantSettings(_Section, frozen=True):
@@ -747,18 +751,20 @@ def _written(section: _Section) -> dict[str, Any]:
 def _bands(file: ConfigFile) -> tuple[Band, ...]:
     """Each band's settings as written, over the defaults that depend on its place.
 
-    The lowest of several bands is idle-only and preemptible; a band's engine
-    priority is its position (vLLM runs lower numbers first). The first of
-    several bands has a TTFT objective of 5 s (people give up after about that
-    long without progress), the middle ones 60 s (they expect a wait), the
-    lowest none.
+    The lowest of several bands is idle-only and preemptible, with no minimum
+    share (it may wait as long as the bands above keep the engine busy); a
+    band's engine priority is its position (vLLM runs lower numbers first). The
+    first of several bands has a TTFT objective of 5 s (people give up after
+    about that long without progress), the middle ones 60 s (they expect a
+    wait), the lowest none.
     """
     count = len(file.priorities)
 
     def defaults(index: int) -> dict[str, Any]:
         lowest = count > 1 and index == count - 1
         objective = None if count == 1 or lowest else (5.0 if index == 0 else 60.0)
-        return {"idle_only": lowest, "preemptible": lowest, "engine_priority": index, "ttft_objective_s": objective}
+        return {"idle_only": lowest, "preemptible": lowest, "engine_priority": index, "ttft_objective_s": objective,
+                **({"min_share": 0.0} if lowest else {})}
 
     return tuple(
         Band(**{"name": name, **defaults(index), **_written(file.bands.get(name, BandSettings()))})

@@ -129,7 +129,7 @@ class ModelDispatcher:
         self._caps = QueueCaps(name, bands, self._tenant_of, max_queued)
         self._queue: FairQueue[Held] = FairQueue(len(bands), lambda: policy.new_band(lambda t: self._tenant(t).weight))
         preemption = Preemption(max_preemptions_per_s)
-        admission = BandAdmission(bands, pool, reserved_waiting, preemption=preemption.enabled)
+        admission = BandAdmission(bands, pool, reserved_waiting, self._queue.band_len)
         # What each endpoint's prefix cache likely holds (requests with a prefix signature only).
         self._caches = PrefixCaches()
         self._outlet = Outlet(
@@ -269,7 +269,7 @@ class ModelDispatcher:
             held.expected_hit = self._expected_hit
         first = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)
-        self._outlet.admission.demand.change(band, 1, now)
+        self._outlet.admission.arrived(band, now)
         self._report(RequestEvent(Step.QUEUED, self._bands[band].name, tenant))
         held.expiry = self._timers.at(now + queue_wait, lambda: self._expire(held))
         self._strategy.queued(band, tenant, first, now)
@@ -337,7 +337,6 @@ class ModelDispatcher:
     def _finish(self, held: Held, now: float) -> float:
         """A released request is over (it ended, or was preempted): free its place and charge what it cost; its occupancy."""
         occupancy = self.pool.record_finish(held, now)
-        self._outlet.admission.demand.change(held.band, -1, now)
         measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate,
                                       self._caches.factor(self._cache_of(held)))
         self._queue.correct(held.band, held.tenant, measured.cost - held.estimate.cost)

@@ -7,7 +7,8 @@ Order of service:
 
 * **Priority bands, strictly.** Band 0 (e.g. ``interactive``) is always served
   before band 1, and so on. A lower band only moves when every higher band
-  is empty.
+  is empty, or on its minimum share of the releases, which the release side
+  keeps (``bands.py``, ``BandShares``) and asks for by band.
 * **A fairness policy inside each band** (``extproc/core/policies``): by
   default round-robin across tenants, each with its own FIFO, so a newcomer
   waits at most one round however deep the flood in front of it.
@@ -45,11 +46,11 @@ class FairQueue(Generic[Item]):
         """The highest band holding a request (the only one strict priority may serve), or None."""
         return next((index for index, band in enumerate(self._bands) if band), None)
 
-    def pop(self) -> tuple[int, str, Item]:
-        """The next request to release: (band, tenant, item). IndexError when empty."""
-        index = self.first_band()
-        if index is None:
-            raise IndexError("pop from an empty FairQueue")
+    def pop(self, band: int | None = None) -> tuple[int, str, Item]:
+        """The next request to release: (band, tenant, item), of ``band`` (None: the first holding any). IndexError when empty."""
+        index = self.first_band() if band is None else band
+        if index is None or not self._bands[index]:
+            raise IndexError("pop from an empty FairQueue band")
         tenant, item = self._bands[index].pop()
         return index, tenant, item
 

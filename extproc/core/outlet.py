@@ -135,7 +135,7 @@ class Outlet:
             self._priced(held)
         held.checked = self.pool.check_release(held.endpoint, now)
         self._note_for_preemption(held, band, now)
-        self.pool.record_release(held, now, held.endpoint, into_free_slot=self.admission.into_free_slots(band, now))
+        self.pool.record_release(held, now, held.endpoint, into_free_slot=self.pool.free_slots(now) >= 1)
         self.release_rate.record(now)
         self.queue.charge(band, tenant, held.estimate.cost)
         self.resolve(held)
@@ -164,18 +164,13 @@ class Outlet:
 
     def refused(self, held: Held | None, tenant: str, band: int, refusal: Refusal, waited: float) -> None:
         """Report a refusal: of ``held``, which was queued and has left the queue; None: at the door, never queued."""
-        slack = None
-        if held is not None:
-            now = self.clock()
-            self.admission.demand.change(band, -1, now)
-            slack = held.slack_s(now)
+        slack = None if held is None else held.slack_s(self.clock())
         self.report(RequestEvent(Step.REFUSED, self.bands[band].name, tenant, waited, refusal, held is not None,
                                  slack_s=slack))
 
     def abandoned(self, held: Held, band: int) -> None:
         """Report a queued request whose client left; it has left the queue."""
         now = self.clock()
-        self.admission.demand.change(band, -1, now)
         self.report(RequestEvent(Step.ABANDONED, self.bands[band].name, held.tenant, now - held.enqueued_at,
                                  slack_s=held.slack_s(now)))
 

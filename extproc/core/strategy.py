@@ -5,8 +5,9 @@ ended, something else changed, a scrape came in) and the strategy lets
 requests go through the :class:`~extproc.core.outlet.Outlet`. Two strategies:
 
 * :class:`LocalRelease`: this instance decides alone. It pops from the fair
-  queue while the band's allowance lasts, and wakes itself when a rate's next
-  release falls due.
+  queue while the first band's allowance lasts (a lower band's minimum share
+  of those releases included, ``bands.py``), and wakes itself when a rate's
+  next release falls due.
 * :class:`~extproc.core.cluster.ClusterSeat`: a cluster of instances decides
   (``cluster.py``); cut off from it, the seat releases locally on its share.
 
@@ -67,7 +68,7 @@ class LocalRelease:
         return None
 
     def changed(self, now: float) -> None:
-        """Pop from the fair queue while the first band's allowance lasts."""
+        """Pop from the fair queue while the first band's allowance lasts, each release from the band its shares pick."""
         outlet = self._outlet
         queue = outlet.queue
         outlet.note_health(now)
@@ -77,7 +78,7 @@ class LocalRelease:
                 allowance, allowance_band = self._allowance(first, now), first
             if allowance <= 0:
                 break
-            band, tenant, held = queue.pop()
+            band, tenant, held = queue.pop(outlet.admission.pick(first, now))
             if outlet.release(band, tenant, held, now):
                 allowance -= 1
         outlet.report(PoolEvent(in_flight=outlet.pool.in_flight))

@@ -45,6 +45,7 @@ class Adaptive(MetricRule):
             max_kv_usage=s.max_kv_usage,
             itl_window_s=s.itl_window_s,
             cap=s.max_in_flight,
+            floor=s.max_running,
         )
 
     def record_scrape(self, endpoint: str, load: EngineLoad, started_at: float, held_then: float | None) -> None:

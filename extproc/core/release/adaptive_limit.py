@@ -16,13 +16,22 @@ What is learned, and from which signal (every scrape, newest sample):
 2. **The engine queues** (waiting > 0): its batch is full, so the running
    count *is* its capacity right now (it changes with KV pressure and request
    lengths). ``limit = running + target_waiting`` — what the
-   ``waiting_target`` rule keeps. Growing beyond the current limit this way is bounded
-   like 3.
+   ``waiting_target`` rule keeps — but never below what the engine has shown
+   it runs at once (``shown``: ``max_running`` when configured, else the most
+   it was seen running): a burst that a page catches mid-step, or long
+   prompts that fill the KV cache for a moment, must not cut the limit to a
+   few requests for minutes. Growing beyond the current limit this way is
+   bounded like 3.
 3. **The engine ran everything** (waiting = 0) and holds about as much as the
    limit allows: it has spare capacity, so additive increase. The step is
    ``target_waiting`` (a queue that size is what the gate tolerates anyway, so
    a probe can never overfill the engine by more), 1 when a ceiling is
    within 50-90 % of its value, 0 above 90 %.
+4. **The engine ran everything, and holds less than the limit allows**: its
+   queue drained while the gate was not filling it (a lower class held back,
+   nothing to send). The limit returns towards ``shown + target_waiting`` by
+   the same step a scrape, whether or not the gate fills it: a limit cut by a
+   burst recovers within a scrape or two, not only once someone fills it.
 
 Why AIMD and not a latency gradient (as in Netflix's Gradient2): a
 continuous-batching engine's step time grows smoothly with the batch, with no
@@ -87,8 +96,13 @@ class ConcurrencyLimit:
         max_kv_usage: float | None = None,
         itl_window_s: float = 2.0,
         cap: int | None = None,
+        floor: int | None = None,
     ) -> None:
         self._target = target_waiting
+        # What the engine runs at once, when the operator knows it (max_running).
+        self._floor = floor or 0
+        # The most requests the engine was seen running.
+        self.peak = 0.0
         self._max_itl_s = max_itl_s
         self._max_kv = max_kv_usage
         self._cooldown_s = itl_window_s
@@ -119,6 +133,8 @@ class ConcurrencyLimit:
         if load.itl_sum is not None and load.itl_count is not None:
             self.itl.add(at, load.itl_sum, load.itl_count)
         self.pressure = pressure = self._pressure(load)
+        self.peak = max(self.peak, load.running)
+        shown = max(self._floor, self.peak)
         if held is None:
             held = load.running + load.waiting
         step = self._target if pressure < SLOW_ABOVE else 1 if pressure < HOLD_ABOVE else 0
@@ -129,8 +145,13 @@ class ConcurrencyLimit:
                 self.itl.restart()
         elif load.waiting > 0:
             measured = load.running + self._target
-            self.limit = measured if measured <= self.limit else max(self.limit, load.running + step)
+            if measured <= self.limit:  # a ceiling's cut below what it has shown is kept
+                self.limit = max(measured, min(self.limit, shown))
+            else:
+                self.limit = max(self.limit, load.running + step)
         elif held >= self.limit - self._target / 2:
             self.limit = max(self.limit, load.running + step)
+        else:
+            self.limit = max(self.limit, min(shown + self._target, self.limit + step))
         if self._cap is not None:
             self.limit = min(self.limit, float(self._cap))

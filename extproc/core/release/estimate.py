@@ -34,9 +34,10 @@ fewer of our own requests than are in flight, and traffic around the gateway
 shows up at the next scrape that sees it. The same numbers at the scrape's
 start (``max(scraped, ours then)``) feed the adaptive limit.
 
-Requests of an idle-only band are released into free batch slots
-(``into_free_slot``): the engine runs them rather than queueing them, so the
-estimate counts them as running (``slots``) until the next scrape shows them.
+A request released while the engine had a free slot by this estimate
+(``into_free_slot``, ``Pool.free_slots``) is run by the engine rather than
+queued, so the estimate counts it as running (``slots``) until the next scrape
+shows it; any other release counts as waiting until then.
 
 Pure: the caller passes ``now`` (a monotonic clock).
 """
@@ -65,8 +66,8 @@ class _Scraped:
 class LoadNow:
     """What some endpoints hold now.
 
-    ``slots`` is what they run: the newest scrapes' running plus the idle-band
-    releases sent into free slots since those scrapes started.
+    ``slots`` is what they run: the newest scrapes' running plus the releases
+    sent into free slots since those scrapes started.
     """
 
     held: float

@@ -22,6 +22,7 @@ slots at once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 
 from extproc.core.engine_load import EngineLoad
@@ -69,6 +70,21 @@ class Pool:
         if self.settings.max_running is not None:
             return self.settings.max_running * len(self.endpoints)
         return self.estimate.peak_running
+
+    def free_slots(self, now: float) -> int:
+        """Slots the engines have free now by the load estimate: their capacity less what they hold, none while they queue.
+
+        0 where free slots cannot be seen: a rule that reads no metrics,
+        endpoints whose metrics cannot be trusted, a capacity not known yet.
+        Work conservation is stated in these slots (``core/bands.py``): while
+        one is free, nothing keeps a held request from it.
+        """
+        if not self.rule.uses_metrics or self.degraded(now) or not self.health.serving():
+            return 0
+        estimate = self.estimate.now()
+        if estimate.waiting > 0:
+            return 0
+        return max(0, math.floor(self.capacity() - estimate.held))
 
     def reconfigure(self, rule: type[ReleaseRule], settings: RuleSettings) -> None:
         """A new rule, or new settings for it: started afresh on the same load estimate and endpoint health.
