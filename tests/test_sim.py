@@ -247,6 +247,61 @@ async def test_engine_streams_tokens_on_an_injected_clock_and_idles_without_step
         await engine.close()
 
 
+class StepByStep:
+    """Injected clock and sleep where each of the engine's sleeps (a step) ends only when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._due = 0.0
+        self._resume: asyncio.Future[None] | None = None
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self._due = self.now + seconds
+        self._resume = asyncio.get_running_loop().create_future()
+        await self._resume
+
+    async def mid_step(self) -> None:
+        """Wait until the engine is inside a step."""
+        while self._resume is None or self._resume.done():
+            await asyncio.sleep(0)
+
+    async def end_step(self) -> None:
+        assert self._resume is not None
+        self.now = self._due
+        self._resume.set_result(None)
+        await asyncio.sleep(0)
+
+
+async def test_a_request_that_arrives_during_a_step_is_never_shown_waiting_while_slots_are_free() -> None:
+    """What real vLLM's gauges show: the last step's queue. Arriving mid-step is not waiting; a full batch is."""
+    time_ = StepByStep()
+    engine = SimEngine(SimSettings(model=MODEL, max_num_seqs=2, step_ms=10, step_ms_per_seq=0, prefill_ms_per_token=0,
+                                   visibility_delay_ms=0, visibility_delay_per_pending_ms=0),
+                       clock=time_.clock, sleep=time_.sleep)
+    engine.start()
+    scheduler = engine.scheduler
+    try:
+        engine.submit(4, 100)
+        await time_.mid_step()
+        engine.submit(4, 100)  # a free slot: it runs from the next step on
+        assert (scheduler.shown_running, scheduler.shown_waiting) == (0, 0)
+        await time_.end_step()
+        await time_.mid_step()
+        assert (scheduler.shown_running, scheduler.shown_waiting) == (1, 0)  # the first step had the first alone
+        engine.submit(4, 100)  # no free slot: this one waits
+        await time_.end_step()
+        await time_.mid_step()
+        assert (scheduler.shown_running, scheduler.shown_waiting) == (2, 0)  # it arrived during that step
+        await time_.end_step()
+        await time_.mid_step()
+        assert (scheduler.shown_running, scheduler.shown_waiting) == (2, 1)  # a step scheduled without it
+    finally:
+        await engine.close()
+
+
 async def test_engine_abort_ends_the_stream_and_close_aborts_the_rest() -> None:
     fake, observer = FakeTime(), RecordingObserver()
     engine = SimEngine(SimSettings(model=MODEL, max_num_seqs=1), observer, clock=fake.clock, sleep=fake.sleep)

@@ -55,10 +55,10 @@ class DialectMetrics:
         self.registry = r = CollectorRegistry()
 
         def waiting() -> float:
-            return len(scheduler.waiting)
+            return scheduler.shown_waiting  # as of the last step's end, as VllmMetrics
 
         def running() -> float:
-            return len(scheduler.running)
+            return scheduler.shown_running
 
         def kv() -> float:
             return scheduler.kv_usage

@@ -66,15 +66,20 @@ The model
   request's first token therefore arrives at the end of the step that
   prefilled it, as in vLLM where the prefill step also samples the first
   token.
-* A request reaches the scheduler, and so ``/metrics``, only a moment after
-  it arrives: ``visibility_delay_ms`` plus ``visibility_delay_per_pending_ms``
-  for each request still on its way, at most ``visibility_delay_max_ms``.
+* A request reaches the scheduler only a moment after it arrives, and only
+  at the start of a step: ``visibility_delay_ms`` plus
+  ``visibility_delay_per_pending_ms`` for each request still on its way, at
+  most ``visibility_delay_max_ms``.
   Real vLLM tokenises in its API server and hands the request to the engine
   core, whose next step's stats are what ``/metrics`` shows: measured here
   (vLLM 0.32 CPU, 2 cores) 49-74 ms for one request, up to 254 ms, and
   99-174 ms for seven at once, up to 414 ms; the defaults reproduce that. A
   gateway that trusts the page to show what it just sent overfills the
-  engine, so every test runs against this lag.
+  engine, so every test runs against this lag. ``/metrics`` shows the queue
+  and the batch as they were at the end of the last step
+  (``Scheduler.shown_running``, ``shown_waiting``), as vLLM's gauges show
+  the stats of its last step: a request counts as waiting only once a step
+  was scheduled without it, never because it arrived while one ran.
 * A request finishes after exactly ``max_tokens`` tokens (finish reason
   ``length``) and frees its KV at once. Aborted requests (client gone) leave the
   waiting queue or the batch immediately and free their KV too
@@ -312,6 +317,11 @@ class Scheduler:
         self.running: list[SimRequest] = []
         self.batch: list[SimRequest] = []
         self.num_preemptions = 0
+        # What /metrics shows: the queue and batch as of the end of the last step (or abort),
+        # as vLLM's gauges are its SchedulerStats of the last step. A request that arrives
+        # during a step is not waiting until a step has been scheduled without it.
+        self.shown_running = 0
+        self.shown_waiting = 0
 
     @property
     def has_work(self) -> bool:
@@ -380,7 +390,11 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.finish_reason = FINISH_ABORT
+        self._show()
         return True
+
+    def _show(self) -> None:
+        self.shown_running, self.shown_waiting = len(self.running), len(self.waiting)
 
     def _free(self, request: SimRequest) -> None:
         if self.pool is not None:
@@ -508,6 +522,7 @@ class Scheduler:
         if any(r.finished for r in self.batch):
             self.running = [r for r in self.running if not r.finished]
         self.batch = []
+        self._show()
         return events
 
 
@@ -631,11 +646,9 @@ class SimEngine:
             prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival=now, priority=priority, block_hashes=hashes
         )
         self.scheduler.check(request)
-        delay = self._visibility_delay_s()
-        if delay > 0:
-            self._pending.append((now + delay, request))
-        else:
-            self.scheduler.add(request)
+        # Even without a delay it waits for the next step's start: vLLM's engine core takes new
+        # requests from its input queue between steps, never into a step that runs.
+        self._pending.append((now + self._visibility_delay_s(), request))
         handle = RequestHandle(self, request)
         self._handles[request] = handle
         self._wakeup.set()

@@ -12,9 +12,10 @@ Differences worth knowing:
 * Timings are wall-clock seconds as the simulator experienced them, so with
   ``time_scale=0.1`` every latency is about ten times smaller than the
   simulated GPU time.
-* The three gauges are read from the scheduler at scrape time (vLLM sets them
-  after every engine step); a just-arrived request is therefore visible as
-  waiting until a step admits it.
+* The running and waiting gauges show the scheduler as of the end of its last
+  step (vLLM sets them from each step's stats), so a request that arrives
+  while a step runs is not counted as waiting; an abort shows at once. The KV
+  usage gauge is read at scrape time.
 * A request aborted because its client went away is counted nowhere, as in
   vLLM 0.32: ``AsyncLLM.abort`` (``vllm/v1/engine/async_llm.py``) drops the
   request from ``OutputProcessor.abort_requests``
@@ -96,10 +97,10 @@ class VllmMetrics:
 
         gauge("vllm:num_requests_running", "Number of requests in model execution batches.").labels(
             *labels
-        ).set_function(lambda: len(scheduler.running))
+        ).set_function(lambda: scheduler.shown_running)
         gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.").labels(
             *labels
-        ).set_function(lambda: len(scheduler.waiting))
+        ).set_function(lambda: scheduler.shown_waiting)
         gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.").labels(
             *labels
         ).set_function(lambda: scheduler.kv_usage)
