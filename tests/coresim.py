@@ -1,0 +1,264 @@
+"""One model's dispatcher in front of the simulator's engine, in simulated time: no sockets, no clock, no sleeps.
+
+The scheduling core (``ModelDispatcher`` with the adaptive gate) and the
+simulator's pure continuous-batching ``Scheduler`` run on one heap of timed
+events, so a minute of traffic takes milliseconds and every run is exactly
+repeatable. What connects them is what Envoy and vLLM's API server do:
+
+* a released request reaches the engine ``lag_s`` later, and only at the start
+  of a step (vLLM takes new requests between steps);
+* the engine's ``/metrics`` are scraped every ``scrape_s`` and show its last
+  step's stats (``Scheduler.shown_running``, ``shown_waiting``);
+* a finished request's stream ends ``end_lag_s`` after its last token;
+  the first token tells the dispatcher its response began;
+* a preempted request is aborted in the engine at once (Envoy resets it).
+
+``check`` runs after every event: the tests' invariants are asserted there,
+at every moment something happened, not at chosen ones.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from extproc.core.bands import Band
+from extproc.core.cost import CostWeights
+from extproc.core.dispatcher import Held, ModelDispatcher
+from extproc.core.engine_load import EngineLoad
+from extproc.core.entitlement import Tenant
+from extproc.core.outcomes import Refused
+from extproc.core.policies import POLICIES
+from extproc.core.release import RULES, RuleSettings
+from extproc.core.release.pool import Pool
+from extproc.core.report import Event
+from extproc.tools.sim.engine import Scheduler, SimRequest, SimSettings
+
+ENDPOINT = "http://engine"
+BANDS = (Band("interactive", ttft_objective_s=5.0), Band("standard", ttft_objective_s=60.0),
+         Band("batch", idle_only=True, preemptible=True, min_share=0.0))
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float
+    band: int
+    tenant: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass
+class Request:
+    """One arrival's life: its queue entry, its engine request, and when each thing happened."""
+
+    arrival: Arrival
+    held: Held
+    sim: SimRequest | None = None
+    released_at: float | None = None
+    first_token_at: float | None = None
+    ended_at: float | None = None
+    outcome: str = "queued"  # released, done, refused, preempted
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass(order=True)
+class _Event:
+    at: float
+    seq: int
+    run: Callable[[], None] = field(compare=False)
+
+
+class CoreSim:
+    """The dispatcher and the simulated engine on one event heap (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: SimSettings,
+        *,
+        bands: tuple[Band, ...] = BANDS,
+        target_waiting: int = 3,
+        reserved_waiting: int = 0,
+        max_running: int | None = None,
+        max_preemptions_per_s: float = 0.0,
+        scrape_s: float = 0.1,
+        lag_s: float = 0.06,
+        end_lag_s: float = 0.002,
+        max_queue_wait_s: float = 3600.0,
+        check: Callable[[CoreSim], None] | None = None,
+    ) -> None:
+        self.now = 0.0
+        self.scrape_s = scrape_s
+        self.lag_s = lag_s
+        self.end_lag_s = end_lag_s
+        self._check = check
+        self._heap: list[_Event] = []
+        self._seq = itertools.count()
+        self.scheduler = Scheduler(engine)
+        self.step_end: float | None = None
+        self._inbox: list[tuple[SimRequest, Request]] = []
+        self._by_sim: dict[SimRequest, Request] = {}
+        self.requests: list[Request] = []
+        self._active: list[Request] = []  # queued or in flight: what _notice looks at
+        self._to_come = 0  # arrivals on the heap
+        self.events: list[Event] = []
+        self.limits: list[tuple[float, float]] = []  # (scrape time, the adaptive limit after it)
+        self.pool = Pool((ENDPOINT,), RULES["adaptive"], RuleSettings(target_waiting, max_running=max_running),
+                         stale_after_s=10 * scrape_s, fallback_max_in_flight=4)
+        every = Tenant(tuple(b.name for b in bands), bands[0].name, weight=1.0, max_queued=1_000_000)
+        self.dispatcher = ModelDispatcher(
+            "m", self.pool, bands, lambda event: self.events.append(event), lambda: self.now, policy=POLICIES["round_robin"],
+            tenant=lambda _: every, cost=CostWeights(), max_queued=1_000_000, max_queue_wait_s=max_queue_wait_s,
+            reserved_waiting=reserved_waiting, max_preemptions_per_s=max_preemptions_per_s, timers=self,
+        )
+        self._at(0.0, self._scrape)
+
+    # --- Timers (core/timers.py): the dispatcher's deadlines on the same heap -------------------------
+
+    def at(self, deadline: float, callback: Callable[[], None]) -> _Timer:
+        timer = _Timer()
+        self._at(deadline, lambda: None if timer.cancelled else callback())
+        return timer
+
+    def _at(self, at: float, run: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, _Event(at, next(self._seq), run))
+
+    # --- the run ----------------------------------------------------------------------------------------
+
+    def run(self, arrivals: Sequence[Arrival], until: float) -> None:
+        """Replay ``arrivals``, then run until ``until`` (simulated seconds)."""
+        for arrival in arrivals:
+            self._at(arrival.at, lambda a=arrival: self._arrive(a))  # type: ignore[misc]
+        self._to_come += len(arrivals)
+        while self._heap and self._heap[0].at <= until:
+            if not self._to_come and not self._active and self.step_end is None and not self._inbox:
+                return  # everything answered: only scrapes are left
+            event = heapq.heappop(self._heap)
+            self.now = event.at
+            event.run()
+            self._notice()
+            if self._check is not None:
+                self._check(self)
+
+    @property
+    def held(self) -> int:
+        """Requests the gateway holds now."""
+        return self.dispatcher.queued
+
+    def _arrive(self, arrival: Arrival) -> None:
+        self._to_come -= 1
+        try:
+            held = self.dispatcher.submit(arrival.tenant, arrival.band, max_tokens=arrival.max_tokens,
+                                          content_length=4 * arrival.prompt_tokens)
+        except Refused:
+            return
+        request = Request(arrival, held)
+        self.requests.append(request)
+        self._active.append(request)
+
+    def _notice(self) -> None:
+        """Releases, refusals and preemptions the last event caused: what the ext_proc streams would do."""
+        for request in self._active:
+            held = request.held
+            if request.outcome == "queued" and held.future.done():
+                if held.future.exception() is not None:
+                    request.outcome, request.ended_at = "refused", self.now
+                    continue
+                request.outcome, request.released_at = "released", self.now
+                sim = SimRequest(prompt_tokens=request.arrival.prompt_tokens, max_tokens=request.arrival.max_tokens,
+                                 arrival=self.now)
+                request.sim = sim
+                self._by_sim[sim] = request
+                self._at(self.now + self.lag_s, lambda s=sim, r=request: self._reach(s, r))  # type: ignore[misc]
+            if request.outcome == "released" and held.preempted is not None and held.preempted.done():
+                request.outcome, request.ended_at = "preempted", self.now
+                if request.sim is not None and not request.sim.finished and request.sim in self._by_sim:
+                    if any(s is request.sim for s, _ in self._inbox):
+                        self._inbox = [(s, r) for s, r in self._inbox if s is not request.sim]
+                    elif request.sim.scheduled_at is not None or request.sim in self.scheduler.waiting:
+                        self.scheduler.abort(request.sim)
+                self.dispatcher.end(held)
+        self._active = [r for r in self._active if r.outcome in ("queued", "released")]
+
+    def _reach(self, sim: SimRequest, request: Request) -> None:
+        if request.outcome != "released":
+            return
+        self._inbox.append((sim, request))
+        if self.step_end is None:
+            self._step()
+
+    def _step(self) -> None:
+        for sim, _ in self._inbox:
+            self.scheduler.add(sim)
+        self._inbox.clear()
+        if not self.scheduler.has_work:
+            self.step_end = None
+            return
+        step = self.scheduler.schedule(self.now)
+        self.step_end = self.now + step.duration
+        self._at(self.step_end, self._complete)
+
+    def _complete(self) -> None:
+        for token in self.scheduler.complete(self.now):
+            request = self._by_sim.get(token.request)
+            if request is None or request.outcome != "released":
+                continue
+            if token.index == 0:
+                request.first_token_at = self.now
+                self.dispatcher.record_response(request.held, True)
+            if token.request.finished:
+                self._at(self.now + self.end_lag_s, lambda r=request: self._end(r))  # type: ignore[misc]
+        self.step_end = None
+        self._step()
+
+    def _end(self, request: Request) -> None:
+        if request.outcome == "released":
+            request.outcome, request.ended_at = "done", self.now
+        self.dispatcher.end(request.held)
+
+    def _scrape(self) -> None:
+        scheduler = self.scheduler
+        load = EngineLoad(waiting=scheduler.shown_waiting, running=scheduler.shown_running,
+                          kv_usage=scheduler.kv_usage)
+        self.dispatcher.record_scrape(ENDPOINT, load, self.now)
+        limit = self.pool.rule.snapshot(ENDPOINT).limit
+        if limit is not None:
+            self.limits.append((self.now, limit))
+        self._at(self.now + self.scrape_s, self._scrape)
+
+    # --- what the tests read -----------------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        """The engine's free slots by the gate's own measure: capacity less what the estimate holds, none while it queues.
+
+        Written here from the load estimate's public numbers rather than taken
+        from ``Pool.free_slots``, so the invariant is checked against the
+        estimate, not against the code under test.
+        """
+        pool = self.pool
+        if pool.degraded(self.now):
+            return 0
+        estimate = pool.estimate.now()
+        if estimate.waiting > 0:
+            return 0
+        return max(0, math.floor(pool.capacity() - estimate.held))
+
+    def true_free_slots(self) -> int:
+        """What the engine really has free now: no queue inside it, fewer running than its batch."""
+        scheduler = self.scheduler
+        if scheduler.waiting or self._inbox:
+            return 0
+        return scheduler.max_num_seqs - len(scheduler.running)
+
+    def of(self, band: int) -> list[Request]:
+        return [r for r in self.requests if r.arrival.band == band]
