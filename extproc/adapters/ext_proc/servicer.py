@@ -683,14 +683,22 @@ async def _until_preempted(messages: AsyncIterator[pb.ProcessingRequest], held: 
 
     Only a preemptible request pays for the race (a task per message until its
     response headers come); every other stream reads its messages plainly.
+    The reading task is this stream's to end and its outcome this stream's to
+    take, however the wait ends: preempted, or cancelled (the client gone, the
+    server stopping). Left behind, it waits on a dead stream until it is
+    destroyed pending, or it ends (StopAsyncIteration: Envoy half-closes a
+    stream just before resetting it) with an exception nobody retrieves.
     """
     preempted = held.preempted
     while preempted is not None and not held.started:
         following = asyncio.ensure_future(anext(messages))
-        await asyncio.wait((following, preempted), return_when=asyncio.FIRST_COMPLETED)
-        if not following.done():
-            following.cancel()  # preempted: the stream ends with our answer
-            await asyncio.gather(following, return_exceptions=True)
+        try:
+            await asyncio.wait((following, preempted), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled: the stream ends here, and the reader with it
+            await _end_reader(following)
+            raise
+        if not following.done():  # preempted: the stream ends with our answer
+            await _end_reader(following)
             return
         try:
             message = following.result()
@@ -699,6 +707,12 @@ async def _until_preempted(messages: AsyncIterator[pb.ProcessingRequest], held: 
         yield message
     async for message in messages:
         yield message
+
+
+async def _end_reader(reader: asyncio.Future[pb.ProcessingRequest]) -> None:
+    """Cancel ``reader`` (if still reading) and wait for it, taking its outcome: a message, the stream's end, an error."""
+    reader.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
 
 
 def _priority_body(body: bytes, priority: int) -> pb.ProcessingResponse:
