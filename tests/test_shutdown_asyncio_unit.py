@@ -28,9 +28,10 @@ import pytest
 from aiohttp import web
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from google.protobuf import struct_pb2
+from google.protobuf import struct_pb2, wrappers_pb2
 
 from extproc.adapters.config import parse_config
+from extproc.adapters.ext_proc.h2grpc import GrpcServer, Message, Method
 from extproc.adapters.server import PROCESS_PATH, ProcessorServer
 from extproc.tools.procs import free_port
 from tests.h2raw import RawClient, message
@@ -190,3 +191,31 @@ async def shut_down(server: ProcessorServer, envoy: Envoy, path: str) -> None:
     else:  # the hard deadline cuts what is released and still open
         await server.drain_and_stop(0, 0)
 
+
+@pytest.mark.parametrize("end", ["reset", "connection_lost", "server_stopped"])
+async def test_a_task_reading_a_call_the_transport_ends_is_cancelled_not_left_waiting(end: str) -> None:
+    """h2grpc's own guarantee, whatever a handler does: a reader of a call it ended (another task than the handler) ends too."""
+    readers: list[asyncio.Task[Any]] = []
+
+    async def handler(requests: AsyncIterator[Any]) -> AsyncIterator[Message]:
+        readers.append(asyncio.ensure_future(anext(aiter(requests))))
+        await asyncio.Event().wait()  # held until the transport cancels the handler
+        yield wrappers_pb2.BytesValue()
+
+    server = GrpcServer({"/t.T/Read": Method(wrappers_pb2.BytesValue.FromString, handler)})
+    port = free_port()
+    await server.start("127.0.0.1", port)
+    client = await RawClient.connect(port)
+    try:
+        stream_id = client.request(b"/t.T/Read")
+        await until(lambda: len(readers) == 1)
+        if end == "reset":
+            client.h2.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+            client.flush()
+        elif end == "connection_lost":
+            await client.close()
+        await server.stop(0)
+        await asyncio.wait(readers, timeout=PATIENCE_S)
+    finally:
+        await client.close()
+    assert [reader.cancelled() for reader in readers] == [True]

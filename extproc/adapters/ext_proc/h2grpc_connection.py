@@ -463,5 +463,8 @@ class Connection(asyncio.Protocol):
 
 
 def _cancel(call: Call) -> None:
+    """End the call's handler, and any other task reading the call (one its handler started): none waits on it forever."""
     if call.task is not None:
         call.task.cancel()
+    if call.waiter is not None:
+        call.waiter.cancel()
