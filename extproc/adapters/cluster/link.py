@@ -17,6 +17,11 @@ slots whose wake-up was lost, and rejoins after an outage.
 A round trip that fails or takes longer than ``redis_timeout_ms`` puts the
 model's dispatcher on its own share (degraded, ``extproc_cluster_degraded``)
 until one succeeds again.
+
+Every time limit here is ``asyncio.timeout``, never ``asyncio.wait_for``: on
+Python 3.11, wait_for returns the result of an awaitable that completes as
+its task is cancelled, and the lost cancel keeps a link's loop running, so a
+shutdown waits for it forever (the scraper's same fix, engines/scraper.py).
 """
 
 from __future__ import annotations
@@ -102,7 +107,8 @@ class ModelLink:
         settings = self._connection.settings
         while True:
             try:
-                await asyncio.wait_for(self.doorbell.rung.wait(), settings.heartbeat_s)
+                async with asyncio.timeout(settings.heartbeat_s):
+                    await self.doorbell.rung.wait()
             except TimeoutError:
                 pass  # the heartbeat: renew the lease, take lost grants, publish the backlog
             self.doorbell.answered()
@@ -115,8 +121,8 @@ class ModelLink:
         ask = seat.ask()
         started = time.perf_counter()
         try:
-            reply = await asyncio.wait_for(
-                connection.script(keys=[self._prefix], args=[self._trip(ask)]), connection.timeout_s)
+            async with asyncio.timeout(connection.timeout_s):
+                reply = await connection.script(keys=[self._prefix], args=[self._trip(ask)])
         except (RedisError, OSError, TimeoutError) as exc:
             self._telemetry.report(self._model)(ClusterTrip(None))
             if not self._warned:
@@ -198,7 +204,8 @@ class ClusterConnection:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
-            await asyncio.wait_for(asyncio.gather(*(link.leave() for link in self.links.values())), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                await asyncio.gather(*(link.leave() for link in self.links.values()))
         except (RedisError, OSError, TimeoutError):
             pass  # Redis away: the lease lapses instead
         await self.client.aclose()
