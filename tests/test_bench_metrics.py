@@ -369,8 +369,9 @@ def test_decision_log_lines_in_the_run_s_window_become_model_seconds() -> None:
              line("2026-12-01T12:00:02.000+00:00", "refused:preempted"),
              line("2026-12-01T12:00:02.500+00:00", logger="extproc.health"),
              line("2026-12-01T12:00:30.000+00:00")]  # after the run
+    # wait_ms 1: 2 ms of the modelled GPU at time scale 0.5.
     assert decisions(lines, start, wall_s=10.0, time_scale=0.5) == [
-        Decision(2.5, "job", "batch", "released"), Decision(4.0, "job", "batch", "refused:preempted")]
+        Decision(2.5, "job", "batch", "released", 0.002), Decision(4.0, "job", "batch", "refused:preempted", 0.002)]
 
 
 def test_conservation_of_a_gated_run_against_direct() -> None:

@@ -9,6 +9,10 @@ Redis, started before its processors and stopped after them.
 A scenario's phases (references such as its focus group alone) are replayed
 first, each on its own once the engine is idle again, on the same stack.
 
+A scenario with a window (``Scenario.window``, a replayed trace's) cuts its run
+there: every request not answered by then is abandoned, as a client that gives
+up, and its result says so (``Result.cut``) with what its client had received.
+
 Times in the results are *model seconds*: wall-clock time divided by the time
 scale, so they read like a real GPU's. A fixed wall-clock cost (the ~1 ms of
 the Envoy hop) is magnified by ``1 / time_scale`` in these units; the overhead
@@ -94,10 +98,13 @@ class Result:
     preempted: int = 0
     # When the answered attempt was sent (None: the first one was answered).
     resent: float | None = None
+    # Not answered by the end of the run's window: abandoned there (its e2e ends at the cut; ttft and tokens are what
+    # had arrived by then).
+    cut: bool = False
 
     @property
     def ok(self) -> bool:
-        return self.status == 200 and self.ttft is not None
+        return self.status == 200 and self.ttft is not None and not self.cut
 
     @property
     def first_token_at(self) -> float | None:
@@ -127,12 +134,14 @@ class EngineSample:
 
 @dataclass(frozen=True)
 class Decision:
-    """One line of a processor's decision log: a request released, refused or abandoned (model seconds)."""
+    """One line of a processor's decision log: a request released, refused, abandoned or preempted (model seconds)."""
 
     at: float
     tenant: str
     band: str
-    outcome: str  # "released", "refused:<reason>", "abandoned"
+    outcome: str  # "released", "refused:<reason>", "abandoned", "preempted"
+    # How long it had been held in the queue by then (None: a preemption, whose line gives its time running).
+    waited: float | None = None
 
 
 @dataclass(frozen=True)
@@ -236,6 +245,7 @@ _COUNTERS = {
     "extproc_cluster_round_trip_seconds_sum": "round_trip_seconds_sum",
     "extproc_cluster_round_trip_seconds_count": "round_trip_count",
 }
+OBJECTIVE_COUNTER = "extproc_objective_requests_total"
 
 
 def processor_counters(pages: Sequence[str]) -> dict[str, float]:
@@ -243,7 +253,9 @@ def processor_counters(pages: Sequence[str]) -> dict[str, float]:
 
     ``round_trips_ok`` counts only successful round trips (the hot-path cost);
     ``round_trip_le_<bound>`` are the round-trip histogram's cumulative
-    buckets, so percentiles can be read off the whole cluster at once.
+    buckets, so percentiles can be read off the whole cluster at once;
+    ``objective_<class>_<met|missed>`` the requests of a class that met or
+    missed its TTFT objective, as the processor judged them.
     """
     totals: dict[str, float] = {}
     for text in pages:
@@ -254,6 +266,8 @@ def processor_counters(pages: Sequence[str]) -> dict[str, float]:
                     key = "round_trips_ok"
                 elif sample.name == "extproc_cluster_round_trip_seconds_bucket":
                     key = f"round_trip_le_{sample.labels['le']}"
+                elif sample.name == OBJECTIVE_COUNTER:
+                    key = f"objective_{sample.labels.get('priority')}_{sample.labels.get('outcome')}"
                 if key is not None:
                     totals[key] = totals.get(key, 0.0) + sample.value
     return totals
@@ -277,17 +291,20 @@ def decisions(lines: Sequence[str], started_wall: float, wall_s: float, time_sca
             continue
         offset = datetime.datetime.fromisoformat(entry["ts"]).timestamp() - started_wall
         if 0 <= offset <= wall_s:
-            found.append(Decision(offset / time_scale, entry["tenant"], entry["class"], entry["outcome"]))
+            wait_ms = entry.get("wait_ms")
+            waited = None if wait_ms is None else wait_ms / 1000 / time_scale
+            found.append(Decision(offset / time_scale, entry["tenant"], entry["class"], entry["outcome"], waited))
     return sorted(found, key=lambda d: d.at)
 
 
 def _decision_log(stack: Stack, run: PhaseRun, time_scale: float) -> tuple[Decision, ...]:
+    """The run's decisions, and those of the requests it abandoned at its end (a window's cut), logged just after."""
     lines: list[str] = []
     for name in stack.processors:
         log = stack.workdir / ("extproc.log" if name == SOLE else f"extproc-{name}.log")
         with contextlib.suppress(OSError):
             lines += log.read_text(encoding="utf-8", errors="replace").splitlines()
-    return tuple(decisions(lines, run.started_wall, run.wall_s, time_scale))
+    return tuple(decisions(lines, run.started_wall, run.wall_s + SETTLE_PAUSE_S, time_scale))
 
 
 async def _scrape_processors(stack: Stack) -> dict[str, float]:
@@ -298,6 +315,16 @@ async def _scrape_processors(stack: Stack) -> dict[str, float]:
                 response.raise_for_status()
                 pages.append(await response.text())
     return processor_counters(pages)
+
+
+@dataclass
+class Progress:
+    """What the client has seen of an attempt so far (wall seconds from its send): what a cut request had received."""
+
+    status: int = 0
+    queue_wait_s: float | None = None
+    ttft_s: float | None = None
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -315,20 +342,24 @@ class Attempt:
 
 
 async def send(
-    session: aiohttp.ClientSession, url: str, body: Mapping[str, object], headers: Mapping[str, str]
+    session: aiohttp.ClientSession, url: str, body: Mapping[str, object], headers: Mapping[str, str],
+    progress: Progress | None = None,
 ) -> Attempt:
     """One chat completion, streamed or whole as ``body`` says; never raises for HTTP or connection errors.
 
     A streamed answer's tokens are its content chunks (one token each, the
-    simulator's and vLLM's default); a whole one's, its usage.
+    simulator's and vLLM's default); a whole one's, its usage. ``progress``
+    follows the answer as it arrives (for a request the window cuts).
     """
     start = time.monotonic()
     ttft: float | None = None
     tokens = 0
+    seen = progress or Progress()
     try:
         async with session.post(url, json=body, headers=headers) as response:
             wait_ms = response.headers.get(QUEUE_WAIT_HEADER)
             queue_wait = int(wait_ms) / 1000 if wait_ms is not None else None
+            seen.status, seen.queue_wait_s = response.status, queue_wait
             if response.status != 200:
                 retry = response.headers.get("retry-after")
                 return Attempt(response.status, None, time.monotonic() - start, queue_wait, 0,
@@ -345,6 +376,7 @@ async def send(
                 ):
                     tokens += 1
                     ttft = time.monotonic() - start if ttft is None else ttft
+                    seen.ttft_s, seen.tokens = ttft, tokens
             return Attempt(200, ttft, time.monotonic() - start, queue_wait, tokens)
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         return Attempt(0, None, time.monotonic() - start, None, 0, repr(exc))
@@ -354,6 +386,17 @@ def preempted(attempt: Attempt) -> bool:
     """The gateway ended the request before its answer began, for a higher class: send it again."""
     return attempt.status == 503 and (attempt.reason == Refusal.PREEMPTED.value
                                       or f'"code": "{Refusal.PREEMPTED.value}"' in attempt.error)
+
+
+@dataclass
+class Sending:
+    """One request on its way: when its first attempt and its current one were sent, its preemptions, what arrived."""
+
+    planned: Planned
+    sent: float
+    resent: float | None = None
+    preempted: int = 0
+    progress: Progress = field(default_factory=Progress)
 
 
 async def replay(
@@ -366,6 +409,7 @@ async def replay(
     engine: Engine | VllmEngine,
     on_done: Callable[[], None] = lambda: None,
     unique_prompts: bool = False,
+    window: float | None = None,
 ) -> list[Result]:
     """Send every planned request at ``t0 + at * time_scale`` (open loop) and wait for all answers.
 
@@ -374,7 +418,10 @@ async def replay(
     done for ``on_done``, and has no result). The requests go to ``base_urls``
     in turn (several: the engine replicas straight, as clients split evenly).
     ``unique_prompts``: each prompt is its shared prefix and text of its own
-    (:func:`planned_prompt`), else the same filler text for all.
+    (:func:`planned_prompt`), else the same filler text for all. ``window``
+    (model seconds from ``t0``): at its end every request not yet answered is
+    abandoned and its result marked ``cut``; a request planned after it is
+    not sent (and has no result).
     """
     numbers = {id(planned): number for number, planned in enumerate(requests)}
     connector = aiohttp.TCPConnector(limit=0)  # one connection per concurrent request, as separate clients
@@ -383,9 +430,34 @@ async def replay(
     # (Only tenants this replay sends: a phase without them stops nothing.)
     stops = {r.stop_after for r in requests if r.stop_after is not None}
     left = {t: n for t in stops if (n := sum(r.tenant == t for r in requests))}
+    cut_at = None if window is None else t0 + window * time_scale
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as session:
 
-        async def one(planned: Planned) -> Result:
+        def result(sending: Sending, attempt: Attempt | Progress, total_s: float, error: str, *, cut: bool = False
+                   ) -> Result:
+            planned = sending.planned
+            since = (sending.resent or sending.sent) - sending.sent  # the answered attempt's start, from the first send
+            return Result(
+                tenant=planned.tenant,
+                priority=planned.priority,
+                planned=planned.at,
+                sent=(sending.sent - t0) * scale,
+                status=attempt.status,
+                ttft=None if attempt.ttft_s is None else (since + attempt.ttft_s) * scale,
+                e2e=(since + total_s) * scale,
+                queue_wait=None if attempt.queue_wait_s is None else attempt.queue_wait_s * scale,
+                prompt_tokens=planned.prompt_tokens,
+                max_tokens=planned.max_tokens,
+                tokens=attempt.tokens,
+                error=error,
+                stream=planned.stream,
+                preempted=sending.preempted,
+                resent=None if sending.resent is None else (sending.resent - t0) * scale,
+                cut=cut,
+            )
+
+        async def one(sending: Sending) -> Result:
+            planned = sending.planned
             headers = {"content-type": "application/json"}
             if planned.priority:
                 headers["x-priority"] = planned.priority
@@ -399,52 +471,51 @@ async def replay(
                 **engine.request_extras,
             }
             url = f"{base_urls[numbers[id(planned)] % len(base_urls)]}/v1/chat/completions"
-            sent = time.monotonic()
-            resent: float | None = None
-            attempt = await send(session, url, body, {**headers, RETRY_HEADER: "0"})
-            times = 0
-            while preempted(attempt) and times + 1 < MAX_ATTEMPTS:
-                times += 1
+            attempt = await send(session, url, body, {**headers, RETRY_HEADER: "0"}, sending.progress)
+            while preempted(attempt) and sending.preempted + 1 < MAX_ATTEMPTS:
+                sending.preempted += 1
                 # Retry-After is the gateway's wall-clock advice to a client of the modelled GPU: model seconds.
                 await asyncio.sleep((attempt.retry_after_s or 1.0) * time_scale)
-                resent = time.monotonic()
-                attempt = await send(session, url, body, {**headers, RETRY_HEADER: str(times)})
-            times += preempted(attempt)
+                sending.resent, sending.progress = time.monotonic(), Progress()
+                attempt = await send(session, url, body, {**headers, RETRY_HEADER: str(sending.preempted)},
+                                     sending.progress)
+            sending.preempted += preempted(attempt)
             if planned.tenant in left:
                 left[planned.tenant] -= 1
             on_done()
-            since = (resent or sent) - sent  # the answered attempt's start, from the first send
-            return Result(
-                tenant=planned.tenant,
-                priority=planned.priority,
-                planned=planned.at,
-                sent=(sent - t0) * scale,
-                status=attempt.status,
-                ttft=None if attempt.ttft_s is None else (since + attempt.ttft_s) * scale,
-                e2e=(since + attempt.total_s) * scale,
-                queue_wait=None if attempt.queue_wait_s is None else attempt.queue_wait_s * scale,
-                prompt_tokens=planned.prompt_tokens,
-                max_tokens=planned.max_tokens,
-                tokens=attempt.tokens,
-                error=attempt.error,
-                stream=planned.stream,
-                preempted=times,
-                resent=None if resent is None else (resent - t0) * scale,
-            )
+            return result(sending, attempt, attempt.total_s, attempt.error)
 
         def stopped(planned: Planned) -> bool:
             return planned.stop_after in left and left[planned.stop_after] == 0
 
-        tasks: list[asyncio.Task[Result]] = []
+        tasks: list[tuple[Sending, asyncio.Task[Result]]] = []
         for planned in requests:
+            if cut_at is not None and t0 + planned.at * time_scale >= cut_at:
+                on_done()  # planned after the window: never sent
+                continue
             delay = t0 + planned.at * time_scale - time.monotonic()
             if delay > 0 and not stopped(planned):
                 await asyncio.sleep(delay)
             if stopped(planned):
                 on_done()
                 continue
-            tasks.append(asyncio.create_task(one(planned)))
-        return list(await asyncio.gather(*tasks))
+            sending = Sending(planned, time.monotonic())
+            tasks.append((sending, asyncio.create_task(one(sending))))
+        if cut_at is None or not tasks:
+            return list(await asyncio.gather(*(task for _, task in tasks)))
+        _, pending = await asyncio.wait([task for _, task in tasks], timeout=max(0.0, cut_at - time.monotonic()))
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        results = []
+        for sending, task in tasks:
+            if task in pending:
+                on_done()
+                results.append(result(sending, sending.progress, cut_at - (sending.resent or sending.sent),
+                                      "not answered in the window", cut=True))
+            else:
+                results.append(task.result())
+        return results
 
 
 async def run_arm(
@@ -494,8 +565,9 @@ async def _start(arm: Arm, config: Path, engine: Engine | VllmEngine, time_scale
 async def _watched(
     stack: Stack, base_urls: Sequence[str], requests: Sequence[Planned], keys: dict[str, str],
     engine: Engine | VllmEngine, time_scale: float, on_done: Callable[[], None], *, unique_prompts: bool = False,
+    window: float | None = None,
 ) -> PhaseRun:
-    """Replay ``requests`` from now, sampling the (first) engine until the last answer."""
+    """Replay ``requests`` from now, sampling the (first) engine until the last answer (or the window's cut)."""
     started_wall = time.time()
     t0 = time.monotonic()
     stop = asyncio.Event()
@@ -503,7 +575,7 @@ async def _watched(
     try:
         results = await replay(
             base_urls, requests, time_scale=time_scale, api_keys=keys, t0=t0, engine=engine, on_done=on_done,
-            unique_prompts=unique_prompts,
+            unique_prompts=unique_prompts, window=window,
         )
     finally:
         stop.set()
@@ -548,7 +620,11 @@ async def _measure(
     cpu_before = {name: _cpu(group) for name, group in pids.items()}
     client_before = time.process_time()
     prefix_before = await _prefix_counters(endpoints)
-    run = await _watched(stack, base_urls, scenario.requests(), keys, engine, time_scale, on_done, unique_prompts=unique)
+    run = await _watched(stack, base_urls, scenario.requests(), keys, engine, time_scale, on_done, unique_prompts=unique,
+                         window=scenario.window)
+    if any(r.cut for r in run.results):
+        # The requests it abandoned reach the processors' counters and decision log a moment later.
+        await asyncio.sleep(SETTLE_PAUSE_S)
     prefix_after = await _prefix_counters(endpoints)
     grown = [(after[0] - before[0], after[1] - before[1])
              for before, after in zip(prefix_before, prefix_after, strict=True)]

@@ -88,6 +88,7 @@ class Phase:
 # Phase names the figures read (metrics.summarize).
 UNLOADED = "unloaded"  # the focus group alone: its own unloaded reference
 BATCH_ALONE = "batch-alone"  # the batch alone, straight to the engine: the engine's capacity for it
+TRACE_ALONE = "trace-alone"  # a replayed trace without the flood, straight to the engine: its offered load measured
 
 # What a scenario's summary adds to the common figures (metrics.summarize, report).
 OBJECTIVES = "objectives"  # the focus group's TTFT against its class's objective and against unloaded
@@ -95,6 +96,7 @@ BATCH = "batch"  # the batch class: makespan, throughput vs idle capacity, preem
 CLASSES = "classes"  # every class against straight to the engine
 CONSERVATION = "conservation"  # the engine kept as busy as without the gateway, and where the gap comes from
 LOCALITY = "locality"  # the engines' prefix-cache hit rate, and the VTC paper's service difference
+TRACE = "trace"  # per class within the run's window: TTFT, not answered, tokens, objectives missed (trace replays)
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class Scenario:
     time_scale: float | None = None
     # Top-level config for every gateway arm of this scenario (its tenants' entitlements).
     gateway: Mapping[str, Any] = field(default_factory=dict)
-    # Figures beyond the common ones: OBJECTIVES, BATCH, CLASSES, CONSERVATION.
+    # Figures beyond the common ones: OBJECTIVES, BATCH, CLASSES, CONSERVATION, LOCALITY, TRACE.
     measures: frozenset[str] = frozenset()
     # The class whose requests are the batch (BATCH, CONSERVATION).
     batch_priority: str = "batch"
@@ -134,10 +136,17 @@ class Scenario:
     # balancing ("direct" only splits clients evenly, it cannot spread by load). Falls back to direct FIFO
     # when that arm does not run.
     baseline: str = "direct-fifo"
+    # Requests planned in advance, beside the streams' (a replayed trace, trace.py); sent at their ``at`` like any.
+    planned: tuple[Planned, ...] = ()
+    # The run's window (model seconds from its start): requests not answered by then are cut and counted as not
+    # answered in the window (None: the run waits for every answer).
+    window: float | None = None
+    # How the plan was made from a trace: every factor used, for results.json (trace.py).
+    replay: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def tenants(self) -> list[str]:
-        return sorted({s.tenant for s in self.streams})
+        return sorted({s.tenant for s in self.streams} | {p.tenant for p in self.planned})
 
     def in_focus(self, tenant: str, priority: str | None) -> bool:
         return tenant in self.focus_tenants or (self.focus_priority is not None and priority == self.focus_priority)
@@ -146,7 +155,9 @@ class Scenario:
         return self.weights.get(tenant, 1.0)
 
     def requests(self) -> list[Planned]:
-        return plan(self.streams, self.seed)
+        """The streams' seeded plan and the planned requests, in arrival order (a stable sort: ties keep theirs)."""
+        streams = plan(self.streams, self.seed)
+        return sorted([*streams, *self.planned], key=lambda r: r.at) if self.planned else streams
 
     def phase_requests(self, phase: Phase) -> list[Planned]:
         return subplan(self.requests(), phase.tenants, phase.duration)
