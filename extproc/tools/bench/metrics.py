@@ -68,6 +68,27 @@ Definitions (all times in model seconds, see :mod:`extproc.tools.bench.runner`):
   shows what it adds. The makespan
   is also given in engine steps (divided by the engine's mean inter-token
   latency over it), which a CPU busy with other work does not lengthen.
+* **Idle slot-seconds while held** (arms with extproc, every scenario) — the
+  engine's empty slots (slots - running, as sampled) integrated over the time
+  in which the gateway held at least one request of any class: each request's
+  time in the processor's queue from its decision log (the decision's time less
+  its ``wait_ms``), else from the client's send to its release (the queue-wait
+  header). Also as a share of the engine's slot-seconds over the run (its start
+  to its last answer, or its window). Where there are several engine replicas,
+  the first one's.
+* **Trace replay** (``TRACE``: a scenario with a window) — per class: requests
+  not answered in the window (cut before their first token, or while
+  streaming), TTFT p50/p99 with a request that got no first token counted as
+  later than any (a percentile that falls among them is past the window),
+  output tokens received by the end of the window (a cut stream's count) against
+  direct FIFO's, and the requests that missed the class's TTFT objective (no
+  first token within it, in the window); and the processor's own count
+  (``extproc_objective_requests_total``: released late, or left the queue once
+  the deadline had passed). The focus class's TTFT p99 against the same
+  requests alone on a quiet engine (the baseline's ``UNLOADED`` phase), and the
+  offered load as measured: the engine's mean running / slots over the replayed
+  span with the trace alone (the ``TRACE_ALONE`` phase) and the chats alone,
+  against what the replay computed.
 * **Processor** (arms with extproc) — from the instances' own counters at the
   end of the run, summed over instances: releases per wall-clock second of the
   run, processor CPU per request (ms, all instances), and for a cluster the
@@ -80,7 +101,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +114,8 @@ from extproc.tools.bench.scenarios import (
     CONSERVATION,
     LOCALITY,
     OBJECTIVES,
+    TRACE,
+    TRACE_ALONE,
     UNLOADED,
     Scenario,
 )
@@ -347,6 +370,7 @@ def summarize(
         "cpu_share": {name: seconds / run.wall_s for name, seconds in run.cpu_s.items()},
         "wall_s": run.wall_s,
         "processor": processor(run),
+        "idle_while_held": idle_while_held(run, scenario.window) if run.processor else None,
     }
     if UNLOADED in run.phases:
         summary["focus_unloaded"] = latency(r for r in run.phases[UNLOADED].results
@@ -372,7 +396,139 @@ def summarize(
         summary["conservation"] = conservation(scenario, run, baseline)
     if LOCALITY in scenario.measures:
         summary["locality"] = {**prefix_hits(run), "service_difference": service_difference(results, scenario.weight)}
+    if TRACE in scenario.measures:
+        summary["trace"] = trace_figures(scenario, run, baseline)
     return summary
+
+
+# --- the gateway's idle slots; a trace replayed in a window ----------------------------------------------------
+
+
+def gateway_held(run: ArmRun) -> list[tuple[float, float]]:
+    """When the gateway held at least one request (any class): from the decision log, else the clients' headers.
+
+    A logged decision at t after ``waited`` held its request over [t - waited, t];
+    a request the run abandoned at its window's end is logged as it leaves.
+    """
+    logged = [(d.at - d.waited, d.at) for d in run.decisions if d.waited]
+    return _merge(logged) if logged else held_intervals(run.results)
+
+
+def run_end(run: ArmRun, window: float | None) -> float:
+    """The end of what a run is measured over: its window, else its last answer."""
+    return window if window is not None else max((r.done_at for r in run.results), default=0.0)
+
+
+def idle_while_held(run: ArmRun, window: float | None = None) -> dict[str, float | None]:
+    """The engine's empty slot-seconds while the gateway held requests, over the run (or its ``window``).
+
+    ``share``: of the engine's slot-seconds over it (slots x its length).
+    """
+    end = run_end(run, window)
+    held = [(max(0.0, a), min(b, end)) for a, b in gateway_held(run) if b > 0 and a < end]
+    empty = empty_slots_while_held(run.engine, held, run.slots)
+    capacity = run.slots * end
+    return {"held_s": sum(b - a for a, b in held), "below_slots_s": empty["below_s"], "slot_s": empty["slot_s"],
+            "over_s": end, "share": empty["slot_s"] / capacity if capacity > 0 else None}
+
+
+def ttft_in_window(results: Sequence[Result]) -> dict[str, Any]:
+    """TTFT p50/p99 of ``results``, a request without a first token counted as later than any.
+
+    Nearest rank over all of them: a percentile that falls among those
+    without a first token is None, and named in ``beyond`` (it is past the
+    window, or the request failed).
+    """
+    got = sorted(r.ttft for r in results if r.ttft is not None)
+    figures: dict[str, Any] = {"beyond": []}
+    for q in (50, 99):
+        rank = max(1, math.ceil(q / 100 * len(results)))
+        figures[f"p{q}"] = got[rank - 1] if results and rank <= len(got) else None
+        if results and rank > len(got):
+            figures["beyond"].append(f"p{q}")
+    return figures
+
+
+def missed_objective(results: Iterable[Result], objective_s: float | None) -> int | None:
+    """How many of ``results`` had no first token within ``objective_s`` (answered late, or not at all)."""
+    if objective_s is None:
+        return None
+    return sum(not (r.ttft is not None and r.ttft <= objective_s) for r in results)
+
+
+def trace_class(mine: Sequence[Result], direct: Sequence[Result], window: float, objective_s: float | None,
+                counters: Mapping[str, float], cls: str) -> dict[str, Any]:
+    """One class of a trace replay in its window, against the same class straight to the engine (see the docstring)."""
+    tokens, base = tokens_until(mine, window), tokens_until(direct, window)
+    answered = sum(r.ok for r in mine)
+    return {
+        "requests": len(mine),
+        "answered": answered,
+        "not_answered": len(mine) - answered,
+        "cut_waiting": sum(r.cut and r.ttft is None for r in mine),
+        "cut_streaming": sum(r.cut and r.ttft is not None for r in mine),
+        "failed": sum(not r.ok and not r.cut for r in mine),
+        "ttft": ttft_in_window(mine),
+        "tokens": tokens,
+        "tokens_vs_direct": _ratio(tokens, base),
+        "objective_s": objective_s,
+        "missed": missed_objective(mine, objective_s),
+        "processor_met": counters.get(f"objective_{cls}_met"),
+        "processor_missed": counters.get(f"objective_{cls}_missed"),
+    }
+
+
+def trace_figures(scenario: Scenario, run: ArmRun, baseline: ArmRun) -> dict[str, Any]:
+    """A replayed trace in its window: each class, the focus class against the quiet engine, the offered load."""
+    window = run_end(run, scenario.window)
+    results, direct = list(run.results), list(baseline.results)
+    classes = {
+        cls: trace_class([r for r in results if priority_label(r) == cls],
+                         [r for r in direct if priority_label(r) == cls], window, run.objectives.get(cls),
+                         run.processor, cls)
+        for cls in sorted({priority_label(r) for r in results})
+    }
+    tokens, base = tokens_until(results, window), tokens_until(direct, window)
+    mine = ttft_in_window([r for r in results if scenario.in_focus(r.tenant, r.priority)])
+    quiet_run = baseline.phases.get(UNLOADED)
+    quiet = None if quiet_run is None else latency(
+        r for r in quiet_run.results if scenario.in_focus(r.tenant, r.priority))
+    quiet_p99 = _get_ttft(quiet, "p99")
+    figures: dict[str, Any] = {
+        "window_s": window,
+        "classes": classes,
+        "tokens": tokens,
+        "tokens_vs_direct": _ratio(tokens, base),
+        "focus_reference": {"quiet_p50": _get_ttft(quiet, "p50"), "quiet_p99": quiet_p99, "p99": mine["p99"],
+                            "p99_vs_quiet": _maybe_ratio(mine["p99"], quiet_p99)},
+    }
+    if run is baseline:
+        figures["offered"] = offered_load(scenario, baseline)
+    return figures
+
+
+def _get_ttft(block: Mapping[str, Any] | None, q: str) -> float | None:
+    value = None if block is None else block["ttft"][q]
+    return None if value is None or math.isnan(value) else float(value)
+
+
+def offered_load(scenario: Scenario, baseline: ArmRun) -> dict[str, float | None]:
+    """The replay's offered utilisation as computed, and as measured: the engine's mean running / slots over the span.
+
+    With the trace alone (``TRACE_ALONE``) and with the chats alone (``UNLOADED``), straight to the engine.
+    """
+    replay, span = scenario.replay, scenario.replay.get("span_s")
+
+    def measured(phase: str) -> float | None:
+        run = baseline.phases.get(phase)
+        if run is None or not span or not baseline.slots:
+            return None
+        mean = time_mean(run.engine, 0.0, span)
+        return None if mean is None else mean / baseline.slots
+
+    chats = replay.get("kinds", {}).get("conv", {}).get("offered_utilisation")
+    return {"expected": replay.get("offered_utilisation"), "measured": measured(TRACE_ALONE),
+            "chats_expected": chats, "chats_measured": measured(UNLOADED)}
 
 
 # --- #19: objectives, the batch class, classes against direct, work conservation ----------------

@@ -22,9 +22,20 @@ from matplotlib.figure import Figure  # noqa: E402
 from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, Arm  # noqa: E402
 from extproc.tools.bench.metrics import cumulative_service  # noqa: E402
 from extproc.tools.bench.runner import ArmRun  # noqa: E402
-from extproc.tools.bench.scenarios import BATCH, CLASSES, CONSERVATION, LOCALITY, OBJECTIVES, Scenario  # noqa: E402
+from extproc.tools.bench.scenarios import (  # noqa: E402
+    BATCH,
+    CLASSES,
+    CONSERVATION,
+    LOCALITY,
+    OBJECTIVES,
+    TRACE,
+    Scenario,
+)
+from extproc.tools.bench.trace import describe  # noqa: E402
 
 DPI = 80
+# More tenants than this (a replayed trace's 26): their service lines go without a legend.
+LEGEND_TENANTS = 12
 # Targets from the project's benchmark issue (reported, not asserted).
 NEWCOMER_SPEEDUP = 20.0
 THROUGHPUT_RATIO = 0.97
@@ -240,12 +251,15 @@ def scenario_markdown(
             f"{_num(_get(s, 'engine', 'waiting_median'), 0)} / {_num(_get(s, 'engine', 'waiting_max'), 0)}",
             _jain(s),
             " / ".join(_s(_get(s, "focus", "queue_wait", q)) for q in ("p50", "p99")),
+            _idle(s.get("idle_while_held")),
         ])
+    over = "window" if scenario.window is not None else "run"
     lines += _table(
         ["arm", "ok", f"{scenario.focus} TTFT p50 / p95 / p99 (s)", f"{scenario.focus} e2e p99 (s)",
          "all TTFT p99 (s)", "tokens by horizon vs FIFO", "req/s vs FIFO", "tokens/s vs FIFO",
          "engine waiting median / max",
-         "Jain mean / min (windows)", f"{scenario.focus} gateway wait p50 / p99 (s)"],
+         "Jain mean / min (windows)", f"{scenario.focus} gateway wait p50 / p99 (s)",
+         f"idle slot-s while held (% of the {over})"],
         rows,
     )
     steps = [f"{arm.name} {_num(step, 1)} ms" for arm in arms
@@ -253,8 +267,8 @@ def scenario_markdown(
     if steps:
         lines += ["", "The engine's mean step (inter-token latency) over the run, which a CPU busy with other work "
                   "lengthens: " + ", ".join(steps) + "."]
-    if any("focus_unloaded" in s for s in summary.values()):
-        lines += _unloaded_table(scenario, arms, summary)
+    if any("focus_unloaded" in s for s in summary.values()) and TRACE not in scenario.measures:
+        lines += _unloaded_table(scenario, arms, summary)  # a trace's reference is in its own table
     if OBJECTIVES in scenario.measures:
         lines += _objectives_table(arms, summary)
     if BATCH in scenario.measures:
@@ -265,6 +279,8 @@ def scenario_markdown(
         lines += _conservation_table(arms, summary)
     if LOCALITY in scenario.measures:
         lines += _locality_table(scenario, arms, summary)
+    if TRACE in scenario.measures:
+        lines += _trace_tables(scenario, arms, summary)
     lines += _processor_table(arms, summary)
     for kind, title in (("tenants", "tenant"), ("priorities", "priority class")):
         groups = sorted({g for s in summary.values() for g in s[kind]})
@@ -427,6 +443,72 @@ def _processor_table(arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[st
                          "round trip mean (ms)", "round trip p50 / p99 (ms)"], rows)]
 
 
+def _idle(block: Mapping[str, Any] | None) -> str:
+    """The engine's idle slot-seconds while the gateway held requests, and their share of its slot-seconds."""
+    if block is None:
+        return "–"
+    share = block.get("share")
+    return f"{_s(block['slot_s'])} ({'–' if share is None else f'{share:.1%}'})"
+
+
+def _window_ttft(block: Mapping[str, Any], window: float) -> str:
+    """TTFT p50 / p99 in a window; a percentile past it (among requests without a first token) as ``> window``."""
+    return " / ".join(f"> {window:.0f}" if q in block["beyond"] else _s(block[q]) for q in ("p50", "p99"))
+
+
+def _trace_tables(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any]) -> list[str]:
+    """A replayed trace: what was replayed, each class in the window, each arm's idle slots and reference."""
+    ran = [a for a in arms if a.name in summary]
+    window = next((w for a in ran if (w := _get(summary, a.name, "trace", "window_s")) is not None), 0.0)
+    classes = sorted({c for a in ran for c in _get(summary, a.name, "trace", "classes") or {}})
+    rows = []
+    for cls in classes:
+        for arm in ran:
+            c = _get(summary, arm.name, "trace", "classes", cls)
+            if c is None:
+                continue
+            rows.append([
+                cls, arm.name, str(c["requests"]), str(c["answered"]),
+                f"{c['not_answered']} ({c['cut_waiting']} / {c['cut_streaming']} / {c['failed']})",
+                _window_ttft(c["ttft"], window),
+                "–" if c["missed"] is None else f"{c['missed']} / {_num(c['processor_missed'], 0)}",
+                _num(c["tokens"], 0), _num(c["tokens_vs_direct"], 3),
+            ])
+    arm_rows = []
+    for arm in ran:
+        t, idle = _get(summary, arm.name, "trace"), _get(summary, arm.name, "idle_while_held")
+        ref = t["focus_reference"]
+        arm_rows.append([
+            arm.name, "–" if idle is None else _s(idle["slot_s"]),
+            "–" if idle is None or idle["share"] is None else f"{idle['share']:.1%}",
+            "–" if idle is None else _s(idle["held_s"]),
+            f"{_num(ref['p99_vs_quiet'], 1)} ({'> ' + format(window, '.0f') if ref['p99'] is None else _s(ref['p99'])}"
+            f" vs {_s(ref['quiet_p99'])} s)",
+            _num(t["tokens_vs_direct"], 3),
+        ])
+    lines = ["", describe(scenario.replay), "",
+             f"Each class in the window of {window:.0f} s (not answered: no first token / cut while streaming / "
+             "failed; TTFT over every request of the class, one without a first token counted as later than any, "
+             f"so `> {window:.0f}` is a percentile past the window; missed: no first token within the class's "
+             "objective, counted by the client / by the processor's extproc_objective_requests_total; output "
+             "tokens received by the end of the window):", "",
+             *_table(["class", "arm", "requests", "answered in the window", "not answered", "TTFT p50 / p99 (s)",
+                      "missed objective (client / processor)", "output tokens by the window's end", "vs direct"],
+                     rows),
+             "", f"Per arm (idle slot-s while held: the engine's empty slots integrated over the time the gateway held "
+             f"at least one request of any class, and their share of its slot-seconds over the window; "
+             f"{scenario.focus} p99 against the same chats alone straight to a quiet engine):", "",
+             *_table(["arm", "idle slot-s while held", "% of the window", "held (s)",
+                      f"{scenario.focus} TTFT p99 vs quiet engine", "output tokens vs direct"], arm_rows)]
+    offered = next((o for a in ran if (o := _get(summary, a.name, "trace", "offered")) is not None), None)
+    if offered is not None:
+        lines += ["", "Offered load, computed from the engine model and measured straight to the engine (mean "
+                  f"running / slots over the replayed span): the trace alone {_num(offered['expected'])} computed, "
+                  f"{_num(offered['measured'])} measured; the chats alone {_num(offered['chats_expected'])} computed, "
+                  f"{_num(offered['chats_measured'])} measured."]
+    return lines
+
+
 def _jain(summary: Mapping[str, Any]) -> str:
     f = summary["fairness"]
     if not f["windows"]:
@@ -531,7 +613,7 @@ def _save(fig: Figure, path: Path) -> None:
 def plot_ttft(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any], path: Path) -> None:
     """Grouped bars: the focus group's TTFT p50/p95/p99 per arm (log scale)."""
     names = [a.name for a in arms if a.name in summary]
-    referenced = any("focus_unloaded" in summary[n] for n in names)
+    referenced = bool(names) and all("focus_unloaded" in summary[n] for n in names)
     block = "focus_loaded" if referenced else "focus"
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
     width = 0.26
@@ -541,10 +623,13 @@ def plot_ttft(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any
     if referenced:
         unloaded = [_get(summary[n], "focus_unloaded", "ttft", "p99") or math.nan for n in names]
         ax.scatter(range(len(names)), unloaded, marker="_", s=600, color="black", zorder=3, label="p99 unloaded")
+    quiet = _get(summary.get(names[0]) if names else None, "trace", "focus_reference", "quiet_p99")
+    if quiet is not None:
+        ax.axhline(quiet, color="black", linestyle="--", linewidth=0.8, label="p99 alone on a quiet engine")
     ax.set_xticks(range(len(names)), names)
     ax.set_yscale("log")
     ax.set_ylabel("TTFT (model s)")
-    during = " during the flood" if referenced else ""
+    during = " during the flood" if referenced else " (answered in the window)" if scenario.window else ""
     ax.set_title(f"{scenario.name}: {scenario.focus} time to first token{during}", fontsize=10)
     ax.legend(fontsize=8)
     _save(fig, path)
@@ -579,7 +664,8 @@ def plot_service(scenario: Scenario, runs: Sequence[ArmRun], path: Path) -> None
         ax.set_title(run.arm, fontsize=9)
         ax.set_xlabel("time (model s)")
     axes[0][0].set_ylabel("weighted service (token units)")
-    axes[0][-1].legend(fontsize=7, loc="upper left")
+    if len(scenario.tenants) <= LEGEND_TENANTS:
+        axes[0][-1].legend(fontsize=7, loc="upper left")
     fig.suptitle(f"{scenario.name}: cumulative service per tenant", fontsize=10)
     _save(fig, path)
 
@@ -623,7 +709,7 @@ def write_outputs(
     out.mkdir(parents=True, exist_ok=True)
     written = []
     results = {"meta": meta, "targets": targets(summaries, arms, overhead), "scenarios": summaries,
-               "overhead": overhead}
+               "replays": {s.name: dict(s.replay) for s in scenarios if s.replay}, "overhead": overhead}
     (out / "results.json").write_text(json.dumps(results, indent=1, allow_nan=False), encoding="utf-8")
     (out / "summary.md").write_text(markdown(meta, scenarios, arms, summaries, overhead), encoding="utf-8")
     written += [out / "results.json", out / "summary.md"]
