@@ -42,13 +42,17 @@ def test_quick_bench_writes_sane_results(tmp_path: Path) -> None:
         assert summary["focus"]["ttft"]["p50"] > 0
         assert summary["engine"]["samples"] > 0
     assert scenario["direct-fifo"]["throughput"]["tokens_ratio"] == 1.0
-    # Only the gateway with the processor reports a queue wait.
+    # Only the gateway with the processor reports a queue wait, and the engine's idle slots while it held requests.
     assert scenario["extproc-rr"]["focus"]["queue_wait"] is not None
     assert scenario["direct-fifo"]["focus"]["queue_wait"] is None
+    assert scenario["direct-fifo"]["idle_while_held"] is None
+    idle = scenario["extproc-rr"]["idle_while_held"]
+    assert idle["held_s"] > 0 and 0 <= idle["slot_s"] and 0 <= idle["share"] < 1
     assert {row["arm"] for row in results["targets"]} >= {"extproc-rr"}
 
     summary_md = (out / "summary.md").read_text()
     assert "### power-user" in summary_md and all(arm in summary_md for arm in ARMS)
+    assert "idle slot-s while held (% of the run)" in summary_md
     for kind in ("ttft", "waiting", "service"):
         png = out / f"power-user-{kind}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -139,3 +143,39 @@ def test_quick_bench_runs_the_prefix_share_comparison_on_two_replicas(tmp_path: 
     summary_md = (out / "summary.md").read_text()
     assert "### prefix-share-2" in summary_md and "FIFO baseline (envoy)" in summary_md
     assert (out / "prefix-share-2-locality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_bench_replays_a_tiny_production_trace(tmp_path: Path) -> None:
+    """--quick --trace: two seconds of the bundled Azure trace, a small flood, a window; every figure is there."""
+    out = quick_bench(tmp_path, "--trace", timeout=120)
+    results = json.loads((out / "results.json").read_text())
+    arms = results["scenarios"]["trace"]
+    assert tuple(arms) == ("direct-fifo", "extproc-rr")
+    replay = results["replays"]["trace"]
+    assert replay["utilisation"] == 0.87 and replay["offered_utilisation"] == pytest.approx(0.87)
+    assert replay["time_factor"] > 0 and [f["kind"] for f in replay["files"]] == ["conv", "code"]
+    assert replay["flood"]["tenant"] == "batchjob" and replay["window_s"] > replay["span_s"]
+    for arm, summary in arms.items():
+        trace = summary["trace"]
+        assert set(trace["classes"]) == {"interactive", "standard", "batch"}, arm
+        for cls, figures in trace["classes"].items():
+            assert figures["requests"] == figures["answered"] + figures["not_answered"] > 0, (arm, cls)
+            assert figures["not_answered"] == figures["cut_waiting"] + figures["cut_streaming"] + figures["failed"]
+            assert figures["failed"] == 0, (arm, cls, summary["errors"])
+            assert figures["tokens"] >= 0, (arm, cls)  # a class the window cut whole has none
+        assert trace["tokens"] > 0 and math.isfinite(trace["tokens_vs_direct"]), arm
+        assert trace["focus_reference"]["quiet_p99"] > 0
+    assert arms["direct-fifo"]["idle_while_held"] is None
+    idle = arms["extproc-rr"]["idle_while_held"]
+    assert idle["over_s"] == pytest.approx(replay["window_s"]) and 0 <= idle["share"] < 1
+    # The processor's objective counters were read.
+    assert arms["extproc-rr"]["trace"]["classes"]["interactive"]["processor_met"] is not None
+    offered = arms["direct-fifo"]["trace"]["offered"]
+    assert offered["expected"] == pytest.approx(0.87) and 0 < offered["measured"] <= 1
+    raw = json.loads((tmp_path / "work" / "trace" / "direct-fifo" / "raw.json").read_text())
+    assert set(raw["phases"]) == {"unloaded", "trace-alone"}
+    summary_md = (out / "summary.md").read_text()
+    for text in ("### trace", "Replayed: Azure LLM inference trace 2023", "idle slot-s while held (% of the window)",
+                 "missed objective (client / processor)", "TTFT p99 vs quiet engine", "Offered load"):
+        assert text in summary_md, text
+    assert (out / "trace-ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -8,6 +8,8 @@
     extproc bench --engine vllm        # the scenarios sized for a real vLLM (CPU build; ~25 min)
     extproc bench --scenarios batch-flood [--engine vllm]   # one scenario by name (see docs/benchmarks.md)
     extproc bench --quick --scenarios batch-flood,batch-only   # tiny versions of named scenarios
+    extproc bench --trace --no-overhead   # a production trace (the bundled Azure 2023 slice) replayed (~4 min)
+    extproc bench --trace conv.csv --trace code.csv --utilisation 0.8 --trace-start "2023-11-16 18:50:00"
 """
 
 from __future__ import annotations
@@ -49,6 +51,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", help="comma-separated arm names, run on every chosen scenario (default: each "
                         "scenario's own; direct-fifo always runs); 'cluster' names extproc-rr, cluster-rr, "
                         "extproc-vtc, cluster-vtc: one instance against two sharing a Redis")
+    trace = parser.add_argument_group("production trace replay (docs/benchmarks.md)")
+    trace.add_argument("--trace", action="append", nargs="?", const="azure2023", metavar="FILE|PROFILE",
+                       help="replay a real trace (Azure LLM inference trace 2023 CSV): alone, the bundled slice "
+                       "(profile azure2023); or FILE, KIND=FILE (KIND conv or code, else read from the file's name), "
+                       "repeated for each file; runs beside --scenarios when both are given")
+    trace.add_argument("--utilisation", type=float, default=None,
+                       help="the trace's offered load as a share of the simulated engine's capacity: its time is "
+                       "multiplied to make it so (default 0.87)")
+    trace.add_argument("--trace-start", metavar="TIME",
+                       help="the replayed window's start: a TIMESTAMP of the trace, or seconds after its first row "
+                       "(default 2023-11-16 18:46:25)")
+    trace.add_argument("--trace-seconds", type=float, default=None, metavar="S",
+                       help="the replayed window's length in trace seconds (default 30; with --quick 2)")
     parser.add_argument("--time-scale", type=float, default=None,
                         help=f"simulator speed: 0.25 runs 4x faster than a real GPU (default: each scenario's own: "
                         f"1 for batch-flood, steady-classes and batch-only, else {DEFAULT_TIME_SCALE})")
@@ -123,9 +138,16 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     on_vllm = args.engine == "vllm"
     if on_vllm and (args.quick or args.overhead_only):
         raise SystemExit("error: --engine vllm runs its own scenarios; --quick and --overhead-only are for the simulator")
+    if not args.trace and (args.utilisation, args.trace_start, args.trace_seconds) != (None, None, None):
+        raise SystemExit("error: --utilisation, --trace-start and --trace-seconds go with --trace")
+    if on_vllm and args.trace:
+        raise SystemExit("error: --trace replays on the simulator (its offered load is computed from its engine model)")
     known = VLLM_SCENARIOS if on_vllm else QUICK if args.quick else SCENARIOS
-    scenarios: list[Scenario] = (quick_set() if args.quick and not args.scenarios
+    scenarios: list[Scenario] = ([] if args.trace and not args.scenarios
+                                 else quick_set() if args.quick and not args.scenarios
                                  else _pick(args.scenarios, known, "scenario"))
+    if args.trace:
+        scenarios.append(_trace_scenario(args))
     known_arms = VLLM_ARMS if on_vllm else ARMS
     arm_names = ",".join(CLUSTER_ARMS) if args.arms == "cluster" else args.arms
     arms: list[Arm] = [DIRECT] + [a for a in _pick(arm_names, {a.name: a for a in known_arms}, "arm") if a != DIRECT]
@@ -223,6 +245,21 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
     written = write_outputs(Path(args.out), meta, scenarios, arms, runs, summaries, overhead)
     console.print(f"wrote {len(written)} files to {args.out}/ (summary.md, results.json, plots); logs in {workdir}")
     return 0
+
+
+def _trace_scenario(args: argparse.Namespace) -> Scenario:
+    """The ``trace`` scenario ``--trace`` and its options ask for, on the default simulated engine."""
+    from extproc.tools.bench.scenarios import Engine
+    from extproc.tools.bench.trace import DEFAULT_UTILISATION, TraceError, sources, trace_replay
+
+    try:
+        return trace_replay(
+            sources(args.trace), engine=Engine(),
+            utilisation=DEFAULT_UTILISATION if args.utilisation is None else args.utilisation,
+            start=args.trace_start, seconds=args.trace_seconds, quick=args.quick,
+        )
+    except TraceError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def run_bench(args: argparse.Namespace) -> int:
