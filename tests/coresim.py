@@ -10,7 +10,8 @@ repeatable. What connects them is what Envoy and vLLM's API server do:
 * the engine's ``/metrics`` are scraped every ``scrape_s`` and show its last
   step's stats (``Scheduler.shown_running``, ``shown_waiting``);
 * a finished request's stream ends ``end_lag_s`` after its last token;
-  the first token tells the dispatcher its response began;
+  its first token tells the dispatcher its response began (a non-streamed
+  answer's last token: its headers come with the whole answer);
 * a preempted request is aborted in the engine at once (Envoy resets it).
 
 ``check`` runs after every event: the tests' invariants are asserted there,
@@ -49,6 +50,8 @@ class Arrival:
     tenant: str
     prompt_tokens: int
     max_tokens: int
+    # A non-streamed answer begins (its headers come) only when it is whole: preemptible until then.
+    stream: bool = True
 
 
 @dataclass
@@ -215,6 +218,7 @@ class CoreSim:
                 continue
             if token.index == 0:
                 request.first_token_at = self.now
+            if (token.index == 0 and request.arrival.stream) or (token.request.finished and not request.arrival.stream):
                 self.dispatcher.record_response(request.held, True)
             if token.request.finished:
                 self._at(self.now + self.end_lag_s, lambda r=request: self._end(r))  # type: ignore[misc]

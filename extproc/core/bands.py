@@ -88,9 +88,9 @@ class Band:
     # lowest of several bands).
     preemptible: bool = False
     # The least share of releases it gets while it has requests held and a band above
-    # takes the rest (BandShares). None: its share of recent arrivals against the bands
-    # above (what FIFO would give it), at most MAX_DEFAULT_SHARE; 0: strict priority
-    # (the config's default for an idle-only band).
+    # takes the rest (BandShares). None: its share of all recent arrivals (what FIFO
+    # would give it), at most MAX_DEFAULT_SHARE; 0: strict priority (the config's
+    # default for an idle-only band).
     min_share: float | None = None
 
     def queue_wait_s(self, model_wait_s: float) -> float:
@@ -137,9 +137,9 @@ class BandActivity:
         return self._recent[band] >= ARRIVING_COUNT
 
     def arrival_share(self, band: int, now: float) -> float:
-        """``band``'s share of the requests that arrived lately in it and the bands above it (0 when none did)."""
+        """``band``'s share of all the requests that arrived lately (0 when none did): what FIFO would serve of it."""
         self._decay(now)
-        total = sum(self._lately[:band + 1])
+        total = sum(self._lately)
         return self._lately[band] / total if total > 0 else 0.0
 
     def _decay(self, now: float) -> None:
