@@ -341,6 +341,9 @@ def test_empty_slots_count_only_while_the_gateway_holds_requests() -> None:
     # Below 4 slots while held: [0, 1) with 2 empty, [5, 5.5) with 1 empty.
     assert empty_slots_while_held(engine, held, 4) == {"below_s": pytest.approx(1.5), "slot_s": pytest.approx(2.5)}
     assert first_full(engine, 4) == 1 and first_full(engine, 5) is None
+    # A slot whose request finished in the last step while another waits to take it at the next is not empty.
+    between_steps = (EngineSample(0.0, 1, 3), EngineSample(1.0, 0, 3), EngineSample(2.0, 0, 4))
+    assert empty_slots_while_held(between_steps, [(0.0, 2.0)], 4) == {"below_s": 1.0, "slot_s": 1.0}
 
 
 def test_the_k_th_completion_s_slot_is_refilled_by_the_release_after_the_first_slots() -> None:

@@ -677,13 +677,22 @@ def held_intervals(results: Iterable[Result]) -> list[tuple[float, float]]:
 def empty_slots_while_held(
     samples: Sequence[EngineSample], held: Sequence[tuple[float, float]], slots: int
 ) -> dict[str, float]:
-    """Time the engine ran below ``slots`` while the gateway held requests, and the slot-seconds left empty then."""
+    """Time the engine had empty slots nothing waited for while the gateway held requests, and those slot-seconds.
+
+    A slot is empty when the engine neither runs nor queues a request for it:
+    ``slots - running - waiting``. The engine's page shows its last step's
+    stats (vLLM's and the simulator's), so a request that finished in that
+    step has left ``running`` while the one that takes its slot at the next
+    step's start is still ``waiting``: that slot is not empty, and counting it
+    would charge the gateway for every completion.
+    """
     below = lost = 0.0
     for here, after in zip(samples, samples[1:], strict=False):
-        if here.running < slots:
+        empty = slots - here.running - here.waiting
+        if empty > 0:
             overlap = _overlap(here.at, after.at, held)
             below += overlap
-            lost += (slots - here.running) * overlap
+            lost += empty * overlap
     return {"below_s": below, "slot_s": lost}
 
 

@@ -495,7 +495,8 @@ def _trace_tables(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str,
              *_table(["class", "arm", "requests", "answered in the window", "not answered", "TTFT p50 / p99 (s)",
                       "missed objective (client / processor)", "output tokens by the window's end", "vs direct"],
                      rows),
-             "", f"Per arm (idle slot-s while held: the engine's empty slots integrated over the time the gateway held "
+             "", f"Per arm (idle slot-s while held: the engine's empty slots (slots less running less waiting) "
+             "integrated over the time the gateway held "
              f"at least one request of any class, and their share of its slot-seconds over the window; "
              f"{scenario.focus} p99 against the same chats alone straight to a quiet engine):", "",
              *_table(["arm", "idle slot-s while held", "% of the window", "held (s)",
