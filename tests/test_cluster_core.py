@@ -61,6 +61,7 @@ async def test_a_joined_seat_releases_only_what_the_cluster_grants() -> None:
 
     ask = seat.ask()
     assert ask.in_flight == 0 and ask.caps == (4,)
+    assert ask.shares == (0.5,)  # all the arrivals, at most a half (the first band's share: never used)
     # Both are new here since the last ask: if no other instance holds them, they join the backlog now.
     assert set(ask.backlog) == {Backlog(0, "alice", 3, 1.0, fresh=True), Backlog(0, "bob", 1, 1.0, fresh=True)}
     assert not any(e.fresh for e in seat.ask().backlog)

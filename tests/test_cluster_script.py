@@ -44,9 +44,9 @@ class Cluster:
 
     async def ask(
         self, instance: str, in_flight: int, caps: tuple[int, ...], backlog: list[tuple[Any, ...]],
-        lease_ms: int = 2000, form: str = "counter",
+        lease_ms: int = 2000, form: str = "counter", shares: tuple[float, ...] = (),
     ) -> Answer:
-        ask = Ask(in_flight, caps, tuple(Backlog(*entry) for entry in backlog), ())
+        ask = Ask(in_flight, caps, tuple(Backlog(*entry) for entry in backlog), (), shares)
         grant = decode_grant(await self.trip(Trip(instance, lease_ms, "extproc:wake:", "m", form, ask)))
         return Answer(tuple((r.band, r.tenant) for r in grant.releases), grant.others_in_flight, grant.instances)
 
@@ -107,6 +107,30 @@ async def test_a_higher_band_anywhere_holds_the_lower_bands_everywhere(cluster: 
     assert a.releases == ()  # the free slot goes to b's interactive request, not a's batch
     b = await cluster.ask("b", 2, (3, 3), [(0, "chat", 3, 1.0, False)])
     assert b.releases == ((0, "chat"),)
+
+
+async def test_a_lower_band_anywhere_gets_its_minimum_share_of_the_releases(cluster: Cluster) -> None:
+    """Chats at b hold the engine; standard work at a still gets a quarter of the releases, cluster-wide."""
+    caps, shares = (8, 8), (0.0, 0.25)
+    flying = {"a": 0, "b": 0}
+    queued = {"a": 50, "b": 50}
+    released: list[int] = []
+
+    async def trip(name: str, band: int, tenant: str, fresh: bool) -> None:
+        answer = await cluster.ask(name, flying[name], caps, [(band, tenant, queued[name], 1.0, fresh)], shares=shares)
+        flying[name] += len(answer.releases)
+        queued[name] -= len(answer.releases)
+        released.extend(b for b, _ in answer.releases)
+
+    await trip("b", 0, "chat", True)
+    await trip("a", 1, "review", True)
+    assert released == [0] * 8  # the chats took every slot before standard asked
+    for _ in range(16):  # a chat ends at b and a review at a, in turns; each instance asks after its own
+        for name, band, tenant in (("b", 0, "chat"), ("a", 1, "review")):
+            flying[name] = max(0, flying[name] - 1)
+            await trip(name, band, tenant, False)
+    later = released[8:]
+    assert later.count(1) == len(later) // 4, later  # one release in four while both held requests
 
 
 async def test_a_dead_instances_slots_and_grants_lapse_with_its_lease(cluster: Cluster) -> None:

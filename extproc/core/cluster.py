@@ -22,6 +22,11 @@ every ask, under a lease) and grants only what fits under the cap. Counts are
 absolute, never increments: a lost reply or a repeated ask cannot count a
 request twice, and a dead instance's count lapses with its lease.
 
+**Priority.** Strict between bands, but for each lower band's minimum share
+of the releases (``bands.py``, ``BandShares``): the ask carries each band's
+share as this instance computes it, and the script keeps each band's credit
+cluster-wide.
+
 **Fairness.** Each ask also carries this instance's backlog: every tenant
 with requests queued here, per band, with the service its next request would
 add to the tenant's counter (``Policy.service``: 1 for round-robin, weighted
@@ -88,6 +93,8 @@ class Ask:
     caps: tuple[int, ...]
     backlog: tuple[Backlog, ...]
     corrections: tuple[Correction, ...]
+    # Per band: its minimum share of releases while a band above takes the rest (bands.py, BandShares).
+    shares: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,8 +193,10 @@ class ClusterSeat:
         self._corrections.clear()
         backlog = tuple(replace(e, fresh=True) if (e.band, e.tenant) in self._fresh else e for e in self._backlog())
         self._fresh.clear()
-        caps = tuple(outlet.cap(band, now) for band in range(len(outlet.bands)))
-        return Ask(outlet.pool.in_flight, caps, backlog, corrections)
+        bands = range(len(outlet.bands))
+        caps = tuple(outlet.cap(band, now) for band in bands)
+        shares = tuple(outlet.admission.shares.share(band, now) for band in bands)
+        return Ask(outlet.pool.in_flight, caps, backlog, corrections, shares)
 
     def granted(self, grant: Grant) -> None:
         """The cluster's answer: release the head of each named tenant's FIFO here."""

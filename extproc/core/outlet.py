@@ -135,7 +135,10 @@ class Outlet:
             self._priced(held)
         held.checked = self.pool.check_release(held.endpoint, now)
         self._note_for_preemption(held, band, now)
-        self.pool.record_release(held, now, held.endpoint, into_free_slot=self.pool.free_slots(now) >= 1)
+        # Counted as running until a scrape shows it: a release into a free slot, and an idle-only band's
+        # (sized to free slots, or its probe past the capacity learned so far: one per scrape).
+        into_free_slot = self.pool.free_slots(now) >= 1 or self.admission.into_free_slots(band, now)
+        self.pool.record_release(held, now, held.endpoint, into_free_slot=into_free_slot)
         self.release_rate.record(now)
         self.queue.charge(band, tenant, held.estimate.cost)
         self.resolve(held)

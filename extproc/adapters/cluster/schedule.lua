@@ -7,7 +7,7 @@
 --   KEYS[1]  the model's key prefix, "<key_prefix>:<model>"
 --   ARGV[1]  a Trip: { instance, lease_ms, wake, model, form, ask? }, the ask a core Ask:
 --            { in_flight, caps = [per band], backlog = [{ band, tenant, count, service, fresh }],
---              corrections = [{ band, tenant, delta }] }   (no ask: the instance leaves)
+--              corrections = [{ band, tenant, delta }], shares = [per band] }   (no ask: the instance leaves)
 --   returns  a Grant: { others_in_flight, instances, releases = [{ band, tenant }] }
 --            (releases omitted when none: cjson writes an empty table as an object)
 -- `form` is the policy's cluster form: only "counter" is implemented here (policies/base.py).
@@ -21,6 +21,7 @@ local P = KEYS[1]
 --   counters(band)  hash  tenant -> counter (weighted service received; round-robin: releases)
 --   served(band)    hash  tenant -> sequence number of its last release (ties: served longest ago first)
 --   floor(band)     the band's floor: the counter of the last tenant picked
+--   credits         hash  band -> its credit towards its minimum share of releases
 --   sequence        the release sequence
 local function key(name, arg)
   if name == 'instances' then return P .. ':inst' end
@@ -30,6 +31,7 @@ local function key(name, arg)
   if name == 'served' then return P .. ':s:' .. arg end
   if name == 'floor' then return P .. ':f:' .. arg end
   if name == 'sequence' then return P .. ':seq' end
+  if name == 'credits' then return P .. ':cr' end
   error('no such key: ' .. name)
 end
 
@@ -133,92 +135,131 @@ end
 
 local seq = tonumber(redis.call('GET', key('sequence')) or '0')
 local woken = {}
-for b = 0, nb - 1 do
-  local byb = cand[b]
-  if byb then
-    local ckey, skey, fkey = key('counters', b), key('served', b), key('floor', b)
-    local floor = tonumber(redis.call('GET', fkey) or '0')
-    -- Counters; a tenant joining the backlog is lifted to the smallest counter of those
-    -- already in it (or the floor), so idle time is not banked (as policies/vtc.py).
-    local names = {}
-    for ten, _ in pairs(byb) do names[#names + 1] = ten end
-    local backlogged = #names
-    local got_c, got_s = redis.call('HMGET', ckey, unpack(names)), redis.call('HMGET', skey, unpack(names))
-    local counters, served, lift = {}, {}, nil
+
+-- A band's turns: its counters, read once, kept as slots go (its tenants lifted as they join).
+local state = {}
+local function band(b)
+  if state[b] then return state[b] end
+  local byb = cand[b] or {}
+  local st = { byb = byb, ckey = key('counters', b), skey = key('served', b), fkey = key('floor', b),
+               counters = {}, served = {}, n = 0 }
+  st.floor = tonumber(redis.call('GET', st.fkey) or '0')
+  -- Counters; a tenant joining the backlog is lifted to the smallest counter of those
+  -- already in it (or the floor), so idle time is not banked (as policies/vtc.py).
+  local names = {}
+  for ten, c in pairs(byb) do
+    names[#names + 1] = ten
+    st.n = st.n + c.n
+  end
+  st.backlogged = #names
+  if #names > 0 then
+    local got_c, got_s = redis.call('HMGET', st.ckey, unpack(names)), redis.call('HMGET', st.skey, unpack(names))
+    local lift = nil
     for k, ten in ipairs(names) do
-      counters[ten] = tonumber(got_c[k] or floor)
-      served[ten] = tonumber(got_s[k] or '0')
-      if not byb[ten].fresh and (lift == nil or counters[ten] < lift) then lift = counters[ten] end
+      st.counters[ten] = tonumber(got_c[k] or st.floor)
+      st.served[ten] = tonumber(got_s[k] or '0')
+      if not byb[ten].fresh and (lift == nil or st.counters[ten] < lift) then lift = st.counters[ten] end
     end
-    lift = lift or floor
+    lift = lift or st.floor
     for ten, c in pairs(byb) do
-      if c.fresh and counters[ten] < lift then
-        counters[ten] = lift
-        redis.call('HSET', ckey, ten, lift)
+      if c.fresh and st.counters[ten] < lift then
+        st.counters[ten] = lift
+        redis.call('HSET', st.ckey, ten, lift)
       end
     end
-    -- Each free slot to the backlogged tenant with the smallest counter (ties: served longest
-    -- ago, then by name), held here if it is held here, else by the instance holding most of it.
-    local free = ask.caps[b + 1] - total
-    while free > 0 do
-      local best, bc, bs = nil, 0, 0
-      for ten, c in pairs(byb) do
-        if c.n > 0 then
-          local k, sv = counters[ten], served[ten]
-          if best == nil or k < bc or (k == bc and (sv < bs or (sv == bs and ten < best))) then
-            best, bc, bs = ten, k, sv
-          end
-        end
-      end
-      if best == nil then break end
-      local c = byb[best]
-      local who = nil
-      if c.at[me] and c.at[me].count > 0 then
-        who = me
-      else
-        local most = 0
-        for name, e in pairs(c.at) do
-          if e.count > most or (e.count == most and e.count > 0 and name < who) then
-            who, most = name, e.count
-          end
-        end
-      end
-      local e = c.at[who]
-      e.count = e.count - 1
-      c.n = c.n - 1
-      if bc > floor then floor = bc end
-      counters[best] = bc + e.service
-      seq = seq + 1
-      served[best] = seq
-      redis.call('HSET', ckey, best, counters[best])
-      redis.call('HSET', skey, best, seq)
-      if who == me then
-        releases[#releases + 1] = { band = b, tenant = best }
-        mine_after = mine_after + 1
-      else
-        redis.call('RPUSH', key('pending', who), b .. US .. best)
-        woken[who] = true
-      end
-      total = total + 1
-      free = free - 1
-    end
-    redis.call('SET', fkey, floor)
-    -- Forget idle tenants at or below the floor: a return lifts them there anyway.
-    if redis.call('HLEN', ckey) > 2 * backlogged + 64 then
-      local all = redis.call('HGETALL', ckey)
-      for k = 1, #all, 2 do
-        if byb[all[k]] == nil and tonumber(all[k + 1]) <= floor then
-          redis.call('HDEL', ckey, all[k])
-          redis.call('HDEL', skey, all[k])
-        end
+  end
+  state[b] = st
+  return st
+end
+
+-- One slot of band b to its backlogged tenant with the smallest counter (ties: served longest
+-- ago, then by name), held here if it is held here, else by the instance holding most of it.
+local function serve(b)
+  local st = band(b)
+  local best, bc, bs = nil, 0, 0
+  for ten, c in pairs(st.byb) do
+    if c.n > 0 then
+      local k, sv = st.counters[ten], st.served[ten]
+      if best == nil or k < bc or (k == bc and (sv < bs or (sv == bs and ten < best))) then
+        best, bc, bs = ten, k, sv
       end
     end
-    -- Strict priority: while anyone of this band waits, the bands below wait too.
-    local left = false
-    for _, c in pairs(byb) do
-      if c.n > 0 then left = true break end
+  end
+  local c = st.byb[best]
+  local who = nil
+  if c.at[me] and c.at[me].count > 0 then
+    who = me
+  else
+    local most = 0
+    for name, e in pairs(c.at) do
+      if e.count > most or (e.count == most and e.count > 0 and name < who) then
+        who, most = name, e.count
+      end
     end
-    if left then break end
+  end
+  local e = c.at[who]
+  e.count = e.count - 1
+  c.n = c.n - 1
+  st.n = st.n - 1
+  if bc > st.floor then st.floor = bc end
+  st.counters[best] = bc + e.service
+  seq = seq + 1
+  st.served[best] = seq
+  redis.call('HSET', st.ckey, best, st.counters[best])
+  redis.call('HSET', st.skey, best, seq)
+  if who == me then
+    releases[#releases + 1] = { band = b, tenant = best }
+    mine_after = mine_after + 1
+  else
+    redis.call('RPUSH', key('pending', who), b .. US .. best)
+    woken[who] = true
+  end
+  total = total + 1
+end
+
+local function waiting(b)
+  return cand[b] ~= nil and band(b).n > 0
+end
+
+-- Strict priority, but for the minimum shares (core/bands.py, BandShares): while the first band
+-- with a backlog takes the slots its cap allows, each band below it with a backlog earns its
+-- share of every release (its credit, kept cluster-wide) and takes one when the credit reaches 1.
+local credits, band_names = {}, {}
+for b = 0, nb - 1 do band_names[b + 1] = tostring(b) end
+local stored_credits = redis.call('HMGET', key('credits'), unpack(band_names))
+for b = 0, nb - 1 do credits[b] = tonumber(stored_credits[b + 1] or '0') end
+local first = 0
+while first < nb and not waiting(first) do first = first + 1 end
+while first < nb do
+  if ask.caps[first + 1] - total <= 0 then break end
+  local pick = first
+  for lower = first + 1, nb - 1 do
+    if waiting(lower) then
+      credits[lower] = credits[lower] + (ask.shares and ask.shares[lower + 1] or 0)
+      if pick == first and credits[lower] >= 1 then pick = lower end
+    else
+      credits[lower] = 0
+    end
+  end
+  if pick ~= first then credits[pick] = credits[pick] - 1 end
+  serve(pick)
+  while first < nb and not waiting(first) do first = first + 1 end
+end
+for b = 0, nb - 1 do
+  if not waiting(b) then credits[b] = 0 end
+  redis.call('HSET', key('credits'), band_names[b + 1], credits[b])
+end
+for b, st in pairs(state) do
+  redis.call('SET', st.fkey, st.floor)
+  -- Forget idle tenants at or below the floor: a return lifts them there anyway.
+  if redis.call('HLEN', st.ckey) > 2 * st.backlogged + 64 then
+    local all = redis.call('HGETALL', st.ckey)
+    for k = 1, #all, 2 do
+      if st.byb[all[k]] == nil and tonumber(all[k + 1]) <= st.floor then
+        redis.call('HDEL', st.ckey, all[k])
+        redis.call('HDEL', st.skey, all[k])
+      end
+    end
   end
 end
 redis.call('SET', key('sequence'), seq)

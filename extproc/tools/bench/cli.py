@@ -63,10 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the replayed window's start: a TIMESTAMP of the trace, or seconds after its first row "
                        "(default 2023-11-16 18:46:25)")
     trace.add_argument("--trace-seconds", type=float, default=None, metavar="S",
-                       help="the replayed window's length in trace seconds (default 30; with --quick 2)")
+                       help="the replayed window's length in trace seconds (default 20; with --quick 2)")
     parser.add_argument("--time-scale", type=float, default=None,
                         help=f"simulator speed: 0.25 runs 4x faster than a real GPU (default: each scenario's own: "
-                        f"1 for batch-flood, steady-classes and batch-only, else {DEFAULT_TIME_SCALE})")
+                        f"1 for batch-flood, steady-classes, batch-only and the trace, else {DEFAULT_TIME_SCALE})")
     parser.add_argument("--out", default="bench-out", help="results folder (default %(default)s)")
     parser.add_argument("--workdir", help="logs and configs of every run (default: a new temporary folder)")
     overhead = parser.add_mutually_exclusive_group()
