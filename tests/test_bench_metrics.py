@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from extproc.adapters.config import ConfigError, parse_config
+from extproc.adapters.ext_proc.contract import REASON_HEADER
 from extproc.tools.bench.arms import ARMS, Arm, arm_config, band_objectives, scale_objectives
-from extproc.tools.bench.load import LogNormal, Stream
+from extproc.tools.bench.load import LogNormal, Planned, Stream
 from extproc.tools.bench.metrics import (
     W_IN,
     W_OUT,
@@ -41,6 +44,7 @@ from extproc.tools.bench.metrics import (
 )
 from extproc.tools.bench.overhead import parse_hey_csv
 from extproc.tools.bench.runner import (
+    RETRY_HEADER,
     ArmRun,
     Attempt,
     Decision,
@@ -51,6 +55,7 @@ from extproc.tools.bench.runner import (
     preempted,
     processor_counters,
     prompt_text,
+    replay,
 )
 from extproc.tools.bench.scenarios import (
     BATCH,
@@ -59,6 +64,7 @@ from extproc.tools.bench.scenarios import (
     CONSERVATION,
     OBJECTIVES,
     UNLOADED,
+    Engine,
     Scenario,
 )
 from extproc.tools.sim.server import estimate_tokens
@@ -437,3 +443,34 @@ def test_batch_figures_per_engine_step_undo_a_slower_cpu() -> None:
     assert figures["itl_ms"] == pytest.approx(20.0)
     # Nobody else sent anything during the batch: the idle capacity is the batch alone's.
     assert figures["capacity_ratio"] == pytest.approx(0.5) and figures["capacity_steps_ratio"] == pytest.approx(1.0)
+
+
+async def test_a_request_refused_for_its_queue_wait_is_sent_again_as_the_sdk_does() -> None:
+    """503 queue_timeout: sent again after its Retry-After, at most the SDK's two retries, numbered as retries."""
+    seen: list[str] = []
+    refuse = {"always": False}
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append(request.headers[RETRY_HEADER])
+        if refuse["always"] or len(seen) < 3:
+            return web.json_response({"error": {"code": "queue_timeout"}}, status=503,
+                                     headers={REASON_HEADER: "queue_timeout", "retry-after": "0"})
+        return web.json_response({"usage": {"completion_tokens": 4}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]  # noqa: SLF001
+    planned = Planned(0.0, "alice", "batch", 10, 4, stream=False)
+    try:
+        [result] = await replay([url], [planned], time_scale=0.01, api_keys={}, t0=time.monotonic(), engine=Engine())
+        assert (result.status, result.tokens, seen) == (200, 4, ["0", "1", "2"])
+        seen.clear()
+        refuse["always"] = True
+        [result] = await replay([url], [planned], time_scale=0.01, api_keys={}, t0=time.monotonic(), engine=Engine())
+        assert (result.status, seen) == (503, ["0", "1", "2"])  # then it gives up, as the SDK does
+    finally:
+        await runner.cleanup()

@@ -27,7 +27,9 @@ clock (:func:`decisions`), to the millisecond.
 A request the gateway preempts (503, reason ``preempted``) is sent again after
 its ``Retry-After``, as the OpenAI SDK does (numbering its attempts in
 ``x-stainless-retry-count``, as the SDK does), at most ``MAX_ATTEMPTS`` times;
-its result counts the preemptions and keeps the first send as its start.
+its result counts the preemptions and keeps the first send as its start. One
+refused for its queue wait (503 ``queue_timeout``) is sent again the SDK's
+default twice.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ SAMPLE_INTERVAL_S = 0.05
 _FILLER = "the quick brown fox jumps over the lazy dog; " * 2000
 # A preempted request is sent again at most this many times in all.
 MAX_ATTEMPTS = 20
+# A request refused for its queue wait (503 queue_timeout) is sent again after its Retry-After at most this
+# many times: the OpenAI SDKs' default max_retries, for a 503.
+SDK_RETRIES = 2
 # The OpenAI SDKs number every attempt in this header (0 first); the gateway never
 # preempts a request that says it is a retry (identity.retry_headers).
 RETRY_HEADER = "x-stainless-retry-count"
@@ -382,10 +387,15 @@ async def send(
         return Attempt(0, None, time.monotonic() - start, None, 0, repr(exc))
 
 
+def refused_for(attempt: Attempt, refusal: Refusal) -> bool:
+    """Whether ``attempt`` is the gateway's 503 for ``refusal`` (its reason header, else its error body)."""
+    return attempt.status == 503 and (attempt.reason == refusal.value
+                                      or f'"code": "{refusal.value}"' in attempt.error)
+
+
 def preempted(attempt: Attempt) -> bool:
     """The gateway ended the request before its answer began, for a higher class: send it again."""
-    return attempt.status == 503 and (attempt.reason == Refusal.PREEMPTED.value
-                                      or f'"code": "{Refusal.PREEMPTED.value}"' in attempt.error)
+    return refused_for(attempt, Refusal.PREEMPTED)
 
 
 @dataclass
@@ -396,6 +406,8 @@ class Sending:
     sent: float
     resent: float | None = None
     preempted: int = 0
+    # Queue timeouts sent again (as the OpenAI SDK does: at most SDK_RETRIES times).
+    timeouts: int = 0
     progress: Progress = field(default_factory=Progress)
 
 
@@ -472,13 +484,18 @@ async def replay(
             }
             url = f"{base_urls[numbers[id(planned)] % len(base_urls)]}/v1/chat/completions"
             attempt = await send(session, url, body, {**headers, RETRY_HEADER: "0"}, sending.progress)
-            while preempted(attempt) and sending.preempted + 1 < MAX_ATTEMPTS:
-                sending.preempted += 1
+            attempts = 1
+            while ((preempted(attempt) and attempts < MAX_ATTEMPTS)
+                   or (refused_for(attempt, Refusal.QUEUE_TIMEOUT) and sending.timeouts < SDK_RETRIES)):
+                if preempted(attempt):
+                    sending.preempted += 1
+                else:
+                    sending.timeouts += 1
                 # Retry-After is the gateway's wall-clock advice to a client of the modelled GPU: model seconds.
                 await asyncio.sleep((attempt.retry_after_s or 1.0) * time_scale)
                 sending.resent, sending.progress = time.monotonic(), Progress()
-                attempt = await send(session, url, body, {**headers, RETRY_HEADER: str(sending.preempted)},
-                                     sending.progress)
+                attempt = await send(session, url, body, {**headers, RETRY_HEADER: str(attempts)}, sending.progress)
+                attempts += 1
             sending.preempted += preempted(attempt)
             if planned.tenant in left:
                 left[planned.tenant] -= 1
