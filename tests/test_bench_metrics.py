@@ -68,6 +68,7 @@ from extproc.tools.bench.scenarios import (
     Scenario,
 )
 from extproc.tools.sim.server import estimate_tokens
+from tests.httputil import serving
 
 pytestmark = pytest.mark.unit
 
@@ -459,18 +460,11 @@ async def test_a_request_refused_for_its_queue_wait_is_sent_again_as_the_sdk_doe
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]  # noqa: SLF001
     planned = Planned(0.0, "alice", "batch", 10, 4, stream=False)
-    try:
+    async with serving(app) as url:
         [result] = await replay([url], [planned], time_scale=0.01, api_keys={}, t0=time.monotonic(), engine=Engine())
         assert (result.status, result.tokens, seen) == (200, 4, ["0", "1", "2"])
         seen.clear()
         refuse["always"] = True
         [result] = await replay([url], [planned], time_scale=0.01, api_keys={}, t0=time.monotonic(), engine=Engine())
         assert (result.status, seen) == (503, ["0", "1", "2"])  # then it gives up, as the SDK does
-    finally:
-        await runner.cleanup()

@@ -46,7 +46,7 @@ from extproc.tools.bench.trace import (
     time_factor,
     trace_replay,
 )
-from extproc.tools.procs import free_port
+from tests.httputil import serving
 
 pytestmark = pytest.mark.unit
 
@@ -171,14 +171,14 @@ def test_the_default_replay_is_the_bundled_window_with_its_flood_phases_and_wind
     factors = scenario.replay
     assert factors["window"] == {"start": "2023-11-16 18:46:25.0000000", "seconds": DEFAULT_SECONDS}
     assert factors["offered_utilisation"] == pytest.approx(0.87) and factors["utilisation"] == 0.87
-    assert [f["rows"] for f in factors["files"]] == [233, 196] and factors["clipped_rows"] == 0
+    assert [f["rows"] for f in factors["files"]] == [156, 131] and factors["clipped_rows"] == 0
     requests = scenario.requests()
     flood = [r for r in requests if r.tenant == FLOOD_TENANT]
     assert len(flood) == FLOOD and {r.at for r in flood} == {FLOOD_AT}
     assert all(r.priority == "batch" and not r.stream for r in flood)
     assert {r.priority for r in requests if r.tenant.startswith("chat")} == {"interactive"}
     assert {r.priority for r in requests if r.tenant.startswith("code")} == {"standard"}
-    assert len(requests) == 233 + 196 + FLOOD
+    assert len(requests) == 156 + 131 + FLOOD
     assert scenario.window == pytest.approx(factors["span_s"] + DRAIN_S) and factors["window_s"] == scenario.window
     assert max(r.at for r in requests) < factors["span_s"]
     assert scenario.gateway == {"tenants": {FLOOD_TENANT: BATCH_ONLY_TENANT}} and TRACE in scenario.measures
@@ -186,10 +186,12 @@ def test_the_default_replay_is_the_bundled_window_with_its_flood_phases_and_wind
     assert (unloaded.name, unloaded.arms, alone.name, alone.arms) == (UNLOADED, ("direct-fifo",),
                                                                       TRACE_ALONE, ("direct-fifo",))
     assert {r.priority for r in scenario.phase_requests(unloaded)} == {"interactive"}
-    assert len(scenario.phase_requests(alone)) == 233 + 196
+    assert len(scenario.phase_requests(alone)) == 156 + 131
     assert set(scenario.tenants) == {FLOOD_TENANT, *KINDS["conv"].names, *KINDS["code"].names}
+    assert scenario.time_scale == 1.0  # in real time: the gateway's own reaction weighs what it would on a GPU
     quick = trace_replay(sources(["azure2023"]), engine=Engine(), quick=True)
     assert quick.window is not None and quick.window < 30 and len(quick.requests()) < 60
+    assert quick.time_scale is None  # the run's (0.25): a smoke run
 
 
 def test_a_bad_window_or_load_is_refused_with_the_option_to_change() -> None:
@@ -307,23 +309,19 @@ class _Engine:
 async def test_the_runner_cuts_what_the_window_leaves_unanswered() -> None:
     app, engine = web.Application(), _Engine()
     app.router.add_post("/v1/chat/completions", engine.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        prompts = {"fast": 0.0, "slow": 0.0, "held": 0.0, "late": 5.0}
-        plan = [Planned(at, kind, "interactive", 40, 4) for kind, at in prompts.items()]
-        done: list[int] = []
-        started = time.monotonic()
-        results = await replay(
-            [f"http://127.0.0.1:{port}"], plan, time_scale=1.0, api_keys={}, t0=started, on_done=lambda: done.append(1),
-            engine=Engine(chars_per_token=1, request_extras={}), unique_prompts=True, window=0.5,
-        )
-        assert time.monotonic() - started < 5  # cut at 0.5 s, not when the held request is answered
-    finally:
-        engine.release.set()
-        await runner.cleanup()
+    async with serving(app) as url:
+        try:
+            prompts = {"fast": 0.0, "slow": 0.0, "held": 0.0, "late": 5.0}
+            plan = [Planned(at, kind, "interactive", 40, 4) for kind, at in prompts.items()]
+            done: list[int] = []
+            started = time.monotonic()
+            results = await replay(
+                [url], plan, time_scale=1.0, api_keys={}, t0=started, on_done=lambda: done.append(1),
+                engine=Engine(chars_per_token=1, request_extras={}), unique_prompts=True, window=0.5,
+            )
+            assert time.monotonic() - started < 5  # cut at 0.5 s, not when the held request is answered
+        finally:
+            engine.release.set()
     by = {r.tenant: r for r in results}
     assert set(by) == {"fast", "slow", "held"} and len(done) == 4  # "late" is after the window: not sent
     assert by["fast"].ok and not by["fast"].cut and by["fast"].tokens == 1

@@ -8,8 +8,8 @@ side (``adapters/engines/probe.py``, ``scraper.py``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import aiohttp
@@ -27,6 +27,7 @@ from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
 from extproc.tools.procs import free_port
+from tests.httputil import serving
 from tests.test_gate import make_gate
 
 pytestmark = pytest.mark.integration
@@ -52,19 +53,11 @@ def _status(code: int) -> Handler:
     return answer
 
 
-@asynccontextmanager
-async def engine(metrics: Handler, health: Handler) -> AsyncIterator[str]:
+def engine(metrics: Handler, health: Handler) -> AbstractAsyncContextManager[str]:
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    return serving(app)
 
 
 def _config(endpoint: str, tmp_path: Path) -> Config:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import h2.errors
@@ -35,6 +35,7 @@ from extproc.adapters.ext_proc.h2grpc import GrpcServer, Message, Method
 from extproc.adapters.server import PROCESS_PATH, ProcessorServer
 from extproc.tools.procs import free_port
 from tests.h2raw import RawClient, message
+from tests.httputil import serving
 
 pytestmark = pytest.mark.unit
 
@@ -69,22 +70,14 @@ async def asyncio_reports() -> AsyncIterator[list[dict[str, Any]]]:
         loop.set_exception_handler(previous)
 
 
-@asynccontextmanager
-async def engine() -> AsyncIterator[str]:
+def engine() -> AbstractAsyncContextManager[str]:
     """An engine that only answers its /metrics (the requests never reach it: no Envoy here)."""
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text=PAGE)
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    return serving(app)
 
 
 def headers_message(tenant: str, priority: str) -> bytes:
