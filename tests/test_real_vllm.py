@@ -28,6 +28,7 @@ import pytest
 import pytest_asyncio
 
 from extproc.adapters.engines.dialects import parse_load
+from extproc.adapters.ext_proc.contract import QUEUE_WAIT_HEADER
 from extproc.core.engine_load import EngineLoad
 from extproc.tools.procs import free_port
 from extproc.tools.realvllm import BLOCK_SIZE, MAX_MODEL_LEN, REQUEST_EXTRAS, start_vllm
@@ -59,6 +60,11 @@ class Answer:
     tokens: int  # completion tokens, from the answer's usage
     sent: float  # monotonic clock
     done: float
+    queue_wait: float = 0.0  # seconds the gateway held it (its x-extproc-queue-wait-ms)
+
+    @property
+    def released(self) -> float:
+        return self.sent + self.queue_wait
 
 
 async def ask(
@@ -79,7 +85,8 @@ async def ask(
         async for line in response.content:
             if b'"completion_tokens"' in line:
                 tokens = json.loads(line.removeprefix(b"data: "))["usage"]["completion_tokens"]
-        return Answer(response.status, tokens, sent, time.monotonic())
+        held = int(response.headers.get(QUEUE_WAIT_HEADER, "0")) / 1000
+        return Answer(response.status, tokens, sent, time.monotonic(), held)
 
 
 @dataclass(frozen=True)
@@ -305,10 +312,12 @@ PRIORITY_FLOOD = 24
 
 
 async def interactive_behind_a_flood(vllm: VllmServers, workdir: Path, *, engine_priority: bool) -> int:
-    """How many of alice's standard requests completed while bob's interactive one was under way.
+    """How many of alice's standard requests completed while bob's interactive one was inside vLLM.
 
-    The gateway lets vLLM hold a deep queue here (target_waiting 12, one place
-    reserved for interactive), so vLLM's own order decides when bob starts.
+    The gateway lets vLLM hold a deep queue here (target_waiting 12), so vLLM's
+    own order decides when bob starts once released. (Interactive sent nothing
+    before bob: the place reserved for it was lent to alice, and bob waits in
+    the gateway for a slot to free before he is released.)
     """
     workdir.mkdir()
     settings = {"endpoints": [vllm.priority], "engine_priority": engine_priority, "max_running": 4,
@@ -329,17 +338,17 @@ async def interactive_behind_a_flood(vllm: VllmServers, workdir: Path, *, engine
         samples = await read_metrics(stack.metrics_url)
     assert all_complete(answers, MAX_TOKENS) and all_complete([bob], 4), (answers, bob)
     assert metric(samples, "extproc_released_total", model=PRIORITY_MODEL, priority="interactive") == 1
-    return sum(bob.sent < a.done < bob.done for a in answers)
+    return sum(bob.released < a.done < bob.done for a in answers)
 
 
 @IN_SESSION_LOOP
 async def test_engine_priority_lets_interactive_start_before_vllms_queue(vllm: VllmServers, tmp_path: Path) -> None:
     """With ``engine_priority`` the gateway writes the class into the body and vLLM starts bob first.
 
-    Bob's request goes through the gateway at once (the reserved place) and
-    lands behind about 11 of alice's inside vLLM. In vLLM's priority order it
-    starts at the next free slot, while at most the 4 running requests finish;
-    in arrival order it also waits for the queue ahead of it (about 8 more).
+    Once released, bob's request lands behind about 11 of alice's inside
+    vLLM. In vLLM's priority order it starts at the next free slot, while at
+    most the 4 running requests finish; in arrival order it also waits for the
+    queue ahead of it (about 8 more).
     """
     with_priority = await interactive_behind_a_flood(vllm, tmp_path / "engine-priority", engine_priority=True)
     arrival_order = await interactive_behind_a_flood(vllm, tmp_path / "arrival-order", engine_priority=False)
