@@ -205,10 +205,12 @@ class ClusterSeat:
         self.degraded = False
         self.instances = max(1, grant.instances)
         outlet.pool.estimate.record_others(now, grant.others_in_flight)
+        free = outlet.pool.free_slots(now) if grant.releases else 0
         for release in grant.releases:
             held = outlet.queue.take(release.band, release.tenant)
             if held is not None:  # else its client left since the ask: the slot returns with the next ask's count
-                outlet.release(release.band, release.tenant, held, now)
+                if outlet.release(release.band, release.tenant, held, now, free=free > 0):
+                    free -= 1
         outlet.report(PoolEvent(in_flight=outlet.pool.in_flight))
 
     def lost(self, ask: Ask) -> None:

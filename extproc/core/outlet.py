@@ -121,8 +121,12 @@ class Outlet:
         """The most requests the pool may have in flight, counting other instances', once ``band`` released."""
         return self.admission.headroom(band, now) + self.pool.estimate.cluster_in_flight
 
-    def release(self, band: int, tenant: str, held: Held, now: float) -> bool:
-        """``held`` left the queue to be released: release it, unless its client already left (False)."""
+    def release(self, band: int, tenant: str, held: Held, now: float, *, free: bool) -> bool:
+        """``held`` left the queue to be released: release it, unless its client already left (False).
+
+        ``free``: the engine has a slot free for it by the load estimate (the
+        strategy counts them down from ``Pool.free_slots``, read once a round).
+        """
         if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
             self.resolve(held)
             self.abandoned(held, band)
@@ -137,7 +141,7 @@ class Outlet:
         self._note_for_preemption(held, band, now)
         # Counted as running until a scrape shows it: a release into a free slot, and an idle-only band's
         # (sized to free slots, or its probe past the capacity learned so far: one per scrape).
-        into_free_slot = self.pool.free_slots(now) >= 1 or self.admission.into_free_slots(band, now)
+        into_free_slot = free or (self.bands[band].idle_only and self.admission.into_free_slots(band, now))
         self.pool.record_release(held, now, held.endpoint, into_free_slot=into_free_slot)
         self.release_rate.record(now)
         self.queue.charge(band, tenant, held.estimate.cost)

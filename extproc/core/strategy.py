@@ -73,14 +73,18 @@ class LocalRelease:
         queue = outlet.queue
         outlet.note_health(now)
         allowance, allowance_band = 0, None
+        free = None  # the engine's free slots, read at the first release of the round
         while (first := queue.first_band()) is not None:
             if first != allowance_band:  # a higher band ran empty: ask again for this one
                 allowance, allowance_band = self._allowance(first, now), first
             if allowance <= 0:
                 break
+            if free is None:
+                free = outlet.pool.free_slots(now)
             band, tenant, held = queue.pop(outlet.admission.pick(first, now))
-            if outlet.release(band, tenant, held, now):
+            if outlet.release(band, tenant, held, now, free=free > 0):
                 allowance -= 1
+                free -= 1
         outlet.report(PoolEvent(in_flight=outlet.pool.in_flight))
         self._schedule_wakeup(now)
 

@@ -108,12 +108,16 @@ class LoadEstimate:
         # the last one older than a scrape may take, and every newer one.
         self.others = 0
         self._others_told: deque[tuple[float, int]] = deque()
+        # What now() answered per endpoint since the last change: a release round asks it several
+        # times (the rule's room, the free slots) with nothing changed in between.
+        self._now: dict[str | None, LoadNow] = {}
         self.set_endpoints(endpoints)
 
     def set_endpoints(self, endpoints: Sequence[str]) -> None:
         """The pool's members changed; a newcomer has no scrape yet, a leaver's is forgotten."""
         self.endpoints = tuple(endpoints)
         self._scraped = {e: self._scraped.get(e) or _Scraped() for e in self.endpoints}
+        self._now.clear()
 
     @property
     def in_flight(self) -> int:
@@ -128,6 +132,7 @@ class LoadEstimate:
     def record_others(self, now: float, others: int) -> None:
         """The cluster's other instances have ``others`` requests in flight (as of ``now``)."""
         self.others = others
+        self._now.clear()
         told = self._others_told
         if not told or told[-1][1] != others:
             told.append((now, others))
@@ -145,6 +150,7 @@ class LoadEstimate:
     def record_release(self, request: Hashable, now: float, endpoint: str | None, into_free_slot: bool) -> None:
         self._in_flight[request] = (now, endpoint, into_free_slot)
         self._in_flight_on[endpoint] += 1
+        self._now.clear()
 
     def record_moved(self, request: Hashable, endpoint: str) -> None:
         """``request`` runs on ``endpoint`` after all (the gateway fell back to it): count it there."""
@@ -152,11 +158,13 @@ class LoadEstimate:
         self._in_flight[request] = (released_at, endpoint, into_free_slot)
         self._in_flight_on[old] -= 1
         self._in_flight_on[endpoint] += 1
+        self._now.clear()
 
     def record_finish(self, request: Hashable, now: float) -> float:
         """Note a finished request; returns how long it was released (its occupancy)."""
         released_at, endpoint, _ = self._in_flight.pop(request)
         self._in_flight_on[endpoint] -= 1
+        self._now.clear()
         self._finished.append((now, released_at, endpoint))
         while self._finished and self._finished[0][0] < now - self._stale_after_s:
             self._finished.popleft()
@@ -171,6 +179,7 @@ class LoadEstimate:
         scraped = self._scraped[endpoint]
         ours_then = self._ours_at(started_at, endpoint if self._per_endpoint else None)
         scraped.load, scraped.started_at, scraped.ours_then = load, started_at, ours_then
+        self._now.clear()
         pool = self.pool_load()
         if pool is not None:
             self.peak_running = max(self.peak_running, pool.running)
@@ -202,8 +211,15 @@ class LoadEstimate:
         its own endpoint, so the foreign parts add up per endpoint; without,
         each recorded the pool's in-flight count, and the largest of those is
         subtracted once (the scrapes started within a scrape interval of each
-        other).
+        other). Kept until the next change: asked again meanwhile, the same answer.
         """
+        known = self._now.get(endpoint)
+        if known is not None:
+            return known
+        self._now[endpoint] = known = self._compute(endpoint)
+        return known
+
+    def _compute(self, endpoint: str | None) -> LoadNow:
         states = list(self._scraped.values()) if endpoint is None else [self._scraped[endpoint]]
         if self._per_endpoint or endpoint is not None:
             foreign = sum(max(0.0, s.load.running + s.load.waiting - s.ours_then) for s in states if s.load)
