@@ -34,6 +34,7 @@ from extproc.core.entitlement import Tenant
 from extproc.core.outcomes import Refused
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES, RuleSettings
+from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
 from extproc.core.report import Event
 from extproc.tools.sim.engine import Scheduler, SimRequest, SimSettings
@@ -219,7 +220,7 @@ class CoreSim:
             if token.index == 0:
                 request.first_token_at = self.now
             if (token.index == 0 and request.arrival.stream) or (token.request.finished and not request.arrival.stream):
-                self.dispatcher.record_response(request.held, True)
+                self.dispatcher.record_response(request.held, Answer.SERVED)
             if token.request.finished:
                 self._at(self.now + self.end_lag_s, lambda r=request: self._end(r))  # type: ignore[misc]
         self.step_end = None

@@ -12,7 +12,8 @@ import asyncio
 
 import pytest
 
-from extproc.adapters.ext_proc.release_outcome import UPSTREAM_TIME_HEADER, engine_answered
+from extproc.adapters.engines.dialects import DIALECTS
+from extproc.adapters.ext_proc.release_outcome import UPSTREAM_TIME_HEADER, engine_answer
 from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
@@ -21,6 +22,7 @@ from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES
+from extproc.core.release.answer import Answer
 from extproc.core.release.health import CHECK_EVERY, PROBATION_S
 from extproc.core.report import Change, EndpointEvent, Event
 from tests.test_gate import make_gate
@@ -49,15 +51,15 @@ def test_a_failed_release_marks_its_endpoint_down_and_an_answer_brings_it_back()
     gate = make_gate()
     gate.record_scrape("e1", IDLE, started_at=0.0)
     gate.record_release("r1", 0.0)
-    assert gate.record_response(None, False, 0.1) == "e1"  # a pool of one: it went there
+    assert gate.record_response(None, Answer.DOWN, 0.1) == "e1"  # a pool of one: it went there
     assert gate.down() == ["e1"] and gate.allowance(0.1) == 0
-    gate.record_response(None, True, 0.2)
+    gate.record_response(None, Answer.SERVED, 0.2)
     assert gate.down() == [] and gate.allowance(0.2) > 0
 
 
 def test_without_picking_a_failure_in_a_pool_of_several_names_no_endpoint() -> None:
     gate = make_gate(endpoints=("e1", "e2"))
-    assert gate.record_response(None, False, 0.1) is None
+    assert gate.record_response(None, Answer.DOWN, 0.1) is None
     assert gate.down() == []
 
 
@@ -109,7 +111,7 @@ async def test_held_requests_wait_through_an_outage_and_go_when_the_engine_answe
     running = [h for h in held if h.future.done()]
     assert len(running) == 2 and report.up == {"e1": True}
     # The engine dies: the first failure marks it down before its slot is freed.
-    dispatcher.record_response(running[0], ok=False)
+    dispatcher.record_response(running[0], Answer.DOWN)
     dispatcher.end(running[0])
     dispatcher.end(running[1])  # cut off mid-response: its slot is free, nothing takes it
     assert report.up == {"e1": False} and report.failures == 1
@@ -126,14 +128,27 @@ async def test_held_requests_wait_through_an_outage_and_go_when_the_engine_answe
     await asyncio.sleep(0)
 
 
-def test_the_response_headers_tell_a_live_engine_from_a_failed_release() -> None:
+def test_the_response_headers_tell_a_live_engine_a_full_one_and_a_failed_release_apart() -> None:
     upstream = {UPSTREAM_TIME_HEADER: "12"}
-    assert engine_answered({":status": "200", **upstream})
-    assert engine_answered({":status": "400", **upstream})
-    assert engine_answered({":status": "500", **upstream})  # one request's error: the engine lives
-    assert not engine_answered({":status": "503", **upstream})  # the engine's own: overloaded, stopping
-    assert not engine_answered({":status": "503"})  # Envoy's: unreachable, reset before the response
-    assert not engine_answered({":status": "504"})
+    vllm, tgi, llamacpp = (DIALECTS[e].full_statuses for e in ("vllm", "tgi", "llamacpp"))
+    assert engine_answer({":status": "200", **upstream}, vllm) is Answer.SERVED
+    assert engine_answer({":status": "400", **upstream}, vllm) is Answer.SERVED
+    assert engine_answer({":status": "500", **upstream}, vllm) is Answer.SERVED  # one request's error: the engine lives
+    assert engine_answer({":status": "503", **upstream}, vllm) is Answer.FULL  # vLLM's queue cap
+    assert engine_answer({":status": "429", **upstream}, tgi) is Answer.FULL  # TGI's
+    assert engine_answer({":status": "429", **upstream}, vllm) is Answer.SERVED  # not vLLM's way to say it
+    assert engine_answer({":status": "503", **upstream}, llamacpp) is Answer.DOWN  # no queue cap: loading, not full
+    assert engine_answer({":status": "503"}, vllm) is Answer.DOWN  # Envoy's: unreachable, reset before the response
+    assert engine_answer({":status": "504"}, vllm) is Answer.DOWN
+    assert engine_answer({":status": "429"}, tgi) is Answer.SERVED  # Envoy's own (its admission bucket), not the engine
+
+
+def test_an_engine_that_refuses_a_release_as_full_stays_up_and_its_limit_is_cut() -> None:
+    gate = make_gate()
+    gate.record_scrape("e1", IDLE, started_at=0.0)
+    before = gate.allowance(0.1)
+    assert gate.record_response(None, Answer.FULL, 0.1) == "e1"
+    assert gate.down() == [] and 0 < gate.allowance(0.1) < before
 
 
 def test_a_sample_of_releases_is_checked_and_every_one_after_a_return() -> None:

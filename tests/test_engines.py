@@ -29,11 +29,11 @@ FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
         # Its KV cache: cache_config_info's kv_cache_size_tokens (16 blocks of 128).
         ("vllm", "vllm_0.32.txt", "tiny-llama", EngineLoad(8, 4, 0.2666666666666667, 3.4056031269992673, 187,
                                                             generation_tokens=197, prefix_queries=200, prefix_hits=0,
-                                                            kv_capacity_tokens=2048)),
+                                                            kv_capacity_tokens=2048, rejected=0)),
         # Captured from the prefill-size model after prompts sent twice: the prefix counters have hits.
         ("vllm", "vllm_0.32_prefix.txt", "m", EngineLoad(0, 0, 0.0, 16.539651922983467, 498, generation_tokens=524,
                                                          prefix_queries=45700, prefix_hits=20352,
-                                                         kv_capacity_tokens=16384)),
+                                                         kv_capacity_tokens=16384, rejected=0)),
         # vLLM v0 names: gpu_cache_usage_perc, time_per_output_token_seconds; capacity num_gpu_blocks x block_size.
         ("vllm", "vllm_v0.txt", "mistralai/Mistral-7B-Instruct-v0.3", EngineLoad(4, 12, 0.93, 10.0, 250,
                                                                                  kv_capacity_tokens=7282 * 16)),

@@ -15,6 +15,7 @@ from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
+from extproc.core.release.answer import Answer
 from extproc.core.report import Event, RequestEvent, Step
 from tests.test_gate import make_gate
 
@@ -171,7 +172,7 @@ async def test_retries_and_started_responses_are_never_victims() -> None:
     dispatcher, steps = make(now)
     retried = dispatcher.submit("bob", BATCH, retried=True)
     started = dispatcher.submit("bob", BATCH)
-    dispatcher.record_response(started, True)
+    dispatcher.record_response(started, Answer.SERVED)
     now[0] = 1.0
     chat = dispatcher.submit("alice", INTERACTIVE)
     assert not steps.of(Step.PREEMPTED) and not chat.future.done()

@@ -19,6 +19,7 @@ from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
+from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
 from extproc.core.release.unconfirmed import UnconfirmedEnds
 from tests.test_gate import make_gate
@@ -60,7 +61,7 @@ def test_a_scrape_or_a_checked_response_after_the_end_confirms_it_too() -> None:
             assert gate.unconfirmed.count() == 1 and gate.allowance(1.2) == 1  # 2 slots, one held
             gate.record_scrape("e1", IDLE, started_at=1.2)
         else:
-            gate.record_response("e1", True, 1.2)
+            gate.record_response("e1", Answer.SERVED, 1.2)
         assert gate.unconfirmed.count() == 0, confirm
 
 

@@ -31,6 +31,7 @@ assumes the lowest bucket starts at 0.
 from __future__ import annotations
 
 import logging
+import math
 import platform
 import time
 from collections.abc import Callable, Iterable
@@ -56,6 +57,8 @@ SLACK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 # Endpoint health changes, as the core's events tell them (core/release/health_log.py).
 HEALTH = logging.getLogger("extproc.health")
+# The engine refusing requests at its own queue cap is logged at most this often per endpoint.
+REJECTIONS_LOG_S = 10.0
 
 OTHER_TENANT = "other"
 NO_TENANT = "(none)"
@@ -281,8 +284,20 @@ class Telemetry:
     )
     release_failures = _counter(
         "extproc_release_failures",
-        "Released requests that failed before the engine answered (unreachable, reset) or that it answered 503; "
+        "Released requests that failed before the engine answered (unreachable, reset); "
         "endpoint '(unknown)' where the pool cannot tell which endpoint took it.",
+        "model", "endpoint",
+    )
+    release_refused_full = _counter(
+        "extproc_release_refused_full",
+        "Released requests the engine refused as full (its own queue cap: its 503 or 429) after Envoy's retries, "
+        "among the releases whose response the gate checks; each cuts the endpoint's limit.",
+        "model", "endpoint",
+    )
+    engine_rejections = _counter(
+        "extproc_engine_rejections",
+        "Requests the engine's metrics say it refused at its own queue cap (vLLM's "
+        "vllm:admission_rejections_total), from every client: the gateway's and any that bypass it.",
         "model", "endpoint",
     )
     gate_fallback = _gauge(
@@ -451,6 +466,10 @@ class ModelTelemetry:
         # Asked once, at start-up (logging is set up before the dispatchers are built): with
         # DEBUG off a decision costs one attribute test, not a logging call per request.
         self._decisions = DECISIONS.isEnabledFor(logging.DEBUG)
+        # Per endpoint: the engine's rejection counter at the last scrape, and when a rise was last logged.
+        self._rejected: dict[str, float] = {}
+        self._rejections_logged: dict[str, float] = {}
+        self._clock = clock
         self._handlers: dict[type, Callable[[Any], None]] = {
             RequestEvent: self._request, PoolEvent: self._pool, Charged: self._charged_event,
             EndpointEvent: self._endpoint, Admitted: self._admitted, TurnedAway: self._turned_away,
@@ -620,8 +639,28 @@ class ModelTelemetry:
                 t.endpoint_up.labels(model, endpoint).set(1 if event.change is Change.UP else 0)
             case Change.RELEASE_FAILED:
                 t.release_failures.labels(model, endpoint).inc()
+            case Change.REFUSED_FULL:
+                t.release_refused_full.labels(model, endpoint).inc()
         if event.note:
             HEALTH.log(logging.WARNING if event.change in (Change.DEGRADED, Change.DOWN) else logging.INFO, event.note)
+
+    def _count_rejections(self, endpoint: str, rejected: float, limit: float | None) -> None:
+        """Mirror the engine's rejection counter; say it in the log when it rises, at most every REJECTIONS_LOG_S."""
+        counter = self._t.engine_rejections.labels(self._model, endpoint)
+        before = self._rejected.get(endpoint)
+        self._rejected[endpoint] = rejected
+        if before is None or rejected <= before:  # first page, nothing new, or the engine restarted
+            return
+        counter.inc(rejected - before)
+        now = self._clock()
+        if now - self._rejections_logged.get(endpoint, -math.inf) >= REJECTIONS_LOG_S:
+            self._rejections_logged[endpoint] = now
+            cut = f"; the gate's limit is now {limit:g}" if limit is not None else ""
+            HEALTH.warning(
+                "%s %s: the engine refused %d request(s) at its own queue cap%s. If this repeats, its cap is "
+                "below its batch size plus target_waiting, or clients bypass the gateway (docs/engines.md)",
+                self._model, endpoint, rejected - before, cut,
+            )
 
     def _scraped(self, endpoint: str, load: EngineLoad, itl_s: float | None, limit: float | None) -> None:
         t, model = self._t, self._model
@@ -633,7 +672,10 @@ class ModelTelemetry:
         # before the first dispatch was never reported degraded, and never got a sample).
         t.scrape_errors.labels(model, endpoint)
         t.release_failures.labels(model, endpoint)
+        t.release_refused_full.labels(model, endpoint)
         t.endpoint_degraded.labels(model, endpoint)
+        if load.rejected is not None:
+            self._count_rejections(endpoint, load.rejected, limit)
         if load.kv_usage is not None:
             t.engine_kv_usage.labels(model, endpoint).set(load.kv_usage)
         if itl_s is not None:

@@ -53,6 +53,7 @@ from extproc.core.policies import Policy
 from extproc.core.preemption import AGAIN_AFTER_S, Need, Preemption
 from extproc.core.prefix import NO_PREFIX, Prefix
 from extproc.core.prefix_cache import PrefixCaches
+from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
 from extproc.core.release.rule import ReleaseRule, RuleSettings
 from extproc.core.report import Change, Charged, DispatchReport, EndpointEvent, PoolEvent, RequestEvent, Step
@@ -395,20 +396,21 @@ class ModelDispatcher:
             victim.preempted.set_result(None)
         self._finish(victim, now)
 
-    def record_response(self, held: Held, ok: bool) -> None:
-        """A released request's response began: from the engine (``ok``), or a release failure.
+    def record_response(self, held: Held, answer: Answer) -> None:
+        """A released request's response began: what the engine answered (:class:`Answer`).
 
-        A failure (the engine unreachable, reset before answering, or its own
-        503) marks its endpoint down before the stream ends, so the slot it
-        frees is not handed to the next held request: they wait for the
-        engine, or go to an endpoint that is up.
+        ``DOWN`` (the engine unreachable, reset before answering) marks its
+        endpoint down before the stream ends, so the slot it frees is not
+        handed to the next held request: they wait for the engine, or go to an
+        endpoint that is up. ``FULL`` (the engine refused it, its own queue
+        cap reached) cuts the endpoint's limit and leaves it up.
         """
         if not held.released or held.ended:
             return
         held.started = True
         self._outlet.preemption.started(held)
         self._outlet.waiting_above.pop(held, None)
-        self._release_outcome(held.endpoint, ok)
+        self._release_outcome(held.endpoint, answer)
 
     def record_served(self, held: Held, endpoint: str) -> None:
         """The gateway reports where ``held`` was served; another endpoint than the pick means the pick failed it."""
@@ -418,14 +420,17 @@ class ModelDispatcher:
             return  # not a member (yet): nothing to count it against
         picked, held.endpoint = held.endpoint, endpoint
         self.pool.record_moved(held, endpoint)
-        self._release_outcome(picked, False)
+        self._release_outcome(picked, Answer.DOWN)
 
-    def _release_outcome(self, endpoint: str | None, ok: bool) -> None:
-        """How a release to ``endpoint`` went; a failure marks it down, and a change in who is down dispatches."""
+    def _release_outcome(self, endpoint: str | None, answer: Answer) -> None:
+        """How a release to ``endpoint`` went; a change in who is down dispatches."""
         down = self.pool.down()
-        target = self.pool.record_response(endpoint, ok, self._clock())
-        if not ok:
+        target = self.pool.record_response(endpoint, answer, self._clock())
+        if answer is Answer.DOWN:
             self._report(EndpointEvent(target, Change.RELEASE_FAILED))
+        elif answer is Answer.FULL:
+            limit = self.pool.rule.snapshot(target).limit if target is not None else None
+            self._report(EndpointEvent(target, Change.REFUSED_FULL, limit=limit))
         if self.pool.down() != down:
             self.dispatch()  # reports the change; an endpoint back up takes held requests at once
 

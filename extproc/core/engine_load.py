@@ -31,3 +31,6 @@ class EngineLoad:
     prefix_hits: float | None = None
     # The KV cache's size in tokens (vLLM: cache_config_info's num_gpu_blocks x block_size).
     kv_capacity_tokens: float | None = None
+    # Cumulative requests the engine refused because its own queue cap was reached (vLLM's
+    # admission_rejections_total), from every client, the gateway's and any that bypass it.
+    rejected: float | None = None

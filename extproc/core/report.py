@@ -75,7 +75,8 @@ class Change(StrEnum):
     USABLE = "usable"  # its metrics are usable again
     DOWN = "down"  # its engine is unreachable: nothing is released to it
     UP = "up"  # reachable (again)
-    RELEASE_FAILED = "release_failed"  # a release failed before the engine answered (or it answered 503)
+    RELEASE_FAILED = "release_failed"  # a release failed before the engine answered
+    REFUSED_FULL = "refused_full"  # the engine refused a release as full (its own queue cap), after Envoy's retries
 
 
 @dataclass(frozen=True, slots=True)

@@ -130,13 +130,17 @@ async def start_vllm(
     scheduling_policy: SchedulingPolicy = "fcfs",
     size: ModelSize = "tiny",
     kv_cache_tokens: int | None = None,
+    max_num_queued_reqs: int | None = None,
+    max_num_queued_tokens: int | None = None,
 ) -> ManagedProcess:
     """Serve the model of ``size`` as ``name`` on ``127.0.0.1:port`` and wait until ``/health`` answers.
 
     The KV cache holds ``kv_cache_tokens`` (rounded up to whole blocks), by
     default ``max_num_seqs`` full contexts; more leaves room for cached
     prefixes beside the running sequences (vLLM keeps a finished request's
-    blocks cached until it needs them).
+    blocks cached until it needs them). ``max_num_queued_reqs`` and
+    ``max_num_queued_tokens`` turn on vLLM's own admission valves (off by
+    default, as in vLLM).
 
     The server logs to ``workdir/vllm-<name>-<port>.log`` and keeps its
     caches under ``workdir`` (its sockets in a short TMPDIR). Raises :class:`VllmUnavailable` when
@@ -166,6 +170,9 @@ async def start_vllm(
         "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(blocks),
         "--disable-uvicorn-access-log", "--distributed-executor-backend", "uni",
     ]
+    for flag, value in (("--max-num-queued-reqs", max_num_queued_reqs), ("--max-num-queued-tokens", max_num_queued_tokens)):
+        if value is not None:
+            argv += [flag, str(value)]
     return await ManagedProcess.start(
         f"vllm {name}", argv, workdir / f"vllm-{name}-{port}.log", ready_url=f"http://127.0.0.1:{port}/health",
         timeout=START_TIMEOUT_S, env=env, group=True,

@@ -66,6 +66,17 @@ class InfoLabels:
 
 
 @dataclass(frozen=True)
+class Counted:
+    """A counter's samples that carry all of ``labels``, added up (one reason of several, say)."""
+
+    metric: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+    def matches(self, labels: tuple[tuple[str, str], ...]) -> bool:
+        return all(pair in labels for pair in self.labels)
+
+
+@dataclass(frozen=True)
 class EngineDialect:
     """Which samples carry each quantity, for one engine.
 
@@ -93,6 +104,12 @@ class EngineDialect:
     prefix: tuple[tuple[str, str], ...] = ()
     kv_capacity: tuple[tuple[str, ...], ...] = ()
     kv_capacity_info: InfoLabels | None = None
+    # Requests the engine refused because its own queue cap was reached: the first candidate present.
+    rejected: tuple[Counted, ...] = ()
+    # The statuses it answers such a refusal with, before starting the request: Envoy retries them
+    # (adapters/envoy/routes.py), and one that reaches the processor cuts the limit instead of marking
+    # the endpoint down (release_outcome.py). Empty: the engine has no queue cap.
+    full_statuses: frozenset[int] = frozenset()
     # What answers whether the process serves (probe.py): vLLM, SGLang, TGI, llama.cpp
     # and trtllm-serve all have GET /health.
     health_path: str = "/health"
@@ -125,6 +142,11 @@ DIALECTS: dict[str, EngineDialect] = {
             # hybrid models too); older releases have only num_gpu_blocks x block_size.
             (("kv_cache_size_tokens",), ("num_gpu_blocks", "block_size")),
         ),
+        # Since 0.29, with --max-num-queued-reqs/-tokens set: one series per reason, counted by the API
+        # server when it refuses a request (v1/engine/async_llm.py check_admission).
+        rejected=(Counted("vllm:admission_rejections_total"),),
+        # QueueOverflowError / MaxQueuedTokensError (vllm/exceptions.py), checked before a stream begins.
+        full_statuses=frozenset({503}),
     ),
     "sglang": EngineDialect(
         waiting=("sglang:num_queue_reqs",),
@@ -140,6 +162,9 @@ DIALECTS: dict[str, EngineDialect] = {
         # logging interval, which cannot be turned into counters: not read.
         prefix=(("sglang:prompt_tokens_total", "sglang:cached_tokens_total"),),
         kv_capacity=(("sglang:max_total_num_tokens",),),
+        # --max-queued-requests: "The request queue is full." (scheduler.py _abort_on_queued_limit); counted
+        # by no metric (sglang:num_aborted_requests_total is client aborts).
+        full_statuses=frozenset({503}),
     ),
     "tgi": EngineDialect(
         waiting=("tgi_queue_size",),
@@ -147,6 +172,10 @@ DIALECTS: dict[str, EngineDialect] = {
         # Observed once per finished request (its mean time per token), so it lags.
         itl=(("tgi_request_mean_time_per_token_duration_sum", "tgi_request_mean_time_per_token_duration_count"),),
         model_label=None,
+        # --max-concurrent-requests: 429 {"error": "Model is overloaded", "error_type": "overloaded"}, counted
+        # under this err label (router/src/infer/mod.rs; the counter has no _total suffix).
+        rejected=(Counted("tgi_request_failure", (("err", "overloaded"),)),),
+        full_statuses=frozenset({429}),
     ),
     "llamacpp": EngineDialect(
         waiting=("llamacpp:requests_deferred",),
@@ -174,8 +203,9 @@ def _wanted(dialect: EngineDialect) -> frozenset[str]:
     pairs = [name for pair in (*dialect.itl, *dialect.prefix) for name in pair]
     capacity = [name for product in dialect.kv_capacity for name in product]
     info = [dialect.kv_capacity_info.metric] if dialect.kv_capacity_info else []
+    rejected = [counted.metric for counted in dialect.rejected]
     return frozenset((*dialect.waiting, *dialect.running, *dialect.kv_usage, *pairs, *dialect.generation_tokens,
-                      *capacity, *info))
+                      *capacity, *info, *rejected))
 
 
 _SUFFIXES = ("_total", "_sum", "_count", "_bucket")
@@ -284,6 +314,7 @@ def parse_load(engine: str, text: str, model: str) -> EngineLoad:
     totals = {
         name: _combine(values, dialect.replica_labels, use_max=name in kv_names) for name, values in by_name.items()
     }
+    rejected = _counted(by_name, dialect.rejected, dialect.replica_labels)
     waiting, running = _first(totals, dialect.waiting), _first(totals, dialect.running)
     if waiting is None or running is None:
         missing = dialect.waiting[0] if waiting is None else dialect.running[0]
@@ -302,7 +333,20 @@ def parse_load(engine: str, text: str, model: str) -> EngineLoad:
         prefix_queries=queries,
         prefix_hits=hits,
         kv_capacity_tokens=_capacity(dialect, totals),
+        rejected=_plausible(rejected),
     )
+
+
+def _counted(
+    by_name: dict[str, dict[tuple[tuple[str, str], ...], float]], candidates: tuple[Counted, ...],
+    replica_labels: tuple[str, ...],
+) -> float | None:
+    """The first candidate counter present, its matching label sets added up."""
+    for counted in candidates:
+        values = {labels: v for labels, v in by_name.get(counted.metric, {}).items() if counted.matches(labels)}
+        if values:
+            return _combine(values, replica_labels, use_max=False)
+    return None
 
 
 def _pair(totals: dict[str, float], pairs: tuple[tuple[str, str], ...]) -> tuple[float | None, float | None]:

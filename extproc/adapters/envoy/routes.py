@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from extproc.adapters.config import Config
+from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.envoy.base import Json, duration, header_values, idle_timeout_s, typed
 from extproc.adapters.envoy.clusters import PICKED_CLUSTER, cluster_names, picks_endpoints, shard_cluster_name
 from extproc.adapters.envoy.filters import ECHOED_HEADERS, EXT_PROC_FILTER
@@ -31,12 +32,15 @@ from extproc.adapters.envoy.local_replies import direct_reply
 from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, METADATA_NAMESPACE
 from extproc.core.outcomes import Refusal
 
-# Retries of a request that never reached the engine: an engine restarting in
-# well under a second is waited for; a dead one fails the request after about
-# half a second, and the processor, seeing the router's 503, marks it down.
-ENGINE_RETRIES = 2
-ENGINE_RETRY_BASE_S = 0.1
-ENGINE_RETRY_MAX_S = 0.5
+# Retries of a request the engine never started: it could not be reached, or it
+# refused the request as full (its own queue cap). An engine restarting within a
+# second, or a queue cap hit in a burst, is waited for; a dead engine fails the
+# request after one to two seconds, and the processor, seeing the router's 503,
+# marks it down. Envoy's back-off is jittered: each wait is random up to
+# base x 2^attempt, capped at the maximum.
+ENGINE_RETRIES = 3
+ENGINE_RETRY_BASE_S = 0.25
+ENGINE_RETRY_MAX_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ class _RouteTable:
         self.idle = duration(idle_timeout_s(config))
         self.clusters = {**cluster_names(config), **scope.clusters}
         self.closed = ext_proc and config.envoy.processor_failure == "closed"
+        # Retried on every route: the picked-endpoint route is shared by the models of all engines.
+        self.full_statuses = frozenset().union(*(DIALECTS[m.engine].full_statuses for m in config.models))
 
     def for_prefix(self, index: int, prefix: str) -> list[Json]:
         reply = self.reply()
@@ -135,7 +141,8 @@ class _RouteTable:
             "name": name,
             "match": match,
             # No overall limit: a long generation is fine while bytes flow.
-            "route": {"cluster": cluster, "timeout": "0s", "idle_timeout": self.idle, "retry_policy": _retry_policy()},
+            "route": {"cluster": cluster, "timeout": "0s", "idle_timeout": self.idle,
+                      "retry_policy": _retry_policy(self.full_statuses)},
             # Omitted when the processor did not set it (empty value).
             "response_headers_to_add": header_values([(header, f"%REQ({header})%") for header in ECHOED_HEADERS]),
         })
@@ -183,14 +190,20 @@ def names_regex(names: tuple[str, ...]) -> str:
     return "|".join(f"(?:{one(n)})" for n in names)
 
 
-def _retry_policy() -> Json:
-    """Retry only what never reached the engine; another endpoint first, where the cluster has one.
+def _retry_policy(full_statuses: frozenset[int]) -> Json:
+    """Retry only what the engine never started; another endpoint first, where the cluster has one.
 
-    ``previous_hosts`` skips endpoints already tried (the picked cluster has
-    one host: after the attempts it goes there anyway).
+    That is a request that never reached it, or one it refused as full: the
+    gateway's clients do not pay for the engine's own valve. The processor
+    meanwhile reads the refusal (the engine's rejection counter) and releases
+    less. ``previous_hosts`` skips endpoints already tried (the picked cluster
+    has one host: after the attempts it goes there anyway). The body is
+    buffered for the retry up to the listener's buffer limit.
     """
+    full = {"retriable_status_codes": sorted(full_statuses)} if full_statuses else {}
     return {
-        "retry_on": "connect-failure,refused-stream,reset-before-request",
+        "retry_on": "connect-failure,refused-stream,reset-before-request" + (",retriable-status-codes" if full else ""),
+        **full,
         "num_retries": ENGINE_RETRIES,
         "retry_back_off": {"base_interval": duration(ENGINE_RETRY_BASE_S), "max_interval": duration(ENGINE_RETRY_MAX_S)},
         "retry_host_predicate": [{

@@ -16,7 +16,8 @@ SEND, everything else off):
    and clearing Envoy's route cache so it routes on it.
 4. For a release the gate checks (a sample; ``mode_override``), the
    response headers tell whether it reached a live engine
-   (release_outcome.py); a failure marks the endpoint down at once. The
+   (release_outcome.py); a failure marks the endpoint down at once, a
+   refusal as full cuts its limit. The
    stream then stays open, silent, until the response has finished or the
    client has gone; its end is the request's completion, which keeps the
    gate's in-flight count exact at no per-chunk cost.
@@ -101,6 +102,7 @@ from google.protobuf import duration_pb2
 
 from extproc.adapters.answers import ANSWERS, SHED, answer_headers, error_body, retry_after_s
 from extproc.adapters.config import Config, ModelConfig
+from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.ext_proc import epp
 from extproc.adapters.ext_proc.contract import (
     DESTINATION_HEADER,
@@ -111,7 +113,7 @@ from extproc.adapters.ext_proc.contract import (
 from extproc.adapters.ext_proc.loop_lag import LoopLag
 from extproc.adapters.ext_proc.priority_body import with_priority
 from extproc.adapters.ext_proc.prompt_prefix import Signer
-from extproc.adapters.ext_proc.release_outcome import engine_answered
+from extproc.adapters.ext_proc.release_outcome import engine_answer
 from extproc.adapters.ext_proc.request_fields import (
     NO_PROMPT,
     RequestFields,
@@ -373,6 +375,7 @@ class Processor:
             for m in config.models
         }
         self._engine_priority_models = {m.name for m in config.models if m.engine_priority}
+        self._full_statuses = {m.name: DIALECTS[m.engine].full_statuses for m in config.models}
         self._signers = {m.name: Signer(m) for m in config.models if m.prefix is not None}
         # Prebuilt: under a burst these are sent to every arrival, so they cost no construction.
         self._acknowledgement = max(
@@ -631,7 +634,8 @@ class Processor:
                 if endpoint is not None and endpoint != held.endpoint:
                     self._telemetry.report(dispatcher.name)(ServedElsewhere())
                     dispatcher.record_served(held, endpoint)
-            dispatcher.record_response(held, engine_answered(_headers_of(message.response_headers)))
+            answer = engine_answer(_headers_of(message.response_headers), self._full_statuses[dispatcher.name])
+            dispatcher.record_response(held, answer)
         elif message.HasField("response_body") and stream.response_duplex:  # passed back as it came
             return epp.streamed_body("response_body", message.response_body.body, message.response_body.end_of_stream)
         return [_continue(message)]

@@ -51,6 +51,11 @@ class Adaptive(MetricRule):
     def record_scrape(self, endpoint: str, load: EngineLoad, started_at: float, held_then: float | None) -> None:
         self._limits[endpoint].observe(load, started_at, held=held_then)
 
+    def record_refusal(self, endpoint: str, now: float) -> None:
+        limit = self._limits.get(endpoint)
+        if limit is not None:
+            limit.refused(now, self.estimate.now(endpoint).held)
+
     def room(self, endpoint: str | None) -> float:
         limits = self._limits.values() if endpoint is None else [self._limits[endpoint]]
         return sum(limit.limit for limit in limits) - self.estimate.now(endpoint).held

@@ -32,6 +32,16 @@ What is learned, and from which signal (every scrape, newest sample):
    nothing to send). The limit returns towards ``shown + target_waiting`` by
    the same step a scrape, whether or not the gate fills it: a limit cut by a
    burst recovers within a scrape or two, not only once someone fills it.
+5. **The engine refused a request as full** (its own queue cap: vLLM's
+   ``--max-num-queued-reqs``, TGI's ``--max-concurrent-requests``; seen as its
+   rejection counter rising, or as a release answered "full"): something
+   outside the gate — a client that bypasses it — fills the engine, or its
+   cap is below what the gate would hold. Multiplicative decrease from what
+   the engine held (``min(limit, held) * DECREASE``, at most once per ITL
+   window), and no rule may raise the limit for ``REFUSAL_HOLD_S``: growing
+   back sooner would find the valve again, and each refusal is a request the
+   engine turned away. The engine's own cap (``cap``, when it says it) bounds
+   the limit always.
 
 Why AIMD and not a latency gradient (as in Netflix's Gradient2): a
 continuous-batching engine's step time grows smoothly with the batch, with no
@@ -54,6 +64,8 @@ DECREASE = 0.8
 # Fractions of a ceiling where additive increase slows to 1, then stops.
 SLOW_ABOVE = 0.5
 HOLD_ABOVE = 0.9
+# After the engine refused a request as full, how long the limit may not grow.
+REFUSAL_HOLD_S = 10.0
 
 
 class ItlWindow:
@@ -111,6 +123,8 @@ class ConcurrencyLimit:
         self.limit = float(min(initial, cap) if cap is not None else initial)
         self.pressure = 0.0
         self._last_decrease = float("-inf")
+        self._refused_at = float("-inf")
+        self._rejected: float | None = None  # the engine's rejection counter at the last scrape
 
     def _pressure(self, load: EngineLoad) -> float:
         """The highest ceiling use, 1.0 = at a ceiling; 0 without ceilings or data."""
@@ -134,9 +148,41 @@ class ConcurrencyLimit:
             self.itl.add(at, load.itl_sum, load.itl_count)
         self.pressure = pressure = self._pressure(load)
         self.peak = max(self.peak, load.running)
-        shown = max(self._floor, self.peak)
         if held is None:
             held = load.running + load.waiting
+        if self._rejections_rose(load.rejected):
+            self.refused(at, held)
+            return
+        before = self.limit
+        self._grow_or_cut(load, at, held, pressure, self.shown)
+        if at - self._refused_at < REFUSAL_HOLD_S:
+            self.limit = min(self.limit, before)
+        if self._cap is not None:
+            self.limit = min(self.limit, float(self._cap))
+
+    @property
+    def shown(self) -> float:
+        """What the engine has shown it runs at once: ``max_running`` when known, else the most seen."""
+        return max(self._floor, self.peak)
+
+    def refused(self, at: float, held: float) -> None:
+        """The engine refused a request as full while holding ``held`` (rule 5).
+
+        ``held`` may lag (a scrape's count): never read as less than the
+        engine runs, or one stale page would cut the limit to nothing.
+        """
+        self._refused_at = at
+        if at - self._last_decrease >= self._cooldown_s:
+            self.limit = max(1.0, min(self.limit, max(held, self.shown)) * DECREASE)
+            self._last_decrease = at
+
+    def _rejections_rose(self, rejected: float | None) -> bool:
+        """Whether the engine's rejection counter grew since the last scrape (a drop is a restart)."""
+        before, self._rejected = self._rejected, rejected
+        return before is not None and rejected is not None and rejected > before
+
+    def _grow_or_cut(self, load: EngineLoad, at: float, held: float, pressure: float, shown: float) -> None:
+        """Rules 1-4."""
         step = self._target if pressure < SLOW_ABOVE else 1 if pressure < HOLD_ABOVE else 0
         if pressure > 1.0:
             if held <= self.limit and at - self._last_decrease >= self._cooldown_s:
@@ -153,5 +199,3 @@ class ConcurrencyLimit:
             self.limit = max(self.limit, load.running + step)
         else:
             self.limit = max(self.limit, min(shown + self._target, self.limit + step))
-        if self._cap is not None:
-            self.limit = min(self.limit, float(self._cap))

@@ -27,6 +27,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from extproc.core.engine_load import EngineLoad
 from extproc.core.release import picking
+from extproc.core.release.answer import Answer
 from extproc.core.release.estimate import LoadEstimate
 from extproc.core.release.health import EndpointHealth
 from extproc.core.release.rule import ReleaseRule, RuleSettings
@@ -166,19 +167,22 @@ class Pool:
         held_then = self.estimate.record_scrape(endpoint, load, started_at)
         self.rule.record_scrape(endpoint, load, started_at, held_then)
 
-    def record_response(self, endpoint: str | None, ok: bool, now: float) -> str | None:
-        """A released request's response began: ``ok``, or a release failure (engine unreachable or 503).
+    def record_response(self, endpoint: str | None, answer: Answer, now: float) -> str | None:
+        """A released request's response began: what the engine answered (answer.py).
 
         ``endpoint`` is where it was picked; without picking only a pool of one
         tells where it went. Returns the endpoint the outcome was recorded for.
         """
         target = endpoint if endpoint is not None else self.endpoints[0] if len(self.endpoints) == 1 else None
         if target is not None:
-            self.health.record_response(target, ok, now)
-            if ok:
+            alive = answer is not Answer.DOWN
+            self.health.record_response(target, alive, now)
+            if alive:
                 self.record_alive(target, now)
             else:
                 self._forget_down()
+            if answer is Answer.FULL:
+                self.rule.record_refusal(target, now)
         return target
 
     def allowance(self, now: float) -> int:

@@ -12,7 +12,8 @@ The band rules (reserved waiting, idle-only) sit above the rule
 (``core/bands.py``), and endpoint picking sits beside it (``picking.py``). So
 a new rule cannot get the accounting subtly wrong: it never does any.
 
-A rule is told every release, finish and usable scrape. It answers
+A rule is told every release, finish, usable scrape and release the engine
+refused as full. It answers
 ``allowance`` for the pool, ``endpoint_allowance`` for one endpoint (endpoint
 picking), ``next_change_in`` when its allowance grows with time alone, and a
 ``snapshot`` for telemetry. One class per rule, one module each, registered
@@ -105,6 +106,9 @@ class ReleaseRule:
         requests counted exactly, where ours can be told apart per endpoint;
         else None.
         """
+
+    def record_refusal(self, endpoint: str, now: float) -> None:
+        """The engine at ``endpoint`` refused a released request as full (its own queue cap)."""
 
     def next_change_in(self, now: float) -> float | None:
         """Seconds until the allowance grows with no event at all (a rate), else None."""

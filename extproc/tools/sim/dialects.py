@@ -118,6 +118,9 @@ class DialectMetrics:
     def on_preempted(self, request: SimRequest) -> None:
         pass
 
+    def on_rejected(self, reason: str) -> None:
+        pass  # the simulator's caps are vLLM's; other dialects' pages do not count them
+
     def on_finished(self, request: SimRequest) -> None:
         if request.finish_reason == FINISH_ABORT:
             return

@@ -175,6 +175,9 @@ class SimSettings:
     visibility_delay_ms: float = 60.0
     visibility_delay_per_pending_ms: float = 15.0
     visibility_delay_max_ms: float = 400.0
+    # vLLM's own admission valves (--max-num-queued-reqs/-tokens, off by default): see SimEngine.check_admission.
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -196,9 +199,29 @@ class SimSettings:
             raise ValueError(f"kv_mode must be one of {', '.join(KV_MODES)}")
         if self.block_size < 1:
             raise ValueError("block_size must be at least 1")
+        if min(self.max_num_queued_reqs or 0, self.max_num_queued_tokens or 0) < 0:
+            raise ValueError("max_num_queued_reqs and max_num_queued_tokens must not be negative")
         if (self.kv_mode == "incremental" or self.prefix_caching) and self.kv_cache_tokens % self.block_size:
             # Whole blocks, so that a request of the maximum model length always fits alone.
             raise ValueError("kv_cache_tokens must be a multiple of block_size in incremental kv_mode or with prefix caching")
+
+
+class QueueFull(Exception):
+    """vLLM's ``QueueOverflowError`` / ``MaxQueuedTokensError``: its own queue cap refuses the request."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+# vllm/exceptions.py, word for word: what a refused client reads.
+QUEUE_FULL_MESSAGES = {
+    "max_num_queued_reqs": "The engine is currently busy and cannot accept new requests. "
+                           "Please try again later or on a different instance.",
+    "max_num_queued_tokens": "The engine has reached its prefill token backlog limit. "
+                             "Please try again later or on a different instance.",
+}
 
 
 class RequestTooLong(ValueError):
@@ -537,6 +560,8 @@ class EngineObserver(Protocol):
 
     def on_finished(self, request: SimRequest) -> None: ...
 
+    def on_rejected(self, reason: str) -> None: ...
+
 
 class _NoObserver:
     """Default observer, so the driver never has to check for ``None``."""
@@ -551,6 +576,9 @@ class _NoObserver:
         pass
 
     def on_finished(self, request: SimRequest) -> None:
+        pass
+
+    def on_rejected(self, reason: str) -> None:
         pass
 
 
@@ -640,6 +668,7 @@ class SimEngine:
         with equal leading units share their leading blocks. Without them a
         request never hits the cache.
         """
+        self.check_admission()
         now = self._clock()
         hashes = block_hashes(prompt_units, self.settings.block_size) if self.settings.prefix_caching else ()
         request = SimRequest(
@@ -653,6 +682,31 @@ class SimEngine:
         self._handles[request] = handle
         self._wakeup.set()
         return handle
+
+    def check_admission(self) -> None:
+        """Raise :class:`QueueFull` if vLLM's queue caps refuse a request now (counted in the observer).
+
+        As vLLM 0.32's ``AsyncLLM.check_admission``: the requests not finished
+        (waiting + running) against ``max_num_queued_reqs``, counting the new
+        one; the prompt tokens of those not past their prefill against
+        ``max_num_queued_tokens``, not counting it. vLLM checks twice: before
+        a response begins (the API server's preflight, the server's
+        :meth:`check_admission` call) and when the request joins the engine
+        (:meth:`submit`); only the second counts it. Requests that arrive
+        together all pass the first, so a stream refused at the second has
+        already been answered 200 (the server writes the error into it).
+        """
+        s = self.settings
+        if s.max_num_queued_reqs is not None and len(self._handles) + 1 > s.max_num_queued_reqs:
+            self._refuse("max_num_queued_reqs")
+        if s.max_num_queued_tokens is not None:
+            queued = sum(r.prompt_tokens for r in self._handles if r.first_token_at is None)
+            if queued >= s.max_num_queued_tokens:
+                self._refuse("max_num_queued_tokens")
+
+    def _refuse(self, reason: str) -> None:
+        self.observer.on_rejected(reason)
+        raise QueueFull(reason, QUEUE_FULL_MESSAGES[reason])
 
     def _visibility_delay_s(self) -> float:
         """How long a request arriving now takes to reach the scheduler (see the module docstring)."""

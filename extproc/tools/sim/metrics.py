@@ -55,6 +55,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from extproc.tools.sim.engine import FINISH_ABORT, Scheduler, SimRequest, TokenEvent
 
+# vllm/v1/metrics/loggers.py ADMISSION_REASONS.
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 # vllm/v1/engine/__init__.py FINISH_REASON_STRINGS; vLLM pre-creates a series per reason.
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
@@ -136,6 +138,13 @@ class VllmMetrics:
             registry=self.registry,
         )
         self._success = {reason: success.labels(*labels, reason) for reason in FINISH_REASONS}
+        # vLLM >= 0.29 (loggers.py "Frontend admission"): labelled by model and reason only, both reasons
+        # pre-created whether or not a cap is set.
+        admission = Counter(
+            "vllm:admission_rejections", "Number of admission attempts rejected by a queue limit, by reason.",
+            ["model_name", "reason"], registry=self.registry,
+        )
+        self._admission_rejections = {reason: admission.labels(model_name, reason) for reason in ADMISSION_REASONS}
 
         self._ttft = histogram(
             "vllm:time_to_first_token_seconds",
@@ -175,6 +184,9 @@ class VllmMetrics:
 
     def on_preempted(self, request: SimRequest) -> None:
         self._preemptions.inc()
+
+    def on_rejected(self, reason: str) -> None:
+        self._admission_rejections[reason].inc()
 
     def on_finished(self, request: SimRequest) -> None:
         reason = request.finish_reason

@@ -23,6 +23,12 @@ Request handling, also as in vLLM:
   cancellation), freeing its batch slot and KV, like vLLM's disconnect handling
   (its ``AsyncLLM.generate`` aborts the request when the handler is cancelled),
   whether the request was waiting or running, streamed or not;
+* ``--max-num-queued-reqs`` / ``--max-num-queued-tokens`` are vLLM's own
+  valves (:meth:`~extproc.tools.sim.engine.SimEngine.check_admission`): a
+  refusal is 503 with vLLM's body, counted in
+  ``vllm:admission_rejections_total{reason}``; a stream that passed the first
+  check and fails the second (requests that arrive together) is answered 200
+  with the error as its one event, then ``[DONE]``, as vLLM 0.32 does;
 * ``--kv-mode incremental`` allocates KV in ``--block-size`` blocks as the
   request decodes and preempts on KV pressure, as vLLM's scheduler does
   (:mod:`extproc.tools.sim.engine`).
@@ -63,6 +69,7 @@ from extproc.tools.sim.engine import (
     FINISH_ABORT,
     KV_MODES,
     SCHEDULING_POLICIES,
+    QueueFull,
     RequestHandle,
     RequestTooLong,
     SimEngine,
@@ -308,9 +315,18 @@ class _Handlers:
         if self.settings.prefix_caching:
             units = prompt_units(prompt) if isinstance(prompt, str) else prompt
         try:
+            self.engine.check_admission()  # vLLM's preflight: before any response begins
+        except QueueFull as exc:
+            raise _queue_full(exc) from exc
+        await asyncio.sleep(0)  # vLLM renders the prompt between its two checks; others arrive meanwhile
+        try:
             handle = self.engine.submit(tokens, params.max_tokens, params.priority, units)
         except RequestTooLong as exc:
             raise _bad_request(str(exc)) from exc
+        except QueueFull as exc:
+            if not params.stream:
+                raise _queue_full(exc) from exc
+            return await self._refused_stream(request, exc)
         try:
             meta = {
                 "id": api.id_prefix + uuid.uuid4().hex,
@@ -323,6 +339,21 @@ class _Handlers:
         finally:
             # Client gone (handler cancelled) or anything else unexpected: free the slot.
             handle.abort()
+
+    async def _refused_stream(self, request: web.Request, exc: QueueFull) -> web.StreamResponse:
+        """vLLM 0.32's answer to a stream its second admission check refuses: 200, the error, [DONE].
+
+        Its streaming response has begun by then (``serving.py``'s stream
+        generator writes the exception as an event), so the status cannot say it.
+        """
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        error = _queue_full(exc)
+        event = {"error": {"message": error.message, "type": error.err_type, "param": None, "code": error.status}}
+        await response.write(f"data: {json.dumps(event)}\n\n".encode())  # vLLM's json.dumps: default separators
+        await response.write(_sse("[DONE]"))
+        await response.write_eof()
+        return response
 
     async def _stream(
         self,
@@ -370,6 +401,11 @@ class _Handlers:
                 "usage": _usage(handle.request.prompt_tokens, len(pieces)),
             }
         )
+
+
+def _queue_full(exc: QueueFull) -> ApiError:
+    """vLLM's answer when its queue caps refuse a request (a ``GracefulHTTPError``: the status's phrase as type)."""
+    return ApiError(HTTPStatus.SERVICE_UNAVAILABLE, exc.message, HTTPStatus.SERVICE_UNAVAILABLE.phrase)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -505,6 +541,10 @@ _SETTINGS_OPTIONS: tuple[tuple[str, type[bool | int | float | str], tuple[str, .
      "wall-clock time from a request's arrival to the scheduler and /metrics, as in vLLM; 0 for none"),
     ("visibility_delay_per_pending_ms", float, None, "extra delay for each request still on its way"),
     ("visibility_delay_max_ms", float, None, "cap of the delay"),
+    ("max_num_queued_reqs", int, None,
+     "refuse a request (503) when waiting + running would exceed this, as vLLM's --max-num-queued-reqs; off by default"),
+    ("max_num_queued_tokens", int, None,
+     "refuse a request (503) while this many prompt tokens await their prefill, as vLLM's --max-num-queued-tokens"),
 )
 
 
