@@ -26,6 +26,7 @@ from aiohttp import web
 
 from extproc.adapters.config import Config
 from extproc.adapters.envoy import drop_in, merge
+from extproc.adapters.envoy.routes import ENGINE_RETRIES
 from extproc.tools.power_user import Outcome, chat
 from extproc.tools.stack import Stack, start_sim, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, send_chat, wait_for_metric, write_config
@@ -141,18 +142,20 @@ async def test_a_crashed_replica_leaves_its_queue_to_the_other(tmp_path: Path, p
     assert metric(samples, "extproc_queue_depth", model="m1") == 0
 
 
+BUSY = "The engine is currently busy and cannot accept new requests. Please try again later or on a different instance."
 IDLE_PAGE = 'vllm:num_requests_running{model_name="m1"} 0\nvllm:num_requests_waiting{model_name="m1"} 0\n'
 
 
-@pytest.mark.parametrize("failure", ["reset", "503"])
-async def test_a_release_that_fails_before_the_engine_answers_is_seen_through_envoy(
-    tmp_path: Path, failure: str
-) -> None:
-    """An engine whose metrics answer but whose API resets the connection, or answers 503.
+@pytest.mark.parametrize("failure", ["reset", "full", "full_once"])
+async def test_a_release_the_engine_never_started_is_seen_through_envoy(tmp_path: Path, failure: str) -> None:
+    """An engine whose metrics answer but whose API resets the connection, or refuses as full.
 
-    Envoy answers the reset itself (503, no upstream time); the engine's 503
-    passes through. Either way the processor reads the failure from the
-    response headers ext_proc shows it, not from a scrape.
+    Envoy answers the reset itself (503, no upstream time): down. The engine's
+    own 503 with vLLM's queue-cap message is "full": Envoy retries it (the
+    engine never started the request), so a refusal that clears is never
+    seen by the client; one that outlasts the retries reaches the client,
+    cuts the limit and leaves the endpoint up. Either way the processor reads
+    it from the response headers ext_proc shows it, not from a scrape.
     """
     attempts = 0
 
@@ -166,7 +169,9 @@ async def test_a_release_that_fails_before_the_engine_answers_is_seen_through_en
             assert request.transport is not None
             request.transport.abort()
             return web.Response()
-        return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        if failure == "full" or attempts == 1:
+            return web.json_response({"error": {"message": BUSY, "type": "Service Unavailable", "code": 503}}, status=503)
+        return web.json_response({"choices": [{"message": {"content": "ok"}}]})
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -183,7 +188,14 @@ async def test_a_release_that_fails_before_the_engine_answers_is_seen_through_en
             samples = await read_metrics(stack.metrics_url)
     finally:
         await runner.cleanup()
-    assert outcome.status == 503
-    assert metric(samples, "extproc_release_failures_total", model="m1", endpoint=endpoint) == 1
-    # The engine had taken the request: not retried (the route retries only what never reached it).
-    assert attempts == 1
+    failures = metric(samples, "extproc_release_failures_total", model="m1", endpoint=endpoint)
+    refused = metric(samples, "extproc_release_refused_full_total", model="m1", endpoint=endpoint)
+    up = metric(samples, "extproc_endpoint_up", model="m1", endpoint=endpoint)
+    if failure == "reset":
+        assert (outcome.status, failures, refused, up) == (503, 1, 0, 0)
+    elif failure == "full":
+        assert (outcome.status, failures, refused, up) == (503, 0, 1, 1)
+        assert attempts == 1 + ENGINE_RETRIES  # refused every time: retried, then the refusal passed on
+    else:
+        assert (outcome.status, failures, refused, up) == (200, 0, 0, 1)
+        assert attempts == 2

@@ -8,7 +8,7 @@ from extproc.adapters.engines.dialects import MetricsError, parse_load
 from extproc.core.bands import Band, BandAdmission
 from extproc.core.engine_load import EngineLoad
 from extproc.core.release import RULES, RuleSettings
-from extproc.core.release.adaptive_limit import ConcurrencyLimit, ItlWindow
+from extproc.core.release.adaptive_limit import DECREASE, REFUSAL_HOLD_S, ConcurrencyLimit, ItlWindow
 from extproc.core.release.estimate import LoadEstimate
 from extproc.core.release.pool import Pool
 
@@ -242,6 +242,34 @@ def test_a_cut_limit_recovers_once_the_queue_drains_whether_or_not_the_gate_fill
     slow.observe(EngineLoad(waiting=9, running=3, kv_usage=0.6), at=0.1)
     slow.observe(EngineLoad(waiting=0, running=4, kv_usage=0.6), at=0.2, held=4)
     assert slow.limit == 17
+
+
+def test_the_engine_refusing_at_its_own_queue_cap_cuts_the_limit_and_holds_it() -> None:
+    """vLLM's admission_rejections_total rising: multiplicative decrease, then no growth for REFUSAL_HOLD_S."""
+    limit = ConcurrencyLimit(4 + 3, target_waiting=3, floor=4, itl_window_s=1.0)
+    limit.observe(EngineLoad(waiting=3, running=4, rejected=0), at=0.0)
+    assert limit.limit == 7
+    # Something around the gateway filled the engine to its cap of 8 and it refused two requests.
+    limit.observe(EngineLoad(waiting=4, running=4, rejected=2), at=0.1)
+    assert limit.limit == pytest.approx(7 * DECREASE)
+    limit.observe(EngineLoad(waiting=4, running=4, rejected=3), at=0.2)  # within the window: one cut
+    assert limit.limit == pytest.approx(7 * DECREASE)
+    # The engine drains; rules 3 and 4 would grow the limit, but not while the refusal is fresh.
+    limit.observe(EngineLoad(waiting=0, running=4, rejected=3), at=1.0, held=4)
+    assert limit.limit == pytest.approx(7 * DECREASE)
+    limit.observe(EngineLoad(waiting=0, running=4, rejected=3), at=0.2 + REFUSAL_HOLD_S, held=4)  # from the last
+    assert limit.limit > 7 * DECREASE
+    # A lower count is a restarted engine, not a refusal; neither is the first page seen.
+    fresh = ConcurrencyLimit(7, target_waiting=3, floor=4)
+    fresh.observe(EngineLoad(waiting=3, running=4, rejected=50), at=0.0)
+    fresh.observe(EngineLoad(waiting=3, running=4, rejected=0), at=0.1)
+    assert fresh.limit == 7
+
+
+def test_a_refusal_never_reads_a_lagging_page_as_an_empty_engine() -> None:
+    limit = ConcurrencyLimit(4 + 3, target_waiting=3, floor=4)
+    limit.refused(at=0.0, held=0)  # a release answered "full" by an engine the last page showed empty
+    assert limit.limit == pytest.approx(4 * DECREASE)
 
 
 def test_an_itl_ceiling_cuts_the_limit_once_per_window_and_only_if_it_is_to_blame() -> None:
