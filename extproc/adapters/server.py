@@ -36,6 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig, split_address
 from extproc.adapters.engines.discovery import watch_pool
+from extproc.adapters.engines.limits import cap_advice
 from extproc.adapters.engines.probe import probe_session
 from extproc.adapters.ext_proc.grpcio_server import GrpcioServer
 from extproc.adapters.ext_proc.h2grpc import GrpcServer, Limits, Method
@@ -129,6 +130,7 @@ class ProcessorServer:
             self._tasks.append(asyncio.create_task(self._tls.watch()))
         for model in self.config.models:
             self._start_scraper(model, self.dispatchers[model.name])
+            log.info("model %s (%s): %s", model.name, model.engine, cap_advice(model.engine, model.target_waiting))
         if self._cluster is not None:
             self._cluster.start()
         self._health.start()

@@ -642,7 +642,8 @@ class ModelTelemetry:
             case Change.REFUSED_FULL:
                 t.release_refused_full.labels(model, endpoint).inc()
         if event.note:
-            HEALTH.log(logging.WARNING if event.change in (Change.DEGRADED, Change.DOWN) else logging.INFO, event.note)
+            warning = event.warning or event.change in (Change.DEGRADED, Change.DOWN)
+            HEALTH.log(logging.WARNING if warning else logging.INFO, event.note)
 
     def _count_rejections(self, endpoint: str, rejected: float, limit: float | None) -> None:
         """Mirror the engine's rejection counter; say it in the log when it rises, at most every REJECTIONS_LOG_S."""

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from extproc.core.bands import Band, BandAdmission
 from extproc.core.caps import QueueCaps
 from extproc.core.cost import CostModel, CostWeights, DecodeRate
-from extproc.core.engine_load import EngineLoad
+from extproc.core.engine_load import EngineLimits, EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.fair_queue import FairQueue
 from extproc.core.outcomes import Refusal, Refused
@@ -215,6 +215,7 @@ class ModelDispatcher:
                 limit=pool.rule.snapshot(url).limit,
                 degraded=url in degraded,
                 down=url in down,
+                warning=pool.warnings.get(url, ""),
             ))
         return ModelStatus(
             name=self.name,
@@ -456,6 +457,19 @@ class ModelDispatcher:
             self._report(EndpointEvent(endpoint, Change.SCRAPED, load, snapshot.itl_s, snapshot.limit))
         self._strategy.scraped(self._clock())
         self._preempt_at_risk(self._clock())
+
+    def record_limits(self, endpoint: str, limits: EngineLimits) -> None:
+        """What the engine at ``endpoint`` says of its own limits: they bound the rule; a cap too tight is told."""
+        pool = self.pool
+        if endpoint not in pool.endpoints:
+            return
+        pool.rule.record_limits(endpoint, limits)
+        warning = limits.too_tight(pool.rule.settings.target_waiting, pool.rule.runs(endpoint))
+        pool.warnings[endpoint] = warning
+        said = ", ".join(f"{k} {v}" for k, v in vars(limits).items() if v is not None) or "nothing of its limits"
+        note = f"model {self.name}: engine {endpoint} says {said}" + (f"; {warning}" if warning else "")
+        self._report(EndpointEvent(endpoint, Change.LIMITS, note=note, warning=bool(warning)))
+        self.dispatch()
 
     def set_endpoints(self, endpoints: tuple[str, ...]) -> None:
         """The pool's membership changed (DNS); forget the telemetry of endpoints that left."""

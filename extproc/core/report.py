@@ -76,6 +76,7 @@ class Change(StrEnum):
     DOWN = "down"  # its engine is unreachable: nothing is released to it
     UP = "up"  # reachable (again)
     RELEASE_FAILED = "release_failed"  # a release failed before the engine answered
+    LIMITS = "limits"  # the engine said what it runs and holds at most (note: what, and what is wrong with it)
     REFUSED_FULL = "refused_full"  # the engine refused a release as full (its own queue cap), after Envoy's retries
 
 
@@ -90,6 +91,8 @@ class EndpointEvent:
     limit: float | None = None
     # For the operator's log; empty: nothing to say (the change is routine).
     note: str = ""
+    # The note is a warning (logged as one), not news.
+    warning: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,8 @@ class EndpointStatus:
     # Metrics unusable now (the rule falls back to a cautious cap), or the engine unreachable.
     degraded: bool
     down: bool
+    # What the operator must fix about the engine's own settings ("": nothing), e.g. a queue cap too tight.
+    warning: str = ""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,9 @@ of it): the engine's health endpoint is probed on a fresh connection
 (``probe.py``) before it is called down, and while that answers the engine
 serves on the fallback. An HTTP error, a garbage page or a slow answer means
 the engine lives and may serve, so traffic keeps flowing on the fallback.
+
+Once an endpoint answers (and again after it was unreachable) what its engine
+says of its own limits is read from its info endpoint (``limits.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import aiohttp
 
 from extproc.adapters.config import ModelConfig
 from extproc.adapters.engines.dialects import DIALECTS, MetricsError, parse_load
+from extproc.adapters.engines.limits import read_limits
 from extproc.adapters.engines.probe import Answer, probe
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
@@ -46,6 +50,8 @@ async def scrape_endpoint(
     url = f"{endpoint}/metrics"
     # A scrape slower than the staleness limit is useless: give up on it then.
     healthy: bool | None = None
+    # What the engine says of its own limits is read once it answers, and again after it was gone.
+    limits_read = False
     while True:
         started = time.monotonic()
         reachable = True
@@ -75,4 +81,11 @@ async def scrape_endpoint(
                 log.info("model %s: %s readable again", model.name, url)
         healthy = load is not None
         dispatcher.record_scrape(endpoint, load, started, reachable=reachable)
+        if not reachable:
+            limits_read = False
+        elif load is not None and not limits_read:
+            limits_read = True
+            limits = await read_limits(session, endpoint, model.engine, model.name, model.stale_after_s)
+            if limits is not None:
+                dispatcher.record_limits(endpoint, limits)
         await asyncio.sleep(max(0.0, model.scrape_interval_s - (time.monotonic() - started)))

@@ -10,7 +10,8 @@ Routes, and why each exists:
 * ``/readyz``: ready to schedule (readiness): the config is loaded (it is,
   once this answers), every model whose gate reads metrics has had a usable scrape of one endpoint since start
   (a model a reload added or rebuilt is not waited for), and the processor is not draining. 503 with the reasons otherwise, so a
-  probe does not send traffic to a processor that is leaving.
+  probe does not send traffic to a processor that is leaving. Either answer carries ``warnings``: engine
+  settings the operator should fix (a queue cap below what the gate sends), which do not make it unready.
 * ``/`` and ``/status.json``: the live status page (``status.html``), which
   polls the JSON. The JSON is built on request from the dispatchers' state
   (``core/status.py``); the hot path does no work for it. Each model's
@@ -75,6 +76,11 @@ def not_ready(statuses: list[ModelStatus], draining: bool) -> list[str]:
     return reasons
 
 
+def warnings(statuses: list[ModelStatus]) -> list[str]:
+    """What the operator should fix about the engines' own settings: ready all the same, but told."""
+    return [f"model {s.name!r}: {e.url}: {e.warning}" for s in statuses for e in s.endpoints if e.warning]
+
+
 def status_document(statuses: list[ModelStatus], draining: bool,
                     objectives: Mapping[str, ObjectivesStatus] | None = None) -> dict[str, Any]:
     """What /status.json answers; each model with its ``objectives`` where ``objectives`` has them (else null)."""
@@ -109,10 +115,12 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
         return web.json_response({"status": "alive"})
 
     async def readyz(request: web.Request) -> web.Response:
-        reasons = not_ready([s for s in statuses() if awaited(s.name)], draining())
+        now = statuses()
+        reasons = not_ready([s for s in now if awaited(s.name)], draining())
         if reasons:
-            return error(Refusal.NOT_READY, "; ".join(reasons))
-        return web.json_response({"status": "ready"})
+            return error(Refusal.NOT_READY, "; ".join(reasons + warnings(now)))
+        told = warnings(now)
+        return web.json_response({"status": "ready", **({"warnings": told} if told else {})})
 
     async def status_json(request: web.Request) -> web.Response:
         return web.json_response(status_document(statuses(), draining(), objectives()),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.core.engine_load import EngineLoad
+from extproc.core.engine_load import EngineLimits, EngineLoad
 from extproc.core.release.adaptive_limit import ConcurrencyLimit
 from extproc.core.release.estimate import LoadEstimate
 from extproc.core.release.health import EndpointHealth
@@ -50,6 +50,15 @@ class Adaptive(MetricRule):
 
     def record_scrape(self, endpoint: str, load: EngineLoad, started_at: float, held_then: float | None) -> None:
         self._limits[endpoint].observe(load, started_at, held=held_then)
+
+    def record_limits(self, endpoint: str, limits: EngineLimits) -> None:
+        limit = self._limits.get(endpoint)
+        if limit is not None:
+            limit.set_engine(limits.max_running, limits.max_held)
+
+    def runs(self, endpoint: str) -> float | None:
+        limit = self._limits.get(endpoint)
+        return limit.shown or None if limit is not None else None
 
     def record_refusal(self, endpoint: str, now: float) -> None:
         limit = self._limits.get(endpoint)

@@ -40,8 +40,12 @@ What is learned, and from which signal (every scrape, newest sample):
    the engine held (``min(limit, held) * DECREASE``, at most once per ITL
    window), and no rule may raise the limit for ``REFUSAL_HOLD_S``: growing
    back sooner would find the valve again, and each refusal is a request the
-   engine turned away. The engine's own cap (``cap``, when it says it) bounds
-   the limit always.
+   engine turned away.
+
+The engine's own limits, where it says them (``set_engine``: SGLang's
+``/server_info``, TGI's ``/info``, llama.cpp's ``/props``), join the
+operator's: what it runs at once raises the floor of rule 2, and the most it
+holds before refusing bounds the limit always.
 
 Why AIMD and not a latency gradient (as in Netflix's Gradient2): a
 continuous-batching engine's step time grows smoothly with the batch, with no
@@ -111,14 +115,14 @@ class ConcurrencyLimit:
         floor: int | None = None,
     ) -> None:
         self._target = target_waiting
-        # What the engine runs at once, when the operator knows it (max_running).
-        self._floor = floor or 0
+        # What the engine runs at once, when the operator (max_running) or the engine says it.
+        self._configured_floor = self._floor = floor or 0
         # The most requests the engine was seen running.
         self.peak = 0.0
         self._max_itl_s = max_itl_s
         self._max_kv = max_kv_usage
         self._cooldown_s = itl_window_s
-        self._cap = cap
+        self._configured_cap = self._cap = cap
         self.itl = ItlWindow(itl_window_s)
         self.limit = float(min(initial, cap) if cap is not None else initial)
         self.pressure = 0.0
@@ -157,6 +161,21 @@ class ConcurrencyLimit:
         self._grow_or_cut(load, at, held, pressure, self.shown)
         if at - self._refused_at < REFUSAL_HOLD_S:
             self.limit = min(self.limit, before)
+        if self._cap is not None:
+            self.limit = min(self.limit, float(self._cap))
+
+    def set_engine(self, max_running: int | None, max_held: int | None) -> None:
+        """What the engine says it runs at once and holds at most: a floor, and a cap that bounds the limit.
+
+        A batch size it says counts as ``max_running`` does: the limit starts
+        there (plus ``target_waiting``) instead of ramping up to it.
+        """
+        floor = max(self._configured_floor, max_running or 0)
+        if floor > self._floor:
+            self.limit = max(self.limit, float(floor + self._target))
+        self._floor = floor
+        caps = [c for c in (self._configured_cap, max_held) if c is not None]
+        self._cap = min(caps) if caps else None
         if self._cap is not None:
             self.limit = min(self.limit, float(self._cap))
 

@@ -55,6 +55,8 @@ class Pool:
         self.health = EndpointHealth(endpoints, stale_after_s=stale_after_s, fallback_max_in_flight=fallback_max_in_flight)
         self.rule = rule(settings, self.estimate, self.health)
         self.unconfirmed = UnconfirmedEnds(endpoints, per_endpoint=pick_endpoints)
+        # Per endpoint, what is wrong with the engine's own settings (EngineLimits.too_tight).
+        self.warnings: dict[str, str] = {}
         # Set by the adapter that probes the endpoints (``probe_ends``): ends then wait for a sign of life.
         self.probe_ends = False
 
@@ -104,6 +106,7 @@ class Pool:
         self.health.set_endpoints(endpoints)
         self.rule.set_endpoints(self.endpoints)
         self.unconfirmed.set_endpoints(self.endpoints)
+        self.warnings = {e: w for e, w in self.warnings.items() if e in self.endpoints}
 
     def record_release(
         self, request: Hashable, now: float, endpoint: str | None = None, *, into_free_slot: bool = False

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from extproc.core.engine_load import EngineLoad
+from extproc.core.engine_load import EngineLimits, EngineLoad
 from extproc.core.release.estimate import LoadEstimate
 from extproc.core.release.health import EndpointHealth
 
@@ -106,6 +106,13 @@ class ReleaseRule:
         requests counted exactly, where ours can be told apart per endpoint;
         else None.
         """
+
+    def record_limits(self, endpoint: str, limits: EngineLimits) -> None:
+        """What the engine at ``endpoint`` says of its own limits (read once it answers)."""
+
+    def runs(self, endpoint: str) -> float | None:
+        """What the rule believes ``endpoint`` runs at once (None: it does not know)."""
+        return self.settings.max_running
 
     def record_refusal(self, endpoint: str, now: float) -> None:
         """The engine at ``endpoint`` refused a released request as full (its own queue cap)."""

@@ -87,6 +87,8 @@ _SLOW_METRICS_S = 30.0
 # A sample of vLLM's queue and KV gauges, up to its value: the ``nan`` fault's target.
 _GAUGE_SAMPLE = re.compile(rb"^((?:vllm:num_requests_\w+|vllm:kv_cache_usage_perc)(?:\{[^}]*\})? )\S+", re.M)
 
+# Where each dialect's engine says its limits (adapters/engines/limits.py reads them); vLLM's is /v1/models.
+_INFO_PATHS = {"sglang": "/server_info", "tgi": "/info", "llamacpp": "/props"}
 _CHARS_PER_TOKEN = 4
 _MAX_BODY_BYTES = 32 * 1024 * 1024  # long prompts are the point of some tests
 
@@ -224,8 +226,10 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 class _Handlers:
     """Route handlers bound to one simulator's engine and settings."""
 
-    def __init__(self, settings: SimSettings, engine: SimEngine, metrics: Metrics, metrics_fault: str) -> None:
+    def __init__(self, settings: SimSettings, engine: SimEngine, metrics: Metrics, metrics_fault: str,
+                 dialect: str = "vllm") -> None:
         self.settings = settings
+        self.dialect = dialect
         self.engine = engine
         self.metrics = metrics
         self.metrics_fault = metrics_fault
@@ -246,6 +250,22 @@ class _Handlers:
             "max_model_len": self.settings.kv_cache_tokens,
         }
         return web.json_response({"object": "list", "data": [card]})
+
+    async def info(self, request: web.Request) -> web.Response:
+        """What the dialect's engine says of its limits (SGLang /server_info, TGI /info, llama.cpp /props).
+
+        The simulator's queue cap counts running and waiting, as vLLM's: SGLang's
+        counts only waiting, so it is given as the cap less the batch.
+        """
+        s = self.settings
+        cap = s.max_num_queued_reqs
+        documents: dict[str, dict[str, Any]] = {
+            "sglang": {"max_running_requests": s.max_num_seqs, "context_length": s.kv_cache_tokens,
+                       "max_queued_requests": cap - s.max_num_seqs if cap is not None else None},
+            "tgi": {"max_concurrent_requests": cap if cap is not None else 128, "max_total_tokens": s.kv_cache_tokens},
+            "llamacpp": {"total_slots": s.max_num_seqs, "default_generation_settings": {"n_ctx": s.kv_cache_tokens}},
+        }
+        return web.json_response(documents[self.dialect])
 
     async def prometheus(self, request: web.Request) -> web.Response:
         fault = self.metrics_fault
@@ -449,7 +469,7 @@ def create_app(settings: SimSettings, dialect: str = "vllm", metrics_fault: str 
         else DialectMetrics(dialect, settings.model, engine.scheduler)
     )
     engine.observer = metrics
-    handlers = _Handlers(settings, engine, metrics, metrics_fault)
+    handlers = _Handlers(settings, engine, metrics, metrics_fault, dialect)
 
     app = web.Application(middlewares=[_json_errors], client_max_size=_MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
@@ -460,6 +480,8 @@ def create_app(settings: SimSettings, dialect: str = "vllm", metrics_fault: str 
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.prometheus)
     app.router.add_put("/sim/metrics-fault", handlers.set_metrics_fault)
+    if dialect in _INFO_PATHS:
+        app.router.add_get(_INFO_PATHS[dialect], handlers.info)
 
     async def start_engine(_: web.Application) -> None:
         engine.start()
