@@ -40,7 +40,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
         # Tensor parallel 2: both ranks report the same scheduler; not counted twice.
         ("sglang", "sglang.txt", "Qwen/Qwen2.5-7B-Instruct", EngineLoad(5, 17, 0.28, 90.0, 3000, generation_tokens=7.557572e6)),
         # TGI has no KV gauge and no model label.
-        ("tgi", "tgi.txt", "any", EngineLoad(4, 9, None, 4.2, 100)),
+        ("tgi", "tgi.txt", "any", EngineLoad(4, 9, None, 4.2, 100, rejected=7)),  # only the overloaded failures
         ("llamacpp", "llamacpp.txt", "any", EngineLoad(2, 4, None, 390.05, 7801, generation_tokens=7801)),
         ("trtllm", "trtllm.txt", "nvidia/Llama-3.1-8B-Instruct-FP8", EngineLoad(3, 64, 0.55, 0.8, 40)),
     ],

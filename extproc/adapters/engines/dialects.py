@@ -174,7 +174,8 @@ DIALECTS: dict[str, EngineDialect] = {
         model_label=None,
         # --max-concurrent-requests: 429 {"error": "Model is overloaded", "error_type": "overloaded"}, counted
         # under this err label (router/src/infer/mod.rs; the counter has no _total suffix).
-        rejected=(Counted("tgi_request_failure", (("err", "overloaded"),)),),
+        # prometheus_client's parser names a counter's sample *_total whatever the page says.
+        rejected=(Counted("tgi_request_failure_total", (("err", "overloaded"),)),),
         full_statuses=frozenset({429}),
     ),
     "llamacpp": EngineDialect(
@@ -203,7 +204,8 @@ def _wanted(dialect: EngineDialect) -> frozenset[str]:
     pairs = [name for pair in (*dialect.itl, *dialect.prefix) for name in pair]
     capacity = [name for product in dialect.kv_capacity for name in product]
     info = [dialect.kv_capacity_info.metric] if dialect.kv_capacity_info else []
-    rejected = [counted.metric for counted in dialect.rejected]
+    # A counter's sample line may lack the _total its parsed name has (TGI's): keep both spellings.
+    rejected = [name for counted in dialect.rejected for name in (counted.metric, counted.metric.removesuffix("_total"))]
     return frozenset((*dialect.waiting, *dialect.running, *dialect.kv_usage, *pairs, *dialect.generation_tokens,
                       *capacity, *info, *rejected))
 
