@@ -91,9 +91,11 @@ def _tls(sni: str | None, common: Json | None = None) -> Json:
 
 
 def _circuit_breakers() -> Json:
+    """The gate bounds what the engines get; Envoy's defaults must not. ``max_retries`` too: Envoy's
+    default of 3 retries at once would pass the engine's fourth simultaneous "full" answer to its client."""
     limit = CIRCUIT_BREAKER_LIMIT
     return {"thresholds": [{"priority": "DEFAULT", "max_connections": limit, "max_pending_requests": limit,
-                            "max_requests": limit}]}
+                            "max_requests": limit, "max_retries": limit}]}
 
 
 def _protocol_options(http2: bool) -> Json:
