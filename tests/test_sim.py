@@ -216,6 +216,9 @@ class RecordingObserver:
     def on_finished(self, request: SimRequest) -> None:
         self.finished.append(request)
 
+    def on_rejected(self, reason: str) -> None:
+        pass
+
 
 async def test_engine_streams_tokens_on_an_injected_clock_and_idles_without_stepping() -> None:
     fake, observer = FakeTime(), RecordingObserver()
