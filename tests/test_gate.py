@@ -246,24 +246,28 @@ def test_a_cut_limit_recovers_once_the_queue_drains_whether_or_not_the_gate_fill
 
 def test_the_engine_refusing_at_its_own_queue_cap_cuts_the_limit_and_holds_it() -> None:
     """vLLM's admission_rejections_total rising: multiplicative decrease, then no growth for REFUSAL_HOLD_S."""
-    limit = ConcurrencyLimit(4 + 3, target_waiting=3, floor=4, itl_window_s=1.0)
-    limit.observe(EngineLoad(waiting=3, running=4, rejected=0), at=0.0)
-    assert limit.limit == 7
+    gate = make_gate(max_running=4, itl_window_s=1.0)
+
+    def limit_after(load: EngineLoad, at: float) -> float:
+        gate.record_scrape("e1", load, started_at=at)
+        limit = gate.rule.snapshot("e1").limit
+        assert limit is not None
+        return limit
+
+    assert limit_after(EngineLoad(waiting=3, running=4, rejected=0), 0.0) == 7
     # Something around the gateway filled the engine to its cap of 8 and it refused two requests.
-    limit.observe(EngineLoad(waiting=4, running=4, rejected=2), at=0.1)
-    assert limit.limit == pytest.approx(7 * DECREASE)
-    limit.observe(EngineLoad(waiting=4, running=4, rejected=3), at=0.2)  # within the window: one cut
-    assert limit.limit == pytest.approx(7 * DECREASE)
+    assert gate.record_scrape("e1", EngineLoad(waiting=4, running=4, rejected=2), started_at=0.1) == 2
+    assert gate.rule.snapshot("e1").limit == pytest.approx(7 * DECREASE)
+    # Within the window: one cut.
+    assert limit_after(EngineLoad(waiting=4, running=4, rejected=3), 0.2) == pytest.approx(7 * DECREASE)
     # The engine drains; rules 3 and 4 would grow the limit, but not while the refusal is fresh.
-    limit.observe(EngineLoad(waiting=0, running=4, rejected=3), at=1.0, held=4)
-    assert limit.limit == pytest.approx(7 * DECREASE)
-    limit.observe(EngineLoad(waiting=0, running=4, rejected=3), at=0.2 + REFUSAL_HOLD_S, held=4)  # from the last
-    assert limit.limit > 7 * DECREASE
+    assert limit_after(EngineLoad(waiting=0, running=4, rejected=3), 0.9) == pytest.approx(7 * DECREASE)
+    assert limit_after(EngineLoad(waiting=0, running=4, rejected=3), 0.2 + REFUSAL_HOLD_S) > 7 * DECREASE  # from the last
     # A lower count is a restarted engine, not a refusal; neither is the first page seen.
-    fresh = ConcurrencyLimit(7, target_waiting=3, floor=4)
-    fresh.observe(EngineLoad(waiting=3, running=4, rejected=50), at=0.0)
-    fresh.observe(EngineLoad(waiting=3, running=4, rejected=0), at=0.1)
-    assert fresh.limit == 7
+    fresh = make_gate(max_running=4)
+    assert fresh.record_scrape("e1", EngineLoad(waiting=3, running=4, rejected=50), started_at=0.0) == 0
+    assert fresh.record_scrape("e1", EngineLoad(waiting=3, running=4, rejected=0), started_at=0.1) == 0
+    assert fresh.rule.snapshot("e1").limit == 7
 
 
 def test_a_refusal_never_reads_a_lagging_page_as_an_empty_engine() -> None:

@@ -466,8 +466,7 @@ class ModelTelemetry:
         # Asked once, at start-up (logging is set up before the dispatchers are built): with
         # DEBUG off a decision costs one attribute test, not a logging call per request.
         self._decisions = DECISIONS.isEnabledFor(logging.DEBUG)
-        # Per endpoint: the engine's rejection counter at the last scrape, and when a rise was last logged.
-        self._rejected: dict[str, float] = {}
+        # Per endpoint: when the engine's refusals were last logged.
         self._rejections_logged: dict[str, float] = {}
         self._clock = clock
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -625,6 +624,8 @@ class ModelTelemetry:
         match event.change:
             case Change.SCRAPED if event.load is not None:
                 self._scraped(endpoint, event.load, event.itl_s, event.limit)
+                if event.load.rejected is not None:
+                    self._count_rejections(endpoint, event.refused, event.limit)
             case Change.SCRAPE_FAILED:
                 t.scrape_errors.labels(model, endpoint).inc()
             case Change.LEFT:
@@ -645,14 +646,12 @@ class ModelTelemetry:
             warning = event.warning or event.change in (Change.DEGRADED, Change.DOWN)
             HEALTH.log(logging.WARNING if warning else logging.INFO, event.note)
 
-    def _count_rejections(self, endpoint: str, rejected: float, limit: float | None) -> None:
+    def _count_rejections(self, endpoint: str, refused: float, limit: float | None) -> None:
         """Mirror the engine's rejection counter; say it in the log when it rises, at most every REJECTIONS_LOG_S."""
         counter = self._t.engine_rejections.labels(self._model, endpoint)
-        before = self._rejected.get(endpoint)
-        self._rejected[endpoint] = rejected
-        if before is None or rejected <= before:  # first page, nothing new, or the engine restarted
+        if not refused:
             return
-        counter.inc(rejected - before)
+        counter.inc(refused)
         now = self._clock()
         if now - self._rejections_logged.get(endpoint, -math.inf) >= REJECTIONS_LOG_S:
             self._rejections_logged[endpoint] = now
@@ -660,7 +659,7 @@ class ModelTelemetry:
             HEALTH.warning(
                 "%s %s: the engine refused %d request(s) at its own queue cap%s. If this repeats, its cap is "
                 "below its batch size plus target_waiting, or clients bypass the gateway (docs/engines.md)",
-                self._model, endpoint, rejected - before, cut,
+                self._model, endpoint, refused, cut,
             )
 
     def _scraped(self, endpoint: str, load: EngineLoad, itl_s: float | None, limit: float | None) -> None:
@@ -675,8 +674,6 @@ class ModelTelemetry:
         t.release_failures.labels(model, endpoint)
         t.release_refused_full.labels(model, endpoint)
         t.endpoint_degraded.labels(model, endpoint)
-        if load.rejected is not None:
-            self._count_rejections(endpoint, load.rejected, limit)
         if load.kv_usage is not None:
             t.engine_kv_usage.labels(model, endpoint).set(load.kv_usage)
         if itl_s is not None:

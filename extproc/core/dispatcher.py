@@ -447,14 +447,14 @@ class ModelDispatcher:
 
     def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float, *, reachable: bool = True) -> None:
         """A scrape's outcome (``load`` None: failed; ``reachable=False``: its connection was refused)."""
-        self.pool.record_scrape(endpoint, load, started_at, reachable=reachable)
+        refused = self.pool.record_scrape(endpoint, load, started_at, reachable=reachable)
         if load is None:
             self._report(EndpointEvent(endpoint, Change.SCRAPE_FAILED))
         else:
             self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
             self._caches.scraped(endpoint, load)
             snapshot = self.pool.rule.snapshot(endpoint)
-            self._report(EndpointEvent(endpoint, Change.SCRAPED, load, snapshot.itl_s, snapshot.limit))
+            self._report(EndpointEvent(endpoint, Change.SCRAPED, load, snapshot.itl_s, snapshot.limit, refused=refused))
         self._strategy.scraped(self._clock())
         self._preempt_at_risk(self._clock())
 

@@ -93,6 +93,8 @@ class EndpointEvent:
     note: str = ""
     # The note is a warning (logged as one), not news.
     warning: bool = False
+    # SCRAPED: requests the engine says it refused at its own queue cap since its last page.
+    refused: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -116,10 +116,9 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
 
     async def readyz(request: web.Request) -> web.Response:
         now = statuses()
-        reasons = not_ready([s for s in now if awaited(s.name)], draining())
+        reasons, told = not_ready([s for s in now if awaited(s.name)], draining()), warnings(now)
         if reasons:
-            return error(Refusal.NOT_READY, "; ".join(reasons + warnings(now)))
-        told = warnings(now)
+            return error(Refusal.NOT_READY, "; ".join(reasons + told))
         return web.json_response({"status": "ready", **({"warnings": told} if told else {})})
 
     async def status_json(request: web.Request) -> web.Response:

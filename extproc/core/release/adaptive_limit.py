@@ -128,7 +128,6 @@ class ConcurrencyLimit:
         self.pressure = 0.0
         self._last_decrease = float("-inf")
         self._refused_at = float("-inf")
-        self._rejected: float | None = None  # the engine's rejection counter at the last scrape
 
     def _pressure(self, load: EngineLoad) -> float:
         """The highest ceiling use, 1.0 = at a ceiling; 0 without ceilings or data."""
@@ -154,9 +153,6 @@ class ConcurrencyLimit:
         self.peak = max(self.peak, load.running)
         if held is None:
             held = load.running + load.waiting
-        if self._rejections_rose(load.rejected):
-            self.refused(at, held)
-            return
         before = self.limit
         self._grow_or_cut(load, at, held, pressure, self.shown)
         if at - self._refused_at < REFUSAL_HOLD_S:
@@ -194,11 +190,6 @@ class ConcurrencyLimit:
         if at - self._last_decrease >= self._cooldown_s:
             self.limit = max(1.0, min(self.limit, max(held, self.shown)) * DECREASE)
             self._last_decrease = at
-
-    def _rejections_rose(self, rejected: float | None) -> bool:
-        """Whether the engine's rejection counter grew since the last scrape (a drop is a restart)."""
-        before, self._rejected = self._rejected, rejected
-        return before is not None and rejected is not None and rejected > before
 
     def _grow_or_cut(self, load: EngineLoad, at: float, held: float, pressure: float, shown: float) -> None:
         """Rules 1-4."""

@@ -57,6 +57,8 @@ class Pool:
         self.unconfirmed = UnconfirmedEnds(endpoints, per_endpoint=pick_endpoints)
         # Per endpoint, what is wrong with the engine's own settings (EngineLimits.too_tight).
         self.warnings: dict[str, str] = {}
+        # Per endpoint, the engine's rejection counter at its last usable scrape.
+        self._rejected: dict[str, float] = {}
         # Set by the adapter that probes the endpoints (``probe_ends``): ends then wait for a sign of life.
         self.probe_ends = False
 
@@ -107,6 +109,7 @@ class Pool:
         self.rule.set_endpoints(self.endpoints)
         self.unconfirmed.set_endpoints(self.endpoints)
         self.warnings = {e: w for e, w in self.warnings.items() if e in self.endpoints}
+        self._rejected = {e: n for e, n in self._rejected.items() if e in self.endpoints}
 
     def record_release(
         self, request: Hashable, now: float, endpoint: str | None = None, *, into_free_slot: bool = False
@@ -154,10 +157,13 @@ class Pool:
         for endpoint in self.health.down():
             self.unconfirmed.gone(endpoint, up)
 
-    def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float, *, reachable: bool = True) -> None:
+    def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float, *, reachable: bool = True) -> float:
         """A scrape of ``endpoint`` that started at ``started_at`` returned ``load`` (None: failed).
 
         ``reachable=False``: its connection was refused (the engine is down).
+        Returns how many requests the engine says it refused at its own queue
+        cap since its last usable page; any tells the rule (rule 5 of the
+        adaptive limit).
         """
         usable = self.health.record_scrape(endpoint, load, started_at, reachable=reachable)
         if not reachable:
@@ -165,10 +171,22 @@ class Pool:
         elif load is not None:  # a page, frozen or not: the engine lives
             self.record_alive(endpoint, started_at)
         if not usable:
-            return  # failed, frozen, or of an endpoint that left: nothing to learn from it
+            return 0.0  # failed, frozen, or of an endpoint that left: nothing to learn from it
         assert load is not None
         held_then = self.estimate.record_scrape(endpoint, load, started_at)
+        refused = self._refusals(endpoint, load.rejected)
+        if refused:
+            self.rule.record_refusal(endpoint, started_at, load.running + load.waiting if held_then is None else held_then)
         self.rule.record_scrape(endpoint, load, started_at, held_then)
+        return refused
+
+    def _refusals(self, endpoint: str, rejected: float | None) -> float:
+        """How many requests the engine's counter says it refused since its last page (a drop is a restart)."""
+        if rejected is None:
+            return 0.0
+        before = self._rejected.get(endpoint)
+        self._rejected[endpoint] = rejected
+        return rejected - before if before is not None and rejected > before else 0.0
 
     def record_response(self, endpoint: str | None, answer: Answer, now: float) -> str | None:
         """A released request's response began: what the engine answered (answer.py).
