@@ -13,4 +13,5 @@ RUN pip install --no-cache-dir --disable-pip-version-check ${PIP_OPTS} . "envoy-
  && useradd --system --no-create-home --uid 10001 extproc
 # Nothing here needs root: the services listen on ports above 1024 and write nothing.
 USER extproc
+# The gateway's command; the compose simulators run `extproc-dev sim` (entrypoint: [extproc-dev]).
 ENTRYPOINT ["extproc"]

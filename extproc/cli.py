@@ -1,7 +1,10 @@
-"""Command line entry point: ``extproc serve|check-config|sim|envoy-config|demo|bench``.
+"""Command line entry point: ``extproc serve|check-config|envoy-config``.
 
-The gRPC server and the demo runtime are imported only when chosen, so
-``extproc sim`` and ``extproc envoy-config`` start without loading gRPC.
+Only what an operator runs in production: the command imports the adapters and
+never the development tools (the simulator, the demo and the benchmark are
+``extproc-dev``, :mod:`extproc.tools.cli`, built on the helpers here). The gRPC
+server is imported only when ``serve`` is chosen, so ``check-config`` and
+``envoy-config`` start without loading gRPC.
 
 What an operator gets wrong (a config mistake, a busy port, no Envoy binary)
 ends in one line per mistake on stderr and a non-zero exit code, never a
@@ -64,12 +67,6 @@ def _check_config(args: argparse.Namespace) -> int:
             continue
         print(f"{path}: ok ({len(config.models)} model(s): {', '.join(m.name for m in config.models)})")
     return 2 if failed else 0
-
-
-def _sim(args: argparse.Namespace) -> int:
-    from extproc.tools.sim.server import run
-
-    return run(args)
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
@@ -138,36 +135,40 @@ def _envoy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--virtual-host", metavar="NAME", help="with --into: the virtual host for the routes (if several)")
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from extproc.tools.demo import run_demo
-
-    return run_demo(args)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from extproc.tools.bench.cli import run_bench
-
-    return run_bench(args)
-
-
 def _log_options(parser: argparse.ArgumentParser) -> None:
-    """``--log-level`` and ``--log-format``, given before the command or after serve/demo."""
+    """``--log-level`` and ``--log-format``: before the command, and after those that take them (serve, demo)."""
     parser.add_argument("--log-level", choices=LEVELS,
                         help="debug adds one decision line per queued request (default info)")
     parser.add_argument("--log-format", choices=FORMATS,
                         help="json: one JSON object per line (ts, level, logger, msg, fields; default text)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="extproc", description=__doc__.splitlines()[0])
-    _log_options(parser)
-    parser.set_defaults(log_level="info", log_format="text")
-    commands = parser.add_subparsers(dest="command", required=True)
-    # After the command, options not given leave what was given before it.
+def log_options_after() -> argparse.ArgumentParser:
+    """A parent parser for a command that takes ``--log-level`` and ``--log-format`` after its name too.
+
+    Options not given after the command leave what was given before it.
+    """
     after = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
     _log_options(after)
+    return after
 
-    serve = commands.add_parser("serve", parents=[after], help="run the ext_proc fair-queueing server")
+
+def command_parser(
+    prog: str, description: str, epilog: str | None = None
+) -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[argparse.ArgumentParser]]:
+    """A parser with the log options before the command, and the action each command is added to."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
+    _log_options(parser)
+    parser.set_defaults(log_level="info", log_format="text")
+    return parser, parser.add_subparsers(dest="command", required=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser, commands = command_parser(
+        "extproc", __doc__.splitlines()[0],
+        epilog="The simulator, the demo and the benchmark: extproc-dev sim|demo|bench.",
+    )
+    serve = commands.add_parser("serve", parents=[log_options_after()], help="run the ext_proc fair-queueing server")
     serve.add_argument("--config", required=True, help="YAML configuration file")
     serve.add_argument(
         "--drain-seconds", type=float, default=30.0,
@@ -200,35 +201,19 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("files", nargs="+", metavar="FILE", help="YAML configuration file")
     check.set_defaults(func=_check_config)
 
-    from extproc.tools.sim.server import add_arguments as add_sim_arguments
-
-    sim = commands.add_parser("sim", help="run the vLLM simulator (OpenAI API + vLLM /metrics)")
-    add_sim_arguments(sim)
-    sim.set_defaults(func=_sim)
-
     envoy = commands.add_parser("envoy-config", help="print an Envoy bootstrap (or --drop-in pieces) for a config")
     _envoy_arguments(envoy)
     envoy.set_defaults(func=_envoy_config)
-
-    from extproc.tools.demo import add_arguments as add_demo_arguments
-
-    demo = commands.add_parser("demo", parents=[after], help="run the power-user demo on a real Envoy, then keep serving")
-    add_demo_arguments(demo)
-    demo.set_defaults(func=_demo)
-
-    from extproc.tools.bench.cli import add_arguments as add_bench_arguments
-
-    bench = commands.add_parser("bench", help="benchmark scenarios and the ext_proc overhead: tables and plots")
-    add_bench_arguments(bench)
-    bench.set_defaults(func=_bench)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from extproc.tools.envoy_bin import EnvoyNotFound
+def run(args: argparse.Namespace, *cannot_start: type[Exception]) -> int:
+    """Run the parsed command: its exit code, or one line per mistake on stderr and 2 (config) or 1.
 
-    args = build_parser().parse_args(argv)
+    ``cannot_start`` are further exceptions that mean "cannot run as asked" (as :class:`CannotStart`).
+    """
     setup_logging(args.log_level, args.log_format)
+    failures: tuple[type[Exception], ...] = (CannotStart, *cannot_start)
     try:
         code: int = args.func(args)
         return code
@@ -236,11 +221,15 @@ def main(argv: list[str] | None = None) -> int:
         for error in exc.errors:
             print(f"error: {error}", file=sys.stderr)
         return 2
-    except (CannotStart, EnvoyNotFound) as exc:
+    except failures as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

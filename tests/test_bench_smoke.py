@@ -1,4 +1,4 @@
-"""CI smoke run of ``extproc bench --quick``: results are produced and sane (no performance claims)."""
+"""CI smoke run of ``extproc-dev bench --quick``: results are produced and sane (no performance claims)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc")
 
 
 def quick_bench(tmp_path: Path, *args: str, timeout: float = 120) -> Path:
-    """Run ``extproc bench --quick ARGS`` into ``tmp_path/out`` (work folder ``tmp_path/work``); returns out."""
+    """Run ``extproc-dev bench --quick ARGS`` into ``tmp_path/out`` (work folder ``tmp_path/work``); returns out."""
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "extproc", "bench", "--quick", *args, "--out", str(out),
+        [sys.executable, "-m", "extproc.tools", "bench", "--quick", *args, "--out", str(out),
          "--workdir", str(tmp_path / "work")],
         capture_output=True, text=True, timeout=timeout,
     )

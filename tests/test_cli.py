@@ -1,7 +1,7 @@
 """What an operator sees when something is wrong: one line per mistake, no traceback, a telling exit code.
 
 ``check-config`` and the busy-port checks run the real command in a child
-process (``python -m extproc``), as an operator would; the decision lines go
+process (``python -m extproc``, the demo's ``python -m extproc.tools``), as an operator would; the decision lines go
 through a real dispatcher and the JSON formatter.
 """
 
@@ -23,9 +23,9 @@ from extproc.adapters.config import parse_config
 from extproc.adapters.logs import DECISIONS, JsonFormatter, setup_logging
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatchers
-from extproc.cli import build_parser
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.outcomes import Refused
+from extproc.tools.cli import build_parser as build_dev_parser
 from extproc.tools.demo import DEMO_CONFIG, PORT_OFFSETS, with_port_base
 from extproc.tools.procs import free_port
 
@@ -44,8 +44,8 @@ models:
 """
 
 
-def extproc(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "extproc", *args], capture_output=True, text=True, timeout=60)
+def extproc(*args: str, module: str = "extproc") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60)
 
 
 def test_check_config_reports_every_mistake_with_file_line_and_key(tmp_path: Path) -> None:
@@ -104,7 +104,7 @@ def test_a_busy_port_is_one_line_naming_it_and_its_key(tmp_path: Path, listening
 def test_the_demo_names_its_busy_port_and_the_option_that_moves_them(listening: str) -> None:
     port = int(listening.rpartition(":")[2])
     # The port Envoy would listen on is checked first: other busy ports in the block cannot come before it.
-    result = extproc("demo", "--once", "--port-base", str(port - PORT_OFFSETS["envoy.listen"]))
+    result = extproc("demo", "--once", "--port-base", str(port - PORT_OFFSETS["envoy.listen"]), module="extproc.tools")
     assert result.returncode == 1
     assert result.stdout.splitlines() == [
         f"error: port {port} (envoy.listen) is in use: stop what holds it, or move every demo port with --port-base N"
@@ -120,8 +120,8 @@ def test_port_base_moves_every_port_of_the_demo() -> None:
     assert [m.endpoints for m in config.models] == [("http://127.0.0.1:20010",), ("http://127.0.0.1:20011",)]
     assert config.envoy.api_keys == parse_config(raw).envoy.api_keys
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["demo", "--port-base", "80"])
-    args = build_parser().parse_args(["demo", "--port-base", "20000", "--keep", "--log-format", "json"])
+        build_dev_parser().parse_args(["demo", "--port-base", "80"])
+    args = build_dev_parser().parse_args(["demo", "--port-base", "20000", "--keep", "--log-format", "json"])
     assert (args.port_base, args.keep, args.log_format, args.log_level) == (20000, True, "json", "info")
 
 

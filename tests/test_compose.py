@@ -11,6 +11,7 @@ brings the services up on free ports, and requests go through Envoy on
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -30,6 +31,7 @@ import yaml
 from extproc.adapters.config import load_config
 from extproc.adapters.envoy import bootstrap, render
 from extproc.cli import build_parser
+from extproc.tools.cli import build_parser as build_dev_parser
 from extproc.tools.envoy_bin import find_envoy
 from extproc.tools.power_user import PowerUser, run_power_user
 from extproc.tools.procs import free_port
@@ -37,9 +39,12 @@ from tests.stackutil import TENANT_KEYS, metric, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
 # What `up` starts; the `monitoring` profile (official Prometheus and Grafana images) is opt-in.
 SERVICES = {name: service for name, service in COMPOSE["services"].items() if not service.get("profiles")}
 DEFAULTS = re.compile(r"\$\{(\w+):-([^}]*)\}")
+# The image's commands by name: the gateway's (the Dockerfile's ENTRYPOINT) and the development one.
+PARSERS = {"extproc": build_parser, "extproc-dev": build_dev_parser}
 
 
 def interpolated(text: str, env: dict[str, str] | None = None) -> str:
@@ -56,6 +61,12 @@ def mounts(service: str) -> dict[str, Path]:
     return result
 
 
+def parsed(service: str) -> argparse.Namespace:
+    """The service's command, parsed by the CLI its entrypoint runs (exits, SystemExit, on a bad one)."""
+    [entrypoint] = SERVICES[service].get("entrypoint", re.findall(r'^ENTRYPOINT \["(\S+)"\]$', DOCKERFILE, re.MULTILINE))
+    return PARSERS[entrypoint]().parse_args(SERVICES[service]["command"])
+
+
 def mounted(service: str, container_path: str) -> Path:
     path = mounts(service)[container_path]
     assert path.is_file(), path
@@ -64,11 +75,10 @@ def mounted(service: str, container_path: str) -> Path:
 
 @pytest.mark.unit
 def test_every_service_runs_the_project_image_with_a_valid_command() -> None:
-    parser = build_parser()
     for name, service in SERVICES.items():
         assert service["build"]["context"] == "." and service["image"] == "extproc:local", name
         if name != "envoy":
-            parser.parse_args(service["command"])  # exits (SystemExit) on a bad command
+            parsed(name)
 
 
 @pytest.mark.unit
@@ -79,8 +89,7 @@ def test_every_service_is_health_checked_and_starts_after_what_it_needs() -> Non
     # closed` (the default), a request would get a 503 instead of a place in the queue.
     assert SERVICES["envoy"]["depends_on"] == {"extproc": {"condition": "service_healthy"}}
     assert SERVICES["extproc"]["depends_on"] == {s: {"condition": "service_healthy"} for s in ("llama", "qwen")}
-    dockerfile = (ROOT / "Dockerfile").read_text()
-    [user] = re.findall(r"^USER (\S+)$", dockerfile, re.MULTILINE)
+    [user] = re.findall(r"^USER (\S+)$", DOCKERFILE, re.MULTILINE)
     assert user not in ("root", "0")
 
 
@@ -111,7 +120,8 @@ def test_each_model_endpoint_is_a_simulator_service_serving_that_model(model_ind
     model = config.models[model_index]
     [endpoint] = model.endpoints
     url = urlsplit(endpoint)
-    args = build_parser().parse_args(SERVICES[url.hostname]["command"])
+    assert url.hostname is not None
+    args = parsed(url.hostname)
     assert (args.command, args.model, args.port, args.host) == ("sim", model.name, url.port, "0.0.0.0")
 
 

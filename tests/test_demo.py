@@ -1,4 +1,4 @@
-"""``extproc demo`` as a user runs it: the table, then the gateway for their own requests, then Ctrl-C.
+"""``extproc-dev demo`` as a user runs it: the table, then the gateway for their own requests, then Ctrl-C.
 
 It runs on ports of its own (``--port-base``), beside whatever else uses the
 packaged demo's ports on this machine, and leaves no temporary folder behind.
@@ -42,7 +42,7 @@ async def test_demo_shows_the_table_serves_the_sdk_and_cleans_up(tmp_path: Path)
     base = free_port_base()
     config = parse_config(with_port_base(yaml.safe_load(DEMO_CONFIG.read_text()), base))
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "extproc", "demo", "--flood", "20", "--port-base", str(base),
+        sys.executable, "-m", "extproc.tools", "demo", "--flood", "20", "--port-base", str(base),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env={**os.environ, "TMPDIR": str(tmp_path)},  # where its temporary log folder goes
     )

@@ -8,19 +8,28 @@
   Envoy config generation, telemetry, config, wiring, the server) import the
   core and each other, never the tools: a served gateway must not depend on
   the simulator, the benchmark or the local stack.
-* ``extproc/tools`` (simulator, benchmark, demo, local stack) may import anything.
-* The entry point (``extproc/cli.py``, ``__main__.py``) dispatches to adapters
-  and tools alike; it is the only module outside the three packages.
+* ``extproc/tools`` (simulator, benchmark, demo, local stack, and their
+  command ``extproc-dev``, ``tools/cli.py``) may import anything.
+* The entry point (``extproc/cli.py``, ``__main__.py``: the ``extproc`` command)
+  is the only module outside the three packages. It imports as the adapters
+  do, never the tools: ``extproc serve``, ``check-config`` and
+  ``envoy-config`` run in a process that has not loaded one of them, which
+  the commands themselves show when run in a child process.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parent.parent / "extproc"
 ENTRY = {"extproc", "extproc.__main__", "extproc.cli"}
@@ -54,23 +63,34 @@ def in_layer(wanted: str) -> list[Path]:
     return [p for p in MODULES if layer(module_name(p)) == wanted]
 
 
+@pytest.mark.unit
 def test_every_module_is_in_one_layer() -> None:
     loose = [module_name(p) for p in MODULES if layer(module_name(p)) is None and module_name(p) not in ENTRY]
     assert not loose, f"modules outside core/, adapters/ and tools/: {loose}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", in_layer("core"), ids=module_name)
 def test_the_core_imports_only_the_core(path: Path) -> None:
     outside = sorted(name for name in imports(path) if layer(name) != "core")
     assert not outside, f"{module_name(path)} imports {outside}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", in_layer("adapters"), ids=module_name)
 def test_adapters_do_not_import_tools(path: Path) -> None:
     tools = sorted(name for name in imports(path) if layer(name) not in ("core", "adapters"))
     assert not tools, f"{module_name(path)} imports {tools}"
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("path", [p for p in MODULES if module_name(p) in ENTRY], ids=module_name)
+def test_the_entry_point_does_not_import_tools(path: Path) -> None:
+    tools = sorted(name for name in imports(path) if layer(name) == "tools")
+    assert not tools, f"{module_name(path)} imports {tools}"
+
+
+@pytest.mark.unit
 def test_every_module_is_in_the_architecture_map() -> None:
     """docs/architecture.md's package map names every module, so a newcomer finds each one there."""
     doc = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
@@ -79,3 +99,70 @@ def test_every_module_is_in_the_architecture_map() -> None:
     modules = [f for f in package.rglob("*") if f.suffix in (".py", ".lua", ".html") and f.name != "__init__.py"]
     assert modules
     assert [str(m.relative_to(package)) for m in modules if f" {m.name} " not in block] == []
+
+
+# --- the production command, run: no extproc.tools module in its process --------------------------
+
+# `extproc ARGS` in a child process; its last stderr line lists the extproc.tools modules it loaded.
+CHILD = (
+    "import json, sys\n"
+    "from extproc.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "print(json.dumps(sorted(m for m in sys.modules if m.startswith('extproc.tools'))), file=sys.stderr)\n"
+    "sys.exit(code)\n"
+)
+DEMO_CONFIG = PACKAGE / "data" / "demo.yaml"
+USER_ENVOY = Path(__file__).resolve().parent / "fixtures" / "user-envoy.yaml"
+
+
+def tools_loaded(stderr: str) -> list[str]:
+    loaded: list[str] = json.loads(stderr.splitlines()[-1])
+    return loaded
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv", [
+    ["check-config", str(DEMO_CONFIG)],
+    ["envoy-config", "--config", str(DEMO_CONFIG)],
+    ["envoy-config", "--config", str(DEMO_CONFIG), "--drop-in"],
+    ["envoy-config", "--config", str(DEMO_CONFIG), "--into", str(USER_ENVOY)],
+], ids=lambda argv: " ".join(a for a in argv if not a.startswith("/")))
+def test_config_commands_load_no_tools(argv: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert tools_loaded(done.stderr) == []
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.mark.integration  # a processor, serving until SIGTERM
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+def test_serve_loads_no_tools(tmp_path: Path, transport: str) -> None:
+    metrics = f"127.0.0.1:{free_port()}"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"listen: {{grpc: '127.0.0.1:{free_port()}', metrics: '{metrics}', transport: {transport}}}\n"
+        "models: [{name: m, endpoints: ['http://127.0.0.1:1']}]\n"
+    )
+    argv = ["serve", "--config", str(config), "--watch-config", "--drain-seconds", "1", "--deadline-seconds", "5"]
+    child = subprocess.Popen([sys.executable, "-c", CHILD, *argv], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # serving: the metrics port answers
+            assert child.poll() is None and time.monotonic() < deadline, "serve did not come up"
+            try:
+                with urllib.request.urlopen(f"http://{metrics}/healthz", timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.1)
+        child.send_signal(signal.SIGTERM)
+        _, stderr = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert child.returncode == 0, stderr
+    assert tools_loaded(stderr) == []

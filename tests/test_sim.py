@@ -853,7 +853,7 @@ def test_estimate_tokens() -> None:
 
 
 async def test_run_serves_until_sigterm(http: aiohttp.ClientSession) -> None:
-    """``run`` under uvloop, as ``extproc sim`` will call it, in a child process."""
+    """``run`` under uvloop, as ``extproc-dev sim`` will call it, in a child process."""
     code = (
         "import argparse, sys\n"
         "from extproc.tools.sim import add_arguments, run\n"

@@ -1,4 +1,4 @@
-"""The simulator's prefix cache (``extproc sim --prefix-caching``): vLLM's automatic prefix caching.
+"""The simulator's prefix cache (``extproc-dev sim --prefix-caching``): vLLM's automatic prefix caching.
 
 The pure block pool and scheduler first (what hits, what is shared, what is
 evicted, what a hit saves), then the real HTTP server: TTFT measured by a

@@ -19,7 +19,9 @@ from extproc.adapters.envoy import bootstrap
 from extproc.tools.envoy_proc import EnvoyProcess, start_envoy
 from extproc.tools.procs import ManagedProcess
 
+# The two commands, as child processes of this interpreter: `extproc` (serve) and `extproc-dev` (sim).
 PYTHON = [sys.executable, "-m", "extproc"]
+DEV = [sys.executable, "-m", "extproc.tools"]
 
 # What stands between clients and the simulators: nothing, Envoy alone
 # (routing on the body's model, no ext_proc filter), or Envoy + extproc.
@@ -106,7 +108,7 @@ class Stack:
 async def start_sim(model: ModelConfig, endpoint: str, workdir: Path, sim_args: Sequence[str] = ()) -> ManagedProcess:
     """One simulator for ``endpoint`` of ``model``, speaking its metric dialect (also to restart a killed one)."""
     host, _, port = endpoint.removeprefix("http://").rpartition(":")
-    argv = [*PYTHON, "sim", "--host", host, "--port", port, "--model", model.name, "--dialect", model.engine, *sim_args]
+    argv = [*DEV, "sim", "--host", host, "--port", port, "--model", model.name, "--dialect", model.engine, *sim_args]
     return await ManagedProcess.start(
         f"sim {model.name}", argv, workdir / f"sim-{model.name}-{port}.log", ready_url=f"{endpoint}/health"
     )
@@ -125,7 +127,7 @@ async def start_stack(
     """Start a simulator per model endpoint, ``extproc serve`` (one per ``cluster.instances`` entry) and Envoy.
 
     Each simulator speaks its model's ``engine`` metric dialect. ``sim_args``
-    are extra ``extproc sim`` options (batch size, time scale, …) given to
+    are extra ``extproc-dev sim`` options (batch size, time scale, …) given to
     every simulator; ``serve_args`` extra ``extproc serve`` options.
     ``gateway`` leaves out the processor ("envoy") or both it and Envoy
     ("direct"): the benchmark's baselines. ``engines=False`` starts no
