@@ -1,4 +1,4 @@
-"""``extproc demo``: the power-user problem and its fix, on a real Envoy, in one command.
+"""``extproc-dev demo``: the power-user problem and its fix, on a real Envoy, in one command.
 
 Starts two simulated vLLM engines, the processor and Envoy (the same stack the
 integration tests use), replays the power-user scenario through the gateway

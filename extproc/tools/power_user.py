@@ -1,7 +1,7 @@
 """The power-user scenario, as a client would live it: one tenant floods a model,
 two others each send one request a moment later.
 
-Used by ``extproc demo`` (gateway vs. straight to the engine) and by the
+Used by ``extproc-dev demo`` (gateway vs. straight to the engine) and by the
 integration tests. Each request is a streaming chat completion; we time the
 first content chunk (time to first token), the end, and read the processor's
 queue-wait header when the gateway sent one.

@@ -1,1 +1,1 @@
-"""``extproc bench``: scenarios on the simulator across arms, and the ext_proc overhead benchmark."""
+"""``extproc-dev bench``: scenarios on the simulator across arms, and the ext_proc overhead benchmark."""

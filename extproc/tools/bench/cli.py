@@ -1,15 +1,15 @@
-"""``extproc bench``: every scenario on every arm, then the overhead benchmark; results to a folder.
+"""``extproc-dev bench``: every scenario on every arm, then the overhead benchmark; results to a folder.
 
-    extproc bench                      # full set (~5 min on 2 cores) into bench-out/
-    extproc bench --quick              # CI smoke: one small scenario, no overhead run (< 1 min)
-    extproc bench --scenarios power-user,priority-mix --arms direct-fifo,extproc-rr
-    extproc bench --scenarios power-user,noisy-neighbour --arms cluster   # 1 instance vs 2 + Redis
-    extproc bench --overhead-only      # just the ext_proc hop (needs `hey`)
-    extproc bench --engine vllm        # the scenarios sized for a real vLLM (CPU build; ~25 min)
-    extproc bench --scenarios batch-flood [--engine vllm]   # one scenario by name (see docs/benchmarks.md)
-    extproc bench --quick --scenarios batch-flood,batch-only   # tiny versions of named scenarios
-    extproc bench --trace --no-overhead   # a production trace (the bundled Azure 2023 slice) replayed (~4 min)
-    extproc bench --trace conv.csv --trace code.csv --utilisation 0.8 --trace-start "2023-11-16 18:50:00"
+    extproc-dev bench                      # full set (~5 min on 2 cores) into bench-out/
+    extproc-dev bench --quick              # CI smoke: one small scenario, no overhead run (< 1 min)
+    extproc-dev bench --scenarios power-user,priority-mix --arms direct-fifo,extproc-rr
+    extproc-dev bench --scenarios power-user,noisy-neighbour --arms cluster   # 1 instance vs 2 + Redis
+    extproc-dev bench --overhead-only      # just the ext_proc hop (needs `hey`)
+    extproc-dev bench --engine vllm        # the scenarios sized for a real vLLM (CPU build; ~25 min)
+    extproc-dev bench --scenarios batch-flood [--engine vllm]   # one scenario by name (see docs/benchmarks.md)
+    extproc-dev bench --quick --scenarios batch-flood,batch-only   # tiny versions of named scenarios
+    extproc-dev bench --trace --no-overhead   # a production trace (the bundled Azure 2023 slice) replayed (~4 min)
+    extproc-dev bench --trace conv.csv --trace code.csv --utilisation 0.8 --trace-start "2023-11-16 18:50:00"
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# The bench's own modules (numpy, matplotlib) load only when it runs, not for `extproc --help`.
+# The bench's own modules (numpy, matplotlib) load only when it runs, not for `extproc-dev --help`.
 if TYPE_CHECKING:
     from rich.console import Console
 

@@ -96,7 +96,7 @@ def find_hey() -> str:
     if found is None:
         raise HeyMissing(
             "the overhead benchmark needs the load tool `hey`: `apt-get install hey` (Debian/Ubuntu), "
-            "or run `extproc bench --no-overhead`"
+            "or run `extproc-dev bench --no-overhead`"
         )
     return found
 

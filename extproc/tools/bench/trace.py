@@ -1,4 +1,4 @@
-"""A production trace replayed as a benchmark plan: the Azure LLM inference trace 2023 (``extproc bench --trace``).
+"""A production trace replayed as a benchmark plan: the Azure LLM inference trace 2023 (``extproc-dev bench --trace``).
 
 The trace (Azure/AzurePublicDataset, CC BY 4.0; Patel et al., "Splitwise",
 ISCA 2024) lists one request a row, ``TIMESTAMP,ContextTokens,GeneratedTokens``:

@@ -1,4 +1,4 @@
-"""``extproc bench --engine vllm``: the fairness and priority scenarios on a real vLLM (CPU build).
+"""``extproc-dev bench --engine vllm``: the fairness and priority scenarios on a real vLLM (CPU build).
 
 The simulator is what we believe an engine does; this is what vLLM does: its
 scheduler, its FIFO (or ``--scheduling-policy priority``), its ``/metrics``

@@ -1,4 +1,4 @@
-"""The simulator's ``/metrics`` in other engines' dialects (``extproc sim --dialect``).
+"""The simulator's ``/metrics`` in other engines' dialects (``extproc-dev sim --dialect``).
 
 The vLLM dialect is :class:`extproc.tools.sim.metrics.VllmMetrics`. The others
 expose the subset of each engine's metrics the gate reads, with that engine's

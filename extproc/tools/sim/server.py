@@ -540,7 +540,7 @@ async def start_sim(
     return RunningSim(settings, app[ENGINE_KEY], app[METRICS_KEY], host, bound_port, runner)
 
 
-# The SimSettings fields as ``extproc sim`` options, in --help order: (field, type, choices, help).
+# The SimSettings fields as ``extproc-dev sim`` options, in --help order: (field, type, choices, help).
 # The option is the field's name with dashes; its default is SimSettings's.
 _SETTINGS_OPTIONS: tuple[tuple[str, type[bool | int | float | str], tuple[str, ...] | None, str], ...] = (
     ("max_num_seqs", int, None, "maximum sequences in a batch"),
@@ -571,7 +571,7 @@ _SETTINGS_OPTIONS: tuple[tuple[str, type[bool | int | float | str], tuple[str, .
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``extproc sim`` options (defaults are :class:`SimSettings`'s)."""
+    """Add the ``extproc-dev sim`` options (defaults are :class:`SimSettings`'s)."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--model", required=True, help="served model name; other names get 404")
