@@ -15,6 +15,8 @@
   do, never the tools: ``extproc serve``, ``check-config`` and
   ``envoy-config`` run in a process that has not loaded one of them, which
   the commands themselves show when run in a child process.
+* Imports do not loop, those under ``TYPE_CHECKING`` included: two modules
+  that need each other's types are one concept, or a seam in the wrong place.
 """
 
 from __future__ import annotations
@@ -99,6 +101,67 @@ def test_every_module_is_in_the_architecture_map() -> None:
     modules = [f for f in package.rglob("*") if f.suffix in (".py", ".lua", ".html") and f.name != "__init__.py"]
     assert modules
     assert [str(m.relative_to(package)) for m in modules if f" {m.name} " not in block] == []
+
+
+# --- import cycles, type-level imports included -------------------------------------------------
+
+
+def module_imports(path: Path, ours: set[str]) -> set[str]:
+    """The modules of ours ``path`` imports, anywhere in it: under ``TYPE_CHECKING`` and inside functions too.
+
+    ``from package import name`` is an import of ``package.name`` when that is
+    a module, else of the package.
+    """
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in ours else node.module for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found & ours
+
+
+def import_cycles() -> list[list[str]]:
+    """Every set of modules that import each other, directly or around a loop (Tarjan's strongly connected components)."""
+    ours = {module_name(p): p for p in MODULES}
+    graph = {name: module_imports(path, set(ours)) for name, path in ours.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(name: str) -> None:
+        index[name] = low[name] = len(index)
+        stack.append(name)
+        for other in graph[name]:
+            if other not in index:
+                visit(other)
+                low[name] = min(low[name], low[other])
+            elif other in stack:
+                low[name] = min(low[name], index[other])
+        if low[name] == index[name]:
+            component: list[str] = []
+            while not component or component[-1] != name:
+                component.append(stack.pop())
+            if len(component) > 1 or name in graph[name]:
+                cycles.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return cycles
+
+
+# The modules whose imports must not loop, type-level imports included: a loop is a seam in the wrong place.
+ACYCLIC = ("extproc.adapters.config", "extproc.adapters.telemetry", "extproc.adapters.ext_proc.tls")
+
+
+@pytest.mark.unit
+def test_no_import_cycles() -> None:
+    def checked(name: str) -> bool:
+        return any(name == prefix or name.startswith(prefix + ".") for prefix in ACYCLIC)
+
+    assert [cycle for cycle in import_cycles() if any(map(checked, cycle))] == []
 
 
 # --- the production command, run: no extproc.tools module in its process --------------------------

@@ -6,7 +6,7 @@
   membership (DNS);
 * ``envoy/``        the Envoy bootstrap (or drop-in) generated from the config;
 * ``answers.py``    what a client hears for each reason: status, error type, Retry-After;
-* ``config.py``, ``validate.py`` the typed YAML configuration;
+* ``config/``       the typed YAML configuration: schema, rules, resolution, loading;
 * ``wiring.py``     the config turned into each model's dispatcher;
 * ``telemetry.py``  the processor's Prometheus series;
 * ``server.py``     ``extproc serve``: all of the above in one process.

@@ -1,7 +1,7 @@
 """Live configuration: the config file read again (SIGHUP, ``serve --watch-config``), checked, then applied.
 
 A reload is all or nothing. The file is loaded and validated exactly as at
-start-up (config.py: every mistake with its line and key path); then the new
+start-up (adapters/config: every mistake with its line and key path); then the new
 config is compared with the one serving (:func:`plan`). A change that only a
 restart can make (where the processor listens, TLS, the cluster, the largest
 message the transport takes, any setting not listed as live below) rejects

@@ -1,6 +1,6 @@
 """What the h2grpc transport allows a peer, and how it tells the operator about peers that break the rules.
 
-The limits are the ``listen`` section's (config.py, docs/configuration.md).
+The limits are the ``listen`` section's (config/schema.py, docs/configuration.md).
 The warnings are rate-limited per peer host: whatever a peer sends can cost it
 its stream or its connection, but never a flood of log lines.
 """

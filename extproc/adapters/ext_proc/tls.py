@@ -29,10 +29,7 @@ import re
 import ssl
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from extproc.adapters.config import TlsSettings
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +94,26 @@ def load_context(cert_file: str, key_file: str, client_ca_file: str | None) -> s
     return context
 
 
+class TlsFiles(Protocol):
+    """What :class:`ServerTls` reads of its settings: the fields of the config's ``listen.tls`` (``TlsSettings``)."""
+
+    @property
+    def cert_file(self) -> str: ...
+    @property
+    def key_file(self) -> str: ...
+    @property
+    def client_ca_file(self) -> str | None: ...
+    @property
+    def reload_s(self) -> float: ...
+
+
 class ServerTls:
     """The gRPC listener's TLS context (:attr:`listener`), switched to reloaded files for new handshakes.
 
     ``reloaded`` is told each reload's outcome, ``ok`` or ``failed`` (telemetry).
     """
 
-    def __init__(self, settings: TlsSettings, reloaded: Callable[[str], None] = lambda outcome: None) -> None:
+    def __init__(self, settings: TlsFiles, reloaded: Callable[[str], None] = lambda outcome: None) -> None:
         self._reloaded = reloaded
         self.settings = settings
         self._paths = [p for p in (settings.cert_file, settings.key_file, settings.client_ca_file) if p is not None]

@@ -15,17 +15,17 @@ value in, the value normalised out, ValueError if wrong) and a ``parse`` (the
 raw YAML value in, what to convert out: e.g. a mapping written inline that
 the program keeps as JSON text). Unknown keys are errors, each one.
 
-Rules between fields are explicit: a struct may define ``problems()``,
-yielding (key, message) pairs; it runs once the struct's own fields are
-well-typed (so a second run may find more, after the type errors are fixed).
-An empty key names the struct itself.
+Rules between fields are a table the caller passes, by struct type: a
+struct's rule yields (key, message) pairs, and runs once the struct's own
+fields are well-typed (so a second run may find more, after the type errors
+are fixed). An empty key names the struct itself.
 """
 
 from __future__ import annotations
 
 import math
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import msgspec
@@ -33,6 +33,10 @@ import msgspec
 S = TypeVar("S", bound=msgspec.Struct)
 # A leaf's parse or check (see the module docstring).
 Hook = Callable[[Any], Any]
+# What a rule finds: (key, message) per problem, the key relative to the struct ("": the struct itself).
+Problems = Iterable[tuple[str, str]]
+# The rules between fields, by the struct type they check.
+Rules = Mapping[type[msgspec.Struct], Callable[[Any], Problems]]
 
 
 class Invalid(ValueError):
@@ -59,25 +63,13 @@ class _Failed:
 _FAILED = _Failed()
 
 
-def convert(raw: Any, cls: type[S]) -> S:
-    """``raw`` as a ``cls``; raises :class:`Invalid` with every mistake."""
+def convert(raw: Any, cls: type[S], rules: Rules) -> S:
+    """``raw`` as a ``cls``, each struct checked by its entry in ``rules``; raises :class:`Invalid` with every mistake."""
     errors: Errors = []
-    value = _struct(raw, cls, "", errors)
+    value = _struct(raw, cls, "", errors, rules)
     if errors or isinstance(value, _Failed):
         raise Invalid(errors)
     return value
-
-
-def choice(names: tuple[str, ...] | dict[str, Any]) -> msgspec.Meta:
-    """Constraint for a string that must be one of ``names`` (a tuple, or a registry's keys)."""
-    allowed = tuple(names)
-
-    def check(value: str) -> str:
-        if value not in allowed:
-            raise ValueError(value)
-        return value
-
-    return msgspec.Meta(description=f"one of {', '.join(allowed)}", extra={"check": check})
 
 
 def _key(path: str, key: str) -> str:
@@ -133,19 +125,19 @@ def describe(annotation: Any) -> str:
     return noun
 
 
-def _value(raw: Any, annotation: Any, path: str, errors: Errors) -> Any:
+def _value(raw: Any, annotation: Any, path: str, errors: Errors, rules: Rules) -> Any:
     inner = _optional(annotation)
     if inner is not None:
-        return None if raw is None else _value(raw, inner, path, errors)
+        return None if raw is None else _value(raw, inner, path, errors, rules)
     base, metas = _split(annotation)
     if _is_struct(base):
-        return _struct(raw, base, path, errors)
+        return _struct(raw, base, path, errors, rules)
     origin, args = get_origin(base), get_args(base)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         if not isinstance(raw, (list, tuple)) or any(m.min_length and len(raw) < m.min_length for m in metas):
             errors.append((path, f"must be {describe(annotation)}, got {raw!r}"))
             return _FAILED
-        items = [_value(item, args[0], f"{path}[{i}]", errors) for i, item in enumerate(raw)]
+        items = [_value(item, args[0], f"{path}[{i}]", errors, rules) for i, item in enumerate(raw)]
         return _FAILED if any(isinstance(i, _Failed) for i in items) else tuple(items)
     if origin is dict and args[0] is str:
         if raw is None:
@@ -156,7 +148,7 @@ def _value(raw: Any, annotation: Any, path: str, errors: Errors) -> Any:
         bad_keys = [key for key in raw if not isinstance(key, str) or not key.strip()]
         for key in bad_keys:
             errors.append((path, f"keys must be non-empty strings, got {key!r}"))
-        entries = {key: _value(item, args[1], _key(path, key), errors) for key, item in raw.items() if key not in bad_keys}
+        entries = {key: _value(item, args[1], _key(path, key), errors, rules) for key, item in raw.items() if key not in bad_keys}
         return _FAILED if bad_keys or any(isinstance(v, _Failed) for v in entries.values()) else entries
     return _leaf(raw, annotation, metas, path, errors)
 
@@ -177,7 +169,7 @@ def _leaf(raw: Any, annotation: Any, metas: list[msgspec.Meta], path: str, error
     return value
 
 
-def _struct(raw: Any, cls: type[S], path: str, errors: Errors) -> S | _Failed:
+def _struct(raw: Any, cls: type[S], path: str, errors: Errors, rules: Rules) -> S | _Failed:
     if raw is None:
         raw = {}  # an empty section (`listen:`) takes every default
     if not isinstance(raw, dict):
@@ -190,12 +182,12 @@ def _struct(raw: Any, cls: type[S], path: str, errors: Errors) -> S | _Failed:
     missing = [key for key, field in fields.items() if field.required and key not in raw]
     for key in missing:
         errors.append((_key(path, key), "is required"))
-    values = {field.name: _value(raw[key], field.type, _key(path, key), errors)
+    values = {field.name: _value(raw[key], field.type, _key(path, key), errors, rules)
               for key, field in fields.items() if key in raw}
     if unknown or missing or any(isinstance(v, _Failed) for v in values.values()):
         return _FAILED
     value = cls(**values)
-    problems: Callable[[], Iterator[tuple[str, str]]] | None = getattr(value, "problems", None)
-    for key, message in problems() if problems is not None else ():
+    rule = rules.get(cls)
+    for key, message in rule(value) if rule is not None else ():
         errors.append((_key(path, key) if key else path, message))
     return value  # well-typed even if it breaks a rule: the rules of the structs around it still run

@@ -1,0 +1,385 @@
+"""The file's shape: one msgspec struct per section, the constraints in their annotations.
+
+:class:`ConfigFile` is the file as written. Each field's type says what its
+value must be (values.py); unknown keys are refused (a misspelt
+``taget_waiting`` silently falling back to its default is the kind of surprise
+an operator finds only under load). The rules between fields are apart, in
+rules.py, and what the program reads is :class:`~.resolve.Config`, resolved
+from this shape by resolve.py.
+
+A band's and a tenant's settings are named as the core's own types
+(:class:`~extproc.core.bands.Band`, :class:`~extproc.core.entitlement.Tenant`),
+so a new band or tenant setting is a field here and one in the core's type.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from fractions import Fraction
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from extproc.adapters.config.values import (
+    Address,
+    Count,
+    Count0,
+    Endpoint,
+    Header,
+    HttpUrl,
+    Jwks,
+    Names,
+    NonEmpty,
+    NonNegative,
+    Positive,
+    RedisUrl,
+    ReleaseShare,
+    Share,
+    choice,
+)
+from extproc.adapters.engines.dialects import DIALECTS
+from extproc.core.bands import Band
+from extproc.core.cost import CostWeights
+from extproc.core.policies import POLICIES
+from extproc.core.release import RULES
+
+# The engines whose /metrics the gate reads (adapters/engines/dialects.py owns the list).
+ENGINES = tuple(DIALECTS)
+
+
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A mapping in the file: typed fields, unknown keys refused.
+
+    Subclasses inherit these options; they repeat ``frozen=True`` for the type
+    checker, which reads each class on its own.
+    """
+
+
+class TlsSettings(_Section, frozen=True):
+    """TLS on the gRPC port (adapters/ext_proc/tls.py): the processor's certificate, and optionally the clients' CA.
+
+    The files are loaded when the file is checked (rules.py), so a wrong one is
+    refused with its key path; once serving, changed files are reloaded every ``reload_s``.
+    """
+
+    cert_file: NonEmpty
+    key_file: NonEmpty
+    # Mutual TLS: a client must present a certificate this CA signed.
+    client_ca_file: NonEmpty | None = None
+    reload_s: Positive = 5.0
+
+
+class Listen(_Section, frozen=True):
+    """Where the processor listens: gRPC for Envoy (TLS with a ``tls`` section), HTTP for Prometheus."""
+
+    grpc: Address = "127.0.0.1:50051"
+    metrics: Address = "127.0.0.1:9464"
+    tls: TlsSettings | None = None
+    # The gRPC port's bounds on what one peer can hold (adapters/ext_proc/h2grpc_limits.py); far
+    # above what Envoy's held requests need, each held request being one stream.
+    max_streams_per_connection: Count = 100_000
+    max_connections: Count = 1_000
+    connection_buffer_bytes: Count = 32 * 1024 * 1024
+    idle_timeout_s: Positive = 3600.0
+    handshake_timeout_s: Positive = 10.0
+    # The gRPC server under ext_proc: ours on h2 (~3 KB a held request) or grpc.aio, the reference
+    # (~24 KB; docs/reliability.md, "Choosing the transport").
+    transport: Literal["h2", "grpcio"] = "h2"
+
+
+class Identity(_Section, frozen=True):
+    """Headers that carry who is asking, for what, and how urgently.
+
+    The tenant header must be set by a trusted Envoy auth filter (api_key_auth,
+    jwt_authn) that overwrites anything the client sent.
+    """
+
+    tenant_header: Header = "x-tenant-id"
+    priority_header: Header = "x-priority"
+    model_header: Header = "x-model"
+    default_tenant: NonEmpty = "anonymous"
+    # A request without the tenant header: served as `default_tenant`, or refused with 401.
+    missing_tenant: Literal["default", "reject"] = "default"
+    # The Gateway API Inference Extension's conventions (docs/epp.md). The fairness id is
+    # read as the tenant where tenant_header is absent, so list only headers the gateway in
+    # front sets and overwrites (its auth): a client must not choose its own tenant.
+    fairness_id_headers: tuple[Header, ...] = ()
+    # The request's objective, mapped to a class by `objectives`; like priority_header it is
+    # the client's wish, limited by the tenant's entitlement.
+    objective_headers: tuple[Header, ...] = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
+    objectives: dict[NonEmpty, NonEmpty] = msgspec.field(default_factory=dict)
+    # A time-to-first-token objective in milliseconds, carried with the request to the scheduler.
+    ttft_headers: tuple[Header, ...] = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
+    # A request that says it is a retry (a value other than 0) is never preempted, so a
+    # preempted request runs when it comes back. The OpenAI SDKs send the first on every retry.
+    retry_headers: tuple[Header, ...] = ("x-stainless-retry-count",)
+
+
+class CostSettings(_Section, frozen=True):
+    """How the `vtc` policy prices a request (defaults: the core's :class:`~extproc.core.cost.CostWeights`)."""
+
+    input_weight: NonNegative = CostWeights.input_weight
+    output_weight: NonNegative = CostWeights.output_weight
+    bytes_per_token: Positive = CostWeights.bytes_per_token
+    body_overhead_bytes: Count0 = CostWeights.body_overhead_bytes
+    default_output_tokens: Count = CostWeights.default_output_tokens
+
+    def weights(self) -> CostWeights:
+        return CostWeights(**msgspec.structs.asdict(self))
+
+
+class PrefixSettings(_Section, frozen=True):
+    """Prefix signatures for a model (adapters/ext_proc/prompt_prefix.py, core/prefix.py).
+
+    Present, the processor reads each request's body before it holds it (one
+    more ext_proc message behind the generated Envoy) to hash its prompt's
+    leading blocks; absent, the body never reaches Python (the fast path).
+    """
+
+    # Tokens one block covers; need not be the engine's KV block (vLLM --block-size: 16 on a GPU,
+    # 128 on CPU): block_tokens x max_blocks is how much of a prompt is seen (docs/locality.md).
+    # A block is block_tokens x cost.bytes_per_token bytes of text.
+    block_tokens: Count = 128
+    # How many leading blocks are hashed: bounds the cost per request whatever the prompt.
+    max_blocks: Annotated[int, Meta(ge=1, le=256)] = 16
+    # The price of a cached prompt token, against cost.input_weight for an uncached one.
+    cached_input_weight: NonNegative = CostWeights.cached_input_weight
+
+
+class ModelConfig(_Section, frozen=True):
+    """One model pool: the endpoints that serve it and how hard to fill them."""
+
+    name: NonEmpty
+    endpoints: Annotated[tuple[Endpoint, ...], Meta(min_length=1)]
+    # Other model names these engines serve (LoRA adapters, aliases): exact names or shell-style
+    # patterns (`llama-3-lora-*`). Every name shares this model's gate and fair queues; the
+    # name itself only routes and reports.
+    served_names: tuple[NonEmpty, ...] = ()
+    engine: Annotated[str, choice(ENGINES)] = "vllm"
+    target_waiting: Count = 3
+    scrape_interval_s: Positive = 0.1
+    # Metrics older than this are not trusted (the engine may have moved on).
+    stale_after_s: Positive = 1.0
+    # In-flight floor per endpoint while the engine's metrics cannot be read.
+    fallback_max_in_flight: Count = 4
+    # A request still queued after this long is answered 503 instead of held
+    # (a band's own max_queue_wait_s overrides it).
+    max_queue_wait_s: Positive = 120.0
+    # How releases are decided (docs/gate.md).
+    gate: Annotated[str, choice(RULES)] = "adaptive"
+    # Optional ceilings for the adaptive gate.
+    max_inter_token_latency_ms: Positive | None = None
+    max_kv_usage: Share | None = None
+    # Inter-token latency is averaged over this much recent time.
+    itl_window_s: Positive = 2.0
+    # Per endpoint: hard cap on what the engine may hold (adaptive), or on our
+    # in-flight requests (static_concurrency, where it is required).
+    max_in_flight: Count | None = None
+    # Requests per second for the whole pool (static_rate, required there).
+    release_rate: Positive | None = None
+    # Pick the endpoint of each release and tell Envoy (x-gateway-destination-endpoint).
+    endpoint_picking: bool = False
+    # Endpoints given by host name are resolved this often; each address is an endpoint.
+    dns_refresh_s: Positive = 10.0
+    # Which tenant goes next inside a band (extproc/core/policies).
+    policy: Annotated[str, choice(POLICIES)] = "round_robin"
+    # Requests this model may hold in all; one more is answered 503.
+    max_queued: Count = 10_000
+    # Of the engine's queue room beyond its free slots, what bands below the first
+    # leave to the bands above while those have work now (requests held or arriving),
+    # so a chat finds a place in the engine's queue without waiting for a slot;
+    # free slots themselves are never kept back (core/bands.py).
+    reserved_waiting: Count0 = 0
+    # Write the band's numeric priority into the body's `priority` (vLLM
+    # --scheduling-policy priority); only such models (and those with `prefix`) have their body sent to us.
+    engine_priority: bool = False
+    # The most preemptions (of a preemptible band's requests, for a higher band whose
+    # objective is at risk) per second; 0: never preempt.
+    max_preemptions_per_s: NonNegative = 2.0
+    # The engine's batch size (vLLM --max-num-seqs), if known; else learned from its metrics.
+    max_running: Count | None = None
+    # The engine's context length (vLLM --max-model-len): the most tokens one
+    # request can hold. The `vtc` cost estimate clamps a request's prompt and
+    # output to it, so a client's `max_tokens: 1e308` costs what the largest
+    # real request could, not infinity (docs/policies.md).
+    max_context_tokens: Count = CostWeights.max_context_tokens
+    cost: CostSettings = msgspec.field(default_factory=CostSettings)
+    # Prefix signatures of the requests' prompts (absent: none, unless policy is locality,
+    # which gets the defaults: resolve.py fills it in).
+    prefix: PrefixSettings | None = None
+
+    def cost_weights(self) -> CostWeights:
+        """How the `vtc` policy prices this model's requests: the cost section, the context length, the cached price."""
+        cached = self.prefix.cached_input_weight if self.prefix else CostWeights.cached_input_weight
+        return replace(self.cost.weights(), max_context_tokens=self.max_context_tokens, cached_input_weight=cached)
+
+
+class BandSettings(_Section, frozen=True):
+    """One band's entry as written, its fields named as :class:`~extproc.core.bands.Band`' (which documents them).
+
+    An unset field takes the core's default, except where that depends on
+    the band's place (resolve.py).
+    """
+
+    max_queue_wait_s: Positive | None = None
+    max_queued: Count | None = None
+    idle_only: bool | None = None
+    idle_running_share: Share = Band.idle_running_share
+    engine_priority: int | None = None
+    ttft_objective_s: Positive | None = None
+    min_ttft_objective_s: Positive | None = None
+    preemptible: bool | None = None
+    min_share: ReleaseShare | None = None
+
+
+class TenantSettings(_Section, frozen=True):
+    """A tenant's entry as written; unset fields are inherited from the `default` entry.
+
+    Its fields are named as :class:`~extproc.core.entitlement.Tenant`'s, except
+    the two the file names for priorities (``priorities``, ``default_priority``).
+    """
+
+    weight: Positive | None = None
+    priorities: Names | None = None
+    default_priority: NonEmpty | None = None
+    max_queued: Count | None = None
+
+
+class JwtSettings(_Section, frozen=True):
+    """Envoy's jwt_authn: a verified token's claim names the tenant."""
+
+    issuer: NonEmpty
+    audiences: tuple[NonEmpty, ...] = ()
+    # Exactly one: a JWKS document inline (JSON text, or YAML), or the URL Envoy fetches it from.
+    jwks: Jwks | None = None
+    jwks_uri: HttpUrl | None = None
+    tenant_claim: NonEmpty = "sub"
+
+
+class EndpointPickerSettings(_Section, frozen=True):
+    """The Endpoint Picker Protocol's knobs, for requests attached by ext_proc alone (docs/epp.md)."""
+
+    # A body read from the stream larger than this is refused 413.
+    max_body_bytes: Count = 10 * 1024 * 1024
+    # The status of a request shed under load (queue full, timed out, overloaded): the protocol's 429.
+    shed_status: Literal[429, 503] = 429
+    # Endpoints named after the pick, in order of preference, so a dead one costs a retry. Only
+    # for a gateway whose pool cluster walks the list (Envoy's override_host policy): an
+    # ORIGINAL_DST cluster (Envoy AI Gateway) takes one address and fails a list with 503.
+    fallbacks: Count0 = 0
+
+
+# The admission bucket's refill as a share of the processor's intake (EnvoySettings.admission_tokens).
+ADMISSION_REFILL_SHARE = Fraction(2, 3)
+
+
+class EnvoySettings(_Section, frozen=True):
+    """What `extproc envoy-config` needs to print a complete bootstrap."""
+
+    listen: Address = "127.0.0.1:10000"
+    admin: Address = "127.0.0.1:9901"
+    # API key -> tenant, for Envoy's api_key_auth filter (demo-grade identity).
+    api_keys: dict[str, NonEmpty] = msgspec.field(default_factory=dict)
+    # Envoy's per-message timeout: short enough that a hung processor is noticed within
+    # seconds (a crashed one is noticed at once: its connection resets), long enough
+    # that a busy event loop under a burst does not turn into 504s.
+    message_timeout_ms: Count = 2000
+    # When the processor cannot be reached (crashed, restarting, hung past the message
+    # timeout): "closed" answers 503 (nothing passes unscheduled); "open" forwards the
+    # request unscheduled, routed on the body's model (nothing is lost, fairness is).
+    processor_failure: Literal["closed", "open"] = "closed"
+    # Admission in front of the processor (Envoy's local rate limit, one token bucket): up to
+    # admission_burst requests at once, then admission_per_second. Sized to the processor's
+    # intake, what it takes in of a burst per second within message_timeout_ms (3,000 in 2 s on a
+    # loaded 2-core machine: 1,500/s). admission_per_second is 2/3 of it, since requests that
+    # keep arriving while a burst is taken in add to it; unset, admission_burst is the intake x
+    # the timeout (3,000 at 2 s), so a longer timeout takes in a larger burst. Beyond that,
+    # Envoy answers 503 `overloaded` at once rather than let streams outrun the message timeout
+    # (docs/reliability.md, "Bursts and the admission bucket").
+    admission_burst: Count | None = None
+    admission_per_second: Count = 1000
+    # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
+    jwt: JwtSettings | None = None
+    # With listen.tls: the CA Envoy checks the processor's certificate against (without it, any
+    # certificate is accepted, as Gateway API Inference Extension gateways do), and the certificate
+    # Envoy presents when listen.tls.client_ca_file asks for one. Paths as Envoy sees them.
+    processor_ca_file: NonEmpty | None = None
+    processor_client_cert_file: NonEmpty | None = None
+    processor_client_key_file: NonEmpty | None = None
+
+    @property
+    def admission_tokens(self) -> int:
+        """The bucket's size: ``admission_burst``, else what the processor takes in within the message timeout."""
+        if self.admission_burst is not None:
+            return self.admission_burst
+        intake_per_s = self.admission_per_second / ADMISSION_REFILL_SHARE
+        return math.ceil(intake_per_s * self.message_timeout_ms / 1000)
+
+
+
+class Shard(_Section, frozen=True):
+    """One processor instance of a sharded deployment: where it listens and the models it alone schedules.
+
+    Every instance runs the same file with ``extproc serve --shard NAME``;
+    its ``listen`` is the shard's, its models only the shard's (docs/cluster.md).
+    ``grpc`` is also where Envoy reaches it (a wildcard host means loopback).
+    """
+
+    grpc: Address
+    metrics: Address
+    models: Names
+
+
+class ClusterInstance(_Section, frozen=True):
+    """One active-active instance: where it listens (``extproc serve --instance NAME``).
+
+    ``grpc`` is also where Envoy reaches it (a wildcard host means loopback).
+    """
+
+    grpc: Address
+    metrics: Address
+
+
+class ClusterSettings(_Section, frozen=True):
+    """Active-active: instances that share each engine's limit and the fairness counters through Redis.
+
+    Instances whose files are identical except ``listen`` and that name the
+    same ``redis_url`` (and ``key_prefix``) form one cluster (docs/cluster.md).
+    """
+
+    redis_url: RedisUrl
+    # Every Redis key starts with this, so several clusters can share one Redis.
+    key_prefix: NonEmpty = "extproc"
+    # An instance's in-flight reservations lapse this long after its last word:
+    # the slots of a dead instance come back.
+    lease_s: Positive = 2.0
+    # How often an idle instance renews its lease (a busy one renews with its releases).
+    heartbeat_s: Positive = 0.5
+    # A Redis call slower than this counts as Redis unreachable (the instance goes degraded).
+    redis_timeout_ms: Count = 250
+    # Optional: instance name -> its addresses, for `serve --instance` and Envoy's cluster.
+    instances: dict[str, ClusterInstance] = msgspec.field(default_factory=dict)
+
+
+class ConfigFile(_Section, frozen=True):
+    """The whole file, as written."""
+
+    models: Annotated[tuple[ModelConfig, ...], Meta(min_length=1)]
+    listen: Listen = msgspec.field(default_factory=Listen)
+    identity: Identity = msgspec.field(default_factory=Identity)
+    # Highest first.
+    priorities: Names = ("interactive", "standard", "batch")
+    # None: `standard` if there is one, else the lowest class.
+    default_priority: NonEmpty | None = None
+    envoy: EnvoySettings = msgspec.field(default_factory=EnvoySettings)
+    # By class name.
+    bands: dict[str, BandSettings] = msgspec.field(default_factory=dict)
+    # By tenant name; `default` is every other tenant's template.
+    tenants: dict[str, TenantSettings] = msgspec.field(default_factory=dict)
+    # Per-model sharding: shard name -> the instance that owns some models (docs/cluster.md).
+    shards: dict[str, Shard] = msgspec.field(default_factory=dict)
+    # Active-active: several instances that behave as one, sharing state in Redis (docs/cluster.md).
+    cluster: ClusterSettings | None = None
+    endpoint_picker: EndpointPickerSettings = msgspec.field(default_factory=EndpointPickerSettings)
