@@ -8,7 +8,7 @@
 * ``answers.py``    what a client hears for each reason: status, error type, Retry-After;
 * ``config/``       the typed YAML configuration: schema, rules, resolution, loading;
 * ``wiring.py``     the config turned into each model's dispatcher;
-* ``telemetry.py``  the processor's Prometheus series;
+* ``telemetry/``    the processor's Prometheus series and each model's recorder;
 * ``server.py``     ``extproc serve``: all of the above in one process.
 
 They import the core and each other, never ``extproc.tools`` (tests/test_layers.py).

@@ -7,7 +7,7 @@ their own, so that a decision line can be filtered by tenant without parsing
 its message.
 
 The per-request decision lines go to the ``extproc.decisions`` logger at
-DEBUG (written by ``telemetry.ModelTelemetry._decided``): ``outcome``, the
+DEBUG (written by ``telemetry.model.ModelTelemetry._decided``): ``outcome``, the
 model, ``tenant``, ``class``, ``wait_ms`` (a preempted request's line has
 ``ran_ms`` instead: how long it had run since its release) and, for a request
 with a TTFT objective, ``slack_ms`` (its deadline - now; negative: missed).

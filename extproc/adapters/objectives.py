@@ -26,7 +26,7 @@ minute, each outcome with its tenant (the client's id: the page lists the
 largest tenants by name, as it does for the queue) and its slack at release.
 The minute is bounded in memory (``RECENT_MAX`` outcomes per model); past that
 the page's window is shorter and says how long. Prometheus has the same counts
-as series (``telemetry.py``), with bounded tenant labels.
+as series (``telemetry/``), with bounded tenant labels.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig
-from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
+from extproc.adapters.telemetry import Telemetry, TenantLabels
 from extproc.adapters.timers import LoopTimers
 from extproc.core.dispatcher import LiveSettings, ModelDispatcher
 from extproc.core.policies import POLICIES
@@ -73,7 +73,7 @@ def build_dispatcher(
     timers = LoopTimers(clock)
     return ModelDispatcher(
         model.name, build_pool(model), config.bands,
-        ModelTelemetry(telemetry, model.name, config.band_names, tenant_labels(config)), clock,
+        telemetry.for_model(model.name, config.band_names, tenant_labels(config)), clock,
         policy=POLICIES[model.policy],
         timers=timers,
         tenant=config.tenant,

@@ -1,0 +1,274 @@
+"""Each model's recorder: every event of one model, core's and adapters', written to its series and logs.
+
+Each model's dispatcher reports through a :class:`ModelTelemetry` (the core's
+``DispatchReport``); the servicer and the cluster link report the adapters'
+own events (events.py) to the same one. Its series' children for every known
+(class, tenant value) are looked up once and created at zero, so a dashboard
+shows 0, not "no data", before the first event.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from extproc.adapters.logs import DECISIONS
+from extproc.adapters.objectives import MET, MISSED, PREEMPTED, Objectives, verdict
+from extproc.adapters.telemetry.events import AdapterEvent, Admitted, ClusterTrip, ServedElsewhere, Signed, TurnedAway
+from extproc.adapters.telemetry.labels import NO_TENANT, TenantLabels
+from extproc.adapters.telemetry.series import Series
+from extproc.core.engine_load import EngineLoad
+from extproc.core.outcomes import Refusal
+from extproc.core.report import Change, Charged, EndpointEvent, Event, PoolEvent, RequestEvent, Step
+
+# Endpoint health changes, as the core's events tell them (core/release/health_log.py).
+HEALTH = logging.getLogger("extproc.health")
+# The engine refusing requests at its own queue cap is logged at most this often per endpoint.
+REJECTIONS_LOG_S = 10.0
+
+
+class ModelTelemetry:
+    """One model's series, its decision lines and its health log lines: every report of the model comes here.
+
+    The core's events (``core/report.py``) and the adapters' own (the
+    servicer's admissions, the cluster link's round trips) take this one road.
+    """
+
+    def __init__(self, series: Series, model: str, priorities: Iterable[str], tenants: TenantLabels,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        priorities = tuple(priorities)
+        self._t = t = series
+        self._model = model
+        self._priorities = priorities
+        t.cost_clamped.labels(model)
+        t.served_elsewhere.labels(model)
+        t.gate_fallback.labels(model)
+        self._decision = t.decision_latency.labels(model)
+        self._prefix_blocks = t.prefix_blocks.labels(model)
+        self._in_flight = t.in_flight.labels(model)
+        self._label(tenants)
+        self._slack = {p: t.release_slack.labels(model, p) for p in priorities}
+        self._late = {p: t.release_lateness.labels(model, p) for p in priorities}
+        self._occupancy = {p: t.preempted_occupancy.labels(model, p) for p in priorities}
+        # The status page's view: the same outcomes, with the tenant's own id and the last minute's slack.
+        self.objectives = Objectives(priorities, clock)
+        # Asked once, at start-up (logging is set up before the dispatchers are built): with
+        # DEBUG off a decision costs one attribute test, not a logging call per request.
+        self._decisions = DECISIONS.isEnabledFor(logging.DEBUG)
+        # Per endpoint: when the engine's refusals were last logged.
+        self._rejections_logged: dict[str, float] = {}
+        self._clock = clock
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            RequestEvent: self._request, PoolEvent: self._pool, Charged: self._charged_event,
+            EndpointEvent: self._endpoint, Admitted: self._admitted, TurnedAway: self._turned_away,
+            ServedElsewhere: self._served_elsewhere, ClusterTrip: self._cluster_trip, Signed: self._signed,
+        }
+
+    def _label(self, tenants: TenantLabels) -> None:
+        """Look up the children of every (class, tenant value) once.
+
+        ``labels()`` validates and locks on every call, and these are written
+        several times per request. Every key exists (known classes x bounded
+        tenant values), so each series starts at zero.
+        """
+        t, model, priorities = self._t, self._model, self._priorities
+        self._tenant = tenants
+        self._charged = {
+            tenant: (t.charged_prompt_tokens.labels(model, tenant), t.charged_cached_prompt_tokens.labels(model, tenant),
+                     t.charged_output_tokens.labels(model, tenant), t.charged_cost.labels(model, tenant))
+            for tenant in tenants.values
+        }
+        keys = [(priority, tenant) for priority in priorities for tenant in tenants.values]
+        self._released = {key: t.released.labels(model, *key) for key in keys}
+        self._abandoned = {key: t.abandoned.labels(model, *key) for key in keys}
+        self._shed = {priority: t.shed.labels(model, priority) for priority, _ in keys}
+        self._queued = {key: t.queue_depth.labels(model, *key) for key in keys}
+        self._waited = {key: t.queue_wait.labels(model, *key) for key in keys}
+        self._objective = {(*key, outcome): t.objective.labels(model, *key, outcome)
+                           for key in keys for outcome in (MET, MISSED)}
+        self._preemptions = {key: t.preemptions.labels(model, *key) for key in keys}
+
+    def relabel(self, tenants: TenantLabels, queued: dict[tuple[str, str], int]) -> None:
+        """The config now names other tenants (a reload): new label values, queue depths recounted.
+
+        A queued request was counted under the label its tenant had then; the
+        depth gauges are set again from what is queued now (``queued``: by
+        class and tenant), so its leaving, counted under the new label, keeps
+        them exact. Counters keep what they counted.
+        """
+        before = list(self._queued)  # a tenant the config no longer names: its depth goes to 0
+        self._label(tenants)
+        depth: dict[tuple[str, str], int] = dict.fromkeys([*before, *self._queued], 0)
+        for (band, tenant), count in queued.items():
+            key = (band, tenants(tenant))
+            depth[key] = depth.get(key, 0) + count
+        for key, count in depth.items():
+            self._t.queue_depth.labels(self._model, *key).set(count)
+
+    def __call__(self, event: Event | AdapterEvent) -> None:
+        # By type, not by a chain of isinstance tests: several events per request pass here.
+        self._handlers[type(event)](event)
+
+    def _charged_event(self, event: Charged) -> None:
+        prompt, cached, output, units = self._charged[self._tenant(event.tenant)]
+        prompt.inc(event.prompt_tokens)
+        cached.inc(event.cached_tokens)
+        output.inc(event.output_tokens)
+        units.inc(event.cost)
+
+    def _admitted(self, event: Admitted) -> None:
+        self._t.model_names.labels(self._model, event.name).inc()
+        if event.requested is not None:
+            self._t.priority_downgraded.labels(self._model, event.requested, event.granted).inc()
+
+    def _turned_away(self, event: TurnedAway) -> None:
+        self._t.rejected.labels(self._model, event.refusal.value, NO_TENANT).inc()
+
+    def _signed(self, event: Signed) -> None:
+        self._prefix_blocks.observe(event.blocks)
+
+    def _served_elsewhere(self, event: ServedElsewhere) -> None:
+        self._t.served_elsewhere.labels(self._model).inc()
+
+    def _cluster_trip(self, event: ClusterTrip) -> None:
+        t, model = self._t, self._model
+        t.cluster_round_trips.labels(model, "failed" if event.seconds is None else "ok").inc()
+        t.cluster_degraded.labels(model).set(1 if event.seconds is None else 0)
+        if event.seconds is not None:
+            t.cluster_round_trip.labels(model).observe(event.seconds)
+        if event.instances is not None:
+            t.cluster_instances.labels(model).set(event.instances)
+
+    def _request(self, event: RequestEvent) -> None:
+        key = (event.band, self._tenant(event.tenant))
+        if event.step is Step.QUEUED:
+            self._queued[key].inc()
+            return
+        if event.step is Step.PREEMPTED:
+            # Released before: not in the queue, and already counted released (not refused as well).
+            self._preemptions[key].inc()
+            self._occupancy[event.band].inc(event.waited_s)
+            self.objectives.record(event.band, event.tenant, PREEMPTED)
+        else:
+            self._left_queue(event, key)
+        if self._decisions:
+            self._decided(event)
+
+    def _left_queue(self, event: RequestEvent, key: tuple[str, str]) -> None:
+        if event.dequeued:
+            self._queued[key].dec()
+        released = event.step is Step.RELEASED
+        if released:
+            self._released[key].inc()
+            self._waited[key].observe(event.waited_s)
+        elif event.step is Step.ABANDONED:
+            self._abandoned[key].inc()
+        elif event.refusal is not None:
+            self._t.rejected.labels(self._model, event.refusal.value, key[1]).inc()
+            if event.refusal is Refusal.OVERLOADED:
+                self._shed[event.band].inc()
+            if event.refusal is Refusal.QUEUE_TIMEOUT:
+                self._waited[key].observe(event.waited_s)
+        slack = event.slack_s
+        if slack is None:
+            return
+        outcome = verdict(released, slack)
+        if outcome is None:
+            return
+        self._objective[(*key, outcome)].inc()
+        if released:
+            if slack >= 0:
+                self._slack[event.band].observe(slack)
+            else:
+                self._late[event.band].observe(-slack)
+        self.objectives.record(event.band, event.tenant, outcome, slack if released else None)
+
+    def _decided(self, event: RequestEvent) -> None:
+        """The request's decision line: its outcome, its time (queued; a preempted one's: since its release), slack."""
+        preempted = event.step is Step.PREEMPTED
+        outcome = Step.PREEMPTED.value if preempted else event.outcome
+        took = "ran_ms" if preempted else "wait_ms"
+        fields: dict[str, object] = {"tenant": event.tenant, "class": event.band, "model": self._model,
+                                     took: round(event.waited_s * 1000, 1), "outcome": outcome}
+        line = f"{outcome} {self._model} tenant={event.tenant} class={event.band} {took}={fields[took]}"
+        if event.slack_s is not None:
+            fields["slack_ms"] = round(event.slack_s * 1000, 1)
+            line += f" slack_ms={fields['slack_ms']}"
+        DECISIONS.debug("%s", line, extra=fields)
+
+    def _pool(self, event: PoolEvent) -> None:
+        if event.decision_s is not None:
+            self._decision.observe(event.decision_s)
+        if event.cost_clamped:
+            self._t.cost_clamped.labels(self._model).inc()
+        if event.in_flight is not None:
+            self._in_flight.set(event.in_flight)
+        if event.fallback is not None:
+            self._t.gate_fallback.labels(self._model).set(1 if event.fallback else 0)
+            if event.note:
+                HEALTH.log(logging.WARNING if event.fallback else logging.INFO, event.note)
+
+    def _endpoint(self, event: EndpointEvent) -> None:
+        t, model, endpoint = self._t, self._model, event.endpoint or "(unknown)"
+        match event.change:
+            case Change.SCRAPED if event.load is not None:
+                self._scraped(endpoint, event.load, event.itl_s, event.limit)
+                if event.load.rejected is not None:
+                    self._count_rejections(endpoint, event.refused, event.limit)
+            case Change.SCRAPE_FAILED:
+                t.scrape_errors.labels(model, endpoint).inc()
+            case Change.LEFT:
+                for gauge in t.per_endpoint_gauges():
+                    try:
+                        gauge.remove(model, endpoint)
+                    except KeyError:
+                        pass
+            case Change.DEGRADED | Change.USABLE:
+                t.endpoint_degraded.labels(model, endpoint).set(1 if event.change is Change.DEGRADED else 0)
+            case Change.DOWN | Change.UP:
+                t.endpoint_up.labels(model, endpoint).set(1 if event.change is Change.UP else 0)
+            case Change.RELEASE_FAILED:
+                t.release_failures.labels(model, endpoint).inc()
+            case Change.REFUSED_FULL:
+                t.release_refused_full.labels(model, endpoint).inc()
+        if event.note:
+            warning = event.warning or event.change in (Change.DEGRADED, Change.DOWN)
+            HEALTH.log(logging.WARNING if warning else logging.INFO, event.note)
+
+    def _count_rejections(self, endpoint: str, refused: float, limit: float | None) -> None:
+        """Mirror the engine's rejection counter; say it in the log when it rises, at most every REJECTIONS_LOG_S."""
+        counter = self._t.engine_rejections.labels(self._model, endpoint)
+        if not refused:
+            return
+        counter.inc(refused)
+        now = self._clock()
+        if now - self._rejections_logged.get(endpoint, -math.inf) >= REJECTIONS_LOG_S:
+            self._rejections_logged[endpoint] = now
+            cut = f"; the gate's limit is now {limit:g}" if limit is not None else ""
+            HEALTH.warning(
+                "%s %s: the engine refused %d request(s) at its own queue cap%s. If this repeats, its cap is "
+                "below its batch size plus target_waiting, or clients bypass the gateway (docs/engines.md)",
+                self._model, endpoint, refused, cut,
+            )
+
+    def _scraped(self, endpoint: str, load: EngineLoad, itl_s: float | None, limit: float | None) -> None:
+        t, model = self._t, self._model
+        t.engine_waiting.labels(model, endpoint).set(load.waiting)
+        t.engine_running.labels(model, endpoint).set(load.running)
+        t.last_scrape.labels(model, endpoint).set(time.time())
+        # Created at zero once the endpoint is known: its failures then show 0, not "no data". So is
+        # "degraded", which is otherwise written only on a change (an endpoint whose first scrape came
+        # before the first dispatch was never reported degraded, and never got a sample).
+        t.scrape_errors.labels(model, endpoint)
+        t.release_failures.labels(model, endpoint)
+        t.release_refused_full.labels(model, endpoint)
+        t.endpoint_degraded.labels(model, endpoint)
+        if load.kv_usage is not None:
+            t.engine_kv_usage.labels(model, endpoint).set(load.kv_usage)
+        if itl_s is not None:
+            t.engine_itl.labels(model, endpoint).set(itl_s)
+        if limit is not None:
+            t.gate_limit.labels(model, endpoint).set(limit)
