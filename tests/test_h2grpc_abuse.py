@@ -23,9 +23,11 @@ import pytest
 from google.protobuf import wrappers_pb2
 from hyperframe.frame import PingFrame, WindowUpdateFrame
 
-from extproc.adapters.ext_proc.h2grpc import MAX_MESSAGE_BYTES, GrpcServer, Limits
+from extproc.adapters.config import Listen
+from extproc.adapters.ext_proc.h2grpc import GrpcServer
 from extproc.adapters.ext_proc.h2grpc_call import TRUNCATED, UNDECODABLE
-from extproc.adapters.ext_proc.h2grpc_limits import PeerWarnings
+from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
+from extproc.adapters.ext_proc.transport import MAX_MESSAGE_BYTES, Limits
 from extproc.tools.procs import free_port
 from tests.h2raw import RawClient, message
 from tests.test_h2grpc import Handlers
@@ -60,7 +62,7 @@ class _Served:
 
 @asynccontextmanager
 async def _serving(handlers: Handlers, **limits: Any) -> AsyncIterator[_Served]:
-    server = GrpcServer(handlers.methods(*(p.decode() for p in (ECHO, HOLD, GATE))), limits=Limits(**limits))
+    server = GrpcServer(handlers.methods(*(p.decode() for p in (ECHO, HOLD, GATE))), limits=Limits(Listen(**limits)))
     served = _Served(server, free_port())
     await server.start("127.0.0.1", served.port)
     try:
