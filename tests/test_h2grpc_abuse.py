@@ -284,6 +284,19 @@ async def test_non_grpc_requests_are_refused_as_grpc_go_refuses_them(
         assert await _echoes(client)
 
 
+async def test_a_refused_header_value_cannot_forge_a_log_line(no_tracebacks: pytest.LogCaptureFixture) -> None:
+    """h2 does not check inbound headers here (docs/decisions.md): the refusal shows a line break escaped."""
+    async with _connected() as (_, client):
+        client.h2.config.validate_outbound_headers = False  # send what a well-behaved client would not
+        stream = client.request(ECHO, content_type=b"text/plain\r\n2026-12-03 ERROR extproc: forged")
+        client.send(stream, HI, end=True)
+        await client.until(lambda: client.ended(stream))
+        assert (client.headers(stream)[b":status"], client.status(stream)) == (b"415", INVALID_ARGUMENT)
+        (line,) = [r.getMessage() for r in no_tracebacks.records if "content-type" in r.getMessage()]
+        assert "\n" not in line and "\r" not in line and 'text/plain\\x0d\\x0a2026' in line
+        assert await _echoes(client)
+
+
 async def test_a_connection_window_update_walks_the_waiting_calls_not_every_call() -> None:
     """With many held streams, WINDOW_UPDATEs in bulk cost what they cost with none (they walked every call)."""
     handlers = Handlers()

@@ -52,6 +52,9 @@ CONNECTION_WINDOW = 16 * 1024 * 1024
 BIG = 64 * 1024
 LAST_STREAM = 2**31 - 1
 _SHUTDOWN_PING = b"h2grpc\x00\x01"
+# Header blocks as bytes, and h2's header checks off: they add about a sixth to the transport's CPU per
+# request, and h2 ends the whole connection on a malformed block where a stream error is due. We read
+# three headers ourselves and refuse per stream (_start); docs/decisions.md has the measurements.
 _H2_CONFIG = h2.config.H2Configuration(
     client_side=False, header_encoding=None,
     validate_inbound_headers=False, normalize_inbound_headers=False,
@@ -106,6 +109,15 @@ def is_grpc(content_type: bytes) -> bool:
     """grpc-go's rule: ``application/grpc``, alone or followed by ``+`` or ``;`` (so not gRPC-Web)."""
     value = content_type.lower()
     return value == b"application/grpc" or value[:17] in (b"application/grpc+", b"application/grpc;")
+
+
+def shown(value: bytes) -> str:
+    """A peer's header value as a log line and a status message may carry it: printable ASCII, any other byte escaped.
+
+    h2 does not check inbound headers here (docs/decisions.md), so a value may
+    hold any byte, a line break that would forge a log line included.
+    """
+    return "".join(chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}" for b in value)
 
 
 class Connection(asyncio.Protocol):
@@ -294,9 +306,9 @@ class Connection(asyncio.Protocol):
         content_type = headers.get(b"content-type", b"")
         verb = headers.get(b":method", b"")
         refusal = (
-            (b"415", INVALID_ARGUMENT, f'invalid gRPC request content-type "{content_type.decode("latin-1")}"')
+            (b"415", INVALID_ARGUMENT, f'invalid gRPC request content-type "{shown(content_type)}"')
             if not is_grpc(content_type) else
-            (b"405", INTERNAL, f'Received a HEADERS frame with :method "{verb.decode("latin-1")}" which should be POST')
+            (b"405", INTERNAL, f'Received a HEADERS frame with :method "{shown(verb)}" which should be POST')
             if verb != b"POST" else None
         )
         if refusal is not None:
