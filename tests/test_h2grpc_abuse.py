@@ -23,9 +23,11 @@ import pytest
 from google.protobuf import wrappers_pb2
 from hyperframe.frame import PingFrame, WindowUpdateFrame
 
-from extproc.adapters.ext_proc.h2grpc import MAX_MESSAGE_BYTES, GrpcServer, Limits
+from extproc.adapters.config import Listen
+from extproc.adapters.ext_proc.h2grpc import GrpcServer
 from extproc.adapters.ext_proc.h2grpc_call import TRUNCATED, UNDECODABLE
-from extproc.adapters.ext_proc.h2grpc_limits import PeerWarnings
+from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
+from extproc.adapters.ext_proc.transport import MAX_MESSAGE_BYTES, Limits
 from extproc.tools.procs import free_port
 from tests.h2raw import RawClient, message
 from tests.test_h2grpc import Handlers
@@ -60,7 +62,7 @@ class _Served:
 
 @asynccontextmanager
 async def _serving(handlers: Handlers, **limits: Any) -> AsyncIterator[_Served]:
-    server = GrpcServer(handlers.methods(*(p.decode() for p in (ECHO, HOLD, GATE))), limits=Limits(**limits))
+    server = GrpcServer(handlers.methods(*(p.decode() for p in (ECHO, HOLD, GATE))), limits=Limits(Listen(**limits)))
     served = _Served(server, free_port())
     await server.start("127.0.0.1", served.port)
     try:
@@ -279,6 +281,19 @@ async def test_non_grpc_requests_are_refused_as_grpc_go_refuses_them(
         client.send(stream, HI, end=True)
         await client.until(lambda: client.ended(stream))
         assert (client.headers(stream)[b":status"], client.status(stream)) == (http, grpc_status)
+        assert await _echoes(client)
+
+
+async def test_a_refused_header_value_cannot_forge_a_log_line(no_tracebacks: pytest.LogCaptureFixture) -> None:
+    """h2 does not check inbound headers here (docs/decisions.md): the refusal shows a line break escaped."""
+    async with _connected() as (_, client):
+        client.h2.config.validate_outbound_headers = False  # send what a well-behaved client would not
+        stream = client.request(ECHO, content_type=b"text/plain\r\n2026-12-03 ERROR extproc: forged")
+        client.send(stream, HI, end=True)
+        await client.until(lambda: client.ended(stream))
+        assert (client.headers(stream)[b":status"], client.status(stream)) == (b"415", INVALID_ARGUMENT)
+        (line,) = [r.getMessage() for r in no_tracebacks.records if "content-type" in r.getMessage()]
+        assert "\n" not in line and "\r" not in line and 'text/plain\\x0d\\x0a2026' in line
         assert await _echoes(client)
 
 

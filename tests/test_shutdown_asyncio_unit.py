@@ -31,7 +31,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2, wrappers_pb2
 
 from extproc.adapters.config import parse_config
-from extproc.adapters.ext_proc.h2grpc import GrpcServer, Message, Method
+from extproc.adapters.ext_proc.h2grpc import GrpcServer
+from extproc.adapters.ext_proc.transport import Message, Method
 from extproc.adapters.server import PROCESS_PATH, ProcessorServer
 from extproc.tools.procs import free_port
 from tests.h2raw import RawClient, message

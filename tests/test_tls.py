@@ -20,11 +20,10 @@ import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.adapters.config import ConfigError, parse_config
-from extproc.adapters.ext_proc.grpcio_server import GrpcioServer
-from extproc.adapters.ext_proc.h2grpc import GrpcServer
 from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.tls import ServerTls
-from extproc.adapters.server import ProcessorServer
+from extproc.adapters.ext_proc.transport import Limits, Transport
+from extproc.adapters.server import TRANSPORTS, ProcessorServer
 from extproc.tools.procs import free_port
 from tests.stackutil import metric, read_metrics
 from tests.tlsutil import CA, Pair, SecretVolume, common_name
@@ -86,17 +85,17 @@ def _tls(ca: CA, server: Pair, *, mutual: bool = False, reload_s: float = 5.0) -
     return config.listen.tls
 
 
-async def _serving(tls: ServerTls, transport: str) -> tuple[GrpcServer | GrpcioServer, int]:
+async def _serving(tls: ServerTls, transport: str) -> tuple[Transport, int]:
     """Health over TLS on either transport (listen.transport), both given the same ServerTls."""
     health = Health(lambda: True)
     health.start()
     port = free_port()
-    server = (GrpcioServer if transport == "grpcio" else GrpcServer)(health.methods())
+    server = TRANSPORTS[transport](health.methods(), Limits())
     await server.start("127.0.0.1", port, tls)
     return server, port
 
 
-TRANSPORTS = pytest.mark.parametrize("transport", ["h2", "grpcio"])
+EACH_TRANSPORT = pytest.mark.parametrize("transport", list(TRANSPORTS))
 
 
 def _credentials(ca: CA, client: Pair | None = None) -> grpc.ChannelCredentials:
@@ -120,7 +119,7 @@ async def _check(target: str, credentials: grpc.ChannelCredentials | None) -> An
         await channel.close()
 
 
-@TRANSPORTS
+@EACH_TRANSPORT
 async def test_grpcio_checks_health_over_tls_and_a_plaintext_client_is_refused(tmp_path: Path, transport: str) -> None:
     ca = CA(tmp_path)
     server, port = await _serving(ServerTls(_tls(ca, ca.issue("server"))), transport)
@@ -134,7 +133,7 @@ async def test_grpcio_checks_health_over_tls_and_a_plaintext_client_is_refused(t
         await server.stop(0)
 
 
-@TRANSPORTS
+@EACH_TRANSPORT
 async def test_mutual_tls_refuses_a_client_without_a_certificate_of_the_client_ca(tmp_path: Path, transport: str) -> None:
     ca = CA(tmp_path)
     server, port = await _serving(ServerTls(_tls(ca, ca.issue("server"), mutual=True)), transport)
@@ -226,7 +225,7 @@ async def _now(value: T) -> T:
     return value
 
 
-@TRANSPORTS
+@EACH_TRANSPORT
 @pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
 def test_changed_files_serve_new_connections_without_a_restart_and_a_broken_pair_keeps_the_old(
     tmp_path: Path, loop_factory: Callable[[], asyncio.AbstractEventLoop], transport: str

@@ -1,7 +1,8 @@
-"""The two transports, h2grpc (ours) and grpcio (the reference), attacked alike: the same observable behaviour.
+"""The transport conformance suite: every implementation of transport.py's ``Transport``, attacked alike, behaves alike.
 
-Each case runs against both servers (``listen.transport``: ``h2`` and
-``grpcio``) serving a small fake service, through real clients: grpcio's
+Each case runs against every server ``listen.transport`` can choose
+(server.py ``TRANSPORTS``: ``h2``, ours, and ``grpcio``, the reference)
+serving a small fake service, through real clients: grpcio's
 C-core channel for conformance, and raw HTTP/2 with the ``h2`` library on
 asyncio sockets (or bare bytes) for what no well-behaved client sends. What
 is asserted is what a peer and the other peers can observe: the gRPC status,
@@ -31,15 +32,14 @@ import pytest
 from google.protobuf import wrappers_pb2
 from hyperframe.frame import GoAwayFrame, PingFrame, SettingsFrame
 
-from extproc.adapters.ext_proc.grpcio_server import GrpcioServer
-from extproc.adapters.ext_proc.h2grpc import MAX_MESSAGE_BYTES, GrpcServer
+from extproc.adapters.ext_proc.transport import MAX_MESSAGE_BYTES, Limits, Transport
+from extproc.adapters.server import TRANSPORTS
 from extproc.tools.procs import free_port
 from tests.test_h2grpc import ECHO, HOLD, Handlers
 
 pytestmark = pytest.mark.integration
 
 Bytes = wrappers_pb2.BytesValue
-TRANSPORTS: dict[str, type[GrpcServer] | type[GrpcioServer]] = {"h2": GrpcServer, "grpcio": GrpcioServer}
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 OK, INTERNAL, RESOURCE_EXHAUSTED = 0, 13, 8
 # Not a BytesValue: field 1 says 5 bytes follow, 2 do.
@@ -49,7 +49,7 @@ NOT_PROTOBUF = b"\x0a\x05ab"
 @dataclass
 class Served:
     transport: str
-    server: GrpcServer | GrpcioServer
+    server: Transport
     port: int
     handlers: Handlers
     channels: list[Any] = field(default_factory=list)
@@ -74,7 +74,7 @@ class Served:
 @pytest.fixture(params=list(TRANSPORTS))
 async def served(request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Served]:
     handlers = Handlers()
-    server = TRANSPORTS[request.param](handlers.methods(ECHO, HOLD))
+    server = TRANSPORTS[request.param](handlers.methods(ECHO, HOLD), Limits())
     port = free_port()
     await server.start("127.0.0.1", port)
     it = Served(request.param, server, port, handlers)
@@ -287,7 +287,7 @@ async def test_a_port_in_use_is_an_os_error(transport: str) -> None:
         holder.bind(("127.0.0.1", port))
         holder.listen()
         with pytest.raises(OSError):
-            await TRANSPORTS[transport]({}).start("127.0.0.1", port)
+            await TRANSPORTS[transport]({}, Limits()).start("127.0.0.1", port)
 
 
 # --- conformance: per-stream failures stay in their stream -------------------------------------------------

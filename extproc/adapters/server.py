@@ -39,10 +39,11 @@ from extproc.adapters.engines.discovery import watch_pool
 from extproc.adapters.engines.limits import cap_advice
 from extproc.adapters.engines.probe import probe_session
 from extproc.adapters.ext_proc.grpcio_server import GrpcioServer
-from extproc.adapters.ext_proc.h2grpc import GrpcServer, Limits, Method
+from extproc.adapters.ext_proc.h2grpc import GrpcServer
 from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.ext_proc.tls import RELOAD_OUTCOMES, ServerTls
+from extproc.adapters.ext_proc.transport import MAX_MESSAGE_BYTES, Limits, Method, TransportFactory
 from extproc.adapters.reload import ConfigSource, Plan, Reloader, rebuilt_model, removed_model, retire
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import MetricsServer, build_app
@@ -60,6 +61,9 @@ FINAL_GRACE_S = 1.0
 BODY_MESSAGE_MARGIN = 64 * 1024
 # How often the drain looks at the queues; it runs once per process lifetime.
 DRAIN_POLL_S = 0.05
+# The gRPC servers under ext_proc, by listen.transport: ours on h2 (a few KB a held request), or
+# grpc.aio, the reference (docs/reliability.md, "Choosing the transport").
+TRANSPORTS: dict[str, TransportFactory] = {"h2": GrpcServer, "grpcio": GrpcioServer}
 
 
 class ProcessorServer:
@@ -76,16 +80,11 @@ class ProcessorServer:
         # Ready once every model's pool has a member: what the Endpoint Picker Protocol calls synced.
         self._health = Health(lambda: all(d.pool.endpoints for d in self.dispatchers.values()))
         # Every held request is an open stream: the transport's limits (listen.*) are far above
-        # them, and it keeps each small (h2grpc.py; measured per held request in docs/reliability.md),
-        # unless the operator chose grpc.aio (listen.transport: grpcio), the reference.
-        transport = GrpcioServer if config.listen.transport == "grpcio" else GrpcServer
-        self._grpc = transport({
+        # them, and h2 keeps each small (measured per held request in docs/reliability.md).
+        self._grpc = TRANSPORTS[config.listen.transport]({
             PROCESS_PATH: Method(pb.ProcessingRequest.FromString, self.processor.process),
             **self._health.methods(),
-        }, max_message_bytes=config.endpoint_picker.max_body_bytes + BODY_MESSAGE_MARGIN, limits=Limits(
-            config.listen.max_streams_per_connection, config.listen.max_connections,
-            config.listen.connection_buffer_bytes, config.listen.idle_timeout_s, config.listen.handshake_timeout_s,
-        ))
+        }, Limits(config.listen, max(MAX_MESSAGE_BYTES, config.endpoint_picker.max_body_bytes + BODY_MESSAGE_MARGIN)))
         # TLS on the gRPC port (listen.tls), its files reloaded while serving.
         tls = config.listen.tls
         self._tls = None if tls is None else ServerTls(tls, self.telemetry.tls_reloaded)

@@ -77,7 +77,7 @@ class Listen(_Section, frozen=True):
     grpc: Address = "127.0.0.1:50051"
     metrics: Address = "127.0.0.1:9464"
     tls: TlsSettings | None = None
-    # The gRPC port's bounds on what one peer can hold (adapters/ext_proc/h2grpc_limits.py); far
+    # The gRPC port's bounds on what one peer can hold (adapters/ext_proc/transport.py Limits); far
     # above what Envoy's held requests need, each held request being one stream.
     max_streams_per_connection: Count = 100_000
     max_connections: Count = 1_000

@@ -6,12 +6,13 @@ an operator who distrusts ours can switch to it. It costs more per held
 request (21–24 KB of native state per stream against about 3 KB,
 docs/decisions.md) and more CPU per request (docs/benchmarks.md).
 
-It serves the same ``{path: Method}`` table as :class:`~.h2grpc.GrpcServer`
-through one generic handler, so the ext_proc servicer and the health service
-(the same :class:`~.health.Health` object, one source of truth for status)
-do not know which transport carries them. A handler's :class:`~.h2grpc.GrpcError`
-ends the call with its status; a request that does not decode ends with
-INTERNAL, as h2grpc does; any other exception is logged and ends with INTERNAL.
+It implements the same :class:`~.transport.Transport` as
+:class:`~.h2grpc.GrpcServer`, serving the ``{path: Method}`` table through one
+generic handler, so the ext_proc servicer and the health service (the same
+:class:`~.health.Health` object, one source of truth for status) do not know
+which transport carries them. A handler's :class:`~.transport.GrpcError` ends
+the call with its status; a request that does not decode ends with INTERNAL,
+as h2grpc does; any other exception is logged and ends with INTERNAL.
 
 TLS takes the same files; grpcio reads them through its own credentials, which
 ask :class:`~.tls.ServerTls` before every handshake whether they were reloaded,
@@ -28,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from extproc.adapters.ext_proc.h2grpc import INTERNAL, MAX_MESSAGE_BYTES, GrpcError, Limits, Message, Method
 from extproc.adapters.ext_proc.tls import ServerTls
+from extproc.adapters.ext_proc.transport import INTERNAL, GrpcError, Limits, Message, Method, Methods, Transport
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +72,11 @@ class _Handlers(_GenericRpcHandler):
         return self._handlers.get(handler_call_details.method)  # None: grpcio answers UNIMPLEMENTED
 
 
-class GrpcioServer:
-    """Serves ``methods`` on grpc.aio, with :class:`~.h2grpc.GrpcServer`'s interface."""
+class GrpcioServer(Transport):
+    """Serves ``methods`` on grpc.aio (transport.py says what it owes)."""
 
-    def __init__(self, methods: dict[str, Method], max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 limits: Limits | None = None) -> None:
+    def __init__(self, methods: Methods, limits: Limits | None = None) -> None:
         self.methods = methods
-        self.max_message_bytes = max(MAX_MESSAGE_BYTES, max_message_bytes)
         self.limits = limits or Limits()
         self._active = 0
         self._server: grpc.aio.Server | None = None
@@ -87,6 +86,9 @@ class GrpcioServer:
         async def call(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
                        ) -> AsyncIterator[Message]:
             self._active += 1
+            # Counted until its status is sent or the client reset it (grpc-stubs want a DoneCallback
+            # instance; grpcio takes any callable of the context).
+            context.add_done_callback(self._ended)  # type: ignore[arg-type]
             try:
                 async for reply in method.handler(requests):
                     yield reply
@@ -97,14 +99,16 @@ class GrpcioServer:
             except Exception:
                 log.exception("handler for %s failed", context.peer())
                 await context.abort(_CODES[INTERNAL], "internal error")
-            finally:
-                self._active -= 1
         return call
+
+    def _ended(self, _: object) -> None:
+        self._active -= 1
 
     async def start(self, host: str, port: int, tls: ServerTls | None = None) -> None:
         """Listen; with ``tls``, every connection is TLS with its files (reloaded ones for new handshakes)."""
+        listen = self.limits.listen
         self._server = grpc.aio.server(handlers=[_Handlers(self)], options=[
-            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.limits.max_message_bytes),
             ("grpc.max_send_message_length", -1),
             # A port already in use is an error, as on h2grpc, not a second listener sharing it.
             ("grpc.so_reuseport", 0),
@@ -114,10 +118,10 @@ class GrpcioServer:
             ("grpc.server.max_pending_requests", 2**30), ("grpc.server.max_pending_requests_hard_limit", 2**30),
             # The listen section's limits, as C-core names them. connection_buffer_bytes has no C-core
             # counterpart: its own flow-control windows bound what a connection buffers.
-            ("grpc.max_concurrent_streams", self.limits.max_streams_per_connection),
-            ("grpc.max_allowed_incoming_connections", self.limits.max_connections),
-            ("grpc.max_connection_idle_ms", int(self.limits.idle_timeout_s * 1000)),
-            ("grpc.server_handshake_timeout_ms", int(self.limits.handshake_timeout_s * 1000)),
+            ("grpc.max_concurrent_streams", listen.max_streams_per_connection),
+            ("grpc.max_allowed_incoming_connections", listen.max_connections),
+            ("grpc.max_connection_idle_ms", int(listen.idle_timeout_s * 1000)),
+            ("grpc.server_handshake_timeout_ms", int(listen.handshake_timeout_s * 1000)),
         ])
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
@@ -131,6 +135,7 @@ class GrpcioServer:
         await self._server.start()
 
     def calls(self) -> int:
+        """The calls grpc.aio handed us and has not yet ended (status sent, or reset by the client)."""
         return self._active
 
     async def stop(self, grace_s: float) -> None:

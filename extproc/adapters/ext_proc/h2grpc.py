@@ -1,4 +1,4 @@
-"""A minimal gRPC server straight on the ``h2`` HTTP/2 state machine: the ext_proc hop's transport.
+"""A minimal gRPC server straight on the ``h2`` HTTP/2 state machine: the ext_proc hop's default transport.
 
 Why not grpcio or grpclib: every request Envoy holds in our queue is an open
 gRPC stream, so a stream's memory is the cost of a held request. Measured with
@@ -21,43 +21,26 @@ bytes end only its stream, flow control bounds what it can make us buffer,
 streams per connection and connections are limited (Limits, far above the
 held requests we expect), stalled and idle connections are closed, GOAWAY
 is graceful both ways. The pieces: h2grpc_call.py (one call),
-h2grpc_connection.py (one connection), h2grpc_limits.py (limits, warnings).
+h2grpc_connection.py (one connection), h2grpc_warnings.py (warnings per peer).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from extproc.adapters.ext_proc.h2grpc_call import (
-    INTERNAL,
-    NOT_FOUND,
-    OK,
-    RESOURCE_EXHAUSTED,
-    UNIMPLEMENTED,
-    UNKNOWN,
-    GrpcError,
-    Message,
-    Method,
-)
 from extproc.adapters.ext_proc.h2grpc_connection import Connection
-from extproc.adapters.ext_proc.h2grpc_limits import Limits, PeerWarnings
+from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
 from extproc.adapters.ext_proc.tls import ServerTls
+from extproc.adapters.ext_proc.transport import Limits, Methods, Transport
 
-__all__ = ["INTERNAL", "MAX_MESSAGE_BYTES", "NOT_FOUND", "OK", "RESOURCE_EXHAUSTED", "UNIMPLEMENTED", "UNKNOWN",
-           "GrpcError", "GrpcServer", "Limits", "Message", "Method"]
-
-# grpcio's default limit for a received message, the least a server takes (a buffered request
-# body comes in one: the processor raises it to its body limit, endpoint_picker.max_body_bytes).
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+__all__ = ["GrpcServer"]
 
 
-class GrpcServer:
-    """Serves ``methods`` (by gRPC path, ``/package.Service/Method``) on one listening address."""
+class GrpcServer(Transport):
+    """Serves ``methods`` on one listening address, straight on h2 (transport.py says what it owes)."""
 
-    def __init__(self, methods: dict[str, Method], max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 limits: Limits | None = None) -> None:
+    def __init__(self, methods: Methods, limits: Limits | None = None) -> None:
         self.methods = methods
-        self.max_message_bytes = max(MAX_MESSAGE_BYTES, max_message_bytes)
         self.limits = limits or Limits()
         self.warnings = PeerWarnings()
         self.connections: set[Connection] = set()
@@ -67,12 +50,14 @@ class GrpcServer:
         """Listen; with ``tls`` (its listener context offers ALPN h2, reloaded files included), every connection is TLS."""
         loop = asyncio.get_running_loop()
         self._listener = await loop.create_server(
-            lambda: Connection(self), host, port, reuse_address=True, ssl=None if tls is None else tls.listener,
+            lambda: Connection(self.methods, self.limits, self.connections, self.warnings), host, port,
+            reuse_address=True, ssl=None if tls is None else tls.listener,
             # The TLS handshake counts against the HTTP/2 one's limit (which starts after it).
-            ssl_handshake_timeout=None if tls is None else self.limits.handshake_timeout_s,
+            ssl_handshake_timeout=None if tls is None else self.limits.listen.handshake_timeout_s,
         )
 
     def calls(self) -> int:
+        """The streams open on every connection (a call leaves its connection once its status is sent or it is reset)."""
         return sum(len(c.calls) for c in self.connections)
 
     async def stop(self, grace_s: float) -> None:

@@ -10,37 +10,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-# gRPC status codes (https://grpc.github.io/grpc/core/md_doc_statuscodes.html) this server sends.
-OK, UNKNOWN, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 2, 3, 5, 8, 12, 13
+from extproc.adapters.ext_proc.transport import INTERNAL, RESOURCE_EXHAUSTED, GrpcError, Method
+
 # What grpcio's server says of a message it cannot decode (grpc/_server.py).
 UNDECODABLE = "Exception deserializing request!"
 TRUNCATED = "the stream ended inside a message (its length prefix promised more bytes)"
 PREFIX = 5  # a message's compressed flag and 4-byte length
-
-
-class Message(Protocol):
-    def SerializeToString(self) -> bytes: ...  # noqa: N802 (protobuf's name)
-
-
-class GrpcError(Exception):
-    """Raised by a handler: the call ends with this status instead of OK."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-@dataclass(frozen=True)
-class Method:
-    """One RPC: how to decode its requests, and the handler that turns them into replies."""
-
-    decode: Callable[[bytes], Any]
-    handler: Callable[[AsyncIterator[Any]], AsyncIterator[Message]]
 
 
 class Consumer(Protocol):

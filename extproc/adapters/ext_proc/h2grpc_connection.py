@@ -5,7 +5,7 @@ held request of its share as a stream, so a mistake that ends a connection
 ends all of them. Everything a peer can send therefore ends at most its own
 stream, with the status a reference gRPC server would send, or, for a broken
 connection (an HTTP/2 protocol error), that connection; never a traceback,
-and a warning at most once per peer per 10 s (h2grpc_limits.py).
+and a warning at most once per peer per 10 s (h2grpc_warnings.py).
 
 Memory is bounded by flow control. A stream's bytes are handed back to the
 peer (WINDOW_UPDATE) as its handler takes its messages, beyond what one whole
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import h2.config
 import h2.connection
@@ -30,20 +30,18 @@ import h2.exceptions
 import h2.settings
 from hyperframe.frame import Frame, GoAwayFrame
 
-from extproc.adapters.ext_proc.h2grpc_call import (
+from extproc.adapters.ext_proc.h2grpc_call import PREFIX, Call, trailers
+from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
+from extproc.adapters.ext_proc.transport import (
     INTERNAL,
     INVALID_ARGUMENT,
     OK,
-    PREFIX,
     RESOURCE_EXHAUSTED,
     UNIMPLEMENTED,
-    Call,
     GrpcError,
-    trailers,
+    Limits,
+    Methods,
 )
-
-if TYPE_CHECKING:
-    from extproc.adapters.ext_proc.h2grpc import GrpcServer
 
 log = logging.getLogger("extproc.adapters.ext_proc.h2grpc")
 
@@ -54,6 +52,9 @@ CONNECTION_WINDOW = 16 * 1024 * 1024
 BIG = 64 * 1024
 LAST_STREAM = 2**31 - 1
 _SHUTDOWN_PING = b"h2grpc\x00\x01"
+# Header blocks as bytes, and h2's header checks off: they add about a sixth to the transport's CPU per
+# request, and h2 ends the whole connection on a malformed block where a stream error is due. We read
+# three headers ourselves and refuse per stream (_start); docs/decisions.md has the measurements.
 _H2_CONFIG = h2.config.H2Configuration(
     client_side=False, header_encoding=None,
     validate_inbound_headers=False, normalize_inbound_headers=False,
@@ -110,12 +111,30 @@ def is_grpc(content_type: bytes) -> bool:
     return value == b"application/grpc" or value[:17] in (b"application/grpc+", b"application/grpc;")
 
 
-class Connection(asyncio.Protocol):
-    """One HTTP/2 connection (Envoy keeps one or a few to us, each carrying many streams)."""
+def shown(value: bytes) -> str:
+    """A peer's header value as a log line and a status message may carry it: printable ASCII, any other byte escaped.
 
-    def __init__(self, server: GrpcServer) -> None:
-        self._server = server
-        self._limits = server.limits
+    h2 does not check inbound headers here (docs/decisions.md), so a value may
+    hold any byte, a line break that would forge a log line included.
+    """
+    return "".join(chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}" for b in value)
+
+
+class Connection(asyncio.Protocol):
+    """One HTTP/2 connection (Envoy keeps one or a few to us, each carrying many streams).
+
+    Given what it shares with the other connections of its server: the methods,
+    the limits, the set of open connections (which it joins and leaves) and the
+    per-peer warnings.
+    """
+
+    def __init__(self, methods: Methods, limits: Limits, connections: set[Connection],
+                 warnings: PeerWarnings) -> None:
+        self._methods = methods
+        self._listen = limits.listen
+        self._max_message = limits.max_message_bytes
+        self._connections = connections
+        self._warnings = warnings
         self._h2 = _H2Connection(_H2_CONFIG)
         self._transport: asyncio.Transport | None = None
         self._peer: object = None
@@ -124,8 +143,8 @@ class Connection(asyncio.Protocol):
         self._big: set[Call] = set()  # calls holding at least BIG unread bytes
         self.buffered = 0  # request bytes received that no handler has taken yet
         # One message (and the frame that brings its last byte) must fit, whatever else a stream holds.
-        self._stream_budget = server.max_message_bytes + PREFIX + 16_384
-        self._connection_budget = max(self._limits.connection_buffer_bytes, self._stream_budget)
+        self._stream_budget = self._max_message + PREFIX + 16_384
+        self._connection_budget = max(self._listen.connection_buffer_bytes, self._stream_budget)
         self._timer: asyncio.TimerHandle | None = None
         self._handshaken = False
         self._last_frame = 0.0
@@ -139,17 +158,17 @@ class Connection(asyncio.Protocol):
         self._peer = transport.get_extra_info("peername")
         loop = asyncio.get_running_loop()
         self._last_frame = loop.time()
-        if len(self._server.connections) >= self._limits.max_connections:
-            self._server.warnings.warn(self._peer, "connection refused: %d open (listen.max_connections)",
-                                       len(self._server.connections))
+        if len(self._connections) >= self._listen.max_connections:
+            self._warnings.warn(self._peer, "connection refused: %d open (listen.max_connections)",
+                                len(self._connections))
             self._h2.initiate_connection()
             self._h2.send_goaway(0, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, b"too many connections")
             self._flush()
             self.close()
             return
-        self._server.connections.add(self)
+        self._connections.add(self)
         self._h2.local_settings = h2.settings.Settings(client=False, initial_values={
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._limits.max_streams_per_connection,
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._listen.max_streams_per_connection,
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
             # h2's default, kept: ext_proc carries the HTTP headers inside messages, not here.
             h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 2**16,
@@ -157,10 +176,10 @@ class Connection(asyncio.Protocol):
         self._h2.initiate_connection()
         self._h2.increment_flow_control_window(CONNECTION_WINDOW - 65_535)
         self._flush()
-        self._timer = loop.call_later(self._limits.handshake_timeout_s, self._handshake_expired)
+        self._timer = loop.call_later(self._listen.handshake_timeout_s, self._handshake_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._server.connections.discard(self)
+        self._connections.discard(self)
         if self._timer is not None:
             self._timer.cancel()
         for call in self.calls.values():
@@ -171,15 +190,15 @@ class Connection(asyncio.Protocol):
         self._transport = None
 
     def _handshake_expired(self) -> None:
-        self._server.warnings.warn(self._peer, "no HTTP/2 preface and SETTINGS within %gs: connection closed",
-                                   self._limits.handshake_timeout_s)
+        self._warnings.warn(self._peer, "no HTTP/2 preface and SETTINGS within %gs: connection closed",
+                            self._listen.handshake_timeout_s)
         self.close()
 
     def _idle_check(self) -> None:
         """Close a connection without streams or frames for listen.idle_timeout_s (Envoy reconnects when it needs one)."""
         loop = asyncio.get_running_loop()
         quiet = loop.time() - self._last_frame
-        idle = self._limits.idle_timeout_s
+        idle = self._listen.idle_timeout_s
         if self.calls or quiet < idle:
             self._timer = loop.call_later(idle if self.calls else idle - quiet, self._idle_check)
             return
@@ -219,7 +238,7 @@ class Connection(asyncio.Protocol):
         try:
             events = self._h2.receive_data(data)
         except _ProtocolError as exc:  # h2 has queued the GOAWAY that says why
-            self._server.warnings.warn(self._peer, "HTTP/2 protocol error, connection closed: %s", exc)
+            self._warnings.warn(self._peer, "HTTP/2 protocol error, connection closed: %s", exc)
             self._flush()
             self.close()
             return
@@ -254,7 +273,7 @@ class Connection(asyncio.Protocol):
             self._handshaken = True
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = asyncio.get_running_loop().call_later(self._limits.idle_timeout_s, self._idle_check)
+            self._timer = asyncio.get_running_loop().call_later(self._listen.idle_timeout_s, self._idle_check)
         elif isinstance(event, h2.events.PingAckReceived) and event.ping_data == _SHUTDOWN_PING:
             self._last_stream = self._h2.highest_inbound_stream_id
             self._h2.send_goaway(self._last_stream)
@@ -268,8 +287,8 @@ class Connection(asyncio.Protocol):
             self._draining = True
             self._end_if_done()
             return
-        self._server.warnings.warn(self._peer, "GOAWAY %s (%r), connection closed", event.error_code,
-                                   event.additional_data)
+        self._warnings.warn(self._peer, "GOAWAY %s (%r), connection closed", event.error_code,
+                            event.additional_data)
         self.close()
 
     def _start(self, event: h2.events.RequestReceived) -> None:
@@ -277,9 +296,9 @@ class Connection(asyncio.Protocol):
         if self._last_stream is not None and stream_id > self._last_stream:
             self._reset(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)  # after our final GOAWAY: retry elsewhere
             return
-        if len(self.calls) >= self._limits.max_streams_per_connection:
-            self._server.warnings.warn(self._peer, "stream refused: %d open on one connection "
-                                       "(listen.max_streams_per_connection)", len(self.calls))
+        if len(self.calls) >= self._listen.max_streams_per_connection:
+            self._warnings.warn(self._peer, "stream refused: %d open on one connection "
+                                "(listen.max_streams_per_connection)", len(self.calls))
             self._reset(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             return
         headers = dict(event.headers or ())
@@ -287,17 +306,17 @@ class Connection(asyncio.Protocol):
         content_type = headers.get(b"content-type", b"")
         verb = headers.get(b":method", b"")
         refusal = (
-            (b"415", INVALID_ARGUMENT, f'invalid gRPC request content-type "{content_type.decode("latin-1")}"')
+            (b"415", INVALID_ARGUMENT, f'invalid gRPC request content-type "{shown(content_type)}"')
             if not is_grpc(content_type) else
-            (b"405", INTERNAL, f'Received a HEADERS frame with :method "{verb.decode("latin-1")}" which should be POST')
+            (b"405", INTERNAL, f'Received a HEADERS frame with :method "{shown(verb)}" which should be POST')
             if verb != b"POST" else None
         )
         if refusal is not None:
-            self._server.warnings.warn(self._peer, "not a gRPC request: %s", refusal[2])
+            self._warnings.warn(self._peer, "not a gRPC request: %s", refusal[2])
             self._close_stream(stream_id, [(b":status", refusal[0]), (b"content-type", b"application/grpc"),
                                            *trailers(refusal[1], refusal[2])])
             return
-        method = self._server.methods.get(headers.get(b":path", b"").decode("latin-1"))
+        method = self._methods.get(headers.get(b":path", b"").decode("latin-1"))
         if method is None:  # grpcio's words
             self._close_stream(stream_id, [*_RESPONSE_HEADERS, *trailers(UNIMPLEMENTED, "Method not found!")])
             return
@@ -315,7 +334,7 @@ class Connection(asyncio.Protocol):
         data = event.data or b""
         self.buffered += len(data)
         try:
-            call.received(data, self._server.max_message_bytes)
+            call.received(data, self._max_message)
         except GrpcError as exc:
             self._fail(call, exc)
             return
@@ -391,8 +410,8 @@ class Connection(asyncio.Protocol):
 
     def _fail(self, call: Call, exc: GrpcError) -> None:
         """The peer's bytes end this call (and only it): the handler is cancelled, the client gets the status."""
-        self._server.warnings.warn(self._peer, "stream %d ended with gRPC status %d: %s", call.stream_id,
-                                   exc.status, exc.message)
+        self._warnings.warn(self._peer, "stream %d ended with gRPC status %d: %s", call.stream_id,
+                            exc.status, exc.message)
         _cancel(call)
         self._release(call)
         self._finish(call, exc.status, exc.message)

@@ -1,4 +1,4 @@
-"""gRPC health (grpc.health.v1 ``Check``) on the h2grpc transport: what Envoy and Kubernetes probes ask.
+"""gRPC health (grpc.health.v1 ``Check``) on either transport: what Envoy and Kubernetes probes ask.
 
 Like grpcio's ``HealthServicer``: a status per service name, an unknown name
 is NOT_FOUND. The services are those of the Endpoint Picker Protocol
@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from grpc_health.v1 import health_pb2
 
 from extproc.adapters.ext_proc.contract import EXT_PROC_SERVICE
-from extproc.adapters.ext_proc.h2grpc import NOT_FOUND, GrpcError, Method
+from extproc.adapters.ext_proc.transport import NOT_FOUND, GrpcError, Method, Methods
 
 CHECK_PATH = "/grpc.health.v1.Health/Check"
 LIVENESS, READINESS = "liveness", "readiness"
@@ -62,5 +62,5 @@ class Health:
             yield health_pb2.HealthCheckResponse(status=status)
             return
 
-    def methods(self) -> dict[str, Method]:
+    def methods(self) -> Methods:
         return {CHECK_PATH: Method(health_pb2.HealthCheckRequest.FromString, self.check)}

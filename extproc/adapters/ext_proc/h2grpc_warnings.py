@@ -1,6 +1,6 @@
-"""What the h2grpc transport allows a peer, and how it tells the operator about peers that break the rules.
+"""How the h2grpc transport tells the operator about peers that break the rules (or its limits, transport.py ``Limits``).
 
-The limits are the ``listen`` section's (config/schema.py, docs/configuration.md).
+The limits are the ``listen`` section's (config/schema.py, docs/configuration.md), built in transport.py.
 The warnings are rate-limited per peer host: whatever a peer sends can cost it
 its stream or its connection, but never a flood of log lines.
 """
@@ -10,25 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 log = logging.getLogger("extproc.adapters.ext_proc.h2grpc")
 
 # How long a peer's further warnings are counted instead of logged, and how many peers are remembered.
 WARN_EVERY_S = 10.0
 MAX_PEERS = 4096
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-listener bounds; the defaults are far above what Envoy's held requests need (docs/configuration.md)."""
-
-    max_streams_per_connection: int = 100_000
-    max_connections: int = 1_000
-    # Request bytes received and not yet taken by the handlers, over one connection's streams.
-    connection_buffer_bytes: int = 32 * 1024 * 1024
-    idle_timeout_s: float = 3600.0
-    handshake_timeout_s: float = 10.0
 
 
 class PeerWarnings:
