@@ -41,7 +41,7 @@ from extproc.adapters.cluster.wire import Trip, decode_grant, encode_trip
 from extproc.adapters.config import ClusterSettings
 from extproc.adapters.telemetry import ClusterTrip, Telemetry
 from extproc.core.cluster import Ask, ClusterSeat
-from extproc.core.outlet import Outlet
+from extproc.core.strategy import Outlet
 from extproc.core.timers import Timers
 
 log = logging.getLogger(__name__)
