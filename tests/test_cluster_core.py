@@ -6,13 +6,12 @@ import pytest
 
 from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import Band
-from extproc.core.cluster import Backlog, ClusterSeat, Grant, Release
+from extproc.core.cluster import Backlog, ClusterOutlet, ClusterSeat, Grant, Release
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
-from extproc.core.strategy import Outlet
 from tests.test_endpoint_down import Report
 from tests.test_gate import make_gate
 
@@ -38,7 +37,7 @@ def seat_of(
     timers = LoopTimers(lambda: 0.0)
     seats: list[ClusterSeat] = []
 
-    def strategy(outlet: Outlet) -> ClusterSeat:
+    def strategy(outlet: ClusterOutlet) -> ClusterSeat:
         seats.append(ClusterSeat(outlet, timers, link, expected_instances=expected))
         return seats[0]
 

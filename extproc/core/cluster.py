@@ -115,6 +115,39 @@ class Grant:
     releases: tuple[Release, ...] = ()
 
 
+class ClusterOutlet(Outlet, Protocol):
+    """What a seat reads of its model besides a local strategy's: what an ask carries, and a release a grant names."""
+
+    @property
+    def bands(self) -> int:
+        """How many bands the model has."""
+
+    @property
+    def in_flight(self) -> int:
+        """Our released requests whose streams have not ended."""
+
+    def share(self, band: int, now: float) -> float:
+        """``band``'s least share of the releases while a band above takes the rest."""
+
+    def cap(self, band: int, now: float) -> int:
+        """The most requests the pool may have in flight, counting other instances', once ``band`` released."""
+
+    def backlog(self) -> Iterator[Backlog]:
+        """Every (band, tenant) with requests queued here, with the service of the tenant's next request."""
+
+    def service(self, tenant: str, cost: float) -> float:
+        """What a release of ``cost`` adds to ``tenant``'s counter (the policy's service)."""
+
+    def release_head(self, band: int, tenant: str, now: float, *, free: bool) -> bool:
+        """Release ``tenant``'s next request in ``band`` whatever the policy's turn (the cluster decided it).
+
+        False if it has none, or its client had already left.
+        """
+
+    def record_others(self, now: float, others: int) -> None:
+        """The other instances have ``others`` in flight now."""
+
+
 class ClusterLink(Protocol):
     """The adapter that carries a seat's asks to the cluster (``adapters/cluster/``)."""
 
@@ -130,7 +163,7 @@ class ClusterSeat:
     capped at its share of each band's cap.
     """
 
-    def __init__(self, outlet: Outlet, timers: Timers, link: ClusterLink, expected_instances: int = 1) -> None:
+    def __init__(self, outlet: ClusterOutlet, timers: Timers, link: ClusterLink, expected_instances: int = 1) -> None:
         self._outlet = outlet
         self._link = link
         self._local = LocalRelease(outlet, timers, limit=self._share)
@@ -189,7 +222,7 @@ class ClusterSeat:
         now = outlet.clock()
         corrections = tuple(Correction(band, tenant, delta) for (band, tenant), delta in self._corrections.items())
         self._corrections.clear()
-        backlog = tuple(replace(e, fresh=True) if (e.band, e.tenant) in self._fresh else e for e in self._backlog())
+        backlog = tuple(replace(e, fresh=True) if (e.band, e.tenant) in self._fresh else e for e in outlet.backlog())
         self._fresh.clear()
         bands = range(outlet.bands)
         caps = tuple(outlet.cap(band, now) for band in bands)
@@ -222,8 +255,3 @@ class ClusterSeat:
     def _share(self, band: int, now: float) -> int:
         """Degraded: what this seat may still release of ``band``, its share of the cluster-wide cap."""
         return self._outlet.cap(band, now) // max(self.instances, self._expected) - self._outlet.in_flight
-
-    def _backlog(self) -> Iterator[Backlog]:
-        """Every (band, tenant) queued here, with the service of the tenant's next request."""
-        for queued in self._outlet.backlog():
-            yield Backlog(queued.band, queued.tenant, queued.count, queued.service)

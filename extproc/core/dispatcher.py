@@ -47,13 +47,14 @@ from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
 from extproc.core.report import Change, DispatchReport, EndpointEvent, PoolEvent
 from extproc.core.status import ModelStatus
-from extproc.core.strategy import LocalRelease, Outlet, ReleaseStrategy
+from extproc.core.strategy import LocalRelease, ReleaseStrategy
 from extproc.core.timers import Timers
 
 __all__ = ["Held", "LiveSettings", "ModelDispatcher", "shutting_down"]
 
-# Builds a model's release strategy on its outlet (default: LocalRelease, this instance alone).
-StrategyFactory = Callable[[Outlet], ReleaseStrategy]
+# Builds a model's release strategy on its state, which it reads as an Outlet (strategy.py) or a
+# cluster seat's ClusterOutlet (default: LocalRelease, this instance alone).
+StrategyFactory = Callable[[ModelState], ReleaseStrategy]
 
 
 def shutting_down() -> Refused:

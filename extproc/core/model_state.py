@@ -8,7 +8,8 @@ engine), the pricing (``pricing.py``: cost estimates and the account of the
 engines' prefix caches) and the recent release rate. Nothing else writes
 them: the dispatcher (``dispatcher.py``) hands it each event and the release
 strategy (``strategy.py``) asks it questions and lets requests go through it,
-as the :class:`~extproc.core.strategy.Outlet` it implements. Whichever
+as the :class:`~extproc.core.strategy.Outlet` it implements (and a cluster
+seat as the :class:`~extproc.core.cluster.ClusterOutlet`). Whichever
 strategy decides, a request leaves the queue the same way (:meth:`release`):
 an endpoint picked, the pool and the fair queue charged, its future resolved
 and the release reported.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 from extproc.core.bands import Band, BandAdmission
 from extproc.core.caps import overflow
+from extproc.core.cluster import Backlog
 from extproc.core.cost import CostWeights
 from extproc.core.drain_time import ReleaseRate
 from extproc.core.engine_load import EngineLoad
@@ -43,7 +45,6 @@ from extproc.core.release.pool import Pool
 from extproc.core.release.rule import ReleaseRule, RuleSettings
 from extproc.core.report import Charged, DispatchReport, PoolEvent, RequestEvent, Step
 from extproc.core.status import ClusterStatus, ModelStatus, band_status
-from extproc.core.strategy import Queued
 from extproc.core.timers import Timers
 
 
@@ -137,7 +138,7 @@ class ModelState:
         held.expiry = self._timers.at(now + queue_wait, lambda: self._expire(held))
         return held, first
 
-    # --- the release step, and what a strategy reads (strategy.Outlet) ------------------------------
+    # --- the release step, and what a strategy reads (strategy.Outlet, cluster.ClusterOutlet) ------
 
     @property
     def bands(self) -> int:
@@ -187,11 +188,11 @@ class ModelState:
     def report_in_flight(self) -> None:
         self._report(PoolEvent(in_flight=self._pool.in_flight))
 
-    def backlog(self) -> Iterator[Queued]:
+    def backlog(self) -> Iterator[Backlog]:
         for band in range(len(self._settings.bands)):
             for tenant, count in self._queue.tenant_lengths(band).items():
                 head = self._queue.head(band, tenant)
-                yield Queued(band, tenant, count, 0.0 if head is None else self.service(tenant, head.estimate.cost))
+                yield Backlog(band, tenant, count, 0.0 if head is None else self.service(tenant, head.estimate.cost))
 
     def release_next(self, band: int, now: float, *, free: bool) -> bool:
         band, tenant, held = self._queue.pop(band)

@@ -3,7 +3,7 @@
 The dispatcher tells its strategy what happened (a request queued, a release
 ended, something else changed, a scrape came in) and the strategy lets
 requests go through the model's :class:`Outlet` (``model_state.py`` is the
-one implementation): the questions a strategy asks of the model, and the
+one implementation): the few questions a strategy asks of the model, and the
 one release step every strategy shares. Two strategies:
 
 * :class:`LocalRelease`: this instance decides alone. It pops from the fair
@@ -18,8 +18,7 @@ The dispatcher holds one and never asks which.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 from extproc.core.status import ClusterStatus
@@ -29,30 +28,13 @@ from extproc.core.timers import Timer, Timers
 Limit = Callable[[int, float], int]
 
 
-@dataclass(frozen=True, slots=True)
-class Queued:
-    """Requests of one tenant queued in one band, and what its next request adds to its counter (``Policy.service``)."""
-
-    band: int
-    tenant: str
-    count: int
-    service: float
-
-
 class Outlet(Protocol):
-    """What a release strategy reads of one model, and how it lets a request go."""
-
-    @property
-    def bands(self) -> int:
-        """How many bands the model has."""
+    """What a release strategy reads of one model, and how it lets a request go (a cluster seat needs more:
+    ``cluster.ClusterOutlet``)."""
 
     @property
     def queued(self) -> int:
         """Requests held now."""
-
-    @property
-    def in_flight(self) -> int:
-        """Our released requests whose streams have not ended."""
 
     def clock(self) -> float: ...
 
@@ -62,14 +44,8 @@ class Outlet(Protocol):
     def pick(self, first: int, now: float) -> int:
         """The band whose request goes next, ``first`` being the highest holding any (``bands.py``, ``BandShares``)."""
 
-    def share(self, band: int, now: float) -> float:
-        """``band``'s least share of the releases while a band above takes the rest."""
-
     def allowance(self, band: int, now: float) -> int:
         """How many requests of ``band`` may go now (the band rules above the release rule)."""
-
-    def cap(self, band: int, now: float) -> int:
-        """The most requests the pool may have in flight, counting other instances', once ``band`` released."""
 
     def free_slots(self, now: float) -> int:
         """Slots the engines have free now by the load estimate (``Pool.free_slots``)."""
@@ -83,21 +59,6 @@ class Outlet(Protocol):
         ``free``: the engine has a slot free for it by the load estimate (the
         strategy counts them down from :meth:`free_slots`, read once a round).
         """
-
-    def release_head(self, band: int, tenant: str, now: float, *, free: bool) -> bool:
-        """Release ``tenant``'s next request in ``band`` whatever the policy's turn (a cluster decided it).
-
-        False if it has none, or its client had already left.
-        """
-
-    def backlog(self) -> Iterator[Queued]:
-        """Every (band, tenant) with requests queued here."""
-
-    def service(self, tenant: str, cost: float) -> float:
-        """What a release of ``cost`` adds to ``tenant``'s counter (the policy's service)."""
-
-    def record_others(self, now: float, others: int) -> None:
-        """The other instances of a cluster have ``others`` in flight now."""
 
     def note_health(self, now: float) -> None:
         """Report endpoint health that changed since the last look (once per change)."""
