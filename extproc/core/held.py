@@ -6,8 +6,9 @@ so nothing the core does can change what was asked. :class:`Held` is the
 core's record of it: the future the adapter awaits, and every decision the
 core takes about the request (its estimate, its deadline, its release and
 where to, whether it can be preempted, its state). The core writes ``Held``;
-the adapter reads the release (``endpoint``, ``fallbacks``, ``checked``) and
-the preemption signal, and hands the ``Held`` back at its end.
+the adapter awaits its ``future``, reads the release (``endpoint``,
+``fallbacks``, ``checked``) and the preemption signal (``preempted``, until
+``started``), and hands the ``Held`` back (``ModelDispatcher.end``).
 
 Neither part carries a callback: what a policy or the pricing asks of a
 request is asked by the model's state (``model_state.py``), which owns the
