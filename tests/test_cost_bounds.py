@@ -219,7 +219,7 @@ def run_cost_path(
     ``window_requests`` more charges U, which "h", always the most urgent, may
     take.
     """
-    band = policy.new_band(lambda tenant: weights[tenant])
+    band = policy.new_band(lambda tenant: weights[tenant], Queued.cached_tokens)
     context = float(model.weights.max_context_tokens)
     for i in range(3):
         band.push("h", Queued("h", i, URGENT))
@@ -302,7 +302,7 @@ def test_a_caller_passing_garbage_cannot_make_a_counter_infinite(
     name: str, charges: list[tuple[str, float, float]], weight: float,
 ) -> None:
     """Defence in depth: the policy itself clamps what a buggy caller charges or corrects."""
-    band = POLICIES[name].new_band(lambda tenant: weight)
+    band = POLICIES[name].new_band(lambda tenant: weight, Queued.cached_tokens)
     band.push("a", Queued("a", 0))
     band.push("b", Queued("b", 1))
     for tenant, cost, delta in charges:

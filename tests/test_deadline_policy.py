@@ -25,7 +25,7 @@ from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.entitlement import Tenant
-from extproc.core.outlet import Held
+from extproc.core.held import Held
 from extproc.core.policies import POLICIES
 from extproc.core.policies.deadline import DeadlineBand
 from extproc.core.policies.vtc import VirtualTokenCounter

@@ -187,7 +187,7 @@ async def test_fairness_id_objective_and_ttft_come_from_the_gateway_conventions(
 
     def spy(tenant: str, band: int, **kwargs: object):  # type: ignore[no-untyped-def]
         held = submit(tenant, band, **kwargs)  # type: ignore[arg-type]
-        admitted.append((held.tenant, held.band, held.ttft_objective_s))
+        admitted.append((held.request.tenant, held.request.band, held.ttft_objective_s))
         return held
 
     dispatcher.submit = spy  # type: ignore[method-assign]
@@ -240,8 +240,8 @@ async def test_the_served_endpoint_read_back_moves_the_count_and_marks_the_pick_
     served.metadata_context.filter_metadata["envoy.lb"].CopyFrom(report)
     send(stream, served)
     await answers(stream)
-    estimate = dispatcher.pool.estimate
-    assert estimate.in_flight_on(f"http://{fallback}") == 1 and estimate.in_flight_on(f"http://{picked}") == 0
-    assert f"http://{picked}" in dispatcher.pool.down()
+    pool = dispatcher._pool  # noqa: SLF001 - where the count went
+    assert pool.estimate.in_flight_on(f"http://{fallback}") == 1 and pool.estimate.in_flight_on(f"http://{picked}") == 0
+    assert f"http://{picked}" in pool.down()
     stream.close()
     await stream.task

@@ -145,7 +145,7 @@ def test_with_prefixes_every_request_ends_once_in_a_bounded_order_and_every_char
             assert 0 <= charge.cached_tokens <= charge.prompt_tokens - 1
         # Released in an order where none was overtaken by more than OVERTAKES later requests of its tenant.
         for tenant in "abc":
-            mine = [h for h in every if h.tenant == tenant and h.released]
+            mine = [h for h in every if h.request.tenant == tenant and h.released]
             for i, held in enumerate(mine):
                 assert sum(later.released_at < held.released_at for later in mine[i + 1:]) <= OVERTAKES
 

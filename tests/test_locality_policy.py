@@ -34,7 +34,7 @@ class Req:
 
 
 def band() -> LocalityBand[Req]:
-    return LocalityBand(lambda tenant: 1.0)
+    return LocalityBand(lambda tenant: 1.0, Req.cached_tokens)
 
 
 def test_a_request_is_overtaken_by_at_most_overtakes_later_requests_of_its_tenant() -> None:
@@ -84,7 +84,8 @@ costs = st.lists(st.tuples(st.sampled_from("abc"), st.floats(1, 100)), min_size=
 @settings(max_examples=100, deadline=None)
 @given(pushes=costs, pops=st.integers(1, 60))
 def test_with_nothing_cached_it_is_exactly_vtc(pushes: list[tuple[str, float]], pops: int) -> None:
-    vtc, locality = POLICIES["vtc"].new_band(lambda t: 1.0), POLICIES["locality"].new_band(lambda t: 1.0)
+    vtc = POLICIES["vtc"].new_band(lambda t: 1.0, Req.cached_tokens)
+    locality = POLICIES["locality"].new_band(lambda t: 1.0, Req.cached_tokens)
     cost = {}
     for tenant, price in pushes:
         request = Req()

@@ -63,7 +63,7 @@ SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[Heal
 class Request:
     """A queued request: numbered in arrival order (one tick of the clock each), due by ``deadline``.
 
-    ``hit``: the prompt tokens it would find cached (``Cached``, what a
+    ``hit``: the prompt tokens it would find cached (``ExpectedHit``, what a
     locality policy orders by). Policies that ignore it must pass unchanged.
     """
 
@@ -110,7 +110,7 @@ class Single:
     """The policy's band on one instance."""
 
     def __init__(self, policy: Policy, weights: dict[str, float]) -> None:
-        self._band = policy.new_band(lambda tenant: weights[tenant])
+        self._band = policy.new_band(lambda tenant: weights[tenant], Request.cached_tokens)
         self._costs: dict[Hashable, float] = {}
 
     def __len__(self) -> int:

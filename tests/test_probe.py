@@ -106,8 +106,9 @@ async def test_a_reset_metrics_connection_is_down_only_when_the_engine_does_not_
         await asyncio.sleep(0.5)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    assert dispatcher.pool.down() == ([url] if down else [])
-    assert dispatcher.pool.health.degraded(0.0) == [url]  # either way its metrics cannot be used
+    pool = dispatcher._pool  # noqa: SLF001 - what the scrape told it
+    assert pool.down() == ([url] if down else [])
+    assert pool.health.degraded(0.0) == [url]  # either way its metrics cannot be used
 
 
 async def test_an_end_is_probed_and_its_slot_freed_when_the_engine_answers(tmp_path: Path) -> None:
@@ -132,10 +133,10 @@ async def test_an_end_whose_probe_is_refused_marks_the_engine_down(tmp_path: Pat
     first, second = dispatcher.submit("alice", 0), dispatcher.submit("alice", 0)
     dispatcher.end(first)
     for _ in range(100):
-        if dispatcher.pool.down():
+        if dispatcher._pool.down():  # noqa: SLF001 - what the probe told it
             break
         await asyncio.sleep(0.01)
-    assert dispatcher.pool.down() == [url] and not second.future.done()
+    assert dispatcher._pool.down() == [url] and not second.future.done()  # noqa: SLF001
     second.future.cancel()
     dispatcher.end(second)
     await prober.close()

@@ -227,4 +227,4 @@ async def test_a_retired_dispatcher_drains_answers_the_rest_and_forgets_its_endp
     assert scraper.cancelled() and not retiring.done()  # the one in flight still runs
     d.end(running)
     await asyncio.wait_for(retiring, 1)
-    assert d.pool.endpoints == ()
+    assert d.endpoints == ()

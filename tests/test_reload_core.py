@@ -132,7 +132,7 @@ async def _releases(reloaded: dict[str, float] | None) -> list[str]:
     for _ in range(len(queued)):
         d.end(running)
         running = next(h for h in queued if h.released and not h.ended)
-        order.append(running.tenant)
+        order.append(running.request.tenant)
     d.end(running)
     return order
 

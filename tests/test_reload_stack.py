@@ -229,10 +229,10 @@ async def test_changed_endpoints_and_limits_apply_to_the_same_dispatcher(tmp_pat
         assert server.dispatchers["m1"] is live  # nothing rebuilt: the queue is the same object
         assert all(h.released for h in held)  # the raised cap released the two queued at once
         for _ in range(100):  # the restarted scraper takes the new member list
-            if live.pool.endpoints == (moved,):
+            if live.endpoints == (moved,):
                 break
             await asyncio.sleep(0.01)
-        assert live.pool.endpoints == (moved,)
+        assert live.endpoints == (moved,)
         for h in held:
             live.end(h)
 

@@ -103,7 +103,7 @@ async def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dic
 
 
 def scrape(dispatcher: ModelDispatcher, running: float = 3, waiting: float = 1) -> None:
-    for endpoint in dispatcher.pool.endpoints:
+    for endpoint in dispatcher.endpoints:
         dispatcher.record_scrape(endpoint, EngineLoad(waiting=waiting, running=running), started_at=time.monotonic())
 
 

@@ -148,7 +148,7 @@ async def test_a_crash_cuts_what_the_engine_held_and_the_queue_waits_for_its_ret
         dispatcher.end(h)
     assert dispatcher.queued == 3 and dispatcher.in_flight == 0
     dispatcher.record_probe("e1", False, 2.0)
-    assert dispatcher.pool.down() == ["e1"] and dispatcher.queued == 3
+    assert dispatcher._pool.down() == ["e1"] and dispatcher.queued == 3  # noqa: SLF001
     now[0] = 5.0
     dispatcher.record_scrape("e1", IDLE, 4.9)  # back
     assert dispatcher.queued == 1 and dispatcher.in_flight == 2
@@ -169,7 +169,7 @@ async def test_with_nothing_queued_an_end_is_not_held_nor_looked_at() -> None:
     dispatcher.probe_with(probed.append)
     alone = dispatcher.submit("alice", 0)
     dispatcher.end(alone)
-    assert probed == [] and dispatcher.pool.allowance(0.0) == 1
+    assert probed == [] and dispatcher._pool.allowance(0.0) == 1  # noqa: SLF001
     arrival = dispatcher.submit("alice", 0)
     assert arrival.future.done()
     dispatcher.end(arrival)

@@ -118,12 +118,13 @@ async def test_the_old_average_reservation_would_fail_the_invariant() -> None:
     sim = CoreSim(engine(8), max_running=8, check=check)
     rng = np.random.default_rng(1)
     sim.run(poisson(rng, STANDARD, 2, 6.0, 0.0, 10.0), until=1.0)
-    original = sim.dispatcher._outlet.admission.headroom  # noqa: SLF001 - the rule under test, replaced
+    admission = sim.dispatcher._state._admission  # noqa: SLF001 - the rule under test, replaced
+    original = admission.headroom
 
     def reserving(band: int, now: float) -> int:
         return original(band, now) - (4 if band else 0)  # four slots always kept for interactive
 
-    sim.dispatcher._outlet.admission.headroom = reserving  # type: ignore[method-assign]  # noqa: SLF001
+    admission.headroom = reserving  # type: ignore[method-assign]
     sim.run([], until=30.0)
     assert check.violations
 

@@ -78,7 +78,7 @@ class ProcessorServer:
         self.dispatchers = build_dispatchers(config, self.telemetry, self._cluster)
         self.processor = Processor(config, self.dispatchers, self.telemetry)
         # Ready once every model's pool has a member: what the Endpoint Picker Protocol calls synced.
-        self._health = Health(lambda: all(d.pool.endpoints for d in self.dispatchers.values()))
+        self._health = Health(lambda: all(d.endpoints for d in self.dispatchers.values()))
         # Every held request is an open stream: the transport's limits (listen.*) are far above
         # them, and h2 keeps each small (measured per held request in docs/reliability.md).
         self._grpc = TRANSPORTS[config.listen.transport]({

@@ -221,6 +221,10 @@ class BandAdmission:
         """The band whose request goes next (:class:`BandShares`)."""
         return self.shares.pick(first, self._held, now)
 
+    def share(self, band: int, now: float) -> float:
+        """``band``'s least share of the releases while a band above takes the rest (:class:`BandShares`)."""
+        return self.shares.share(band, now)
+
     def wanted_above(self, band: int, now: float) -> bool:
         """Whether a band above ``band`` has work now: requests held here, or arriving."""
         return any(self._held(above) or self.activity.arriving(above, now) for above in range(band))

@@ -7,12 +7,10 @@ should hear so (the ext_proc adapter answers that 429, the others 503).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from extproc.core.bands import Band
-from extproc.core.entitlement import Tenant
 from extproc.core.fair_queue import FairQueue
 from extproc.core.outcomes import Refusal
 
@@ -26,28 +24,19 @@ class Overflow:
     message: str
 
 
-class QueueCaps:
-    def __init__(
-        self, model: str, bands: tuple[Band, ...], tenant: Callable[[str], Tenant], max_queued: int
-    ) -> None:
-        self._model = model
-        self._bands = bands
-        self._tenant = tenant
-        self._max_queued = max_queued
-
-    def check(self, queue: FairQueue[Any], tenant: str, band: int) -> Overflow | None:
-        """The cap a new request of ``tenant`` in ``band`` would exceed, or None if it fits."""
-        model = self._model
-        own = queue.tenant_len(tenant)
-        if own >= self._tenant(tenant).max_queued:
-            return Overflow(Refusal.TENANT_QUEUE_FULL, own,
-                            f"tenant {tenant!r} already has {own} requests queued for model {model!r}")
-        in_band = queue.band_len(band)
-        cap = self._bands[band].max_queued
-        if cap is not None and in_band >= cap:
-            return Overflow(Refusal.BAND_QUEUE_FULL, in_band,
-                            f"the {self._bands[band].name!r} queue for model {model!r} is full ({cap})")
-        queued = len(queue)
-        if queued >= self._max_queued:
-            return Overflow(Refusal.MODEL_QUEUE_FULL, queued, f"the queue for model {model!r} is full ({self._max_queued})")
-        return None
+def overflow(
+    model: str, queue: FairQueue[Any], tenant: str, tenant_cap: int, band: int, rules: Band, max_queued: int
+) -> Overflow | None:
+    """The cap a new request of ``tenant`` (who may hold ``tenant_cap``) in ``band`` (``rules``) would exceed, or None."""
+    own = queue.tenant_len(tenant)
+    if own >= tenant_cap:
+        return Overflow(Refusal.TENANT_QUEUE_FULL, own,
+                        f"tenant {tenant!r} already has {own} requests queued for model {model!r}")
+    in_band = queue.band_len(band)
+    cap = rules.max_queued
+    if cap is not None and in_band >= cap:
+        return Overflow(Refusal.BAND_QUEUE_FULL, in_band, f"the {rules.name!r} queue for model {model!r} is full ({cap})")
+    queued = len(queue)
+    if queued >= max_queued:
+        return Overflow(Refusal.MODEL_QUEUE_FULL, queued, f"the queue for model {model!r} is full ({max_queued})")
+    return None

@@ -53,10 +53,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from extproc.core.outlet import Outlet
-from extproc.core.report import PoolEvent
 from extproc.core.status import ClusterStatus
-from extproc.core.strategy import LocalRelease
+from extproc.core.strategy import LocalRelease, Outlet
 from extproc.core.timers import Timers
 
 
@@ -117,6 +115,39 @@ class Grant:
     releases: tuple[Release, ...] = ()
 
 
+class ClusterOutlet(Outlet, Protocol):
+    """What a seat reads of its model besides a local strategy's: what an ask carries, and a release a grant names."""
+
+    @property
+    def bands(self) -> int:
+        """How many bands the model has."""
+
+    @property
+    def in_flight(self) -> int:
+        """Our released requests whose streams have not ended."""
+
+    def share(self, band: int, now: float) -> float:
+        """``band``'s least share of the releases while a band above takes the rest."""
+
+    def cap(self, band: int, now: float) -> int:
+        """The most requests the pool may have in flight, counting other instances', once ``band`` released."""
+
+    def backlog(self) -> Iterator[Backlog]:
+        """Every (band, tenant) with requests queued here, with the service of the tenant's next request."""
+
+    def service(self, tenant: str, cost: float) -> float:
+        """What a release of ``cost`` adds to ``tenant``'s counter (the policy's service)."""
+
+    def release_head(self, band: int, tenant: str, now: float, *, free: bool) -> bool:
+        """Release ``tenant``'s next request in ``band`` whatever the policy's turn (the cluster decided it).
+
+        False if it has none, or its client had already left.
+        """
+
+    def record_others(self, now: float, others: int) -> None:
+        """The other instances have ``others`` in flight now."""
+
+
 class ClusterLink(Protocol):
     """The adapter that carries a seat's asks to the cluster (``adapters/cluster/``)."""
 
@@ -132,7 +163,7 @@ class ClusterSeat:
     capped at its share of each band's cap.
     """
 
-    def __init__(self, outlet: Outlet, timers: Timers, link: ClusterLink, expected_instances: int = 1) -> None:
+    def __init__(self, outlet: ClusterOutlet, timers: Timers, link: ClusterLink, expected_instances: int = 1) -> None:
         self._outlet = outlet
         self._link = link
         self._local = LocalRelease(outlet, timers, limit=self._share)
@@ -153,7 +184,7 @@ class ClusterSeat:
         else:
             # The cluster must hear at once of a tenant new here (the fairest may be it) or of
             # room to release; one more request of a tenant already queued can be gathered with others.
-            self._link.wanted(first or self._outlet.admission.allowance(band, now) > 0)
+            self._link.wanted(first or self._outlet.allowance(band, now) > 0)
 
     def ended(self, band: int, tenant: str, charged: float, measured: float, now: float) -> None:
         delta = self._outlet.service(tenant, measured) - self._outlet.service(tenant, charged)
@@ -176,8 +207,8 @@ class ClusterSeat:
         # A scrape matters to the cluster only if it lets this instance release: else the next
         # round trip (an end, an arrival, the heartbeat) takes its numbers along anyway.
         self._outlet.note_health(now)
-        first = self._outlet.queue.first_band()
-        if first is not None and self._outlet.admission.allowance(first, now) > 0:
+        first = self._outlet.first_band()
+        if first is not None and self._outlet.allowance(first, now) > 0:
             self._link.wanted(True)
 
     def cluster(self) -> ClusterStatus:
@@ -191,12 +222,12 @@ class ClusterSeat:
         now = outlet.clock()
         corrections = tuple(Correction(band, tenant, delta) for (band, tenant), delta in self._corrections.items())
         self._corrections.clear()
-        backlog = tuple(replace(e, fresh=True) if (e.band, e.tenant) in self._fresh else e for e in self._backlog())
+        backlog = tuple(replace(e, fresh=True) if (e.band, e.tenant) in self._fresh else e for e in outlet.backlog())
         self._fresh.clear()
-        bands = range(len(outlet.bands))
+        bands = range(outlet.bands)
         caps = tuple(outlet.cap(band, now) for band in bands)
-        shares = tuple(outlet.admission.shares.share(band, now) for band in bands)
-        return Ask(outlet.pool.in_flight, caps, backlog, corrections, shares)
+        shares = tuple(outlet.share(band, now) for band in bands)
+        return Ask(outlet.in_flight, caps, backlog, corrections, shares)
 
     def granted(self, grant: Grant) -> None:
         """The cluster's answer: release the head of each named tenant's FIFO here."""
@@ -204,14 +235,13 @@ class ClusterSeat:
         now = outlet.clock()
         self.degraded = False
         self.instances = max(1, grant.instances)
-        outlet.pool.estimate.record_others(now, grant.others_in_flight)
-        free = outlet.pool.free_slots(now) if grant.releases else 0
+        outlet.record_others(now, grant.others_in_flight)
+        free = outlet.free_slots(now) if grant.releases else 0
         for release in grant.releases:
-            held = outlet.queue.take(release.band, release.tenant)
-            if held is not None:  # else its client left since the ask: the slot returns with the next ask's count
-                if outlet.release(release.band, release.tenant, held, now, free=free > 0):
-                    free -= 1
-        outlet.report(PoolEvent(in_flight=outlet.pool.in_flight))
+            # False: none queued (its client left since the ask: the slot returns with the next ask's count).
+            if outlet.release_head(release.band, release.tenant, now, free=free > 0):
+                free -= 1
+        outlet.report_in_flight()
 
     def lost(self, ask: Ask) -> None:
         """The ask never reached Redis (or its answer was lost): release on our share; the next ask carries it again."""
@@ -224,13 +254,4 @@ class ClusterSeat:
 
     def _share(self, band: int, now: float) -> int:
         """Degraded: what this seat may still release of ``band``, its share of the cluster-wide cap."""
-        return self._outlet.cap(band, now) // max(self.instances, self._expected) - self._outlet.pool.in_flight
-
-    def _backlog(self) -> Iterator[Backlog]:
-        """Every (band, tenant) queued here, with the service of the tenant's next request."""
-        outlet = self._outlet
-        for band in range(len(outlet.bands)):
-            for tenant, count in outlet.queue.tenant_lengths(band).items():
-                head = outlet.queue.head(band, tenant)
-                service = 0.0 if head is None else outlet.service(tenant, head.estimate.cost)
-                yield Backlog(band, tenant, count, service)
+        return self._outlet.cap(band, now) // max(self.instances, self._expected) - self._outlet.in_flight

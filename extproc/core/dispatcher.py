@@ -13,20 +13,15 @@ removed at once). A request over a queue cap is refused before it enters
 (``submit`` raises). Outcomes are named here; what the client hears is the
 ext_proc adapter's choice.
 
-The loop decides nothing itself; each question has its own module:
-
-* which request goes next: ``fair_queue.py`` and the band's policy (``policies/``);
-* how many may go now: ``bands.py`` above the model's release rule (``release/``);
-* where each goes (endpoint picking) and what the engines hold: ``release/pool.py``;
-* whether a request may enter at all: ``caps.py``;
-* what a release costs (``policy: vtc``): ``cost.py``, estimated at release,
-  corrected when its stream ends;
-* what each endpoint's prefix cache likely holds (``prefix_cache.py``): the
-  ``locality`` policy's order, picking's preference, the cost's cached part;
-* when to retry after a refusal: ``drain_time.py``;
-* what may go now and to whom: its release strategy (``strategy.py``): this
-  instance alone, or a seat of a cluster of instances (``cluster.py``);
-* how a request leaves the queue, whichever decided: ``outlet.py``.
+The dispatcher decides nothing itself and keeps no state of its own: it
+routes each event to the part that owns what it changes, and answers the
+adapters' questions. The model's state (``model_state.py``) owns the queue,
+the bands and their demand, the preemption book and the pricing; the pool
+(``release/pool.py``) gets the engines' events (scrapes, probes,
+membership); the release strategy (``strategy.py``: this instance alone, or
+a seat of a cluster, ``cluster.py``) decides what goes. Which request goes
+next is ``fair_queue.py`` and the band's policy (``policies/``); how many,
+``bands.py`` above the release rule (``release/``); where, ``release/pool.py``.
 
 It takes plain values (built by ``adapters/wiring.py`` from the config),
 reports through :class:`~extproc.core.report.DispatchReport`, and leaves its
@@ -36,35 +31,30 @@ injected :class:`~extproc.core.timers.Timers`: the core keeps no event loop.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from extproc.core.bands import Band, BandAdmission
-from extproc.core.caps import QueueCaps
-from extproc.core.cost import CostModel, CostWeights, DecodeRate
+from extproc.core.bands import Band
+from extproc.core.cost import CostWeights
 from extproc.core.engine_load import EngineLimits, EngineLoad
 from extproc.core.entitlement import Tenant
-from extproc.core.fair_queue import FairQueue
+from extproc.core.held import Held, Request
+from extproc.core.model_state import LiveSettings, ModelState
 from extproc.core.outcomes import Refusal, Refused
-from extproc.core.outlet import Held, Outlet
 from extproc.core.policies import Policy
-from extproc.core.preemption import AGAIN_AFTER_S, Need, Preemption
 from extproc.core.prefix import NO_PREFIX, Prefix
-from extproc.core.prefix_cache import PrefixCaches
 from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
-from extproc.core.release.rule import ReleaseRule, RuleSettings
-from extproc.core.report import Change, Charged, DispatchReport, EndpointEvent, PoolEvent, RequestEvent, Step
-from extproc.core.status import EndpointStatus, ModelStatus, band_status
+from extproc.core.report import Change, DispatchReport, EndpointEvent, PoolEvent
+from extproc.core.status import ModelStatus
 from extproc.core.strategy import LocalRelease, ReleaseStrategy
 from extproc.core.timers import Timers
 
 __all__ = ["Held", "LiveSettings", "ModelDispatcher", "shutting_down"]
 
-# Builds a model's release strategy on its outlet (default: LocalRelease, this instance alone).
-StrategyFactory = Callable[[Outlet], ReleaseStrategy]
+# Builds a model's release strategy on its state, which it reads as an Outlet (strategy.py) or a
+# cluster seat's ClusterOutlet (default: LocalRelease, this instance alone).
+StrategyFactory = Callable[[ModelState], ReleaseStrategy]
 
 
 def shutting_down() -> Refused:
@@ -72,32 +62,12 @@ def shutting_down() -> Refused:
     return Refused(Refusal.SHUTTING_DOWN, "the gateway is restarting; retry shortly")
 
 
-@dataclass(frozen=True)
-class LiveSettings:
-    """A model's settings that a dispatcher takes while it holds requests (:meth:`ModelDispatcher.reconfigure`).
-
-    They change what happens next, never what is queued: a weight is read at
-    each charge, a cap at each arrival, a band's settings at each release. Any
-    other setting (the policy, the bands' names, endpoint picking) shapes the
-    queue or the pool themselves and needs a new dispatcher.
-    """
-
-    bands: tuple[Band, ...]
-    tenant: Callable[[str], Tenant]
-    cost: CostWeights
-    max_queued: int
-    max_queue_wait_s: float
-    reserved_waiting: int
-    rule: type[ReleaseRule]
-    rule_settings: RuleSettings
-
-
 class ModelDispatcher:
     """One model's held requests: where the servicer submits them and ends them, and every event about its pool arrives.
 
     It exists so that the servicer and the scrapers talk to one object per
-    model whatever decides the releases; each decision is delegated (see the
-    module docstring).
+    model whatever decides the releases; each event goes to the part that
+    owns what it changes (see the module docstring).
     """
 
     def __init__(
@@ -119,28 +89,13 @@ class ModelDispatcher:
         strategy: StrategyFactory | None = None,
     ) -> None:
         self.name = name
-        self.pool = pool
-        self._bands = bands
-        self._max_queue_wait_s = max_queue_wait_s
+        self._pool = pool
         self._report = report
         self._clock = clock
-        self._timers = timers
-        # Read through self._tenant at every use, so that reconfigure() reaches the policies' weights.
-        self._tenant = tenant
-        self._caps = QueueCaps(name, bands, self._tenant_of, max_queued)
-        self._queue: FairQueue[Held] = FairQueue(len(bands), lambda: policy.new_band(lambda t: self._tenant(t).weight))
-        preemption = Preemption(max_preemptions_per_s)
-        admission = BandAdmission(bands, pool, reserved_waiting, self._queue.band_len)
-        # What each endpoint's prefix cache likely holds (requests with a prefix signature only).
-        self._caches = PrefixCaches()
-        self._outlet = Outlet(
-            name, self._queue, pool, bands, admission, report, clock,
-            lambda name, cost: policy.service(cost, self._tenant(name).weight), preemption,
-            priced=self._priced, hit=self._hit_at,
-        )
-        self._strategy = (strategy or (lambda outlet: LocalRelease(outlet, timers)))(self._outlet)
-        self._cost = CostModel(cost)
-        self._decode_rate = DecodeRate()
+        settings = LiveSettings(bands, tenant, cost, max_queued, max_queue_wait_s, reserved_waiting,
+                                type(pool.rule), pool.settings)
+        self._state = ModelState(name, pool, settings, report, clock, timers, policy, max_preemptions_per_s)
+        self._strategy = (strategy or (lambda outlet: LocalRelease(outlet, timers)))(self._state)
         self._probe: Callable[[tuple[str, ...]], None] | None = None
 
     def probe_with(self, probe: Callable[[tuple[str, ...]], None]) -> None:
@@ -151,10 +106,7 @@ class ModelDispatcher:
         (``core/release/unconfirmed.py`` says why).
         """
         self._probe = probe
-        self.pool.probe_ends = True
-
-    def _tenant_of(self, name: str) -> Tenant:
-        return self._tenant(name)
+        self._pool.probe_ends = True
 
     def reconfigure(self, settings: LiveSettings) -> None:
         """Take new settings for what comes next; every held request keeps its place, band and deadline.
@@ -166,69 +118,42 @@ class ModelDispatcher:
         counted. A request already queued keeps the wait limit it was queued
         with. Dispatches at once: a raised limit releases now.
         """
-        names = tuple(b.name for b in settings.bands)
-        if names != tuple(b.name for b in self._bands):
-            raise ValueError(f"the bands {names} are not the dispatcher's {tuple(b.name for b in self._bands)}")
-        self._bands = settings.bands
-        self._tenant = settings.tenant
-        self._max_queue_wait_s = settings.max_queue_wait_s
-        self._caps = QueueCaps(self.name, settings.bands, self._tenant_of, settings.max_queued)
-        self._outlet.bands = settings.bands
-        self._outlet.admission.reconfigure(settings.bands, settings.reserved_waiting)
-        self._cost.weights = settings.cost
-        if (type(self.pool.rule), self.pool.settings) != (settings.rule, settings.rule_settings):
-            self.pool.reconfigure(settings.rule, settings.rule_settings)
+        self._state.reconfigure(settings)
         self.dispatch()
 
-    def queued_by_tenant(self) -> dict[tuple[str, str], int]:
-        """How many requests each (band name, tenant) has queued now (telemetry recounts its gauges from it)."""
-        return {(band.name, tenant): count for index, band in enumerate(self._bands)
-                for tenant, count in self._queue.tenant_lengths(index).items()}
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The pool's members now (empty until discovery found one)."""
+        return self._pool.endpoints
+
+    def serves(self, eligible: frozenset[str] | None = None) -> bool:
+        """Whether an endpoint (of ``eligible``, when given) is there and not down to take a request."""
+        return self._pool.serves(eligible)
+
+    def awaits_life(self, endpoint: str) -> bool:
+        """Whether ends at ``endpoint`` wait for a sign of life from it (a probe's answer, :meth:`record_probe`)."""
+        return self._pool.awaits_life(endpoint)
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return self._state.queued
 
     def queued_in(self, band: int) -> int:
         """Requests held in ``band`` (the servicer sheds the lowest class present first)."""
-        return self._queue.band_len(band)
+        return self._state.queued_in(band)
+
+    def queued_by_tenant(self) -> dict[tuple[str, str], int]:
+        """How many requests each (band name, tenant) has queued now (telemetry recounts its gauges from it)."""
+        return self._state.queued_by_tenant()
 
     @property
     def in_flight(self) -> int:
         """Released requests whose streams have not ended."""
-        return self.pool.in_flight
+        return self._pool.in_flight
 
     def status(self, top: int) -> ModelStatus:
         """A read-only snapshot for the status page (``core/status.py``); ``top`` tenants listed per band."""
-        now = self._clock()
-        pool = self.pool
-        degraded, down = set(pool.degraded(now)), set(pool.down())
-        endpoints = []
-        for url in pool.endpoints:
-            load = pool.health.last_good(url)
-            good_at = pool.health.good_at(url)
-            endpoints.append(EndpointStatus(
-                url=url,
-                running=load.running if load is not None else None,
-                waiting=load.waiting if load is not None else None,
-                scraped_ago_s=now - good_at if load is not None else None,
-                limit=pool.rule.snapshot(url).limit,
-                degraded=url in degraded,
-                down=url in down,
-                warning=pool.warnings.get(url, ""),
-            ))
-        return ModelStatus(
-            name=self.name,
-            rule=pool.rule.name,
-            uses_metrics=pool.rule.uses_metrics,
-            rule_rate=pool.settings.release_rate,
-            queued=len(self._queue),
-            in_flight=pool.in_flight,
-            release_rate=self._outlet.release_rate.per_second(now),
-            bands=tuple(band_status(b.name, self._queue.tenant_lengths(i), top) for i, b in enumerate(self._bands)),
-            endpoints=tuple(endpoints),
-            cluster=self._strategy.cluster(),
-        )
+        return self._state.status(top, self._strategy.cluster())
 
     def submit(
         self,
@@ -254,62 +179,17 @@ class ModelDispatcher:
         Raises :class:`~extproc.core.outcomes.Refused` when a queue cap leaves no room.
         """
         now = self._clock()
-        overflow = self._caps.check(self._queue, tenant, band)
-        if overflow is not None:
-            self._outlet.refused(None, tenant, band, overflow.refusal, 0.0)
+        refused = self._state.refusal(tenant, band, now)
+        if refused is not None:
             self._report(PoolEvent(decision_s=self._clock() - now))
-            raise Refused(overflow.refusal, overflow.message + "; retry later",
-                          drain_s=self._outlet.release_rate.drain_s(overflow.backlog, now))
-        estimate = self._cost.estimate(tenant, content_length, max_tokens)
-        rules = self._bands[band]
-        objective = rules.objective_s(ttft_objective_s)
-        queue_wait = rules.queue_wait_s(self._max_queue_wait_s)
-        held = Held(tenant, band, now, asyncio.get_running_loop().create_future(), estimate,
-                    affinity=affinity or tenant, prefix=prefix, eligible=eligible, ttft_objective_s=objective,
-                    deadline=now + (objective if objective is not None else queue_wait), retried=retried)
-        if prefix.blocks:
-            held.expected_hit = self._expected_hit
-        first = self._queue.head(band, tenant) is None
-        self._queue.push(band, tenant, held)
-        self._outlet.admission.arrived(band, now)
-        self._report(RequestEvent(Step.QUEUED, self._bands[band].name, tenant))
-        held.expiry = self._timers.at(now + queue_wait, lambda: self._expire(held))
+            raise refused
+        request = Request(tenant, band, affinity or tenant, prefix, eligible, retried)
+        held, first = self._state.enqueue(request, now, content_length, max_tokens, ttft_objective_s)
+        clamped = held.estimate.clamped
         self._strategy.queued(band, tenant, first, now)
         self._preempt_at_risk(now)
-        self._report(PoolEvent(decision_s=self._clock() - now, cost_clamped=estimate.clamped))
+        self._report(PoolEvent(decision_s=self._clock() - now, cost_clamped=clamped))
         return held
-
-    def _cache_of(self, held: Held) -> str:
-        """Whose cache account a release's prefix goes into: its endpoint; without picking, the pool's one or all as one."""
-        if held.endpoint is not None:
-            return held.endpoint
-        endpoints = self.pool.endpoints
-        return endpoints[0] if len(endpoints) == 1 else ""
-
-    def _expected_hit(self, held: Held) -> float:
-        """The prompt tokens ``held`` would find cached if released now: where picking would look, at best."""
-        if not self.pool.pick_endpoints:
-            return self._caches.expected(held.prefix, self._cache_of(held))
-        health = self.pool.health
-        return self._caches.best(held.prefix, (e for e in self.pool.endpoints
-                                               if not health.is_down(e) and (held.eligible is None or e in held.eligible)))
-
-    def _hit_at(self, held: Held) -> Callable[[str], float] | None:
-        """Per endpoint, the prompt tokens ``held`` would find cached there (picking weighs them); None: no signature."""
-        if not held.prefix.blocks:
-            return None
-        return lambda endpoint: self._caches.expected(held.prefix, endpoint)
-
-    def _priced(self, held: Held) -> None:
-        """``held`` goes to its endpoint: its prefix joins that cache's account, its estimate prices the cached part."""
-        prefix = held.prefix
-        if not prefix.blocks:
-            return
-        estimate = held.estimate
-        cache = self._cache_of(held)
-        rest = max(0.0, estimate.prompt_tokens - prefix.tokens) + estimate.output_tokens
-        predicted = self._caches.released(cache, prefix, rest)
-        held.estimate = self._cost.cached_at(estimate, predicted, self._caches.factor(cache))
 
     def end(self, held: Held) -> None:
         """The request's stream is over, whatever happened; safe to call more than once.
@@ -320,82 +200,27 @@ class ModelDispatcher:
         """
         if held.ended:
             return
-        held.ended = True
-        if held.released:
-            now = self._clock()
-            self._outlet.preemption.ended(held, now)
-            self._outlet.waiting_above.pop(held, None)
-            # Before the finish, whose dispatch would refill the slot: it waits for a sign of life.
-            # With nothing queued, nothing would be sent into a dead engine: no need to look.
-            probe = self.pool.record_end(held.endpoint, now) if len(self._queue) else ()
-            self._finish(held, now)
-            if probe and self._probe is not None:
-                self._probe(probe)
-            self._preempt_at_risk(self._clock())
-        elif self._queue.remove(held.band, held.tenant, held):
-            self._outlet.resolve(held)
-            self._outlet.abandoned(held, held.band)
+        if not held.released:
+            self._state.abandon(held)
+            return
+        now = self._clock()
+        probe = self._state.ended(held, now)
+        self._finish(held, now)
+        if probe and self._probe is not None:
+            self._probe(probe)
+        self._preempt_at_risk(self._clock())
 
-    def _finish(self, held: Held, now: float) -> float:
-        """A released request is over (it ended, or was preempted): free its place and charge what it cost; its occupancy."""
-        occupancy = self.pool.record_finish(held, now)
-        measured = self._cost.measure(held.tenant, held.estimate, occupancy, self._decode_rate.rate,
-                                      self._caches.factor(self._cache_of(held)))
-        self._queue.correct(held.band, held.tenant, measured.cost - held.estimate.cost)
-        self._report(Charged(held.tenant, held.estimate.prompt_tokens, measured.output_tokens, measured.cost,
-                             measured.cached_tokens))
-        self._report(PoolEvent(in_flight=self.pool.in_flight))
-        self._strategy.ended(held.band, held.tenant, held.estimate.cost, measured.cost, self._clock())
-        return occupancy
-
-    def _needs(self, now: float) -> list[Need]:
-        """The higher-band requests with an objective that wait for a slot, most urgent first (preemption.py).
-
-        Those queued here in a band that is not preemptible, and those
-        released into an engine without a free slot while it still queues.
-        """
-        outlet = self._outlet
-        estimate = outlet.pool.estimate.now()
-        if not outlet.engine_full(estimate):
-            outlet.waiting_above.clear()  # the engine queues nothing: whoever was released runs
-            if not any(self._queue.band_len(i) for i, band in enumerate(self._bands) if not band.preemptible):
-                return []
-        waiting = list(outlet.waiting_above)
-        for index, band in enumerate(self._bands):
-            if band.preemptible or not self._queue.band_len(index):
-                continue
-            heads = (self._queue.head(index, tenant) for tenant in self._queue.tenant_lengths(index))
-            waiting.extend(head for head in heads if head is not None)
-        again = now - AGAIN_AFTER_S
-        deadlines = sorted(((due, held) for held in waiting
-                            if (due := held.objective_due) is not None and held.room_made_at <= again),
-                           key=lambda pair: pair[0])
-        # Others waiting inside the engine (not these, which the estimate counts too) may be
-        # served before them (an engine in arrival order).
-        others = max(0, int(estimate.waiting) - len(outlet.waiting_above))
-        return [Need(held, deadline, others + ahead) for ahead, (deadline, held) in enumerate(deadlines)]
+    def _finish(self, held: Held, now: float) -> None:
+        """A released request is over (it ended, or was preempted): charged, and its strategy told."""
+        measured = self._state.finish(held, now)
+        request = held.request
+        self._strategy.ended(request.band, request.tenant, held.estimate.cost, measured, self._clock())
 
     def _preempt_at_risk(self, now: float) -> None:
         """End the preemptible requests a higher band's objective at risk needs the slots of (preemption.py)."""
-        preemption = self._outlet.preemption
-        if not preemption.candidates:
-            return
-        for victim in preemption.victims(self._needs(now), now):
-            self._preempt(victim, now)
-
-    def _preempt(self, victim: Held, now: float) -> None:
-        """End ``victim`` here at once, and tell its stream to answer 503 preempted.
-
-        Its slot counts as free from now: Envoy resets the upstream request as
-        it answers, and the engine aborts it within a step. Its stream's own
-        end later finds it ended. It is charged what it ran (a refund of the rest).
-        """
-        victim.ended = True
-        self._report(RequestEvent(Step.PREEMPTED, self._bands[victim.band].name, victim.tenant,
-                                  now - victim.released_at, slack_s=victim.slack_s(now)))
-        if victim.preempted is not None and not victim.preempted.done():
-            victim.preempted.set_result(None)
-        self._finish(victim, now)
+        for victim in self._state.victims(now):
+            self._state.preempt(victim, now)
+            self._finish(victim, now)
 
     def record_response(self, held: Held, answer: Answer) -> None:
         """A released request's response began: what the engine answered (:class:`Answer`).
@@ -406,66 +231,51 @@ class ModelDispatcher:
         endpoint that is up. ``FULL`` (the engine refused it, its own queue
         cap reached) cuts the endpoint's limit and leaves it up.
         """
-        if not held.released or held.ended:
-            return
-        held.started = True
-        self._outlet.preemption.started(held)
-        self._outlet.waiting_above.pop(held, None)
-        self._release_outcome(held.endpoint, answer)
+        if self._state.started(held):
+            self._release_outcome(held.endpoint, answer)
 
     def record_served(self, held: Held, endpoint: str) -> None:
         """The gateway reports where ``held`` was served; another endpoint than the pick means the pick failed it."""
-        if not held.released or held.ended or held.endpoint is None or endpoint == held.endpoint:
-            return
-        if endpoint not in self.pool.endpoints:
-            return  # not a member (yet): nothing to count it against
-        picked, held.endpoint = held.endpoint, endpoint
-        self.pool.record_moved(held, endpoint)
-        self._release_outcome(picked, Answer.DOWN)
+        picked = self._state.moved(held, endpoint)
+        if picked is not None:
+            self._release_outcome(picked, Answer.DOWN)
 
     def _release_outcome(self, endpoint: str | None, answer: Answer) -> None:
         """How a release to ``endpoint`` went; a change in who is down dispatches."""
-        down = self.pool.down()
-        target = self.pool.record_response(endpoint, answer, self._clock())
+        pool = self._pool
+        down = pool.down()
+        target = pool.record_response(endpoint, answer, self._clock())
         if answer is Answer.DOWN:
             self._report(EndpointEvent(target, Change.RELEASE_FAILED))
         elif answer is Answer.FULL:
-            limit = self.pool.rule.snapshot(target).limit if target is not None else None
+            limit = pool.snapshot(target).limit if target is not None else None
             self._report(EndpointEvent(target, Change.REFUSED_FULL, limit=limit))
-        if self.pool.down() != down:
+        if pool.down() != down:
             self.dispatch()  # reports the change; an endpoint back up takes held requests at once
 
     def record_probe(self, endpoint: str, alive: bool, started_at: float) -> None:
         """A probe of ``endpoint`` (started at ``started_at``): its engine answered, or nothing listens (down)."""
-        down = self.pool.down()
-        if self.pool.record_probe(endpoint, alive, started_at) or self.pool.down() != down:
+        down = self._pool.down()
+        if self._pool.record_probe(endpoint, alive, started_at) or self._pool.down() != down:
             self.dispatch()  # slots confirmed free, or who is down changed (dispatch reports it)
-
-    def serves(self, eligible: frozenset[str] | None = None) -> bool:
-        """Whether an endpoint (of ``eligible``, when given) is there and not down to take a request."""
-        return self.pool.serves(eligible)
 
     def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float, *, reachable: bool = True) -> None:
         """A scrape's outcome (``load`` None: failed; ``reachable=False``: its connection was refused)."""
-        refused = self.pool.record_scrape(endpoint, load, started_at, reachable=reachable)
+        refused = self._pool.record_scrape(endpoint, load, started_at, reachable=reachable)
         if load is None:
             self._report(EndpointEvent(endpoint, Change.SCRAPE_FAILED))
         else:
-            self._decode_rate.record(endpoint, load.generation_tokens, load.running, started_at)
-            self._caches.scraped(endpoint, load)
-            snapshot = self.pool.rule.snapshot(endpoint)
+            self._state.scraped(endpoint, load, started_at)
+            snapshot = self._pool.snapshot(endpoint)
             self._report(EndpointEvent(endpoint, Change.SCRAPED, load, snapshot.itl_s, snapshot.limit, refused=refused))
         self._strategy.scraped(self._clock())
         self._preempt_at_risk(self._clock())
 
     def record_limits(self, endpoint: str, limits: EngineLimits) -> None:
         """What the engine at ``endpoint`` says of its own limits: they bound the rule; a cap too tight is told."""
-        pool = self.pool
-        if endpoint not in pool.endpoints:
+        warning = self._pool.record_limits(endpoint, limits)
+        if warning is None:
             return
-        pool.rule.record_limits(endpoint, limits)
-        warning = limits.too_tight(pool.rule.settings.target_waiting, pool.rule.runs(endpoint))
-        pool.warnings[endpoint] = warning
         said = ", ".join(f"{k} {v}" for k, v in vars(limits).items() if v is not None) or "nothing of its limits"
         note = f"model {self.name}: engine {endpoint} says {said}" + (f"; {warning}" if warning else "")
         self._report(EndpointEvent(endpoint, Change.LIMITS, note=note, warning=bool(warning)))
@@ -473,39 +283,17 @@ class ModelDispatcher:
 
     def set_endpoints(self, endpoints: tuple[str, ...]) -> None:
         """The pool's membership changed (DNS); forget the telemetry of endpoints that left."""
-        gone = set(self.pool.endpoints) - set(endpoints)
-        self._caches.forget(gone)
+        gone = set(self._pool.endpoints) - set(endpoints)
+        self._state.left(gone)
         for endpoint in gone:
             self._report(EndpointEvent(endpoint, Change.LEFT))
-        self.pool.set_endpoints(endpoints)
+        self._pool.set_endpoints(endpoints)
 
     def reject_all(self, refused: Callable[[], Refused] = shutting_down) -> None:
         """Refuse every queued request with ``refused()`` (default ``shutting_down``: draining ran out of time)."""
-        outlet = self._outlet
-        while len(self._queue):
-            band, _, held = self._queue.pop()
-            answer = refused()
-            if held.future.done():  # its stream was cancelled a moment ago, as in dispatch()
-                outlet.abandoned(held, band)
-            else:
-                outlet.refused(held, held.tenant, band, answer.refusal, self._clock() - held.enqueued_at)
-            outlet.resolve(held, answer)
+        self._state.reject_all(refused)
 
     def dispatch(self) -> None:
         """Let go what may go now (the strategy decides), and preempt for an objective at risk."""
         self._strategy.changed(self._clock())
         self._preempt_at_risk(self._clock())
-
-    def _expire(self, held: Held) -> None:
-        if not self._queue.remove(held.band, held.tenant, held):
-            return
-        now = self._clock()
-        waited = now - held.enqueued_at
-        band_name = self._bands[held.band].name
-        self._outlet.refused(held, held.tenant, held.band, Refusal.QUEUE_TIMEOUT, waited)
-        self._outlet.resolve(held, Refused(
-            Refusal.QUEUE_TIMEOUT,
-            f"request waited {waited:.1f}s in the {band_name!r} queue for model {self.name!r} without capacity; "
-            "retry later",
-            drain_s=self._outlet.release_rate.drain_s(self._queue.band_len(held.band), now), queue_wait_s=waited,
-        ))

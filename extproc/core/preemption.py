@@ -32,17 +32,18 @@ The rules, in order:
 * **Bounded rate.** At most ``max_preemptions_per_s`` (a token bucket of that
   rate, holding at most one second's worth).
 
-Pure: time is passed in; the dispatcher ends the victims it is given.
+The book (:class:`Preemption`) is the one place that knows who may be
+ended and who waits for a slot; the model's state (``model_state.py``) tells
+it of every release, response and end, and ends the victims it names.
+Pure: time is passed in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the outlet holds a Preemption: only its type is needed here
-    from extproc.core.outlet import Held
+from extproc.core.held import Held
 
 # How much one new interval moves the measured interval between completions.
 _GAP_WEIGHT = 0.2
@@ -62,7 +63,7 @@ class Need:
 
 
 class Preemption:
-    """One model's preemptible requests in flight and the decision to end some of them."""
+    """One model's preemption book: the preemptible requests in flight, the higher ones waiting in the engine, the decision."""
 
     def __init__(self, rate_per_s: float) -> None:
         self._rate = rate_per_s
@@ -70,6 +71,9 @@ class Preemption:
         self._filled_at: float | None = None
         # Released, response not begun, not a retry: in release order (the last is the youngest).
         self._victims: dict[Held, None] = {}
+        # Released requests of non-preemptible bands with an objective that went into an
+        # engine without a free slot: they may be waiting in it (their needs).
+        self._waiting_above: dict[Held, None] = {}
         self._last_tenant: str | None = None
         # The measured interval between completions, and when the last one came.
         self._gap_s: float | None = None
@@ -90,13 +94,19 @@ class Preemption:
             self._last_end = now
         self._victims[held] = None
 
+    def waits_in_engine(self, held: Held) -> None:
+        """``held``, of a band that is not preemptible and with an objective, went into an engine without a free slot."""
+        self._waiting_above[held] = None
+
     def started(self, held: Held) -> None:
-        """Its response began: Envoy can no longer answer for it."""
+        """Its response began: Envoy can no longer answer for it, and it waits for nothing."""
         self._victims.pop(held, None)
+        self._waiting_above.pop(held, None)
 
     def ended(self, held: Held, now: float) -> None:
         """A released request ended by itself (whatever the outcome): measure the interval between completions."""
         self._victims.pop(held, None)
+        self._waiting_above.pop(held, None)
         if self._last_end is not None:
             gap = now - self._last_end
             self._gap_s = gap if self._gap_s is None else self._gap_s + _GAP_WEIGHT * (gap - self._gap_s)
@@ -111,6 +121,27 @@ class Preemption:
     def at_risk(self, need: Need, now: float) -> bool:
         return need.deadline - now < self.expected_wait_s(need.ahead, now)
 
+    def needs(self, engine_full: bool, engine_waiting: float, queued: Iterable[Held], now: float) -> list[Need]:
+        """The higher-band requests with an objective that wait for a slot, most urgent first.
+
+        Those released into an engine without a free slot while it still
+        queues (``engine_full``: none is free now, so whoever was released
+        runs), and those ``queued`` here in a band that is not preemptible
+        (each band's tenants' heads). ``engine_waiting``: what the engine
+        queues by the load estimate.
+        """
+        if not engine_full:
+            self._waiting_above.clear()
+        waiting = [*self._waiting_above, *queued]
+        again = now - AGAIN_AFTER_S
+        deadlines = sorted(((due, held) for held in waiting
+                            if (due := held.objective_due) is not None and held.room_made_at <= again),
+                           key=lambda pair: pair[0])
+        # Others waiting inside the engine (not these, which the estimate counts too) may be
+        # served before them (an engine in arrival order).
+        others = max(0, int(engine_waiting) - len(self._waiting_above))
+        return [Need(held, deadline, others + ahead) for ahead, (deadline, held) in enumerate(deadlines)]
+
     def victims(self, needs: Iterable[Need], now: float) -> list[Held]:
         """The requests to end now: one per need at risk (most urgent first), youngest first, within the rate."""
         if not self._victims:
@@ -120,13 +151,13 @@ class Preemption:
         for need in needs:
             if self._tokens < 1 or not self.at_risk(need, now):
                 break
-            victim = self._choose(need.held.band, chosen)
+            victim = self._choose(need.held.request.band, chosen)
             if victim is None:
                 break
             need.held.room_made_at = now
             chosen.append(victim)
             self._tokens -= 1
-            self._last_tenant = victim.tenant
+            self._last_tenant = victim.request.tenant
         for victim in chosen:
             del self._victims[victim]
         return chosen
@@ -135,9 +166,9 @@ class Preemption:
         """The youngest candidate of a band below ``band``, of another tenant than the last victim's if there is one."""
         fallback = None
         for held in reversed(self._victims):
-            if held in taken or held.band <= band:
+            if held in taken or held.request.band <= band:
                 continue
-            if held.tenant != self._last_tenant:
+            if held.request.tenant != self._last_tenant:
                 return held
             fallback = fallback or held
         return fallback

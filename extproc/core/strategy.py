@@ -2,7 +2,9 @@
 
 The dispatcher tells its strategy what happened (a request queued, a release
 ended, something else changed, a scrape came in) and the strategy lets
-requests go through the :class:`~extproc.core.outlet.Outlet`. Two strategies:
+requests go through the model's :class:`Outlet` (``model_state.py`` is the
+one implementation): the few questions a strategy asks of the model, and the
+one release step every strategy shares. Two strategies:
 
 * :class:`LocalRelease`: this instance decides alone. It pops from the fair
   queue while the first band's allowance lasts (a lower band's minimum share
@@ -19,13 +21,50 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from extproc.core.outlet import Outlet
-from extproc.core.report import PoolEvent
 from extproc.core.status import ClusterStatus
 from extproc.core.timers import Timer, Timers
 
 # An extra per-band limit on what may go now (a cluster seat's share), from the band and ``now``.
 Limit = Callable[[int, float], int]
+
+
+class Outlet(Protocol):
+    """What a release strategy reads of one model, and how it lets a request go (a cluster seat needs more:
+    ``cluster.ClusterOutlet``)."""
+
+    @property
+    def queued(self) -> int:
+        """Requests held now."""
+
+    def clock(self) -> float: ...
+
+    def first_band(self) -> int | None:
+        """The highest band holding a request (the only one strict priority serves), or None."""
+
+    def pick(self, first: int, now: float) -> int:
+        """The band whose request goes next, ``first`` being the highest holding any (``bands.py``, ``BandShares``)."""
+
+    def allowance(self, band: int, now: float) -> int:
+        """How many requests of ``band`` may go now (the band rules above the release rule)."""
+
+    def free_slots(self, now: float) -> int:
+        """Slots the engines have free now by the load estimate (``Pool.free_slots``)."""
+
+    def next_release_in(self, now: float) -> float | None:
+        """How long until the release rule lets more go by time alone (a rate); None: only an event will."""
+
+    def release_next(self, band: int, now: float, *, free: bool) -> bool:
+        """Release the request the band's policy picks; False if its client had already left.
+
+        ``free``: the engine has a slot free for it by the load estimate (the
+        strategy counts them down from :meth:`free_slots`, read once a round).
+        """
+
+    def note_health(self, now: float) -> None:
+        """Report endpoint health that changed since the last look (once per change)."""
+
+    def report_in_flight(self) -> None:
+        """Report how many are in flight now (after a round of releases)."""
 
 
 class ReleaseStrategy(Protocol):
@@ -70,31 +109,29 @@ class LocalRelease:
     def changed(self, now: float) -> None:
         """Pop from the fair queue while the first band's allowance lasts, each release from the band its shares pick."""
         outlet = self._outlet
-        queue = outlet.queue
         outlet.note_health(now)
         allowance, allowance_band = 0, None
         free = None  # the engine's free slots, read at the first release of the round
-        while (first := queue.first_band()) is not None:
+        while (first := outlet.first_band()) is not None:
             if first != allowance_band:  # a higher band ran empty: ask again for this one
                 allowance, allowance_band = self._allowance(first, now), first
             if allowance <= 0:
                 break
             if free is None:
-                free = outlet.pool.free_slots(now)
-            band, tenant, held = queue.pop(outlet.admission.pick(first, now))
-            if outlet.release(band, tenant, held, now, free=free > 0):
+                free = outlet.free_slots(now)
+            if outlet.release_next(outlet.pick(first, now), now, free=free > 0):
                 allowance -= 1
                 free -= 1
-        outlet.report(PoolEvent(in_flight=outlet.pool.in_flight))
+        outlet.report_in_flight()
         self._schedule_wakeup(now)
 
     def _allowance(self, band: int, now: float) -> int:
-        allowance = self._outlet.admission.allowance(band, now)
+        allowance = self._outlet.allowance(band, now)
         return allowance if self._limit is None else min(allowance, self._limit(band, now))
 
     def _schedule_wakeup(self, now: float) -> None:
-        due = self._outlet.pool.rule.next_change_in(now)
-        if due is None or not len(self._outlet.queue) or self._wakeup is not None:
+        due = self._outlet.next_release_in(now)
+        if due is None or not self._outlet.queued or self._wakeup is not None:
             return
 
         def wake() -> None:

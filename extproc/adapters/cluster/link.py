@@ -40,8 +40,7 @@ from redis.exceptions import RedisError
 from extproc.adapters.cluster.wire import Trip, decode_grant, encode_trip
 from extproc.adapters.config import ClusterSettings
 from extproc.adapters.telemetry import ClusterTrip, Telemetry
-from extproc.core.cluster import Ask, ClusterSeat
-from extproc.core.outlet import Outlet
+from extproc.core.cluster import Ask, ClusterOutlet, ClusterSeat
 from extproc.core.timers import Timers
 
 log = logging.getLogger(__name__)
@@ -170,7 +169,7 @@ class ClusterConnection:
         self.seats: dict[str, ClusterSeat] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
-    def seat(self, model: str, outlet: Outlet, timers: Timers) -> ClusterSeat:
+    def seat(self, model: str, outlet: ClusterOutlet, timers: Timers) -> ClusterSeat:
         """``model``'s release strategy: a seat that rings its link's doorbell (the dispatcher's strategy factory)."""
         expected = max(1, len(self.settings.instances))
         seat = self.seats[model] = ClusterSeat(outlet, timers, self.links[model].doorbell, expected_instances=expected)

@@ -99,8 +99,7 @@ class Prober:
 
     async def _probe(self, endpoint: str) -> None:
         try:
-            pool = self._dispatcher.pool
-            while endpoint in pool.endpoints and pool.unconfirmed.waits_on(endpoint):
+            while self._dispatcher.awaits_life(endpoint):
                 await asyncio.sleep(SETTLE_S)
                 started = time.monotonic()
                 answer = await listening(endpoint, self._model.stale_after_s)

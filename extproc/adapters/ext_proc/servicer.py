@@ -453,7 +453,7 @@ class Processor:
             return None
         eligible = None
         if stream.subset is not None:
-            eligible = frozenset(e for e in dispatcher.pool.endpoints if epp.host_port(e) in stream.subset)
+            eligible = frozenset(e for e in dispatcher.endpoints if epp.host_port(e) in stream.subset)
             if not eligible:
                 raise Refused(Refusal.NO_ENDPOINT, "none of the endpoints in the gateway's subset hint "
                               f"({', '.join(sorted(stream.subset)) or 'empty'}) is an endpoint of this pool")
@@ -630,7 +630,7 @@ class Processor:
         if message.HasField("response_headers"):
             if stream.epp:
                 served = epp.served_endpoint(message)
-                endpoint = next((e for e in dispatcher.pool.endpoints if epp.host_port(e) == served), None)
+                endpoint = next((e for e in dispatcher.endpoints if epp.host_port(e) == served), None)
                 if endpoint is not None and endpoint != held.endpoint:
                     self._telemetry.report(dispatcher.name)(ServedElsewhere())
                     dispatcher.record_served(held, endpoint)

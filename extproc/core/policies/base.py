@@ -17,6 +17,9 @@ from typing import Any, Generic, Protocol, TypeVar
 Item = TypeVar("Item", bound=Hashable)
 # A tenant's weight (> 0; 1 when not configured).
 TenantWeight = Callable[[str], float]
+# The prompt tokens a queued request would find cached if released now (the model's account of the
+# engines' caches, core/pricing.py; 0 where it has no prefix signature): what ``locality`` orders by.
+ExpectedHit = Callable[[Any], float]
 
 
 class BandPolicy(Protocol[Item]):
@@ -100,10 +103,13 @@ class Policy:
 
     ``cluster`` is how a cluster of instances runs it (None: it cannot be, and
     the config refuses it with a ``cluster:`` section).
+
+    ``new_band`` builds one band's policy from what it may read of the model:
+    its tenants' weights, and each queued request's expected cache hit.
     """
 
     name: str
-    new_band: Callable[[TenantWeight], BandPolicy[Any]]
+    new_band: Callable[[TenantWeight, ExpectedHit], BandPolicy[Any]]
     service: Callable[[float, float], float]
     cluster: ClusterForm | None = None
     window_requests: int = 0
@@ -116,12 +122,6 @@ class Deadlined(Hashable, Protocol):
 
     @property
     def deadline(self) -> float: ...
-
-
-class Cached(Hashable, Protocol):
-    """A request a locality-ordered policy can queue: how many of its prompt tokens the engine likely holds now."""
-
-    def cached_tokens(self) -> float: ...
 
 
 class TenantQueue(Protocol[Item]):

@@ -52,10 +52,10 @@ counter, not deadlines, so the config refuses ``policy: deadline`` with a
 from __future__ import annotations
 
 from bisect import insort_right
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from extproc.core.policies import vtc
-from extproc.core.policies.base import Deadlined, Policy, TenantQueue
+from extproc.core.policies.base import Deadlined, ExpectedHit, Policy, TenantQueue, TenantWeight
 from extproc.core.policies.vtc import LargestCharge
 
 Urgent = TypeVar("Urgent", bound=Deadlined)
@@ -102,4 +102,8 @@ class DeadlineBand(LargestCharge[Urgent]):
         tenant = min(within, key=lambda t: (self._queues[t][0].deadline, *self._rank(t)))
         return tenant, lowest, 0
 
-POLICY = Policy("deadline", DeadlineBand, service=vtc.POLICY.service, window_requests=1, by_deadline=True)
+def _new_band(weight: TenantWeight, hit: ExpectedHit) -> DeadlineBand[Any]:
+    return DeadlineBand(weight)
+
+
+POLICY = Policy("deadline", _new_band, service=vtc.POLICY.service, window_requests=1, by_deadline=True)

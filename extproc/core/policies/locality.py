@@ -20,8 +20,8 @@ request go by its prefix match while the client's deficit counter allows it.
 * **Within the quantum: the longest expected cache hit first.** Of the
   candidates of those tenants (the first :data:`LOOKAHEAD` requests of each
   tenant's queue, at most :data:`SCORED` in all), the one with the most prompt tokens expected cached
-  (``Cached.cached_tokens``: the dispatcher's account of the endpoints'
-  caches, ``core/prefix_cache.py``) goes. Ties, and so a band with nothing
+  (the band's ``hit``, :data:`~extproc.core.policies.base.ExpectedHit`: the model's account of the
+  endpoints' caches, ``core/pricing.py``) goes. Ties, and so a band with nothing
   cached: the smaller counter, then backlogged longest, then the tenant's
   earlier request. With no hit anywhere this is exactly ``vtc``.
 * **Within a tenant: bounded reordering.** A tenant's request may go before
@@ -53,13 +53,14 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar, cast
 
 from extproc.core.policies import vtc
-from extproc.core.policies.base import Cached, Policy, TenantQueue
+from extproc.core.policies.base import Policy, TenantQueue, TenantWeight
 from extproc.core.policies.vtc import LargestCharge
 
-Local = TypeVar("Local", bound=Cached)
+Local = TypeVar("Local", bound=Hashable)
 
 # The deficit quantum, in requests' worth of the tenant's own largest charge.
 QUANTUM_REQUESTS = 2
@@ -117,7 +118,14 @@ class LocalityQueue(Generic[Local]):
 
 
 class LocalityBand(LargestCharge[Local]):
-    """One band: ``vtc``'s counters, the longest expected cache hit first within each tenant's quantum."""
+    """One band: ``vtc``'s counters, the longest expected cache hit first within each tenant's quantum.
+
+    ``hit``: the prompt tokens a queued request would find cached if released now.
+    """
+
+    def __init__(self, weight: TenantWeight, hit: Callable[[Local], float]) -> None:
+        super().__init__(weight)
+        self._hit = hit
 
     def quantum(self, tenant: str) -> float:
         """How far above the smallest counter the tenant's counter may be and locality still choose it."""
@@ -139,7 +147,7 @@ class LocalityBand(LargestCharge[Local]):
             queue = self._queue(tenant)
             joined = self._joined[tenant]
             for index in range(min(queue.candidates(), budget)):
-                hit = queue[index].cached_tokens()
+                hit = self._hit(queue[index])
                 # Most cached first (NaN: nothing); ties: smaller counter, backlogged longer, earlier request.
                 rank = (-hit if hit > 0 else 0.0, counter, joined, index)
                 if best is None or rank < best:

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Hashable
 from typing import Any, TypeVar
 
-from extproc.core.policies.base import ClusterForm, Policy, TenantQueues, TenantWeight
+from extproc.core.policies.base import ClusterForm, ExpectedHit, Policy, TenantQueues, TenantWeight
 
 Item = TypeVar("Item", bound=Hashable)
 
@@ -59,7 +59,7 @@ class TenantRoundRobin(TenantQueues[Item]):
         """Round-robin counts requests, not their cost."""
 
 
-def _new_band(weight: TenantWeight) -> TenantRoundRobin[Any]:
+def _new_band(weight: TenantWeight, hit: ExpectedHit) -> TenantRoundRobin[Any]:
     return TenantRoundRobin()
 
 

@@ -41,9 +41,9 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Hashable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from extproc.core.policies.base import ClusterForm, Policy, TenantQueues, TenantWeight
+from extproc.core.policies.base import ClusterForm, ExpectedHit, Policy, TenantQueues, TenantWeight
 
 Item = TypeVar("Item", bound=Hashable)
 
@@ -168,4 +168,8 @@ class LargestCharge(VirtualTokenCounter[Item]):
         self._largest = {t: w for t, w in self._largest.items() if t in self._counters}
 
 
-POLICY = Policy("vtc", VirtualTokenCounter, service=lambda cost, weight: cost / weight, cluster=ClusterForm.COUNTER)
+def _new_band(weight: TenantWeight, hit: ExpectedHit) -> VirtualTokenCounter[Any]:
+    return VirtualTokenCounter(weight)
+
+
+POLICY = Policy("vtc", _new_band, service=lambda cost, weight: cost / weight, cluster=ClusterForm.COUNTER)

@@ -25,13 +25,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Sequence
 
-from extproc.core.engine_load import EngineLoad
+from extproc.core.engine_load import EngineLimits, EngineLoad
 from extproc.core.release import picking
 from extproc.core.release.answer import Answer
-from extproc.core.release.estimate import LoadEstimate
+from extproc.core.release.estimate import LoadEstimate, LoadNow
 from extproc.core.release.health import EndpointHealth
-from extproc.core.release.rule import ReleaseRule, RuleSettings
+from extproc.core.release.rule import ReleaseRule, RuleSettings, RuleSnapshot
 from extproc.core.release.unconfirmed import UnconfirmedEnds
+from extproc.core.status import EndpointStatus
 
 
 class Pool:
@@ -69,6 +70,34 @@ class Pool:
     @property
     def in_flight(self) -> int:
         return self.estimate.in_flight
+
+    @property
+    def cluster_in_flight(self) -> int:
+        """Ours in flight and the other instances' (a cluster's); ours alone without one."""
+        return self.estimate.cluster_in_flight
+
+    def record_others(self, now: float, others: int) -> None:
+        """The other instances of a cluster have ``others`` in flight now (``estimate.py``)."""
+        self.estimate.record_others(now, others)
+
+    def load_now(self) -> LoadNow:
+        """What the engines hold now by the load estimate."""
+        return self.estimate.now()
+
+    def engine_full(self, load: LoadNow) -> bool:
+        """Whether the engine has no free slot, by ``load``: it queues, or holds its capacity (when that is known)."""
+        if load.waiting > 0:
+            return True
+        capacity = self.capacity()
+        return capacity > 0 and load.held >= capacity
+
+    def next_change_in(self, now: float) -> float | None:
+        """How long until the rule lets more go by time alone (a rate); None: only an event will."""
+        return self.rule.next_change_in(now)
+
+    def snapshot(self, endpoint: str) -> RuleSnapshot:
+        """What the rule holds of ``endpoint`` now (its limit, its inter-token latency)."""
+        return self.rule.snapshot(endpoint)
 
     def capacity(self) -> float:
         """How many requests the engines run at once: ``max_running`` per endpoint when configured, else the most seen."""
@@ -127,6 +156,19 @@ class Pool:
         occupancy = self.estimate.record_finish(request, now)
         self.rule.record_finish(now)
         return occupancy
+
+    def record_limits(self, endpoint: str, limits: EngineLimits) -> str | None:
+        """What the engine at ``endpoint`` says of its own limits: they bound the rule. The warning (a cap too tight, or
+        ""); None: not a member."""
+        if endpoint not in self.endpoints:
+            return None
+        self.rule.record_limits(endpoint, limits)
+        warning = self.warnings[endpoint] = limits.too_tight(self.rule.settings.target_waiting, self.rule.runs(endpoint))
+        return warning
+
+    def awaits_life(self, endpoint: str) -> bool:
+        """Whether ends at ``endpoint`` wait for a sign of life from it, so a probe of it is worth sending."""
+        return endpoint in self.endpoints and self.unconfirmed.waits_on(endpoint)
 
     def record_end(self, endpoint: str | None, now: float) -> tuple[str, ...]:
         """A released request's stream ended (not preempted): its slot waits for a sign of life; the endpoints to probe."""
@@ -246,6 +288,10 @@ class Pool:
         up = [e for e in candidates if not self.health.is_down(e)]
         return picking.ranked(key, up or candidates, lambda e: self._room(e, now), self.settings.target_waiting, hit)
 
+    def serving(self, eligible: frozenset[str] | None = None) -> list[str]:
+        """The members (of ``eligible``, when given) that are not down."""
+        return [e for e in self.endpoints if not self.health.is_down(e) and (eligible is None or e in eligible)]
+
     def serves(self, eligible: frozenset[str] | None = None) -> bool:
         """Whether any endpoint (of ``eligible``, when given) is a member that is not down."""
         return any(not self.health.is_down(e) for e in self.endpoints if eligible is None or e in eligible)
@@ -253,3 +299,22 @@ class Pool:
     def record_moved(self, request: Hashable, endpoint: str) -> None:
         """``request`` runs on ``endpoint`` after all (the gateway fell back to it): count it there."""
         self.estimate.record_moved(request, endpoint)
+
+    def endpoint_statuses(self, now: float) -> tuple[EndpointStatus, ...]:
+        """Each member as the status page shows it (``core/status.py``)."""
+        degraded, down = set(self.degraded(now)), set(self.down())
+        statuses = []
+        for url in self.endpoints:
+            load = self.health.last_good(url)
+            good_at = self.health.good_at(url)
+            statuses.append(EndpointStatus(
+                url=url,
+                running=load.running if load is not None else None,
+                waiting=load.waiting if load is not None else None,
+                scraped_ago_s=now - good_at if load is not None else None,
+                limit=self.rule.snapshot(url).limit,
+                degraded=url in degraded,
+                down=url in down,
+                warning=self.warnings.get(url, ""),
+            ))
+        return tuple(statuses)

@@ -1,0 +1,405 @@
+"""One model's scheduling state, with one owner: everything the dispatcher's events change, and the one release step.
+
+:class:`ModelState` owns, for one model, the live settings (the bands among
+them, stored here once), the fair queue of held requests, the band demand
+(``bands.py``: who arrives, each band's credit towards its minimum share),
+the preemption book (``preemption.py``: who may be ended, who waits in the
+engine), the pricing (``pricing.py``: cost estimates and the account of the
+engines' prefix caches) and the recent release rate. Nothing else writes
+them: the dispatcher (``dispatcher.py``) hands it each event and the release
+strategy (``strategy.py``) asks it questions and lets requests go through it,
+as the :class:`~extproc.core.strategy.Outlet` it implements (and a cluster
+seat as the :class:`~extproc.core.cluster.ClusterOutlet`). Whichever
+strategy decides, a request leaves the queue the same way (:meth:`release`):
+an endpoint picked, the pool and the fair queue charged, its future resolved
+and the release reported.
+
+It reads the pool (``release/pool.py``) and tells it of releases and finishes;
+the pool's own events (scrapes, probes, membership) reach it from the
+dispatcher. Pure but for the futures it resolves: time is passed in, and its
+one deadline per request (a queued request's longest wait) is left to the
+injected :class:`~extproc.core.timers.Timers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from extproc.core.bands import Band, BandAdmission
+from extproc.core.caps import overflow
+from extproc.core.cluster import Backlog
+from extproc.core.cost import CostWeights
+from extproc.core.drain_time import ReleaseRate
+from extproc.core.engine_load import EngineLoad
+from extproc.core.entitlement import Tenant
+from extproc.core.fair_queue import FairQueue
+from extproc.core.held import Held, Request
+from extproc.core.outcomes import Refusal, Refused
+from extproc.core.policies import Policy
+from extproc.core.preemption import Preemption
+from extproc.core.pricing import Pricing
+from extproc.core.release.health_log import HealthLog
+from extproc.core.release.pool import Pool
+from extproc.core.release.rule import ReleaseRule, RuleSettings
+from extproc.core.report import Charged, DispatchReport, PoolEvent, RequestEvent, Step
+from extproc.core.status import ClusterStatus, ModelStatus, band_status
+from extproc.core.timers import Timers
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    """A model's settings that it takes while it holds requests (:meth:`ModelState.reconfigure`).
+
+    They change what happens next, never what is queued: a weight is read at
+    each charge, a cap at each arrival, a band's settings at each release. Any
+    other setting (the policy, the bands' names, endpoint picking) shapes the
+    queue or the pool themselves and needs a new dispatcher.
+    """
+
+    bands: tuple[Band, ...]
+    tenant: Callable[[str], Tenant]
+    cost: CostWeights
+    max_queued: int
+    max_queue_wait_s: float
+    reserved_waiting: int
+    rule: type[ReleaseRule]
+    rule_settings: RuleSettings
+
+
+class ModelState:
+    """One model's held requests and everything decided about them (see the module docstring)."""
+
+    def __init__(
+        self, name: str, pool: Pool, settings: LiveSettings, report: DispatchReport, clock: Callable[[], float],
+        timers: Timers, policy: Policy, max_preemptions_per_s: float,
+    ) -> None:
+        self.name = name
+        self._pool = pool
+        self._settings = settings
+        self._report = report
+        self._clock = clock
+        self._timers = timers
+        self._policy = policy
+        self._pricing = Pricing(pool, settings.cost)
+        self._queue: FairQueue[Held] = FairQueue(
+            len(settings.bands), lambda: policy.new_band(self._weight, self._pricing.expected_hit))
+        self._admission = BandAdmission(settings.bands, pool, settings.reserved_waiting, self._queue.band_len)
+        self._preemption = Preemption(max_preemptions_per_s)
+        self._release_rate = ReleaseRate()
+        self._health_log = HealthLog(name, pool, report)
+
+    def reconfigure(self, settings: LiveSettings) -> None:
+        """Take new settings for what comes next (the same bands, by name and order: a queued request's band is its index).
+
+        A changed release rule or rule setting starts the rule afresh on the
+        same load estimate and endpoint health (``Pool.reconfigure``).
+        """
+        names = tuple(b.name for b in settings.bands)
+        if names != tuple(b.name for b in self._settings.bands):
+            raise ValueError(f"the bands {names} are not the dispatcher's {tuple(b.name for b in self._settings.bands)}")
+        self._settings = settings
+        self._admission.reconfigure(settings.bands, settings.reserved_waiting)
+        self._pricing.reweigh(settings.cost)
+        pool = self._pool
+        if (type(pool.rule), pool.settings) != (settings.rule, settings.rule_settings):
+            pool.reconfigure(settings.rule, settings.rule_settings)
+
+    def _weight(self, tenant: str) -> float:
+        return self._settings.tenant(tenant).weight
+
+    # --- the door --------------------------------------------------------------------------------
+
+    def refusal(self, tenant: str, band: int, now: float) -> Refused | None:
+        """The refusal of a new request over a queue cap (reported), or None if it may enter."""
+        settings = self._settings
+        over = overflow(self.name, self._queue, tenant, settings.tenant(tenant).max_queued, band, settings.bands[band],
+                        settings.max_queued)
+        if over is None:
+            return None
+        self._refused(None, tenant, band, over.refusal, 0.0)
+        return Refused(over.refusal, over.message + "; retry later", drain_s=self._release_rate.drain_s(over.backlog, now))
+
+    def enqueue(self, request: Request, now: float, content_length: int | None, max_tokens: float | None,
+                ttft_objective_s: float | None) -> tuple[Held, bool]:
+        """Queue ``request``, priced and given its deadlines; whether it is its tenant's first queued in its band."""
+        band, tenant = request.band, request.tenant
+        rules = self._settings.bands[band]
+        objective = rules.objective_s(ttft_objective_s)
+        queue_wait = rules.queue_wait_s(self._settings.max_queue_wait_s)
+        held = Held(request, now, asyncio.get_running_loop().create_future(),
+                    self._pricing.estimate(tenant, content_length, max_tokens), ttft_objective_s=objective,
+                    deadline=now + (objective if objective is not None else queue_wait))
+        first = self._queue.head(band, tenant) is None
+        self._queue.push(band, tenant, held)
+        self._admission.arrived(band, now)
+        self._report(RequestEvent(Step.QUEUED, rules.name, tenant))
+        held.expiry = self._timers.at(now + queue_wait, lambda: self._expire(held))
+        return held, first
+
+    # --- the release step, and what a strategy reads (strategy.Outlet, cluster.ClusterOutlet) ------
+
+    @property
+    def bands(self) -> int:
+        return len(self._settings.bands)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        return self._pool.in_flight
+
+    def clock(self) -> float:
+        return self._clock()
+
+    def first_band(self) -> int | None:
+        return self._queue.first_band()
+
+    def pick(self, first: int, now: float) -> int:
+        return self._admission.pick(first, now)
+
+    def share(self, band: int, now: float) -> float:
+        return self._admission.share(band, now)
+
+    def allowance(self, band: int, now: float) -> int:
+        return self._admission.allowance(band, now)
+
+    def cap(self, band: int, now: float) -> int:
+        return self._admission.headroom(band, now) + self._pool.cluster_in_flight
+
+    def free_slots(self, now: float) -> int:
+        return self._pool.free_slots(now)
+
+    def next_release_in(self, now: float) -> float | None:
+        return self._pool.next_change_in(now)
+
+    def service(self, tenant: str, cost: float) -> float:
+        return self._policy.service(cost, self._weight(tenant))
+
+    def record_others(self, now: float, others: int) -> None:
+        self._pool.record_others(now, others)
+
+    def note_health(self, now: float) -> None:
+        self._health_log.note(now)
+
+    def report_in_flight(self) -> None:
+        self._report(PoolEvent(in_flight=self._pool.in_flight))
+
+    def backlog(self) -> Iterator[Backlog]:
+        for band in range(len(self._settings.bands)):
+            for tenant, count in self._queue.tenant_lengths(band).items():
+                head = self._queue.head(band, tenant)
+                yield Backlog(band, tenant, count, 0.0 if head is None else self.service(tenant, head.estimate.cost))
+
+    def release_next(self, band: int, now: float, *, free: bool) -> bool:
+        band, tenant, held = self._queue.pop(band)
+        return self.release(band, tenant, held, now, free=free)
+
+    def release_head(self, band: int, tenant: str, now: float, *, free: bool) -> bool:
+        held = self._queue.take(band, tenant)
+        return held is not None and self.release(band, tenant, held, now, free=free)
+
+    def release(self, band: int, tenant: str, held: Held, now: float, *, free: bool) -> bool:
+        """``held`` left the queue to be released: release it, unless its client already left (False)."""
+        if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
+            self._resolve(held)
+            self._abandoned(held)
+            return False
+        held.released, held.released_at = True, now
+        request, pool = held.request, self._pool
+        ranked = pool.ranked(request.affinity, now, request.eligible, self._pricing.hit_at(held))
+        held.endpoint, held.fallbacks = (ranked[0], tuple(ranked[1:])) if ranked else (None, ())
+        held.estimate = self._pricing.at_release(held)
+        held.checked = pool.check_release(held.endpoint, now)
+        rules = self._settings.bands[band]
+        self._note_for_preemption(held, rules, now)
+        # Counted as running until a scrape shows it: a release into a free slot, and an idle-only band's
+        # (sized to free slots, or its probe past the capacity learned so far: one per scrape).
+        into_free_slot = free or (rules.idle_only and self._admission.into_free_slots(band, now))
+        pool.record_release(held, now, held.endpoint, into_free_slot=into_free_slot)
+        self._release_rate.record(now)
+        self._queue.charge(band, tenant, held.estimate.cost)
+        self._resolve(held)
+        self._report(RequestEvent(Step.RELEASED, rules.name, tenant, now - held.enqueued_at, slack_s=held.slack_s(now)))
+        return True
+
+    def _note_for_preemption(self, held: Held, rules: Band, now: float) -> None:
+        """What preemption must know of a release: a victim to be, or a higher request that may wait in the engine."""
+        book = self._preemption
+        if not book.enabled:
+            return
+        if rules.preemptible:
+            if not held.request.retried:  # a retry is never preempted: its stream need not watch for it
+                held.preempted = asyncio.get_running_loop().create_future()
+                book.released(held, now)
+        elif held.ttft_objective_s is not None and book.candidates and self._pool.engine_full(self._pool.load_now()):
+            book.waits_in_engine(held)
+
+    # --- a held request's end ----------------------------------------------------------------------
+
+    def started(self, held: Held) -> bool:
+        """A released request's response began (it can no longer be preempted); False if it was not released or ended."""
+        if not held.released or held.ended:
+            return False
+        held.started = True
+        self._preemption.started(held)
+        return True
+
+    def moved(self, held: Held, endpoint: str) -> str | None:
+        """``held`` was served at ``endpoint`` instead of its pick: counted there; the pick it failed (None: nothing moved)."""
+        if not held.released or held.ended or held.endpoint is None or endpoint == held.endpoint:
+            return None
+        if endpoint not in self._pool.endpoints:
+            return None  # not a member (yet): nothing to count it against
+        picked, held.endpoint = held.endpoint, endpoint
+        self._pool.record_moved(held, endpoint)
+        return picked
+
+    def ended(self, held: Held, now: float) -> tuple[str, ...]:
+        """A released request's stream ended by itself: the endpoints to probe before its slot is refilled."""
+        held.ended = True
+        self._preemption.ended(held, now)
+        # Before the finish, whose dispatch would refill the slot: it waits for a sign of life.
+        # With nothing queued, nothing would be sent into a dead engine: no need to look.
+        return self._pool.record_end(held.endpoint, now) if len(self._queue) else ()
+
+    def abandon(self, held: Held) -> None:
+        """A request that was not released ended (its client left, or it was refused): it leaves the queue if there."""
+        held.ended = True
+        if self._queue.remove(held.request.band, held.request.tenant, held):
+            self._resolve(held)
+            self._abandoned(held)
+
+    def finish(self, held: Held, now: float) -> float:
+        """A released request is over (it ended, or was preempted): free its place, charge what it cost; the cost measured."""
+        occupancy = self._pool.record_finish(held, now)
+        measured = self._pricing.measure(held, occupancy)
+        request, estimate = held.request, held.estimate
+        self._queue.correct(request.band, request.tenant, measured.cost - estimate.cost)
+        self._report(Charged(request.tenant, estimate.prompt_tokens, measured.output_tokens, measured.cost,
+                             measured.cached_tokens))
+        self._report(PoolEvent(in_flight=self._pool.in_flight))
+        return measured.cost
+
+    # --- preemption (preemption.py decides; this ends) ----------------------------------------------
+
+    def victims(self, now: float) -> list[Held]:
+        """The preemptible requests to end now, for the higher-band requests whose objective is at risk."""
+        book = self._preemption
+        if not book.candidates:
+            return []
+        load = self._pool.load_now()
+        return book.victims(book.needs(self._pool.engine_full(load), load.waiting, self._queued_needs(), now), now)
+
+    def _queued_needs(self) -> Iterator[Held]:
+        """The head of each tenant's queue in each band that is not preemptible."""
+        queue = self._queue
+        for index, band in enumerate(self._settings.bands):
+            if band.preemptible or not queue.band_len(index):
+                continue
+            for tenant in queue.tenant_lengths(index):
+                head = queue.head(index, tenant)
+                if head is not None:
+                    yield head
+
+    def preempt(self, victim: Held, now: float) -> None:
+        """End ``victim`` here at once, and tell its stream to answer 503 preempted.
+
+        Its slot counts as free from now (:meth:`finish` follows): Envoy resets
+        the upstream request as it answers, and the engine aborts it within a
+        step. Its stream's own end later finds it ended. It is charged what it
+        ran (a refund of the rest).
+        """
+        victim.ended = True
+        request = victim.request
+        self._report(RequestEvent(Step.PREEMPTED, self._settings.bands[request.band].name, request.tenant,
+                                  now - victim.released_at, slack_s=victim.slack_s(now)))
+        if victim.preempted is not None and not victim.preempted.done():
+            victim.preempted.set_result(None)
+
+    # --- refusals ----------------------------------------------------------------------------------
+
+    def reject_all(self, refused: Callable[[], Refused]) -> None:
+        """Refuse every queued request with ``refused()``."""
+        while len(self._queue):
+            band, _, held = self._queue.pop()
+            answer = refused()
+            if held.future.done():  # its stream was cancelled a moment ago, as in release()
+                self._abandoned(held)
+            else:
+                self._refused(held, held.request.tenant, band, answer.refusal, self._clock() - held.enqueued_at)
+            self._resolve(held, answer)
+
+    def _expire(self, held: Held) -> None:
+        request = held.request
+        if not self._queue.remove(request.band, request.tenant, held):
+            return
+        now = self._clock()
+        waited = now - held.enqueued_at
+        band_name = self._settings.bands[request.band].name
+        self._refused(held, request.tenant, request.band, Refusal.QUEUE_TIMEOUT, waited)
+        self._resolve(held, Refused(
+            Refusal.QUEUE_TIMEOUT,
+            f"request waited {waited:.1f}s in the {band_name!r} queue for model {self.name!r} without capacity; "
+            "retry later",
+            drain_s=self._release_rate.drain_s(self._queue.band_len(request.band), now), queue_wait_s=waited,
+        ))
+
+    def _refused(self, held: Held | None, tenant: str, band: int, refusal: Refusal, waited: float) -> None:
+        """Report a refusal: of ``held``, which was queued and has left the queue; None: at the door, never queued."""
+        slack = None if held is None else held.slack_s(self._clock())
+        self._report(RequestEvent(Step.REFUSED, self._settings.bands[band].name, tenant, waited, refusal, held is not None,
+                                  slack_s=slack))
+
+    def _abandoned(self, held: Held) -> None:
+        """Report a queued request whose client left; it has left the queue."""
+        now = self._clock()
+        request = held.request
+        self._report(RequestEvent(Step.ABANDONED, self._settings.bands[request.band].name, request.tenant,
+                                  now - held.enqueued_at, slack_s=held.slack_s(now)))
+
+    def _resolve(self, held: Held, refused: Refused | None = None) -> None:
+        if held.expiry is not None:
+            held.expiry.cancel()
+        if held.future.done():
+            return
+        if refused is None:
+            held.future.set_result(self._clock() - held.enqueued_at)
+        else:
+            held.future.set_exception(refused)
+
+    # --- the pool's events that reach the pricing, and what is read on request -----------------------
+
+    def scraped(self, endpoint: str, load: EngineLoad, started_at: float) -> None:
+        """A usable scrape of ``endpoint``: the pricing learns its decode rate and cache hits."""
+        self._pricing.scraped(endpoint, load, started_at)
+
+    def left(self, endpoints: set[str]) -> None:
+        """Endpoints that left the pool: the pricing forgets their caches."""
+        self._pricing.forget(endpoints)
+
+    def queued_in(self, band: int) -> int:
+        return self._queue.band_len(band)
+
+    def queued_by_tenant(self) -> dict[tuple[str, str], int]:
+        return {(band.name, tenant): count for index, band in enumerate(self._settings.bands)
+                for tenant, count in self._queue.tenant_lengths(index).items()}
+
+    def status(self, top: int, cluster: ClusterStatus | None) -> ModelStatus:
+        now = self._clock()
+        pool = self._pool
+        return ModelStatus(
+            name=self.name,
+            rule=pool.rule.name,
+            uses_metrics=pool.rule.uses_metrics,
+            rule_rate=pool.settings.release_rate,
+            queued=len(self._queue),
+            in_flight=pool.in_flight,
+            release_rate=self._release_rate.per_second(now),
+            bands=tuple(band_status(b.name, self._queue.tenant_lengths(i), top) for i, b in enumerate(self._settings.bands)),
+            endpoints=pool.endpoint_statuses(now),
+            cluster=cluster,
+        )
