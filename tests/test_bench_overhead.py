@@ -50,7 +50,8 @@ async def test_short_overhead_run_measures_every_path(tmp_path: Path) -> None:
             assert figures[run]["ok"] == figures[run]["sent"] > 0, (path, run)
             assert figures[run]["p50"] > 0
     assert summary["extproc_max_rate"] > 0
-    assert summary["extproc_cpu_us_per_request"] > 0
+    assert summary["extproc_cpu_us_per_request"] > 0 and summary["extproc_cpu_us_per_request_max"] > 0
+    assert 0 < summary["extproc_rate_vs_envoy"] == summary["extproc_max_rate"] / summary["paths"]["envoy"]["max"]["rate"]
     assert set(summary["extproc_added_ms"]) == {"p50", "p99"}
 
 

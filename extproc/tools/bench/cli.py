@@ -194,10 +194,10 @@ async def _run(args: argparse.Namespace, console: Console) -> int:
             return arms
         return [a for a in arms if a == DIRECT or a.name in scenario.arms]
 
-    if scenarios:  # the tables name only the arms that run
-        running = {a.name for s in scenarios for a in arms_of(s)}
-        arms = [a for a in arms if a.name in running]
-        meta["arms"] = [m for m in meta["arms"] if m["name"] in running]
+    # The tables name only the arms that run (none with --overhead-only: its paths are its own).
+    running = {a.name for s in scenarios for a in arms_of(s)}
+    arms = [a for a in arms if a.name in running]
+    meta["arms"] = [m for m in meta["arms"] if m["name"] in running]
     total = sum(s.planned_requests(a.name) for s in scenarios for a in arms_of(s))
     total += 2 * OVERHEAD_ROUNDS + len(TRANSPORTS) if with_overhead else 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
