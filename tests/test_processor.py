@@ -264,7 +264,8 @@ async def test_only_engine_priority_models_ask_for_the_body_and_get_it_rewritten
 
 def test_the_hold_outlasts_the_longest_class_wait() -> None:
     processor, _ = make_policy_processor()
-    assert processor._hold_reply["m"].override_message_timeout.seconds == 300 + HOLD_MARGIN_S
+    hold = processor.own_envoy.hold_reply("m")
+    assert hold is not None and hold.override_message_timeout.seconds == 300 + HOLD_MARGIN_S
 
 
 def test_no_model_holds_longer_than_the_filter_allows() -> None:
@@ -272,5 +273,6 @@ def test_no_model_holds_longer_than_the_filter_allows() -> None:
     config = parse_config({"models": [{"name": "a", "endpoints": ["http://127.0.0.1:1"], "max_queue_wait_s": 120.0004},
                                       {"name": "b", "endpoints": ["http://127.0.0.1:2"], "max_queue_wait_s": 0.5}]})
     processor = Processor(config, build_dispatchers(config, Telemetry()), Telemetry())
-    for reply in processor._hold_reply.values():
-        assert reply.override_message_timeout.ToMilliseconds() / 1000 <= hold_timeout_s(config)
+    for model in ("a", "b"):
+        reply = processor.own_envoy.hold_reply(model)
+        assert reply is not None and reply.override_message_timeout.ToMilliseconds() / 1000 <= hold_timeout_s(config)
