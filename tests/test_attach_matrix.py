@@ -15,7 +15,8 @@ patch). Each combination either serves (whole, streamed, and held requests,
 the body reaching the engine intact, no slot left counted) or, where nothing
 can work, is refused at once with a JSON error and a log line that says why:
 without our metadata and without the body (``NONE``) the processor has no
-model to schedule.
+model to schedule; with our metadata and ``NONE``, a model with prefix
+signatures asks for its body by a mode override this shape ignores.
 
 Our own generated bootstrap, its filter's body modes changed the same way,
 runs the paths that rewrite the body (``engine_priority``) and sign the
@@ -223,3 +224,17 @@ async def test_our_envoy_holds_a_request_past_its_message_timeout_in_every_body_
     assert (done.status, done.tokens) == (200, 1500), done
     assert (short.status, short.tokens) == (200, 4), short
     assert short.queue_wait_s is not None and short.queue_wait_s > 2.0, short
+
+
+
+async def test_a_body_asked_for_and_not_sent_is_refused_at_once_with_json(gateways: Gateways) -> None:
+    """With our metadata and NONE in AI Gateway's shape, the override asking for a signed model's body is ignored.
+
+    The headers reply has let the request go on unrouted; the processor answers the next message (the
+    response's headers) with the JSON error instead of waiting for a body that never comes.
+    """
+    started = time.monotonic()
+    status, answer = await _post(gateways.urls[True, "NONE"], {"model": "ranked", "messages": QUESTION, "max_tokens": 5})
+    assert (status, answer["error"]["code"]) == (500, "gateway_error"), answer
+    assert time.monotonic() - started < 2.0
+    assert "allow_mode_override" in gateways.log.read_text()

@@ -157,7 +157,7 @@ class Processor:
             if signer is not None:
                 async for reply in side.read_prompt(stream, messages, headers):
                     yield reply
-                if stream.read_first and ack is not None:  # the acknowledgement stopped the headers' timer, not the body's
+                if stream.held_on_body and ack is not None:  # the acknowledgement stopped the headers' timer, not the body's
                     acknowledged = self.lag.seconds(asyncio.get_running_loop().time()) >= ACK_LAG_S
                     if acknowledged:
                         yield ack

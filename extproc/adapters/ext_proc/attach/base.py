@@ -40,23 +40,24 @@ class Stream:
     or rewrite it (``engine_priority``).
     """
 
-    __slots__ = ("request_mode", "response_mode", "duplex", "response_duplex", "has_body", "fields", "prompt", "body",
-                 "read_first", "subset")
+    __slots__ = ("request_mode", "response_mode", "has_body", "duplex", "response_duplex", "fields", "prompt", "body",
+                 "held_on_body", "subset")
 
     def __init__(self, first: pb.ProcessingRequest, fields: RequestFields, prompt: Prompt,
                  subset: frozenset[str] | None = None) -> None:
         declared = first.protocol_config  # on the first message only (Envoy 1.40 always sends it)
         self.request_mode: int = declared.request_body_mode
         self.response_mode: int = declared.response_body_mode
-        self.duplex = self.request_mode == body.DUPLEX
-        self.response_duplex = self.response_mode == body.DUPLEX
         self.has_body = not first.request_headers.end_of_stream
+        # A body comes at once, and reaches the engine only as it is given back.
+        self.duplex = self.has_body and self.request_mode == body.DUPLEX
+        self.response_duplex = self.response_mode == body.DUPLEX
         self.fields = fields
         # The prompt, undecoded, until the request is signed (or an operator's metadata text).
         self.prompt = prompt
         self.body = b""
-        # The body was read before the hold (buffered: the release answers the body message).
-        self.read_first = False
+        # Held on its body message (buffered, read before the hold): the release answers that message.
+        self.held_on_body = False
         # The endpoints the gateway allows (the Endpoint Picker Protocol's subset hint); None: any.
         self.subset = subset
 
@@ -74,7 +75,6 @@ class Attachment:
     overloaded: pb.ProcessingResponse
 
     def __init__(self, config: Config) -> None:
-        self._config = config
         self._full_statuses = {m.name: DIALECTS[m.engine].full_statuses for m in config.models}
 
     def open(self, first: pb.ProcessingRequest, metadata: RequestFields | None) -> Stream:

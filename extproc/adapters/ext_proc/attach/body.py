@@ -99,18 +99,18 @@ def _too_large(size: int, limit: int) -> Refused:
                    "(endpoint_picker.max_body_bytes)")
 
 
-def release(*, duplex: bool, read_first: bool, body: bytes, routing: list[base_pb2.HeaderValueOption],
+def release(*, duplex: bool, held_on_body: bool, body: bytes, routing: list[base_pb2.HeaderValueOption],
             metadata: struct_pb2.Struct | None, priority: int | None,
             override: processing_mode_pb2.ProcessingMode | None) -> list[pb.ProcessingResponse]:
     """The replies that let a held request go: ``routing`` set, the route recomputed, the body given back or rewritten.
 
     ``duplex``: the headers reply, then the body (read before the hold) in
-    streamed chunks. ``read_first`` (buffered, read before the hold): the
+    streamed chunks. ``held_on_body`` (buffered, read before the hold): the
     body message is the one Envoy waits on. Else the headers message is, and
     ``override`` (a mode override) goes with it. ``priority``: the engine
     priority written into the body, with a ``content-length`` to match.
     """
-    new = with_priority(body, priority) if priority is not None and (duplex or read_first) else None
+    new = with_priority(body, priority) if priority is not None and (duplex or held_on_body) else None
     if new is not None:  # None: no priority to write, or not a JSON object (the engine will say so itself)
         body = new
         routing.append(header("content-length", str(len(body))))  # Envoy refuses a mutated body of another length
@@ -118,7 +118,7 @@ def release(*, duplex: bool, read_first: bool, body: bytes, routing: list[base_p
     if duplex:
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata),
                 *streamed("request_body", body)]
-    if read_first:
+    if held_on_body:
         if new is not None:
             common.body_mutation.body = body
         return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)]

@@ -87,7 +87,7 @@ class EndpointPicker(Attachment):
             return
         if stream.request_mode in body.BUFFERED:
             yield _HEADERS_GO_ON
-            stream.read_first = True
+            stream.held_on_body = True
         elif not stream.duplex:
             raise _without_body(body.mode_name(stream.request_mode))
         stream.body = await body.read(messages, content_length(headers), self._max_body_bytes)
@@ -118,7 +118,7 @@ class EndpointPicker(Attachment):
             value = ",".join(picked)
             routing.append(header(DESTINATION_HEADER, value))
             metadata = epp.destination_metadata(value)
-        replies = body.release(duplex=stream.duplex, read_first=stream.read_first, body=stream.body, routing=routing,
+        replies = body.release(duplex=stream.duplex, held_on_body=stream.held_on_body, body=stream.body, routing=routing,
                                metadata=metadata, priority=priority, override=None)
         stream.body = b""
         return replies

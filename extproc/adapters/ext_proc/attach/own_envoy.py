@@ -112,7 +112,7 @@ class OwnEnvoy(Attachment):
     async def read(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
                    headers: dict[str, str]) -> AsyncIterator[pb.ProcessingResponse]:
         """Only in duplex mode, the body: Envoy streams it at once and passes on only what is given back."""
-        if stream.duplex and stream.has_body:
+        if stream.duplex:
             stream.body = await body.read(messages, content_length(headers), self._max_body_bytes)
         return
         yield
@@ -125,7 +125,7 @@ class OwnEnvoy(Attachment):
         if not stream.duplex:
             yield _PROMPT_FIRST[stream.request_mode, stream.response_mode]
             stream.body = await body.read(messages, content_length(headers), self._max_body_bytes)
-            stream.read_first = True
+            stream.held_on_body = True
         stream.prompt = prompt_of(stream.body)
 
     def hold_reply(self, model: str) -> pb.ProcessingResponse | None:
@@ -142,7 +142,7 @@ class OwnEnvoy(Attachment):
         # release or a preemptible one (they say when it can no longer be preempted).
         override = _OVERRIDES.get((stream.request_mode, stream.response_mode, priority is not None,
                                    held.checked or held.preempted is not None))
-        replies = body.release(duplex=stream.duplex, read_first=stream.read_first, body=stream.body, routing=routing,
+        replies = body.release(duplex=stream.duplex, held_on_body=stream.held_on_body, body=stream.body, routing=routing,
                                metadata=None, priority=priority, override=override)
         stream.body = b""
         return replies
