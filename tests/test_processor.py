@@ -163,9 +163,9 @@ async def test_rejections_are_immediate_json_answers(message: pb.ProcessingReque
 async def test_unknown_priority_falls_back_to_the_default_band() -> None:
     processor, _ = make_processor()
     headers = {"x-priority": "urgent!!"}
-    assert processor.admit(headers, RequestFields(model="m")).band == CONFIG.band_names.index("standard")
-    assert processor.admit({"x-priority": "Interactive"}, RequestFields(model="m")).band == 0
-    assert processor.admit({}, RequestFields(model="m")).tenant == "anonymous"
+    assert processor.admissions.admit(headers, RequestFields(model="m")).band == CONFIG.band_names.index("standard")
+    assert processor.admissions.admit({"x-priority": "Interactive"}, RequestFields(model="m")).band == 0
+    assert processor.admissions.admit({}, RequestFields(model="m")).tenant == "anonymous"
 
 
 # --- entitlements, limits and engine priority -----------------------------------------------
@@ -207,7 +207,7 @@ def make_policy_processor() -> tuple[Processor, Telemetry]:
 )
 def test_a_class_beyond_the_entitlement_is_downgraded_never_upgraded(tenant: str, asked: str, granted: str) -> None:
     processor, _ = make_policy_processor()
-    admission = processor.admit({"x-tenant-id": tenant, "x-priority": asked}, RequestFields(model="m"))
+    admission = processor.admissions.admit({"x-tenant-id": tenant, "x-priority": asked}, RequestFields(model="m"))
     assert POLICY_CONFIG.band_names[admission.band] == granted
     assert (admission.requested is not None) == (asked not in ("", granted))
 
@@ -215,10 +215,10 @@ def test_a_class_beyond_the_entitlement_is_downgraded_never_upgraded(tenant: str
 def test_no_lower_class_to_fall_back_to_and_no_tenant_are_refused() -> None:
     processor, _ = make_policy_processor()
     with pytest.raises(Refused) as chat:  # asks below everything it may use: granting more would upgrade it
-        processor.admit({"x-tenant-id": "chat", "x-priority": "batch"}, RequestFields(model="m"))
+        processor.admissions.admit({"x-tenant-id": "chat", "x-priority": "batch"}, RequestFields(model="m"))
     assert chat.value.refusal is Refusal.PRIORITY_NOT_ALLOWED and ANSWERS[chat.value.refusal].status == 403
     with pytest.raises(Refused) as anonymous:
-        processor.admit({}, RequestFields(model="m"))
+        processor.admissions.admit({}, RequestFields(model="m"))
     assert anonymous.value.refusal is Refusal.TENANT_MISSING and ANSWERS[anonymous.value.refusal].status == 401
 
 

@@ -52,7 +52,7 @@ from extproc.adapters.ext_proc.attach.own_envoy import OwnEnvoy
 from extproc.adapters.ext_proc.loop_lag import LoopLag
 from extproc.adapters.ext_proc.prompt_prefix import Signer
 from extproc.adapters.ext_proc.replies import content_length, headers_of, models_response, passed
-from extproc.adapters.ext_proc.request_fields import NO_PROMPT, RequestFields, from_metadata, max_tokens
+from extproc.adapters.ext_proc.request_fields import NO_PROMPT, from_metadata, max_tokens
 from extproc.adapters.ext_proc.shedding import Shedding
 from extproc.adapters.telemetry import UNKNOWN_MODEL, Admitted, Signed, Telemetry, TurnedAway
 from extproc.core.dispatcher import Held, ModelDispatcher, shutting_down
@@ -111,12 +111,6 @@ class Processor:
         self._engine_priority_models = {m.name for m in config.models if m.engine_priority}
         self._signers = {m.name: Signer(m) for m in config.models if m.prefix is not None}
 
-    def admit(self, headers: dict[str, str], fields: RequestFields) -> Admission:
-        """Who asks, for which model, how urgently — or why not (raises Refused; shutting_down while draining)."""
-        if self.draining:
-            raise shutting_down()
-        return self.admissions.admit(headers, fields)
-
     async def process(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
         """One stream: read the request, admit it, hold it until the dispatcher decides, then follow the response."""
         messages = aiter(requests)
@@ -146,7 +140,9 @@ class Processor:
         try:
             async for reply in side.read(stream, messages, headers):
                 yield reply
-            admission = self.admit(headers, stream.fields)
+            if self.draining:
+                raise shutting_down()
+            admission = self.admissions.admit(headers, stream.fields)
             if self._sheds(admission):
                 yield side.overloaded
                 return

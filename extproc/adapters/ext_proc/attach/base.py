@@ -18,15 +18,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.config import Config
 from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.ext_proc.attach import body
-from extproc.adapters.ext_proc.contract import QUEUE_WAIT_HEADER
 from extproc.adapters.ext_proc.release_outcome import engine_answer
-from extproc.adapters.ext_proc.replies import error_response, header, headers_of, passed
+from extproc.adapters.ext_proc.replies import error_response, headers_of, passed
 from extproc.adapters.ext_proc.request_fields import Prompt, RequestFields
 from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.outcomes import Refused
@@ -126,7 +124,3 @@ class Attachment:
         """The refusal as the client hears it."""
         return error_response(refused)
 
-
-def waited(seconds: float) -> list[base_pb2.HeaderValueOption]:
-    """The release's first routing header: how long the request was held."""
-    return [header(QUEUE_WAIT_HEADER, str(round(seconds * 1000)))]

@@ -34,8 +34,8 @@ from extproc.adapters.answers import SHED
 from extproc.adapters.config import Config
 from extproc.adapters.ext_proc import epp
 from extproc.adapters.ext_proc.attach import body
-from extproc.adapters.ext_proc.attach.base import Attachment, Stream, waited
-from extproc.adapters.ext_proc.contract import DESTINATION_HEADER
+from extproc.adapters.ext_proc.attach.base import Attachment, Stream
+from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, QUEUE_WAIT_HEADER
 from extproc.adapters.ext_proc.replies import content_length, error_response, header
 from extproc.adapters.ext_proc.request_fields import NO_FIELDS, NO_PROMPT, RequestFields, from_body
 from extproc.adapters.telemetry import ServedElsewhere, Telemetry
@@ -110,7 +110,7 @@ class EndpointPicker(Attachment):
     def release(self, stream: Stream, held: Held, model: str, waited_s: float,
                 priority: int | None) -> list[pb.ProcessingResponse]:
         """The endpoints in a header and in ``envoy.lb`` metadata, the same value in both."""
-        routing = waited(waited_s)
+        routing = [header(QUEUE_WAIT_HEADER, str(round(waited_s * 1000)))]
         fallbacks = held.fallbacks[:self._fallbacks]
         picked = [hp for e in (held.endpoint, *fallbacks) if e and (hp := epp.host_port(e))]
         metadata = None

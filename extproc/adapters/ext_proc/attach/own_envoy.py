@@ -51,8 +51,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.adapters.config import Config
 from extproc.adapters.ext_proc import epp
 from extproc.adapters.ext_proc.attach import body
-from extproc.adapters.ext_proc.attach.base import Attachment, Stream, waited
-from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, PROCESSING_MODE, hold_timeout_for
+from extproc.adapters.ext_proc.attach.base import Attachment, Stream
+from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, PROCESSING_MODE, QUEUE_WAIT_HEADER, hold_timeout_for
 from extproc.adapters.ext_proc.replies import content_length, duration, error_response, header
 from extproc.adapters.ext_proc.request_fields import NO_FIELDS, NO_PROMPT, RequestFields, prompt_from_metadata, prompt_of
 from extproc.core.dispatcher import Held
@@ -133,7 +133,7 @@ class OwnEnvoy(Attachment):
 
     def release(self, stream: Stream, held: Held, model: str, waited_s: float,
                 priority: int | None) -> list[pb.ProcessingResponse]:
-        routing = waited(waited_s)
+        routing = [header(QUEUE_WAIT_HEADER, str(round(waited_s * 1000)))]
         routing.append(header(self._model_header, model))
         destination = epp.host_port(held.endpoint) if held.endpoint else None
         if destination:
