@@ -123,7 +123,7 @@ class OwnEnvoy(Attachment):
         if not stream.has_body or stream.prompt.text is not None:
             return
         if not stream.duplex:
-            yield _PROMPT_FIRST[stream.request_mode, stream.response_mode]
+            yield _PROMPT_FIRST.get((stream.request_mode, stream.response_mode), _PROMPT_FIRST[body.Mode.NONE, body.Mode.NONE])
             stream.body = await body.read(messages, content_length(headers), self._max_body_bytes)
             stream.held_on_body = True
         stream.prompt = prompt_of(stream.body)
@@ -133,8 +133,7 @@ class OwnEnvoy(Attachment):
 
     def release(self, stream: Stream, held: Held, model: str, waited_s: float,
                 priority: int | None) -> list[pb.ProcessingResponse]:
-        routing = [header(QUEUE_WAIT_HEADER, str(round(waited_s * 1000)))]
-        routing.append(header(self._model_header, model))
+        routing = [header(QUEUE_WAIT_HEADER, str(round(waited_s * 1000))), header(self._model_header, model)]
         destination = epp.host_port(held.endpoint) if held.endpoint else None
         if destination:
             routing.append(header(DESTINATION_HEADER, destination))
