@@ -163,9 +163,9 @@ async def test_rejections_are_immediate_json_answers(message: pb.ProcessingReque
 async def test_unknown_priority_falls_back_to_the_default_band() -> None:
     processor, _ = make_processor()
     headers = {"x-priority": "urgent!!"}
-    assert processor.admit(headers, RequestFields(model="m")).band == CONFIG.band_names.index("standard")
-    assert processor.admit({"x-priority": "Interactive"}, RequestFields(model="m")).band == 0
-    assert processor.admit({}, RequestFields(model="m")).tenant == "anonymous"
+    assert processor.admissions.admit(headers, RequestFields(model="m")).band == CONFIG.band_names.index("standard")
+    assert processor.admissions.admit({"x-priority": "Interactive"}, RequestFields(model="m")).band == 0
+    assert processor.admissions.admit({}, RequestFields(model="m")).tenant == "anonymous"
 
 
 # --- entitlements, limits and engine priority -----------------------------------------------
@@ -207,7 +207,7 @@ def make_policy_processor() -> tuple[Processor, Telemetry]:
 )
 def test_a_class_beyond_the_entitlement_is_downgraded_never_upgraded(tenant: str, asked: str, granted: str) -> None:
     processor, _ = make_policy_processor()
-    admission = processor.admit({"x-tenant-id": tenant, "x-priority": asked}, RequestFields(model="m"))
+    admission = processor.admissions.admit({"x-tenant-id": tenant, "x-priority": asked}, RequestFields(model="m"))
     assert POLICY_CONFIG.band_names[admission.band] == granted
     assert (admission.requested is not None) == (asked not in ("", granted))
 
@@ -215,10 +215,10 @@ def test_a_class_beyond_the_entitlement_is_downgraded_never_upgraded(tenant: str
 def test_no_lower_class_to_fall_back_to_and_no_tenant_are_refused() -> None:
     processor, _ = make_policy_processor()
     with pytest.raises(Refused) as chat:  # asks below everything it may use: granting more would upgrade it
-        processor.admit({"x-tenant-id": "chat", "x-priority": "batch"}, RequestFields(model="m"))
+        processor.admissions.admit({"x-tenant-id": "chat", "x-priority": "batch"}, RequestFields(model="m"))
     assert chat.value.refusal is Refusal.PRIORITY_NOT_ALLOWED and ANSWERS[chat.value.refusal].status == 403
     with pytest.raises(Refused) as anonymous:
-        processor.admit({}, RequestFields(model="m"))
+        processor.admissions.admit({}, RequestFields(model="m"))
     assert anonymous.value.refusal is Refusal.TENANT_MISSING and ANSWERS[anonymous.value.refusal].status == 401
 
 
@@ -264,7 +264,8 @@ async def test_only_engine_priority_models_ask_for_the_body_and_get_it_rewritten
 
 def test_the_hold_outlasts_the_longest_class_wait() -> None:
     processor, _ = make_policy_processor()
-    assert processor._hold_reply["m"].override_message_timeout.seconds == 300 + HOLD_MARGIN_S
+    hold = processor.own_envoy.hold_reply("m")
+    assert hold is not None and hold.override_message_timeout.seconds == 300 + HOLD_MARGIN_S
 
 
 def test_no_model_holds_longer_than_the_filter_allows() -> None:
@@ -272,5 +273,6 @@ def test_no_model_holds_longer_than_the_filter_allows() -> None:
     config = parse_config({"models": [{"name": "a", "endpoints": ["http://127.0.0.1:1"], "max_queue_wait_s": 120.0004},
                                       {"name": "b", "endpoints": ["http://127.0.0.1:2"], "max_queue_wait_s": 0.5}]})
     processor = Processor(config, build_dispatchers(config, Telemetry()), Telemetry())
-    for reply in processor._hold_reply.values():
-        assert reply.override_message_timeout.ToMilliseconds() / 1000 <= hold_timeout_s(config)
+    for model in ("a", "b"):
+        reply = processor.own_envoy.hold_reply(model)
+        assert reply is not None and reply.override_message_timeout.ToMilliseconds() / 1000 <= hold_timeout_s(config)

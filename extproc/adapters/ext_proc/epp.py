@@ -15,9 +15,9 @@ back travel in dynamic metadata and one header, named here.
 * Out: the picked endpoint and its fallbacks, ``ip:port,ip:port``, both in the
   ``x-gateway-destination-endpoint`` header and in ``envoy.lb`` metadata, the
   same value in both.
-* Bodies in ``FULL_DUPLEX_STREAMED`` mode go back as streamed chunks of at most
-  62,000 bytes (what llm-d's picker sends: some Envoy builds cap a streamed
-  chunk at 64 KiB).
+
+How the body goes back in each body mode is the mode's, not the protocol's
+(``attach/body.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ DESTINATION_NAMESPACE = "envoy.lb"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 # Envoy's request attribute for the upstream host (ext_proc response_attributes).
 SERVED_ATTRIBUTE = "upstream.address"
-BODY_CHUNK_BYTES = 62_000
 
 
 @functools.lru_cache(maxsize=4096)  # asked per release and per response, of a few pool members
@@ -89,14 +88,3 @@ def destination_metadata(value: str) -> struct_pb2.Struct:
     metadata = struct_pb2.Struct()
     metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = value
     return metadata
-
-
-def streamed_body(phase: str, body: bytes, end_of_stream: bool = True) -> list[pb.ProcessingResponse]:
-    """``body`` as FULL_DUPLEX_STREAMED answers to ``phase`` (request_body or response_body), in chunks."""
-    chunks = [body[i:i + BODY_CHUNK_BYTES] for i in range(0, len(body), BODY_CHUNK_BYTES)] or [b""]
-    return [
-        pb.ProcessingResponse(**{phase: pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(
-            streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream and i == len(chunks) - 1),
-        )))})
-        for i, chunk in enumerate(chunks)
-    ]

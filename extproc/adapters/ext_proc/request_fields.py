@@ -43,6 +43,8 @@ class RequestFields:
     priority: Any = None
 
 
+NO_FIELDS = RequestFields()
+
 # A Raw field captures any value, null included; absent, it stays empty (b"").
 _ABSENT = msgspec.Raw()
 

@@ -1,0 +1,126 @@
+"""The attachment seam: a request's stream as it arrives, and what an attachment owes the servicer.
+
+The servicer (``servicer.py``) does what every request shares: admission,
+shedding, the queue, the hold and the stream's end. An :class:`Attachment`
+does what depends on how Envoy attached the processor: which fields come
+from where (:meth:`~Attachment.open`, :meth:`~Attachment.read`), where a
+request may go (:meth:`~Attachment.eligible`), how a held request is kept
+alive (:meth:`~Attachment.hold_reply`), how it is let go
+(:meth:`~Attachment.release`), how the stream is answered after that
+(:meth:`~Attachment.after_release`) and how a refusal sounds
+(:meth:`~Attachment.refusal`). ``own_envoy.py`` and ``endpoint_picker.py``
+implement it; the base class holds what both answer alike. Whichever it
+is, the shape of each reply follows the body modes Envoy declared for the
+stream (:class:`Stream`, ``body.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.adapters.config import Config
+from extproc.adapters.engines.dialects import DIALECTS
+from extproc.adapters.ext_proc.attach import body
+from extproc.adapters.ext_proc.release_outcome import engine_answer
+from extproc.adapters.ext_proc.replies import error_response, headers_of, passed
+from extproc.adapters.ext_proc.request_fields import Prompt, RequestFields
+from extproc.core.dispatcher import Held, ModelDispatcher
+from extproc.core.outcomes import Refused
+
+
+class Stream:
+    """One request as its ext_proc stream brings it: the body modes Envoy declared, and what was read so far.
+
+    ``fields`` is what the scheduler reads, whichever way it came; ``body`` is
+    kept only while the stream must give it back (``FULL_DUPLEX_STREAMED``)
+    or rewrite it (``engine_priority``).
+    """
+
+    __slots__ = ("request_mode", "response_mode", "has_body", "duplex", "response_duplex", "fields", "prompt", "body",
+                 "held_on_body", "subset")
+
+    def __init__(self, first: pb.ProcessingRequest, fields: RequestFields, prompt: Prompt,
+                 subset: frozenset[str] | None = None) -> None:
+        declared = first.protocol_config  # on the first message only (Envoy 1.40 always sends it)
+        self.request_mode: int = declared.request_body_mode
+        self.response_mode: int = declared.response_body_mode
+        self.has_body = not first.request_headers.end_of_stream
+        # A body comes at once, and reaches the engine only as it is given back.
+        self.duplex = self.has_body and self.request_mode == body.DUPLEX
+        self.response_duplex = self.response_mode == body.DUPLEX
+        self.fields = fields
+        # The prompt, undecoded, until the request is signed (or an operator's metadata text).
+        self.prompt = prompt
+        self.body = b""
+        # Held on its body message (buffered, read before the hold): the release answers that message.
+        self.held_on_body = False
+        # The endpoints the gateway allows (the Endpoint Picker Protocol's subset hint); None: any.
+        self.subset = subset
+
+
+class Attachment:
+    """How requests arrive and leave on one kind of attachment; one instance per configuration.
+
+    Subclasses implement :meth:`open`, :meth:`read` and :meth:`release`; the
+    rest has a default both attachments share.
+    """
+
+    # The reply that stops Envoy's message timer before a request is decided (the loop runs late); None: never sent.
+    acknowledgement: pb.ProcessingResponse | None = None
+    # The answer to an arrival shed under overload (shedding.py).
+    overloaded: pb.ProcessingResponse
+
+    def __init__(self, config: Config) -> None:
+        self._full_statuses = {m.name: DIALECTS[m.engine].full_statuses for m in config.models}
+
+    def open(self, first: pb.ProcessingRequest, metadata: RequestFields | None) -> Stream:
+        """The stream of ``first`` (its request headers), with ``metadata``: our namespace's fields, if Envoy sent them."""
+        raise NotImplementedError
+
+    def read(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
+             headers: dict[str, str]) -> AsyncIterator[pb.ProcessingResponse]:
+        """Take in what admission needs from the stream (raises Refused); yields what Envoy needs answered first."""
+        raise NotImplementedError
+
+    async def read_prompt(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
+                          headers: dict[str, str]) -> AsyncIterator[pb.ProcessingResponse]:
+        """Take in the prompt of a model with prefix signatures before the hold; by default the body already read has it."""
+        return
+        yield
+
+    def eligible(self, stream: Stream, dispatcher: ModelDispatcher) -> frozenset[str] | None:
+        """Where the request may go (raises Refused where nowhere can take it); None: wherever the pool picks."""
+        return None
+
+    def hold_reply(self, model: str) -> pb.ProcessingResponse | None:
+        """What keeps Envoy waiting while the request is held; None: nothing (the gateway's own timeout is long)."""
+        return None
+
+    def release(self, stream: Stream, held: Held, model: str, waited_s: float,
+                priority: int | None) -> list[pb.ProcessingResponse]:
+        """The replies that let the held request go to ``held.endpoint``; ``priority``: the body's engine priority."""
+        raise NotImplementedError
+
+    def after_release(self, stream: Stream, dispatcher: ModelDispatcher, held: Held, message: pb.ProcessingRequest,
+                      priority: int | None) -> list[pb.ProcessingResponse]:
+        """The answers to a message after the release, in the stream's body modes."""
+        if message.HasField("response_headers"):
+            self.response_began(stream, dispatcher, held, message)
+        elif message.HasField("response_body") and stream.response_duplex:  # passed back as it came
+            return body.streamed("response_body", message.response_body.body, message.response_body.end_of_stream)
+        elif message.HasField("request_body") and priority is not None:  # buffered after the release (mode override)
+            return [body.rewritten(message.request_body.body, priority)]
+        return [passed(message)]
+
+    def response_began(self, stream: Stream, dispatcher: ModelDispatcher, held: Held,
+                       message: pb.ProcessingRequest) -> None:
+        """The response's headers: whether the release reached a live engine, a full one or none (release_outcome.py)."""
+        answer = engine_answer(headers_of(message.response_headers), self._full_statuses[dispatcher.name])
+        dispatcher.record_response(held, answer)
+
+    def refusal(self, refused: Refused) -> pb.ProcessingResponse:
+        """The refusal as the client hears it."""
+        return error_response(refused)
+

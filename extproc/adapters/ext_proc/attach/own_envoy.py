@@ -1,0 +1,147 @@
+"""Our own Envoy: the generated config (or its drop-in) in front, the body's fields in our metadata.
+
+The fast path, in the generated filter's mode (request headers and response
+trailers sent, bodies not: ``contract.PROCESSING_MODE``):
+
+1. Envoy's ``json_to_metadata`` has put the body's ``model``, ``max_tokens``,
+   ``max_completion_tokens`` and ``prompt_cache_key`` into dynamic metadata
+   ``extproc``, which comes with the request headers: the prompt never passes
+   through Python.
+2. While the request is held, one ``override_message_timeout`` keeps Envoy
+   waiting past its short message timeout (the filter allows up to the
+   longest hold, ``max_message_timeout``).
+3. The release answers the headers: the routing header set to the model (a
+   client-sent one is overwritten), the picked endpoint in
+   ``x-gateway-destination-endpoint`` (endpoint picking), the queue wait, and
+   the route cache cleared, so Envoy routes on them.
+4. A release the gate checks (a sample), or of a preemptible class, turns
+   the response headers on (``mode_override``): their status tells a live
+   engine from a failed release (``release_outcome.py``), and a response
+   begun can no longer be preempted. The stream then stays open, silent,
+   until the response ends: its end is the request's completion.
+5. An ``engine_priority`` model's release also switches the request body to
+   buffered; it comes back with the band's ``priority`` written in.
+6. A model with prefix signatures needs its prompt before the hold: its
+   headers are answered at once, switching to a buffered body (a mode can
+   be overridden only in a headers reply, and whether a release is checked is
+   known only at the release, so the response headers are turned on too);
+   the request is held on the body message and released by its reply. An
+   operator's own filter may put the leading text into
+   ``extproc.prompt_prefix`` metadata instead: then no body is asked for.
+
+Any other body mode the filter declares is followed (``body.py``): with
+``BUFFERED`` the body comes after the headers are answered, and the overrides
+keep it; with ``FULL_DUPLEX_STREAMED`` Envoy streams the body at once and
+passes on only what is given back, so it is read before the hold and given
+back after the release's headers reply, and the response's chunks as they
+come (overrides are ignored there: the response headers come only if the
+filter sends them). Overrides need the filter's ``allow_mode_override``, as
+the generated one has; a gateway without it (Envoy AI Gateway) ignores them
+and ignores the hold's timeout too (warning once per request in its log;
+its own message timeout is long).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.adapters.config import Config
+from extproc.adapters.ext_proc import epp
+from extproc.adapters.ext_proc.attach import body
+from extproc.adapters.ext_proc.attach.base import Attachment, Stream
+from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, PROCESSING_MODE, QUEUE_WAIT_HEADER, hold_timeout_for
+from extproc.adapters.ext_proc.replies import content_length, duration, error_response, header
+from extproc.adapters.ext_proc.request_fields import NO_FIELDS, NO_PROMPT, RequestFields, prompt_from_metadata, prompt_of
+from extproc.core.dispatcher import Held
+from extproc.core.outcomes import Refusal, Refused
+
+_MODES = body.Mode.BodySendMode.values()
+
+
+def _override(request_mode: int, response_mode: int, body_wanted: bool,
+              checked: bool) -> processing_mode_pb2.ProcessingMode | None:
+    """The generated filter's mode with the declared bodies, the request body buffered and/or the response headers sent.
+
+    None when neither is wanted, or in duplex mode, where Envoy ignores overrides.
+    """
+    if not (body_wanted or checked) or body.DUPLEX in (request_mode, response_mode):
+        return None
+    return processing_mode_pb2.ProcessingMode(**{
+        **PROCESSING_MODE,
+        "request_body_mode": body.Mode.BUFFERED if body_wanted else request_mode,
+        "response_body_mode": response_mode,
+        **({"response_header_mode": "SEND"} if checked else {}),
+    })
+
+
+# By (declared request body mode, declared response body mode, body wanted, response headers wanted).
+_OVERRIDES = {(rq, rs, b, c): _override(rq, rs, b, c)
+              for rq in _MODES for rs in _MODES for b in (False, True) for c in (False, True)}
+# A model with prefix signatures: the headers answered at once, the body wanted before the hold (and the
+# response headers, as the release may be checked); by the declared body modes.
+_PROMPT_FIRST = {
+    (rq, rs): pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_OVERRIDES[rq, rs, True, True])
+    for rq in _MODES for rs in _MODES
+}
+
+
+class OwnEnvoy(Attachment):
+    """Requests that come with our metadata: held by message-timeout overrides, released by the routing headers."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self._model_header = config.identity.model_header
+        self._max_body_bytes = config.endpoint_picker.max_body_bytes
+        # Prebuilt: one is sent to every request that has to wait.
+        self._hold_replies = {
+            m.name: pb.ProcessingResponse(override_message_timeout=duration(hold_timeout_for(config.longest_queue_wait_s(m))))
+            for m in config.models
+        }
+        # Prebuilt: under a burst these are sent to every arrival, so they cost no construction.
+        self.acknowledgement = max(self._hold_replies.values(), key=lambda reply: reply.override_message_timeout.ToMilliseconds())
+        self.overloaded = error_response(Refused(
+            Refusal.OVERLOADED, "the gateway is overloaded and refuses the lowest class of requests first; retry shortly"
+        ))
+
+    def open(self, first: pb.ProcessingRequest, metadata: RequestFields | None) -> Stream:
+        return Stream(first, metadata or NO_FIELDS, prompt_from_metadata(first) or NO_PROMPT)
+
+    async def read(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
+                   headers: dict[str, str]) -> AsyncIterator[pb.ProcessingResponse]:
+        """Only in duplex mode, the body: Envoy streams it at once and passes on only what is given back."""
+        if stream.duplex:
+            stream.body = await body.read(messages, content_length(headers), self._max_body_bytes)
+        return
+        yield
+
+    async def read_prompt(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
+                          headers: dict[str, str]) -> AsyncIterator[pb.ProcessingResponse]:
+        """The body, for its prompt (unless metadata had the text): asked for at once, or already read (duplex)."""
+        if not stream.has_body or stream.prompt.text is not None:
+            return
+        if not stream.duplex:
+            yield _PROMPT_FIRST.get((stream.request_mode, stream.response_mode), _PROMPT_FIRST[body.Mode.NONE, body.Mode.NONE])
+            stream.body = await body.read(messages, content_length(headers), self._max_body_bytes)
+            stream.held_on_body = True
+        stream.prompt = prompt_of(stream.body)
+
+    def hold_reply(self, model: str) -> pb.ProcessingResponse | None:
+        return self._hold_replies[model]
+
+    def release(self, stream: Stream, held: Held, model: str, waited_s: float,
+                priority: int | None) -> list[pb.ProcessingResponse]:
+        routing = [header(QUEUE_WAIT_HEADER, str(round(waited_s * 1000))), header(self._model_header, model)]
+        destination = epp.host_port(held.endpoint) if held.endpoint else None
+        if destination:
+            routing.append(header(DESTINATION_HEADER, destination))
+        # Only a headers reply may override: the body for engine_priority, the response headers for a checked
+        # release or a preemptible one (they say when it can no longer be preempted).
+        override = _OVERRIDES.get((stream.request_mode, stream.response_mode, priority is not None,
+                                   held.checked or held.preempted is not None))
+        replies = body.release(duplex=stream.duplex, held_on_body=stream.held_on_body, body=stream.body, routing=routing,
+                               metadata=None, priority=priority, override=override)
+        stream.body = b""
+        return replies
