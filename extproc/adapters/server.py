@@ -25,6 +25,7 @@ JSON 503 ``processor_unavailable`` (adapters/envoy/routes.py).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -257,6 +258,12 @@ async def serve(config: Config, drain_seconds: float, deadline_seconds: float,
         loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP while starting: ignored; send it again once serving")
     server = ProcessorServer(config)
     await server.start()
+    # What start-up built (modules, protobuf descriptors, the config, the metrics: ~70,000 objects) lives as long
+    # as the process. Frozen, the cyclic GC's full collections no longer walk it: each took ~50 ms of CPU, a stall
+    # of every stream on the loop, every few thousand requests. Frozen objects are still freed by reference
+    # counting; only a cycle among them (none is made per request) would stay.
+    gc.collect()
+    gc.freeze()
     stop, force = asyncio.Event(), asyncio.Event()
     if source is not None:
         _serve_reloads(server, source, drain_seconds, watch_config)
