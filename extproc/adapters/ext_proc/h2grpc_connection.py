@@ -31,6 +31,7 @@ import h2.settings
 from hyperframe.frame import Frame, GoAwayFrame
 
 from extproc.adapters.ext_proc.h2grpc_call import PREFIX, Call, trailers
+from extproc.adapters.ext_proc.h2grpc_hpack import MemoDecoder
 from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
 from extproc.adapters.ext_proc.transport import (
     INTERNAL,
@@ -65,7 +66,8 @@ _ProtocolError = h2.exceptions.ProtocolError
 
 
 class _H2Connection(h2.connection.H2Connection):
-    """h2's connection, with GOAWAY as a message instead of the end, and without its walk per new stream.
+    """h2's connection, with GOAWAY as a message instead of the end, without its walk per new stream, and
+    with header blocks a peer repeats decoded once (h2grpc_hpack.py).
 
     h2 takes a GOAWAY, sent or received, as the connection's end: it then
     refuses to send anything, so every stream still running would fail. HTTP/2
@@ -81,6 +83,10 @@ class _H2Connection(h2.connection.H2Connection):
     """
 
     _since_walk = 0
+
+    def __init__(self, config: h2.config.H2Configuration) -> None:
+        super().__init__(config)
+        self.decoder = MemoDecoder(self.decoder.max_header_list_size, self.decoder.max_allowed_table_size)
 
     @property
     def open_inbound_streams(self) -> int:
