@@ -152,6 +152,7 @@ class Connection(asyncio.Protocol):
         self._stream_budget = self._max_message + PREFIX + 16_384
         self._connection_budget = max(self._listen.connection_buffer_bytes, self._stream_budget)
         self._timer: asyncio.TimerHandle | None = None
+        self._flush_pending = False  # a _flush is queued on the loop
         self._handshaken = False
         self._last_frame = 0.0
         self._draining = False  # a GOAWAY went either way: the connection ends with its last stream
@@ -250,7 +251,7 @@ class Connection(asyncio.Protocol):
             return
         for event in events:
             self._handle(event)
-        self._flush()
+        self._flush_soon()
 
     def _handle(self, event: h2.events.Event) -> None:
         if isinstance(event, h2.events.RequestReceived):
@@ -361,7 +362,7 @@ class Connection(asyncio.Protocol):
         self._account(call)
         if call.unacked and self._transport is not None:
             self._acknowledge(call)
-            self._flush()
+            self._flush_soon()
 
     def _acknowledge(self, call: Call) -> None:
         """Hand back what keeps the call's unread bytes, plus what the peer may still send, within one message."""
@@ -402,7 +403,7 @@ class Connection(asyncio.Protocol):
                     payload = reply.SerializeToString()
                     call.outgoing += b"\0" + len(payload).to_bytes(4, "big") + payload
                     self._drain(call)
-                    self._flush()
+                    self._flush_soon()
             except _ProtocolError:  # the stream was reset or closed while the reply was being made
                 self._drop(call.stream_id)
                 return
@@ -413,7 +414,7 @@ class Connection(asyncio.Protocol):
                 status, message = INTERNAL, "internal error"
             if call.closing is None and self.calls.get(call.stream_id) is call:
                 self._finish(call, status, message)
-                self._flush()
+                self._flush_soon()
         finally:
             # A reset leaves its CancelledError in the task, and that error's traceback holds this frame, which
             # holds the call: with the call's link back to the task dropped, the task, its frames and the request
@@ -488,9 +489,23 @@ class Connection(asyncio.Protocol):
             self._drain(call)
 
     def _flush(self) -> None:
+        """Write what h2 has to send now (before a close, which must not cut it off)."""
+        self._flush_pending = False
         data = self._h2.data_to_send()
         if data and self._transport is not None:
             self._transport.write(data)
+
+    def _flush_soon(self) -> None:
+        """Write what h2 has to send once the loop has run what is ready: one write for the replies of many streams.
+
+        At saturation a socket read brings a dozen streams' messages; their
+        handlers run in the next loop iteration, before this write (which is
+        queued after them), so their replies and the window updates leave in
+        one write instead of one or two per stream.
+        """
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
 
 
 def _cancel(call: Call) -> None:
