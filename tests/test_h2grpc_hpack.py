@@ -1,5 +1,6 @@
 """The h2grpc transport's HPACK decoder: a block repeated while nothing changed is answered from memory, and
-every change of the dynamic table or of the limits makes it decode again, as hpack's own decoder would.
+every change of the dynamic table or of the limits makes it decode again, as hpack's own decoder would;
+hpack's debug lines muted unless asked for.
 
 Each test feeds the same sequence of blocks to hpack's decoder and to ours and
 asserts the same headers, or the same error, block by block.
@@ -7,14 +8,17 @@ asserts the same headers, or the same error, block by block.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import hpack
+import hpack.hpack
+import hpack.table
 import pytest
 from hpack import Decoder, Encoder
 from hpack.struct import HeaderTuple
 
-from extproc.adapters.ext_proc.h2grpc_hpack import MemoDecoder
+from extproc.adapters.ext_proc.h2grpc_hpack import MemoDecoder, mute_debug
 
 pytestmark = pytest.mark.unit
 
@@ -86,3 +90,26 @@ def test_a_table_resize_and_lowered_limits_are_not_answered_from_memory() -> Non
         decoder.max_allowed_table_size = 1024
         with pytest.raises(hpack.InvalidTableSizeError):
             decoder.decode(static, raw=True)
+
+
+@pytest.fixture
+def hpack_loggers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hpack's own loggers for the test (a server started earlier in this process may have muted them), restored after."""
+    monkeypatch.setattr(hpack.hpack, "log", logging.getLogger("hpack.hpack"))
+    monkeypatch.setattr(hpack.table, "log", logging.getLogger("hpack.table"))
+
+
+def test_hpack_debug_lines_are_muted_unless_debug_is_on_for_them(
+        hpack_loggers: None, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="hpack")
+    mute_debug()
+    Decoder().decode(Encoder().encode([(b"x-a", b"1")]))
+    assert any(r.name == "hpack.hpack" for r in caplog.records)  # asked for: kept
+
+    caplog.set_level(logging.INFO, logger="hpack")
+    caplog.clear()
+    mute_debug()
+    mute_debug()  # idempotent
+    caplog.set_level(logging.DEBUG, logger="hpack")  # too late: muted for good once the transport started
+    assert Decoder().decode(Encoder().encode([(b"x-a", b"1")]), raw=True) == [(b"x-a", b"1")]
+    assert not [r for r in caplog.records if r.name.startswith("hpack")]

@@ -21,7 +21,8 @@ bytes end only its stream, flow control bounds what it can make us buffer,
 streams per connection and connections are limited (Limits, far above the
 held requests we expect), stalled and idle connections are closed, GOAWAY
 is graceful both ways. The pieces: h2grpc_call.py (one call),
-h2grpc_connection.py (one connection), h2grpc_warnings.py (warnings per peer).
+h2grpc_connection.py (one connection), h2grpc_hpack.py (its HPACK decoding),
+h2grpc_warnings.py (warnings per peer).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 
 from extproc.adapters.ext_proc.h2grpc_connection import Connection
+from extproc.adapters.ext_proc.h2grpc_hpack import mute_debug
 from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
 from extproc.adapters.ext_proc.tls import ServerTls
 from extproc.adapters.ext_proc.transport import Limits, Methods, Transport
@@ -48,6 +50,7 @@ class GrpcServer(Transport):
 
     async def start(self, host: str, port: int, tls: ServerTls | None = None) -> None:
         """Listen; with ``tls`` (its listener context offers ALPN h2, reloaded files included), every connection is TLS."""
+        mute_debug()
         loop = asyncio.get_running_loop()
         self._listener = await loop.create_server(
             lambda: Connection(self.methods, self.limits, self.connections, self.warnings), host, port,

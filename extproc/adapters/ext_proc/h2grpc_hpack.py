@@ -1,4 +1,5 @@
-"""HPACK decoding for the h2grpc transport, memoised per header block while the dynamic table is unchanged.
+"""HPACK for the h2grpc transport: decoding memoised per header block while the dynamic table is unchanged,
+and hpack's debug lines muted.
 
 Envoy opens every ext_proc stream with the same header block, byte for byte,
 once its headers are in the table: seven indexed fields and ``:path`` as a
@@ -8,10 +9,21 @@ decoder's dynamic table and two limits; so while none of them changed, a
 block seen before decodes to what it did then. The table counts its changes
 (a generation): every entry added, every resize (a block carrying either is
 never memoised, and makes the memo stale).
+
+hpack logs a debug line for most integers and headers it encodes or decodes;
+with DEBUG off, each call still costs a level check (23 a stream measured).
+``mute_debug`` swaps its loggers for one whose ``debug`` does nothing, unless
+DEBUG is on for them when the transport starts (setup_logging never turns it
+on for libraries, adapters/logs.py).
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
+import hpack.hpack
+import hpack.table
 from hpack import Decoder
 from hpack.struct import HeaderTuple
 from hpack.table import HeaderTable
@@ -66,3 +78,22 @@ class MemoDecoder(Decoder):
                 self._memo.clear()
             self._memo[key] = list(headers)
         return headers
+
+
+class _NoDebug(logging.Logger):
+    """A logger whose debug lines cost one call: hpack writes nothing else."""
+
+    def debug(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def mute_debug() -> None:
+    """Mute hpack's debug lines, unless DEBUG is on for them now (then they are kept: someone asked for them)."""
+    hpack.hpack.log = _muted(hpack.hpack.log)
+    hpack.table.log = _muted(hpack.table.log)
+
+
+def _muted(logger: logging.Logger) -> logging.Logger:
+    if isinstance(logger, _NoDebug) or logger.isEnabledFor(logging.DEBUG):
+        return logger
+    return _NoDebug(logger.name)
