@@ -28,6 +28,8 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+from h2.connection import ConnectionInputs
+from h2.stream import StreamInputs
 from hyperframe.frame import Frame, GoAwayFrame
 
 from extproc.adapters.ext_proc.h2grpc_call import PREFIX, Call, trailers
@@ -62,6 +64,10 @@ _H2_CONFIG = h2.config.H2Configuration(
     validate_outbound_headers=False, normalize_outbound_headers=False,
 )
 _RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
+# The same as one HEADERS frame (END_HEADERS) but its stream id: ":status: 200" from HPACK's static table,
+# content-type a literal that is not indexed (so the encoder's dynamic table, which h2 owns, is untouched).
+_RESPONSE_BLOCK = b"\x88\x0f\x10\x10application/grpc"
+_RESPONSE_FRAME = len(_RESPONSE_BLOCK).to_bytes(3, "big") + b"\x01\x04"
 _ProtocolError = h2.exceptions.ProtocolError
 
 
@@ -95,6 +101,23 @@ class _H2Connection(h2.connection.H2Connection):
             self._since_walk = 0
             _ = super().open_inbound_streams  # forgets the closed streams
         return 0  # never over h2's limit: Connection refuses past its own
+
+    def send_response_headers(self, stream_id: int) -> None:
+        """Our response headers on a stream, as ``send_headers(stream_id, _RESPONSE_HEADERS)`` sends them, for less.
+
+        h2's way builds and encodes them again for every stream (utf-8 checks,
+        a frame object, HPACK, about 35 µs); here the frame is constant bytes.
+        The connection's and the stream's state machines still take the step
+        (so a stream reset meanwhile raises the same ProtocolError), and a
+        stream h2 does not know goes to h2, which says why.
+        """
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            self.send_headers(stream_id, _RESPONSE_HEADERS)
+            return
+        self.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
+        stream.state_machine.process_input(StreamInputs.SEND_HEADERS)
+        self._data_to_send += _RESPONSE_FRAME + stream_id.to_bytes(4, "big") + _RESPONSE_BLOCK
 
     def _receive_goaway_frame(self, frame: GoAwayFrame) -> tuple[list[Frame], list[h2.events.Event]]:
         event = h2.events.ConnectionTerminated()
@@ -398,7 +421,7 @@ class Connection(asyncio.Protocol):
                     if call.closing is not None:  # finished by the transport (bad input): nothing more to say
                         return
                     if not call.started:
-                        self._h2.send_headers(call.stream_id, _RESPONSE_HEADERS)
+                        self._h2.send_response_headers(call.stream_id)
                         call.started = True
                     payload = reply.SerializeToString()
                     call.outgoing += b"\0" + len(payload).to_bytes(4, "big") + payload

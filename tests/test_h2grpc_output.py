@@ -1,4 +1,5 @@
-"""The replies of streams that run in the same loop iteration leave in one socket write.
+"""What the h2grpc transport writes: the replies of streams that run in the same loop iteration leave in one
+socket write, and the response headers, written as constant bytes, read as h2's own would.
 
 At saturation one read brings a dozen streams' messages; a write per reply
 was 1.7 system calls per request, and as many reads for Envoy.
@@ -9,9 +10,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import h2.events
 import pytest
 
-from tests.test_h2grpc_abuse import ECHO, HI, OK, _connected
+from tests.test_h2grpc_abuse import ECHO, HI, HOLD, OK, _connected
 
 pytestmark = pytest.mark.unit
 
@@ -48,3 +50,21 @@ async def test_twenty_streams_sent_in_one_write_are_answered_in_one_write() -> N
         await client.until(lambda: all(client.ended(s) for s in streams))
         assert [client.status(s) for s in streams] == [OK] * 20
         assert counting.writes <= 2  # one, unless the socket split the client's bytes; a write per reply was 40
+
+
+async def test_response_headers_then_trailers_read_as_h2_would_send_them_stream_after_stream() -> None:
+    async with _connected() as (_, client):
+        for _ in range(3):  # the encoder's table, which trailers use, stays in step with the client's decoder
+            stream = client.request(ECHO)
+            client.send(stream, HI, end=True)
+            await client.until(lambda s=stream: client.ended(s))  # type: ignore[misc]
+            first, *_, last = client.of(stream)
+            assert isinstance(first, h2.events.ResponseReceived)
+            assert first.headers == [(b":status", b"200"), (b"content-type", b"application/grpc")]
+            assert isinstance(last, h2.events.StreamEnded)
+            assert client.status(stream) == OK
+        held = client.request(HOLD)  # reset before its reply: the reply is not sent, the connection goes on
+        client.h2.reset_stream(held)
+        client.send(client.request(ECHO), HI, end=True)
+        await client.until(lambda: client.ended(held + 2))
+        assert client.status(held + 2) == OK
