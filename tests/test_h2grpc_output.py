@@ -1,5 +1,6 @@
 """What the h2grpc transport writes: the replies of streams that run in the same loop iteration leave in one
-socket write, and the response headers, written as constant bytes, read as h2's own would.
+socket write, and the response headers, written as constant bytes, read as h2's own would; frames received
+are not rendered as text for nothing.
 
 At saturation one read brings a dozen streams' messages; a write per reply
 was 1.7 system calls per request, and as many reads for Envoy.
@@ -10,9 +11,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import h2.config
+import h2.connection
 import h2.events
 import pytest
+from hyperframe.frame import Frame
 
+from extproc.adapters.ext_proc.h2grpc_connection import _H2_CONFIG, _H2Connection
 from tests.test_h2grpc_abuse import ECHO, HI, HOLD, OK, _connected
 
 pytestmark = pytest.mark.unit
@@ -68,3 +73,20 @@ async def test_response_headers_then_trailers_read_as_h2_would_send_them_stream_
         client.send(client.request(ECHO), HI, end=True)
         await client.until(lambda: client.ended(held + 2))
         assert client.status(held + 2) == OK
+
+
+def test_frames_received_are_not_rendered_for_h2s_silent_trace_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    def rendered(_: Frame) -> str:
+        raise AssertionError("a received frame was rendered")
+
+    monkeypatch.setattr(Frame, "__repr__", rendered)
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    client.initiate_connection()
+    client.send_headers(1, [(b":method", b"POST"), (b":scheme", b"http"), (b":path", ECHO), (b":authority", b"t"),
+                            (b"content-type", b"application/grpc")])
+    client.send_data(1, HI, end_stream=True)
+    server = _H2Connection(_H2_CONFIG)
+    server.initiate_connection()
+    events = server.receive_data(client.data_to_send())
+    assert [type(e) for e in events][-3:] == [h2.events.RequestReceived, h2.events.DataReceived,
+                                               h2.events.StreamEnded]
