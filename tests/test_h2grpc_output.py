@@ -17,7 +17,7 @@ import h2.events
 import pytest
 from hyperframe.frame import Frame
 
-from extproc.adapters.ext_proc.h2grpc_connection import _H2_CONFIG, _H2Connection
+from extproc.adapters.ext_proc.h2grpc_h2 import H2_CONFIG, H2Connection
 from tests.test_h2grpc_abuse import ECHO, HI, HOLD, OK, _connected
 
 pytestmark = pytest.mark.unit
@@ -85,7 +85,7 @@ def test_frames_received_are_not_rendered_for_h2s_silent_trace_line(monkeypatch:
     client.send_headers(1, [(b":method", b"POST"), (b":scheme", b"http"), (b":path", ECHO), (b":authority", b"t"),
                             (b"content-type", b"application/grpc")])
     client.send_data(1, HI, end_stream=True)
-    server = _H2Connection(_H2_CONFIG)
+    server = H2Connection(H2_CONFIG)
     server.initiate_connection()
     events = server.receive_data(client.data_to_send())
     assert [type(e) for e in events][-3:] == [h2.events.RequestReceived, h2.events.DataReceived,

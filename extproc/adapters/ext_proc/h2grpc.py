@@ -21,7 +21,8 @@ bytes end only its stream, flow control bounds what it can make us buffer,
 streams per connection and connections are limited (Limits, far above the
 held requests we expect), stalled and idle connections are closed, GOAWAY
 is graceful both ways. The pieces: h2grpc_call.py (one call),
-h2grpc_connection.py (one connection), h2grpc_hpack.py (its HPACK decoding),
+h2grpc_connection.py (one connection), h2grpc_h2.py (h2 as it uses it),
+h2grpc_hpack.py (its HPACK decoding),
 h2grpc_warnings.py (warnings per peer).
 """
 
