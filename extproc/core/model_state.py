@@ -43,7 +43,7 @@ from extproc.core.pricing import Pricing
 from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
 from extproc.core.release.rule import ReleaseRule, RuleSettings
-from extproc.core.report import Charged, DispatchReport, PoolEvent, RequestEvent, Step
+from extproc.core.report import Charged, DispatchReport, RequestEvent, Step
 from extproc.core.status import ClusterStatus, ModelStatus, band_status
 from extproc.core.timers import Timers
 
@@ -185,9 +185,6 @@ class ModelState:
     def note_health(self, now: float) -> None:
         self._health_log.note(now)
 
-    def report_in_flight(self) -> None:
-        self._report(PoolEvent(in_flight=self._pool.in_flight))
-
     def backlog(self) -> Iterator[Backlog]:
         for band in range(len(self._settings.bands)):
             for tenant, count in self._queue.tenant_lengths(band).items():
@@ -281,7 +278,6 @@ class ModelState:
         self._queue.correct(request.band, request.tenant, measured.cost - estimate.cost)
         self._report(Charged(request.tenant, estimate.prompt_tokens, measured.output_tokens, measured.cost,
                              measured.cached_tokens))
-        self._report(PoolEvent(in_flight=self._pool.in_flight))
         return measured.cost
 
     # --- preemption (preemption.py decides; this ends) ----------------------------------------------

@@ -67,6 +67,11 @@ class ModelTelemetry:
             ServedElsewhere: self._served_elsewhere, ClusterTrip: self._cluster_trip, Signed: self._signed,
         }
 
+    def count_in_flight(self, in_flight: Callable[[], int]) -> None:
+        """Read the model's in-flight gauge from ``in_flight`` when it is scraped: it changes with every release and
+        end, so reporting each change would cost every request a gauge write that nobody reads."""
+        self._in_flight.set_function(in_flight)
+
     def _label(self, tenants: TenantLabels) -> None:
         """Look up the children of every (class, tenant value) once.
 
@@ -204,8 +209,6 @@ class ModelTelemetry:
             self._decision.observe(event.decision_s)
         if event.cost_clamped:
             self._t.cost_clamped.labels(self._model).inc()
-        if event.in_flight is not None:
-            self._in_flight.set(event.in_flight)
         if event.fallback is not None:
             self._t.gate_fallback.labels(self._model).set(1 if event.fallback else 0)
             if event.note:
