@@ -116,11 +116,14 @@ class OwnEnvoy(Attachment):
     def open(self, first: pb.ProcessingRequest, metadata: RequestFields | None) -> Stream:
         return Stream(first, metadata or NO_FIELDS, prompt_from_metadata(first) or NO_PROMPT)
 
+    def reads(self, stream: Stream) -> bool:
+        """Only in duplex mode: the body comes at once; else the metadata had what admission needs."""
+        return stream.duplex
+
     async def read(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
                    headers: dict[str, str]) -> AsyncIterator[pb.ProcessingResponse]:
-        """Only in duplex mode, the body: Envoy streams it at once and passes on only what is given back."""
-        if stream.duplex:
-            stream.body = await body.read(messages, content_length(headers), self._max_body_bytes)
+        """The body (duplex mode): Envoy streams it at once and passes on only what is given back."""
+        stream.body = await body.read(messages, content_length(headers), self._max_body_bytes)
         return
         yield
 
