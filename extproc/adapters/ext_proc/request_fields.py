@@ -31,7 +31,7 @@ from extproc.core.outcomes import Refusal, Refused
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RequestFields:
     """The body's scheduling inputs, each as the client wrote it (None: absent)."""
 
