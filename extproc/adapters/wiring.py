@@ -71,9 +71,9 @@ def build_dispatcher(
 ) -> ModelDispatcher:
     """``model``'s dispatcher; with ``cluster``, its releases are decided by the cluster (a seat as its strategy)."""
     timers = LoopTimers(clock)
-    return ModelDispatcher(
-        model.name, build_pool(model), config.bands,
-        telemetry.for_model(model.name, config.band_names, tenant_labels(config)), clock,
+    report = telemetry.for_model(model.name, config.band_names, tenant_labels(config))
+    dispatcher = ModelDispatcher(
+        model.name, build_pool(model), config.bands, report, clock,
         policy=POLICIES[model.policy],
         timers=timers,
         tenant=config.tenant,
@@ -84,6 +84,8 @@ def build_dispatcher(
         max_preemptions_per_s=model.max_preemptions_per_s,
         strategy=None if cluster is None else (lambda outlet: cluster.seat(model.name, outlet, timers)),
     )
+    report.count_in_flight(lambda: dispatcher.in_flight)
+    return dispatcher
 
 
 def build_dispatchers(

@@ -241,7 +241,6 @@ class ClusterSeat:
             # False: none queued (its client left since the ask: the slot returns with the next ask's count).
             if outlet.release_head(release.band, release.tenant, now, free=free > 0):
                 free -= 1
-        outlet.report_in_flight()
 
     def lost(self, ask: Ask) -> None:
         """The ask never reached Redis (or its answer was lost): release on our share; the next ask carries it again."""

@@ -104,7 +104,7 @@ def _blend(old: float | None, new: float) -> float:
     return new if old is None else (1 - AVERAGE_WEIGHT) * old + AVERAGE_WEIGHT * new
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Charge:
     """What a finished request costs in the end: its output tokens (measured, else estimated), the price, and its
     prompt tokens charged as cached."""
@@ -114,7 +114,7 @@ class Charge:
     cached_tokens: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Estimate:
     """What a release was charged, and what the correction needs to know."""
 

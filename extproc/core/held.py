@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 from extproc.core.cost import Estimate
 from extproc.core.prefix import NO_PREFIX, Prefix
-from extproc.core.timers import Timer
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +58,9 @@ class Held:
     # When it should be released by, for ordering (deadline policy): enqueued_at +
     # the objective, or + the band's longest queue wait where it has none.
     deadline: float
-    # Refuses it (queue_timeout) if it is still queued then.
-    expiry: Timer | None = field(default=None, repr=False)
+    # Refused (queue_timeout) if it is still queued this long after enqueued_at (``expiry.py``): its band's longest
+    # wait when it was queued.
+    queue_wait_s: float
     released: bool = False
     released_at: float = math.nan
     # The endpoint picked at the release, and the others in order of preference (the gateway's fallbacks).

@@ -16,9 +16,9 @@ and the release reported.
 
 It reads the pool (``release/pool.py``) and tells it of releases and finishes;
 the pool's own events (scrapes, probes, membership) reach it from the
-dispatcher. Pure but for the futures it resolves: time is passed in, and its
-one deadline per request (a queued request's longest wait) is left to the
-injected :class:`~extproc.core.timers.Timers`.
+dispatcher. Pure but for the futures it resolves: time is passed in, and the
+queued requests' longest waits (``expiry.py``) are left to the injected
+:class:`~extproc.core.timers.Timers`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from extproc.core.cost import CostWeights
 from extproc.core.drain_time import ReleaseRate
 from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
+from extproc.core.expiry import Expiry
 from extproc.core.fair_queue import FairQueue
 from extproc.core.held import Held, Request
 from extproc.core.outcomes import Refusal, Refused
@@ -43,7 +44,7 @@ from extproc.core.pricing import Pricing
 from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
 from extproc.core.release.rule import ReleaseRule, RuleSettings
-from extproc.core.report import Charged, DispatchReport, PoolEvent, RequestEvent, Step
+from extproc.core.report import Charged, DispatchReport, RequestEvent, Step
 from extproc.core.status import ClusterStatus, ModelStatus, band_status
 from extproc.core.timers import Timers
 
@@ -80,7 +81,6 @@ class ModelState:
         self._settings = settings
         self._report = report
         self._clock = clock
-        self._timers = timers
         self._policy = policy
         self._pricing = Pricing(pool, settings.cost)
         self._queue: FairQueue[Held] = FairQueue(
@@ -89,6 +89,7 @@ class ModelState:
         self._preemption = Preemption(max_preemptions_per_s)
         self._release_rate = ReleaseRate()
         self._health_log = HealthLog(name, pool, report)
+        self._expiry = Expiry(timers, clock, self._expire)
 
     def reconfigure(self, settings: LiveSettings) -> None:
         """Take new settings for what comes next (the same bands, by name and order: a queued request's band is its index).
@@ -130,12 +131,12 @@ class ModelState:
         queue_wait = rules.queue_wait_s(self._settings.max_queue_wait_s)
         held = Held(request, now, asyncio.get_running_loop().create_future(),
                     self._pricing.estimate(tenant, content_length, max_tokens), ttft_objective_s=objective,
-                    deadline=now + (objective if objective is not None else queue_wait))
+                    deadline=now + (objective if objective is not None else queue_wait), queue_wait_s=queue_wait)
         first = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)
         self._admission.arrived(band, now)
         self._report(RequestEvent(Step.QUEUED, rules.name, tenant))
-        held.expiry = self._timers.at(now + queue_wait, lambda: self._expire(held))
+        self._expiry.add(held)
         return held, first
 
     # --- the release step, and what a strategy reads (strategy.Outlet, cluster.ClusterOutlet) ------
@@ -184,9 +185,6 @@ class ModelState:
 
     def note_health(self, now: float) -> None:
         self._health_log.note(now)
-
-    def report_in_flight(self) -> None:
-        self._report(PoolEvent(in_flight=self._pool.in_flight))
 
     def backlog(self) -> Iterator[Backlog]:
         for band in range(len(self._settings.bands)):
@@ -281,7 +279,6 @@ class ModelState:
         self._queue.correct(request.band, request.tenant, measured.cost - estimate.cost)
         self._report(Charged(request.tenant, estimate.prompt_tokens, measured.output_tokens, measured.cost,
                              measured.cached_tokens))
-        self._report(PoolEvent(in_flight=self._pool.in_flight))
         return measured.cost
 
     # --- preemption (preemption.py decides; this ends) ----------------------------------------------
@@ -362,8 +359,7 @@ class ModelState:
                                   now - held.enqueued_at, slack_s=held.slack_s(now)))
 
     def _resolve(self, held: Held, refused: Refused | None = None) -> None:
-        if held.expiry is not None:
-            held.expiry.cancel()
+        self._expiry.discard(held)
         if held.future.done():
             return
         if refused is None:

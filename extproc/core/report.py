@@ -99,9 +99,12 @@ class EndpointEvent:
 
 @dataclass(frozen=True, slots=True)
 class PoolEvent:
-    """The model as a whole; each field set is one fact, None (or False) says nothing of it."""
+    """The model as a whole; each field set is one fact, None (or False) says nothing of it.
 
-    in_flight: int | None = None
+    Not how many are in flight: that changes with every release and end, and
+    is read where it is shown (``ModelDispatcher.in_flight``), not reported.
+    """
+
     # The gate runs on fallback limits (some endpoint degraded), or no longer.
     fallback: bool | None = None
     note: str = ""

@@ -63,9 +63,6 @@ class Outlet(Protocol):
     def note_health(self, now: float) -> None:
         """Report endpoint health that changed since the last look (once per change)."""
 
-    def report_in_flight(self) -> None:
-        """Report how many are in flight now (after a round of releases)."""
-
 
 class ReleaseStrategy(Protocol):
     def queued(self, band: int, tenant: str, first: bool, now: float) -> None:
@@ -122,7 +119,6 @@ class LocalRelease:
             if outlet.release_next(outlet.pick(first, now), now, free=free > 0):
                 allowance -= 1
                 free -= 1
-        outlet.report_in_flight()
         self._schedule_wakeup(now)
 
     def _allowance(self, band: int, now: float) -> int:
@@ -130,8 +126,10 @@ class LocalRelease:
         return allowance if self._limit is None else min(allowance, self._limit(band, now))
 
     def _schedule_wakeup(self, now: float) -> None:
+        if not self._outlet.queued or self._wakeup is not None:  # asked first: an end with nothing queued stops here
+            return
         due = self._outlet.next_release_in(now)
-        if due is None or not self._outlet.queued or self._wakeup is not None:
+        if due is None:
             return
 
         def wake() -> None:

@@ -25,7 +25,7 @@ from extproc.core.entitlement import grant
 from extproc.core.outcomes import Refusal, Refused
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Admission:
     model: str
     tenant: str

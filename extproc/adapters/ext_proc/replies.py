@@ -76,9 +76,13 @@ def passed(message: pb.ProcessingRequest) -> pb.ProcessingResponse:
 
 
 def headers_of(message: pb.HttpHeaders) -> dict[str, str]:
-    """The headers of a headers message, names lower-cased."""
+    """The headers of a headers message, by name.
+
+    Envoy sends the names in lower case (its header maps keep them so, as
+    HTTP/2 requires): they are looked up as they come.
+    """
     # Envoy fills raw_value (bytes); value is only used by older Envoys.
-    return {h.key.lower(): (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+    return {h.key: (h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
             for h in message.headers.headers}
 
 

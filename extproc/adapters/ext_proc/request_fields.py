@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
 
 from extproc.adapters.ext_proc.contract import METADATA_NAMESPACE, PROMPT_PREFIX_FIELD
 from extproc.core.outcomes import Refusal, Refused
@@ -31,7 +32,7 @@ from extproc.core.outcomes import Refusal, Refused
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RequestFields:
     """The body's scheduling inputs, each as the client wrote it (None: absent)."""
 
@@ -99,17 +100,18 @@ def from_metadata(request: pb.ProcessingRequest) -> RequestFields | None:
     namespace = request.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
     if namespace is None:
         return None
+    # get(), once per field: indexing a map of messages with a missing key would add it.
     fields = namespace.fields
+    limits = {f: _value(item) for f in LIMIT_FIELDS if (item := fields.get(f)) is not None}
+    return _fields(_value(fields.get("model")), limits, _value(fields.get("prompt_cache_key")), None)
 
-    def value(name: str) -> Any:
-        if name not in fields:
-            return None
-        item = fields[name]
-        kind = item.WhichOneof("kind")
-        return getattr(item, kind) if kind in _SCALARS else _Other(str(kind))
 
-    limits = {f: value(f) for f in LIMIT_FIELDS if f in fields}
-    return _fields(value("model"), limits, value("prompt_cache_key"), None)
+def _value(item: struct_pb2.Value | None) -> Any:
+    """A metadata value as the body had it (None: absent)."""
+    if item is None:
+        return None
+    kind = item.WhichOneof("kind")
+    return getattr(item, kind) if kind in _SCALARS else _Other(str(kind))
 
 
 def prompt_from_metadata(request: pb.ProcessingRequest) -> Prompt | None:

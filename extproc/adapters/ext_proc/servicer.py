@@ -138,8 +138,9 @@ class Processor:
             yield models_response(self.admissions.names.listed())
             return
         try:
-            async for reply in side.read(stream, messages, headers):
-                yield reply
+            if side.reads(stream):  # else no generator: the fast path reads nothing more
+                async for reply in side.read(stream, messages, headers):
+                    yield reply
             if self.draining:
                 raise shutting_down()
             admission = self.admissions.admit(headers, stream.fields)
@@ -167,10 +168,28 @@ class Processor:
                 self._count_refusal(stream.fields.model, refused.refusal)
             yield side.refusal(refused)
             return
-        # Not kept through the hold: a held request costs memory, 10,000 of them add up.
+        # Not kept through the hold: a held request costs memory, 10,000 of them add up. For that too the hold
+        # runs here, in this generator's frame, not in one of its own.
         del headers
-        async for reply in self._hold(side, stream, messages, admission, dispatcher, held, acknowledged):
-            yield reply
+        # One try for the whole hold: the stream can be cancelled (client gone) at
+        # any await or yield, and the request must leave the queue or the gate then.
+        try:
+            if not held.future.done() and not acknowledged:
+                hold = side.hold_reply(admission.model)
+                if hold is not None:
+                    yield hold
+            try:
+                waited = await held.future
+            except Refused as refused:
+                yield side.refusal(refused)
+                return
+            priority = self._engine_priority(admission)
+            for reply in side.release(stream, held, admission.model, waited, priority):
+                yield reply
+            async for reply in _follow(side, stream, messages, dispatcher, held, priority):
+                yield reply
+        finally:
+            dispatcher.end(held)
 
     def _submit(self, side: Attachment, stream: Stream, headers: dict[str, str], admission: Admission,
                 dispatcher: ModelDispatcher, prefix: Prefix) -> Held:
@@ -188,33 +207,6 @@ class Processor:
             affinity=stream.fields.prompt_cache_key or "", prefix=prefix,
             eligible=eligible, ttft_objective_s=admission.ttft_objective_s, retried=admission.retried,
         )
-
-    async def _hold(self, side: Attachment, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
-                    admission: Admission, dispatcher: ModelDispatcher, held: Held,
-                    acknowledged: bool) -> AsyncIterator[pb.ProcessingResponse]:
-        """Hold until the dispatcher decides, answer the release, then stay on the stream until it ends."""
-        priority = self._engine_priority(admission)
-        # One try for the whole hold: the stream can be cancelled (client gone) at
-        # any await or yield, and the request must leave the queue or the gate then.
-        try:
-            if not held.future.done() and not acknowledged:
-                hold = side.hold_reply(admission.model)
-                if hold is not None:
-                    yield hold
-            try:
-                waited = await held.future
-            except Refused as refused:
-                yield side.refusal(refused)
-                return
-            for reply in side.release(stream, held, admission.model, waited, priority):
-                yield reply
-            async for message in _until_preempted(messages, held):
-                for reply in side.after_release(stream, dispatcher, held, message, priority):
-                    yield reply
-            if held.preempted is not None and held.preempted.done() and not held.started:
-                yield side.refusal(_preempted())
-        finally:
-            dispatcher.end(held)
 
     def _count_admission(self, admission: Admission) -> None:
         names = self._config.band_names
@@ -246,6 +238,16 @@ class Processor:
         if admission.model not in self._engine_priority_models:
             return None
         return self._config.bands[admission.band].engine_priority
+
+
+async def _follow(side: Attachment, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
+                  dispatcher: ModelDispatcher, held: Held, priority: int | None) -> AsyncIterator[pb.ProcessingResponse]:
+    """After the release: answer the stream's messages until it ends, or ``held`` is preempted before its response began."""
+    async for message in messages if held.preempted is None else _until_preempted(messages, held):
+        for reply in side.after_release(stream, dispatcher, held, message, priority):
+            yield reply
+    if held.preempted is not None and held.preempted.done() and not held.started:
+        yield side.refusal(_preempted())
 
 
 def _preempted() -> Refused:

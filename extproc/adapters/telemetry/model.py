@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from prometheus_client import Counter
+
 from extproc.adapters.logs import DECISIONS
 from extproc.adapters.objectives import MET, MISSED, PREEMPTED, Objectives, verdict
 from extproc.adapters.telemetry.events import AdapterEvent, Admitted, ClusterTrip, ServedElsewhere, Signed, TurnedAway
@@ -49,6 +51,7 @@ class ModelTelemetry:
         self._decision = t.decision_latency.labels(model)
         self._prefix_blocks = t.prefix_blocks.labels(model)
         self._in_flight = t.in_flight.labels(model)
+        self._names: dict[str, Counter] = {}
         self._label(tenants)
         self._slack = {p: t.release_slack.labels(model, p) for p in priorities}
         self._late = {p: t.release_lateness.labels(model, p) for p in priorities}
@@ -66,6 +69,11 @@ class ModelTelemetry:
             EndpointEvent: self._endpoint, Admitted: self._admitted, TurnedAway: self._turned_away,
             ServedElsewhere: self._served_elsewhere, ClusterTrip: self._cluster_trip, Signed: self._signed,
         }
+
+    def count_in_flight(self, in_flight: Callable[[], int]) -> None:
+        """Read the model's in-flight gauge from ``in_flight`` when it is scraped: it changes with every release and
+        end, so reporting each change would cost every request a gauge write that nobody reads."""
+        self._in_flight.set_function(in_flight)
 
     def _label(self, tenants: TenantLabels) -> None:
         """Look up the children of every (class, tenant value) once.
@@ -120,7 +128,10 @@ class ModelTelemetry:
         units.inc(event.cost)
 
     def _admitted(self, event: Admitted) -> None:
-        self._t.model_names.labels(self._model, event.name).inc()
+        counter = self._names.get(event.name)
+        if counter is None:  # the names are the config's (a served name, a pattern): a few children, looked up once
+            counter = self._names[event.name] = self._t.model_names.labels(self._model, event.name)
+        counter.inc()
         if event.requested is not None:
             self._t.priority_downgraded.labels(self._model, event.requested, event.granted).inc()
 
@@ -204,8 +215,6 @@ class ModelTelemetry:
             self._decision.observe(event.decision_s)
         if event.cost_clamped:
             self._t.cost_clamped.labels(self._model).inc()
-        if event.in_flight is not None:
-            self._in_flight.set(event.in_flight)
         if event.fallback is not None:
             self._t.gate_fallback.labels(self._model).set(1 if event.fallback else 0)
             if event.note:

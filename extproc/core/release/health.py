@@ -38,6 +38,7 @@ Pure: the caller passes ``now`` (a monotonic clock).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,10 +73,14 @@ class EndpointHealth:
         self._floor = fallback_max_in_flight
         self._health: dict[str, _Health] = {}
         self._releases = 0
+        # Counts the events that may change who is degraded or down (time aside: :meth:`stable_until`), so that a
+        # reader (``health_log.py``) can tell nothing changed without looking at every endpoint.
+        self.version = 0
         self.set_endpoints(endpoints)
 
     def set_endpoints(self, endpoints: Sequence[str]) -> None:
         """The pool's members changed; a newcomer starts degraded until scraped."""
+        self.version += 1
         self.endpoints = tuple(endpoints)
         self._health = {e: self._health.get(e) or _Health() for e in self.endpoints}
 
@@ -96,6 +101,7 @@ class EndpointHealth:
         health = self._health.get(endpoint)
         if health is None:  # removed from the pool while the scrape ran
             return False
+        self.version += 1
         if not reachable:
             self.mark_down(endpoint, started_at)
         elif health.down_at is not None and started_at > health.down_at:
@@ -121,8 +127,8 @@ class EndpointHealth:
         elif health.down_at is not None and now > health.down_at:
             self._mark_up(health, now)
 
-    @staticmethod
-    def _mark_up(health: _Health, now: float) -> None:
+    def _mark_up(self, health: _Health, now: float) -> None:
+        self.version += 1
         health.down_at, health.up_at = None, now
 
     def check_release(self, endpoint: str | None, now: float) -> bool:
@@ -135,6 +141,7 @@ class EndpointHealth:
     def mark_down(self, endpoint: str, now: float) -> None:
         health = self._health.get(endpoint)
         if health is not None and health.down_at is None:
+            self.version += 1
             health.down_at = now
 
     def is_down(self, endpoint: str) -> bool:
@@ -155,6 +162,11 @@ class EndpointHealth:
     def degraded(self, now: float) -> list[str]:
         """Endpoints whose metrics are unusable now (down ones included)."""
         return [e for e in self._health if not self.healthy(e, now)]
+
+    def stable_until(self, now: float) -> float:
+        """Until when :meth:`degraded` stays what it is at ``now`` unless an event comes: the first usable page's staleness."""
+        return min((h.good_at + self._stale_after_s for e, h in self._health.items() if self.healthy(e, now)),
+                   default=math.inf)
 
     def fallback_limit(self, endpoint: str) -> int:
         """In-flight cap on a degraded endpoint, derived from its last good state."""

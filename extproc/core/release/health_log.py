@@ -1,6 +1,9 @@
 """Telling the report when endpoint health changes: once per change, not per dispatch.
 
-The dispatcher calls :meth:`HealthLog.note` before each dispatch; an
+The dispatcher calls :meth:`HealthLog.note` before each dispatch, twice per
+request; it looks at the endpoints only when something may have changed (an
+event about their health, the pool's rule, or a usable page going stale), so
+a dispatch where nothing did costs a comparison. An
 endpoint going down (its engine unreachable) or up again, turning degraded or
 usable again, and the pool going onto or off the fallback caps, each become
 one event. Each carries, in its ``note``, the line an operator should read;
@@ -8,6 +11,8 @@ the adapter logs it (the core does no I/O).
 """
 
 from __future__ import annotations
+
+import math
 
 from extproc.core.release.pool import Pool
 from extproc.core.report import Change, DispatchReport, EndpointEvent, PoolEvent
@@ -25,8 +30,21 @@ class HealthLog:
         # Endpoints whose up/down state was reported: each is reported once at first, then on changes.
         self._reported: set[str] = set()
         self._fallback: bool | None = None
+        # What the last look saw (the health's version, the rule), and until when that look stays true.
+        self._version = -1
+        self._rule: object = None
+        self._until = -math.inf
 
     def note(self, now: float) -> None:
+        pool = self._pool
+        health, rule = pool.health, pool.rule
+        if health.version == self._version and rule is self._rule and now <= self._until:
+            return
+        self._look(now)
+        self._version, self._rule = health.version, rule
+        self._until = health.stable_until(now) if rule.uses_metrics else math.inf
+
+    def _look(self, now: float) -> None:
         self._note_down()
         unusable = set(self._pool.degraded(now))
         degraded = unusable - self._down  # a down endpoint is reported as down, not as degraded

@@ -79,6 +79,10 @@ class Attachment:
         """The stream of ``first`` (its request headers), with ``metadata``: our namespace's fields, if Envoy sent them."""
         raise NotImplementedError
 
+    def reads(self, stream: Stream) -> bool:
+        """Whether :meth:`read` has anything to take in from ``stream`` (False: the servicer does not call it)."""
+        return True
+
     def read(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
              headers: dict[str, str]) -> AsyncIterator[pb.ProcessingResponse]:
         """Take in what admission needs from the stream (raises Refused); yields what Envoy needs answered first."""

@@ -59,6 +59,10 @@ from extproc.core.dispatcher import Held
 from extproc.core.outcomes import Refusal, Refused
 
 _MODES = body.Mode.BodySendMode.values()
+# A release reply is built once for each queue wait below this many milliseconds (and each model, destination and
+# mode override), then reused: an uncontended gate releases at once, and a reply costs more to build than to send.
+# Longer waits, each value rarer, are built for their request.
+_REUSED_WAIT_MS = 32
 
 
 def _override(request_mode: int, response_mode: int, body_wanted: bool,
@@ -100,6 +104,9 @@ class OwnEnvoy(Attachment):
             m.name: pb.ProcessingResponse(override_message_timeout=duration(hold_timeout_for(config.longest_queue_wait_s(m))))
             for m in config.models
         }
+        # The release replies built so far, reused (never changed once sent), by what varies among them: the model,
+        # the queue wait (those under _REUSED_WAIT_MS: an uncontended gate's), the destination and the mode override.
+        self._releases: dict[tuple[str, int, str | None, tuple[int, int, bool, bool]], pb.ProcessingResponse] = {}
         # Prebuilt: under a burst these are sent to every arrival, so they cost no construction.
         self.acknowledgement = max(self._hold_replies.values(), key=lambda reply: reply.override_message_timeout.ToMilliseconds())
         self.overloaded = error_response(Refused(
@@ -109,11 +116,14 @@ class OwnEnvoy(Attachment):
     def open(self, first: pb.ProcessingRequest, metadata: RequestFields | None) -> Stream:
         return Stream(first, metadata or NO_FIELDS, prompt_from_metadata(first) or NO_PROMPT)
 
+    def reads(self, stream: Stream) -> bool:
+        """Only in duplex mode: the body comes at once; else the metadata had what admission needs."""
+        return stream.duplex
+
     async def read(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
                    headers: dict[str, str]) -> AsyncIterator[pb.ProcessingResponse]:
-        """Only in duplex mode, the body: Envoy streams it at once and passes on only what is given back."""
-        if stream.duplex:
-            stream.body = await body.read(messages, content_length(headers), self._max_body_bytes)
+        """The body (duplex mode): Envoy streams it at once and passes on only what is given back."""
+        stream.body = await body.read(messages, content_length(headers), self._max_body_bytes)
         return
         yield
 
@@ -133,15 +143,22 @@ class OwnEnvoy(Attachment):
 
     def release(self, stream: Stream, held: Held, model: str, waited_s: float,
                 priority: int | None) -> list[pb.ProcessingResponse]:
-        routing = [header(QUEUE_WAIT_HEADER, str(round(waited_s * 1000))), header(self._model_header, model)]
+        waited_ms = round(waited_s * 1000)
         destination = epp.host_port(held.endpoint) if held.endpoint else None
-        if destination:
-            routing.append(header(DESTINATION_HEADER, destination))
         # Only a headers reply may override: the body for engine_priority, the response headers for a checked
         # release or a preemptible one (they say when it can no longer be preempted).
-        override = _OVERRIDES.get((stream.request_mode, stream.response_mode, priority is not None,
-                                   held.checked or held.preempted is not None))
+        override_key = (stream.request_mode, stream.response_mode, priority is not None,
+                        held.checked or held.preempted is not None)
+        plain = not stream.duplex and not stream.held_on_body  # the headers reply alone: nothing of the body in it
+        key = (model, waited_ms, destination, override_key)
+        if plain and waited_ms < _REUSED_WAIT_MS and (reply := self._releases.get(key)) is not None:
+            return [reply]
+        routing = [header(QUEUE_WAIT_HEADER, str(waited_ms)), header(self._model_header, model)]
+        if destination:
+            routing.append(header(DESTINATION_HEADER, destination))
         replies = body.release(duplex=stream.duplex, held_on_body=stream.held_on_body, body=stream.body, routing=routing,
-                               metadata=None, priority=priority, override=override)
+                               metadata=None, priority=priority, override=_OVERRIDES.get(override_key))
         stream.body = b""
+        if plain and waited_ms < _REUSED_WAIT_MS:
+            self._releases[key] = replies[0]
         return replies
