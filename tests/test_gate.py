@@ -8,7 +8,7 @@ from extproc.adapters.engines.dialects import MetricsError, parse_load
 from extproc.core.bands import Band, BandAdmission
 from extproc.core.engine_load import EngineLoad
 from extproc.core.release import RULES, RuleSettings
-from extproc.core.release.adaptive_limit import DECREASE, REFUSAL_HOLD_S, ConcurrencyLimit, ItlWindow
+from extproc.core.release.adaptive_limit import DECREASE, QUIET_SCRAPES, REFUSAL_HOLD_S, ConcurrencyLimit, ItlWindow
 from extproc.core.release.estimate import LoadEstimate
 from extproc.core.release.pool import Pool
 
@@ -244,30 +244,61 @@ def test_a_cut_limit_recovers_once_the_queue_drains_whether_or_not_the_gate_fill
     assert slow.limit == 17
 
 
-def test_the_engine_refusing_at_its_own_queue_cap_cuts_the_limit_and_holds_it() -> None:
-    """vLLM's admission_rejections_total rising: multiplicative decrease, then no growth for REFUSAL_HOLD_S."""
+def limit_after(gate: Pool, load: EngineLoad, at: float) -> float:
+    """The limit of endpoint e1 once a scrape that started at ``at`` returned ``load``."""
+    gate.record_scrape("e1", load, started_at=at)
+    limit = gate.rule.snapshot("e1").limit
+    assert limit is not None
+    return limit
+
+
+def test_the_engine_refusing_at_its_own_queue_cap_cuts_the_limit_until_the_refusals_stop() -> None:
+    """vLLM's admission_rejections_total rising: multiplicative decrease, no growth while it rises, and back at the
+    line within QUIET_SCRAPES scrapes once it stops: the engine was seen holding more than the line (a burst around
+    the gateway, transient)."""
     gate = make_gate(max_running=4, itl_window_s=1.0)
-
-    def limit_after(load: EngineLoad, at: float) -> float:
-        gate.record_scrape("e1", load, started_at=at)
-        limit = gate.rule.snapshot("e1").limit
-        assert limit is not None
-        return limit
-
-    assert limit_after(EngineLoad(waiting=3, running=4, rejected=0), 0.0) == 7
-    # Something around the gateway filled the engine to its cap of 8 and it refused two requests.
-    assert gate.record_scrape("e1", EngineLoad(waiting=4, running=4, rejected=2), started_at=0.1) == 2
+    assert limit_after(gate, EngineLoad(waiting=3, running=4, rejected=0), 0.0) == 7
+    # Something around the gateway filled the engine to its cap of 8 and it refused two requests (its page does
+    # not show the one it took in yet).
+    assert gate.record_scrape("e1", EngineLoad(waiting=3, running=4, rejected=2), started_at=0.1) == 2
     assert gate.rule.snapshot("e1").limit == pytest.approx(7 * DECREASE)
-    # Within the window: one cut.
-    assert limit_after(EngineLoad(waiting=4, running=4, rejected=3), 0.2) == pytest.approx(7 * DECREASE)
-    # The engine drains; rules 3 and 4 would grow the limit, but not while the refusal is fresh.
-    assert limit_after(EngineLoad(waiting=0, running=4, rejected=3), 0.9) == pytest.approx(7 * DECREASE)
-    assert limit_after(EngineLoad(waiting=0, running=4, rejected=3), 0.2 + REFUSAL_HOLD_S) > 7 * DECREASE  # from the last
+    # It refuses more: within the window, one cut; and no growth while the refusals go on.
+    assert limit_after(gate, EngineLoad(waiting=4, running=4, rejected=3), 0.2) == pytest.approx(7 * DECREASE)
+    # The burst is over: rule 2 would grow the limit to the line, but only once QUIET_SCRAPES pages told of no refusal.
+    for i in range(1, QUIET_SCRAPES):
+        assert limit_after(gate, EngineLoad(waiting=3, running=4, rejected=3), 0.2 + i / 10) == pytest.approx(7 * DECREASE)
+    assert limit_after(gate, EngineLoad(waiting=3, running=4, rejected=3), 0.2 + QUIET_SCRAPES / 10) == 7
+    assert 0.2 + QUIET_SCRAPES / 10 < REFUSAL_HOLD_S
     # A lower count is a restarted engine, not a refusal; neither is the first page seen.
     fresh = make_gate(max_running=4)
     assert fresh.record_scrape("e1", EngineLoad(waiting=3, running=4, rejected=50), started_at=0.0) == 0
     assert fresh.record_scrape("e1", EngineLoad(waiting=3, running=4, rejected=0), started_at=0.1) == 0
     assert fresh.rule.snapshot("e1").limit == 7
+
+
+def test_an_engine_that_refuses_what_the_gate_itself_sends_is_not_sent_that_much_again_for_a_while() -> None:
+    """An engine capped at 6 (below 4 running + target_waiting 3) refuses at what the gate sends: once the refusals
+    stop the limit returns to what the engine held when it refused, and above it only after REFUSAL_HOLD_S."""
+    gate = make_gate(max_running=4, itl_window_s=1.0)
+    assert limit_after(gate, EngineLoad(waiting=2, running=4, rejected=0), 0.0) == 7
+    assert gate.record_scrape("e1", EngineLoad(waiting=2, running=4, rejected=1), started_at=0.1) == 1
+    assert gate.rule.snapshot("e1").limit == pytest.approx(6 * DECREASE)
+    for i in range(1, QUIET_SCRAPES + 3):
+        limit = limit_after(gate, EngineLoad(waiting=1, running=4, rejected=1), 0.1 + i / 10)
+    assert limit == 6
+    assert limit_after(gate, EngineLoad(waiting=1, running=4, rejected=1), 0.1 + REFUSAL_HOLD_S) == 7
+
+
+def test_a_page_older_than_a_refusal_does_not_undo_its_cut() -> None:
+    """A release answered "full" between a scrape's start and its arrival: that page is not one that told of no
+    refusal, and cannot grow the limit back."""
+    limit = ConcurrencyLimit(4 + 3, target_waiting=3, floor=4)
+    limit.refused(at=5.0, held=7)
+    limit.observe(EngineLoad(waiting=3, running=4), at=4.95)
+    assert limit.limit == pytest.approx(7 * DECREASE)
+    for i in range(QUIET_SCRAPES):
+        limit.observe(EngineLoad(waiting=3, running=4), at=5.05 + i / 10)
+    assert limit.limit == 7
 
 
 def test_a_refusal_never_reads_a_lagging_page_as_an_empty_engine() -> None:
