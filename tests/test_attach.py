@@ -16,6 +16,7 @@ import pytest
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.core.prefix import NO_PREFIX
 from tests.test_epp_stream import BUFFERED, DUPLEX, chat, first_message
 from tests.test_epp_stream import answers as all_answers
 from tests.test_processor import Stream, settle
@@ -139,3 +140,21 @@ async def test_no_metadata_duplex_and_buffered_still_read_the_body() -> None:
         assert released and dispatcher.in_flight == 1, mode
         stream.close()
         await stream.task
+
+
+async def test_release_replies_are_reused_for_short_waits_and_bounded_as_endpoints_come_and_go() -> None:
+    processor, dispatcher, _ = make()
+    own = processor.own_envoy
+    stream = own.open(headers_message(BODY), None)
+    held = dispatcher.submit("t", 0, prefix=NO_PREFIX)
+    held.endpoint = "http://10.0.0.1:8000"
+    first = own.release(stream, held, "m", 0.004, None)
+    assert own.release(stream, held, "m", 0.004, None)[0] is first[0]  # the same wait and destination: reused
+    assert released_headers(first[0])["x-gateway-destination-endpoint"] == b"10.0.0.1:8000"
+    assert released_headers(first[0])["x-extproc-queue-wait-ms"] == b"4"
+    assert own.release(stream, held, "m", 0.5, None)[0] is not own.release(stream, held, "m", 0.5, None)[0]
+    for i in range(3000):  # a pool whose endpoints keep changing
+        held.endpoint = f"http://10.1.{i // 250}.{i % 250}:8000"
+        reply = own.release(stream, held, "m", 0.004, None)[0]
+        assert released_headers(reply)["x-gateway-destination-endpoint"] == f"10.1.{i // 250}.{i % 250}:8000".encode()
+    assert len(own._releases) <= 1024  # noqa: SLF001

@@ -63,6 +63,9 @@ _MODES = body.Mode.BodySendMode.values()
 # mode override), then reused: an uncontended gate releases at once, and a reply costs more to build than to send.
 # Longer waits, each value rarer, are built for their request.
 _REUSED_WAIT_MS = 32
+# Endpoints come and go (discovery), and the destination is part of a reused reply: at this many replies the
+# reuse starts over, so a long-lived processor behind a changing pool does not keep one per endpoint it ever saw.
+_MAX_REUSED = 1024
 
 
 def _override(request_mode: int, response_mode: int, body_wanted: bool,
@@ -160,5 +163,7 @@ class OwnEnvoy(Attachment):
                                metadata=None, priority=priority, override=_OVERRIDES.get(override_key))
         stream.body = b""
         if plain and waited_ms < _REUSED_WAIT_MS:
+            if len(self._releases) >= _MAX_REUSED:
+                self._releases.clear()
             self._releases[key] = replies[0]
         return replies
