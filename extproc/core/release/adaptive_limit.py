@@ -37,21 +37,20 @@ What is learned, and from which signal (every scrape, newest sample):
    rejection counter rising, or as a release answered "full"): something
    outside the gate — a client that bypasses it — fills the engine, or its
    cap is below what the gate would hold. Multiplicative decrease from what
-   the engine held (``min(limit, held) * DECREASE``, at most once per ITL
-   window). No rule raises the limit until ``QUIET_SCRAPES`` scrapes that
-   started after the last refusal showed none: while refusals go on, growing
-   back would find the valve again. Once they stop, the limit grows as rules
-   2-4 say, up to the most the engine held by its own count on the pages
-   read since the refusals began (never less than it runs; an engine never
-   holds more than its cap, whoever sent what it holds), and above that only
-   ``REFUSAL_HOLD_S`` after the last refusal. A burst around the gateway came
-   on top of what the gate holds: the engine held more than the gate's line,
-   so the limit is back at the line within a scrape or two of the burst (a
-   hold of fixed length would keep it under the engine's batch for that
-   long, and the gateway's clients would pay for the bypassing client in
-   throughput). An engine whose cap is below the line refused at what the
-   gate itself sends: it is not sent more than it held for
-   ``REFUSAL_HOLD_S``, and each probe above its cap costs a refusal.
+   the engine held (``min(limit, held) * DECREASE``) once per round of
+   refusals, and within a round at most once per ITL window. No rule raises
+   the limit until ``QUIET_SCRAPES`` scrapes that started after the last
+   refusal showed none: while refusals go on, growing back would find the
+   valve again. Once they stop, the limit grows as rules 2-4 say: a burst
+   around the gateway came on top of what the gate holds and is over, so
+   the limit is back at the line within a scrape or two (a hold of fixed
+   length would keep it under the engine's batch for that long, and the
+   gateway's clients would pay for the bypassing client in throughput). If
+   the engine refuses again within ``REFUSAL_HOLD_S`` of the last refusal,
+   once the limit could grow, what the gate itself sends meets the cap (the
+   cap is below the line, or the bypassing traffic goes on): a new decrease,
+   and no growth until ``REFUSAL_HOLD_S`` after the last refusal. Each probe
+   above such a cap costs one more round of refusals.
 
 The engine's own limits, where it says them (``set_engine``: SGLang's
 ``/server_info``, TGI's ``/info``, llama.cpp's ``/props``), join the
@@ -80,7 +79,7 @@ DECREASE = 0.8
 SLOW_ABOVE = 0.5
 HOLD_ABOVE = 0.9
 # After the engine refused a request as full: how many scrapes must show no refusal before the limit
-# may grow, and how long it may not grow above what the engine held when it refused.
+# may grow, and how long it may not grow after refusals that came again once it could.
 QUIET_SCRAPES = 2
 REFUSAL_HOLD_S = 10.0
 
@@ -140,11 +139,11 @@ class ConcurrencyLimit:
         self.limit = float(min(initial, cap) if cap is not None else initial)
         self.pressure = 0.0
         self._last_decrease = float("-inf")
-        # Rule 5: the last refusal, the scrapes started since (none told of another), and the most the
-        # engine held by its own count on the pages read since refusals began.
+        # Rule 5: the last refusal, the scrapes started since (none told of another), and whether refusals
+        # came again after the limit could grow (then it is held for REFUSAL_HOLD_S).
         self._refused_at = float("-inf")
         self._quiet = QUIET_SCRAPES
-        self._refused_held = 0.0
+        self._refused_again = False
 
     def _pressure(self, load: EngineLoad) -> float:
         """The highest ceiling use, 1.0 = at a ceiling; 0 without ceilings or data."""
@@ -172,7 +171,7 @@ class ConcurrencyLimit:
             held = load.running + load.waiting
         before = self.limit
         self._grow_or_cut(load, at, held, pressure, self.shown)
-        self._after_refusal(load, at, before)
+        self._after_refusal(at, before)
         if self._cap is not None:
             self.limit = min(self.limit, float(self._cap))
 
@@ -202,25 +201,23 @@ class ConcurrencyLimit:
         ``held`` may lag (a scrape's count): never read as less than the
         engine runs, or one stale page would cut the limit to nothing.
         """
-        if at - self._refused_at >= REFUSAL_HOLD_S:
-            self._refused_held = 0.0  # the first refusal in a while: what the engine holds counts from now on
+        news = not self._holding(at)  # the limit could grow: a new round of refusals
+        if news:
+            self._refused_again = at - self._refused_at < REFUSAL_HOLD_S
         self._refused_at, self._quiet = at, 0
-        if at - self._last_decrease >= self._cooldown_s:
+        if news or at - self._last_decrease >= self._cooldown_s:
             self.limit = max(1.0, min(self.limit, max(held, self.shown)) * DECREASE)
             self._last_decrease = at
 
-    def _after_refusal(self, load: EngineLoad, at: float, before: float) -> None:
-        """Rule 5's bound on growth: none while refusals go on, then not above what the engine was seen holding."""
-        if at - self._refused_at >= REFUSAL_HOLD_S:
-            return
-        # Never more than its cap, whoever sent what it holds; its page may lag the refusal, the next ones less.
-        self._refused_held = max(self._refused_held, load.running + load.waiting)
+    def _holding(self, at: float) -> bool:
+        """Whether rule 5 keeps the limit from growing: refusals go on, or came again after it could grow."""
+        return self._quiet < QUIET_SCRAPES or (self._refused_again and at - self._refused_at < REFUSAL_HOLD_S)
+
+    def _after_refusal(self, at: float, before: float) -> None:
         if at > self._refused_at and self._quiet < QUIET_SCRAPES:
             self._quiet += 1  # started after the last refusal, and told of none
-        if self._quiet < QUIET_SCRAPES:
+        if self._holding(at):
             self.limit = min(self.limit, before)
-        else:
-            self.limit = min(self.limit, max(before, self._refused_held, self.shown))
 
     def _grow_or_cut(self, load: EngineLoad, at: float, held: float, pressure: float, shown: float) -> None:
         """Rules 1-4."""
