@@ -459,8 +459,9 @@ async def test_the_gateways_throughput_with_a_client_that_bypasses_it(roomy: Val
     streamed), with and without 8 requests straight to vLLM 1 s in, alternating (FLOODS each; more with
     EXTPROC_VALVES_FLOODS).
 
-    Asserted: the bypass meets vLLM's valve, and the gate's limit, cut by vLLM's refusals, is back at the line within
-    a scrape or two of vLLM draining (a hold of fixed length would keep it down for seconds, under vLLM's batch). Printed: the
+    Asserted: the bypass meets vLLM's valve, and the gate's limit, cut by vLLM's refusals, is back at the line by the
+    time vLLM has drained (a second after the refusals; a hold of fixed length would keep it down for seconds, under
+    vLLM's batch). Printed: the
     gateway's throughput with the bypass over without, per second and per engine step (on a shared machine vLLM's
     steps take 2-20 times longer from one minute to the next; the gateway's tokens per step are what the gate
     decides: how full it keeps the batch), and what the gateway's clients got that was not a complete answer

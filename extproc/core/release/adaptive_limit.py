@@ -35,22 +35,23 @@ What is learned, and from which signal (every scrape, newest sample):
 5. **The engine refused a request as full** (its own queue cap: vLLM's
    ``--max-num-queued-reqs``, TGI's ``--max-concurrent-requests``; seen as its
    rejection counter rising, or as a release answered "full"): something
-   outside the gate — a client that bypasses it — fills the engine, or its
-   cap is below what the gate would hold. Multiplicative decrease from what
-   the engine held (``min(limit, held) * DECREASE``) once per round of
-   refusals, and within a round at most once per ITL window. No rule raises
-   the limit until ``QUIET_SCRAPES`` scrapes that started after the last
-   refusal showed none: while refusals go on, growing back would find the
-   valve again. Once they stop, the limit grows as rules 2-4 say: a burst
-   around the gateway came on top of what the gate holds and is over, so
-   the limit is back at the line within a scrape or two (a hold of fixed
-   length would keep it under the engine's batch for that long, and the
-   gateway's clients would pay for the bypassing client in throughput). If
-   the engine refuses again within ``REFUSAL_HOLD_S`` of the last refusal,
-   once the limit could grow, what the gate itself sends meets the cap (the
-   cap is below the line, or the bypassing traffic goes on): a new decrease,
-   and no growth until ``REFUSAL_HOLD_S`` after the last refusal. Each probe
-   above such a cap costs one more round of refusals.
+   outside the gate — a client that bypasses it — fills the engine, or its cap
+   is below what the gate would hold. Multiplicative decrease from what the
+   engine held (``min(limit, held) * DECREASE``) once per round of refusals,
+   and within a round at most once per ITL window. No rule raises the limit
+   until the engine has refused nothing for ``QUIET_S``: while refusals go on,
+   growing back would find the valve again, and the gateway's retries of a
+   refused request (Envoy's back-off) come less than that apart. Once they
+   stop, the limit grows as rules 2-4 say: a burst around the gateway came on
+   top of what the gate holds and is over, so the limit is back at the line a
+   second after it (a hold of fixed length would keep it under the engine's
+   batch for that long, and the gateway's clients would pay for the bypassing
+   client in throughput). If the engine refuses again within
+   ``REFUSAL_HOLD_S`` of the last refusal, once the limit could grow, what the
+   gate itself sends meets the cap (the cap is below the line, or the
+   bypassing traffic goes on): a new decrease, and no growth until
+   ``REFUSAL_HOLD_S`` after the last refusal. Each probe above such a cap
+   costs one more round of refusals.
 
 The engine's own limits, where it says them (``set_engine``: SGLang's
 ``/server_info``, TGI's ``/info``, llama.cpp's ``/props``), join the
@@ -78,9 +79,10 @@ DECREASE = 0.8
 # Fractions of a ceiling where additive increase slows to 1, then stops.
 SLOW_ABOVE = 0.5
 HOLD_ABOVE = 0.9
-# After the engine refused a request as full: how many scrapes must show no refusal before the limit
-# may grow, and how long it may not grow after refusals that came again once it could.
-QUIET_SCRAPES = 2
+# After the engine refused a request as full: how long it must refuse nothing before the limit may grow
+# (at least the longest back-off between the gateway's retries of a refused request, the generated Envoy's
+# 1 s), and how long the limit may not grow after refusals that came again once it could.
+QUIET_S = 1.0
 REFUSAL_HOLD_S = 10.0
 
 
@@ -139,10 +141,9 @@ class ConcurrencyLimit:
         self.limit = float(min(initial, cap) if cap is not None else initial)
         self.pressure = 0.0
         self._last_decrease = float("-inf")
-        # Rule 5: the last refusal, the scrapes started since (none told of another), and whether refusals
-        # came again after the limit could grow (then it is held for REFUSAL_HOLD_S).
+        # Rule 5: the last refusal, and whether refusals came again once the limit could grow (then it is
+        # held for REFUSAL_HOLD_S).
         self._refused_at = float("-inf")
-        self._quiet = QUIET_SCRAPES
         self._refused_again = False
 
     def _pressure(self, load: EngineLoad) -> float:
@@ -171,7 +172,8 @@ class ConcurrencyLimit:
             held = load.running + load.waiting
         before = self.limit
         self._grow_or_cut(load, at, held, pressure, self.shown)
-        self._after_refusal(at, before)
+        if self._holding(at):
+            self.limit = min(self.limit, before)
         if self._cap is not None:
             self.limit = min(self.limit, float(self._cap))
 
@@ -204,20 +206,15 @@ class ConcurrencyLimit:
         news = not self._holding(at)  # the limit could grow: a new round of refusals
         if news:
             self._refused_again = at - self._refused_at < REFUSAL_HOLD_S
-        self._refused_at, self._quiet = at, 0
+        self._refused_at = max(self._refused_at, at)
         if news or at - self._last_decrease >= self._cooldown_s:
             self.limit = max(1.0, min(self.limit, max(held, self.shown)) * DECREASE)
             self._last_decrease = at
 
     def _holding(self, at: float) -> bool:
         """Whether rule 5 keeps the limit from growing: refusals go on, or came again after it could grow."""
-        return self._quiet < QUIET_SCRAPES or (self._refused_again and at - self._refused_at < REFUSAL_HOLD_S)
-
-    def _after_refusal(self, at: float, before: float) -> None:
-        if at > self._refused_at and self._quiet < QUIET_SCRAPES:
-            self._quiet += 1  # started after the last refusal, and told of none
-        if self._holding(at):
-            self.limit = min(self.limit, before)
+        since = at - self._refused_at  # a page that started before the last refusal tells nothing after it
+        return since < QUIET_S or (self._refused_again and since < REFUSAL_HOLD_S)
 
     def _grow_or_cut(self, load: EngineLoad, at: float, held: float, pressure: float, shown: float) -> None:
         """Rules 1-4."""
