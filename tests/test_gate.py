@@ -303,6 +303,19 @@ def test_refusals_that_come_again_once_the_limit_could_grow_cut_it_and_hold_it()
     assert limit_after(gate, EngineLoad(waiting=2, running=4, rejected=3), late + QUIET_S) == 7
 
 
+def test_a_burst_around_the_gateway_that_arrives_in_parts_is_not_held_as_the_gates_own_doing() -> None:
+    """Its second part finds the engine holding more than the limit (the requests of the first part it took in): a
+    new round of refusals, cut and over QUIET_S later, not the gate's sends meeting the cap."""
+    gate = make_gate(max_running=4, itl_window_s=5.0)
+    assert limit_after(gate, EngineLoad(waiting=3, running=4, rejected=0), 0.0) == 7
+    assert gate.record_scrape("e1", EngineLoad(waiting=4, running=4, rejected=3), started_at=0.1) == 3
+    assert limit_after(gate, EngineLoad(waiting=4, running=4, rejected=3), 0.1 + QUIET_S) == 7
+    second = 0.2 + QUIET_S
+    assert gate.record_scrape("e1", EngineLoad(waiting=4, running=4, rejected=6), started_at=second) == 3
+    assert gate.rule.snapshot("e1").limit == pytest.approx(7 * DECREASE)
+    assert limit_after(gate, EngineLoad(waiting=4, running=4, rejected=6), second + QUIET_S) == 7
+
+
 def test_a_page_older_than_a_refusal_does_not_undo_its_cut() -> None:
     """A release answered "full" between a scrape's start and its arrival: that page tells nothing of what came after
     the refusal, and cannot grow the limit back."""
