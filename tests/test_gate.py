@@ -10,6 +10,7 @@ from extproc.core.bands import Band, BandAdmission
 from extproc.core.engine_load import EngineLoad
 from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.adaptive_limit import DECREASE, QUIET_S, REFUSAL_HOLD_S, ConcurrencyLimit, ItlWindow
+from extproc.core.release.answer import Answer
 from extproc.core.release.estimate import LoadEstimate
 from extproc.core.release.pool import Pool
 
@@ -303,9 +304,9 @@ def test_refusals_that_come_again_once_the_limit_could_grow_cut_it_and_hold_it()
     assert limit_after(gate, EngineLoad(waiting=2, running=4, rejected=3), late + QUIET_S) == 7
 
 
-def test_a_burst_around_the_gateway_that_arrives_in_parts_is_not_held_as_the_gates_own_doing() -> None:
-    """Its second part finds the engine holding more than the limit (the requests of the first part it took in): a
-    new round of refusals, cut and over QUIET_S later, not the gate's sends meeting the cap."""
+def test_refusals_of_traffic_around_the_gateway_are_not_held_as_the_gates_own_doing() -> None:
+    """A burst's second part finds the engine holding more than the limit (the requests of the first part it took
+    in): a new round of refusals, cut and over QUIET_S later, not the gate's sends meeting the cap."""
     gate = make_gate(max_running=4, itl_window_s=5.0)
     assert limit_after(gate, EngineLoad(waiting=3, running=4, rejected=0), 0.0) == 7
     assert gate.record_scrape("e1", EngineLoad(waiting=4, running=4, rejected=3), started_at=0.1) == 3
@@ -314,6 +315,15 @@ def test_a_burst_around_the_gateway_that_arrives_in_parts_is_not_held_as_the_gat
     assert gate.record_scrape("e1", EngineLoad(waiting=4, running=4, rejected=6), started_at=second) == 3
     assert gate.rule.snapshot("e1").limit == pytest.approx(7 * DECREASE)
     assert limit_after(gate, EngineLoad(waiting=4, running=4, rejected=6), second + QUIET_S) == 7
+    # Nor is a release answered "full" while the gate held clearly less than its limit (5 of 7: the engine was full
+    # of traffic around the gateway its pages did not show yet).
+    third = second + 2 * QUIET_S
+    for request in range(5):
+        gate.record_release(request, third - 0.3)
+    assert limit_after(gate, EngineLoad(waiting=1, running=4, rejected=6), third - 0.2) == 7
+    gate.record_response(None, Answer.FULL, third)
+    assert gate.rule.snapshot("e1").limit == pytest.approx(5 * DECREASE)  # from what it held: ours, in a pool of one
+    assert limit_after(gate, EngineLoad(waiting=1, running=4, rejected=6), third + QUIET_S) == 7
 
 
 def test_a_page_older_than_a_refusal_does_not_undo_its_cut() -> None:

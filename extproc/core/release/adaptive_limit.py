@@ -48,12 +48,14 @@ What is learned, and from which signal (every scrape, newest sample):
    batch for that long, and the gateway's clients would pay for the bypassing
    client in throughput). If the engine refuses again within
    ``REFUSAL_HOLD_S`` of the last refusal, once the limit could grow, while it
-   held no more than the limit, what the gate itself sends meets the cap (the
-   cap is below the line; as in rule 1, the limit is to blame): a new
-   decrease, and no growth until ``REFUSAL_HOLD_S`` after the last refusal, so
-   each probe above such a cap costs one more round of refusals. Refusals
-   while it held more (traffic around the gateway on top of the line, a burst
-   that came in parts) are a new round like the first.
+   held about what the limit allows (as rule 3 reads it) and no more, what the
+   gate itself sends meets the cap (the cap is below the line; as in rule 1,
+   the limit is to blame): a new decrease, and no growth until
+   ``REFUSAL_HOLD_S`` after the last refusal, so each probe above such a cap
+   costs one more round of refusals. Refusals while it held more (traffic
+   around the gateway on top of the line, a burst that came in parts), or
+   clearly less (traffic around the gateway the pages do not show yet), are a
+   new round like the first.
 
 The engine's own limits, where it says them (``set_engine``: SGLang's
 ``/server_info``, TGI's ``/info``, llama.cpp's ``/props``), join the
@@ -206,8 +208,9 @@ class ConcurrencyLimit:
         engine runs, or one stale page would cut the limit to nothing.
         """
         news = not self._holding(at)  # the limit could grow: a new round of refusals
-        if news:  # soon after the last, while the engine held no more than the limit: the gate's own sends met the cap
-            self._refused_again = at - self._refused_at < REFUSAL_HOLD_S and held <= self.limit
+        if news:  # soon after the last, the engine holding what the limit allows: the gate's own sends met the cap
+            self._refused_again = (at - self._refused_at < REFUSAL_HOLD_S
+                                   and self.limit - self._target / 2 <= held <= self.limit)
         self._refused_at = max(self._refused_at, at)
         if news or at - self._last_decrease >= self._cooldown_s:
             self.limit = max(1.0, min(self.limit, max(held, self.shown)) * DECREASE)
