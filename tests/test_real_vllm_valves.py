@@ -64,8 +64,10 @@ BYPASS_AFTER_S = 1.0
 MAX_TOKENS = 32
 # The measuring server's request cap: the gateway's line plus room for one request around it.
 ROOMY_REQS = QUEUED_REQS + 1
-# Floods per kind (streamed, SDK) and arm (with and without the bypass), the arms alternating.
+# Floods per kind (streamed, SDK) and arm (with and without the bypass), the arms alternating, one started every
+# FLOOD_EVERY_S at most: the bypass's bursts are further apart than the gate's hold for refusals that come again.
 FLOODS = int(os.environ.get("EXTPROC_VALVES_FLOODS", "2"))
+FLOOD_EVERY_S = 15.0
 REJECTIONS = "vllm:admission_rejections_total"
 BUSY = 503  # vLLM's status for a refusal at either cap (QueueOverflowError, MaxQueuedTokensError)
 
@@ -457,7 +459,7 @@ def report(kind: Kind, runs: Mapping[bool, list[Measured]]) -> dict[str, float]:
 async def test_the_gateways_throughput_with_a_client_that_bypasses_it(roomy: Valved, tmp_path: Path) -> None:
     """vLLM's cap leaves room for one request around the gateway (8). Floods of one kind (streamed, or SDK not
     streamed), with and without 8 requests straight to vLLM 1 s in, alternating (FLOODS each; more with
-    EXTPROC_VALVES_FLOODS).
+    EXTPROC_VALVES_FLOODS), FLOOD_EVERY_S apart.
 
     Asserted: the bypass meets vLLM's valve, and the gate's limit, cut by vLLM's refusals, is back at the line by the
     time vLLM has drained (a second after the refusals; a hold of fixed length would keep it down for seconds, under
@@ -479,7 +481,9 @@ async def test_the_gateways_throughput_with_a_client_that_bypasses_it(roomy: Val
         for i in range(FLOODS):
             for kind, arms in runs.items():
                 for bypass in (True, False) if i % 2 == 0 else (False, True):
+                    started = time.monotonic()
                     arms[bypass].append(await measured_flood(http, stack, clients, roomy.url, kind, bypass, line))
+                    await asyncio.sleep(max(0.0, started + FLOOD_EVERY_S - time.monotonic()))
     print(f"ratios {({kind: report(kind, arms) for kind, arms in runs.items()})}")
     assert any(m.refused for m in runs["sdk"][True] + runs["streamed"][True]), "the bypass never met the valve"
     floods = [m for arms in runs.values() for ms in arms.values() for m in ms]
