@@ -337,6 +337,17 @@ def test_a_page_older_than_a_refusal_does_not_undo_its_cut() -> None:
     assert limit.limit == 7
 
 
+def test_a_refusal_never_cuts_the_limit_below_what_the_engine_was_seen_running() -> None:
+    """The second cut of a round of refusals (the window passed), from a page that shows the engine holding its batch
+    only: ×0.8 of 4 would leave the batch a slot short; the engine ran 4 within its cap, so 4 it is."""
+    limit = ConcurrencyLimit(4 + 3, target_waiting=3, itl_window_s=1.0)
+    limit.observe(EngineLoad(waiting=3, running=4), at=0.0)
+    limit.refused(at=0.1, held=8)
+    assert limit.limit == pytest.approx(7 * DECREASE)
+    limit.refused(at=1.2, held=4)
+    assert limit.limit == 4
+
+
 def test_a_refusal_never_reads_a_lagging_page_as_an_empty_engine() -> None:
     limit = ConcurrencyLimit(4 + 3, target_waiting=3, floor=4)
     limit.refused(at=0.0, held=0)  # a release answered "full" by an engine the last page showed empty

@@ -38,24 +38,26 @@ What is learned, and from which signal (every scrape, newest sample):
    outside the gate — a client that bypasses it — fills the engine, or its cap
    is below what the gate would hold. Multiplicative decrease from what the
    engine held (``min(limit, held) * DECREASE``) once per round of refusals,
-   and within a round at most once per ITL window. No rule raises the limit
-   until the engine has refused nothing for ``QUIET_S``: while refusals go on,
-   growing back would find the valve again, and the gateway's retries of a
-   refused request (Envoy's back-off) come less than that apart. Once they
-   stop, the limit grows as rules 2-4 say: a burst around the gateway came on
-   top of what the gate holds and is over, so the limit is back at the line a
-   second after it (a hold of fixed length would keep it under the engine's
-   batch for that long, and the gateway's clients would pay for the bypassing
-   client in throughput). If the engine refuses again within
-   ``REFUSAL_HOLD_S`` of the last refusal, once the limit could grow, while it
-   held about what the limit allows (as rule 3 reads it) and no more, what the
-   gate itself sends meets the cap (the cap is below the line; as in rule 1,
-   the limit is to blame): a new decrease, and no growth until
-   ``REFUSAL_HOLD_S`` after the last refusal, so each probe above such a cap
-   costs one more round of refusals. Refusals while it held more (traffic
-   around the gateway on top of the line, a burst that came in parts), or
-   clearly less (traffic around the gateway the pages do not show yet), are a
-   new round like the first.
+   and within a round at most once per ITL window, but never below what it was
+   seen running: it ran that many within its cap, and the valve is met by its
+   queue (a cut below its batch loses throughput and leaves the outside
+   traffic room to run). No rule raises the limit until the engine has refused
+   nothing for ``QUIET_S``: while refusals go on, growing back would find the
+   valve again, and the gateway's retries of a refused request (Envoy's back-
+   off) come less than that apart. Once they stop, the limit grows as rules
+   2-4 say: a burst around the gateway came on top of what the gate holds and
+   is over, so the limit is back at the line a second after it (a hold of
+   fixed length would keep it under the engine's batch for that long, and the
+   gateway's clients would pay for the bypassing client in throughput). If the
+   engine refuses again within ``REFUSAL_HOLD_S`` of the last refusal, once
+   the limit could grow, while it held about what the limit allows (as rule 3
+   reads it) and no more, what the gate itself sends meets the cap (the cap is
+   below the line; as in rule 1, the limit is to blame): a new decrease, and
+   no growth until ``REFUSAL_HOLD_S`` after the last refusal, so each probe
+   above such a cap costs one more round of refusals. Refusals while it held
+   more (traffic around the gateway on top of the line, a burst that came in
+   parts), or clearly less (traffic around the gateway the pages do not show
+   yet), are a new round like the first.
 
 The engine's own limits, where it says them (``set_engine``: SGLang's
 ``/server_info``, TGI's ``/info``, llama.cpp's ``/props``), join the
@@ -213,7 +215,8 @@ class ConcurrencyLimit:
                                    and self.limit - self._target / 2 <= held <= self.limit)
         self._refused_at = max(self._refused_at, at)
         if news or at - self._last_decrease >= self._cooldown_s:
-            self.limit = max(1.0, min(self.limit, max(held, self.shown)) * DECREASE)
+            seen = min(self.limit, self.peak)  # it ran that many within its cap: never cut below
+            self.limit = max(1.0, seen, min(self.limit, max(held, self.shown)) * DECREASE)
             self._last_decrease = at
 
     def _holding(self, at: float) -> bool:
