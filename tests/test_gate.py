@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from extproc.adapters.engines.dialects import MetricsError, parse_load
+from extproc.adapters.envoy.routes import ENGINE_RETRY_MAX_S
 from extproc.core.bands import Band, BandAdmission
 from extproc.core.engine_load import EngineLoad
 from extproc.core.release import RULES, RuleSettings
-from extproc.core.release.adaptive_limit import DECREASE, QUIET_SCRAPES, REFUSAL_HOLD_S, ConcurrencyLimit, ItlWindow
+from extproc.core.release.adaptive_limit import DECREASE, QUIET_S, REFUSAL_HOLD_S, ConcurrencyLimit, ItlWindow
+from extproc.core.release.answer import Answer
 from extproc.core.release.estimate import LoadEstimate
 from extproc.core.release.pool import Pool
 
@@ -254,21 +256,19 @@ def limit_after(gate: Pool, load: EngineLoad, at: float) -> float:
 
 def test_the_engine_refusing_at_its_own_queue_cap_cuts_the_limit_until_the_refusals_stop() -> None:
     """vLLM's admission_rejections_total rising: multiplicative decrease, no growth while it rises, and back at the
-    line within QUIET_SCRAPES scrapes once it stops: the engine was seen holding more than the line (a burst around
-    the gateway, transient)."""
+    line QUIET_S after it stops (a burst around the gateway is over), whatever the lagging pages show."""
     gate = make_gate(max_running=4, itl_window_s=1.0)
     assert limit_after(gate, EngineLoad(waiting=3, running=4, rejected=0), 0.0) == 7
-    # Something around the gateway filled the engine to its cap of 8 and it refused two requests (its page does
-    # not show the one it took in yet).
-    assert gate.record_scrape("e1", EngineLoad(waiting=3, running=4, rejected=2), started_at=0.1) == 2
-    assert gate.rule.snapshot("e1").limit == pytest.approx(7 * DECREASE)
-    # It refuses more: within the window, one cut; and no growth while the refusals go on.
-    assert limit_after(gate, EngineLoad(waiting=4, running=4, rejected=3), 0.2) == pytest.approx(7 * DECREASE)
-    # The burst is over: rule 2 would grow the limit to the line, but only once QUIET_SCRAPES pages told of no refusal.
-    for i in range(1, QUIET_SCRAPES):
-        assert limit_after(gate, EngineLoad(waiting=3, running=4, rejected=3), 0.2 + i / 10) == pytest.approx(7 * DECREASE)
-    assert limit_after(gate, EngineLoad(waiting=3, running=4, rejected=3), 0.2 + QUIET_SCRAPES / 10) == 7
-    assert 0.2 + QUIET_SCRAPES / 10 < REFUSAL_HOLD_S
+    # Something around the gateway filled the engine to its cap of 8 and it refused two requests. Its pages lag
+    # (vLLM's: 50-400 ms), and never show it holding as much as the line while the gate holds back.
+    assert gate.record_scrape("e1", EngineLoad(waiting=2, running=4, rejected=2), started_at=0.1) == 2  # cut from 6
+    assert gate.rule.snapshot("e1").limit == pytest.approx(6 * DECREASE)
+    # It refuses more (the gateway's retry of a request it refused): within the window, one cut; no growth meanwhile.
+    assert limit_after(gate, EngineLoad(waiting=2, running=4, rejected=3), 0.5) == pytest.approx(6 * DECREASE)
+    # The refusals are over: rule 2 would grow the limit to the line, but only once QUIET_S passed without one.
+    assert limit_after(gate, EngineLoad(waiting=2, running=4, rejected=3), 0.5 + QUIET_S - 0.1) == pytest.approx(6 * DECREASE)
+    assert limit_after(gate, EngineLoad(waiting=2, running=4, rejected=3), 0.5 + QUIET_S) == 7
+    assert QUIET_S < REFUSAL_HOLD_S
     # A lower count is a restarted engine, not a refusal; neither is the first page seen.
     fresh = make_gate(max_running=4)
     assert fresh.record_scrape("e1", EngineLoad(waiting=3, running=4, rejected=50), started_at=0.0) == 0
@@ -276,29 +276,76 @@ def test_the_engine_refusing_at_its_own_queue_cap_cuts_the_limit_until_the_refus
     assert fresh.rule.snapshot("e1").limit == 7
 
 
-def test_an_engine_that_refuses_what_the_gate_itself_sends_is_not_sent_that_much_again_for_a_while() -> None:
-    """An engine capped at 6 (below 4 running + target_waiting 3) refuses at what the gate sends: once the refusals
-    stop the limit returns to what the engine held when it refused, and above it only after REFUSAL_HOLD_S."""
-    gate = make_gate(max_running=4, itl_window_s=1.0)
+def test_the_quiet_after_a_refusal_outlasts_the_gateways_back_off_between_retries() -> None:
+    """Envoy retries a request the engine refused as full: a retry refused again within the back-off is the same
+    round of refusals, not a new one that would hold the limit for REFUSAL_HOLD_S."""
+    assert QUIET_S >= ENGINE_RETRY_MAX_S
+
+
+def test_refusals_that_come_again_once_the_limit_could_grow_cut_it_and_hold_it() -> None:
+    """An engine capped at 6, below 4 running + target_waiting 3: the gate's own sends meet its cap. The limit grows
+    back once the first refusals stop, meets the cap again, and is cut again at once (within the window) and held
+    for REFUSAL_HOLD_S."""
+    gate = make_gate(max_running=4, itl_window_s=5.0)
     assert limit_after(gate, EngineLoad(waiting=2, running=4, rejected=0), 0.0) == 7
     assert gate.record_scrape("e1", EngineLoad(waiting=2, running=4, rejected=1), started_at=0.1) == 1
     assert gate.rule.snapshot("e1").limit == pytest.approx(6 * DECREASE)
-    for i in range(1, QUIET_SCRAPES + 3):
-        limit = limit_after(gate, EngineLoad(waiting=1, running=4, rejected=1), 0.1 + i / 10)
-    assert limit == 6
-    assert limit_after(gate, EngineLoad(waiting=1, running=4, rejected=1), 0.1 + REFUSAL_HOLD_S) == 7
+    assert limit_after(gate, EngineLoad(waiting=2, running=4, rejected=1), 0.1 + QUIET_S) == 7
+    again = 0.2 + QUIET_S
+    assert again - 0.1 < 5.0  # within the window of the first cut
+    assert gate.record_scrape("e1", EngineLoad(waiting=2, running=4, rejected=2), started_at=again) == 1
+    assert gate.rule.snapshot("e1").limit == pytest.approx(6 * DECREASE)
+    for at in (again + 0.1, again + QUIET_S, again + REFUSAL_HOLD_S / 2, again + REFUSAL_HOLD_S - 0.1):
+        assert limit_after(gate, EngineLoad(waiting=1, running=4, rejected=2), at) == pytest.approx(6 * DECREASE)
+    assert limit_after(gate, EngineLoad(waiting=1, running=4, rejected=2), again + REFUSAL_HOLD_S) == 7
+    # Refusals long after the last start afresh: back at the line once they stop.
+    late = again + 3 * REFUSAL_HOLD_S
+    assert gate.record_scrape("e1", EngineLoad(waiting=2, running=4, rejected=3), started_at=late) == 1
+    assert limit_after(gate, EngineLoad(waiting=2, running=4, rejected=3), late + QUIET_S) == 7
+
+
+def test_refusals_of_traffic_around_the_gateway_are_not_held_as_the_gates_own_doing() -> None:
+    """A burst's second part finds the engine holding more than the limit (the requests of the first part it took
+    in): a new round of refusals, cut and over QUIET_S later, not the gate's sends meeting the cap."""
+    gate = make_gate(max_running=4, itl_window_s=5.0)
+    assert limit_after(gate, EngineLoad(waiting=3, running=4, rejected=0), 0.0) == 7
+    assert gate.record_scrape("e1", EngineLoad(waiting=4, running=4, rejected=3), started_at=0.1) == 3
+    assert limit_after(gate, EngineLoad(waiting=4, running=4, rejected=3), 0.1 + QUIET_S) == 7
+    second = 0.2 + QUIET_S
+    assert gate.record_scrape("e1", EngineLoad(waiting=4, running=4, rejected=6), started_at=second) == 3
+    assert gate.rule.snapshot("e1").limit == pytest.approx(7 * DECREASE)
+    assert limit_after(gate, EngineLoad(waiting=4, running=4, rejected=6), second + QUIET_S) == 7
+    # Nor is a release answered "full" while the gate held clearly less than its limit (5 of 7: the engine was full
+    # of traffic around the gateway its pages did not show yet).
+    third = second + 2 * QUIET_S
+    for request in range(5):
+        gate.record_release(request, third - 0.3)
+    assert limit_after(gate, EngineLoad(waiting=1, running=4, rejected=6), third - 0.2) == 7
+    gate.record_response(None, Answer.FULL, third)
+    assert gate.rule.snapshot("e1").limit == pytest.approx(5 * DECREASE)  # from what it held: ours, in a pool of one
+    assert limit_after(gate, EngineLoad(waiting=1, running=4, rejected=6), third + QUIET_S) == 7
 
 
 def test_a_page_older_than_a_refusal_does_not_undo_its_cut() -> None:
-    """A release answered "full" between a scrape's start and its arrival: that page is not one that told of no
-    refusal, and cannot grow the limit back."""
+    """A release answered "full" between a scrape's start and its arrival: that page tells nothing of what came after
+    the refusal, and cannot grow the limit back."""
     limit = ConcurrencyLimit(4 + 3, target_waiting=3, floor=4)
     limit.refused(at=5.0, held=7)
     limit.observe(EngineLoad(waiting=3, running=4), at=4.95)
     assert limit.limit == pytest.approx(7 * DECREASE)
-    for i in range(QUIET_SCRAPES):
-        limit.observe(EngineLoad(waiting=3, running=4), at=5.05 + i / 10)
+    limit.observe(EngineLoad(waiting=3, running=4), at=5.0 + QUIET_S)
     assert limit.limit == 7
+
+
+def test_a_refusal_never_cuts_the_limit_below_what_the_engine_was_seen_running() -> None:
+    """The second cut of a round of refusals (the window passed), from a page that shows the engine holding its batch
+    only: ×0.8 of 4 would leave the batch a slot short; the engine ran 4 within its cap, so 4 it is."""
+    limit = ConcurrencyLimit(4 + 3, target_waiting=3, itl_window_s=1.0)
+    limit.observe(EngineLoad(waiting=3, running=4), at=0.0)
+    limit.refused(at=0.1, held=8)
+    assert limit.limit == pytest.approx(7 * DECREASE)
+    limit.refused(at=1.2, held=4)
+    assert limit.limit == 4
 
 
 def test_a_refusal_never_reads_a_lagging_page_as_an_empty_engine() -> None:

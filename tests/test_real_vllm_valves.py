@@ -13,21 +13,27 @@ The gateway alone never reaches it; a client that bypasses the gateway does,
 and then the gateway's clients must not pay for it: Envoy retries the
 engine's 503, the processor reads the rejection counter and releases less.
 
-One server of this module's own (the session's two have no valves), with both
-caps: the token cap sits above what 7 short chat prompts hold in prefill, so
-tests 1 and 2 meet only the request cap; test 3 sends long prompts to meet
-the token cap. Each test starts a stack of its own (the gate's limit and its
-10 s hold after a refusal do not carry over).
+Two servers of this module's own (the session's two have no valves). One has
+both caps: the token cap sits above what 7 short chat prompts hold in prefill,
+so tests 1 and 2 meet only the request cap; test 3 sends long prompts to meet
+the token cap. The other's request cap leaves room for one request around the
+gateway (8): the last test measures what a bypassing client costs the
+gateway's clients in throughput. Each test starts a stack of its own (the
+gate's limit does not carry over).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import aiohttp
 import openai
@@ -56,6 +62,12 @@ FLOOD = 40  # alice's requests per flood, half streamed, half through the OpenAI
 BYPASS = 8  # requests sent straight to vLLM, at once, BYPASS_AFTER_S into the flood
 BYPASS_AFTER_S = 1.0
 MAX_TOKENS = 32
+# The measuring server's request cap: the gateway's line plus room for one request around it.
+ROOMY_REQS = QUEUED_REQS + 1
+# Floods per kind (streamed, SDK) and arm (with and without the bypass), the arms alternating, one started every
+# FLOOD_EVERY_S at most: the bypass's bursts are further apart than the gate's hold for refusals that come again.
+FLOODS = int(os.environ.get("EXTPROC_VALVES_FLOODS", "2"))
+FLOOD_EVERY_S = 15.0
 REJECTIONS = "vllm:admission_rejections_total"
 BUSY = 503  # vLLM's status for a refusal at either cap (QueueOverflowError, MaxQueuedTokensError)
 
@@ -73,20 +85,36 @@ class Answer:
         return self.status == 200 and self.tokens == MAX_TOKENS and self.error is None
 
 
+Kind = Literal["streamed", "sdk"]
+
+
 @dataclass(frozen=True)
 class Valved:
     url: str
     workdir: Path
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def valved(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Valved]:
-    """A vLLM of 4 sequences whose own valves are on: 7 requests, QUEUED_TOKENS prompt tokens in prefill."""
+@dataclass(frozen=True)
+class Flood:
+    answers: list[Answer]  # the gateway's, the newcomer's last
+    bypassed: list[int]  # the statuses of the requests sent straight to vLLM
+    seconds: float  # from the flood's first request to the gateway's last answer
+
+    @property
+    def throughput(self) -> float:
+        """Completion tokens per second in the gateway's complete answers."""
+        return sum(a.tokens for a in self.answers if a.complete) / self.seconds
+
+
+@asynccontextmanager
+async def serving(tmp_path_factory: pytest.TempPathFactory, queued_reqs: int, queued_tokens: int | None = None,
+                  ) -> AsyncIterator[Valved]:
+    """A vLLM of MAX_NUM_SEQS sequences with its own valves on, past its first (slower) batches."""
     require_vllm()
     port = free_port()
     workdir = tmp_path_factory.mktemp("vllm-valves")
-    server = await start_vllm(MODEL, port, workdir, max_num_seqs=MAX_NUM_SEQS, max_num_queued_reqs=QUEUED_REQS,
-                              max_num_queued_tokens=QUEUED_TOKENS)
+    server = await start_vllm(MODEL, port, workdir, max_num_seqs=MAX_NUM_SEQS, max_num_queued_reqs=queued_reqs,
+                              max_num_queued_tokens=queued_tokens)
     url = f"http://127.0.0.1:{port}"
     try:
         async with session() as http:  # vLLM's first batches take longer (first use of each shape)
@@ -96,8 +124,22 @@ async def valved(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Valv
         await server.stop()
 
 
-def session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120))
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def valved(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Valved]:
+    """Both valves: 7 requests (the gateway's line), QUEUED_TOKENS prompt tokens in prefill."""
+    async with serving(tmp_path_factory, QUEUED_REQS, QUEUED_TOKENS) as server:
+        yield server
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def roomy(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Valved]:
+    """The request valve only, one above the gateway's line: ROOMY_REQS requests."""
+    async with serving(tmp_path_factory, ROOMY_REQS) as server:
+        yield server
+
+
+def session(timeout_s: float = 120) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s))
 
 
 def sdk_client(stack: Stack, tenant: str) -> openai.AsyncOpenAI:
@@ -171,18 +213,24 @@ async def envoy_retries(stack: Stack) -> str:
 
 
 async def mixed_flood(
-    http: aiohttp.ClientSession, stack: Stack, alice: openai.AsyncOpenAI, bypass: str | None,
-) -> tuple[list[Answer], list[int]]:
-    """FLOOD of alice's requests at once (even ones streamed, odd ones through the SDK), then bob's once all have
-    reached the gateway; with ``bypass`` (vLLM's URL) BYPASS requests straight to vLLM BYPASS_AFTER_S in.
+    http: aiohttp.ClientSession, stack: Stack, clients: Mapping[str, openai.AsyncOpenAI], bypass: str | None,
+    kind: Kind | None = None,
+) -> Flood:
+    """FLOOD of alice's requests at once, then bob's once all have reached the gateway; with ``bypass`` (vLLM's
+    URL) BYPASS requests straight to vLLM BYPASS_AFTER_S in.
 
-    Returns the gateway's answers (bob's last: streamed) and the bypass's statuses.
+    Every request is of ``kind``; without one even ones are streamed, odd ones through the SDK (bob's streamed).
+    ``clients``: the SDK client of each tenant that sends through it.
     """
+
+    def request(tenant: str, i: int) -> Awaitable[Answer]:
+        if (kind or ("streamed" if i % 2 == 0 else "sdk")) == "streamed":
+            return streamed(http, stack, tenant)
+        return non_streamed(clients[tenant], tenant)
+
     released_before = metric(await read_metrics(stack.metrics_url), "extproc_released_total", model=MODEL)
-    flood = [
-        asyncio.create_task(streamed(http, stack, "alice") if i % 2 == 0 else non_streamed(alice, "alice"))
-        for i in range(FLOOD)
-    ]
+    started = time.monotonic()
+    flood = [asyncio.ensure_future(request("alice", i)) for i in range(FLOOD)]
 
     async def bypassing() -> list[int]:
         assert bypass is not None
@@ -196,12 +244,13 @@ async def mixed_flood(
         arrived = metric(samples, "extproc_queue_depth", model=MODEL) + metric(samples, "extproc_released_total", model=MODEL)
         if arrived - released_before >= FLOOD:
             break
-        assert time.monotonic() < deadline, "the flood did not reach the gateway"
+        assert time.monotonic() < deadline, f"{arrived - released_before:g} of the flood reached the gateway"
         await asyncio.sleep(0.02)
-    newcomer = await streamed(http, stack, "bob")
+    newcomer = await request("bob", 0)
     answers = [*await asyncio.gather(*flood), newcomer]
+    seconds = time.monotonic() - started
     statuses = await outside if outside else []
-    return answers, statuses
+    return Flood(answers, statuses, seconds)
 
 
 async def gateway(valved: Valved, tmp_path: Path, **settings: object) -> Stack:
@@ -220,7 +269,7 @@ async def test_at_a_cap_of_exactly_what_the_gateway_holds_vllm_refuses_nothing(v
     """vLLM's cap is 4 running + target_waiting 3: the gateway alone never reaches it, with a newcomer on top."""
     async with await gateway(valved, tmp_path) as stack, session() as http, sdk_client(stack, "alice") as alice:
         before = await rejections(valved.url)
-        answers, _ = await mixed_flood(http, stack, alice, bypass=None)
+        answers = (await mixed_flood(http, stack, {"alice": alice}, bypass=None)).answers
         after = await rejections(valved.url)
         await asyncio.sleep(0.5)  # a scrape or two after the last answer
         processor = await read_metrics(stack.metrics_url)
@@ -248,7 +297,8 @@ async def test_a_client_that_bypasses_the_gateway_fills_vllm_and_the_gateways_cl
     async with await gateway(valved, tmp_path) as stack, session() as http, sdk_client(stack, "alice") as alice:
         await idle(http, valved.url)
         before = await rejections(valved.url)
-        answers, bypassed = await mixed_flood(http, stack, alice, bypass=valved.url)
+        flood = await mixed_flood(http, stack, {"alice": alice}, bypass=valved.url)
+        answers, bypassed = flood.answers, flood.bypassed
         after = await rejections(valved.url)
         rose = after["max_num_queued_reqs"] - before["max_num_queued_reqs"]
         seen = await mirrored(stack, rose)
@@ -297,3 +347,144 @@ async def test_at_vllms_token_cap_the_gateways_requests_are_retried_until_they_g
     assert rose >= 1, (before, after)
     assert after["max_num_queued_reqs"] == before["max_num_queued_reqs"]
     assert seen == rose, (seen, rose)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One flood of the throughput measurement, and what it did to the gate."""
+
+    flood: Flood
+    refused: float  # vLLM's admission rejections during it
+    steps: float  # vLLM's engine steps during it
+    scrape_errors: float  # the processor's failed scrapes of vLLM during it (it gates on a fallback limit meanwhile)
+    limits: list[float]  # the gate's limit, sampled every 200 ms during it
+    recovered_s: float  # from vLLM holding nothing after it to the gate's limit back at the line
+
+    @property
+    def per_step(self) -> float:
+        """Completion tokens in the gateway's complete answers per engine step: the gateway's share of vLLM's batch,
+        whatever CPU vLLM got (on a shared machine its steps take 2-20 times longer from one minute to the next)."""
+        return sum(a.tokens for a in self.flood.answers if a.complete) / self.steps
+
+
+async def gate_limit(stack: Stack) -> float:
+    return metric(await read_metrics(stack.metrics_url), "extproc_gate_limit", model=MODEL)
+
+
+async def scrape_errors(stack: Stack) -> float:
+    return metric(await read_metrics(stack.metrics_url), "extproc_scrape_errors_total", model=MODEL)
+
+
+async def engine_counts(engine: str) -> tuple[float, float]:
+    """vLLM's admission rejections and engine steps so far."""
+    samples = await read_metrics(f"{engine}/metrics")
+    return metric(samples, REJECTIONS), metric(samples, "vllm:iteration_tokens_total_count")
+
+
+async def recovered(http: aiohttp.ClientSession, engine: str, stack: Stack, line: float) -> float:
+    """Until vLLM holds nothing and the gate's limit is back at ``line``: seconds from the first to the second."""
+    await idle(http, engine)
+    idle_at = time.monotonic()
+    deadline = idle_at + 30
+    while await gate_limit(stack) < line:
+        assert time.monotonic() < deadline, f"the gate's limit stayed at {await gate_limit(stack):g} (< {line})"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - idle_at
+
+
+async def measured_flood(
+    http: aiohttp.ClientSession, stack: Stack, clients: Mapping[str, openai.AsyncOpenAI], engine: str, kind: Kind,
+    bypass: bool, line: float,
+) -> Measured:
+    refused_before, steps_before = await engine_counts(engine)
+    errors_before = await scrape_errors(stack)
+    limits: list[float] = []
+
+    async def sample() -> None:
+        while True:
+            limits.append(await gate_limit(stack))
+            await asyncio.sleep(0.2)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        flood = await mixed_flood(http, stack, clients, bypass=engine if bypass else None, kind=kind)
+    finally:
+        sampler.cancel()
+    refused, steps = await engine_counts(engine)
+    errors = await scrape_errors(stack) - errors_before
+    return Measured(flood, refused - refused_before, steps - steps_before, errors, limits or [line],
+                    await recovered(http, engine, stack, line))
+
+
+def ratios(runs: Mapping[bool, list[Measured]], measure: Callable[[Measured], float]) -> tuple[float, list[float]]:
+    """``measure`` with the bypass over without: the ratio of the means, and each pair's (flood i of either arm)."""
+    with_, without = ([measure(m) for m in runs[b]] for b in (True, False))
+    return statistics.mean(with_) / statistics.mean(without), [w / o for w, o in zip(with_, without, strict=True)]
+
+
+def report(kind: Kind, runs: Mapping[bool, list[Measured]]) -> dict[str, float]:
+    """Print one kind's floods; returns its throughput with the bypass over without, per second and per engine step.
+
+    ``per_step_clean``: per step, of the pairs where the bypass met a vLLM the gateway had filled to its line (it
+    let in only the one request it has room for; on a slow machine the flood may not have reached vLLM 1 s in) and
+    the processor scraped vLLM without a failure (it gates on a fallback limit meanwhile).
+    """
+    by_time, pairs_by_time = ratios(runs, lambda m: m.flood.throughput)
+    by_step, pairs_by_step = ratios(runs, lambda m: m.per_step)
+    room = ROOMY_REQS - MAX_NUM_SEQS - TARGET_WAITING
+    clean = [i for i, (w, o) in enumerate(zip(runs[True], runs[False], strict=True))
+             if w.flood.bypassed.count(200) <= room and not w.scrape_errors + o.scrape_errors]
+    subset = {b: [runs[b][i] for i in clean] for b in (True, False)}
+    by_time_clean, by_step_clean = (ratios(subset, lambda m: m.flood.throughput)[0], ratios(subset, lambda m: m.per_step)[0]) \
+        if clean else (float("nan"), float("nan"))
+    bypassed = runs[True]
+    wrong = [(a.status, a.tokens, a.error and a.error.get("code")) for b in (True, False) for m in runs[b]
+             for a in m.flood.answers if not a.complete]
+    print(f"\n{kind}: throughput with / without bypass {by_time:.3f} (per pair {[round(r, 3) for r in pairs_by_time]}); "
+          f"per engine step {by_step:.3f} (per pair {[round(r, 3) for r in pairs_by_step]}; {by_step_clean:.3f} over the "
+          f"{len(clean)} clean pairs, per second {by_time_clean:.3f}); "
+          f"tokens/s with {[round(m.flood.throughput) for m in bypassed]}, "
+          f"without {[round(m.flood.throughput) for m in runs[False]]}; tokens/step with "
+          f"{[round(m.per_step, 2) for m in bypassed]}, without {[round(m.per_step, 2) for m in runs[False]]}; "
+          f"failed scrapes with {[m.scrape_errors for m in bypassed]}, without {[m.scrape_errors for m in runs[False]]}; "
+          f"wrong answers at gateway clients {len(wrong)} {wrong}; vLLM refused {[m.refused for m in bypassed]} "
+          f"(without bypass {sum(m.refused for m in runs[False]):g}); bypass let in "
+          f"{[m.flood.bypassed.count(200) for m in bypassed]}; the gate's limit: lowest "
+          f"{[round(min(m.limits), 1) for m in bypassed]}, mean {[round(statistics.mean(m.limits), 1) for m in bypassed]}, "
+          f"back at the line {[round(m.recovered_s, 2) for m in bypassed]} s after vLLM drained")
+    return {"per_s": by_time, "per_step": by_step, "per_s_clean": by_time_clean, "per_step_clean": by_step_clean}
+
+
+@IN_SESSION_LOOP
+async def test_the_gateways_throughput_with_a_client_that_bypasses_it(roomy: Valved, tmp_path: Path) -> None:
+    """vLLM's cap leaves room for one request around the gateway (8). Floods of one kind (streamed, or SDK not
+    streamed), with and without 8 requests straight to vLLM 1 s in, alternating (FLOODS each; more with
+    EXTPROC_VALVES_FLOODS), FLOOD_EVERY_S apart.
+
+    Asserted: the bypass meets vLLM's valve, and the gate's limit, cut by vLLM's refusals, is back at the line by the
+    time vLLM has drained (a second after the refusals; a hold of fixed length would keep it down for seconds, under
+    vLLM's batch). Printed: the
+    gateway's throughput with the bypass over without, per second and per engine step (on a shared machine vLLM's
+    steps take 2-20 times longer from one minute to the next; the gateway's tokens per step are what the gate
+    decides: how full it keeps the batch), and what the gateway's clients got that was not a complete answer
+    (test 2 asserts those; a flood where vLLM took in several bypass requests before the gateway had filled it can
+    refuse a released request longer than Envoy retries when vLLM's steps are slow).
+    """
+    line = MAX_NUM_SEQS + TARGET_WAITING
+    # A flood's last request may wait minutes in the gateway's queue when vLLM's steps are slow.
+    async with (await gateway(roomy, tmp_path) as stack, session(timeout_s=600) as http,
+                sdk_client(stack, "alice") as alice, sdk_client(stack, "bob") as bob):
+        clients = {"alice": alice, "bob": bob}
+        await mixed_flood(http, stack, clients, bypass=None)  # the gate learns vLLM's batch: its limit reaches the line
+        await recovered(http, roomy.url, stack, line)
+        runs: dict[Kind, dict[bool, list[Measured]]] = {kind: {True: [], False: []} for kind in ("sdk", "streamed")}
+        for i in range(FLOODS):
+            for kind, arms in runs.items():
+                for bypass in (True, False) if i % 2 == 0 else (False, True):
+                    started = time.monotonic()
+                    arms[bypass].append(await measured_flood(http, stack, clients, roomy.url, kind, bypass, line))
+                    await asyncio.sleep(max(0.0, started + FLOOD_EVERY_S - time.monotonic()))
+    print(f"ratios {({kind: report(kind, arms) for kind, arms in runs.items()})}")
+    assert any(m.refused for m in runs["sdk"][True] + runs["streamed"][True]), "the bypass never met the valve"
+    floods = [m for arms in runs.values() for ms in arms.values() for m in ms]
+    assert all(m.recovered_s < 2 for m in floods), [round(m.recovered_s, 2) for m in floods]

@@ -60,10 +60,10 @@ class Adaptive(MetricRule):
         limit = self._limits.get(endpoint)
         return limit.shown or None if limit is not None else None
 
-    def record_refusal(self, endpoint: str, now: float, held: float | None = None) -> None:
+    def record_refusal(self, endpoint: str, now: float, held: float) -> None:
         limit = self._limits.get(endpoint)
         if limit is not None:
-            limit.refused(now, self.estimate.now(endpoint).held if held is None else held)
+            limit.refused(now, held)
 
     def room(self, endpoint: str | None) -> float:
         limits = self._limits.values() if endpoint is None else [self._limits[endpoint]]

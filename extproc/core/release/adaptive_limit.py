@@ -35,23 +35,29 @@ What is learned, and from which signal (every scrape, newest sample):
 5. **The engine refused a request as full** (its own queue cap: vLLM's
    ``--max-num-queued-reqs``, TGI's ``--max-concurrent-requests``; seen as its
    rejection counter rising, or as a release answered "full"): something
-   outside the gate — a client that bypasses it — fills the engine, or its
-   cap is below what the gate would hold. Multiplicative decrease from what
-   the engine held (``min(limit, held) * DECREASE``, at most once per ITL
-   window). No rule raises the limit until ``QUIET_SCRAPES`` scrapes that
-   started after the last refusal showed none: while refusals go on, growing
-   back would find the valve again. Once they stop, the limit grows as rules
-   2-4 say, up to the most the engine held by its own count on the pages
-   read since the refusals began (never less than it runs; an engine never
-   holds more than its cap, whoever sent what it holds), and above that only
-   ``REFUSAL_HOLD_S`` after the last refusal. A burst around the gateway came
-   on top of what the gate holds: the engine held more than the gate's line,
-   so the limit is back at the line within a scrape or two of the burst (a
-   hold of fixed length would keep it under the engine's batch for that
-   long, and the gateway's clients would pay for the bypassing client in
-   throughput). An engine whose cap is below the line refused at what the
-   gate itself sends: it is not sent more than it held for
-   ``REFUSAL_HOLD_S``, and each probe above its cap costs a refusal.
+   outside the gate — a client that bypasses it — fills the engine, or its cap
+   is below what the gate would hold. Multiplicative decrease from what the
+   engine held (``min(limit, held) * DECREASE``) once per round of refusals,
+   and within a round at most once per ITL window, but never below what it was
+   seen running: it ran that many within its cap, and the valve is met by its
+   queue (a cut below its batch loses throughput and leaves the outside
+   traffic room to run). No rule raises the limit until the engine has refused
+   nothing for ``QUIET_S``: while refusals go on, growing back would find the
+   valve again, and the gateway's retries of a refused request (Envoy's back-
+   off) come less than that apart. Once they stop, the limit grows as rules
+   2-4 say: a burst around the gateway came on top of what the gate holds and
+   is over, so the limit is back at the line a second after it (a hold of
+   fixed length would keep it under the engine's batch for that long, and the
+   gateway's clients would pay for the bypassing client in throughput). If the
+   engine refuses again within ``REFUSAL_HOLD_S`` of the last refusal, once
+   the limit could grow, while it held about what the limit allows (as rule 3
+   reads it) and no more, what the gate itself sends meets the cap (the cap is
+   below the line; as in rule 1, the limit is to blame): a new decrease, and
+   no growth until ``REFUSAL_HOLD_S`` after the last refusal, so each probe
+   above such a cap costs one more round of refusals. Refusals while it held
+   more (traffic around the gateway on top of the line, a burst that came in
+   parts), or clearly less (traffic around the gateway the pages do not show
+   yet), are a new round like the first.
 
 The engine's own limits, where it says them (``set_engine``: SGLang's
 ``/server_info``, TGI's ``/info``, llama.cpp's ``/props``), join the
@@ -79,9 +85,10 @@ DECREASE = 0.8
 # Fractions of a ceiling where additive increase slows to 1, then stops.
 SLOW_ABOVE = 0.5
 HOLD_ABOVE = 0.9
-# After the engine refused a request as full: how many scrapes must show no refusal before the limit
-# may grow, and how long it may not grow above what the engine held when it refused.
-QUIET_SCRAPES = 2
+# After the engine refused a request as full: how long it must refuse nothing before the limit may grow
+# (at least the longest back-off between the gateway's retries of a refused request, the generated Envoy's
+# 1 s), and how long the limit may not grow after refusals that came again once it could.
+QUIET_S = 1.0
 REFUSAL_HOLD_S = 10.0
 
 
@@ -140,11 +147,10 @@ class ConcurrencyLimit:
         self.limit = float(min(initial, cap) if cap is not None else initial)
         self.pressure = 0.0
         self._last_decrease = float("-inf")
-        # Rule 5: the last refusal, the scrapes started since (none told of another), and the most the
-        # engine held by its own count on the pages read since refusals began.
+        # Rule 5: the last refusal, and whether refusals came again once the limit could grow (then it is
+        # held for REFUSAL_HOLD_S).
         self._refused_at = float("-inf")
-        self._quiet = QUIET_SCRAPES
-        self._refused_held = 0.0
+        self._refused_again = False
 
     def _pressure(self, load: EngineLoad) -> float:
         """The highest ceiling use, 1.0 = at a ceiling; 0 without ceilings or data."""
@@ -172,7 +178,8 @@ class ConcurrencyLimit:
             held = load.running + load.waiting
         before = self.limit
         self._grow_or_cut(load, at, held, pressure, self.shown)
-        self._after_refusal(load, at, before)
+        if self._holding(at):
+            self.limit = min(self.limit, before)
         if self._cap is not None:
             self.limit = min(self.limit, float(self._cap))
 
@@ -202,25 +209,20 @@ class ConcurrencyLimit:
         ``held`` may lag (a scrape's count): never read as less than the
         engine runs, or one stale page would cut the limit to nothing.
         """
-        if at - self._refused_at >= REFUSAL_HOLD_S:
-            self._refused_held = 0.0  # the first refusal in a while: what the engine holds counts from now on
-        self._refused_at, self._quiet = at, 0
-        if at - self._last_decrease >= self._cooldown_s:
-            self.limit = max(1.0, min(self.limit, max(held, self.shown)) * DECREASE)
+        news = not self._holding(at)  # the limit could grow: a new round of refusals
+        if news:  # soon after the last, the engine holding what the limit allows: the gate's own sends met the cap
+            self._refused_again = (at - self._refused_at < REFUSAL_HOLD_S
+                                   and self.limit - self._target / 2 <= held <= self.limit)
+        self._refused_at = max(self._refused_at, at)
+        if news or at - self._last_decrease >= self._cooldown_s:
+            seen = min(self.limit, self.peak)  # it ran that many within its cap: never cut below
+            self.limit = max(1.0, seen, min(self.limit, max(held, self.shown)) * DECREASE)
             self._last_decrease = at
 
-    def _after_refusal(self, load: EngineLoad, at: float, before: float) -> None:
-        """Rule 5's bound on growth: none while refusals go on, then not above what the engine was seen holding."""
-        if at - self._refused_at >= REFUSAL_HOLD_S:
-            return
-        # Never more than its cap, whoever sent what it holds; its page may lag the refusal, the next ones less.
-        self._refused_held = max(self._refused_held, load.running + load.waiting)
-        if at > self._refused_at and self._quiet < QUIET_SCRAPES:
-            self._quiet += 1  # started after the last refusal, and told of none
-        if self._quiet < QUIET_SCRAPES:
-            self.limit = min(self.limit, before)
-        else:
-            self.limit = min(self.limit, max(before, self._refused_held, self.shown))
+    def _holding(self, at: float) -> bool:
+        """Whether rule 5 keeps the limit from growing: refusals go on, or came again after it could grow."""
+        since = at - self._refused_at  # a page that started before the last refusal tells nothing after it
+        return since < QUIET_S or (self._refused_again and since < REFUSAL_HOLD_S)
 
     def _grow_or_cut(self, load: EngineLoad, at: float, held: float, pressure: float, shown: float) -> None:
         """Rules 1-4."""

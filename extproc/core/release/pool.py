@@ -244,8 +244,8 @@ class Pool:
                 self.record_alive(target, now)
             else:
                 self._forget_down()
-            if answer is Answer.FULL:
-                self.rule.record_refusal(target, now)
+            if answer is Answer.FULL:  # what it holds: ours counted where they can be told apart (a pool of one)
+                self.rule.record_refusal(target, now, self.estimate.now(target if self.pick_endpoints else None).held)
         return target
 
     def allowance(self, now: float) -> int:

@@ -114,9 +114,9 @@ class ReleaseRule:
         """What the rule believes ``endpoint`` runs at once (None: it does not know)."""
         return self.settings.max_running
 
-    def record_refusal(self, endpoint: str, now: float, held: float | None = None) -> None:
-        """The engine at ``endpoint`` refused requests as full (its own queue cap): its counter rose on a
-        scrape (``held``: what it held then, as ``record_scrape``'s), or a release was answered so."""
+    def record_refusal(self, endpoint: str, now: float, held: float) -> None:
+        """The engine at ``endpoint`` refused requests as full (its own queue cap) while holding ``held``: its
+        counter rose on a scrape (``held`` as ``record_scrape``'s), or a release was answered so."""
 
     def next_change_in(self, now: float) -> float | None:
         """Seconds until the allowance grows with no event at all (a rate), else None."""
