@@ -66,7 +66,7 @@ MAX_TOKENS = 32
 ROOMY_REQS = QUEUED_REQS + 1
 # Floods per kind (streamed, SDK) and arm (with and without the bypass), the arms alternating, one started every
 # FLOOD_EVERY_S at most: the bypass's bursts are further apart than the gate's hold for refusals that come again.
-FLOODS = int(os.environ.get("EXTPROC_VALVES_FLOODS", "2"))
+FLOODS = int(os.environ.get("EXTPROC_VALVES_FLOODS", "1"))
 FLOOD_EVERY_S = 15.0
 REJECTIONS = "vllm:admission_rejections_total"
 BUSY = 503  # vLLM's status for a refusal at either cap (QueueOverflowError, MaxQueuedTokensError)
