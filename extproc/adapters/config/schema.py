@@ -22,6 +22,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from extproc.adapters.config.batches import BatchSettings
 from extproc.adapters.config.values import (
     Address,
     Count,
@@ -383,3 +384,5 @@ class ConfigFile(_Section, frozen=True):
     # Active-active: several instances that behave as one, sharing state in Redis (docs/cluster.md).
     cluster: ClusterSettings | None = None
     endpoint_picker: EndpointPickerSettings = msgspec.field(default_factory=EndpointPickerSettings)
+    # OpenAI's Batch API on idle capacity (config/batches.py, docs/batches.md).
+    batches: BatchSettings | None = None
