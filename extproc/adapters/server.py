@@ -34,6 +34,7 @@ from collections.abc import Callable
 import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.adapters.batches.service import BatchService
 from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig, split_address
 from extproc.adapters.engines.discovery import watch_pool
@@ -110,6 +111,10 @@ class ProcessorServer:
             host, port,
         )
         self._metrics_started = False
+        # OpenAI's Batch API and its runner (batches:, docs/batches.md).
+        self._batches = (None if config.batches is None
+                         else BatchService(config, self.telemetry.registry, tenant_labels(config)))
+        self._batches_started = False
 
     async def start(self) -> None:
         host, port = split_address(self.config.listen.grpc)
@@ -124,6 +129,9 @@ class ProcessorServer:
         except OSError as exc:
             raise OSError(f"listen.metrics: cannot bind {self.config.listen.metrics} ({exc.strerror})") from exc
         self._metrics_started = True
+        if self._batches is not None:
+            await self._batches.start()
+            self._batches_started = True
         self._session = aiohttp.ClientSession()
         self._probes = probe_session()
         if self._tls is not None:
@@ -211,6 +219,9 @@ class ProcessorServer:
                  self.queued(), self.in_flight(), drain_seconds, deadline_seconds)
         self.processor.draining = True
         self.telemetry.draining.set(1)
+        if self._batches is not None and self._batches_started:  # no more lines; those in flight run again next start
+            self._batches_started = False
+            await self._batches.stop()
         self._health.enter_graceful_shutdown()
         await self._wait(lambda: self.queued() == 0, start + min(drain_seconds, deadline_seconds), force)
         if self.queued():
@@ -242,6 +253,8 @@ class ProcessorServer:
         for session in (self._session, self._probes):
             if session is not None:
                 await session.close()
+        if self._batches is not None and self._batches_started:
+            await self._batches.stop()
         if self._metrics_started:
             await self._metrics_server.stop()
         await self._grpc.stop(0)

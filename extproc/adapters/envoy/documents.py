@@ -16,6 +16,7 @@ import yaml
 
 from extproc.adapters.config import Config, ConfigError, split_address
 from extproc.adapters.envoy.base import UPLOAD_MARGIN_S, Json, duration, hold_timeout_s, idle_timeout_s, typed
+from extproc.adapters.envoy.batches import api_clusters, api_routes, runner_routes
 from extproc.adapters.envoy.clusters import clusters, socket_address
 from extproc.adapters.envoy.filters import Chain, drop_in_filters, http_filters
 from extproc.adapters.envoy.local_replies import cel, local_reply_config
@@ -94,27 +95,32 @@ def bootstrap(config: Config, *, ext_proc: bool = True) -> Json:
     metadata): the benchmark's baseline for what Envoy alone costs.
     """
     _refuse(config)
+    llm = routes(config, ext_proc=ext_proc)
+    listeners = [_listener(config, "ingress", config.envoy.listen, [*api_routes(config), *llm], Chain(ext_proc=ext_proc))]
+    if config.batches is not None and ext_proc:  # the batch runner's own listener (envoy/batches.py)
+        listeners.append(_listener(config, "batch_runner", config.batches.runner_listen, runner_routes(config, llm),
+                                   Chain(runner=True)))
+    return {
+        "admin": {"address": socket_address(*split_address(config.envoy.admin))},
+        "static_resources": {"listeners": listeners, "clusters": [*clusters(config), *api_clusters(config)]},
+    }
+
+
+def _listener(config: Config, name: str, address: str, route_list: list[Json], chain: Chain) -> Json:
     hcm = typed(
         "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        stat_prefix="ingress",
+        stat_prefix="ingress" if name == "ingress" else name,
         codec_type="AUTO",
         **_hcm_settings(config),
         access_log=_access_log(config),
-        route_config={
-            "name": "models",
-            "virtual_hosts": [{"name": "models", "domains": ["*"], "routes": routes(config, ext_proc=ext_proc)}],
-        },
-        http_filters=http_filters(config, Chain(ext_proc=ext_proc)),
+        route_config={"name": "models", "virtual_hosts": [{"name": "models", "domains": ["*"], "routes": route_list}]},
+        http_filters=http_filters(config, chain),
     )
-    listener = {
-        "name": "ingress",
-        "address": socket_address(*split_address(config.envoy.listen)),
+    return {
+        "name": name,
+        "address": socket_address(*split_address(address)),
         "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
         "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
-    }
-    return {
-        "admin": {"address": socket_address(*split_address(config.envoy.admin))},
-        "static_resources": {"listeners": [listener], "clusters": clusters(config)},
     }
 
 

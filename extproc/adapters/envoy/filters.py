@@ -75,6 +75,8 @@ class Chain:
     ext_proc: bool = True
     # A drop-in into an operator's Envoy, whose own auth filter may set the tenant header.
     drop_in: bool = False
+    # The batch runner's listener: no auth filter, the runner's tenant header kept (envoy/batches.py).
+    runner: bool = False
 
 
 class DropIn(Enum):
@@ -118,7 +120,7 @@ def _sanitise(config: Config, chain: Chain) -> Json:
     sets it.
     """
     identity = config.identity
-    keep_tenant = chain.drop_in and not _own_identity(config)
+    keep_tenant = chain.runner or (chain.drop_in and not _own_identity(config))
     tenant = [] if keep_tenant else [identity.tenant_header, *identity.fairness_id_headers]
     remove = [identity.model_header, *tenant, DESTINATION_HEADER, *ECHOED_HEADERS]
     return typed("envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
@@ -243,9 +245,11 @@ def _router(config: Config, chain: Chain) -> Json:
 # In chain order.
 FILTERS = (
     Filter("envoy.filters.http.header_mutation", _sanitise, _always),
-    Filter("envoy.filters.http.api_key_auth", _api_key_auth, lambda config, chain: bool(config.envoy.api_keys),
+    Filter("envoy.filters.http.api_key_auth", _api_key_auth,
+           lambda config, chain: bool(config.envoy.api_keys) and not chain.runner,
            replies=(Refusal.UNAUTHENTICATED,)),
-    Filter("envoy.filters.http.jwt_authn", _jwt_authn, lambda config, chain: config.envoy.jwt is not None,
+    Filter("envoy.filters.http.jwt_authn", _jwt_authn,
+           lambda config, chain: config.envoy.jwt is not None and not chain.runner,
            replies=(Refusal.UNAUTHENTICATED, Refusal.PERMISSION_DENIED)),
     Filter("envoy.filters.http.json_to_metadata", _json_to_metadata, _always, replies=(Refusal.REQUEST_TOO_LARGE,)),
     Filter("envoy.filters.http.local_ratelimit", _admission, _with_processor, replies=(Refusal.OVERLOADED,)),

@@ -1,0 +1,46 @@
+"""The batch service in ``extproc serve``: the store, the runner and the API on ``batches.listen``.
+
+``start`` binds the API and resumes the active batches; ``stop`` stops the
+runner where it is (a line in flight is sent again by the next start) and
+the API.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from extproc.adapters.batches.api import Api
+from extproc.adapters.batches.metrics import BatchMetrics
+from extproc.adapters.batches.runner import Runner
+from extproc.adapters.batches.store import Store
+from extproc.adapters.config import Config, split_address
+from extproc.adapters.telemetry.labels import TenantLabels
+
+
+class BatchService:
+    def __init__(self, config: Config, registry: CollectorRegistry, tenants: TenantLabels) -> None:
+        settings = config.batches
+        assert settings is not None
+        self.listen = settings.listen
+        self.store = Store(settings.directory)
+        self.metrics = BatchMetrics(registry, tenants)
+        self.runner = Runner(config, self.store, self.metrics)
+        self._site_runner = web.AppRunner(Api(config, self.store, self.runner).app(), access_log=None,
+                                          handle_signals=False)
+
+    async def start(self) -> None:
+        """Bind the API (OSError naming ``batches.listen`` if it cannot), then resume the active batches."""
+        host, port = split_address(self.listen)
+        await self._site_runner.setup()
+        try:
+            await web.TCPSite(self._site_runner, host or None, port, reuse_address=True).start()
+        except OSError as exc:
+            await self._site_runner.cleanup()
+            raise OSError(f"batches.listen: cannot bind {self.listen} ({exc.strerror})") from exc
+        self.runner.start()
+
+    async def stop(self) -> None:
+        await self.runner.stop()
+        await self._site_runner.cleanup()
+        self.store.close()
