@@ -85,8 +85,10 @@ class Runner:
         self._session: aiohttp.ClientSession | None = None
 
     def start(self) -> None:
-        # No overall timeout: a line waits in the fair queue as long as the class allows.
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        # No overall timeout: a line waits in the fair queue as long as the class allows. A connection per
+        # line in flight (aiohttp's default pool of 100 would cap max_in_flight below what it says).
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                                              connector=aiohttp.TCPConnector(limit=self._settings.max_in_flight))
         for batch_id in self._store.active():
             log.info("batch %s: resumed", batch_id)
             self.run(batch_id)
