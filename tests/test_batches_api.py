@@ -102,7 +102,7 @@ class Served:
 
     async def start(self) -> None:
         self.registry = CollectorRegistry()
-        self.service = BatchService(self.config, self.registry, TenantLabels(["bob"]))
+        self.service = BatchService(lambda: self.config, self.registry, TenantLabels(["bob"]))
         await self.service.start()
 
     async def stop(self) -> None:

@@ -113,7 +113,7 @@ class ProcessorServer:
         self._metrics_started = False
         # OpenAI's Batch API and its runner (batches:, docs/batches.md).
         self._batches = (None if config.batches is None
-                         else BatchService(config, self.telemetry.registry, tenant_labels(config)))
+                         else BatchService(lambda: self.config, self.telemetry.registry, tenant_labels(config)))
         self._batches_started = False
 
     async def start(self) -> None:

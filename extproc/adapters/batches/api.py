@@ -52,10 +52,13 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
 class Api:
     """The handlers, over the store and the runner."""
 
-    def __init__(self, config: Config, store: Store, runner: Runner, clock: Callable[[], float] = time.time) -> None:
-        assert config.batches is not None
-        self._config, self._settings, self._store, self._runner, self._clock = (
-            config, config.batches, store, runner, clock)
+    def __init__(self, current: Callable[[], Config], store: Store, runner: Runner,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``current``: the config now (a reload changes identity; ``batches:`` needs a restart)."""
+        settings = current().batches
+        assert settings is not None
+        self._current, self._settings, self._store, self._runner, self._clock = (
+            current, settings, store, runner, clock)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[openai_errors])
@@ -71,7 +74,7 @@ class Api:
         return app
 
     def _tenant(self, request: web.Request) -> str:
-        return identified_tenant(request.headers, self._config.identity)
+        return identified_tenant(request.headers, self._current().identity)
 
     # --- files ----------------------------------------------------------------------------------
 

@@ -73,11 +73,13 @@ _ENDINGS: dict[str, tuple[str, Json | None]] = {
 class Runner:
     """Every active batch's task; ``start`` resumes those a previous process left."""
 
-    def __init__(self, config: Config, store: Store, metrics: BatchMetrics,
+    def __init__(self, current: Callable[[], Config], store: Store, metrics: BatchMetrics,
                  clock: Callable[[], float] = time.time) -> None:
-        settings = config.batches
+        """``current``: the config now (a reload changes identity and entitlements; ``batches:`` needs a restart)."""
+        settings = current().batches
         assert settings is not None
-        self._config, self._settings, self._store, self._metrics, self._clock = config, settings, store, metrics, clock
+        self._current, self._settings, self._store, self._metrics, self._clock = (
+            current, settings, store, metrics, clock)
         self._url = (settings.gateway_url or f"http://{_connectable(settings.runner_listen)}").rstrip("/")
         self._slots = asyncio.Semaphore(settings.max_in_flight)
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -249,9 +251,10 @@ class Runner:
 
     def _headers(self, tenant: str) -> dict[str, str]:
         """The line's identity for the runner listener: the tenant, and the lowest class it may use."""
-        identity = self._config.identity
+        config = self._current()
+        identity = config.identity
         headers = {"content-type": "application/json", identity.tenant_header: tenant,
-                   identity.priority_header: self._config.tenant(tenant).bands[-1]}
+                   identity.priority_header: config.tenant(tenant).bands[-1]}
         if self._settings.runner_key is not None:
             headers[RUNNER_KEY_HEADER] = self._settings.runner_key
         return headers

@@ -7,6 +7,8 @@ the API.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -19,14 +21,15 @@ from extproc.adapters.telemetry.labels import TenantLabels
 
 
 class BatchService:
-    def __init__(self, config: Config, registry: CollectorRegistry, tenants: TenantLabels) -> None:
-        settings = config.batches
+    def __init__(self, current: Callable[[], Config], registry: CollectorRegistry, tenants: TenantLabels) -> None:
+        """``current``: the config now (reloads change identity and entitlements; ``batches:`` needs a restart)."""
+        settings = current().batches
         assert settings is not None
         self.listen = settings.listen
         self.store = Store(settings.directory)
         self.metrics = BatchMetrics(registry, tenants)
-        self.runner = Runner(config, self.store, self.metrics)
-        self._site_runner = web.AppRunner(Api(config, self.store, self.runner).app(), access_log=None,
+        self.runner = Runner(current, self.store, self.metrics)
+        self._site_runner = web.AppRunner(Api(current, self.store, self.runner).app(), access_log=None,
                                           handle_signals=False)
 
     async def start(self) -> None:
