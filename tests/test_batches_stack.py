@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
@@ -185,6 +186,12 @@ async def test_a_processor_killed_mid_batch_resumes_losing_and_duplicating_nothi
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         assert done < 24
+        # The status page lists it, with its progress.
+        async with aiohttp.ClientSession() as session, session.get(
+                f"http://{slow_stack.config.listen.metrics}/status.json") as response:
+            listed = (await response.json())["batches"]
+        assert [(b["id"], b["tenant"], b["status"], b["total"]) for b in listed] == [(batch_id, "bob", "in_progress", 24)]
+        assert listed[0]["completed"] >= 6 and listed[0]["lines_per_s"] > 0
         processor = slow_stack.processor
         assert processor is not None
         await processor.stop(sig=signal.SIGKILL)  # lines in flight die with it, unrecorded

@@ -103,18 +103,18 @@ class ProcessorServer:
         self._reloaded: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
         self._probes: aiohttp.ClientSession | None = None  # the engines' /health looks (probe.probe_session)
-        # The metrics port (/metrics, /healthz, /readyz, the status page): adapters/web/app.py.
-        host, port = split_address(config.listen.metrics)
-        self._metrics_server = MetricsServer(
-            build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining, self.telemetry,
-                      lambda model: model not in self._reloaded),
-            host, port,
-        )
-        self._metrics_started = False
         # OpenAI's Batch API and its runner (batches:, docs/batches.md).
         self._batches = (None if config.batches is None
                          else BatchService(lambda: self.config, self.telemetry.registry, tenant_labels(config)))
         self._batches_started = False
+        # The metrics port (/metrics, /healthz, /readyz, the status page): adapters/web/app.py.
+        host, port = split_address(config.listen.metrics)
+        self._metrics_server = MetricsServer(
+            build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining, self.telemetry,
+                      lambda model: model not in self._reloaded, None if self._batches is None else self._batches.progress),
+            host, port,
+        )
+        self._metrics_started = False
 
     async def start(self) -> None:
         host, port = split_address(self.config.listen.grpc)

@@ -7,6 +7,7 @@ the API.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from aiohttp import web
@@ -15,9 +16,13 @@ from prometheus_client import CollectorRegistry
 from extproc.adapters.batches.api import Api
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.runner import Runner
+from extproc.adapters.batches.shapes import Json
 from extproc.adapters.batches.store import Store
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.telemetry.labels import TenantLabels
+
+# Batches the status page lists at most (the oldest active first).
+PROGRESS_LISTED = 50
 
 
 class BatchService:
@@ -29,6 +34,7 @@ class BatchService:
         self.store = Store(settings.directory)
         self.metrics = BatchMetrics(registry, tenants)
         self.runner = Runner(current, self.store, self.metrics)
+        self._stopped = False
         self._site_runner = web.AppRunner(Api(current, self.store, self.runner).app(), access_log=None,
                                           handle_signals=False)
 
@@ -43,7 +49,12 @@ class BatchService:
             raise OSError(f"batches.listen: cannot bind {self.listen} ({exc.strerror})") from exc
         self.runner.start()
 
+    def progress(self) -> list[Json]:
+        """The batches in progress, for the status page: each one's counts and its lines per second since it began."""
+        return [] if self._stopped else self.store.progress(time.time(), PROGRESS_LISTED)
+
     async def stop(self) -> None:
+        self._stopped = True
         await self.runner.stop()
         await self._site_runner.cleanup()
         self.store.close()

@@ -155,6 +155,21 @@ class Store:
         with self._tx() as db:
             return [row[0] for row in db.execute(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY seq", ACTIVE)]
 
+    def progress(self, now: float, limit: int) -> list[Json]:
+        """Up to ``limit`` active batches, oldest first: who, what, how far, how fast since they began."""
+        marks = ",".join("?" * len(ACTIVE))
+        with self._tx() as db:
+            rows = db.execute(f"SELECT tenant, doc FROM batches WHERE status IN ({marks}) ORDER BY seq LIMIT ?",
+                              (*ACTIVE, limit)).fetchall()
+        found = []
+        for tenant, text in rows:
+            doc = json.loads(text)
+            counts, began = doc["request_counts"], doc["in_progress_at"]
+            rate = None if began is None else counts["completed"] / max(1.0, now - began)
+            found.append({"id": doc["id"], "tenant": tenant, "status": doc["status"], "model": doc["model"],
+                          **counts, "lines_per_s": rate})
+        return found
+
     def counts_by_status(self) -> dict[str, int]:
         with self._tx() as db:
             return dict(db.execute("SELECT status, COUNT(*) FROM batches GROUP BY status").fetchall())

@@ -17,7 +17,8 @@ Routes, and why each exists:
   (``core/status.py``); the hot path does no work for it. Each model's
   ``objectives`` (met, missed, preempted per class and tenant, the last
   minute's slack at release) come from its telemetry, which keeps them as it
-  counts them (``adapters/objectives.py``).
+  counts them (``adapters/objectives.py``). With ``batches:``, the batch
+  API's batches in progress (``adapters/batches``), read from its store.
 
 Anything else is 404 with the OpenAI-style error body and ``x-extproc-reason``,
 as the processor's other answers, so an HTTP probe of a wrong path fails
@@ -82,21 +83,27 @@ def warnings(statuses: list[ModelStatus]) -> list[str]:
 
 
 def status_document(statuses: list[ModelStatus], draining: bool,
-                    objectives: Mapping[str, ObjectivesStatus] | None = None) -> dict[str, Any]:
-    """What /status.json answers; each model with its ``objectives`` where ``objectives`` has them (else null)."""
+                    objectives: Mapping[str, ObjectivesStatus] | None = None,
+                    batches: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """What /status.json answers; each model with its ``objectives`` where ``objectives`` has them (else null).
+
+    ``batches``: the batch API's batches in progress (null without ``batches:``).
+    """
     found = objectives or {}
     models = [{**asdict(s), "objectives": asdict(found[s.name]) if s.name in found else None} for s in statuses]
     return {"draining": draining, "not_ready": not_ready(statuses, draining), "top_tenants": TOP_TENANTS,
-            "models": models}
+            "models": models, "batches": batches}
 
 
 def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispatcher],
               draining: Callable[[], bool], telemetry: Telemetry | None = None,
-              awaited: Callable[[str], bool] = lambda model: True) -> web.Application:
+              awaited: Callable[[str], bool] = lambda model: True,
+              batches: Callable[[], list[dict[str, Any]]] | None = None) -> web.Application:
     """The app; ``draining`` tells whether the processor is shutting down; ``telemetry``, the objectives' numbers.
 
     ``awaited``: whether readiness waits for a model's first scrape (not for
     one a reload added: a serving processor does not turn unready for it).
+    ``batches``: the batch API's batches in progress, for the status page.
     """
 
     def statuses() -> list[ModelStatus]:
@@ -122,7 +129,8 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
         return web.json_response({"status": "ready", **({"warnings": told} if told else {})})
 
     async def status_json(request: web.Request) -> web.Response:
-        return web.json_response(status_document(statuses(), draining(), objectives()),
+        return web.json_response(status_document(statuses(), draining(), objectives(),
+                                                 None if batches is None else batches()),
                                  headers={"Cache-Control": "no-store"})
 
     async def page(request: web.Request) -> web.Response:
