@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -165,7 +166,9 @@ async def until(check: Callable[[], bool], timeout_s: float = 10) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_lines_go_as_the_tenant_in_its_lowest_class_paced_and_a_preempted_one_is_retried(served: Served) -> None:
+async def test_lines_go_as_the_tenant_in_its_lowest_class_paced_and_a_preempted_one_is_retried(
+        served: Served, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="extproc.decisions")
     gateway = served.gateway
     # Every third line is preempted on its first attempt; "r4" is a bad request the engine refuses.
     gateway.answer = lambda cid, attempt: (
@@ -190,6 +193,9 @@ async def test_lines_go_as_the_tenant_in_its_lowest_class_paced_and_a_preempted_
     assert served.sample("extproc_batch_lines_total", tenant="bob", outcome="completed") == 9
     assert served.sample("extproc_batch_lines_pending", tenant="bob") == 0
     assert served.sample("extproc_batches", status="completed") == 1
+    # The decision log marks each attempt's end of a batch line.
+    decided = Counter(getattr(r, "outcome", "") for r in caplog.records if getattr(r, "batch", None) == batch.id)
+    assert decided == Counter({"completed": 9, "failed:400": 1, "retry:preempted": 4})
 
 
 async def test_a_restart_mid_batch_loses_and_duplicates_no_line(served: Served) -> None:

@@ -32,6 +32,7 @@ from extproc.adapters.batches.store import Pending, Store
 from extproc.adapters.config import Config
 from extproc.adapters.envoy.batches import RUNNER_KEY_HEADER
 from extproc.adapters.ext_proc.contract import REASON_HEADER
+from extproc.adapters.logs import DECISIONS
 from extproc.core.outcomes import Refusal
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,7 @@ class Runner:
             if again is None:
                 break
             self._metrics.retries.labels(tenant=label, reason=again[0]).inc()
+            self._decided(batch_id, line, tenant, f"retry:{again[0]}")
             await asyncio.sleep(again[1])
         try:
             parsed = json.loads(raw)
@@ -248,6 +250,14 @@ class Runner:
         if self._store.record(batch_id, index, ok, result):
             self._metrics.lines.labels(tenant=label, outcome="completed" if ok else "failed").inc()
             self._metrics.pending.labels(tenant=label).dec()
+            self._decided(batch_id, line, tenant, "completed" if ok else f"failed:{status}")
+
+    def _decided(self, batch_id: str, line: Pending, tenant: str, outcome: str) -> None:
+        """The batch line's entry in the decision log: what became of one attempt (the queue's own line is apart)."""
+        if DECISIONS.isEnabledFor(logging.DEBUG):
+            fields = {"batch": batch_id, "line": line.index, "custom_id": line.custom_id, "tenant": tenant,
+                      "outcome": outcome}
+            DECISIONS.debug("batch_line %s %s line=%d tenant=%s", outcome, batch_id, line.index, tenant, extra=fields)
 
     def _headers(self, tenant: str) -> dict[str, str]:
         """The line's identity for the runner listener: the tenant, and the lowest class it may use."""
