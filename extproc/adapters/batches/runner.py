@@ -25,7 +25,7 @@ from collections.abc import Callable
 import aiohttp
 
 from extproc.adapters.answers import ANSWERS, Retry
-from extproc.adapters.batches.lines import BatchFailure, Limits, parse
+from extproc.adapters.batches.lines import Limits, Reading, Unusable, raw_lines
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.shapes import Json
 from extproc.adapters.batches.store import Pending, Store
@@ -151,27 +151,31 @@ class Runner:
         log.info("batch %s: %s (%s)", batch_id, final, changes["request_counts"])
 
     async def _validate(self, batch_id: str, doc: Json) -> Json:
-        path = self._store.path(doc["input_file_id"])
-        settings = self._settings
-        limits = Limits(settings.max_lines, settings.max_line_bytes)
+        """The input file read line by line into the store (in a thread), then the batch in progress or failed."""
         try:
-            content = await asyncio.to_thread(path.read_bytes)
-        except FileNotFoundError:
-            content = None
-        parsed = (BatchFailure("missing_file", "the input file was deleted before the batch ran") if content is None
-                  else await asyncio.to_thread(parse, content, doc["endpoint"], limits))
-        now = int(self._clock())
-        if isinstance(parsed, BatchFailure):
-            errors = {"object": "list", "data": [{"code": parsed.code, "message": parsed.message, "param": None,
+            valid, bad, model = await asyncio.to_thread(self._read, batch_id, doc)
+        except Unusable as unusable:
+            self._store.drop_lines(batch_id)
+            errors = {"object": "list", "data": [{"code": unusable.code, "message": unusable.message, "param": None,
                                                   "line": None}]}
-            doc = self._store.update(batch_id, status="failed", failed_at=now, errors=errors)
+            doc = self._store.update(batch_id, status="failed", failed_at=int(self._clock()), errors=errors)
         else:
-            doc = await asyncio.to_thread(self._store.start_lines, batch_id, parsed.lines, parsed.errors,
-                                          parsed.model, now)
-            tenant = self._metrics.tenant(self._store.tenant_of(batch_id))
-            self._metrics.lines.labels(tenant=tenant, outcome="failed").inc(len(parsed.errors))
+            doc = self._store.begin(batch_id, model, valid, bad, int(self._clock()))
+            label = self._metrics.tenant(self._store.tenant_of(batch_id))
+            self._metrics.lines.labels(tenant=label, outcome="failed").inc(bad)
         self._count_statuses()
         return doc
+
+    def _read(self, batch_id: str, doc: Json) -> tuple[int, int, str | None]:
+        settings = self._settings
+        reading = Reading(doc["endpoint"], Limits(settings.max_lines, settings.max_line_bytes))
+        try:
+            source = self._store.path(doc["input_file_id"]).open("rb")
+        except FileNotFoundError:
+            raise Unusable("missing_file", "the input file was deleted before the batch ran") from None
+        with source:
+            valid, bad = self._store.put_lines(batch_id, reading.items(raw_lines(source, settings.max_line_bytes)))
+        return valid, bad, reading.model
 
     async def _feed(self, batch_id: str, tenant: str, doc: Json) -> str:
         """Send every pending line; how the batch ends: finalizing (every line answered), cancelling or expired."""

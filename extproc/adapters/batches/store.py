@@ -26,7 +26,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,8 @@ CREATE TABLE IF NOT EXISTS lines (
 """
 # A line's state: to be sent, or its outcome recorded (in the output file, or the error file).
 PENDING, DONE, FAILED = 0, 1, 2
+# Validated lines written per transaction.
+PUT_CHUNK = 1000
 
 
 @dataclass(frozen=True)
@@ -189,22 +191,44 @@ class Store:
 
     # --- lines ----------------------------------------------------------------------------------
 
-    def start_lines(self, batch_id: str, lines: list[Line], errors: list[LineError], model: str | None,
-                    now: int) -> Json:
-        """The validated lines in, the bad ones recorded failed at once, the batch ``in_progress``: one transaction."""
+    def put_lines(self, batch_id: str, items: Iterable[Line | LineError]) -> tuple[int, int]:
+        """The validated lines in (pending), the bad ones recorded failed at once; (valid, bad) counted.
+
+        In transactions of ``PUT_CHUNK`` lines, so the lock is never held for a whole file: the batch stays
+        ``validating`` until :meth:`begin`, and a validation cut short is redone from scratch.
+        """
+        self.drop_lines(batch_id)
+        valid = bad = 0
+        rows: list[tuple[Any, ...]] = []
+        for item in items:
+            if isinstance(item, Line):
+                rows.append((batch_id, item.index, item.custom_id, item.body, PENDING, None))
+                valid += 1
+            else:
+                error = json.dumps({"error": {"code": item.code, "message": item.message}})
+                rows.append((batch_id, item.index, item.custom_id, None, FAILED, error))
+                bad += 1
+            if len(rows) == PUT_CHUNK:
+                self._put(rows)
+                rows = []
+        self._put(rows)
+        return valid, bad
+
+    def _put(self, rows: list[tuple[Any, ...]]) -> None:
         with self._tx() as db:
-            db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))  # a validation cut short is redone
-            db.executemany("INSERT INTO lines (batch_id, idx, custom_id, body, state) VALUES (?, ?, ?, ?, ?)",
-                           ((batch_id, line.index, line.custom_id, line.body, PENDING) for line in lines))
-            db.executemany(
-                "INSERT INTO lines (batch_id, idx, custom_id, state, result) VALUES (?, ?, ?, ?, ?)",
-                ((batch_id, e.index, e.custom_id, FAILED, json.dumps({"error": {"code": e.code, "message": e.message}}))
-                 for e in errors))
-            counts = {"total": len(lines) + len(errors), "completed": 0, "failed": len(errors)}
-            # Cancelled while validating: it stays cancelling, and its lines are reported cancelled.
+            db.executemany("INSERT INTO lines (batch_id, idx, custom_id, body, state, result) VALUES (?, ?, ?, ?, ?, ?)",
+                           rows)
+
+    def drop_lines(self, batch_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+
+    def begin(self, batch_id: str, model: str | None, valid: int, bad: int, now: int) -> Json:
+        """The batch ``in_progress`` with its counts (the bad lines failed already); a cancelled one stays cancelling."""
+        with self._tx() as db:
             status = "cancelling" if _doc(db, batch_id)["status"] == "cancelling" else "in_progress"
             return _update(db, batch_id, {"status": status, "in_progress_at": now, "model": model,
-                                          "request_counts": counts})
+                                          "request_counts": {"total": valid + bad, "completed": 0, "failed": bad}})
 
     def pending(self, batch_id: str, after: int, limit: int) -> list[Pending]:
         """Up to ``limit`` pending lines after index ``after``, in file order."""
