@@ -187,6 +187,9 @@ async def test_lines_go_as_the_tenant_in_its_lowest_class_paced_and_a_preempted_
     # bob may use interactive and standard: its lines ask for standard; with the runner's key.
     assert {(h["x-tenant-id"], h["x-priority"], h["x-extproc-batch-key"]) for h in gateway.headers} == {
         ("bob", "standard", "k")}
+    # Sent again after its preemption, a line says it is a retry (so it is not preempted twice); never before.
+    retried = sorted(h.get("x-stainless-retry-count", "0") for h in gateway.headers)
+    assert retried == ["0"] * 10 + ["1"] * 4
     assert gateway.most_in_flight <= 3
     assert gateway.attempts == Counter({f"r{i}": 2 if i % 3 == 0 else 1 for i in range(10)})
     assert served.sample("extproc_batch_line_retries_total", tenant="bob", reason="preempted") == 4

@@ -22,9 +22,10 @@ import aiohttp
 import openai
 import pytest
 
+from extproc.tools.power_user import chat
 from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack, start_stack
-from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
+from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_stack_config
 
 pytestmark = pytest.mark.integration
 
@@ -228,3 +229,31 @@ async def test_cancel_and_expiry_through_the_stack_keep_what_finished(slow_stack
     # Nothing of either batch is left in the queue or on the engine.
     samples = await read_metrics(slow_stack.metrics_url)
     assert metric(samples, "extproc_batch_lines_in_flight", tenant="bob") == 0
+
+
+async def test_a_chat_at_risk_preempts_a_batch_line_which_runs_again_and_completes(tmp_path: Path) -> None:
+    """Two slots full of batch lines; a chat with a tight objective preempts one, which is sent again."""
+    path = write_stack_config(
+        tmp_path, {"m1": {"max_running": 2}},
+        batches={"directory": str(tmp_path / "batches"), "listen": f"127.0.0.1:{free_port()}",
+                 "runner_listen": f"127.0.0.1:{free_port()}", "in_flight_per_batch": 2},
+        bands={"interactive": {"ttft_objective_s": 0.3}},
+    )
+    sim = ["--max-num-seqs", "2", "--step-ms", "10", "--time-scale", "1"]
+    async with await start_stack(path, tmp_path, sim_args=sim) as stack, client(stack, "bob") as sdk:
+        uploaded = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(f"r{i}", 300) for i in range(3)])),
+                                          purpose="batch")
+        batch_id = (await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h")).id
+        await wait_for_metric(stack.metrics_url, "extproc_released_total", lambda v: v >= 2, priority="batch")
+        await asyncio.sleep(0.3)  # the scrape shows both running
+        async with aiohttp.ClientSession() as session:
+            outcome = await chat(session, stack.envoy_url, "alice", "m1", api_key=TENANT_KEYS["alice"],
+                                 max_tokens=4, extra_headers={"x-priority": "interactive"})
+        assert outcome.status == 200 and outcome.ttft_s is not None and outcome.ttft_s < 1.0, outcome
+        batch = await wait_final(sdk, batch_id)
+        assert batch.status == "completed" and batch.request_counts is not None
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 0)
+        samples = await read_metrics(stack.metrics_url)
+    assert metric(samples, "extproc_preemptions_total") >= 1
+    assert metric(samples, "extproc_batch_line_retries_total", tenant="bob", reason="preempted") >= 1

@@ -224,11 +224,12 @@ class Runner:
         assert self._session is not None
         index = line.index
         label = self._metrics.tenant(tenant)
-        headers = self._headers(tenant)
+        preempted = 0
         while True:
             self._metrics.in_flight.labels(tenant=label).inc()
             try:
-                async with self._session.post(f"{self._url}{endpoint}", data=line.body, headers=headers) as response:
+                async with self._session.post(f"{self._url}{endpoint}", data=line.body,
+                                              headers=self._headers(tenant, preempted)) as response:
                     raw = await response.read()
                     status, answer = response.status, response.headers
             except (TimeoutError, aiohttp.ClientError) as exc:
@@ -243,6 +244,7 @@ class Runner:
                 break
             self._metrics.retries.labels(tenant=label, reason=again[0]).inc()
             self._decided(batch_id, line, tenant, f"retry:{again[0]}")
+            preempted += again[0] == Refusal.PREEMPTED
             await asyncio.sleep(again[1])
         try:
             parsed = json.loads(raw)
@@ -263,12 +265,20 @@ class Runner:
                       "outcome": outcome}
             DECISIONS.debug("batch_line %s %s line=%d tenant=%s", outcome, batch_id, line.index, tenant, extra=fields)
 
-    def _headers(self, tenant: str) -> dict[str, str]:
-        """The line's identity for the runner listener: the tenant, and the lowest class it may use."""
+    def _headers(self, tenant: str, preempted: int) -> dict[str, str]:
+        """The line's identity for the runner listener: the tenant, and the lowest class it may use.
+
+        A line sent again after a preemption says it is a retry (the first of
+        ``identity.retry_headers``, as the OpenAI SDKs do), so it is not preempted
+        twice: like any batch client's request, it runs when it comes back. Not
+        after a queue timeout: lines that waited would all become unpreemptible.
+        """
         config = self._current()
         identity = config.identity
         headers = {"content-type": "application/json", identity.tenant_header: tenant,
                    identity.priority_header: config.tenant(tenant).bands[-1]}
+        if preempted and identity.retry_headers:
+            headers[identity.retry_headers[0]] = str(preempted)
         if self._settings.runner_key is not None:
             headers[RUNNER_KEY_HEADER] = self._settings.runner_key
         return headers
