@@ -58,3 +58,13 @@ def test_state_survives_a_new_store_on_the_same_directory(tmp_path: Path) -> Non
     assert again.active() == ["batch_x"]
     assert [p.index for p in again.pending("batch_x", -1, 10)] == [1, 2, 3]
     assert again.batch("batch_x", "alice") is None and again.batch("batch_x", "bob") is not None
+
+
+def test_pages_follow_after_and_an_unknown_after_gives_none(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    for i in range(3):
+        store.add_batch("bob", batch_object(f"batch_{i}", "/v1/chat/completions", "file-in", "24h", i, 100, None))
+    assert [b["id"] for b in store.batches("bob", None, 2)[0]] == ["batch_2", "batch_1"]
+    assert store.batches("bob", "batch_1", 2) == ([store.batch("batch_0")], False)
+    assert store.batches("bob", "batch_9", 2) == ([], False)
+    assert store.batches("alice", None, 2) == ([], False)

@@ -49,7 +49,10 @@ _RETRY_STATUSES = frozenset({429})
 def retry_after(status: int, headers: Callable[[str], str | None]) -> tuple[str, float] | None:
     """(reason, seconds) when the answer says to send the line again later; None when it is final."""
     reason = headers(REASON_HEADER) or ""
-    refusal = Refusal(reason) if reason in Refusal.__members__.values() else None
+    try:
+        refusal: Refusal | None = Refusal(reason)
+    except ValueError:
+        refusal = None
     retryable = (refusal is not None and ANSWERS[refusal].retry is not Retry.NO) or (
         refusal is None and status in _RETRY_STATUSES)
     if not retryable:
@@ -143,7 +146,7 @@ class Runner:
         if ending == "in_progress":
             ending = await self._feed(batch_id, tenant, doc)
         if ending not in _ENDINGS:
-            return  # failed at validation
+            return  # failed at validation, or stopped by a failure of its own
         final, unfinished = _ENDINGS[ending]
         changes = await asyncio.to_thread(self._store.finalize, batch_id, tenant, unfinished, int(self._clock()))
         self._store.update(batch_id, **changes, status=final, **{f"{final}_at": int(self._clock())})
@@ -215,6 +218,9 @@ class Runner:
         if self._store.batch(batch_id)["status"] == "cancelling":  # type: ignore[index]
             return "cancelling"
         if self._store.remaining(batch_id):
+            if self._clock() < doc["expires_at"]:  # a line's task failed: left in progress, resumed next start
+                log.error("batch %s: lines left without an outcome; the batch resumes at the next start", batch_id)
+                return "in_progress"
             return "expired"  # written with the files: a batch reads expired only once they are there
         self._store.update(batch_id, status="finalizing", finalizing_at=int(self._clock()))
         return "finalizing"

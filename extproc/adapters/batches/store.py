@@ -107,7 +107,7 @@ class Store:
             query += " AND purpose = ?"
             args.append(purpose)
         if after is not None:
-            query += f" AND seq {cmp} COALESCE((SELECT seq FROM files WHERE id = ? AND tenant = ?), seq)"
+            query += f" AND seq {cmp} (SELECT seq FROM files WHERE id = ? AND tenant = ?)"  # unknown: none
             args += [after, tenant]
         with self._tx() as db:
             rows = db.execute(f"{query} ORDER BY seq {order} LIMIT ?", (*args, limit + 1)).fetchall()
@@ -145,7 +145,7 @@ class Store:
         """A page of ``tenant``'s batches, newest first; and whether more follow."""
         query, args = "SELECT doc FROM batches WHERE tenant = ?", [tenant]
         if after is not None:
-            query += " AND seq < COALESCE((SELECT seq FROM batches WHERE id = ? AND tenant = ?), seq + 1)"
+            query += " AND seq < (SELECT seq FROM batches WHERE id = ? AND tenant = ?)"  # unknown: none
             args += [after, tenant]
         with self._tx() as db:
             rows = db.execute(f"{query} ORDER BY seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
