@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
+
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.envoy.base import Json, duration, typed
 from extproc.adapters.envoy.clusters import Upstream, upstream
@@ -28,13 +31,19 @@ API_CONNECT_TIMEOUT_S = 5.0
 RUNNER_KEY_HEADER = "x-extproc-batch-key"
 
 
-def api_routes(config: Config) -> list[Json]:
-    """The API's routes, first on the listener (empty without ``batches:``)."""
+def api_routes(config: Config, *, name_prefix: str = "", per_filter: Mapping[str, Json] | None = None) -> list[Json]:
+    """The API's routes, first on the listener (empty without ``batches:``).
+
+    ``per_filter``: the routes' filter configs; by default ext_proc off (the
+    complete bootstrap's filters run on every route). A drop-in's filters are
+    off except where a route turns them on: it passes its identity filters.
+    """
     if config.batches is None:
         return []
-    return [{"name": f"batch_api_{prefix.rsplit('/', 1)[1]}", "match": {"prefix": prefix},
+    filters = _ext_proc_off() if per_filter is None else copy.deepcopy(dict(per_filter))
+    return [{"name": f"{name_prefix}batch_api_{prefix.rsplit('/', 1)[1]}", "match": {"prefix": prefix},
              "route": {"cluster": BATCH_API_CLUSTER, "timeout": duration(API_TIMEOUT_S)},
-             "typed_per_filter_config": _ext_proc_off()}
+             "typed_per_filter_config": filters}
             for prefix in API_PREFIXES]
 
 

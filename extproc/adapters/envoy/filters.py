@@ -63,6 +63,10 @@ ECHOED_HEADERS = (QUEUE_WAIT_HEADER,)
 JSON_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8", "application/json;charset=utf-8")
 # The admission bucket's statistics: ``<prefix>.http_local_rate_limit.rate_limited`` counts what it shed.
 ADMISSION_STAT_PREFIX = "extproc_admission"
+# The filters that decide who asks (the client's headers removed, then a key or a token): the batch API's
+# routes run them, and only them (envoy/batches.py).
+IDENTITY_FILTERS = ("envoy.filters.http.header_mutation", "envoy.filters.http.api_key_auth",
+                    "envoy.filters.http.jwt_authn")
 # A drop-in's filters are named so, so a merge finds them again.
 DROP_IN_FILTER_PREFIX = "extproc."
 
