@@ -97,6 +97,9 @@ async def test_the_sdk_workflow_end_to_end(stack: Stack) -> None:
         assert sorted(e["custom_id"] for e in out) == sorted(f"r{i}" for i in range(30))
         assert all(e["response"]["status_code"] == 200 and e["response"]["body"]["choices"] for e in out)
         assert all(e["id"].startswith("batch_req_") and e["error"] is None for e in out)
+        # Usage sums each completion's tokens: 8 generated per line here.
+        assert done.usage is not None and done.usage.output_tokens == 30 * 8
+        assert done.usage.input_tokens == sum(e["response"]["body"]["usage"]["prompt_tokens"] for e in out) > 0
         listed = await sdk.batches.list(limit=1)
         assert [b.id for b in listed.data] == [batch.id]
     # Each line ran as bob in batch, the lowest class bob may use, through the fair queue.

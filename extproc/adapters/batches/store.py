@@ -264,6 +264,7 @@ class Store:
         """
         out, err = self.files_dir / f".{batch_id}.output", self.files_dir / f".{batch_id}.error"
         completed = failed = 0
+        usage = Usage()
         with out.open("wb") as output, err.open("wb") as errors:
             for index, custom_id, state, result in self._outcomes(batch_id):
                 if state == PENDING:
@@ -274,11 +275,13 @@ class Store:
                     entry = json.loads(result)
                 line = output_line(request_id(batch_id, index), custom_id, entry.get("response"), entry.get("error"))
                 (output if state == DONE else errors).write(json.dumps(line).encode() + b"\n")
+                if state == DONE:
+                    usage.add(entry["response"]["body"])
                 completed += state == DONE
                 failed += state == FAILED
         suffix = batch_id.removeprefix("batch_")
         changes: Json = {"request_counts": {"total": completed + failed, "completed": completed, "failed": failed},
-                         "output_file_id": None, "error_file_id": None}
+                         "output_file_id": None, "error_file_id": None, "usage": usage.batch_usage()}
         for key, written, file_id, name in (("output_file_id", out, f"file-{suffix}o", f"{batch_id}_output.jsonl"),
                                             ("error_file_id", err, f"file-{suffix}e", f"{batch_id}_error.jsonl")):
             if written.stat().st_size:
@@ -299,6 +302,33 @@ class Store:
                 return
             yield from rows
             after = rows[-1][0]
+
+
+class Usage:
+    """The tokens of a batch's completed lines, summed from each response's ``usage`` (OpenAI's ``Batch.usage``)."""
+
+    def __init__(self) -> None:
+        self.input = self.cached = self.output = self.reasoning = 0
+
+    def add(self, body: Any) -> None:
+        usage = body.get("usage") if isinstance(body, dict) else None
+        if not isinstance(usage, dict):
+            return
+        self.input += _tokens(usage, "prompt_tokens")
+        self.output += _tokens(usage, "completion_tokens")
+        self.cached += _tokens(usage.get("prompt_tokens_details"), "cached_tokens")
+        self.reasoning += _tokens(usage.get("completion_tokens_details"), "reasoning_tokens")
+
+    def batch_usage(self) -> Json:
+        return {"input_tokens": self.input, "input_tokens_details": {"cached_tokens": self.cached},
+                "output_tokens": self.output, "output_tokens_details": {"reasoning_tokens": self.reasoning},
+                "total_tokens": self.input + self.output}
+
+
+def _tokens(part: Any, key: str) -> int:
+    """A token count an engine wrote (a whole number >= 0), else 0."""
+    value = part.get(key) if isinstance(part, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 class _Transaction:
