@@ -24,6 +24,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from extproc.adapters.batches.runner import retry_after
 from extproc.adapters.batches.service import BatchService
 from extproc.adapters.config import Config, parse_config
 from extproc.adapters.telemetry.labels import TenantLabels
@@ -287,3 +288,20 @@ async def test_an_upload_over_the_size_limit_is_refused(tmp_path: Path) -> None:
             assert (await sdk.files.list()).data == []
     finally:
         await served.stop()
+
+
+@pytest.mark.parametrize(("status", "headers", "again"), [
+    (503, {"x-extproc-reason": "preempted", "retry-after": "1"}, ("preempted", 1.0)),
+    (503, {"x-extproc-reason": "queue_timeout", "retry-after": "30"}, ("queue_timeout", 30.0)),
+    (429, {"x-extproc-reason": "tenant_queue_full", "retry-after": "999"}, ("tenant_queue_full", 60.0)),
+    (503, {"x-extproc-reason": "processor_unavailable"}, ("processor_unavailable", 1.0)),
+    (429, {}, ("429", 1.0)),
+    (200, {}, None),
+    (400, {"x-extproc-reason": "model_not_found"}, None),
+    (504, {"x-extproc-reason": "upstream_timeout"}, None),
+    (503, {"x-extproc-reason": "something_new"}, None),
+    (500, {}, None),
+])
+def test_which_answers_send_a_line_again_and_when(status: int, headers: dict[str, str],
+                                                   again: tuple[str, float] | None) -> None:
+    assert retry_after(status, headers.get) == again
