@@ -40,10 +40,10 @@ def api_routes(config: Config, *, name_prefix: str = "", per_filter: Mapping[str
     """
     if config.batches is None:
         return []
-    filters = _ext_proc_off() if per_filter is None else copy.deepcopy(dict(per_filter))
+    filters = _ext_proc_off() if per_filter is None else dict(per_filter)
     return [{"name": f"{name_prefix}batch_api_{prefix.rsplit('/', 1)[1]}", "match": {"prefix": prefix},
              "route": {"cluster": BATCH_API_CLUSTER, "timeout": duration(API_TIMEOUT_S)},
-             "typed_per_filter_config": filters}
+             "typed_per_filter_config": copy.deepcopy(filters)}  # one object each: no YAML anchors
             for prefix in API_PREFIXES]
 
 
@@ -56,12 +56,15 @@ def api_clusters(config: Config) -> list[Json]:
 
 
 def runner_routes(config: Config, routes: list[Json]) -> list[Json]:
-    """``routes`` (the LLM routes), each requiring the runner key where one is set."""
+    """A copy of ``routes`` (the LLM routes), each requiring the runner key where one is set."""
+    routes = copy.deepcopy(routes)  # the ingress listener has the same: no object shared (nor YAML anchors)
     key = config.batches.runner_key if config.batches is not None else None
     if key is None:
         return routes
-    required = {"name": RUNNER_KEY_HEADER, "string_match": {"exact": key}}
-    keyed = [{**route, "match": {**route["match"], "headers": [*route["match"].get("headers", []), required]},
+    def required() -> Json:
+        return {"name": RUNNER_KEY_HEADER, "string_match": {"exact": key}}
+
+    keyed = [{**route, "match": {**route["match"], "headers": [*route["match"].get("headers", []), required()]},
               **({"request_headers_to_remove": [RUNNER_KEY_HEADER]} if "route" in route else {})}
              for route in routes]
     # Without the key: refused here, before ext_proc could queue it.
