@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+import msgspec
 import pytest
 
 from extproc.adapters.config import ConfigError
 from extproc.adapters.envoy import bootstrap
 from extproc.adapters.envoy.filters import EXT_PROC_FILTER
+from extproc.adapters.reload import plan
 from extproc.tools.procs import free_port
 from tests.envoyutil import free_port_config
 
@@ -80,3 +83,13 @@ def test_the_section_is_checked(settings: dict[str, Any], top: dict[str, Any], e
     with pytest.raises(ConfigError) as refused:
         free_port_config(batches=batches(**settings), **top)
     assert any(e.startswith(error) for e in refused.value.errors), refused.value.errors
+
+
+def test_a_reload_that_changes_batches_needs_a_restart_and_one_that_changes_tenants_does_not() -> None:
+    old = free_port_config(batches=batches())
+    assert old.batches is not None
+    with pytest.raises(ConfigError) as refused:
+        plan(old, replace(old, batches=msgspec.structs.replace(old.batches, in_flight_per_batch=8)))
+    assert refused.value.errors == ("batches.in_flight_per_batch: changing it needs a restart "
+                                    "(the running config is kept)",)
+    assert plan(old, replace(old, tenants={})) is not None  # the runner reads entitlements from the config now
