@@ -179,7 +179,9 @@ async def completed_count(sdk: openai.AsyncOpenAI, batch_id: str) -> int:
     return 0 if counts is None else counts.completed
 
 
-async def test_a_processor_killed_mid_batch_resumes_losing_and_duplicating_nothing(slow_stack: Stack) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+async def test_a_processor_stopped_mid_batch_resumes_losing_and_duplicating_nothing(slow_stack: Stack, sig: int) -> None:
+    """Killed, or stopped as a deployment stops it (SIGTERM: the runner stops first, then the queue drains)."""
     lines = [chat_line(f"r{i}", max_tokens=30) for i in range(24)]
     async with client(slow_stack, "bob") as sdk:
         uploaded = await sdk.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
@@ -198,7 +200,7 @@ async def test_a_processor_killed_mid_batch_resumes_losing_and_duplicating_nothi
         assert listed[0]["completed"] >= 6 and listed[0]["lines_per_s"] > 0
         processor = slow_stack.processor
         assert processor is not None
-        await processor.stop(sig=signal.SIGKILL)  # lines in flight die with it, unrecorded
+        assert await processor.stop(sig=sig) == (-9 if sig == signal.SIGKILL else 0)  # in flight: unrecorded
         await slow_stack.start_processor()
         batch = await wait_final(sdk, batch_id)
         assert batch.status == "completed", batch
