@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from extproc.adapters.config.budgets import BudgetSettings
 from extproc.adapters.config.schema import (
     BandSettings,
     ClusterSettings,
@@ -68,6 +69,8 @@ class Config:
     # Active-active (None: this instance alone schedules its models).
     cluster: ClusterSettings | None = None
     endpoint_picker: EndpointPickerSettings = field(default_factory=EndpointPickerSettings)
+    # Tenant budgets (None: none; adapters/config/budgets.py resolves them into the core's plan).
+    budgets: BudgetSettings | None = None
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -219,4 +222,5 @@ def resolve(file: ConfigFile) -> Config:
         shards=dict(file.shards),
         cluster=file.cluster,
         endpoint_picker=file.endpoint_picker,
+        budgets=file.budgets,
     )

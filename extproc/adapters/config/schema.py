@@ -22,6 +22,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from extproc.adapters.config.budgets import BudgetSettings
 from extproc.adapters.config.values import (
     Address,
     Count,
@@ -383,3 +384,5 @@ class ConfigFile(_Section, frozen=True):
     # Active-active: several instances that behave as one, sharing state in Redis (docs/cluster.md).
     cluster: ClusterSettings | None = None
     endpoint_picker: EndpointPickerSettings = msgspec.field(default_factory=EndpointPickerSettings)
+    # Tenant budgets: rate limits, token and money budgets (adapters/config/budgets.py, docs/budgets.md).
+    budgets: BudgetSettings | None = None
