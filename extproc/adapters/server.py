@@ -28,12 +28,14 @@ import asyncio
 import gc
 import logging
 import signal
+import sqlite3
 import time
 from collections.abc import Callable
 
 import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.adapters.budgets.store import StoreWriter, UsageStore
 from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig, split_address
 from extproc.adapters.engines.discovery import watch_pool
@@ -49,6 +51,7 @@ from extproc.adapters.reload import ConfigSource, Plan, Reloader, rebuilt_model,
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import MetricsServer, build_app
 from extproc.adapters.wiring import build_dispatcher, build_dispatchers, cluster_forms, live_settings, tenant_labels
+from extproc.core.budgets.book import Book
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.outcomes import Refused
 
@@ -110,8 +113,22 @@ class ProcessorServer:
             host, port,
         )
         self._metrics_started = False
+        # The budgets' usage book in SQLite (budgets.store), read at start and written behind.
+        budgets = config.budgets
+        self._store = None if budgets is None or budgets.store is None else StoreWriter(
+            UsageStore(budgets.store), self._usage_book, budgets.store_interval_s, time.time)
+
+    def _usage_book(self) -> Book | None:
+        gate = self.processor.budgets
+        return None if gate is None else gate.budgets.book
 
     async def start(self) -> None:
+        if self._store is not None:  # before the first request: a restart does not hand out a fresh budget
+            try:
+                loaded = self._store.load()
+            except (OSError, sqlite3.Error) as exc:
+                raise OSError(f"budgets.store: cannot open {self._store.store.path} ({exc})") from exc
+            log.info("budgets: %d usage rows of this month read from %s", loaded, self._store.store.path)
         host, port = split_address(self.config.listen.grpc)
         try:
             await self._grpc.start(host, port, self._tls)
@@ -128,6 +145,8 @@ class ProcessorServer:
         self._probes = probe_session()
         if self._tls is not None:
             self._tasks.append(asyncio.create_task(self._tls.watch()))
+        if self._store is not None:
+            self._tasks.append(asyncio.create_task(self._store.run()))
         for model in self.config.models:
             self._start_scraper(model, self.dispatchers[model.name])
             log.info("model %s (%s): %s", model.name, model.engine, cap_advice(model.engine, model.target_waiting))
@@ -237,6 +256,11 @@ class ProcessorServer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._store is not None:
+            try:
+                await self._store.flush()  # the usage of the last interval, and of every request that ended since
+            except sqlite3.Error as exc:
+                log.error("budgets.store: cannot write %s at exit (%s)", self._store.store.path, exc)
         if self._cluster is not None:
             await self._cluster.stop()
         for session in (self._session, self._probes):

@@ -120,6 +120,10 @@ class Book:
         dirty, self._dirty = self._dirty, set()
         return [(key, Row(*self._tenants[key[0]][key[1:]].values())) for key in sorted(dirty)]
 
+    def undo_take(self, rows: list[tuple[Key, Row]]) -> None:
+        """Rows :meth:`take_dirty` gave that could not be stored: dirty again (their current values are written next)."""
+        self._dirty.update(key for key, _ in rows)
+
     def drop_before(self, day: float) -> None:
         """Forget rows of days before ``day`` (the store has them); clean ones only."""
         first = day_name(day)
