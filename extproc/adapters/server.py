@@ -31,11 +31,14 @@ import signal
 import sqlite3
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.adapters.budgets.metrics import BudgetCollector
 from extproc.adapters.budgets.store import StoreWriter, UsageStore
+from extproc.adapters.budgets.usage import Per, records
 from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig, split_address
 from extproc.adapters.engines.discovery import watch_pool
@@ -51,7 +54,7 @@ from extproc.adapters.reload import ConfigSource, Plan, Reloader, rebuilt_model,
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import MetricsServer, build_app
 from extproc.adapters.wiring import build_dispatcher, build_dispatchers, cluster_forms, live_settings, tenant_labels
-from extproc.core.budgets.book import Book
+from extproc.core.budgets.book import Book, day_of
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.outcomes import Refused
 
@@ -105,22 +108,37 @@ class ProcessorServer:
         self._reloaded: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
         self._probes: aiohttp.ClientSession | None = None  # the engines' /health looks (probe.probe_session)
-        # The metrics port (/metrics, /healthz, /readyz, the status page): adapters/web/app.py.
-        host, port = split_address(config.listen.metrics)
-        self._metrics_server = MetricsServer(
-            build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining, self.telemetry,
-                      lambda model: model not in self._reloaded),
-            host, port,
-        )
-        self._metrics_started = False
         # The budgets' usage book in SQLite (budgets.store), read at start and written behind.
         budgets = config.budgets
         self._store = None if budgets is None or budgets.store is None else StoreWriter(
             UsageStore(budgets.store), self._usage_book, budgets.store_interval_s, time.time)
+        self.telemetry.registry.register(BudgetCollector(lambda: self.processor.budgets, time.time))
+        # The metrics port (/metrics, /healthz, /readyz, the status page, /usage): adapters/web/app.py.
+        host, port = split_address(config.listen.metrics)
+        self._metrics_server = MetricsServer(
+            build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining, self.telemetry,
+                      lambda model: model not in self._reloaded, self.usage),
+            host, port,
+        )
+        self._metrics_started = False
 
     def _usage_book(self) -> Book | None:
         gate = self.processor.budgets
         return None if gate is None else gate.budgets.book
+
+    async def usage(self, since: str, per: Per) -> list[dict[str, Any]] | None:
+        """The usage export (adapters/budgets/usage.py) from ``since`` (YYYY-MM-DD); None without budgets.
+
+        With a store, what changed is written first and the file is read (every day it holds);
+        else the processor's memory (the days since it started).
+        """
+        book = self._usage_book()
+        if book is None:
+            return None
+        if self._store is None:
+            return records(book.rows(day_of(since)), per)
+        await self._store.flush()
+        return records(await asyncio.to_thread(self._store.store.rows, since), per)
 
     async def start(self) -> None:
         if self._store is not None:  # before the first request: a restart does not hand out a fresh budget

@@ -18,6 +18,7 @@ Time is the wall clock: budgets are per calendar day and month (UTC).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -52,6 +53,8 @@ class BudgetGate:
         self._lowest = lowest_band
         # Requests over a limit, by (tenant, limit kind, action): the metrics read it.
         self.over: Counter[tuple[str, str, str]] = Counter()
+        # What was charged since start, by (tenant, model): requests, input, cached, output tokens, cost (the metrics').
+        self.usage: dict[tuple[str, str], list[float]] = {}
 
     def reconfigure(self, settings: BudgetSettings, lowest_band: int) -> None:
         """New limits from the next request on (a reload); every count is kept."""
@@ -78,6 +81,8 @@ class BudgetGate:
         self.over[(admission.tenant, over.value, verdict.action.value)] += 1
         if verdict.refused:
             wait = verdict.retry_after_s
+            # OpenAI's retry-after-ms too: the SDKs read it first, to the millisecond.
+            headers = (*headers, ("retry-after-ms", str(math.ceil(wait * 1000))))
             raise Refused(REFUSALS[over], f"{verdict.reason}; room again in {wait:.0f} s", retry_in_s=wait,
                           headers=(*headers, NO_RETRY) if over is Over.BUDGET else headers)
         if verdict.downgraded and admission.band < self._lowest:
@@ -93,4 +98,13 @@ class BudgetGate:
             self.budgets.cancel(passed.ticket, now)
             return
         used = Usage(held.estimate.prompt_tokens, charge.cached_tokens, charge.output_tokens)
-        self.budgets.settle(passed.ticket, used, now)
+        cost = self.budgets.settle(passed.ticket, used, now)
+        ticket = passed.ticket
+        totals = self.usage.get((ticket.tenant, ticket.model))
+        if totals is None:
+            totals = self.usage[(ticket.tenant, ticket.model)] = [0.0] * 5
+        totals[0] += 1
+        totals[1] += used.input_tokens
+        totals[2] += used.cached_tokens
+        totals[3] += used.output_tokens
+        totals[4] += cost
