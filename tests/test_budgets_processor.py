@@ -152,6 +152,18 @@ async def test_a_reload_keeps_the_counts_and_removing_the_section_removes_the_ch
     assert (await Stream(processor, request()).answers.get()).HasField("request_headers")
 
 
+async def test_an_absurd_max_tokens_reserves_the_context_not_infinity() -> None:
+    processor, _, now = make({"tenants": {"default": {"output_tokens_per_minute": 1000, "tokens_per_day": 10**9}}})
+    assert (await Stream(processor, request(max_tokens=10**15)).answers.get()).HasField("request_headers")
+    assert processor.budgets is not None
+    used = {s.limit: s.used for s in processor.budgets.budgets.standings(NOON)}
+    assert used == {"output_tokens_per_minute": 32_768, "tokens_per_day": 32_768 + 100}  # max_context_tokens
+    answer = await Stream(processor, request(max_tokens=10)).answers.get()
+    assert set_headers(answer)["retry-after"] == str(round((32_768 - 990) * 60 / 1000))  # its debt drains first
+    now[0] += 32 * 60
+    assert (await Stream(processor, request(max_tokens=10)).answers.get()).HasField("request_headers")
+
+
 def test_the_admission_check_costs_little() -> None:
     """Measured locally: the gate's admit and end for one request with three scopes of limits (target: 50 us)."""
     config = parse_config({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"]}], "budgets": {

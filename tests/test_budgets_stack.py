@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 FAST_SIM = ["--max-num-seqs", "8", "--step-ms", "20", "--time-scale", "0.1"]
 # bob: one request a second, a minute's burst at once; carol: a day's budget of a few requests.
 BUDGETS = {"tenants": {"default": {"requests_per_minute": 1000}, "bob": {"requests_per_minute": 60},
-                       "carol": {"tokens_per_day": 200}}}
+                       "carol": {"tokens_per_day": 200}, "dave": {"tokens_per_day": 300}}}
 
 
 @pytest.fixture
@@ -80,3 +80,29 @@ async def test_the_openai_sdk_does_not_retry_insufficient_quota(stack: Stack) ->
             await ask(client, max_tokens=199)  # with what the first two used, over 200
     assert refused.value.code == "insufficient_quota" and time.monotonic() - start < 2  # no retry
     assert refused.value.response.headers["x-should-retry"] == "false"
+
+
+async def usage_of(stack: Stack, tenant: str) -> float:
+    """The tokens ``tenant`` used this month, as the processor's /usage says."""
+    async with aiohttp.ClientSession() as session, session.get(
+            f"http://{stack.config.listen.metrics}/usage", params={"per": "month"}) as answer:
+        rows = [row for row in await answer.json() if row["tenant"] == tenant]
+    total: float = sum(row["input_tokens"] + row["output_tokens"] for row in rows)
+    return total
+
+
+async def test_a_restart_in_the_middle_of_a_day_budget_does_not_hand_out_a_fresh_one(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{stack.envoy_url}/v1", api_key=TENANT_KEYS["dave"], max_retries=0)
+    async with client:
+        await ask(client, max_tokens=100)
+        await ask(client, max_tokens=100)
+        used = await usage_of(stack, "dave")
+        assert 10 <= used <= 202
+        assert stack.processor is not None
+        await stack.processor.stop()  # SIGTERM: drains, writes the store
+        await stack.start_processor()
+        assert await usage_of(stack, "dave") == used
+        # Fits a fresh day (300), not what is left of this one.
+        with pytest.raises(openai.RateLimitError) as refused:
+            await ask(client, max_tokens=int(300 - used) + 2)
+    assert refused.value.code == "insufficient_quota"

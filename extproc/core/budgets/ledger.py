@@ -292,8 +292,8 @@ class Budgets:
         for scope in sorted(self._accounts, key=lambda s: (s.kind, s.name, s.model)):
             account = self._accounts[scope]
             for name, window in account.windows():
-                remaining = window.remaining(now)
-                yield Standing(scope, name, window.limit, window.limit - remaining, remaining, window.reset_s(now))
+                remaining = window.remaining(now)  # drained to now: ``used`` is now's, beyond the limit too
+                yield Standing(scope, name, window.limit, window.used, remaining, window.reset_s(now))
             for name, period in account.periods():
                 period.roll(now)
                 value = getattr(account.limits, name)
