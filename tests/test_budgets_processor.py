@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import calendar
 import json
-import timeit
+import math
+import time
 
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -164,7 +165,7 @@ async def test_an_absurd_max_tokens_reserves_the_context_not_infinity() -> None:
     assert (await Stream(processor, request(max_tokens=10)).answers.get()).HasField("request_headers")
 
 
-def test_the_admission_check_costs_little() -> None:
+async def test_the_admission_check_costs_little() -> None:
     """Measured locally: the gate's admit and end for one request with three scopes of limits (target: 50 us)."""
     config = parse_config({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"]}], "budgets": {
         "prices": {"m": {"input": 1, "output": 2}}, "groups": {"g": {"requests_per_minute": 1e9}},
@@ -173,12 +174,12 @@ def test_the_admission_check_costs_little() -> None:
     assert config.budgets is not None
     gate = BudgetGate(config.budgets, 2, clock=lambda: NOON)
     admission = Admission("m", "t", 1)
-
-    def one() -> None:
-        _, passed = gate.admit(admission, (100.0, 200.0))
-        gate.end(passed, None)
-
-    rounds = 20_000
-    seconds = min(timeit.repeat(one, number=rounds, repeat=3)) / rounds
-    print(f"admission check: {seconds * 1e6:.1f} us per request")
-    assert seconds < 200e-6  # the target is 50 us on an idle machine; shared CI cores get headroom
+    rounds, best = 20_000, math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(rounds):
+            _, passed = await gate.admit(admission, (100.0, 200.0))
+            gate.end(passed, None)
+        best = min(best, (time.perf_counter() - start) / rounds)
+    print(f"admission check: {best * 1e6:.1f} us per request")
+    assert best < 200e-6  # the target is 50 us on an idle machine; shared CI cores get headroom

@@ -37,6 +37,7 @@ import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.budgets.metrics import BudgetCollector
+from extproc.adapters.budgets.shared import SharedBudgets
 from extproc.adapters.budgets.store import StoreWriter, UsageStore
 from extproc.adapters.budgets.usage import Per, records
 from extproc.adapters.cluster.link import ClusterConnection
@@ -84,6 +85,7 @@ class ProcessorServer:
             config.cluster, self.telemetry, cluster_forms(config), config.listen.grpc))
         self.dispatchers = build_dispatchers(config, self.telemetry, self._cluster)
         self.processor = Processor(config, self.dispatchers, self.telemetry)
+        self._share_budgets(config)
         # Ready once every model's pool has a member: what the Endpoint Picker Protocol calls synced.
         self._health = Health(lambda: all(d.endpoints for d in self.dispatchers.values()))
         # Every held request is an open stream: the transport's limits (listen.*) are far above
@@ -223,7 +225,18 @@ class ProcessorServer:
                 self._stopping(old)
                 self._start_scraper(model, dispatcher)
         self.processor.reconfigure(config)
+        self._share_budgets(config)
         self.config = config
+
+    def _share_budgets(self, config: Config) -> None:
+        """With a cluster, the budgets' counts are the cluster's, in Redis (adapters/budgets/shared.py)."""
+        gate, cluster = self.processor.budgets, self._cluster
+        if gate is None or cluster is None or config.cluster is None or gate.shared is not None:
+            return
+        expected = max(1, len(config.cluster.instances))
+        gate.shared = SharedBudgets(
+            cluster.client, config.cluster.key_prefix, config.cluster.redis_timeout_ms / 1000,
+            lambda: max([expected, *(seat.instances for seat in cluster.seats.values())]))
 
     def _stopping(self, task: asyncio.Task[None]) -> None:
         """A scraper taken out of service: close() waits for it to close its sessions (earlier ones that ended go)."""

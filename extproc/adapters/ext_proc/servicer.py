@@ -174,7 +174,7 @@ class Processor:
             dispatcher = self._dispatchers[admission.model]
             if budgets is not None:  # a budget over its limit refuses (raises) or downgrades
                 expected = dispatcher.expect(admission.tenant, content_length(headers), max_tokens(stream.fields))
-                admission, budget_pass = budgets.admit(admission, expected)
+                admission, budget_pass = await budgets.admit(admission, expected)
                 stream.headers = budget_pass.headers
             held = self._submit(side, stream, headers, admission, dispatcher, prefix)
         except Refused as refused:

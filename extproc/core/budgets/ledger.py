@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from extproc.core.budgets.book import Book, Usage
-from extproc.core.budgets.limits import Action, Kind, Limits, Plan, Prices, Scope
+from extproc.core.budgets.limits import Action, Kind, Limits, Plan, Scope
 from extproc.core.budgets.meters import Calendar, Period, Window
 
 # The limits a verdict can name, in the order they are checked (the message names the first over).
@@ -300,8 +300,9 @@ class Budgets:
                 counted = period.counted()
                 yield Standing(scope, name, value, counted, max(0.0, value - counted), period.end - now)
 
-    def prices(self, model: str) -> Prices:
-        return self.plan.price(model)
+    def calendar_day(self, now: float) -> float:
+        """The start of the day ``now`` is in, as this ledger counts days (never back: ``meters.Calendar``)."""
+        return self._calendar.starts(now)[0]
 
 
 def _window(window: Window | None, limit: float | None, now: float) -> Window | None:
