@@ -69,6 +69,21 @@ def test_one_mistake(raw: object, message: str) -> None:
     assert any(message in error for error in errors(raw)), errors(raw)
 
 
+def test_a_key_that_moved_or_went_is_refused_with_what_to_write_instead(tmp_path: Path) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text("models: [{name: m, endpoints: ['http://a:1']}]\n"
+                    "listen: {grpc: '127.0.0.1:1', max_connections: 10}\n"
+                    "identity:\n  model_header: x-model\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert error.value.errors == (
+        f"{path}:2: listen.max_connections: moved to advanced.grpc.max_connections",
+        f"{path}:4: identity.model_header: is no longer a setting: the processor sets x-model, the header the "
+        "generated Envoy (and deploy/'s manifests) route on; remove the key",
+    )
+    assert parse_config({"models": [MODEL], "advanced": {"grpc": {"max_connections": 10}}}).advanced.grpc.max_connections == 10
+
+
 def test_empty_sections_take_their_defaults_and_endpoints_lose_a_trailing_slash() -> None:
     config = parse_config({"models": [{**MODEL, "endpoints": ["http://127.0.0.1:1/"]}], "listen": None, "envoy": None})
     assert config.listen.grpc == "127.0.0.1:50051" and config.envoy.api_keys == {}

@@ -22,6 +22,7 @@ from extproc.adapters.envoy import DROP_IN_HEADER, bootstrap, drop_in, hold_time
 from extproc.adapters.envoy.clusters import model_cluster_name
 from extproc.adapters.envoy.filters import FILTERS, Chain, drop_in_name
 from extproc.adapters.envoy.local_replies import LOCAL_REPLIES
+from extproc.adapters.ext_proc.contract import MODEL_HEADER
 from extproc.cli import main
 from extproc.tools.bench.overhead import upstream_bootstrap
 from extproc.tools.envoy_bin import ENV_VAR, EnvoyNotFound, find_envoy
@@ -248,7 +249,7 @@ def test_client_cannot_set_tenant_or_model_headers(api_keys: dict[str, str]) -> 
     filters = hcm(bootstrap(config))["http_filters"]
     assert filters[0]["name"] == "envoy.filters.http.header_mutation"
     removed = [m["remove"] for m in filters[0]["typed_config"]["mutations"]["request_mutations"]]
-    assert {config.identity.tenant_header, config.identity.model_header, "x-gateway-destination-endpoint"} <= set(
+    assert {config.identity.tenant_header, MODEL_HEADER, "x-gateway-destination-endpoint"} <= set(
         removed
     )
     has_auth = "envoy.filters.http.api_key_auth" in [f["name"] for f in filters]

@@ -5,7 +5,8 @@ the server binds a port, each with its line and key path
 (``config.yaml:12: models[1].target_waiting: must be an integer >= 1, got 'three'``),
 all of them at once. One module per step, each importing only the ones above it:
 
-* ``values.py``    what a leaf must be: the constrained types (``Address``, ``Count``...);
+* ``values.py``    what a leaf must be: the constrained types (``Address``, ``Count``...), and a section's base;
+* ``advanced.py``  the ``advanced:`` section, what only a developer tunes;
 * ``schema.py``    the file's shape: one msgspec struct per section (:class:`ConfigFile`);
 * ``validate.py``  a document converted into those structs, every mistake with its key path;
 * ``resolve.py``   :class:`Config`, what the program reads: bands and tenants in the core's types;
@@ -15,6 +16,7 @@ all of them at once. One module per step, each importing only the ones above it:
 The names below are the package's surface; callers import them from here.
 """
 
+from extproc.adapters.config.advanced import AdvancedSettings, GrpcLimits
 from extproc.adapters.config.load import load_config, parse_config, parse_config_text
 from extproc.adapters.config.resolve import Config, ConfigError
 from extproc.adapters.config.schema import (
@@ -38,6 +40,7 @@ from extproc.adapters.config.values import is_ip_address, split_address
 
 __all__ = [
     "ENGINES",
+    "AdvancedSettings",
     "BandSettings",
     "ClusterInstance",
     "ClusterSettings",
@@ -46,6 +49,7 @@ __all__ = [
     "CostSettings",
     "EndpointPickerSettings",
     "EnvoySettings",
+    "GrpcLimits",
     "Identity",
     "JwtSettings",
     "Listen",

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from extproc.adapters.config.advanced import AdvancedSettings
 from extproc.adapters.config.schema import (
     BandSettings,
     ClusterSettings,
@@ -68,6 +69,7 @@ class Config:
     # Active-active (None: this instance alone schedules its models).
     cluster: ClusterSettings | None = None
     endpoint_picker: EndpointPickerSettings = field(default_factory=EndpointPickerSettings)
+    advanced: AdvancedSettings = field(default_factory=AdvancedSettings)
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -219,4 +221,5 @@ def resolve(file: ConfigFile) -> Config:
         shards=dict(file.shards),
         cluster=file.cluster,
         endpoint_picker=file.endpoint_picker,
+        advanced=file.advanced,
     )

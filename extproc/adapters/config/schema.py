@@ -22,6 +22,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from extproc.adapters.config.advanced import GRPC_LIMITS, AdvancedSettings
 from extproc.adapters.config.values import (
     Address,
     Count,
@@ -36,10 +37,12 @@ from extproc.adapters.config.values import (
     Positive,
     RedisUrl,
     ReleaseShare,
+    Section,
     Share,
     choice,
 )
 from extproc.adapters.engines.dialects import DIALECTS
+from extproc.adapters.ext_proc.contract import MODEL_HEADER
 from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.policies import POLICIES
@@ -49,15 +52,7 @@ from extproc.core.release import RULES
 ENGINES = tuple(DIALECTS)
 
 
-class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A mapping in the file: typed fields, unknown keys refused.
-
-    Subclasses inherit these options; they repeat ``frozen=True`` for the type
-    checker, which reads each class on its own.
-    """
-
-
-class TlsSettings(_Section, frozen=True):
+class TlsSettings(Section, frozen=True):
     """TLS on the gRPC port (adapters/ext_proc/tls.py): the processor's certificate, and optionally the clients' CA.
 
     The files are loaded when the file is checked (rules.py), so a wrong one is
@@ -71,25 +66,20 @@ class TlsSettings(_Section, frozen=True):
     reload_s: Positive = 5.0
 
 
-class Listen(_Section, frozen=True):
+class Listen(Section, frozen=True):
     """Where the processor listens: gRPC for Envoy (TLS with a ``tls`` section), HTTP for Prometheus."""
 
     grpc: Address = "127.0.0.1:50051"
     metrics: Address = "127.0.0.1:9464"
     tls: TlsSettings | None = None
-    # The gRPC port's bounds on what one peer can hold (adapters/ext_proc/transport.py Limits); far
-    # above what Envoy's held requests need, each held request being one stream.
-    max_streams_per_connection: Count = 100_000
-    max_connections: Count = 1_000
-    connection_buffer_bytes: Count = 32 * 1024 * 1024
-    idle_timeout_s: Positive = 3600.0
-    handshake_timeout_s: Positive = 10.0
     # The gRPC server under ext_proc: ours on h2 (~3 KB a held request) or grpc.aio, the reference
     # (~24 KB; docs/reliability.md, "Choosing the transport").
     transport: Literal["h2", "grpcio"] = "h2"
 
+    REMOVED = {key: f"moved to advanced.grpc.{key}" for key in GRPC_LIMITS}
 
-class Identity(_Section, frozen=True):
+
+class Identity(Section, frozen=True):
     """Headers that carry who is asking, for what, and how urgently.
 
     The tenant header must be set by a trusted Envoy auth filter (api_key_auth,
@@ -98,7 +88,6 @@ class Identity(_Section, frozen=True):
 
     tenant_header: Header = "x-tenant-id"
     priority_header: Header = "x-priority"
-    model_header: Header = "x-model"
     default_tenant: NonEmpty = "anonymous"
     # A request without the tenant header: served as `default_tenant`, or refused with 401.
     missing_tenant: Literal["default", "reject"] = "default"
@@ -116,8 +105,11 @@ class Identity(_Section, frozen=True):
     # preempted request runs when it comes back. The OpenAI SDKs send the first on every retry.
     retry_headers: tuple[Header, ...] = ("x-stainless-retry-count",)
 
+    REMOVED = {"model_header": f"is no longer a setting: the processor sets {MODEL_HEADER}, the header the generated "
+                               "Envoy (and deploy/'s manifests) route on; remove the key"}
 
-class CostSettings(_Section, frozen=True):
+
+class CostSettings(Section, frozen=True):
     """How the `vtc` policy prices a request (defaults: the core's :class:`~extproc.core.cost.CostWeights`)."""
 
     input_weight: NonNegative = CostWeights.input_weight
@@ -130,7 +122,7 @@ class CostSettings(_Section, frozen=True):
         return CostWeights(**msgspec.structs.asdict(self))
 
 
-class PrefixSettings(_Section, frozen=True):
+class PrefixSettings(Section, frozen=True):
     """Prefix signatures for a model (adapters/ext_proc/prompt_prefix.py, core/prefix.py).
 
     Present, the processor reads each request's body before it holds it (one
@@ -148,7 +140,7 @@ class PrefixSettings(_Section, frozen=True):
     cached_input_weight: NonNegative = CostWeights.cached_input_weight
 
 
-class ModelConfig(_Section, frozen=True):
+class ModelConfig(Section, frozen=True):
     """One model pool: the endpoints that serve it and how hard to fill them."""
 
     name: NonEmpty
@@ -216,7 +208,7 @@ class ModelConfig(_Section, frozen=True):
         return replace(self.cost.weights(), max_context_tokens=self.max_context_tokens, cached_input_weight=cached)
 
 
-class BandSettings(_Section, frozen=True):
+class BandSettings(Section, frozen=True):
     """One band's entry as written, its fields named as :class:`~extproc.core.bands.Band`' (which documents them).
 
     An unset field takes the core's default, except where that depends on
@@ -234,7 +226,7 @@ class BandSettings(_Section, frozen=True):
     min_share: ReleaseShare | None = None
 
 
-class TenantSettings(_Section, frozen=True):
+class TenantSettings(Section, frozen=True):
     """A tenant's entry as written; unset fields are inherited from the `default` entry.
 
     Its fields are named as :class:`~extproc.core.entitlement.Tenant`'s, except
@@ -247,7 +239,7 @@ class TenantSettings(_Section, frozen=True):
     max_queued: Count | None = None
 
 
-class JwtSettings(_Section, frozen=True):
+class JwtSettings(Section, frozen=True):
     """Envoy's jwt_authn: a verified token's claim names the tenant."""
 
     issuer: NonEmpty
@@ -258,7 +250,7 @@ class JwtSettings(_Section, frozen=True):
     tenant_claim: NonEmpty = "sub"
 
 
-class EndpointPickerSettings(_Section, frozen=True):
+class EndpointPickerSettings(Section, frozen=True):
     """The Endpoint Picker Protocol's knobs, for requests attached by ext_proc alone (docs/epp.md)."""
 
     # A body read from the stream larger than this is refused 413.
@@ -275,7 +267,7 @@ class EndpointPickerSettings(_Section, frozen=True):
 ADMISSION_REFILL_SHARE = Fraction(2, 3)
 
 
-class EnvoySettings(_Section, frozen=True):
+class EnvoySettings(Section, frozen=True):
     """What `extproc envoy-config` needs to print a complete bootstrap."""
 
     listen: Address = "127.0.0.1:10000"
@@ -319,7 +311,7 @@ class EnvoySettings(_Section, frozen=True):
 
 
 
-class Shard(_Section, frozen=True):
+class Shard(Section, frozen=True):
     """One processor instance of a sharded deployment: where it listens and the models it alone schedules.
 
     Every instance runs the same file with ``extproc serve --shard NAME``;
@@ -332,7 +324,7 @@ class Shard(_Section, frozen=True):
     models: Names
 
 
-class ClusterInstance(_Section, frozen=True):
+class ClusterInstance(Section, frozen=True):
     """One active-active instance: where it listens (``extproc serve --instance NAME``).
 
     ``grpc`` is also where Envoy reaches it (a wildcard host means loopback).
@@ -342,7 +334,7 @@ class ClusterInstance(_Section, frozen=True):
     metrics: Address
 
 
-class ClusterSettings(_Section, frozen=True):
+class ClusterSettings(Section, frozen=True):
     """Active-active: instances that share each engine's limit and the fairness counters through Redis.
 
     Instances whose files are identical except ``listen`` and that name the
@@ -363,7 +355,7 @@ class ClusterSettings(_Section, frozen=True):
     instances: dict[str, ClusterInstance] = msgspec.field(default_factory=dict)
 
 
-class ConfigFile(_Section, frozen=True):
+class ConfigFile(Section, frozen=True):
     """The whole file, as written."""
 
     models: Annotated[tuple[ModelConfig, ...], Meta(min_length=1)]
@@ -383,3 +375,5 @@ class ConfigFile(_Section, frozen=True):
     # Active-active: several instances that behave as one, sharing state in Redis (docs/cluster.md).
     cluster: ClusterSettings | None = None
     endpoint_picker: EndpointPickerSettings = msgspec.field(default_factory=EndpointPickerSettings)
+    # What only a developer tunes (advanced.py).
+    advanced: AdvancedSettings = msgspec.field(default_factory=AdvancedSettings)

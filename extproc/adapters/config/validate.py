@@ -18,7 +18,8 @@ the program keeps as JSON text). Unknown keys are errors, each one.
 Rules between fields are a table the caller passes, by struct type: a
 struct's rule yields (key, message) pairs, and runs once the struct's own
 fields are well-typed (so a second run may find more, after the type errors
-are fixed). An empty key names the struct itself.
+are fixed). An empty key names the struct itself. A key a section no longer
+takes is refused with what to write instead (``Section.REMOVED``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import msgspec
+
+from extproc.adapters.config.values import Section
 
 S = TypeVar("S", bound=msgspec.Struct)
 # A leaf's parse or check (see the module docstring).
@@ -178,7 +181,8 @@ def _struct(raw: Any, cls: type[S], path: str, errors: Errors, rules: Rules) -> 
     fields = {f.encode_name: f for f in msgspec.structs.fields(cls)}
     unknown = [key for key in raw if key not in fields]
     for key in unknown:
-        errors.append((_key(path, str(key)), f"unknown key (allowed: {', '.join(sorted(fields))})"))
+        removed = cls.REMOVED.get(str(key)) if issubclass(cls, Section) else None
+        errors.append((_key(path, str(key)), removed or f"unknown key (allowed: {', '.join(sorted(fields))})"))
     missing = [key for key, field in fields.items() if field.required and key not in raw]
     for key in missing:
         errors.append((_key(path, key), "is required"))

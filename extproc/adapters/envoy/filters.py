@@ -47,6 +47,7 @@ from extproc.adapters.envoy.clusters import EXTPROC_CLUSTER, JWKS_CLUSTER
 from extproc.adapters.ext_proc.contract import (
     DESTINATION_HEADER,
     METADATA_NAMESPACE,
+    MODEL_HEADER,
     PROCESSING_MODE,
     QUEUE_WAIT_HEADER,
 )
@@ -120,7 +121,7 @@ def _sanitise(config: Config, chain: Chain) -> Json:
     identity = config.identity
     keep_tenant = chain.drop_in and not _own_identity(config)
     tenant = [] if keep_tenant else [identity.tenant_header, *identity.fairness_id_headers]
-    remove = [identity.model_header, *tenant, DESTINATION_HEADER, *ECHOED_HEADERS]
+    remove = [MODEL_HEADER, *tenant, DESTINATION_HEADER, *ECHOED_HEADERS]
     return typed("envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
                  mutations={"request_mutations": [{"remove": name} for name in remove]})
 
