@@ -113,8 +113,10 @@ def test_without_a_cluster_section_nothing_changes_and_its_defaults_are_document
     assert parse_config({"models": [MODEL]}).cluster is None
     cluster = parse_config({"models": [MODEL], "cluster": CLUSTER}).cluster
     assert cluster is not None
-    assert (cluster.redis_url, cluster.key_prefix, cluster.lease_s, cluster.heartbeat_s, cluster.redis_timeout_ms,
+    assert (cluster.redis_url, cluster.key_prefix, cluster.lease_s, cluster.heartbeat_interval_s, cluster.redis_timeout_ms,
             cluster.instances) == ("redis://127.0.0.1:6379/0", "extproc", 2.0, 0.5, 250, {})
+    longer = parse_config({"models": [MODEL], "cluster": {**CLUSTER, "lease_s": 10}}).cluster
+    assert longer is not None and longer.heartbeat_interval_s == 2.5  # unset: a quarter of the lease
 
 
 @pytest.mark.parametrize("url", ["redis://localhost", "rediss://user:secret@redis.internal:6380/2",
@@ -132,7 +134,8 @@ def test_cluster_mistakes_name_their_key_paths() -> None:
     for url in ("http://127.0.0.1:6379", "redis://", "redis://h:99999", "redis://h:0", "redis://h/zero", "unix://", "h:6379"):
         assert cluster_errors(redis_url=url) == (f"cluster.redis_url: {must_be}{url!r}",)
     assert cluster_errors() == ("cluster.redis_url: is required",)
-    assert cluster_errors(**CLUSTER, lease_s=1.0) == ("cluster.heartbeat_s: must be below lease_s / 2 (0.5), got 0.5",)
+    assert cluster_errors(**CLUSTER, lease_s=1.0, heartbeat_s=0.5) == (
+        "cluster.heartbeat_s: must be below lease_s / 2 (0.5), got 0.5",)
     assert cluster_errors(**CLUSTER, redis_timeout_ms=0, key_prefix="", leases=3) == (
         "cluster.leases: unknown key (allowed: heartbeat_s, instances, key_prefix, lease_s, redis_timeout_ms, redis_url)",
         "cluster.key_prefix: must be a non-empty string, got ''",

@@ -7,6 +7,7 @@ all of them at once. One module per step, each importing only the ones above it:
 
 * ``values.py``    what a leaf must be: the constrained types (``Address``, ``Count``...), and a section's base;
 * ``advanced.py``  the ``advanced:`` section, what only a developer tunes;
+* ``instances.py`` the sections of several instances: ``shards`` and ``cluster``;
 * ``schema.py``    the file's shape: one msgspec struct per section (:class:`ConfigFile`);
 * ``validate.py``  a document converted into those structs, every mistake with its key path;
 * ``resolve.py``   :class:`Config`, what the program reads: bands and tenants in the core's types;
@@ -17,13 +18,12 @@ The names below are the package's surface; callers import them from here.
 """
 
 from extproc.adapters.config.advanced import AdvancedSettings, GrpcLimits
+from extproc.adapters.config.instances import ClusterInstance, ClusterSettings, Shard
 from extproc.adapters.config.load import load_config, parse_config, parse_config_text
 from extproc.adapters.config.resolve import Config, ConfigError
 from extproc.adapters.config.schema import (
     ENGINES,
     BandSettings,
-    ClusterInstance,
-    ClusterSettings,
     CostSettings,
     EndpointPickerSettings,
     EnvoySettings,
@@ -32,7 +32,6 @@ from extproc.adapters.config.schema import (
     Listen,
     ModelConfig,
     PrefixSettings,
-    Shard,
     TenantSettings,
     TlsSettings,
 )

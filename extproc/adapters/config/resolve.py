@@ -16,9 +16,9 @@ from urllib.parse import urlsplit
 import msgspec
 
 from extproc.adapters.config.advanced import AdvancedSettings
+from extproc.adapters.config.instances import ClusterSettings, Shard
 from extproc.adapters.config.schema import (
     BandSettings,
-    ClusterSettings,
     ConfigFile,
     EndpointPickerSettings,
     EnvoySettings,
@@ -26,7 +26,6 @@ from extproc.adapters.config.schema import (
     Listen,
     ModelConfig,
     PrefixSettings,
-    Shard,
     TenantSettings,
 )
 from extproc.core.bands import Band

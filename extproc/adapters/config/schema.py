@@ -15,7 +15,7 @@ so a new band or tenant setting is a field here and one in the core's type.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Annotated, Literal
 
@@ -23,6 +23,7 @@ import msgspec
 from msgspec import Meta
 
 from extproc.adapters.config.advanced import GRPC_LIMITS, AdvancedSettings
+from extproc.adapters.config.instances import ClusterSettings, Shard
 from extproc.adapters.config.values import (
     Address,
     Count,
@@ -35,7 +36,6 @@ from extproc.adapters.config.values import (
     NonEmpty,
     NonNegative,
     Positive,
-    RedisUrl,
     ReleaseShare,
     Section,
     Share,
@@ -195,8 +195,9 @@ class ModelConfig(Section, frozen=True):
     # The engine's context length (vLLM --max-model-len): the most tokens one
     # request can hold. The `vtc` cost estimate clamps a request's prompt and
     # output to it, so a client's `max_tokens: 1e308` costs what the largest
-    # real request could, not infinity (docs/policies.md).
-    max_context_tokens: Count = CostWeights.max_context_tokens
+    # real request could, not infinity (docs/policies.md). None: what the engine
+    # says (its max_model_len, adapters/engines/limits.py), 32,768 until it does.
+    max_context_tokens: Count | None = None
     cost: CostSettings = msgspec.field(default_factory=CostSettings)
     # Prefix signatures of the requests' prompts (absent: none, unless policy is locality,
     # which gets the defaults: resolve.py fills it in).
@@ -263,8 +264,21 @@ class EndpointPickerSettings(Section, frozen=True):
     fallbacks: Count0 = 0
 
 
-# The admission bucket's refill as a share of the processor's intake (EnvoySettings.admission_tokens).
+# The admission bucket's refill as a share of the processor's intake (EnvoySettings.admission).
 ADMISSION_REFILL_SHARE = Fraction(2, 3)
+# The processor's intake by transport: the requests of a burst it takes in per second within the message
+# timeout. h2's is measured (3,000 in 2 s on a loaded 2-core machine, docs/reliability.md, "Bursts and the
+# admission bucket"); grpcio's is h2's scaled by what each transport releases at most (807 against 1,599
+# req/s, docs/benchmarks.md, "The two transports"), not measured with bursts.
+INTAKE_PER_S = {"h2": 1500, "grpcio": 750}
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Envoy's admission bucket as generated: its size and its refill per second."""
+
+    tokens: int
+    per_second: int
 
 
 class EnvoySettings(Section, frozen=True):
@@ -284,14 +298,13 @@ class EnvoySettings(Section, frozen=True):
     processor_failure: Literal["closed", "open"] = "closed"
     # Admission in front of the processor (Envoy's local rate limit, one token bucket): up to
     # admission_burst requests at once, then admission_per_second. Sized to the processor's
-    # intake, what it takes in of a burst per second within message_timeout_ms (3,000 in 2 s on a
-    # loaded 2-core machine: 1,500/s). admission_per_second is 2/3 of it, since requests that
-    # keep arriving while a burst is taken in add to it; unset, admission_burst is the intake x
-    # the timeout (3,000 at 2 s), so a longer timeout takes in a larger burst. Beyond that,
-    # Envoy answers 503 `overloaded` at once rather than let streams outrun the message timeout
-    # (docs/reliability.md, "Bursts and the admission bucket").
+    # intake (INTAKE_PER_S, by listen.transport). Unset, admission_per_second is 2/3 of it, since
+    # requests that keep arriving while a burst is taken in add to it, and admission_burst is the
+    # intake (admission_per_second x 3/2) x the timeout (3,000 at 2 s on h2), so a longer timeout
+    # takes in a larger burst. Beyond that, Envoy answers 503 `overloaded` at once rather than
+    # let streams outrun the message timeout (docs/reliability.md, "Bursts and the admission bucket").
     admission_burst: Count | None = None
-    admission_per_second: Count = 1000
+    admission_per_second: Count | None = None
     # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
     jwt: JwtSettings | None = None
     # With listen.tls: the CA Envoy checks the processor's certificate against (without it, any
@@ -301,58 +314,15 @@ class EnvoySettings(Section, frozen=True):
     processor_client_cert_file: NonEmpty | None = None
     processor_client_key_file: NonEmpty | None = None
 
-    @property
-    def admission_tokens(self) -> int:
-        """The bucket's size: ``admission_burst``, else what the processor takes in within the message timeout."""
-        if self.admission_burst is not None:
-            return self.admission_burst
-        intake_per_s = self.admission_per_second / ADMISSION_REFILL_SHARE
-        return math.ceil(intake_per_s * self.message_timeout_ms / 1000)
-
-
-
-class Shard(Section, frozen=True):
-    """One processor instance of a sharded deployment: where it listens and the models it alone schedules.
-
-    Every instance runs the same file with ``extproc serve --shard NAME``;
-    its ``listen`` is the shard's, its models only the shard's (docs/cluster.md).
-    ``grpc`` is also where Envoy reaches it (a wildcard host means loopback).
-    """
-
-    grpc: Address
-    metrics: Address
-    models: Names
-
-
-class ClusterInstance(Section, frozen=True):
-    """One active-active instance: where it listens (``extproc serve --instance NAME``).
-
-    ``grpc`` is also where Envoy reaches it (a wildcard host means loopback).
-    """
-
-    grpc: Address
-    metrics: Address
-
-
-class ClusterSettings(Section, frozen=True):
-    """Active-active: instances that share each engine's limit and the fairness counters through Redis.
-
-    Instances whose files are identical except ``listen`` and that name the
-    same ``redis_url`` (and ``key_prefix``) form one cluster (docs/cluster.md).
-    """
-
-    redis_url: RedisUrl
-    # Every Redis key starts with this, so several clusters can share one Redis.
-    key_prefix: NonEmpty = "extproc"
-    # An instance's in-flight reservations lapse this long after its last word:
-    # the slots of a dead instance come back.
-    lease_s: Positive = 2.0
-    # How often an idle instance renews its lease (a busy one renews with its releases).
-    heartbeat_s: Positive = 0.5
-    # A Redis call slower than this counts as Redis unreachable (the instance goes degraded).
-    redis_timeout_ms: Count = 250
-    # Optional: instance name -> its addresses, for `serve --instance` and Envoy's cluster.
-    instances: dict[str, ClusterInstance] = msgspec.field(default_factory=dict)
+    def admission(self, transport: str) -> Admission:
+        """The bucket in front of a processor on ``transport``: each value as set, else from its intake."""
+        per_second = self.admission_per_second
+        if per_second is None:
+            per_second = math.floor(INTAKE_PER_S[transport] * ADMISSION_REFILL_SHARE)
+        tokens = self.admission_burst
+        if tokens is None:  # what the processor takes in within the message timeout
+            tokens = math.ceil(per_second / ADMISSION_REFILL_SHARE * self.message_timeout_ms / 1000)
+        return Admission(tokens, per_second)
 
 
 class ConfigFile(Section, frozen=True):
