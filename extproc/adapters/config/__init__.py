@@ -12,7 +12,9 @@ all of them at once. One module per step, each importing only the ones above it:
 * ``validate.py``  a document converted into those structs, every mistake with its key path;
 * ``resolve.py``   :class:`Config`, what the program reads: bands and tenants in the core's types;
 * ``rules.py``     the rules between fields (and the TLS files loaded), run by validate.py;
-* ``load.py``      a file (or document) checked and resolved, each mistake with its line.
+* ``load.py``      a file (or document) checked and resolved, each mistake with its line;
+* ``keys.py``      every key the file may hold, walked from the schema (the reference's rows);
+* ``explain.py``   the effective configuration, each key with its source (``check-config --explain``).
 
 The names below are the package's surface; callers import them from here.
 """

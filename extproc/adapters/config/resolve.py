@@ -142,7 +142,8 @@ class Config:
         return replace(self, listen=msgspec.structs.replace(self.listen, grpc=instance.grpc, metrics=instance.metrics))
 
 
-def _default_priority(file: ConfigFile) -> str:
+def default_priority(file: ConfigFile) -> str:
+    """The class of a request that names none: ``default_priority``, else ``standard`` if it is a class, else the lowest."""
     if file.default_priority is not None:
         return file.default_priority
     return "standard" if "standard" in file.priorities else file.priorities[-1]
@@ -191,7 +192,7 @@ def _tenant(written: TenantSettings, base: Tenant, bands: tuple[str, ...]) -> Te
 
 def tenants(file: ConfigFile) -> tuple[Tenant, dict[str, Tenant]]:
     """The `default` template (inherited field by field) and the named tenants."""
-    every = Tenant(bands=file.priorities, default_band=_default_priority(file))
+    every = Tenant(bands=file.priorities, default_band=default_priority(file))
     template = _tenant(file.tenants.get(DEFAULT_TENANT_KEY, TenantSettings()), every, file.priorities)
     named = {name: _tenant(written, template, file.priorities)
              for name, written in file.tenants.items() if name != DEFAULT_TENANT_KEY}

@@ -79,7 +79,7 @@ def _key(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _split(annotation: Any) -> tuple[Any, list[msgspec.Meta]]:
+def split(annotation: Any) -> tuple[Any, list[msgspec.Meta]]:
     """``Annotated[T, Meta...]`` -> (T, [Meta...]); anything else -> (it, [])."""
     if get_origin(annotation) is Annotated:
         base, *extras = get_args(annotation)
@@ -91,7 +91,7 @@ def _is_struct(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, msgspec.Struct)
 
 
-def _optional(annotation: Any) -> Any | None:
+def optional(annotation: Any) -> Any | None:
     """``T`` for ``T | None``, else None."""
     if get_origin(annotation) in (Union, types.UnionType):
         rest = [a for a in get_args(annotation) if a is not type(None)]
@@ -102,15 +102,15 @@ def _optional(annotation: Any) -> Any | None:
 
 def describe(annotation: Any) -> str:
     """What a value of this type must be, in words ("an integer >= 1")."""
-    inner = _optional(annotation)
+    inner = optional(annotation)
     if inner is not None:
         return describe(inner)
-    base, metas = _split(annotation)
+    base, metas = split(annotation)
     bounds: dict[str, Any] = {}
     for meta in metas:
         if meta.description:
             return meta.description
-        bounds.update({k: getattr(meta, k) for k in ("ge", "gt", "le", "min_length") if getattr(meta, k) is not None})
+        bounds.update({k: getattr(meta, k) for k in ("ge", "gt", "le", "lt", "min_length") if getattr(meta, k) is not None})
     if base is bool:
         return "true or false"
     if get_origin(base) is Literal:
@@ -122,6 +122,10 @@ def describe(annotation: Any) -> str:
     noun = {int: "an integer", float: "a number", str: "a string"}.get(base, getattr(base, "__name__", str(base)))
     if "gt" in bounds and "le" in bounds:
         return f"{noun} in ({bounds['gt']}, {bounds['le']}]"
+    if "ge" in bounds and "le" in bounds:
+        return f"{noun} in [{bounds['ge']}, {bounds['le']}]"
+    if "ge" in bounds and "lt" in bounds:
+        return f"{noun} in [{bounds['ge']}, {bounds['lt']})"
     for key, sign in (("ge", ">="), ("gt", ">"), ("le", "<=")):
         if key in bounds:
             return f"{noun} {sign} {bounds[key]}"
@@ -129,10 +133,10 @@ def describe(annotation: Any) -> str:
 
 
 def _value(raw: Any, annotation: Any, path: str, errors: Errors, rules: Rules) -> Any:
-    inner = _optional(annotation)
+    inner = optional(annotation)
     if inner is not None:
         return None if raw is None else _value(raw, inner, path, errors, rules)
-    base, metas = _split(annotation)
+    base, metas = split(annotation)
     if _is_struct(base):
         return _struct(raw, base, path, errors, rules)
     origin, args = get_origin(base), get_args(base)
