@@ -71,12 +71,13 @@ def test_one_mistake(raw: object, message: str) -> None:
 
 def test_a_key_that_moved_or_went_is_refused_with_what_to_write_instead(tmp_path: Path) -> None:
     path = tmp_path / "old.yaml"
-    path.write_text("models: [{name: m, endpoints: ['http://a:1']}]\n"
+    path.write_text("models: [{name: m, endpoints: ['http://a:1'], stale_after_s: 2}]\n"
                     "listen: {grpc: '127.0.0.1:1', max_connections: 10}\n"
                     "identity:\n  model_header: x-model\n")
     with pytest.raises(ConfigError) as error:
         load_config(path)
     assert error.value.errors == (
+        f"{path}:1: models[0].stale_after_s: moved to models[0].advanced.stale_after_s",
         f"{path}:2: listen.max_connections: moved to advanced.grpc.max_connections",
         f"{path}:4: identity.model_header: is no longer a setting: the processor sets x-model, the header the "
         "generated Envoy (and deploy/'s manifests) route on; remove the key",

@@ -33,6 +33,27 @@ class GrpcLimits(Section, frozen=True):
 GRPC_LIMITS = tuple(GrpcLimits.__struct_fields__)
 
 
+class ModelAdvanced(Section, frozen=True):
+    """A model's ``advanced:`` section: how often its engines are read, and how the gate copes without them.
+
+    The defaults suit an engine next to the processor; a developer changes
+    them to study a slower scrape or a lagging engine (docs/gate.md).
+    """
+
+    # How often each endpoint's /metrics is read.
+    scrape_interval_s: Positive = 0.1
+    # Metrics older than this are not trusted (the engine may have moved on); also the scrape's timeout.
+    stale_after_s: Positive = 1.0
+    # In-flight floor per endpoint while the engine's metrics cannot be read.
+    fallback_max_in_flight: Count = 4
+    # Inter-token latency is averaged over this much recent time; also the least time between two cuts.
+    itl_window_s: Positive = 2.0
+
+
+# The model keys that moved to `models[].advanced.*`.
+MODEL_ADVANCED = tuple(ModelAdvanced.__struct_fields__)
+
+
 class AdvancedSettings(Section, frozen=True):
     """Developer tuning, one subsection per part of the program it bounds."""
 

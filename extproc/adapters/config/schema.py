@@ -22,7 +22,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from extproc.adapters.config.advanced import GRPC_LIMITS, AdvancedSettings
+from extproc.adapters.config.advanced import GRPC_LIMITS, MODEL_ADVANCED, AdvancedSettings, ModelAdvanced
 from extproc.adapters.config.instances import ClusterSettings, Shard
 from extproc.adapters.config.values import (
     Address,
@@ -151,11 +151,6 @@ class ModelConfig(Section, frozen=True):
     served_names: tuple[NonEmpty, ...] = ()
     engine: Annotated[str, choice(ENGINES)] = "vllm"
     target_waiting: Count = 3
-    scrape_interval_s: Positive = 0.1
-    # Metrics older than this are not trusted (the engine may have moved on).
-    stale_after_s: Positive = 1.0
-    # In-flight floor per endpoint while the engine's metrics cannot be read.
-    fallback_max_in_flight: Count = 4
     # A request still queued after this long is answered 503 instead of held
     # (a band's own max_queue_wait_s overrides it).
     max_queue_wait_s: Positive = 120.0
@@ -164,8 +159,6 @@ class ModelConfig(Section, frozen=True):
     # Optional ceilings for the adaptive gate.
     max_inter_token_latency_ms: Positive | None = None
     max_kv_usage: Share | None = None
-    # Inter-token latency is averaged over this much recent time.
-    itl_window_s: Positive = 2.0
     # Per endpoint: hard cap on what the engine may hold (adaptive), or on our
     # in-flight requests (static_concurrency, where it is required).
     max_in_flight: Count | None = None
@@ -202,6 +195,10 @@ class ModelConfig(Section, frozen=True):
     # Prefix signatures of the requests' prompts (absent: none, unless policy is locality,
     # which gets the defaults: resolve.py fills it in).
     prefix: PrefixSettings | None = None
+    # What only a developer tunes: the scrape's pace, the gate without metrics (advanced.py).
+    advanced: ModelAdvanced = msgspec.field(default_factory=ModelAdvanced)
+
+    REMOVED = {key: f"moved to {{path}}.advanced.{key}" for key in MODEL_ADVANCED}
 
     def cost_weights(self) -> CostWeights:
         """How the `vtc` policy prices this model's requests: the cost section, the context length, the cached price."""

@@ -186,7 +186,8 @@ def _struct(raw: Any, cls: type[S], path: str, errors: Errors, rules: Rules) -> 
     unknown = [key for key in raw if key not in fields]
     for key in unknown:
         removed = cls.REMOVED.get(str(key)) if issubclass(cls, Section) else None
-        errors.append((_key(path, str(key)), removed or f"unknown key (allowed: {', '.join(sorted(fields))})"))
+        message = removed.format(path=path) if removed else f"unknown key (allowed: {', '.join(sorted(fields))})"
+        errors.append((_key(path, str(key)), message))
     missing = [key for key, field in fields.items() if field.required and key not in raw]
     for key in missing:
         errors.append((_key(path, key), "is required"))

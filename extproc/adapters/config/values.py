@@ -26,8 +26,9 @@ class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
     Subclasses inherit these options; they repeat ``frozen=True`` for the type
     checker, which reads each class on its own. ``REMOVED`` names the keys a
-    section no longer takes, each with what to write instead: validate.py
-    refuses such a key with that message rather than as merely unknown.
+    section no longer takes, each with what to write instead (``{path}``: the
+    section's own key path): validate.py refuses such a key with that message
+    rather than as merely unknown.
     """
 
     REMOVED: ClassVar[Mapping[str, str]] = {}
