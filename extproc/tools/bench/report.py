@@ -51,7 +51,7 @@ CPU_US_PER_REQUEST = 250
 RATE_VS_ENVOY = 0.45
 ADDED_P50_MS = 0.5
 KB_PER_HELD = 5.0
-# Issue #19's targets.
+# The targets of priority inside the engine.
 WITHIN_OBJECTIVE = 0.99
 IDLE_CAPACITY_SHARE = 0.9
 # "No class worse than straight to the engine": read as TTFT p50 and p99 within this
@@ -202,7 +202,7 @@ def _overhead_targets(overhead: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _issue19_targets(summaries: Mapping[str, Mapping[str, Any]], gated: Sequence[Arm]) -> list[dict[str, Any]]:
-    """Objective attainment, batch throughput, no class worse than direct, work conservation (#19)."""
+    """Objective attainment, batch throughput, no class worse than direct, work conservation (priority inside the engine)."""
     rows: list[dict[str, Any]] = []
 
     def add(target: str, arm: str, value: float | None, shown: str, met: bool | None) -> None:
