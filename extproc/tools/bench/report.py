@@ -1,6 +1,6 @@
 """Turn summaries into the benchmark's outputs: results.json, summary.md and PNG plots.
 
-The Markdown tables are what docs/benchmarks.md quotes; the targets table
+The Markdown tables are what docs/reports/benchmarks.md quotes; the targets table
 reports each target of the project beside the measured value, without
 judging the run a failure (a benchmark reports, tests assert).
 """
