@@ -85,7 +85,7 @@ class Listen(_Section, frozen=True):
     idle_timeout_s: Positive = 3600.0
     handshake_timeout_s: Positive = 10.0
     # The gRPC server under ext_proc: ours on h2 (~3 KB a held request) or grpc.aio, the reference
-    # (~24 KB; docs/reliability.md, "Choosing the transport").
+    # (~24 KB; docs/decisions.md, "When to choose grpcio").
     transport: Literal["h2", "grpcio"] = "h2"
 
 
@@ -297,7 +297,7 @@ class EnvoySettings(_Section, frozen=True):
     # keep arriving while a burst is taken in add to it; unset, admission_burst is the intake x
     # the timeout (3,000 at 2 s), so a longer timeout takes in a larger burst. Beyond that,
     # Envoy answers 503 `overloaded` at once rather than let streams outrun the message timeout
-    # (docs/reliability.md, "Bursts and the admission bucket").
+    # (docs/guides/operate.md, "Sizing the admission bucket").
     admission_burst: Count | None = None
     admission_per_second: Count = 1000
     # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
