@@ -73,7 +73,7 @@ class Listen(Section, frozen=True):
     metrics: Address = "127.0.0.1:9464"
     tls: TlsSettings | None = None
     # The gRPC server under ext_proc: ours on h2 (~3 KB a held request) or grpc.aio, the reference
-    # (~24 KB; docs/reliability.md, "Choosing the transport").
+    # (~24 KB; docs/decisions.md, "When to choose grpcio").
     transport: Literal["h2", "grpcio"] = "h2"
 
     REMOVED = {key: f"moved to advanced.grpc.{key}" for key in GRPC_LIMITS}
@@ -264,9 +264,9 @@ class EndpointPickerSettings(Section, frozen=True):
 # The admission bucket's refill as a share of the processor's intake (EnvoySettings.admission).
 ADMISSION_REFILL_SHARE = Fraction(2, 3)
 # The processor's intake by transport: the requests of a burst it takes in per second within the message
-# timeout. h2's is measured (3,000 in 2 s on a loaded 2-core machine, docs/reliability.md, "Bursts and the
-# admission bucket"); grpcio's is h2's scaled by what each transport releases at most (807 against 1,599
-# req/s, docs/benchmarks.md, "The two transports"), not measured with bursts.
+# timeout. h2's is measured (3,000 in 2 s on a loaded 2-core machine, docs/reports/reliability.md, "Bursts");
+# grpcio's is h2's scaled by what each transport releases at most (807 against 1,599 req/s,
+# docs/reports/benchmarks.md, "The two transports"), not measured with bursts.
 INTAKE_PER_S = {"h2": 1500, "grpcio": 750}
 
 
@@ -299,7 +299,7 @@ class EnvoySettings(Section, frozen=True):
     # requests that keep arriving while a burst is taken in add to it, and admission_burst is the
     # intake (admission_per_second x 3/2) x the timeout (3,000 at 2 s on h2), so a longer timeout
     # takes in a larger burst. Beyond that, Envoy answers 503 `overloaded` at once rather than
-    # let streams outrun the message timeout (docs/reliability.md, "Bursts and the admission bucket").
+    # let streams outrun the message timeout (docs/guides/operate.md, "Sizing the admission bucket").
     admission_burst: Count | None = None
     admission_per_second: Count | None = None
     # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
