@@ -85,7 +85,7 @@ class ProcessorServer:
         self._grpc = TRANSPORTS[config.listen.transport]({
             PROCESS_PATH: Method(pb.ProcessingRequest.FromString, self.processor.process),
             **self._health.methods(),
-        }, Limits(config.listen, max(MAX_MESSAGE_BYTES, config.endpoint_picker.max_body_bytes + BODY_MESSAGE_MARGIN)))
+        }, Limits(config.advanced.grpc, max(MAX_MESSAGE_BYTES, config.endpoint_picker.max_body_bytes + BODY_MESSAGE_MARGIN)))
         # TLS on the gRPC port (listen.tls), its files reloaded while serving.
         tls = config.listen.tls
         self._tls = None if tls is None else ServerTls(tls, self.telemetry.tls_reloaded)

@@ -230,8 +230,8 @@ async def _main(args: argparse.Namespace) -> None:
                 max_tokens=4 if args.gie is None else GIE_MAX_TOKENS,
             )
             by_bucket = await bucket_shed(stack)
-        admission = stack.config.envoy
-        print(f"bucket: {admission.admission_tokens} at once, then {admission.admission_per_second}/s")
+        admission = stack.config.envoy.admission(stack.config.listen.transport)
+        print(f"bucket: {admission.tokens} at once, then {admission.per_second}/s")
         print(f"n={args.n} held={held.held:.0f} shed-by-bucket={by_bucket} "
               f"shed-by-processor={report.counts()[(503, Refusal.OVERLOADED.value)] - by_bucket} "
               f"missed={len(report.missed)} bare={len(report.bare)} not-json={len(report.not_json)} "

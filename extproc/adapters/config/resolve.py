@@ -15,9 +15,10 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from extproc.adapters.config.advanced import AdvancedSettings
+from extproc.adapters.config.instances import ClusterSettings, Shard
 from extproc.adapters.config.schema import (
     BandSettings,
-    ClusterSettings,
     ConfigFile,
     EndpointPickerSettings,
     EnvoySettings,
@@ -25,7 +26,6 @@ from extproc.adapters.config.schema import (
     Listen,
     ModelConfig,
     PrefixSettings,
-    Shard,
     TenantSettings,
 )
 from extproc.core.bands import Band
@@ -68,6 +68,7 @@ class Config:
     # Active-active (None: this instance alone schedules its models).
     cluster: ClusterSettings | None = None
     endpoint_picker: EndpointPickerSettings = field(default_factory=EndpointPickerSettings)
+    advanced: AdvancedSettings = field(default_factory=AdvancedSettings)
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -141,7 +142,8 @@ class Config:
         return replace(self, listen=msgspec.structs.replace(self.listen, grpc=instance.grpc, metrics=instance.metrics))
 
 
-def _default_priority(file: ConfigFile) -> str:
+def default_priority(file: ConfigFile) -> str:
+    """The class of a request that names none: ``default_priority``, else ``standard`` if it is a class, else the lowest."""
     if file.default_priority is not None:
         return file.default_priority
     return "standard" if "standard" in file.priorities else file.priorities[-1]
@@ -190,7 +192,7 @@ def _tenant(written: TenantSettings, base: Tenant, bands: tuple[str, ...]) -> Te
 
 def tenants(file: ConfigFile) -> tuple[Tenant, dict[str, Tenant]]:
     """The `default` template (inherited field by field) and the named tenants."""
-    every = Tenant(bands=file.priorities, default_band=_default_priority(file))
+    every = Tenant(bands=file.priorities, default_band=default_priority(file))
     template = _tenant(file.tenants.get(DEFAULT_TENANT_KEY, TenantSettings()), every, file.priorities)
     named = {name: _tenant(written, template, file.priorities)
              for name, written in file.tenants.items() if name != DEFAULT_TENANT_KEY}
@@ -219,4 +221,5 @@ def resolve(file: ConfigFile) -> Config:
         shards=dict(file.shards),
         cluster=file.cluster,
         endpoint_picker=file.endpoint_picker,
+        advanced=file.advanced,
     )

@@ -57,7 +57,7 @@ class GrpcServer(Transport):
             lambda: Connection(self.methods, self.limits, self.connections, self.warnings), host, port,
             reuse_address=True, ssl=None if tls is None else tls.listener,
             # The TLS handshake counts against the HTTP/2 one's limit (which starts after it).
-            ssl_handshake_timeout=None if tls is None else self.limits.listen.handshake_timeout_s,
+            ssl_handshake_timeout=None if tls is None else self.limits.grpc.handshake_timeout_s,
         )
 
     def calls(self) -> int:
