@@ -14,6 +14,7 @@ traceback: 2 for a config that cannot be used, 1 for the rest.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,16 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    """Every mistake in every file, as serve and envoy-config would find them; nothing is started."""
+    """Every mistake in every file, as serve and envoy-config would find them; nothing is started.
+
+    With ``--explain``, each valid file's effective configuration follows its
+    ok line, one key per line with its source (adapters/config/explain.py);
+    with ``--format json``, one JSON document of them by file instead.
+    """
+    from extproc.adapters.config.explain import explain
+
     failed = False
+    explained: dict[str, list[dict[str, Any]]] = {}
     for path in args.files:
         try:
             config = load_config(path)
@@ -65,7 +74,17 @@ def _check_config(args: argparse.Namespace) -> int:
             for error in exc.errors:
                 print(f"error: {error}", file=sys.stderr)
             continue
+        wanted = args.explain or args.format == "json"
+        lines = explain(yaml.safe_load(Path(path).read_text(encoding="utf-8")), config) if wanted else []
+        if args.format == "json":
+            explained[path] = [{"key": line.key, "value": line.value, "source": line.source, "from": line.note}
+                               for line in lines]
+            continue
         print(f"{path}: ok ({len(config.models)} model(s): {', '.join(m.name for m in config.models)})")
+        for line in lines:
+            print(f"  {line.text()}")
+    if args.format == "json":
+        print(json.dumps(explained, indent=1))
     return 2 if failed else 0
 
 
@@ -225,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser("check-config", help="validate config files: every mistake with file, line and key")
     check.add_argument("files", nargs="+", metavar="FILE", help="YAML configuration file")
+    check.add_argument("--explain", action="store_true",
+                       help="print each file's effective configuration, one key per line with where its value came "
+                       "from: set, default, derived (from what) or engine (read from the engine at run time)")
+    check.add_argument("--format", choices=("text", "json"), default="text",
+                       help="json: the --explain lines (implied) as one JSON document by file (key, value, source, from)")
     check.set_defaults(func=_check_config)
 
     envoy = commands.add_parser("envoy-config", help="print an Envoy bootstrap (or --drop-in pieces) for a config")

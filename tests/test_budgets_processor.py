@@ -29,7 +29,7 @@ MIDNIGHT = float(calendar.timegm((2026, 12, 4, 0, 0, 0)))
 
 def make(budgets: dict[str, object], max_in_flight: int = 4) -> tuple[Processor, ModelDispatcher, list[float]]:
     config = parse_config({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"],
-                                       "fallback_max_in_flight": max_in_flight}],
+                                       "advanced": {"fallback_max_in_flight": max_in_flight}}],
                            "budgets": budgets})
     telemetry = Telemetry()
     dispatcher = build_dispatcher(config, config.models[0], telemetry)
@@ -141,14 +141,13 @@ async def test_a_reload_keeps_the_counts_and_removing_the_section_removes_the_ch
     processor, _, _ = make({"tenants": {"default": {"requests_per_minute": 1}}})
     assert (await Stream(processor, request()).answers.get()).HasField("request_headers")
     gate = processor.budgets
-    config = parse_config({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "fallback_max_in_flight": 4}],
-                           "budgets": {"tenants": {"default": {"requests_per_minute": 2}}}})
+    model = {"name": "m", "endpoints": ["http://127.0.0.1:1"], "advanced": {"fallback_max_in_flight": 4}}
+    config = parse_config({"models": [model], "budgets": {"tenants": {"default": {"requests_per_minute": 2}}}})
     processor.reconfigure(config)
     assert processor.budgets is gate
     assert (await Stream(processor, request()).answers.get()).HasField("request_headers")
     assert (await Stream(processor, request()).answers.get()).immediate_response.status.code == 429
-    processor.reconfigure(parse_config({"models": config.models[0:1] and [
-        {"name": "m", "endpoints": ["http://127.0.0.1:1"], "fallback_max_in_flight": 4}]}))
+    processor.reconfigure(parse_config({"models": [model]}))
     assert processor.budgets is None
     assert (await Stream(processor, request()).answers.get()).HasField("request_headers")
 

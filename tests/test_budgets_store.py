@@ -45,7 +45,7 @@ async def test_rows_are_written_behind_whole_and_read_back_from_the_month(tmp_pa
 
 async def test_a_restart_in_the_middle_of_a_day_budget_does_not_hand_out_a_fresh_one(tmp_path: Path) -> None:
     config = parse_config({
-            "models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "fallback_max_in_flight": 8}],
+            "models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "advanced": {"fallback_max_in_flight": 8}}],
         "budgets": {"store": str(tmp_path / "usage.sqlite"), "tenants": {"default": {"tokens_per_day": 1000}}},
     })
 
@@ -82,7 +82,7 @@ async def test_usage_is_exported_by_the_metrics_port_and_the_command_and_budgets
     store = tmp_path / "usage.sqlite"
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({
-        "models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "fallback_max_in_flight": 8}],
+        "models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "advanced": {"fallback_max_in_flight": 8}}],
         "budgets": {"store": str(store), "prices": {"m": {"input": 1.0, "output": 2.0}},
                     "tenants": {"default": {"tokens_per_day": 100_000}, "t": {"requests_per_minute": 5}}},
     }))

@@ -276,7 +276,9 @@ class ModelDispatcher:
         self._preempt_at_risk(self._clock())
 
     def record_limits(self, endpoint: str, limits: EngineLimits) -> None:
-        """What the engine at ``endpoint`` says of its own limits: they bound the rule; a cap too tight is told."""
+        """What the engine at ``endpoint`` says of its own limits: they bound the rule and the cost's context; a cap
+        too tight is told."""
+        self._state.engine_context(limits.max_model_len)
         warning = self._pool.record_limits(endpoint, limits)
         if warning is None:
             return

@@ -377,6 +377,10 @@ class ModelState:
         """A usable scrape of ``endpoint``: the pricing learns its decode rate and cache hits."""
         self._pricing.scraped(endpoint, load, started_at)
 
+    def engine_context(self, max_model_len: int | None) -> None:
+        """An engine said its context length: the pricing's clamp where none is configured."""
+        self._pricing.engine_context(max_model_len)
+
     def left(self, endpoints: set[str]) -> None:
         """Endpoints that left the pool: the pricing forgets their caches."""
         self._pricing.forget(endpoints)

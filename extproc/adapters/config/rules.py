@@ -15,16 +15,14 @@ from __future__ import annotations
 import re
 
 from extproc.adapters.config.budgets import PriceSettings, budget_problems, price_problems
+from extproc.adapters.config.instances import ClusterInstance, ClusterSettings, Shard
 from extproc.adapters.config.resolve import DEFAULT_TENANT_KEY, tenants
 from extproc.adapters.config.schema import (
-    ClusterInstance,
-    ClusterSettings,
     ConfigFile,
     CostSettings,
     EnvoySettings,
     JwtSettings,
     ModelConfig,
-    Shard,
     TenantSettings,
     TlsSettings,
 )
@@ -83,7 +81,7 @@ def _envoy(envoy: EnvoySettings) -> Problems:
 
 
 def _cluster(cluster: ClusterSettings) -> Problems:
-    if cluster.heartbeat_s >= cluster.lease_s / 2:
+    if cluster.heartbeat_s is not None and cluster.heartbeat_s >= cluster.lease_s / 2:
         # One late heartbeat must not let a live instance's lease lapse.
         yield "heartbeat_s", f"must be below lease_s / 2 ({cluster.lease_s / 2:g}), got {cluster.heartbeat_s:g}"
     for name in cluster.instances:

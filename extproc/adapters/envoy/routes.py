@@ -30,7 +30,7 @@ from extproc.adapters.envoy.base import Json, duration, header_values, idle_time
 from extproc.adapters.envoy.clusters import PICKED_CLUSTER, cluster_names, picks_endpoints, shard_cluster_name
 from extproc.adapters.envoy.filters import ECHOED_HEADERS, EXT_PROC_FILTER
 from extproc.adapters.envoy.local_replies import direct_reply
-from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, METADATA_NAMESPACE
+from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, METADATA_NAMESPACE, MODEL_HEADER
 from extproc.core.outcomes import Refusal
 
 # Retries of a request the engine never started: it could not be reached, or it
@@ -167,7 +167,7 @@ class _RouteTable:
         """
         if not by_body:
             return {"prefix": prefix,
-                    "headers": [{"name": self.config.identity.model_header, "string_match": {"exact": model}}]}
+                    "headers": [{"name": MODEL_HEADER, "string_match": {"exact": model}}]}
         served = self.config.model(model)
         names = (model, *served.served_names) if served is not None else (model,)
         value = {"string_match": {"exact": model} if len(names) == 1 else {"safe_regex": {"regex": names_regex(names)}}}

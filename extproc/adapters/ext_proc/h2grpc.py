@@ -16,7 +16,7 @@ and message in the trailers. A stream the client resets cancels its handler at
 once (a client that leaves while queued: the queue entry goes at once).
 
 It is the most exposed port we have, so it is hardened as a reference server
-is (docs/reliability.md, "The ext_proc transport under abuse"): a peer's bad
+is (docs/reports/reliability.md, "The gRPC port under abuse"): a peer's bad
 bytes end only its stream, flow control bounds what it can make us buffer,
 streams per connection and connections are limited (Limits, far above the
 held requests we expect), stalled and idle connections are closed, GOAWAY
@@ -57,7 +57,7 @@ class GrpcServer(Transport):
             lambda: Connection(self.methods, self.limits, self.connections, self.warnings), host, port,
             reuse_address=True, ssl=None if tls is None else tls.listener,
             # The TLS handshake counts against the HTTP/2 one's limit (which starts after it).
-            ssl_handshake_timeout=None if tls is None else self.limits.listen.handshake_timeout_s,
+            ssl_handshake_timeout=None if tls is None else self.limits.grpc.handshake_timeout_s,
         )
 
     def calls(self) -> int:

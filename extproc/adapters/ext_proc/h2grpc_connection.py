@@ -79,7 +79,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, methods: Methods, limits: Limits, connections: set[Connection],
                  warnings: PeerWarnings) -> None:
         self._methods = methods
-        self._listen = limits.listen
+        self._grpc = limits.grpc
         self._max_message = limits.max_message_bytes
         self._connections = connections
         self._warnings = warnings
@@ -92,7 +92,7 @@ class Connection(asyncio.Protocol):
         self.buffered = 0  # request bytes received that no handler has taken yet
         # One message (and the frame that brings its last byte) must fit, whatever else a stream holds.
         self._stream_budget = self._max_message + PREFIX + 16_384
-        self._connection_budget = max(self._listen.connection_buffer_bytes, self._stream_budget)
+        self._connection_budget = max(self._grpc.connection_buffer_bytes, self._stream_budget)
         self._timer: asyncio.TimerHandle | None = None
         self._flush_pending = False  # a _flush is queued on the loop
         self._handshaken = False
@@ -107,8 +107,8 @@ class Connection(asyncio.Protocol):
         self._peer = transport.get_extra_info("peername")
         loop = asyncio.get_running_loop()
         self._last_frame = loop.time()
-        if len(self._connections) >= self._listen.max_connections:
-            self._warnings.warn(self._peer, "connection refused: %d open (listen.max_connections)",
+        if len(self._connections) >= self._grpc.max_connections:
+            self._warnings.warn(self._peer, "connection refused: %d open (advanced.grpc.max_connections)",
                                 len(self._connections))
             self._h2.initiate_connection()
             self._h2.send_goaway(0, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, b"too many connections")
@@ -117,7 +117,7 @@ class Connection(asyncio.Protocol):
             return
         self._connections.add(self)
         self._h2.local_settings = h2.settings.Settings(client=False, initial_values={
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._listen.max_streams_per_connection,
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._grpc.max_streams_per_connection,
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
             # h2's default, kept: ext_proc carries the HTTP headers inside messages, not here.
             h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 2**16,
@@ -125,7 +125,7 @@ class Connection(asyncio.Protocol):
         self._h2.initiate_connection()
         self._h2.increment_flow_control_window(CONNECTION_WINDOW - 65_535)
         self._flush()
-        self._timer = loop.call_later(self._listen.handshake_timeout_s, self._handshake_expired)
+        self._timer = loop.call_later(self._grpc.handshake_timeout_s, self._handshake_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._connections.discard(self)
@@ -140,14 +140,14 @@ class Connection(asyncio.Protocol):
 
     def _handshake_expired(self) -> None:
         self._warnings.warn(self._peer, "no HTTP/2 preface and SETTINGS within %gs: connection closed",
-                            self._listen.handshake_timeout_s)
+                            self._grpc.handshake_timeout_s)
         self.close()
 
     def _idle_check(self) -> None:
-        """Close a connection without streams or frames for listen.idle_timeout_s (Envoy reconnects when it needs one)."""
+        """Close a connection without streams or frames for advanced.grpc.idle_timeout_s (Envoy reconnects when it needs one)."""
         loop = asyncio.get_running_loop()
         quiet = loop.time() - self._last_frame
-        idle = self._listen.idle_timeout_s
+        idle = self._grpc.idle_timeout_s
         if self.calls or quiet < idle:
             self._timer = loop.call_later(idle if self.calls else idle - quiet, self._idle_check)
             return
@@ -222,7 +222,7 @@ class Connection(asyncio.Protocol):
             self._handshaken = True
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = asyncio.get_running_loop().call_later(self._listen.idle_timeout_s, self._idle_check)
+            self._timer = asyncio.get_running_loop().call_later(self._grpc.idle_timeout_s, self._idle_check)
         elif isinstance(event, h2.events.PingAckReceived) and event.ping_data == _SHUTDOWN_PING:
             self._last_stream = self._h2.highest_inbound_stream_id
             self._h2.send_goaway(self._last_stream)
@@ -245,9 +245,9 @@ class Connection(asyncio.Protocol):
         if self._last_stream is not None and stream_id > self._last_stream:
             self._reset(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)  # after our final GOAWAY: retry elsewhere
             return
-        if len(self.calls) >= self._listen.max_streams_per_connection:
+        if len(self.calls) >= self._grpc.max_streams_per_connection:
             self._warnings.warn(self._peer, "stream refused: %d open on one connection "
-                                "(listen.max_streams_per_connection)", len(self.calls))
+                                "(advanced.grpc.max_streams_per_connection)", len(self.calls))
             self._reset(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             return
         headers = dict(event.headers or ())
@@ -294,7 +294,7 @@ class Connection(asyncio.Protocol):
             if not victim.buffered:
                 break
             self._fail(victim, GrpcError(RESOURCE_EXHAUSTED, f"more than {self._connection_budget} request bytes "
-                                         "unread on this connection (listen.connection_buffer_bytes)"))
+                                         "unread on this connection (advanced.grpc.connection_buffer_bytes)"))
 
     # -- flow control ---------------------------------------------------------------------
 

@@ -58,7 +58,7 @@ class H2Connection(h2.connection.H2Connection):
     h2 also counts the open streams on each new inbound stream, walking them
     all: with thousands held that made a burst quadratic (7 s of CPU for 10,000
     streams on one connection, 39 s for 20,000). The count is ours (the calls
-    of the connection, against listen.max_streams_per_connection); the walk,
+    of the connection, against advanced.grpc.max_streams_per_connection); the walk,
     which also forgets closed streams, runs once per half as many new streams
     as it covers: amortized constant per stream.
     """
