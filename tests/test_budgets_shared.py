@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import calendar
+from collections import Counter
+from pathlib import Path
 
+import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
@@ -12,7 +15,10 @@ from extproc.adapters.budgets.shared import SharedBudgets, SharedTicket
 from extproc.adapters.config import parse_config
 from extproc.adapters.ext_proc.admission import Admission
 from extproc.core.outcomes import Refusal, Refused
+from extproc.tools.power_user import chat
+from extproc.tools.stack import start_stack
 from tests.redisutil import RedisServer
+from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
 
 pytestmark = pytest.mark.integration
 
@@ -86,3 +92,17 @@ async def test_the_end_replaces_the_reservation_by_what_was_used_in_the_period_i
     assert isinstance(await admitted(b, tokens=350.0), Pass)  # 200 used + 700 reserved <= 1000
     assert isinstance(await admitted(b, tokens=60.0), Refused)
     await client.aclose()
+
+
+async def test_two_instances_behind_envoy_enforce_one_limit(tmp_path: Path, redis_server: RedisServer) -> None:
+    """Envoy spreads bob's requests over both instances; together they let through the cluster's limit, not twice it."""
+    path = write_stack_config(tmp_path, {"m1": {}}, redis_url=redis_server.url, cluster_instances=2,
+                              budgets={"tenants": {"bob": {"requests_per_minute": 6}}})
+    async with await start_stack(path, tmp_path) as stack, aiohttp.ClientSession() as http:
+        outcomes = [await chat(http, stack.envoy_url, "bob", "m1", api_key=TENANT_KEYS["bob"], max_tokens=3)
+                    for _ in range(12)]
+        statuses = Counter(o.status for o in outcomes)
+        released = {name: metric(await read_metrics(url), "extproc_released_total", model="m1")
+                    for name, url in stack.metrics_urls.items()}
+    assert 6 <= statuses[200] <= 7 and statuses[200] + statuses[429] == 12, statuses  # 7: a second's refill
+    assert min(released.values()) >= 1, released  # both instances admitted some: the count was shared
