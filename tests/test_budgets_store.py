@@ -113,13 +113,17 @@ async def test_usage_is_exported_by_the_metrics_port_and_the_command_and_budgets
     assert not any(dict(labels).get("name") == "u" for _, labels in samples)  # unnamed: no per-scope series
     assert samples[("extproc_budget_usage_output_tokens_total", (("model", "m"), ("tenant", "other")))] == 200
     assert samples[("extproc_budget_usage_cost_total", (("model", "m"), ("tenant", "t")))] == pytest.approx(0.001)
-    app = build_app(server.telemetry.registry, server.dispatchers, lambda: False, usage=server.usage)
+    app = build_app(server.telemetry.registry, server.dispatchers, lambda: False, usage=server.usage,
+                    budgets=server._budget_standings)
     async with TestClient(TestServer(app)) as client:
         answer = await client.get("/usage", params={"since": today, "format": "csv", "per": "month"})
         assert answer.status == 200 and answer.content_type == "text/csv"
         assert (await answer.text()).splitlines()[1:] == lines[1:]
         assert (await client.get("/usage", params={"since": "last week"})).status == 400
         assert (await (await client.get("/usage")).json())[0]["requests"] == 2
+        shown = (await (await client.get("/status.json")).json())["budgets"]  # the status page's table
+        assert [(r["scope"], r["name"], r["limit"], r["value"]) for r in shown] == [
+            ("tenant", "t", "requests_per_minute", 5), ("tenant", "t", "tokens_per_day", 100_000)]
     await server.close()
 
 

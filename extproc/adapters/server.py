@@ -119,10 +119,14 @@ class ProcessorServer:
         host, port = split_address(config.listen.metrics)
         self._metrics_server = MetricsServer(
             build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining, self.telemetry,
-                      lambda model: model not in self._reloaded, self.usage),
+                      lambda model: model not in self._reloaded, self.usage, self._budget_standings),
             host, port,
         )
         self._metrics_started = False
+
+    def _budget_standings(self) -> list[dict[str, object]] | None:
+        gate = self.processor.budgets
+        return None if gate is None else gate.named()
 
     def _usage_book(self) -> Book | None:
         gate = self.processor.budgets

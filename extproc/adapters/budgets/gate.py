@@ -36,7 +36,7 @@ from extproc.adapters.config.budgets import BudgetSettings, plan
 from extproc.adapters.ext_proc.admission import Admission
 from extproc.core.budgets.book import Usage
 from extproc.core.budgets.ledger import Budgets, Over, Ticket
-from extproc.core.budgets.limits import Action
+from extproc.core.budgets.limits import Action, Kind
 from extproc.core.held import Held
 from extproc.core.outcomes import Refusal, Refused
 
@@ -167,6 +167,18 @@ class BudgetGate:
             asked = admission.band if admission.requested is None else admission.requested
             admission = replace(admission, band=self._lowest, requested=asked)
         return admission, passed
+
+    def named(self) -> list[dict[str, object]]:
+        """Each limit of each named scope (a tenant under ``budgets.tenants``, its models, a group) as it stands now.
+
+        The status page's rows; unnamed tenants (those of ``default``) are many, and in the export.
+        With a cluster these are this instance's own counts (the cluster's are in Redis).
+        """
+        budgets = self.budgets
+        named = budgets.plan.tenants
+        return [{"scope": s.scope.kind.value, "name": s.scope.name, "model": s.scope.model, "limit": s.limit,
+                 "value": s.value, "used": s.used, "remaining": s.remaining, "reset_s": s.reset_s}
+                for s in budgets.standings(self._clock()) if s.scope.kind is Kind.GROUP or s.scope.name in named]
 
     def end(self, passed: Pass, held: Held | None) -> None:
         """The request's stream is over: charged what it used if it was served (``held``: None if never queued)."""

@@ -87,22 +87,27 @@ def warnings(statuses: list[ModelStatus]) -> list[str]:
 
 
 def status_document(statuses: list[ModelStatus], draining: bool,
-                    objectives: Mapping[str, ObjectivesStatus] | None = None) -> dict[str, Any]:
-    """What /status.json answers; each model with its ``objectives`` where ``objectives`` has them (else null)."""
+                    objectives: Mapping[str, ObjectivesStatus] | None = None,
+                    budgets: list[dict[str, object]] | None = None) -> dict[str, Any]:
+    """What /status.json answers; each model with its ``objectives`` where ``objectives`` has them (else null).
+
+    ``budgets``: the named tenants' and groups' limits as they stand (null without a budgets: section).
+    """
     found = objectives or {}
     models = [{**asdict(s), "objectives": asdict(found[s.name]) if s.name in found else None} for s in statuses]
     return {"draining": draining, "not_ready": not_ready(statuses, draining), "top_tenants": TOP_TENANTS,
-            "models": models}
+            "models": models, "budgets": budgets}
 
 
 def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispatcher],
               draining: Callable[[], bool], telemetry: Telemetry | None = None,
-              awaited: Callable[[str], bool] = lambda model: True, usage: UsageSource | None = None) -> web.Application:
+              awaited: Callable[[str], bool] = lambda model: True, usage: UsageSource | None = None,
+              budgets: Callable[[], list[dict[str, object]] | None] = lambda: None) -> web.Application:
     """The app; ``draining`` tells whether the processor is shutting down; ``telemetry``, the objectives' numbers.
 
     ``awaited``: whether readiness waits for a model's first scrape (not for
     one a reload added: a serving processor does not turn unready for it).
-    ``usage``: the budgets' usage export (None, or answering None: no budgets).
+    ``usage``: the budgets' usage export (None, or answering None: no budgets); ``budgets``: their limits now.
     """
 
     def statuses() -> list[ModelStatus]:
@@ -128,7 +133,7 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
         return web.json_response({"status": "ready", **({"warnings": told} if told else {})})
 
     async def status_json(request: web.Request) -> web.Response:
-        return web.json_response(status_document(statuses(), draining(), objectives()),
+        return web.json_response(status_document(statuses(), draining(), objectives(), budgets()),
                                  headers={"Cache-Control": "no-store"})
 
     async def page(request: web.Request) -> web.Response:
