@@ -38,9 +38,10 @@ local function period(name)
   return k, tonumber(state[1]) or 0, tonumber(state[2]) or 0
 end
 
-local function store_window(k, used, at)
+-- Kept until it has drained empty (a debt beyond the limit too), and a minute more.
+local function store_window(k, used, at, limit)
   redis.call('HSET', k, 'used', used, 'at', at)
-  redis.call('EXPIRE', k, 3600)
+  redis.call('EXPIRE', k, math.ceil(used * 60 / limit) + 60)
 end
 
 local function store_period(k, used, reserved, ttl)
@@ -80,7 +81,7 @@ local function take(meters, seen)
     local kind, amount, ttl = m[2], m[4], m[5]
     local s = seen[i]
     if kind == 'w' then
-      store_window(s[1], s[2] + amount, s[3])
+      store_window(s[1], s[2] + amount, s[3], m[3])
       after[i] = s[2] + amount
     else
       store_period(s[1], s[2], s[3] + amount, ttl)
@@ -103,7 +104,7 @@ if input.op == 'correct' then
     local name, kind, limit, used_delta, reserved_delta, ttl = m[1], m[2], m[3], m[4], m[5], m[6]
     if kind == 'w' then
       local k, used, at = window(name, limit)
-      store_window(k, math.max(0, used + used_delta), at)
+      store_window(k, math.max(0, used + used_delta), at, limit)
     else
       local k, used, reserved = period(name)
       store_period(k, used + used_delta, reserved + reserved_delta, ttl)
