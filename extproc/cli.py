@@ -1,4 +1,4 @@
-"""Command line entry point: ``extproc serve|check-config|envoy-config``.
+"""Command line entry point: ``extproc serve|check-config|envoy-config|usage``.
 
 Only what an operator runs in production: the command imports the adapters and
 never the development tools (the simulator, the demo and the benchmark are
@@ -127,6 +127,32 @@ def _envoy_document(args: argparse.Namespace, config: Config) -> tuple[dict[str,
     return merged, INTO_HEADER.format(path=args.into)
 
 
+def _usage(args: argparse.Namespace) -> int:
+    """`extproc usage --config FILE [--since DAY] [--per day|month] [--format csv|json]`: the store's usage on stdout."""
+    import sqlite3
+
+    from extproc.adapters.budgets.store import UsageStore
+    from extproc.adapters.budgets.usage import records, render, since_day
+
+    config = load_config(args.config)
+    store = None if config.budgets is None else config.budgets.store
+    if store is None:
+        raise CannotStart(f"{args.config}: budgets.store is not set: ask the running processor (GET /usage on its "
+                          "metrics port)")
+    try:
+        since = since_day(args.since)
+    except ValueError as exc:
+        raise CannotStart(str(exc)) from exc
+    if not Path(store).exists():
+        raise CannotStart(f"budgets.store: {store} does not exist (yet): the processor writes it")
+    try:
+        rows = UsageStore(store).rows(since)
+    except sqlite3.Error as exc:
+        raise CannotStart(f"budgets.store: cannot read {store} ({exc})") from exc
+    sys.stdout.write(render(records(rows, args.per), args.format))
+    return 0
+
+
 def _existing_clusters(pairs: list[str]) -> dict[str, str]:
     result: dict[str, str] = {}
     for pair in pairs:
@@ -228,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
     envoy = commands.add_parser("envoy-config", help="print an Envoy bootstrap (or --drop-in pieces) for a config")
     _envoy_arguments(envoy)
     envoy.set_defaults(func=_envoy_config)
+
+    usage = commands.add_parser("usage", help="print what each tenant used per model and day (budgets.store), "
+                                "as CSV or JSON (docs/budgets.md)")
+    usage.add_argument("--config", required=True, metavar="FILE", help="YAML configuration file (its budgets.store)")
+    usage.add_argument("--since", default="1970-01-01", metavar="DAY", help="the first day, YYYY-MM-DD or YYYY-MM")
+    usage.add_argument("--per", choices=("day", "month"), default="day", help="one row per day or per month")
+    usage.add_argument("--format", choices=("csv", "json"), default="csv")
+    usage.set_defaults(func=_usage)
     return parser
 
 

@@ -159,24 +159,27 @@ class CostModel:
         return replace(estimate, cached_tokens=cached, predicted_cached=predicted,
                        cost=self.price(estimate.prompt_tokens, estimate.output_tokens, cached))
 
-    def estimate(self, tenant: str, content_length: int | None, max_tokens: float | None) -> Estimate:
-        """What a release is charged; finite and bounded whatever the client sent (see Bounds)."""
+    def expect(self, tenant: str, content_length: int | None, max_tokens: float | None) -> tuple[float, float]:
+        """The prompt and output tokens :meth:`estimate` would charge, learning nothing (a budget's reservation)."""
         context = float(self.context)
-        clamped = False
         if content_length is not None:
-            raw_prompt = (content_length - self.weights.body_overhead_bytes) / self.weights.bytes_per_token
-            prompt = _tokens(raw_prompt, context)
-            clamped = not raw_prompt <= context
-            self._prompt_avg[tenant] = _blend(self._prompt_avg.get(tenant), prompt)
+            prompt = _tokens((content_length - self.weights.body_overhead_bytes) / self.weights.bytes_per_token, context)
         else:
             prompt = _tokens(self._prompt_avg.get(tenant, 1.0), context)
         if max_tokens is not None:
-            clamped = clamped or not max_tokens <= context
-            max_tokens = _tokens(max_tokens, context)
-            output = max_tokens
-        else:
-            output = self._output_avg.get(tenant, _tokens(self.weights.default_output_tokens, context))
-        return Estimate(prompt, output, max_tokens, self.price(prompt, output), clamped)
+            return prompt, _tokens(max_tokens, context)
+        return prompt, self._output_avg.get(tenant, _tokens(self.weights.default_output_tokens, context))
+
+    def estimate(self, tenant: str, content_length: int | None, max_tokens: float | None) -> Estimate:
+        """What a release is charged; finite and bounded whatever the client sent (see Bounds)."""
+        context = float(self.context)
+        prompt, output = self.expect(tenant, content_length, max_tokens)
+        clamped = max_tokens is not None and not max_tokens <= context
+        if content_length is not None:
+            raw_prompt = (content_length - self.weights.body_overhead_bytes) / self.weights.bytes_per_token
+            clamped = clamped or not raw_prompt <= context
+            self._prompt_avg[tenant] = _blend(self._prompt_avg.get(tenant), prompt)
+        return Estimate(prompt, output, None if max_tokens is None else output, self.price(prompt, output), clamped)
 
     def measure(self, tenant: str, estimate: Estimate, occupancy_s: float, decode_rate: float | None,
                 confirmed: float = 1.0) -> Charge:

@@ -155,6 +155,10 @@ class ModelDispatcher:
         """A read-only snapshot for the status page (``core/status.py``); ``top`` tenants listed per band."""
         return self._state.status(top, self._strategy.cluster())
 
+    def expect(self, tenant: str, content_length: int | None, max_tokens: float | None) -> tuple[float, float]:
+        """The prompt and output tokens a request of ``tenant`` is expected to use: what its release would be charged."""
+        return self._state.expect(tenant, content_length, max_tokens)
+
     def submit(
         self,
         tenant: str,

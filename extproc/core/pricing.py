@@ -49,6 +49,10 @@ class Pricing:
         """What a request is charged when released, before its endpoint is known (``CostModel.estimate``)."""
         return self._cost.estimate(tenant, content_length, max_tokens)
 
+    def expect(self, tenant: str, content_length: int | None, max_tokens: float | None) -> tuple[float, float]:
+        """The prompt and output tokens a request would be charged, learning nothing (``CostModel.expect``)."""
+        return self._cost.expect(tenant, content_length, max_tokens)
+
     def expected_hit(self, held: Held) -> float:
         """The prompt tokens ``held`` would find cached if released now: where picking would look, at best."""
         prefix = held.request.prefix

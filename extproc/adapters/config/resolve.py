@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from extproc.adapters.config.advanced import AdvancedSettings
+from extproc.adapters.config.budgets import BudgetSettings
 from extproc.adapters.config.instances import ClusterSettings, Shard
 from extproc.adapters.config.schema import (
     BandSettings,
@@ -69,6 +70,8 @@ class Config:
     cluster: ClusterSettings | None = None
     endpoint_picker: EndpointPickerSettings = field(default_factory=EndpointPickerSettings)
     advanced: AdvancedSettings = field(default_factory=AdvancedSettings)
+    # Tenant budgets (None: none; adapters/config/budgets.py resolves them into the core's plan).
+    budgets: BudgetSettings | None = None
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -222,4 +225,5 @@ def resolve(file: ConfigFile) -> Config:
         cluster=file.cluster,
         endpoint_picker=file.endpoint_picker,
         advanced=file.advanced,
+        budgets=file.budgets,
     )

@@ -23,6 +23,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from extproc.adapters.budgets.headers import RATE_HEADERS
 from extproc.adapters.config import Config
 from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.envoy.base import Json, duration, header_values, idle_timeout_s, typed
@@ -144,8 +145,14 @@ class _RouteTable:
             "route": {"cluster": cluster, "timeout": "0s", "idle_timeout": self.idle,
                       "retry_policy": _retry_policy(self.full_statuses)},
             # Omitted when the processor did not set it (empty value).
-            "response_headers_to_add": header_values([(header, f"%REQ({header})%") for header in ECHOED_HEADERS]),
+            "response_headers_to_add": header_values([(header, f"%REQ({header})%") for header in self.echoed]),
         })
+
+    @property
+    def echoed(self) -> tuple[str, ...]:
+        """The request headers the processor sets that the response carries: the queue wait, a budget's rate headers."""
+        budgets = self.config.budgets
+        return ECHOED_HEADERS + (RATE_HEADERS if budgets is not None and budgets.rate_headers else ())
 
     def with_filters(self, route: Json) -> Json:
         if self.scope.per_filter:

@@ -157,11 +157,13 @@ class OwnEnvoy(Attachment):
         # release or a preemptible one (they say when it can no longer be preempted).
         override_key = (stream.request_mode, stream.response_mode, priority is not None,
                         held.checked or held.preempted is not None)
-        plain = not stream.duplex and not stream.held_on_body  # the headers reply alone: nothing of the body in it
+        # The headers reply alone: nothing of the body in it, nor headers of this request's own.
+        plain = not stream.duplex and not stream.held_on_body and not stream.headers
         key = (model, waited_ms, destination, override_key)
         if plain and waited_ms < _REUSED_WAIT_MS and (reply := self._releases.get(key)) is not None:
             return [reply]
-        routing = [header(QUEUE_WAIT_HEADER, str(waited_ms)), header(MODEL_HEADER, model)]
+        routing = [header(QUEUE_WAIT_HEADER, str(waited_ms)), header(MODEL_HEADER, model),
+                   *(header(name, value) for name, value in stream.headers)]
         if destination:
             routing.append(header(DESTINATION_HEADER, destination))
         replies = body.release(duplex=stream.duplex, held_on_body=stream.held_on_body, body=stream.body, routing=routing,
