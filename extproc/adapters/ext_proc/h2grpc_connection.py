@@ -79,6 +79,7 @@ class Connection(asyncio.Protocol):
         self._max_message = limits.max_message_bytes
         self._connections = connections
         self._warnings = warnings
+        self._loop = asyncio.get_running_loop()  # made by the listener, in its loop
         self._h2 = Http2Connection(max_streams=self._listen.max_streams_per_connection, stream_window=STREAM_WINDOW,
                                    connection_window=CONNECTION_WINDOW)
         self._transport: asyncio.Transport | None = None
@@ -102,8 +103,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass, but one in kind
         self._peer = transport.get_extra_info("peername")
-        loop = asyncio.get_running_loop()
-        self._last_frame = loop.time()
+        self._last_frame = self._loop.time()
         if len(self._connections) >= self._listen.max_connections:
             self._warnings.warn(self._peer, "connection refused: %d open (listen.max_connections)",
                                 len(self._connections))
@@ -115,7 +115,7 @@ class Connection(asyncio.Protocol):
         self._connections.add(self)
         self._h2.initiate_connection()
         self._flush()
-        self._timer = loop.call_later(self._listen.handshake_timeout_s, self._handshake_expired)
+        self._timer = self._loop.call_later(self._listen.handshake_timeout_s, self._handshake_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._connections.discard(self)
@@ -135,11 +135,10 @@ class Connection(asyncio.Protocol):
 
     def _idle_check(self) -> None:
         """Close a connection without streams or frames for listen.idle_timeout_s (Envoy reconnects when it needs one)."""
-        loop = asyncio.get_running_loop()
-        quiet = loop.time() - self._last_frame
+        quiet = self._loop.time() - self._last_frame
         idle = self._listen.idle_timeout_s
         if self.calls or quiet < idle:
-            self._timer = loop.call_later(idle if self.calls else idle - quiet, self._idle_check)
+            self._timer = self._loop.call_later(idle if self.calls else idle - quiet, self._idle_check)
             return
         log.debug("connection from %s idle for %gs: closed", self._peer, quiet)
         self._h2.send_goaway(self._h2.highest_inbound_stream_id, 0, b"idle")
@@ -173,7 +172,7 @@ class Connection(asyncio.Protocol):
     # -- frames in ------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        self._last_frame = asyncio.get_running_loop().time()
+        self._last_frame = self._loop.time()
         try:
             events = self._h2.receive_data(data)
         except Http2Error as exc:  # the GOAWAY that says why is queued
@@ -213,7 +212,7 @@ class Connection(asyncio.Protocol):
             self._handshaken = True
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = asyncio.get_running_loop().call_later(self._listen.idle_timeout_s, self._idle_check)
+            self._timer = self._loop.call_later(self._listen.idle_timeout_s, self._idle_check)
         elif kind == http2.PONG and value == _SHUTDOWN_PING:
             self._last_stream = self._h2.highest_inbound_stream_id
             self._h2.send_goaway(self._last_stream)
@@ -264,7 +263,7 @@ class Connection(asyncio.Protocol):
             return
         call = Call(stream_id, method, self)
         self.calls[stream_id] = call
-        call.task = asyncio.ensure_future(self._run(call))
+        call.task = self._loop.create_task(self._run(call))
 
     def _data(self, stream_id: int, data: bytes, size: int) -> None:
         call = self.calls.get(stream_id)
@@ -433,7 +432,7 @@ class Connection(asyncio.Protocol):
         """
         if not self._flush_pending:
             self._flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)
 
 
 def _cancel(call: Call) -> None:
