@@ -312,6 +312,20 @@ def test_data_after_the_peer_s_end_is_a_stream_error_and_after_our_reset_is_igno
     assert kinds(conn) == [(f.WINDOW_UPDATE, 0, 4 + 5 * 16_000)]
 
 
+def test_the_streams_we_reset_are_remembered_up_to_a_bound() -> None:
+    conn = server()
+    count = http2.REMEMBERED_RESETS + 1
+    conn.receive_data(b"".join(headers_frame(2 * i + 1) for i in range(count)))
+    for i in range(count):
+        conn.reset_stream(2 * i + 1, ErrorCode.REFUSED_STREAM)
+    conn.data_to_send()
+    last = 2 * count - 1
+    assert conn.receive_data(f.frame(f.DATA, 0, last, b"x") + headers_frame(last, end_stream=True)) == []
+    assert conn.data_to_send() == b""  # in flight past our reset: ignored
+    assert conn.receive_data(f.frame(f.DATA, 0, 1, b"x")) == []  # the first is forgotten: a closed stream
+    assert kinds(conn) == [(f.RST_STREAM, 1, ErrorCode.STREAM_CLOSED)]
+
+
 def test_received_bytes_are_given_back_as_h2_gives_them_back() -> None:
     """Once half the window is processed (few updates for many small frames), or the window is shut."""
     conn = server()

@@ -48,8 +48,10 @@ Headers = list[tuple[bytes, bytes]]
 # A header block larger than this (in HPACK bytes, HEADERS and CONTINUATIONs together) ends the connection
 # before it is decoded: a bound on what a peer makes us buffer, far above the header list limit's worth.
 MAX_BLOCK_FACTOR = 4
-# Streams we reset, remembered so that frames the peer sent before it read our RST_STREAM are ignored.
-REMEMBERED_RESETS = 4096
+# Streams we reset, remembered so that frames the peer sent before it read our RST_STREAM are ignored: the
+# last 1,024 (a round trip's worth of our resets, at about 60 KB a connection at most); a frame on one
+# forgotten is answered as on any closed stream.
+REMEMBERED_RESETS = 1024
 # The response headers of every gRPC reply; as a block: ":status: 200" from HPACK's static table and
 # content-type a literal that is not indexed, so the encoder's dynamic table (the trailers') is untouched.
 RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
