@@ -216,6 +216,7 @@ def test_a_header_block_in_continuations_padded_and_with_a_priority_opens_one_st
     (f.frame(f.CONTINUATION, f.END_HEADERS, 1, block()), ErrorCode.PROTOCOL_ERROR),
     (headers_frame(1, payload=b"\xff\xff\xff\xff"), ErrorCode.COMPRESSION_ERROR),  # an index past the table
     (f.frame(f.HEADERS, 0, 1, b"") + f.frame(f.CONTINUATION, 0, 1, b"\x00" * 16_384) * 17, ErrorCode.ENHANCE_YOUR_CALM),
+    (f.frame(f.HEADERS, 0, 1, b"") + f.frame(f.CONTINUATION, 0, 1) * 65, ErrorCode.ENHANCE_YOUR_CALM),
 ])
 def test_header_blocks_that_break_a_rule_end_the_connection(frames: bytes, code: ErrorCode) -> None:
     connection_error(server(), frames, code)

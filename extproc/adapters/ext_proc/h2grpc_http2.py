@@ -48,6 +48,8 @@ Headers = list[tuple[bytes, bytes]]
 # A header block larger than this (in HPACK bytes, HEADERS and CONTINUATIONs together) ends the connection
 # before it is decoded: a bound on what a peer makes us buffer, far above the header list limit's worth.
 MAX_BLOCK_FACTOR = 4
+# And a block in more CONTINUATION frames than this ends it too: empty ones would cost CPU without end (h2's bound).
+MAX_CONTINUATIONS = 64
 # Streams we reset, remembered so that frames the peer sent before it read our RST_STREAM are ignored: the
 # last 1,024 (a round trip's worth of our resets, at about 60 KB a connection at most); a frame on one
 # forgotten is answered as on any closed stream.
@@ -123,6 +125,7 @@ class Http2Connection:
         self._preface = f.PREFACE  # what of the preface is still to come
         self._settled = False  # the peer's first frame, a SETTINGS, came
         self._block: tuple[int, int, bytearray] | None = None  # a header block waiting on CONTINUATION
+        self._continuations = 0  # the CONTINUATION frames of that block so far
         self._resets: dict[int, None] = {}  # streams we reset, oldest first
         self._broken = False
 
@@ -341,6 +344,7 @@ class Http2Connection:
             self._header_block(flags, stream_id, block, events)
         else:
             self._block = (stream_id, flags, bytearray(block))
+            self._continuations = 0
 
     def _continuation(self, flags: int, stream_id: int, payload: bytes, events: list[Event]) -> None:
         pending = self._block
@@ -348,8 +352,10 @@ class Http2Connection:
             self._fail(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without the HEADERS it continues")
         block = pending[2]
         block += payload
-        if len(block) > self._max_block:
-            self._fail(ErrorCode.ENHANCE_YOUR_CALM, f"a header block over {self._max_block} bytes")
+        self._continuations += 1
+        if len(block) > self._max_block or self._continuations > MAX_CONTINUATIONS:
+            self._fail(ErrorCode.ENHANCE_YOUR_CALM, f"a header block over {self._max_block} bytes or "
+                       f"{MAX_CONTINUATIONS} CONTINUATION frames")
         if flags & f.END_HEADERS:
             self._block = None
             self._header_block(pending[1], stream_id, bytes(block), events)
