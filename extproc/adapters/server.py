@@ -69,7 +69,7 @@ FINAL_GRACE_S = 1.0
 BODY_MESSAGE_MARGIN = 64 * 1024
 # How often the drain looks at the queues; it runs once per process lifetime.
 DRAIN_POLL_S = 0.05
-# The gRPC servers under ext_proc, by listen.transport: ours on h2 (a few KB a held request), or
+# The gRPC servers under ext_proc, by listen.transport: ours, "h2" (a few KB a held request), or
 # grpc.aio, the reference (docs/decisions.md, "When to choose grpcio").
 TRANSPORTS: dict[str, TransportFactory] = {"h2": GrpcServer, "grpcio": GrpcioServer}
 
@@ -89,7 +89,7 @@ class ProcessorServer:
         # Ready once every model's pool has a member: what the Endpoint Picker Protocol calls synced.
         self._health = Health(lambda: all(d.endpoints for d in self.dispatchers.values()))
         # Every held request is an open stream: the transport's limits (listen.*) are far above
-        # them, and h2 keeps each small (measured per held request in docs/reports/reliability.md).
+        # them, and the h2 transport keeps each small (measured per held request in docs/reports/reliability.md).
         self._grpc = TRANSPORTS[config.listen.transport]({
             PROCESS_PATH: Method(pb.ProcessingRequest.FromString, self.processor.process),
             **self._health.methods(),
