@@ -1,4 +1,4 @@
-"""Command line entry point: ``extproc serve|check-config|envoy-config``.
+"""Command line entry point: ``extproc serve|check-config|envoy-config|usage``.
 
 Only what an operator runs in production: the command imports the adapters and
 never the development tools (the simulator, the demo and the benchmark are
@@ -14,6 +14,7 @@ traceback: 2 for a config that cannot be used, 1 for the rest.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,16 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    """Every mistake in every file, as serve and envoy-config would find them; nothing is started."""
+    """Every mistake in every file, as serve and envoy-config would find them; nothing is started.
+
+    With ``--explain``, each valid file's effective configuration follows its
+    ok line, one key per line with its source (adapters/config/explain.py);
+    with ``--format json``, one JSON document of them by file instead.
+    """
+    from extproc.adapters.config.explain import explain
+
     failed = False
+    explained: dict[str, list[dict[str, Any]]] = {}
     for path in args.files:
         try:
             config = load_config(path)
@@ -66,7 +75,17 @@ def _check_config(args: argparse.Namespace) -> int:
             for error in exc.errors:
                 print(f"error: {error}", file=sys.stderr)
             continue
+        wanted = args.explain or args.format == "json"
+        lines = explain(yaml.safe_load(Path(path).read_text(encoding="utf-8")), config) if wanted else []
+        if args.format == "json":
+            explained[path] = [{"key": line.key, "value": line.value, "source": line.source, "from": line.note}
+                               for line in lines]
+            continue
         print(f"{path}: ok ({len(config.models)} model(s): {', '.join(m.name for m in config.models)})")
+        for line in lines:
+            print(f"  {line.text()}")
+    if args.format == "json":
+        print(json.dumps(explained, indent=1))
     return 2 if failed else 0
 
 
@@ -107,6 +126,32 @@ def _envoy_document(args: argparse.Namespace, config: Config) -> tuple[dict[str,
     except ConfigError as exc:
         raise ConfigError(*(f"{args.into}: {error}" for error in exc.errors)) from exc
     return merged, INTO_HEADER.format(path=args.into)
+
+
+def _usage(args: argparse.Namespace) -> int:
+    """`extproc usage --config FILE [--since DAY] [--per day|month] [--format csv|json]`: the store's usage on stdout."""
+    import sqlite3
+
+    from extproc.adapters.budgets.store import UsageStore
+    from extproc.adapters.budgets.usage import records, render, since_day
+
+    config = load_config(args.config)
+    store = None if config.budgets is None else config.budgets.store
+    if store is None:
+        raise CannotStart(f"{args.config}: budgets.store is not set: ask the running processor (GET /usage on its "
+                          "metrics port)")
+    try:
+        since = since_day(args.since)
+    except ValueError as exc:
+        raise CannotStart(str(exc)) from exc
+    if not Path(store).exists():
+        raise CannotStart(f"budgets.store: {store} does not exist (yet): the processor writes it")
+    try:
+        rows = UsageStore(store).rows(since)
+    except sqlite3.Error as exc:
+        raise CannotStart(f"budgets.store: cannot read {store} ({exc})") from exc
+    sys.stdout.write(render(records(rows, args.per), args.format))
+    return 0
 
 
 def _existing_clusters(pairs: list[str]) -> dict[str, str]:
@@ -200,11 +245,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser("check-config", help="validate config files: every mistake with file, line and key")
     check.add_argument("files", nargs="+", metavar="FILE", help="YAML configuration file")
+    check.add_argument("--explain", action="store_true",
+                       help="print each file's effective configuration, one key per line with where its value came "
+                       "from: set, default, derived (from what) or engine (read from the engine at run time)")
+    check.add_argument("--format", choices=("text", "json"), default="text",
+                       help="json: the --explain lines (implied) as one JSON document by file (key, value, source, from)")
     check.set_defaults(func=_check_config)
 
     envoy = commands.add_parser("envoy-config", help="print an Envoy bootstrap (or --drop-in pieces) for a config")
     _envoy_arguments(envoy)
     envoy.set_defaults(func=_envoy_config)
+
+    usage = commands.add_parser("usage", help="print what each tenant used per model and day (budgets.store), "
+                                "as CSV or JSON (docs/budgets.md)")
+    usage.add_argument("--config", required=True, metavar="FILE", help="YAML configuration file (its budgets.store)")
+    usage.add_argument("--since", default="1970-01-01", metavar="DAY", help="the first day, YYYY-MM-DD or YYYY-MM")
+    usage.add_argument("--per", choices=("day", "month"), default="day", help="one row per day or per month")
+    usage.add_argument("--format", choices=("csv", "json"), default="csv")
+    usage.set_defaults(func=_usage)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""The prefix-locality figures (#21) on hand-made runs: hit rate, the VTC artifact's service difference, the report."""
+"""The prefix-locality figures on hand-made runs: hit rate, the VTC artifact's service difference, the report."""
 
 from __future__ import annotations
 

@@ -246,7 +246,7 @@ def test_processor_figures_sum_every_instance_of_a_cluster() -> None:
     assert processor(ArmRun("s", "direct-fifo", 0.5, (), (), 10.0, {})) is None
 
 
-# --- #19: objectives, the batch class, classes against direct, work conservation ----------------
+# --- priority inside the engine: objectives, the batch class, classes against direct, work conservation ----------------
 
 
 def batch(sent: float, e2e: float, *, tokens: int = 100, queue_wait: float | None = None, preempted: int = 0,

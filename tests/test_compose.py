@@ -203,7 +203,7 @@ def compose() -> Iterator[Compose]:
 @pytest.mark.slow
 async def test_compose_up_serves_through_envoy(compose: Compose) -> None:
     before = await read_metrics(compose.metrics_url)
-    # The OpenAI SDK, as the README shows it.
+    # The OpenAI SDK, as the README calls it.
     async with openai.AsyncOpenAI(base_url=f"{compose.envoy_url}/v1", api_key="key-dave") as client:
         reply = await client.chat.completions.create(
             model="demo-qwen", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8

@@ -69,6 +69,22 @@ def test_one_mistake(raw: object, message: str) -> None:
     assert any(message in error for error in errors(raw)), errors(raw)
 
 
+def test_a_key_that_moved_or_went_is_refused_with_what_to_write_instead(tmp_path: Path) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text("models: [{name: m, endpoints: ['http://a:1'], stale_after_s: 2}]\n"
+                    "listen: {grpc: '127.0.0.1:1', max_connections: 10}\n"
+                    "identity:\n  model_header: x-model\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert error.value.errors == (
+        f"{path}:1: models[0].stale_after_s: moved to models[0].advanced.stale_after_s",
+        f"{path}:2: listen.max_connections: moved to advanced.grpc.max_connections",
+        f"{path}:4: identity.model_header: is no longer a setting: the processor sets x-model, the header the "
+        "generated Envoy (and deploy/'s manifests) route on; remove the key",
+    )
+    assert parse_config({"models": [MODEL], "advanced": {"grpc": {"max_connections": 10}}}).advanced.grpc.max_connections == 10
+
+
 def test_empty_sections_take_their_defaults_and_endpoints_lose_a_trailing_slash() -> None:
     config = parse_config({"models": [{**MODEL, "endpoints": ["http://127.0.0.1:1/"]}], "listen": None, "envoy": None})
     assert config.listen.grpc == "127.0.0.1:50051" and config.envoy.api_keys == {}
@@ -98,8 +114,10 @@ def test_without_a_cluster_section_nothing_changes_and_its_defaults_are_document
     assert parse_config({"models": [MODEL]}).cluster is None
     cluster = parse_config({"models": [MODEL], "cluster": CLUSTER}).cluster
     assert cluster is not None
-    assert (cluster.redis_url, cluster.key_prefix, cluster.lease_s, cluster.heartbeat_s, cluster.redis_timeout_ms,
+    assert (cluster.redis_url, cluster.key_prefix, cluster.lease_s, cluster.heartbeat_interval_s, cluster.redis_timeout_ms,
             cluster.instances) == ("redis://127.0.0.1:6379/0", "extproc", 2.0, 0.5, 250, {})
+    longer = parse_config({"models": [MODEL], "cluster": {**CLUSTER, "lease_s": 10}}).cluster
+    assert longer is not None and longer.heartbeat_interval_s == 2.5  # unset: a quarter of the lease
 
 
 @pytest.mark.parametrize("url", ["redis://localhost", "rediss://user:secret@redis.internal:6380/2",
@@ -117,7 +135,8 @@ def test_cluster_mistakes_name_their_key_paths() -> None:
     for url in ("http://127.0.0.1:6379", "redis://", "redis://h:99999", "redis://h:0", "redis://h/zero", "unix://", "h:6379"):
         assert cluster_errors(redis_url=url) == (f"cluster.redis_url: {must_be}{url!r}",)
     assert cluster_errors() == ("cluster.redis_url: is required",)
-    assert cluster_errors(**CLUSTER, lease_s=1.0) == ("cluster.heartbeat_s: must be below lease_s / 2 (0.5), got 0.5",)
+    assert cluster_errors(**CLUSTER, lease_s=1.0, heartbeat_s=0.5) == (
+        "cluster.heartbeat_s: must be below lease_s / 2 (0.5), got 0.5",)
     assert cluster_errors(**CLUSTER, redis_timeout_ms=0, key_prefix="", leases=3) == (
         "cluster.leases: unknown key (allowed: heartbeat_s, instances, key_prefix, lease_s, redis_timeout_ms, redis_url)",
         "cluster.key_prefix: must be a non-empty string, got ''",

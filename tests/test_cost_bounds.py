@@ -22,10 +22,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.adapters.config import ConfigError, parse_config
-from extproc.core.cost import CostModel, CostWeights, DecodeRate, Estimate
+from extproc.core.cost import DEFAULT_CONTEXT_TOKENS, CostModel, CostWeights, DecodeRate, Estimate
 from extproc.core.dispatcher import Held
+from extproc.core.engine_load import EngineLimits
 from extproc.core.policies import POLICIES, BandPolicy, Policy
 from extproc.core.policies.vtc import MAX_SERVICE, VirtualTokenCounter
+from tests.test_locality_dispatch import dispatcher
 from tests.test_processor import Stream, headers_message, make_processor
 
 pytestmark = pytest.mark.unit
@@ -79,7 +81,7 @@ def test_poisoned_max_tokens_no_longer_make_the_floor_infinite() -> None:
     # The newcomers join at the flood's counter and lose the tie once; the
     # flood's next (finite) charge then puts them ahead. At inf they tied forever.
     assert [release() for _ in range(3)] == ["flood", "honest", "newcomer"]
-    assert band.counter("flood") <= 3 * 3 * CostWeights.max_context_tokens
+    assert band.counter("flood") <= 3 * 3 * DEFAULT_CONTEXT_TOKENS
 
 
 @pytest.mark.parametrize("max_tokens", [1e308, 1e20, math.inf, math.nan, -5.0, 0.0])
@@ -119,9 +121,21 @@ def test_the_decode_rate_learns_only_from_finite_samples() -> None:
     assert rate.rate is not None and math.isfinite(rate.rate)
 
 
+async def test_unset_the_context_is_the_engines_largest_and_until_it_says_the_default() -> None:
+    d = dispatcher("vtc", ("e1", "e2"))
+    assert d.submit("t", 0, content_length=None, max_tokens=1e9).estimate.max_tokens == DEFAULT_CONTEXT_TOKENS
+    d.record_limits("e1", EngineLimits(max_model_len=512))
+    d.record_limits("e2", EngineLimits(max_model_len=2048))
+    d.record_limits("e1", EngineLimits())  # an endpoint that says nothing changes nothing
+    assert d.submit("t", 0, content_length=None, max_tokens=1e9).estimate.max_tokens == 2048
+    model = CostModel(CostWeights(max_context_tokens=1000))
+    model.engine_context = 2048
+    assert model.context == 1000  # a configured context is kept whatever the engine says
+
+
 def test_context_length_is_validated_and_infinite_numbers_are_refused() -> None:
     model = {"name": "m", "endpoints": ["http://127.0.0.1:1"]}
-    assert parse_config({"models": [model]}).models[0].cost_weights().max_context_tokens == 32_768
+    assert parse_config({"models": [model]}).models[0].cost_weights().max_context_tokens is None  # the engine's
     assert parse_config({"models": [{**model, "max_context_tokens": 8192}]}).models[0].cost_weights() \
         .max_context_tokens == 8192
     with pytest.raises(ConfigError) as raised:
@@ -189,7 +203,7 @@ async def test_a_huge_whole_limit_is_released_and_charged_at_most_the_context() 
     answer = await stream.answers.get()
     assert answer.HasField("request_headers")  # released, not refused: the engine judges the size
     [held] = submitted
-    context = CostWeights.max_context_tokens
+    context = DEFAULT_CONTEXT_TOKENS
     assert held.estimate.max_tokens == context
     # No Content-Length, no average yet: the least prompt, one token.
     assert held.estimate.cost == CostWeights.input_weight * 1 + CostWeights.output_weight * context
@@ -220,7 +234,7 @@ def run_cost_path(
     take.
     """
     band = policy.new_band(lambda tenant: weights[tenant], Queued.cached_tokens)
-    context = float(model.weights.max_context_tokens)
+    context = float(model.context)
     for i in range(3):
         band.push("h", Queued("h", i, URGENT))
         band.push("a", Queued("a", i))

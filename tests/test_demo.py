@@ -57,7 +57,7 @@ async def test_demo_shows_the_table_serves_the_sdk_and_cleans_up(tmp_path: Path)
         assert "alice (power user)" in text and "20/20" in text
         assert "bob (newcomer)" in text and "sooner through the gateway" in text
 
-        # The README's OpenAI SDK example, against the running demo.
+        # The OpenAI SDK, against the running demo (the README shows the same call).
         client = openai.AsyncOpenAI(base_url=f"http://{config.envoy.listen}/v1", api_key="key-dave")
         async with client:
             reply = await client.chat.completions.create(

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from extproc.adapters.config import Config, parse_config, split_address
 from extproc.adapters.envoy import drop_in, hold_timeout_s
 from extproc.adapters.envoy.filters import DROP_IN_FILTER_PREFIX
-from extproc.adapters.ext_proc.contract import METADATA_NAMESPACE
+from extproc.adapters.ext_proc.contract import METADATA_NAMESPACE, MODEL_HEADER
 from extproc.adapters.web.app import build_app
 from tests.envoyutil import bootstrap_message
 
@@ -140,7 +140,7 @@ def test_istio_envoy_filter_embeds_the_generated_filters_on_the_llm_routes_only(
     assert set(yaml.safe_load(enable)) == {item["name"] for item in inserted}
     # The model route matches the header the processor sets, for each model of the config.
     config = processor_config()
-    models = {m["headers"][config.identity.model_header]["exact"] for r in http for m in r["match"] if "headers" in m}
+    models = {m["headers"][MODEL_HEADER]["exact"] for r in http for m in r["match"] if "headers" in m}
     assert models == {m.name for m in config.models}
     check_envoy(inserted, yaml.safe_load(enable), cluster)
 

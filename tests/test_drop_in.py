@@ -24,6 +24,7 @@ from aiohttp import web
 
 from extproc.adapters.config import Config, ConfigError, load_config
 from extproc.adapters.envoy import DROP_IN_HEADER, LLM_PREFIXES, bootstrap, drop_in, merge, render
+from extproc.adapters.ext_proc.contract import MODEL_HEADER
 from extproc.cli import main
 from extproc.tools.envoy_bin import find_envoy
 from extproc.tools.envoy_proc import start_envoy
@@ -94,14 +95,14 @@ def test_without_api_keys_or_jwt_the_tenant_header_is_left_to_the_operators_auth
 
     config = load_config(DEMO_CONFIG)
     assert config.identity.tenant_header in removed(config)
-    assert config.identity.model_header in removed(config)
+    assert MODEL_HEADER in removed(config)
     text = yaml.safe_load(DEMO_CONFIG.read_text())
     text["envoy"].pop("api_keys")
     path = tmp_path / "no-keys.yaml"
     path.write_text(yaml.safe_dump(text))
     config = load_config(path)
     assert config.identity.tenant_header not in removed(config)
-    assert config.identity.model_header in removed(config)
+    assert MODEL_HEADER in removed(config)
 
 
 @pytest.mark.unit

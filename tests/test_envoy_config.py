@@ -22,6 +22,7 @@ from extproc.adapters.envoy import DROP_IN_HEADER, bootstrap, drop_in, hold_time
 from extproc.adapters.envoy.clusters import model_cluster_name
 from extproc.adapters.envoy.filters import FILTERS, Chain, drop_in_name
 from extproc.adapters.envoy.local_replies import LOCAL_REPLIES
+from extproc.adapters.ext_proc.contract import MODEL_HEADER
 from extproc.cli import main
 from extproc.tools.bench.overhead import upstream_bootstrap
 from extproc.tools.envoy_bin import ENV_VAR, EnvoyNotFound, find_envoy
@@ -160,7 +161,7 @@ def test_filter_chain_order_and_settings() -> None:
         "envoy.filters.http.router",
     ]
     admission = http_filter(doc, "envoy.filters.http.local_ratelimit")["typed_config"]
-    assert admission["token_bucket"]["max_tokens"] == config.envoy.admission_tokens
+    assert admission["token_bucket"]["max_tokens"] == config.envoy.admission(config.listen.transport).tokens
     assert admission["status"] == {"code": "ServiceUnavailable"}
     # Its reply gets reason, Retry-After and JSON from local_reply_config, by its details.
     [overloaded] = [m for m in hcm(doc)["local_reply_config"]["mappers"] if "local_rate_limited" in str(m["filter"])]
@@ -187,11 +188,16 @@ def test_filter_chain_order_and_settings() -> None:
     ({"admission_per_second": 500}, 1500, 500),  # a slower processor: its intake (750/s) x the timeout
     ({"admission_per_second": 1001, "message_timeout_ms": 1000}, 1502, 1001),  # 1,501.5: rounded up
     ({"admission_burst": 300, "admission_per_second": 500}, 300, 500),  # set: as written
+    ({"transport": "grpcio"}, 1500, 500),  # grpcio takes in half as much (750/s) x the timeout
+    ({"transport": "grpcio", "admission_per_second": 1000}, 3000, 1000),  # set: as written, the burst from it
 ])
 def test_the_admission_bucket_holds_what_the_processor_takes_in_within_the_message_timeout(
-    envoy: dict[str, int], tokens: int, per_second: int,
+    envoy: dict[str, Any], tokens: int, per_second: int,
 ) -> None:
-    doc = bootstrap(parse_config({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"]}], "envoy": envoy}))
+    envoy = dict(envoy)
+    listen = {"transport": envoy.pop("transport")} if "transport" in envoy else {}
+    doc = bootstrap(parse_config({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"]}], "envoy": envoy,
+                                  "listen": listen}))
     bucket = http_filter(doc, "envoy.filters.http.local_ratelimit")["typed_config"]["token_bucket"]
     assert bucket == {"max_tokens": tokens, "tokens_per_fill": per_second, "fill_interval": "1s"}
 
@@ -248,7 +254,7 @@ def test_client_cannot_set_tenant_or_model_headers(api_keys: dict[str, str]) -> 
     filters = hcm(bootstrap(config))["http_filters"]
     assert filters[0]["name"] == "envoy.filters.http.header_mutation"
     removed = [m["remove"] for m in filters[0]["typed_config"]["mutations"]["request_mutations"]]
-    assert {config.identity.tenant_header, config.identity.model_header, "x-gateway-destination-endpoint"} <= set(
+    assert {config.identity.tenant_header, MODEL_HEADER, "x-gateway-destination-endpoint"} <= set(
         removed
     )
     has_auth = "envoy.filters.http.api_key_auth" in [f["name"] for f in filters]

@@ -205,7 +205,7 @@ async def test_fairness_id_objective_and_ttft_come_from_the_gateway_conventions(
 
 async def test_shed_under_load_is_429_and_no_endpoint_up_is_503() -> None:
     config = parse_config({"models": [{"name": "m", "endpoints": ["http://10.0.0.1:8000"], "endpoint_picking": True,
-                                       "max_queued": 1, "fallback_max_in_flight": 1}]})
+                                       "max_queued": 1, "advanced": {"fallback_max_in_flight": 1}}]})
     telemetry = Telemetry()
     dispatchers = build_dispatchers(config, telemetry)
     processor = Processor(config, dispatchers, telemetry)

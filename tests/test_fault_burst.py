@@ -87,7 +87,7 @@ async def test_ten_thousand_at_once_each_answered_once_never_bare(tmp_path: Path
 @pytest.mark.integration
 @pytest.mark.slow
 async def test_ten_thousand_held_each_answered_once_within_the_memory_bound(tmp_path: Path) -> None:
-    """Issue #10: at most 10 KB per held request, 10,000 held under 200 MB (measured about 4.6 KB and 100 MB)."""
+    """At most 10 KB per held request, 10,000 held under 200 MB (the measured figures: docs/reports/reliability.md)."""
     n = 10_000
     config = holding_config(tmp_path, hold_s=30, max_queued=n)
     async with await start_stack(config, tmp_path, sim_args=SIM) as stack:

@@ -2,7 +2,7 @@
 
 Each test asserts counts and bounds (who got which answer, what is left
 queued, what reached the engine), never how fast: these run on a noisy
-2-core machine. docs/reliability.md has the measured figures.
+2-core machine. docs/reports/reliability.md has the measured figures.
 """
 
 from __future__ import annotations

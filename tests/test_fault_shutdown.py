@@ -1,6 +1,6 @@
 """Shutdown through real parts: SIGTERM to ``extproc serve`` behind a real Envoy, engines simulated.
 
-What an operator expects (README, "Operating it"): health turns NOT_SERVING
+What an operator expects (docs/guides/operate.md): health turns NOT_SERVING
 and Envoy's health check notices; queued requests and new arrivals get the
 JSON 503 ``shutting_down``; responses already streaming run to their end and
 the process exits only after the last one; after the exit Envoy itself answers

@@ -92,7 +92,7 @@ async def test_two_replicas_with_endpoint_picking(tmp_path: Path) -> None:
 
 
 async def test_broken_metrics_degrade_to_a_cap_and_recover(tmp_path: Path) -> None:
-    config = write_config(tmp_path, stale_after_s=0.5, fallback_max_in_flight=2)
+    config = write_config(tmp_path, advanced={"stale_after_s": 0.5, "fallback_max_in_flight": 2})
     async with await start_stack(config, tmp_path, sim_args=FAST_SIM) as stack:
         sim = stack.sim_url("m1")
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:

@@ -170,8 +170,7 @@ async def test_thousands_of_held_streams_on_one_connection_and_a_reset_ends_each
         assert handlers.ended == n and handlers.holding == 0
         assert server.calls() == 0
         assert [await call.code() for call in calls[n // 2:]] == [grpc.StatusCode.OK] * (n - n // 2)
-        # h2's table of streams forgets closed ones as new ones come (we walk it only now and
-        # then, to keep a burst linear): after as many again, most of the first are gone.
+        # The HTTP/2 layer's table of streams keeps open ones only: after as many again, the first are gone.
         echo = _stream(channel, ECHO)
         await asyncio.gather(*(echo(iter([Bytes(value=b"x")])).read() for _ in range(n)))
         (connection,) = server.connections

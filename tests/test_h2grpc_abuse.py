@@ -23,7 +23,7 @@ import pytest
 from google.protobuf import wrappers_pb2
 from hyperframe.frame import PingFrame, WindowUpdateFrame
 
-from extproc.adapters.config import Listen
+from extproc.adapters.config import GrpcLimits
 from extproc.adapters.ext_proc.h2grpc import GrpcServer
 from extproc.adapters.ext_proc.h2grpc_call import TRUNCATED, UNDECODABLE
 from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
@@ -62,7 +62,7 @@ class _Served:
 
 @asynccontextmanager
 async def _serving(handlers: Handlers, **limits: Any) -> AsyncIterator[_Served]:
-    server = GrpcServer(handlers.methods(*(p.decode() for p in (ECHO, HOLD, GATE))), limits=Limits(Listen(**limits)))
+    server = GrpcServer(handlers.methods(*(p.decode() for p in (ECHO, HOLD, GATE))), limits=Limits(GrpcLimits(**limits)))
     served = _Served(server, free_port())
     await server.start("127.0.0.1", served.port)
     try:
@@ -240,7 +240,7 @@ async def test_connections_past_the_limit_are_refused_with_one_log_line(no_trace
             await client.until(lambda c=client: c.eof)  # type: ignore[misc]
             assert [g.error_code for g in client.goaways()] == [h2.errors.ErrorCodes.ENHANCE_YOUR_CALM]
         assert all([await _echoes(c) for c in clients[:2]])
-        assert len([r for r in no_tracebacks.records if "listen.max_connections" in r.getMessage()]) == 1
+        assert len([r for r in no_tracebacks.records if "advanced.grpc.max_connections" in r.getMessage()]) == 1
 
 
 async def test_stalled_handshakes_and_idle_connections_are_closed_but_not_one_holding_a_stream(

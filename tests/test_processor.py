@@ -25,7 +25,7 @@ from extproc.core.outcomes import Refusal, Refused
 pytestmark = pytest.mark.unit
 
 CONFIG = parse_config(
-    {"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "fallback_max_in_flight": 1}]}
+    {"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "advanced": {"fallback_max_in_flight": 1}}]}
 )
 
 
@@ -181,8 +181,9 @@ POLICY_CONFIG = parse_config(
             "chat": {"priorities": ["interactive"], "default_priority": "interactive"},
         },
         "models": [
-            {"name": "m", "endpoints": ["http://127.0.0.1:1"], "fallback_max_in_flight": 1},
-            {"name": "p", "endpoints": ["http://127.0.0.1:2"], "fallback_max_in_flight": 1, "engine_priority": True},
+            {"name": "m", "endpoints": ["http://127.0.0.1:1"], "advanced": {"fallback_max_in_flight": 1}},
+            {"name": "p", "endpoints": ["http://127.0.0.1:2"], "advanced": {"fallback_max_in_flight": 1},
+             "engine_priority": True},
         ],
     }
 )

@@ -226,7 +226,7 @@ async def test_an_operators_metadata_text_is_signed_without_the_body() -> None:
 
 
 async def test_a_queued_request_with_signatures_is_held_on_its_body_message() -> None:
-    processor, dispatcher, submitted = make(prefix={}, fallback_max_in_flight=1, gate="static_concurrency",
+    processor, dispatcher, submitted = make(prefix={}, advanced={"fallback_max_in_flight": 1}, gate="static_concurrency",
                                             max_in_flight=1)
     first = Stream(processor, headers_message(BODY))
     await first.answers.get()

@@ -65,6 +65,13 @@ def test_models_added_removed_rebuilt_and_rescraped() -> None:
     assert [m.name for m in steps.kept] == ["m1"] and steps.rescraped == {"m1"}
 
 
+def test_a_models_advanced_settings_rebuild_or_rescrape_it_as_they_did_at_the_top() -> None:
+    steps = planned(doc(), doc(models=[model("m1", advanced={"stale_after_s": 2.0})]))
+    assert [m.name for m in steps.rebuilt] == ["m1"] and steps.changed == (("m1", ("advanced.stale_after_s",)),)
+    steps = planned(doc(), doc(models=[model("m1", advanced={"scrape_interval_s": 0.5})]))
+    assert [m.name for m in steps.kept] == ["m1"] and steps.rescraped == {"m1"}
+
+
 def test_changed_classes_rebuild_every_model() -> None:
     steps = planned(doc(), doc(priorities=["interactive", "batch"]))
     assert [m.name for m in steps.rebuilt] == ["m1"] and not steps.kept

@@ -40,7 +40,7 @@ CONFIG = parse_config({
     "priorities": ["interactive", "standard", "batch"],
     "default_priority": "standard",
     "models": [
-        {"name": "m", "endpoints": ["http://127.0.0.1:1"], "fallback_max_in_flight": 1},
+        {"name": "m", "endpoints": ["http://127.0.0.1:1"], "advanced": {"fallback_max_in_flight": 1}},
         {"name": "fixed", "endpoints": ["http://127.0.0.1:2"], "gate": "static_rate", "release_rate": 2},
     ],
 })

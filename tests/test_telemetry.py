@@ -40,7 +40,7 @@ from extproc.tools.stack import start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
 
 ENDPOINT = "http://127.0.0.1:1"
-CONFIG_MODELS = [{"name": "m", "endpoints": [ENDPOINT], "fallback_max_in_flight": 1, "max_queue_wait_s": 60}]
+CONFIG_MODELS = [{"name": "m", "endpoints": [ENDPOINT], "advanced": {"fallback_max_in_flight": 1}, "max_queue_wait_s": 60}]
 CONFIG = parse_config({"models": CONFIG_MODELS, "tenants": {"alice": {"max_queued": 1}, "bob": {}}})
 LABELLED = {"alice", "bob", "anonymous", "other"}  # the config's tenants, its default tenant, everyone else
 

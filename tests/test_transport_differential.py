@@ -330,7 +330,7 @@ async def test_truncated_message_then_end_stream_is_internal(served: Served, raw
     seen = await client.answer(client.request(body=whole[:20]))
     assert served.handlers.received == 0
     # The reference falls short here: C-core drops the partial message and ends the call OK (grpc-go and
-    # grpc-java answer INTERNAL, as issue #20 asks of ours).
+    # grpc-java answer INTERNAL, as ours does).
     assert seen.grpc_status == (OK if served.transport == "grpcio" else INTERNAL), seen
     assert await client.alive()
 
@@ -345,7 +345,7 @@ async def test_non_grpc_requests_are_refused_as_the_reference_does(
     seen = await client.answer(client.request(body=echo_message(b"x"), content_type=content_type, method=method))
     if served.transport == "grpcio" and method == "POST":
         # The reference falls short here: C-core serves any content type as gRPC. The gRPC spec
-        # (PROTOCOL-HTTP2.md) says 415, as grpc-go answers and issue #20 asks of ours.
+        # (PROTOCOL-HTTP2.md) says 415, as grpc-go and ours answer.
         assert (seen.headers.get(b":status"), seen.grpc_status) == (b"200", OK), seen
     else:
         # Refused before any handler: a content type with HTTP 415; a GET with 405 or a reset

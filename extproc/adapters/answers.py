@@ -29,6 +29,7 @@ class Retry(Enum):
     NO = "no"  # retrying later does not help (or there is no estimate to give)
     SOON = "soon"  # another replica, a restart or a passing burst answers in a moment: MIN_RETRY_AFTER_S
     DRAIN = "drain"  # when the queue that refused it would have drained
+    WINDOW = "window"  # when the budget's limit that refused it has room again (any length: a month's budget too)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ ANSWERS: dict[Refusal, Answer] = {
     Refusal.TENANT_MISSING: Answer(401, "authentication_error"),
     Refusal.PRIORITY_NOT_ALLOWED: Answer(403, "permission_error"),
     Refusal.TENANT_QUEUE_FULL: Answer(429, "rate_limit_error", Retry.DRAIN),
+    Refusal.RATE_LIMIT_EXCEEDED: Answer(429, "rate_limit_error", Retry.WINDOW),
+    Refusal.INSUFFICIENT_QUOTA: Answer(429, "insufficient_quota", Retry.WINDOW),
     Refusal.BAND_QUEUE_FULL: Answer(503, "server_error", Retry.DRAIN),
     Refusal.MODEL_QUEUE_FULL: Answer(503, "server_error", Retry.DRAIN),
     Refusal.QUEUE_TIMEOUT: Answer(503, "server_error", Retry.DRAIN),
@@ -78,13 +81,17 @@ ANSWERS: dict[Refusal, Answer] = {
 SHED = frozenset({Refusal.BAND_QUEUE_FULL, Refusal.MODEL_QUEUE_FULL, Refusal.QUEUE_TIMEOUT, Refusal.OVERLOADED})
 
 
-def retry_after_s(refusal: Refusal, drain_s: float | None = None) -> int | None:
+def retry_after_s(refusal: Refusal, drain_s: float | None = None, retry_in_s: float | None = None) -> int | None:
     """Seconds a client should wait before retrying, or None where retrying later does not help.
 
     ``drain_s``: how long the refusing queue would take to drain (inf:
-    nothing was released lately, so no estimate).
+    nothing was released lately, so no estimate); ``retry_in_s``: when the
+    budget that refused it has room (rounded up: a client that waits so long
+    finds it).
     """
     retry = ANSWERS[refusal].retry
+    if retry is Retry.WINDOW:
+        return None if retry_in_s is None else max(MIN_RETRY_AFTER_S, math.ceil(retry_in_s))
     if retry is Retry.SOON:
         return MIN_RETRY_AFTER_S
     if retry is Retry.NO or drain_s is None:

@@ -66,9 +66,10 @@ LIVE_FIELDS = frozenset({"identity", "band_names", "models", "envoy", "bands", "
 # Inside a live section, what the running transport was built with.
 RESTART_KEYS = frozenset({"endpoint_picker.max_body_bytes"})
 # A model's settings its queue or pool is built with: changed, the model gets a new dispatcher.
-REBUILD_KEYS = ("policy", "endpoint_picking", "stale_after_s", "fallback_max_in_flight", "max_preemptions_per_s")
+REBUILD_KEYS = ("policy", "endpoint_picking", "advanced.stale_after_s", "advanced.fallback_max_in_flight",
+                "max_preemptions_per_s")
 # What the model's scraper reads: changed, it restarts on the same dispatcher.
-SCRAPE_KEYS = ("endpoints", "scrape_interval_s", "dns_refresh_s", "engine", "stale_after_s")
+SCRAPE_KEYS = ("endpoints", "advanced.scrape_interval_s", "dns_refresh_s", "engine", "advanced.stale_after_s")
 # How often a retired dispatcher's queue is looked at while it drains.
 RETIRE_POLL_S = 0.05
 # How often --watch-config reads the file.
@@ -123,7 +124,8 @@ def _restart_problems(old: Config, new: Config) -> Iterator[str]:
 
 
 def _model_changes(old: ModelConfig, new: ModelConfig) -> tuple[str, ...]:
-    return tuple(name for name in old.__struct_fields__ if getattr(old, name) != getattr(new, name))
+    """The model's changed keys, down through its sections (``advanced.stale_after_s``, ``cost.input_weight``)."""
+    return tuple(path for name in old.__struct_fields__ for path in _paths(name, getattr(old, name), getattr(new, name)))
 
 
 def _tenant_changes(old: Config, new: Config) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:

@@ -28,13 +28,19 @@ import asyncio
 import gc
 import logging
 import signal
+import sqlite3
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.batches.service import BatchService
+from extproc.adapters.budgets.metrics import BudgetCollector
+from extproc.adapters.budgets.shared import SharedBudgets
+from extproc.adapters.budgets.store import StoreWriter, UsageStore
+from extproc.adapters.budgets.usage import Per, records
 from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig, split_address
 from extproc.adapters.engines.discovery import watch_pool
@@ -50,6 +56,7 @@ from extproc.adapters.reload import ConfigSource, Plan, Reloader, rebuilt_model,
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import MetricsServer, build_app
 from extproc.adapters.wiring import build_dispatcher, build_dispatchers, cluster_forms, live_settings, tenant_labels
+from extproc.core.budgets.book import Book, day_of
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.outcomes import Refused
 
@@ -63,8 +70,8 @@ FINAL_GRACE_S = 1.0
 BODY_MESSAGE_MARGIN = 64 * 1024
 # How often the drain looks at the queues; it runs once per process lifetime.
 DRAIN_POLL_S = 0.05
-# The gRPC servers under ext_proc, by listen.transport: ours on h2 (a few KB a held request), or
-# grpc.aio, the reference (docs/reliability.md, "Choosing the transport").
+# The gRPC servers under ext_proc, by listen.transport: ours, "h2" (a few KB a held request), or
+# grpc.aio, the reference (docs/decisions.md, "When to choose grpcio").
 TRANSPORTS: dict[str, TransportFactory] = {"h2": GrpcServer, "grpcio": GrpcioServer}
 
 
@@ -79,14 +86,15 @@ class ProcessorServer:
             config.cluster, self.telemetry, cluster_forms(config), config.listen.grpc))
         self.dispatchers = build_dispatchers(config, self.telemetry, self._cluster)
         self.processor = Processor(config, self.dispatchers, self.telemetry)
+        self._share_budgets(config)
         # Ready once every model's pool has a member: what the Endpoint Picker Protocol calls synced.
         self._health = Health(lambda: all(d.endpoints for d in self.dispatchers.values()))
         # Every held request is an open stream: the transport's limits (listen.*) are far above
-        # them, and h2 keeps each small (measured per held request in docs/reliability.md).
+        # them, and the h2 transport keeps each small (measured per held request in docs/reports/reliability.md).
         self._grpc = TRANSPORTS[config.listen.transport]({
             PROCESS_PATH: Method(pb.ProcessingRequest.FromString, self.processor.process),
             **self._health.methods(),
-        }, Limits(config.listen, max(MAX_MESSAGE_BYTES, config.endpoint_picker.max_body_bytes + BODY_MESSAGE_MARGIN)))
+        }, Limits(config.advanced.grpc, max(MAX_MESSAGE_BYTES, config.endpoint_picker.max_body_bytes + BODY_MESSAGE_MARGIN)))
         # TLS on the gRPC port (listen.tls), its files reloaded while serving.
         tls = config.listen.tls
         self._tls = None if tls is None else ServerTls(tls, self.telemetry.tls_reloaded)
@@ -103,20 +111,54 @@ class ProcessorServer:
         self._reloaded: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
         self._probes: aiohttp.ClientSession | None = None  # the engines' /health looks (probe.probe_session)
+        # The budgets' usage book in SQLite (budgets.store), read at start and written behind.
+        budgets = config.budgets
+        self._store = None if budgets is None or budgets.store is None else StoreWriter(
+            UsageStore(budgets.store), self._usage_book, budgets.store_interval_s, time.time)
+        self.telemetry.registry.register(BudgetCollector(lambda: self.processor.budgets, time.time))
         # OpenAI's Batch API and its runner (batches:, docs/batches.md).
         self._batches = (None if config.batches is None
                          else BatchService(lambda: self.config, self.telemetry.registry, tenant_labels(config)))
         self._batches_started = False
-        # The metrics port (/metrics, /healthz, /readyz, the status page): adapters/web/app.py.
+        # The metrics port (/metrics, /healthz, /readyz, the status page, /usage): adapters/web/app.py.
         host, port = split_address(config.listen.metrics)
         self._metrics_server = MetricsServer(
             build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining, self.telemetry,
-                      lambda model: model not in self._reloaded, None if self._batches is None else self._batches.progress),
+                      lambda model: model not in self._reloaded, self.usage, self._budget_standings,
+                      None if self._batches is None else self._batches.progress),
             host, port,
         )
         self._metrics_started = False
 
+    def _budget_standings(self) -> list[dict[str, object]] | None:
+        gate = self.processor.budgets
+        return None if gate is None else gate.named()
+
+    def _usage_book(self) -> Book | None:
+        gate = self.processor.budgets
+        return None if gate is None else gate.budgets.book
+
+    async def usage(self, since: str, per: Per) -> list[dict[str, Any]] | None:
+        """The usage export (adapters/budgets/usage.py) from ``since`` (YYYY-MM-DD); None without budgets.
+
+        With a store, what changed is written first and the file is read (every day it holds);
+        else the processor's memory (the days since it started).
+        """
+        book = self._usage_book()
+        if book is None:
+            return None
+        if self._store is None:
+            return records(book.rows(day_of(since)), per)
+        await self._store.flush()
+        return records(await asyncio.to_thread(self._store.store.rows, since), per)
+
     async def start(self) -> None:
+        if self._store is not None:  # before the first request: a restart does not hand out a fresh budget
+            try:
+                loaded = self._store.load()
+            except (OSError, sqlite3.Error) as exc:
+                raise OSError(f"budgets.store: cannot open {self._store.store.path} ({exc})") from exc
+            log.info("budgets: %d usage rows of this month read from %s", loaded, self._store.store.path)
         host, port = split_address(self.config.listen.grpc)
         try:
             await self._grpc.start(host, port, self._tls)
@@ -136,6 +178,8 @@ class ProcessorServer:
         self._probes = probe_session()
         if self._tls is not None:
             self._tasks.append(asyncio.create_task(self._tls.watch()))
+        if self._store is not None:
+            self._tasks.append(asyncio.create_task(self._store.run()))
         for model in self.config.models:
             self._start_scraper(model, self.dispatchers[model.name])
             log.info("model %s (%s): %s", model.name, model.engine, cap_advice(model.engine, model.target_waiting))
@@ -194,7 +238,18 @@ class ProcessorServer:
                 self._stopping(old)
                 self._start_scraper(model, dispatcher)
         self.processor.reconfigure(config)
+        self._share_budgets(config)
         self.config = config
+
+    def _share_budgets(self, config: Config) -> None:
+        """With a cluster, the budgets' counts are the cluster's, in Redis (adapters/budgets/shared.py)."""
+        gate, cluster = self.processor.budgets, self._cluster
+        if gate is None or cluster is None or config.cluster is None or gate.shared is not None:
+            return
+        expected = max(1, len(config.cluster.instances))
+        gate.shared = SharedBudgets(
+            cluster.client, config.cluster.key_prefix, config.cluster.redis_timeout_ms / 1000,
+            lambda: max([expected, *(seat.instances for seat in cluster.seats.values())]))
 
     def _stopping(self, task: asyncio.Task[None]) -> None:
         """A scraper taken out of service: close() waits for it to close its sessions (earlier ones that ended go)."""
@@ -248,6 +303,11 @@ class ProcessorServer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._store is not None:
+            try:
+                await self._store.flush()  # the usage of the last interval, and of every request that ended since
+            except sqlite3.Error as exc:
+                log.error("budgets.store: cannot write %s at exit (%s)", self._store.store.path, exc)
         if self._cluster is not None:
             await self._cluster.stop()
         for session in (self._session, self._probes):

@@ -30,7 +30,7 @@ def rule_settings(model: ModelConfig) -> RuleSettings:
         release_rate=model.release_rate,
         max_itl_s=None if itl_ms is None else itl_ms / 1000,
         max_kv_usage=model.max_kv_usage,
-        itl_window_s=model.itl_window_s,
+        itl_window_s=model.advanced.itl_window_s,
         max_running=model.max_running,
     )
 
@@ -39,8 +39,8 @@ def build_pool(model: ModelConfig) -> Pool:
     """The release side of ``model``'s pool: its rule by the config's ``gate:`` name, on the shared estimate."""
     return Pool(
         model.endpoints, RULES[model.gate], rule_settings(model),
-        stale_after_s=model.stale_after_s,
-        fallback_max_in_flight=model.fallback_max_in_flight,
+        stale_after_s=model.advanced.stale_after_s,
+        fallback_max_in_flight=model.advanced.fallback_max_in_flight,
         pick_endpoints=model.endpoint_picking,
     )
 

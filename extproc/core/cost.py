@@ -69,6 +69,8 @@ import math
 from dataclasses import dataclass, replace
 
 AVERAGE_WEIGHT = 0.2
+# The context length until the engine says its own, when none is configured (a common vLLM --max-model-len).
+DEFAULT_CONTEXT_TOKENS = 32_768
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,9 @@ class CostWeights:
     # Output estimate for a tenant's first request without max_tokens.
     default_output_tokens: int = 256
     # The most tokens one request can hold (prompt or output): the engine's
-    # context length. Estimates and measurements are clamped to it.
-    max_context_tokens: int = 32_768
+    # context length. Estimates and measurements are clamped to it. None: what
+    # the engine says (CostModel.engine_context), DEFAULT_CONTEXT_TOKENS until it does.
+    max_context_tokens: int | None = None
 
 
 def _tokens(value: float, most: float) -> float:
@@ -135,8 +138,15 @@ class CostModel:
 
     def __init__(self, weights: CostWeights) -> None:
         self.weights = weights
+        # The largest context an endpoint of the model says it has (its own info endpoint), if any.
+        self.engine_context: int | None = None
         self._prompt_avg: dict[str, float] = {}
         self._output_avg: dict[str, float] = {}
+
+    @property
+    def context(self) -> int:
+        """The clamp on token counts: the configured context length, else the engine's, else the default."""
+        return self.weights.max_context_tokens or self.engine_context or DEFAULT_CONTEXT_TOKENS
 
     def price(self, prompt_tokens: float, output_tokens: float, cached_tokens: float = 0.0) -> float:
         weights = self.weights
@@ -149,24 +159,27 @@ class CostModel:
         return replace(estimate, cached_tokens=cached, predicted_cached=predicted,
                        cost=self.price(estimate.prompt_tokens, estimate.output_tokens, cached))
 
-    def estimate(self, tenant: str, content_length: int | None, max_tokens: float | None) -> Estimate:
-        """What a release is charged; finite and bounded whatever the client sent (see Bounds)."""
-        context = float(self.weights.max_context_tokens)
-        clamped = False
+    def expect(self, tenant: str, content_length: int | None, max_tokens: float | None) -> tuple[float, float]:
+        """The prompt and output tokens :meth:`estimate` would charge, learning nothing (a budget's reservation)."""
+        context = float(self.context)
         if content_length is not None:
-            raw_prompt = (content_length - self.weights.body_overhead_bytes) / self.weights.bytes_per_token
-            prompt = _tokens(raw_prompt, context)
-            clamped = not raw_prompt <= context
-            self._prompt_avg[tenant] = _blend(self._prompt_avg.get(tenant), prompt)
+            prompt = _tokens((content_length - self.weights.body_overhead_bytes) / self.weights.bytes_per_token, context)
         else:
             prompt = _tokens(self._prompt_avg.get(tenant, 1.0), context)
         if max_tokens is not None:
-            clamped = clamped or not max_tokens <= context
-            max_tokens = _tokens(max_tokens, context)
-            output = max_tokens
-        else:
-            output = self._output_avg.get(tenant, _tokens(self.weights.default_output_tokens, context))
-        return Estimate(prompt, output, max_tokens, self.price(prompt, output), clamped)
+            return prompt, _tokens(max_tokens, context)
+        return prompt, self._output_avg.get(tenant, _tokens(self.weights.default_output_tokens, context))
+
+    def estimate(self, tenant: str, content_length: int | None, max_tokens: float | None) -> Estimate:
+        """What a release is charged; finite and bounded whatever the client sent (see Bounds)."""
+        context = float(self.context)
+        prompt, output = self.expect(tenant, content_length, max_tokens)
+        clamped = max_tokens is not None and not max_tokens <= context
+        if content_length is not None:
+            raw_prompt = (content_length - self.weights.body_overhead_bytes) / self.weights.bytes_per_token
+            clamped = clamped or not raw_prompt <= context
+            self._prompt_avg[tenant] = _blend(self._prompt_avg.get(tenant), prompt)
+        return Estimate(prompt, output, None if max_tokens is None else output, self.price(prompt, output), clamped)
 
     def measure(self, tenant: str, estimate: Estimate, occupancy_s: float, decode_rate: float | None,
                 confirmed: float = 1.0) -> Charge:
@@ -174,7 +187,7 @@ class CostModel:
         cached = _cached(estimate.prompt_tokens, estimate.predicted_cached * confirmed)
         if decode_rate is None or not math.isfinite(decode_rate) or not math.isfinite(occupancy_s):
             return Charge(estimate.output_tokens, self.price(estimate.prompt_tokens, estimate.output_tokens, cached), cached)
-        output = _tokens(occupancy_s * decode_rate, self.weights.max_context_tokens)
+        output = _tokens(occupancy_s * decode_rate, self.context)
         if estimate.max_tokens is not None:
             output = min(output, estimate.max_tokens)
         self._output_avg[tenant] = _blend(self._output_avg.get(tenant), output)

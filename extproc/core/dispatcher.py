@@ -155,6 +155,10 @@ class ModelDispatcher:
         """A read-only snapshot for the status page (``core/status.py``); ``top`` tenants listed per band."""
         return self._state.status(top, self._strategy.cluster())
 
+    def expect(self, tenant: str, content_length: int | None, max_tokens: float | None) -> tuple[float, float]:
+        """The prompt and output tokens a request of ``tenant`` is expected to use: what its release would be charged."""
+        return self._state.expect(tenant, content_length, max_tokens)
+
     def submit(
         self,
         tenant: str,
@@ -272,7 +276,9 @@ class ModelDispatcher:
         self._preempt_at_risk(self._clock())
 
     def record_limits(self, endpoint: str, limits: EngineLimits) -> None:
-        """What the engine at ``endpoint`` says of its own limits: they bound the rule; a cap too tight is told."""
+        """What the engine at ``endpoint`` says of its own limits: they bound the rule and the cost's context; a cap
+        too tight is told."""
+        self._state.engine_context(limits.max_model_len)
         warning = self._pool.record_limits(endpoint, limits)
         if warning is None:
             return

@@ -22,7 +22,7 @@ import asyncio
 import math
 from dataclasses import dataclass, field
 
-from extproc.core.cost import Estimate
+from extproc.core.cost import Charge, Estimate
 from extproc.core.prefix import NO_PREFIX, Prefix
 
 
@@ -75,6 +75,13 @@ class Held:
     ended: bool = False
     # When a preemptible request was last ended to make room for it (preemption.py).
     room_made_at: float = -math.inf
+    # What it cost in the end, once its stream ended or it was preempted (the estimate, corrected: cost.py).
+    charge: Charge | None = field(default=None, repr=False)
+
+    @property
+    def served(self) -> bool:
+        """Released, and not preempted before its response began: the engine worked for its client."""
+        return self.released and (self.preempted is None or not self.preempted.done() or self.started)
 
     @property
     def objective_due(self) -> float | None:

@@ -122,6 +122,10 @@ class ModelState:
         self._refused(None, tenant, band, over.refusal, 0.0)
         return Refused(over.refusal, over.message + "; retry later", drain_s=self._release_rate.drain_s(over.backlog, now))
 
+    def expect(self, tenant: str, content_length: int | None, max_tokens: float | None) -> tuple[float, float]:
+        """The prompt and output tokens such a request would be charged (a budget's reservation); nothing learnt."""
+        return self._pricing.expect(tenant, content_length, max_tokens)
+
     def enqueue(self, request: Request, now: float, content_length: int | None, max_tokens: float | None,
                 ttft_objective_s: float | None) -> tuple[Held, bool]:
         """Queue ``request``, priced and given its deadlines; whether it is its tenant's first queued in its band."""
@@ -274,7 +278,7 @@ class ModelState:
     def finish(self, held: Held, now: float) -> float:
         """A released request is over (it ended, or was preempted): free its place, charge what it cost; the cost measured."""
         occupancy = self._pool.record_finish(held, now)
-        measured = self._pricing.measure(held, occupancy)
+        measured = held.charge = self._pricing.measure(held, occupancy)
         request, estimate = held.request, held.estimate
         self._queue.correct(request.band, request.tenant, measured.cost - estimate.cost)
         self._report(Charged(request.tenant, estimate.prompt_tokens, measured.output_tokens, measured.cost,
@@ -372,6 +376,10 @@ class ModelState:
     def scraped(self, endpoint: str, load: EngineLoad, started_at: float) -> None:
         """A usable scrape of ``endpoint``: the pricing learns its decode rate and cache hits."""
         self._pricing.scraped(endpoint, load, started_at)
+
+    def engine_context(self, max_model_len: int | None) -> None:
+        """An engine said its context length: the pricing's clamp where none is configured."""
+        self._pricing.engine_context(max_model_len)
 
     def left(self, endpoints: set[str]) -> None:
         """Endpoints that left the pool: the pricing forgets their caches."""

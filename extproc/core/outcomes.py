@@ -36,6 +36,8 @@ class Refusal(StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"  # no room freed up within the class's longest wait
     SHUTTING_DOWN = "shutting_down"  # the processor drains
     PREEMPTED = "preempted"  # released, then ended before its response began: a higher class needed the engine
+    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # the tenant is over a per-minute limit of its budget (OpenAI's code)
+    INSUFFICIENT_QUOTA = "insufficient_quota"  # the tenant is over a day or month budget (OpenAI's code)
     OVERLOADED = "overloaded"  # a burst put the processor (or Envoy's admission bucket) too far behind: shed on arrival
     # Envoy's own answers (adapters/envoy: local replies and catch-all routes).
     PROCESSOR_UNAVAILABLE = "processor_unavailable"  # the processor never answered (processor_failure: closed)
@@ -67,3 +69,7 @@ class Refused(Exception):
     queue_wait_s: float | None = None
     # The request field at fault, when one is (OpenAI's error ``param``).
     param: str | None = None
+    # When the limit that refused it has room again, in seconds (a budget's window or period).
+    retry_in_s: float | None = None
+    # Headers the answer carries beside the reason (a budget's x-ratelimit-*), as the adapter named them.
+    headers: tuple[tuple[str, str], ...] = ()

@@ -40,9 +40,18 @@ class Pricing:
         """New weights, from the next estimate on (a reload); the tenants' averages are kept."""
         self._cost.weights = weights
 
+    def engine_context(self, max_model_len: int | None) -> None:
+        """An endpoint's engine says its context length: the clamp where none is configured (the largest said wins)."""
+        if max_model_len is not None:
+            self._cost.engine_context = max(max_model_len, self._cost.engine_context or 0)
+
     def estimate(self, tenant: str, content_length: int | None, max_tokens: float | None) -> Estimate:
         """What a request is charged when released, before its endpoint is known (``CostModel.estimate``)."""
         return self._cost.estimate(tenant, content_length, max_tokens)
+
+    def expect(self, tenant: str, content_length: int | None, max_tokens: float | None) -> tuple[float, float]:
+        """The prompt and output tokens a request would be charged, learning nothing (``CostModel.expect``)."""
+        return self._cost.expect(tenant, content_length, max_tokens)
 
     def expected_hit(self, held: Held) -> float:
         """The prompt tokens ``held`` would find cached if released now: where picking would look, at best."""

@@ -1,7 +1,7 @@
 """A burst of requests arriving at once, and what each client got back.
 
 Used by tests/test_fault_burst.py and, run as ``python -m extproc.tools.burst``,
-for the figures in docs/reliability.md: it starts the real stack (simulator,
+for the figures in docs/reports/reliability.md: it starts the real stack (simulator,
 processor, Envoy with the generated config) with a gate that holds every
 request, fires ``--n`` requests at once, samples the processor's and Envoy's
 RSS while they are held, and counts the answers. An answer is *bare* when it
@@ -230,8 +230,8 @@ async def _main(args: argparse.Namespace) -> None:
                 max_tokens=4 if args.gie is None else GIE_MAX_TOKENS,
             )
             by_bucket = await bucket_shed(stack)
-        admission = stack.config.envoy
-        print(f"bucket: {admission.admission_tokens} at once, then {admission.admission_per_second}/s")
+        admission = stack.config.envoy.admission(stack.config.listen.transport)
+        print(f"bucket: {admission.tokens} at once, then {admission.per_second}/s")
         print(f"n={args.n} held={held.held:.0f} shed-by-bucket={by_bucket} "
               f"shed-by-processor={report.counts()[(503, Refusal.OVERLOADED.value)] - by_bucket} "
               f"missed={len(report.missed)} bare={len(report.bare)} not-json={len(report.not_json)} "

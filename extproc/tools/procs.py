@@ -88,8 +88,9 @@ class ManagedProcess:
         timeout: float = 30.0,
         env: Mapping[str, str] | None = None,
         group: bool = False,
+        cwd: Path | None = None,
     ) -> Self:
-        """Run ``argv`` (in ``env``, else ours) and wait until ``ready_url`` answers 200.
+        """Run ``argv`` (in ``env``, else ours; in ``cwd``, else ours) and wait until ``ready_url`` answers 200.
 
         ``group`` runs the child in a process group of its own that ``stop()``
         ends whole: for servers whose worker processes would outlive a killed
@@ -98,7 +99,7 @@ class ManagedProcess:
         with open(log_path, "ab") as log:
             process = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env,
-                start_new_session=group,
+                start_new_session=group, cwd=cwd,
             )
         child = cls(name, process, log_path, group=group)
         try:

@@ -10,7 +10,7 @@ seat's ask goes to ``schedule.lua`` (one ``EVALSHA``: publish our count
 and backlog, claim slots granted to us, decide the free slots; the JSON of
 ``wire.py``), and the grant comes back to the seat. Events arriving meanwhile (``wanted``) make one
 more round trip right after, so a burst of them costs one, not one each. With
-nothing to do, the link still asks every ``heartbeat_s``: that renews this
+nothing to do, the link still asks every heartbeat (``cluster.heartbeat_s``): that renews this
 instance's lease (``lease_s``; a dead instance's slots lapse with it), takes
 slots whose wake-up was lost, and rejoins after an outage.
 
@@ -106,14 +106,14 @@ class ModelLink:
         settings = self._connection.settings
         while True:
             try:
-                async with asyncio.timeout(settings.heartbeat_s):
+                async with asyncio.timeout(settings.heartbeat_interval_s):
                     await self.doorbell.rung.wait()
             except TimeoutError:
                 pass  # the heartbeat: renew the lease, take lost grants, publish the backlog
             self.doorbell.answered()
             await self.round_trip(seat)
             if seat.degraded:
-                await asyncio.sleep(settings.heartbeat_s)  # Redis is away: try again at the heartbeat's pace
+                await asyncio.sleep(settings.heartbeat_interval_s)  # Redis is away: try again at the heartbeat's pace
 
     async def round_trip(self, seat: ClusterSeat) -> None:
         connection = self._connection
@@ -194,7 +194,7 @@ class ClusterConnection:
                         if link is not None:
                             link.doorbell.wanted(True)
             except (RedisError, OSError):
-                await asyncio.sleep(self.settings.heartbeat_s)
+                await asyncio.sleep(self.settings.heartbeat_interval_s)
             finally:
                 await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
 

@@ -5,23 +5,27 @@ the server binds a port, each with its line and key path
 (``config.yaml:12: models[1].target_waiting: must be an integer >= 1, got 'three'``),
 all of them at once. One module per step, each importing only the ones above it:
 
-* ``values.py``    what a leaf must be: the constrained types (``Address``, ``Count``...);
+* ``values.py``    what a leaf must be: the constrained types (``Address``, ``Count``...), and a section's base;
+* ``advanced.py``  the ``advanced:`` section, what only a developer tunes;
+* ``instances.py`` the sections of several instances: ``shards`` and ``cluster``;
 * ``schema.py``    the file's shape: one msgspec struct per section (:class:`ConfigFile`);
 * ``validate.py``  a document converted into those structs, every mistake with its key path;
 * ``resolve.py``   :class:`Config`, what the program reads: bands and tenants in the core's types;
 * ``rules.py``     the rules between fields (and the TLS files loaded), run by validate.py;
-* ``load.py``      a file (or document) checked and resolved, each mistake with its line.
+* ``load.py``      a file (or document) checked and resolved, each mistake with its line;
+* ``keys.py``      every key the file may hold, walked from the schema (the reference's rows);
+* ``explain.py``   the effective configuration, each key with its source (``check-config --explain``).
 
 The names below are the package's surface; callers import them from here.
 """
 
+from extproc.adapters.config.advanced import AdvancedSettings, GrpcLimits
+from extproc.adapters.config.instances import ClusterInstance, ClusterSettings, Shard
 from extproc.adapters.config.load import load_config, parse_config, parse_config_text
 from extproc.adapters.config.resolve import Config, ConfigError
 from extproc.adapters.config.schema import (
     ENGINES,
     BandSettings,
-    ClusterInstance,
-    ClusterSettings,
     CostSettings,
     EndpointPickerSettings,
     EnvoySettings,
@@ -30,7 +34,6 @@ from extproc.adapters.config.schema import (
     Listen,
     ModelConfig,
     PrefixSettings,
-    Shard,
     TenantSettings,
     TlsSettings,
 )
@@ -38,6 +41,7 @@ from extproc.adapters.config.values import is_ip_address, split_address
 
 __all__ = [
     "ENGINES",
+    "AdvancedSettings",
     "BandSettings",
     "ClusterInstance",
     "ClusterSettings",
@@ -46,6 +50,7 @@ __all__ = [
     "CostSettings",
     "EndpointPickerSettings",
     "EnvoySettings",
+    "GrpcLimits",
     "Identity",
     "JwtSettings",
     "Listen",

@@ -10,11 +10,10 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-import msgspec
 from msgspec import Meta
 
 from extproc.adapters.config.validate import Problems
-from extproc.adapters.config.values import Address, Count, HttpUrl, NonEmpty
+from extproc.adapters.config.values import Address, Count, HttpUrl, NonEmpty, Section
 
 # A completion window as written: a whole number of seconds, minutes, hours or days ("24h").
 WINDOW = re.compile(r"([1-9][0-9]*)([smhd])")
@@ -36,12 +35,8 @@ def _window(value: str) -> str:
 Window = Annotated[str, Meta(description="a window such as 24h, 30m, 90s or 7d", extra={"check": _window})]
 
 
-class BatchSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """OpenAI's Batch API: where its state lives, where it listens, how fast lines are fed.
-
-    A section like schema.py's (typed fields, unknown keys refused), defined
-    here so schema.py only names it.
-    """
+class BatchSettings(Section, frozen=True):
+    """OpenAI's Batch API: where its state lives, where it listens, how fast lines are fed."""
 
     # SQLite (batches.sqlite3) and the files' contents; created if missing.
     directory: NonEmpty

@@ -15,10 +15,12 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from extproc.adapters.config.advanced import AdvancedSettings
 from extproc.adapters.config.batches import BatchSettings
+from extproc.adapters.config.budgets import BudgetSettings
+from extproc.adapters.config.instances import ClusterSettings, Shard
 from extproc.adapters.config.schema import (
     BandSettings,
-    ClusterSettings,
     ConfigFile,
     EndpointPickerSettings,
     EnvoySettings,
@@ -26,7 +28,6 @@ from extproc.adapters.config.schema import (
     Listen,
     ModelConfig,
     PrefixSettings,
-    Shard,
     TenantSettings,
 )
 from extproc.core.bands import Band
@@ -69,6 +70,9 @@ class Config:
     # Active-active (None: this instance alone schedules its models).
     cluster: ClusterSettings | None = None
     endpoint_picker: EndpointPickerSettings = field(default_factory=EndpointPickerSettings)
+    advanced: AdvancedSettings = field(default_factory=AdvancedSettings)
+    # Tenant budgets (None: none; adapters/config/budgets.py resolves them into the core's plan).
+    budgets: BudgetSettings | None = None
     # OpenAI's Batch API (None: not served).
     batches: BatchSettings | None = None
 
@@ -144,7 +148,8 @@ class Config:
         return replace(self, listen=msgspec.structs.replace(self.listen, grpc=instance.grpc, metrics=instance.metrics))
 
 
-def _default_priority(file: ConfigFile) -> str:
+def default_priority(file: ConfigFile) -> str:
+    """The class of a request that names none: ``default_priority``, else ``standard`` if it is a class, else the lowest."""
     if file.default_priority is not None:
         return file.default_priority
     return "standard" if "standard" in file.priorities else file.priorities[-1]
@@ -193,7 +198,7 @@ def _tenant(written: TenantSettings, base: Tenant, bands: tuple[str, ...]) -> Te
 
 def tenants(file: ConfigFile) -> tuple[Tenant, dict[str, Tenant]]:
     """The `default` template (inherited field by field) and the named tenants."""
-    every = Tenant(bands=file.priorities, default_band=_default_priority(file))
+    every = Tenant(bands=file.priorities, default_band=default_priority(file))
     template = _tenant(file.tenants.get(DEFAULT_TENANT_KEY, TenantSettings()), every, file.priorities)
     named = {name: _tenant(written, template, file.priorities)
              for name, written in file.tenants.items() if name != DEFAULT_TENANT_KEY}
@@ -222,5 +227,7 @@ def resolve(file: ConfigFile) -> Config:
         shards=dict(file.shards),
         cluster=file.cluster,
         endpoint_picker=file.endpoint_picker,
+        advanced=file.advanced,
+        budgets=file.budgets,
         batches=file.batches,
     )

@@ -15,16 +15,15 @@ from __future__ import annotations
 import re
 
 from extproc.adapters.config.batches import BatchSettings, batch_file_problems, batch_problems
+from extproc.adapters.config.budgets import PriceSettings, budget_problems, price_problems
+from extproc.adapters.config.instances import ClusterInstance, ClusterSettings, Shard
 from extproc.adapters.config.resolve import DEFAULT_TENANT_KEY, tenants
 from extproc.adapters.config.schema import (
-    ClusterInstance,
-    ClusterSettings,
     ConfigFile,
     CostSettings,
     EnvoySettings,
     JwtSettings,
     ModelConfig,
-    Shard,
     TenantSettings,
     TlsSettings,
 )
@@ -83,7 +82,7 @@ def _envoy(envoy: EnvoySettings) -> Problems:
 
 
 def _cluster(cluster: ClusterSettings) -> Problems:
-    if cluster.heartbeat_s >= cluster.lease_s / 2:
+    if cluster.heartbeat_s is not None and cluster.heartbeat_s >= cluster.lease_s / 2:
         # One late heartbeat must not let a live instance's lease lapse.
         yield "heartbeat_s", f"must be below lease_s / 2 ({cluster.lease_s / 2:g}), got {cluster.heartbeat_s:g}"
     for name in cluster.instances:
@@ -119,6 +118,8 @@ def _file(file: ConfigFile) -> Problems:
     if file.default_priority is not None and file.default_priority not in classes:
         yield "default_priority", f"must be one of priorities {list(classes)}, got {file.default_priority!r}"
     yield from _name_problems(file)
+    if file.budgets is not None:
+        yield from ((f"budgets.{key}", message) for key, message in budget_problems(file.budgets, (m.name for m in file.models)))
     for objective, band in file.identity.objectives.items():
         if band not in classes:
             yield f"identity.objectives.{objective}", f"must be one of priorities {list(classes)}, got {band!r}"
@@ -201,5 +202,6 @@ RULES: Rules = {
     JwtSettings: _jwt,
     EnvoySettings: _envoy,
     ClusterSettings: _cluster,
+    PriceSettings: price_problems,
     ConfigFile: _file,
 }

@@ -15,14 +15,17 @@ so a new band or tenant setting is a field here and one in the core's type.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
+from extproc.adapters.config.advanced import GRPC_LIMITS, MODEL_ADVANCED, AdvancedSettings, ModelAdvanced
 from extproc.adapters.config.batches import BatchSettings
+from extproc.adapters.config.budgets import BudgetSettings
+from extproc.adapters.config.instances import ClusterSettings, Shard
 from extproc.adapters.config.values import (
     Address,
     Count,
@@ -35,12 +38,13 @@ from extproc.adapters.config.values import (
     NonEmpty,
     NonNegative,
     Positive,
-    RedisUrl,
     ReleaseShare,
+    Section,
     Share,
     choice,
 )
 from extproc.adapters.engines.dialects import DIALECTS
+from extproc.adapters.ext_proc.contract import MODEL_HEADER
 from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.policies import POLICIES
@@ -50,15 +54,7 @@ from extproc.core.release import RULES
 ENGINES = tuple(DIALECTS)
 
 
-class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A mapping in the file: typed fields, unknown keys refused.
-
-    Subclasses inherit these options; they repeat ``frozen=True`` for the type
-    checker, which reads each class on its own.
-    """
-
-
-class TlsSettings(_Section, frozen=True):
+class TlsSettings(Section, frozen=True):
     """TLS on the gRPC port (adapters/ext_proc/tls.py): the processor's certificate, and optionally the clients' CA.
 
     The files are loaded when the file is checked (rules.py), so a wrong one is
@@ -72,25 +68,20 @@ class TlsSettings(_Section, frozen=True):
     reload_s: Positive = 5.0
 
 
-class Listen(_Section, frozen=True):
+class Listen(Section, frozen=True):
     """Where the processor listens: gRPC for Envoy (TLS with a ``tls`` section), HTTP for Prometheus."""
 
     grpc: Address = "127.0.0.1:50051"
     metrics: Address = "127.0.0.1:9464"
     tls: TlsSettings | None = None
-    # The gRPC port's bounds on what one peer can hold (adapters/ext_proc/transport.py Limits); far
-    # above what Envoy's held requests need, each held request being one stream.
-    max_streams_per_connection: Count = 100_000
-    max_connections: Count = 1_000
-    connection_buffer_bytes: Count = 32 * 1024 * 1024
-    idle_timeout_s: Positive = 3600.0
-    handshake_timeout_s: Positive = 10.0
     # The gRPC server under ext_proc: ours on h2 (~3 KB a held request) or grpc.aio, the reference
-    # (~24 KB; docs/reliability.md, "Choosing the transport").
+    # (~24 KB; docs/decisions.md, "When to choose grpcio").
     transport: Literal["h2", "grpcio"] = "h2"
 
+    REMOVED = {key: f"moved to advanced.grpc.{key}" for key in GRPC_LIMITS}
 
-class Identity(_Section, frozen=True):
+
+class Identity(Section, frozen=True):
     """Headers that carry who is asking, for what, and how urgently.
 
     The tenant header must be set by a trusted Envoy auth filter (api_key_auth,
@@ -99,7 +90,6 @@ class Identity(_Section, frozen=True):
 
     tenant_header: Header = "x-tenant-id"
     priority_header: Header = "x-priority"
-    model_header: Header = "x-model"
     default_tenant: NonEmpty = "anonymous"
     # A request without the tenant header: served as `default_tenant`, or refused with 401.
     missing_tenant: Literal["default", "reject"] = "default"
@@ -117,8 +107,11 @@ class Identity(_Section, frozen=True):
     # preempted request runs when it comes back. The OpenAI SDKs send the first on every retry.
     retry_headers: tuple[Header, ...] = ("x-stainless-retry-count",)
 
+    REMOVED = {"model_header": f"is no longer a setting: the processor sets {MODEL_HEADER}, the header the generated "
+                               "Envoy (and deploy/'s manifests) route on; remove the key"}
 
-class CostSettings(_Section, frozen=True):
+
+class CostSettings(Section, frozen=True):
     """How the `vtc` policy prices a request (defaults: the core's :class:`~extproc.core.cost.CostWeights`)."""
 
     input_weight: NonNegative = CostWeights.input_weight
@@ -131,7 +124,7 @@ class CostSettings(_Section, frozen=True):
         return CostWeights(**msgspec.structs.asdict(self))
 
 
-class PrefixSettings(_Section, frozen=True):
+class PrefixSettings(Section, frozen=True):
     """Prefix signatures for a model (adapters/ext_proc/prompt_prefix.py, core/prefix.py).
 
     Present, the processor reads each request's body before it holds it (one
@@ -149,7 +142,7 @@ class PrefixSettings(_Section, frozen=True):
     cached_input_weight: NonNegative = CostWeights.cached_input_weight
 
 
-class ModelConfig(_Section, frozen=True):
+class ModelConfig(Section, frozen=True):
     """One model pool: the endpoints that serve it and how hard to fill them."""
 
     name: NonEmpty
@@ -160,11 +153,6 @@ class ModelConfig(_Section, frozen=True):
     served_names: tuple[NonEmpty, ...] = ()
     engine: Annotated[str, choice(ENGINES)] = "vllm"
     target_waiting: Count = 3
-    scrape_interval_s: Positive = 0.1
-    # Metrics older than this are not trusted (the engine may have moved on).
-    stale_after_s: Positive = 1.0
-    # In-flight floor per endpoint while the engine's metrics cannot be read.
-    fallback_max_in_flight: Count = 4
     # A request still queued after this long is answered 503 instead of held
     # (a band's own max_queue_wait_s overrides it).
     max_queue_wait_s: Positive = 120.0
@@ -173,8 +161,6 @@ class ModelConfig(_Section, frozen=True):
     # Optional ceilings for the adaptive gate.
     max_inter_token_latency_ms: Positive | None = None
     max_kv_usage: Share | None = None
-    # Inter-token latency is averaged over this much recent time.
-    itl_window_s: Positive = 2.0
     # Per endpoint: hard cap on what the engine may hold (adaptive), or on our
     # in-flight requests (static_concurrency, where it is required).
     max_in_flight: Count | None = None
@@ -204,12 +190,17 @@ class ModelConfig(_Section, frozen=True):
     # The engine's context length (vLLM --max-model-len): the most tokens one
     # request can hold. The `vtc` cost estimate clamps a request's prompt and
     # output to it, so a client's `max_tokens: 1e308` costs what the largest
-    # real request could, not infinity (docs/policies.md).
-    max_context_tokens: Count = CostWeights.max_context_tokens
+    # real request could, not infinity (docs/policies.md). None: what the engine
+    # says (its max_model_len, adapters/engines/limits.py), 32,768 until it does.
+    max_context_tokens: Count | None = None
     cost: CostSettings = msgspec.field(default_factory=CostSettings)
     # Prefix signatures of the requests' prompts (absent: none, unless policy is locality,
     # which gets the defaults: resolve.py fills it in).
     prefix: PrefixSettings | None = None
+    # What only a developer tunes: the scrape's pace, the gate without metrics (advanced.py).
+    advanced: ModelAdvanced = msgspec.field(default_factory=ModelAdvanced)
+
+    REMOVED = {key: f"moved to {{path}}.advanced.{key}" for key in MODEL_ADVANCED}
 
     def cost_weights(self) -> CostWeights:
         """How the `vtc` policy prices this model's requests: the cost section, the context length, the cached price."""
@@ -217,7 +208,7 @@ class ModelConfig(_Section, frozen=True):
         return replace(self.cost.weights(), max_context_tokens=self.max_context_tokens, cached_input_weight=cached)
 
 
-class BandSettings(_Section, frozen=True):
+class BandSettings(Section, frozen=True):
     """One band's entry as written, its fields named as :class:`~extproc.core.bands.Band`' (which documents them).
 
     An unset field takes the core's default, except where that depends on
@@ -235,7 +226,7 @@ class BandSettings(_Section, frozen=True):
     min_share: ReleaseShare | None = None
 
 
-class TenantSettings(_Section, frozen=True):
+class TenantSettings(Section, frozen=True):
     """A tenant's entry as written; unset fields are inherited from the `default` entry.
 
     Its fields are named as :class:`~extproc.core.entitlement.Tenant`'s, except
@@ -248,7 +239,7 @@ class TenantSettings(_Section, frozen=True):
     max_queued: Count | None = None
 
 
-class JwtSettings(_Section, frozen=True):
+class JwtSettings(Section, frozen=True):
     """Envoy's jwt_authn: a verified token's claim names the tenant."""
 
     issuer: NonEmpty
@@ -259,7 +250,7 @@ class JwtSettings(_Section, frozen=True):
     tenant_claim: NonEmpty = "sub"
 
 
-class EndpointPickerSettings(_Section, frozen=True):
+class EndpointPickerSettings(Section, frozen=True):
     """The Endpoint Picker Protocol's knobs, for requests attached by ext_proc alone (docs/epp.md)."""
 
     # A body read from the stream larger than this is refused 413.
@@ -272,11 +263,24 @@ class EndpointPickerSettings(_Section, frozen=True):
     fallbacks: Count0 = 0
 
 
-# The admission bucket's refill as a share of the processor's intake (EnvoySettings.admission_tokens).
+# The admission bucket's refill as a share of the processor's intake (EnvoySettings.admission).
 ADMISSION_REFILL_SHARE = Fraction(2, 3)
+# The processor's intake by transport: the requests of a burst it takes in per second within the message
+# timeout. h2's is measured (3,000 in 2 s on a loaded 2-core machine, docs/reports/reliability.md, "Bursts");
+# grpcio's is h2's scaled by what each transport releases at most (807 against 1,599 req/s,
+# docs/reports/benchmarks.md, "The two transports"), not measured with bursts.
+INTAKE_PER_S = {"h2": 1500, "grpcio": 750}
 
 
-class EnvoySettings(_Section, frozen=True):
+@dataclass(frozen=True)
+class Admission:
+    """Envoy's admission bucket as generated: its size and its refill per second."""
+
+    tokens: int
+    per_second: int
+
+
+class EnvoySettings(Section, frozen=True):
     """What `extproc envoy-config` needs to print a complete bootstrap."""
 
     listen: Address = "127.0.0.1:10000"
@@ -293,14 +297,13 @@ class EnvoySettings(_Section, frozen=True):
     processor_failure: Literal["closed", "open"] = "closed"
     # Admission in front of the processor (Envoy's local rate limit, one token bucket): up to
     # admission_burst requests at once, then admission_per_second. Sized to the processor's
-    # intake, what it takes in of a burst per second within message_timeout_ms (3,000 in 2 s on a
-    # loaded 2-core machine: 1,500/s). admission_per_second is 2/3 of it, since requests that
-    # keep arriving while a burst is taken in add to it; unset, admission_burst is the intake x
-    # the timeout (3,000 at 2 s), so a longer timeout takes in a larger burst. Beyond that,
-    # Envoy answers 503 `overloaded` at once rather than let streams outrun the message timeout
-    # (docs/reliability.md, "Bursts and the admission bucket").
+    # intake (INTAKE_PER_S, by listen.transport). Unset, admission_per_second is 2/3 of it, since
+    # requests that keep arriving while a burst is taken in add to it, and admission_burst is the
+    # intake (admission_per_second x 3/2) x the timeout (3,000 at 2 s on h2), so a longer timeout
+    # takes in a larger burst. Beyond that, Envoy answers 503 `overloaded` at once rather than
+    # let streams outrun the message timeout (docs/guides/operate.md, "Sizing the admission bucket").
     admission_burst: Count | None = None
-    admission_per_second: Count = 1000
+    admission_per_second: Count | None = None
     # Production-grade identity: a bearer JWT verified by Envoy (exclusive with api_keys).
     jwt: JwtSettings | None = None
     # With listen.tls: the CA Envoy checks the processor's certificate against (without it, any
@@ -310,61 +313,18 @@ class EnvoySettings(_Section, frozen=True):
     processor_client_cert_file: NonEmpty | None = None
     processor_client_key_file: NonEmpty | None = None
 
-    @property
-    def admission_tokens(self) -> int:
-        """The bucket's size: ``admission_burst``, else what the processor takes in within the message timeout."""
-        if self.admission_burst is not None:
-            return self.admission_burst
-        intake_per_s = self.admission_per_second / ADMISSION_REFILL_SHARE
-        return math.ceil(intake_per_s * self.message_timeout_ms / 1000)
+    def admission(self, transport: str) -> Admission:
+        """The bucket in front of a processor on ``transport``: each value as set, else from its intake."""
+        per_second = self.admission_per_second
+        if per_second is None:
+            per_second = math.floor(INTAKE_PER_S[transport] * ADMISSION_REFILL_SHARE)
+        tokens = self.admission_burst
+        if tokens is None:  # what the processor takes in within the message timeout
+            tokens = math.ceil(per_second / ADMISSION_REFILL_SHARE * self.message_timeout_ms / 1000)
+        return Admission(tokens, per_second)
 
 
-
-class Shard(_Section, frozen=True):
-    """One processor instance of a sharded deployment: where it listens and the models it alone schedules.
-
-    Every instance runs the same file with ``extproc serve --shard NAME``;
-    its ``listen`` is the shard's, its models only the shard's (docs/cluster.md).
-    ``grpc`` is also where Envoy reaches it (a wildcard host means loopback).
-    """
-
-    grpc: Address
-    metrics: Address
-    models: Names
-
-
-class ClusterInstance(_Section, frozen=True):
-    """One active-active instance: where it listens (``extproc serve --instance NAME``).
-
-    ``grpc`` is also where Envoy reaches it (a wildcard host means loopback).
-    """
-
-    grpc: Address
-    metrics: Address
-
-
-class ClusterSettings(_Section, frozen=True):
-    """Active-active: instances that share each engine's limit and the fairness counters through Redis.
-
-    Instances whose files are identical except ``listen`` and that name the
-    same ``redis_url`` (and ``key_prefix``) form one cluster (docs/cluster.md).
-    """
-
-    redis_url: RedisUrl
-    # Every Redis key starts with this, so several clusters can share one Redis.
-    key_prefix: NonEmpty = "extproc"
-    # An instance's in-flight reservations lapse this long after its last word:
-    # the slots of a dead instance come back.
-    lease_s: Positive = 2.0
-    # How often an idle instance renews its lease (a busy one renews with its releases).
-    heartbeat_s: Positive = 0.5
-    # A Redis call slower than this counts as Redis unreachable (the instance goes degraded).
-    redis_timeout_ms: Count = 250
-    # Optional: instance name -> its addresses, for `serve --instance` and Envoy's cluster.
-    instances: dict[str, ClusterInstance] = msgspec.field(default_factory=dict)
-
-
-class ConfigFile(_Section, frozen=True):
+class ConfigFile(Section, frozen=True):
     """The whole file, as written."""
 
     models: Annotated[tuple[ModelConfig, ...], Meta(min_length=1)]
@@ -384,5 +344,9 @@ class ConfigFile(_Section, frozen=True):
     # Active-active: several instances that behave as one, sharing state in Redis (docs/cluster.md).
     cluster: ClusterSettings | None = None
     endpoint_picker: EndpointPickerSettings = msgspec.field(default_factory=EndpointPickerSettings)
+    # What only a developer tunes (advanced.py).
+    advanced: AdvancedSettings = msgspec.field(default_factory=AdvancedSettings)
+    # Tenant budgets: rate limits, token and money budgets (adapters/config/budgets.py, docs/budgets.md).
+    budgets: BudgetSettings | None = None
     # OpenAI's Batch API on idle capacity (config/batches.py, docs/batches.md).
     batches: BatchSettings | None = None

@@ -18,7 +18,8 @@ the program keeps as JSON text). Unknown keys are errors, each one.
 Rules between fields are a table the caller passes, by struct type: a
 struct's rule yields (key, message) pairs, and runs once the struct's own
 fields are well-typed (so a second run may find more, after the type errors
-are fixed). An empty key names the struct itself.
+are fixed). An empty key names the struct itself. A key a section no longer
+takes is refused with what to write instead (``Section.REMOVED``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import msgspec
+
+from extproc.adapters.config.values import Section
 
 S = TypeVar("S", bound=msgspec.Struct)
 # A leaf's parse or check (see the module docstring).
@@ -76,7 +79,7 @@ def _key(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _split(annotation: Any) -> tuple[Any, list[msgspec.Meta]]:
+def split(annotation: Any) -> tuple[Any, list[msgspec.Meta]]:
     """``Annotated[T, Meta...]`` -> (T, [Meta...]); anything else -> (it, [])."""
     if get_origin(annotation) is Annotated:
         base, *extras = get_args(annotation)
@@ -88,7 +91,7 @@ def _is_struct(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, msgspec.Struct)
 
 
-def _optional(annotation: Any) -> Any | None:
+def optional(annotation: Any) -> Any | None:
     """``T`` for ``T | None``, else None."""
     if get_origin(annotation) in (Union, types.UnionType):
         rest = [a for a in get_args(annotation) if a is not type(None)]
@@ -99,15 +102,15 @@ def _optional(annotation: Any) -> Any | None:
 
 def describe(annotation: Any) -> str:
     """What a value of this type must be, in words ("an integer >= 1")."""
-    inner = _optional(annotation)
+    inner = optional(annotation)
     if inner is not None:
         return describe(inner)
-    base, metas = _split(annotation)
+    base, metas = split(annotation)
     bounds: dict[str, Any] = {}
     for meta in metas:
         if meta.description:
             return meta.description
-        bounds.update({k: getattr(meta, k) for k in ("ge", "gt", "le", "min_length") if getattr(meta, k) is not None})
+        bounds.update({k: getattr(meta, k) for k in ("ge", "gt", "le", "lt", "min_length") if getattr(meta, k) is not None})
     if base is bool:
         return "true or false"
     if get_origin(base) is Literal:
@@ -119,6 +122,10 @@ def describe(annotation: Any) -> str:
     noun = {int: "an integer", float: "a number", str: "a string"}.get(base, getattr(base, "__name__", str(base)))
     if "gt" in bounds and "le" in bounds:
         return f"{noun} in ({bounds['gt']}, {bounds['le']}]"
+    if "ge" in bounds and "le" in bounds:
+        return f"{noun} in [{bounds['ge']}, {bounds['le']}]"
+    if "ge" in bounds and "lt" in bounds:
+        return f"{noun} in [{bounds['ge']}, {bounds['lt']})"
     for key, sign in (("ge", ">="), ("gt", ">"), ("le", "<=")):
         if key in bounds:
             return f"{noun} {sign} {bounds[key]}"
@@ -126,10 +133,10 @@ def describe(annotation: Any) -> str:
 
 
 def _value(raw: Any, annotation: Any, path: str, errors: Errors, rules: Rules) -> Any:
-    inner = _optional(annotation)
+    inner = optional(annotation)
     if inner is not None:
         return None if raw is None else _value(raw, inner, path, errors, rules)
-    base, metas = _split(annotation)
+    base, metas = split(annotation)
     if _is_struct(base):
         return _struct(raw, base, path, errors, rules)
     origin, args = get_origin(base), get_args(base)
@@ -178,7 +185,9 @@ def _struct(raw: Any, cls: type[S], path: str, errors: Errors, rules: Rules) -> 
     fields = {f.encode_name: f for f in msgspec.structs.fields(cls)}
     unknown = [key for key in raw if key not in fields]
     for key in unknown:
-        errors.append((_key(path, str(key)), f"unknown key (allowed: {', '.join(sorted(fields))})"))
+        removed = cls.REMOVED.get(str(key)) if issubclass(cls, Section) else None
+        message = removed.format(path=path) if removed else f"unknown key (allowed: {', '.join(sorted(fields))})"
+        errors.append((_key(path, str(key)), message))
     missing = [key for key, field in fields.items() if field.required and key not in raw]
     for key in missing:
         errors.append((_key(path, key), "is required"))

@@ -1,4 +1,4 @@
-"""What a leaf of the file must be: the constrained types the schema's fields are annotated with.
+"""What a leaf of the file must be: the constrained types the schema's fields are annotated with; and a mapping's base.
 
 Each type is an ``Annotated`` alias whose ``Meta`` carries what msgspec checks
 (bounds, a pattern) and, in ``extra``, what it cannot: a ``check`` of the
@@ -13,10 +13,25 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar
 from urllib.parse import urlsplit
 
+import msgspec
 from msgspec import Meta
+
+
+class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A mapping in the file: typed fields, unknown keys refused.
+
+    Subclasses inherit these options; they repeat ``frozen=True`` for the type
+    checker, which reads each class on its own. ``REMOVED`` names the keys a
+    section no longer takes, each with what to write instead (``{path}``: the
+    section's own key path): validate.py refuses such a key with that message
+    rather than as merely unknown.
+    """
+
+    REMOVED: ClassVar[Mapping[str, str]] = {}
 
 
 def split_address(text: str) -> tuple[str, int]:

@@ -102,9 +102,9 @@ class Prober:
             while self._dispatcher.awaits_life(endpoint):
                 await asyncio.sleep(SETTLE_S)
                 started = time.monotonic()
-                answer = await listening(endpoint, self._model.stale_after_s)
+                answer = await listening(endpoint, self._model.advanced.stale_after_s)
                 if answer is Answer.UNKNOWN:
-                    await asyncio.sleep(self._model.scrape_interval_s)  # a scrape may settle it meanwhile
+                    await asyncio.sleep(self._model.advanced.scrape_interval_s)  # a scrape may settle it meanwhile
                     continue
                 # A port that still accepts shows life only for the ends at least SETTLE_S before the look.
                 self._dispatcher.record_probe(endpoint, answer is Answer.ALIVE, started - SETTLE_S)

@@ -58,7 +58,7 @@ async def scrape_endpoint(
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result of a scrape that
             # finished as the task was cancelled, losing the cancel (a shutdown then waited forever).
-            async with asyncio.timeout(model.stale_after_s):
+            async with asyncio.timeout(model.advanced.stale_after_s):
                 load: EngineLoad | None = await _scrape_once(session, url, model.engine, model.name)
         except (TimeoutError, aiohttp.ClientError, MetricsError, UnicodeDecodeError) as exc:
             load = None
@@ -69,7 +69,7 @@ async def scrape_endpoint(
             if isinstance(exc, aiohttp.ClientConnectorError):
                 reachable = False
             elif isinstance(exc, aiohttp.ClientOSError | aiohttp.ServerDisconnectedError):
-                answer = await probe(probes, endpoint + DIALECTS[model.engine].health_path, model.stale_after_s)
+                answer = await probe(probes, endpoint + DIALECTS[model.engine].health_path, model.advanced.stale_after_s)
                 reachable = answer is not Answer.UNREACHABLE
                 if answer is Answer.ALIVE:
                     dispatcher.record_probe(endpoint, True, started)
@@ -85,7 +85,7 @@ async def scrape_endpoint(
             limits_read = False
         elif load is not None and not limits_read:
             limits_read = True
-            limits = await read_limits(session, endpoint, model.engine, model.name, model.stale_after_s)
+            limits = await read_limits(session, endpoint, model.engine, model.name, model.advanced.stale_after_s)
             if limits is not None:
                 dispatcher.record_limits(endpoint, limits)
-        await asyncio.sleep(max(0.0, model.scrape_interval_s - (time.monotonic() - started)))
+        await asyncio.sleep(max(0.0, model.advanced.scrape_interval_s - (time.monotonic() - started)))

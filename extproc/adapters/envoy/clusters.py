@@ -146,7 +146,7 @@ def _processor_cluster(config: Config, name: str, addresses: list[str]) -> Json:
         name, hosts,
         # The message timeout's budget: a refused connection (processor down) fails at once
         # anyway, while under a burst Envoy itself handles the connect event late — a
-        # shorter timeout turned a cold burst into thousands of 503s (docs/reliability.md).
+        # shorter timeout turns a cold burst into thousands of bare 503s.
         connect_timeout_s=config.envoy.message_timeout_ms / 1000,
         http2=True, held=True, health_checks=[_processor_health_check()],
         outlier_detection=_outlier_detection(failures=1, ejection_s=PROCESSOR_EJECTION_S),

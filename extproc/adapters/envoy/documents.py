@@ -21,6 +21,7 @@ from extproc.adapters.envoy.clusters import clusters, socket_address
 from extproc.adapters.envoy.filters import FILTERS, IDENTITY_FILTERS, Chain, drop_in_filters, drop_in_name, http_filters
 from extproc.adapters.envoy.local_replies import cel, local_reply_config
 from extproc.adapters.envoy.routes import RouteScope, routes
+from extproc.adapters.ext_proc.contract import MODEL_HEADER
 
 # JSON bodies are buffered by json_to_metadata before ext_proc runs; with
 # Envoy's default 1 MiB per-connection buffer a longer prompt gets 413.
@@ -82,7 +83,7 @@ def _access_log(config: Config) -> list[Json]:
         "details": "%RESPONSE_CODE_DETAILS%",
         "duration_ms": "%DURATION%",
         "tenant": f"%REQ({ident.tenant_header})%",
-        "model": f"%REQ({ident.model_header})%",
+        "model": f"%REQ({MODEL_HEADER})%",
         "upstream": "%UPSTREAM_HOST%",
     }
     return [{"name": "envoy.access_loggers.stdout",

@@ -47,6 +47,7 @@ from extproc.adapters.envoy.clusters import EXTPROC_CLUSTER, JWKS_CLUSTER
 from extproc.adapters.ext_proc.contract import (
     DESTINATION_HEADER,
     METADATA_NAMESPACE,
+    MODEL_HEADER,
     PROCESSING_MODE,
     QUEUE_WAIT_HEADER,
 )
@@ -126,7 +127,7 @@ def _sanitise(config: Config, chain: Chain) -> Json:
     identity = config.identity
     keep_tenant = chain.runner or (chain.drop_in and not _own_identity(config))
     tenant = [] if keep_tenant else [identity.tenant_header, *identity.fairness_id_headers]
-    remove = [identity.model_header, *tenant, DESTINATION_HEADER, *ECHOED_HEADERS]
+    remove = [MODEL_HEADER, *tenant, DESTINATION_HEADER, *ECHOED_HEADERS]
     return typed("envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
                  mutations={"request_mutations": [{"remove": name} for name in remove]})
 
@@ -201,13 +202,13 @@ def _admission(config: Config, chain: Chain) -> Json:
     The processor takes in new streams at a bounded rate; Envoy starts every
     stream's message timeout at once, so the tail of a large enough burst would
     outrun it. The bucket holds what the processor takes in within that timeout
-    (``EnvoySettings.admission_tokens``), so a burst it can hold reaches it
+    (``EnvoySettings.admission``), so a burst it can hold reaches it
     whole. Envoy answers the excess itself, at once: 503 ``overloaded`` with
     Retry-After (the JSON error comes from local_replies.py, which knows the
     filter's reply by its details, ``local_rate_limited``). Held requests hold
     no token: the bucket limits arrivals, not the queue.
     """
-    envoy = config.envoy
+    bucket = config.envoy.admission(config.listen.transport)
 
     def always(key: str) -> Json:
         return {"default_value": {"numerator": 100, "denominator": "HUNDRED"}, "runtime_key": key}
@@ -216,7 +217,7 @@ def _admission(config: Config, chain: Chain) -> Json:
         "envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
         stat_prefix=ADMISSION_STAT_PREFIX,
         status={"code": "ServiceUnavailable"},
-        token_bucket={"max_tokens": envoy.admission_tokens, "tokens_per_fill": envoy.admission_per_second,
+        token_bucket={"max_tokens": bucket.tokens, "tokens_per_fill": bucket.per_second,
                       "fill_interval": "1s"},
         filter_enabled=always(f"{ADMISSION_STAT_PREFIX}.enabled"),
         filter_enforced=always(f"{ADMISSION_STAT_PREFIX}.enforced"),

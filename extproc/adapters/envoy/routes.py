@@ -23,13 +23,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from extproc.adapters.budgets.headers import RATE_HEADERS
 from extproc.adapters.config import Config
 from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.envoy.base import Json, duration, header_values, idle_timeout_s, typed
 from extproc.adapters.envoy.clusters import PICKED_CLUSTER, cluster_names, picks_endpoints, shard_cluster_name
 from extproc.adapters.envoy.filters import ECHOED_HEADERS, EXT_PROC_FILTER
 from extproc.adapters.envoy.local_replies import direct_reply
-from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, METADATA_NAMESPACE
+from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, METADATA_NAMESPACE, MODEL_HEADER
 from extproc.core.outcomes import Refusal
 
 # Retries of a request the engine never started: it could not be reached, or it
@@ -144,8 +145,14 @@ class _RouteTable:
             "route": {"cluster": cluster, "timeout": "0s", "idle_timeout": self.idle,
                       "retry_policy": _retry_policy(self.full_statuses)},
             # Omitted when the processor did not set it (empty value).
-            "response_headers_to_add": header_values([(header, f"%REQ({header})%") for header in ECHOED_HEADERS]),
+            "response_headers_to_add": header_values([(header, f"%REQ({header})%") for header in self.echoed]),
         })
+
+    @property
+    def echoed(self) -> tuple[str, ...]:
+        """The request headers the processor sets that the response carries: the queue wait, a budget's rate headers."""
+        budgets = self.config.budgets
+        return ECHOED_HEADERS + (RATE_HEADERS if budgets is not None and budgets.rate_headers else ())
 
     def with_filters(self, route: Json) -> Json:
         if self.scope.per_filter:
@@ -160,7 +167,7 @@ class _RouteTable:
         """
         if not by_body:
             return {"prefix": prefix,
-                    "headers": [{"name": self.config.identity.model_header, "string_match": {"exact": model}}]}
+                    "headers": [{"name": MODEL_HEADER, "string_match": {"exact": model}}]}
         served = self.config.model(model)
         names = (model, *served.served_names) if served is not None else (model,)
         value = {"string_match": {"exact": model} if len(names) == 1 else {"safe_regex": {"regex": names_regex(names)}}}

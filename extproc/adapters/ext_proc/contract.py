@@ -15,6 +15,9 @@ METADATA_NAMESPACE = "extproc"
 # A string in that namespace an operator's own filter may fill with a request's leading
 # prompt text: hashed as it is (prompt_prefix.py), so such a model's body need not be sent.
 PROMPT_PREFIX_FIELD = "prompt_prefix"
+# Set by the processor on released requests, from the body's model (anything a client sent is
+# removed by Envoy first): the generated Envoy's routes, and deploy/'s manifests, match on it.
+MODEL_HEADER = "x-model"
 # Set by the processor on released requests; Envoy copies it onto the response
 # (ext_proc itself skips response headers), so clients and logs see the wait.
 QUEUE_WAIT_HEADER = "x-extproc-queue-wait-ms"

@@ -4,7 +4,7 @@ Why keep it: grpcio's C-core is the battle-tested HTTP/2 and gRPC stack that
 our own transport is compared with (tests/test_transport_differential.py), and
 an operator who distrusts ours can switch to it. It costs more per held
 request (21–24 KB of native state per stream against about 3 KB,
-docs/decisions.md) and more CPU per request (docs/benchmarks.md).
+docs/decisions.md) and more CPU per request (docs/reports/benchmarks.md).
 
 It implements the same :class:`~.transport.Transport` as
 :class:`~.h2grpc.GrpcServer`, serving the ``{path: Method}`` table through one
@@ -106,7 +106,7 @@ class GrpcioServer(Transport):
 
     async def start(self, host: str, port: int, tls: ServerTls | None = None) -> None:
         """Listen; with ``tls``, every connection is TLS with its files (reloaded ones for new handshakes)."""
-        listen = self.limits.listen
+        bounds = self.limits.grpc
         self._server = grpc.aio.server(handlers=[_Handlers(self)], options=[
             ("grpc.max_receive_message_length", self.limits.max_message_bytes),
             ("grpc.max_send_message_length", -1),
@@ -116,12 +116,12 @@ class GrpcioServer(Transport):
             # held requests does that (measured: 207 of 2,000 opened at once lost). Every held request is a
             # call, so like h2grpc, no such limit.
             ("grpc.server.max_pending_requests", 2**30), ("grpc.server.max_pending_requests_hard_limit", 2**30),
-            # The listen section's limits, as C-core names them. connection_buffer_bytes has no C-core
+            # advanced.grpc's limits, as C-core names them. connection_buffer_bytes has no C-core
             # counterpart: its own flow-control windows bound what a connection buffers.
-            ("grpc.max_concurrent_streams", listen.max_streams_per_connection),
-            ("grpc.max_allowed_incoming_connections", listen.max_connections),
-            ("grpc.max_connection_idle_ms", int(listen.idle_timeout_s * 1000)),
-            ("grpc.server_handshake_timeout_ms", int(listen.handshake_timeout_s * 1000)),
+            ("grpc.max_concurrent_streams", bounds.max_streams_per_connection),
+            ("grpc.max_allowed_incoming_connections", bounds.max_connections),
+            ("grpc.max_connection_idle_ms", int(bounds.idle_timeout_s * 1000)),
+            ("grpc.server_handshake_timeout_ms", int(bounds.handshake_timeout_s * 1000)),
         ])
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:

@@ -1,4 +1,4 @@
-"""A minimal gRPC server straight on the ``h2`` HTTP/2 state machine: the ext_proc hop's default transport.
+"""A minimal gRPC server on its own HTTP/2 layer: the ext_proc hop's default transport.
 
 Why not grpcio or grpclib: every request Envoy holds in our queue is an open
 gRPC stream, so a stream's memory is the cost of a held request. Measured with
@@ -6,7 +6,7 @@ gRPC stream, so a stream's memory is the cost of a held request. Measured with
 grpc.aio keeps 21–24 KB per stream (about 19 KB of it native C-core call and
 HTTP/2 stream state, which no channel argument bounds), grpclib 16 KB (four
 asyncio Events, several queues and deques per stream); this module about
-3 KB: h2's own stream state, one slotted object and one task.
+3 KB: a slotted record of HTTP/2 stream state, one slotted call and one task.
 
 What it implements of gRPC over HTTP/2 is what Envoy's ext_proc filter and
 gRPC health checker use: calls of any cardinality whose handler reads an async
@@ -16,14 +16,14 @@ and message in the trailers. A stream the client resets cancels its handler at
 once (a client that leaves while queued: the queue entry goes at once).
 
 It is the most exposed port we have, so it is hardened as a reference server
-is (docs/reliability.md, "The ext_proc transport under abuse"): a peer's bad
+is (docs/reports/reliability.md, "The gRPC port under abuse"): a peer's bad
 bytes end only its stream, flow control bounds what it can make us buffer,
 streams per connection and connections are limited (Limits, far above the
 held requests we expect), stalled and idle connections are closed, GOAWAY
 is graceful both ways. The pieces: h2grpc_call.py (one call),
-h2grpc_connection.py (one connection), h2grpc_h2.py (h2 as it uses it),
-h2grpc_hpack.py (its HPACK decoding),
-h2grpc_warnings.py (warnings per peer).
+h2grpc_connection.py (one connection), h2grpc_http2.py (its HTTP/2: frames,
+streams, flow control, protocol errors), h2grpc_frames.py (frames as bytes),
+h2grpc_hpack.py (its HPACK decoding), h2grpc_warnings.py (warnings per peer).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ __all__ = ["GrpcServer"]
 
 
 class GrpcServer(Transport):
-    """Serves ``methods`` on one listening address, straight on h2 (transport.py says what it owes)."""
+    """Serves ``methods`` on one listening address over HTTP/2 (transport.py says what it owes)."""
 
     def __init__(self, methods: Methods, limits: Limits | None = None) -> None:
         self.methods = methods
@@ -57,7 +57,7 @@ class GrpcServer(Transport):
             lambda: Connection(self.methods, self.limits, self.connections, self.warnings), host, port,
             reuse_address=True, ssl=None if tls is None else tls.listener,
             # The TLS handshake counts against the HTTP/2 one's limit (which starts after it).
-            ssl_handshake_timeout=None if tls is None else self.limits.listen.handshake_timeout_s,
+            ssl_handshake_timeout=None if tls is None else self.limits.grpc.handshake_timeout_s,
         )
 
     def calls(self) -> int:

@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import cast
+from typing import Any, cast
 
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
-
+from extproc.adapters.ext_proc import h2grpc_http2 as http2
 from extproc.adapters.ext_proc.h2grpc_call import PREFIX, Call, trailers
-from extproc.adapters.ext_proc.h2grpc_h2 import H2_CONFIG, RESPONSE_HEADERS, H2Connection
+from extproc.adapters.ext_proc.h2grpc_frames import ErrorCode
+from extproc.adapters.ext_proc.h2grpc_http2 import RESPONSE_HEADERS, Http2Connection, Http2Error, StreamClosed
 from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
 from extproc.adapters.ext_proc.transport import (
     INTERNAL,
@@ -50,7 +47,6 @@ CONNECTION_WINDOW = 16 * 1024 * 1024
 BIG = 64 * 1024
 LAST_STREAM = 2**31 - 1
 _SHUTDOWN_PING = b"h2grpc\x00\x01"
-_ProtocolError = h2.exceptions.ProtocolError
 
 
 def is_grpc(content_type: bytes) -> bool:
@@ -62,7 +58,7 @@ def is_grpc(content_type: bytes) -> bool:
 def shown(value: bytes) -> str:
     """A peer's header value as a log line and a status message may carry it: printable ASCII, any other byte escaped.
 
-    h2 does not check inbound headers here (docs/decisions.md), so a value may
+    The HTTP/2 layer does not check inbound headers (docs/decisions.md), so a value may
     hold any byte, a line break that would forge a log line included.
     """
     return "".join(chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}" for b in value)
@@ -79,11 +75,13 @@ class Connection(asyncio.Protocol):
     def __init__(self, methods: Methods, limits: Limits, connections: set[Connection],
                  warnings: PeerWarnings) -> None:
         self._methods = methods
-        self._listen = limits.listen
+        self._grpc = limits.grpc
         self._max_message = limits.max_message_bytes
         self._connections = connections
         self._warnings = warnings
-        self._h2 = H2Connection(H2_CONFIG)
+        self._loop = asyncio.get_running_loop()  # made by the listener, in its loop
+        self._h2 = Http2Connection(max_streams=self._grpc.max_streams_per_connection, stream_window=STREAM_WINDOW,
+                                   connection_window=CONNECTION_WINDOW)
         self._transport: asyncio.Transport | None = None
         self._peer: object = None
         self.calls: dict[int, Call] = {}
@@ -92,7 +90,7 @@ class Connection(asyncio.Protocol):
         self.buffered = 0  # request bytes received that no handler has taken yet
         # One message (and the frame that brings its last byte) must fit, whatever else a stream holds.
         self._stream_budget = self._max_message + PREFIX + 16_384
-        self._connection_budget = max(self._listen.connection_buffer_bytes, self._stream_budget)
+        self._connection_budget = max(self._grpc.connection_buffer_bytes, self._stream_budget)
         self._timer: asyncio.TimerHandle | None = None
         self._flush_pending = False  # a _flush is queued on the loop
         self._handshaken = False
@@ -105,27 +103,19 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass, but one in kind
         self._peer = transport.get_extra_info("peername")
-        loop = asyncio.get_running_loop()
-        self._last_frame = loop.time()
-        if len(self._connections) >= self._listen.max_connections:
-            self._warnings.warn(self._peer, "connection refused: %d open (listen.max_connections)",
+        self._last_frame = self._loop.time()
+        if len(self._connections) >= self._grpc.max_connections:
+            self._warnings.warn(self._peer, "connection refused: %d open (advanced.grpc.max_connections)",
                                 len(self._connections))
             self._h2.initiate_connection()
-            self._h2.send_goaway(0, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, b"too many connections")
+            self._h2.send_goaway(0, ErrorCode.ENHANCE_YOUR_CALM, b"too many connections")
             self._flush()
             self.close()
             return
         self._connections.add(self)
-        self._h2.local_settings = h2.settings.Settings(client=False, initial_values={
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._listen.max_streams_per_connection,
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-            # h2's default, kept: ext_proc carries the HTTP headers inside messages, not here.
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 2**16,
-        })
         self._h2.initiate_connection()
-        self._h2.increment_flow_control_window(CONNECTION_WINDOW - 65_535)
         self._flush()
-        self._timer = loop.call_later(self._listen.handshake_timeout_s, self._handshake_expired)
+        self._timer = self._loop.call_later(self._grpc.handshake_timeout_s, self._handshake_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._connections.discard(self)
@@ -140,16 +130,15 @@ class Connection(asyncio.Protocol):
 
     def _handshake_expired(self) -> None:
         self._warnings.warn(self._peer, "no HTTP/2 preface and SETTINGS within %gs: connection closed",
-                            self._listen.handshake_timeout_s)
+                            self._grpc.handshake_timeout_s)
         self.close()
 
     def _idle_check(self) -> None:
-        """Close a connection without streams or frames for listen.idle_timeout_s (Envoy reconnects when it needs one)."""
-        loop = asyncio.get_running_loop()
-        quiet = loop.time() - self._last_frame
-        idle = self._listen.idle_timeout_s
+        """Close a connection without streams or frames for advanced.grpc.idle_timeout_s (Envoy reconnects when it needs one)."""
+        quiet = self._loop.time() - self._last_frame
+        idle = self._grpc.idle_timeout_s
         if self.calls or quiet < idle:
-            self._timer = loop.call_later(idle if self.calls else idle - quiet, self._idle_check)
+            self._timer = self._loop.call_later(idle if self.calls else idle - quiet, self._idle_check)
             return
         log.debug("connection from %s idle for %gs: closed", self._peer, quiet)
         self._h2.send_goaway(self._h2.highest_inbound_stream_id, 0, b"idle")
@@ -183,74 +172,77 @@ class Connection(asyncio.Protocol):
     # -- frames in ------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        self._last_frame = asyncio.get_running_loop().time()
+        self._last_frame = self._loop.time()
         try:
             events = self._h2.receive_data(data)
-        except _ProtocolError as exc:  # h2 has queued the GOAWAY that says why
+        except Http2Error as exc:  # the GOAWAY that says why is queued
             self._warnings.warn(self._peer, "HTTP/2 protocol error, connection closed: %s", exc)
             self._flush()
             self.close()
             return
-        for event in events:
-            self._handle(event)
+        for kind, stream_id, value, size in events:
+            if kind == http2.DATA:
+                self._data(stream_id, value, size)
+            elif kind == http2.REQUEST:
+                self._start(stream_id, value)
+            elif kind == http2.ENDED:
+                call = self.calls.get(stream_id)
+                if call is not None and call.closing is None:
+                    try:
+                        call.end()
+                    except GrpcError as exc:
+                        self._fail(call, exc)
+            elif kind == http2.RESET:
+                call = self._drop(stream_id)
+                if call is not None:
+                    _cancel(call)
+            else:
+                self._connection_event(kind, stream_id, value)
         self._flush_soon()
 
-    def _handle(self, event: h2.events.Event) -> None:
-        if isinstance(event, h2.events.RequestReceived):
-            self._start(event)
-        elif isinstance(event, h2.events.DataReceived):
-            self._data(event)
-        elif isinstance(event, h2.events.StreamEnded):
-            call = self.calls.get(event.stream_id)
-            if call is not None and call.closing is None:
-                try:
-                    call.end()
-                except GrpcError as exc:
-                    self._fail(call, exc)
-        elif isinstance(event, h2.events.StreamReset):
-            call = self._drop(event.stream_id)
-            if call is not None:
-                _cancel(call)
-        elif isinstance(event, h2.events.WindowUpdated):
-            if event.stream_id:
-                pending = self._pending.get(event.stream_id)
+    def _connection_event(self, kind: int, stream_id: int, value: Any) -> None:
+        if kind == http2.WINDOW:
+            if stream_id:
+                pending = self._pending.get(stream_id)
                 if pending is not None:
                     self._drain(pending)
             else:
                 self._drain_pending()
-        elif isinstance(event, h2.events.RemoteSettingsChanged) and not self._handshaken:
+        elif kind == http2.SETTLED and not self._handshaken:
             self._handshaken = True
             if self._timer is not None:
                 self._timer.cancel()
-            self._timer = asyncio.get_running_loop().call_later(self._listen.idle_timeout_s, self._idle_check)
-        elif isinstance(event, h2.events.PingAckReceived) and event.ping_data == _SHUTDOWN_PING:
+            self._timer = self._loop.call_later(self._grpc.idle_timeout_s, self._idle_check)
+        elif kind == http2.PONG and value == _SHUTDOWN_PING:
             self._last_stream = self._h2.highest_inbound_stream_id
             self._h2.send_goaway(self._last_stream)
             self._end_if_done()
-        elif isinstance(event, h2.events.ConnectionTerminated):
-            self._peer_goaway(event)
+        elif kind == http2.GOING_AWAY:
+            self._peer_goaway(*value)
 
-    def _peer_goaway(self, event: h2.events.ConnectionTerminated) -> None:
+    def _peer_goaway(self, error_code: int, debug: bytes) -> None:
         """The client opens no more streams; NO_ERROR lets the running ones finish, an error ends them."""
-        if event.error_code == h2.errors.ErrorCodes.NO_ERROR:
+        if error_code == ErrorCode.NO_ERROR:
             self._draining = True
             self._end_if_done()
             return
-        self._warnings.warn(self._peer, "GOAWAY %s (%r), connection closed", event.error_code,
-                            event.additional_data)
+        try:
+            code: object = ErrorCode(error_code).name
+        except ValueError:  # a code RFC 9113 does not name
+            code = error_code
+        self._warnings.warn(self._peer, "GOAWAY %s (%s), connection closed", code, shown(debug))
         self.close()
 
-    def _start(self, event: h2.events.RequestReceived) -> None:
-        stream_id = event.stream_id
+    def _start(self, stream_id: int, header_list: list[tuple[bytes, bytes]]) -> None:
         if self._last_stream is not None and stream_id > self._last_stream:
-            self._reset(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)  # after our final GOAWAY: retry elsewhere
+            self._h2.reset_stream(stream_id, ErrorCode.REFUSED_STREAM)  # after our final GOAWAY: retry elsewhere
             return
-        if len(self.calls) >= self._listen.max_streams_per_connection:
+        if len(self.calls) >= self._grpc.max_streams_per_connection:
             self._warnings.warn(self._peer, "stream refused: %d open on one connection "
-                                "(listen.max_streams_per_connection)", len(self.calls))
-            self._reset(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+                                "(advanced.grpc.max_streams_per_connection)", len(self.calls))
+            self._h2.reset_stream(stream_id, ErrorCode.REFUSED_STREAM)
             return
-        headers = dict(event.headers or ())
+        headers = dict(header_list)
         # Refused as grpc-go refuses them (grpc.aio serves them as gRPC): HTTP 415 or 405, and a gRPC status.
         content_type = headers.get(b"content-type", b"")
         verb = headers.get(b":method", b"")
@@ -271,16 +263,14 @@ class Connection(asyncio.Protocol):
             return
         call = Call(stream_id, method, self)
         self.calls[stream_id] = call
-        call.task = asyncio.ensure_future(self._run(call))
+        call.task = self._loop.create_task(self._run(call))
 
-    def _data(self, event: h2.events.DataReceived) -> None:
-        size = event.flow_controlled_length or 0
-        call = self.calls.get(event.stream_id)
+    def _data(self, stream_id: int, data: bytes, size: int) -> None:
+        call = self.calls.get(stream_id)
         if call is None or call.closing is not None:  # a stream we are done with: only the window matters
-            self._h2.acknowledge_received_data(size, event.stream_id)
+            self._h2.acknowledge_received_data(size, stream_id)
             return
         call.unacked += size
-        data = event.data or b""
         self.buffered += len(data)
         try:
             call.received(data, self._max_message)
@@ -294,7 +284,7 @@ class Connection(asyncio.Protocol):
             if not victim.buffered:
                 break
             self._fail(victim, GrpcError(RESOURCE_EXHAUSTED, f"more than {self._connection_budget} request bytes "
-                                         "unread on this connection (listen.connection_buffer_bytes)"))
+                                         "unread on this connection (advanced.grpc.connection_buffer_bytes)"))
 
     # -- flow control ---------------------------------------------------------------------
 
@@ -346,7 +336,7 @@ class Connection(asyncio.Protocol):
                     call.outgoing += b"\0" + len(payload).to_bytes(4, "big") + payload
                     self._drain(call)
                     self._flush_soon()
-            except _ProtocolError:  # the stream was reset or closed while the reply was being made
+            except StreamClosed:  # the stream was reset or closed while the reply was being made
                 self._drop(call.stream_id)
                 return
             except GrpcError as exc:
@@ -381,18 +371,13 @@ class Connection(asyncio.Protocol):
     def _close_stream(self, stream_id: int, last: list[tuple[bytes, bytes]]) -> None:
         try:
             self._h2.send_headers(stream_id, last, end_stream=True)
-        except _ProtocolError:  # closed by the client's end or reset: nothing more to say
+        except StreamClosed:  # closed by the client's end or reset: nothing more to say
             pass
         else:
-            # The client may still send (our StreamEnded may not have been handled yet): we are done listening.
-            self._reset(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+            # The client may still send (its end may not have been handled yet): we are done listening.
+            # A stream both sides ended is closed: nothing to reset, nothing is sent.
+            self._h2.reset_stream(stream_id, ErrorCode.NO_ERROR)
         self._drop(stream_id)  # last: a draining connection ends with it
-
-    def _reset(self, stream_id: int, code: h2.errors.ErrorCodes) -> None:
-        try:
-            self._h2.reset_stream(stream_id, code)
-        except _ProtocolError:
-            pass
 
     def _drop(self, stream_id: int) -> Call | None:
         """Forget a call whose stream is over (the connection ends with its last, once draining)."""
@@ -416,7 +401,7 @@ class Connection(asyncio.Protocol):
                 self._h2.send_data(call.stream_id, call.outgoing[:size])
                 call.outgoing = call.outgoing[size:]
             call.wake()  # its handler may read on
-        except _ProtocolError:
+        except StreamClosed:
             call.outgoing = b""
             self._drop(call.stream_id)
             return
@@ -431,14 +416,14 @@ class Connection(asyncio.Protocol):
             self._drain(call)
 
     def _flush(self) -> None:
-        """Write what h2 has to send now (before a close, which must not cut it off)."""
+        """Write what the HTTP/2 layer has to send now (before a close, which must not cut it off)."""
         self._flush_pending = False
         data = self._h2.data_to_send()
         if data and self._transport is not None:
             self._transport.write(data)
 
     def _flush_soon(self) -> None:
-        """Write what h2 has to send once the loop has run what is ready: one write for the replies of many streams.
+        """Write what the HTTP/2 layer has to send once the loop has run what is ready: one write for many streams' replies.
 
         At saturation a socket read brings a dozen streams' messages; their
         handlers run in the next loop iteration, before this write (which is
@@ -447,7 +432,7 @@ class Connection(asyncio.Protocol):
         """
         if not self._flush_pending:
             self._flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)
 
 
 def _cancel(call: Call) -> None:

@@ -71,7 +71,7 @@ class MemoDecoder(Decoder):
         key = (bytes(data), raw)
         found = self._memo.get(key)
         if found is not None:
-            return list(found)  # h2 hands the list on in an event: the memo keeps its own
+            return list(found)  # the caller's to keep or change: the memo keeps its own
         headers = list(super().decode(data, raw))
         if table.generation == state[0] and len(key[0]) <= MAX_BLOCK_BYTES:  # the block changed nothing
             if len(self._memo) >= MAX_BLOCKS:

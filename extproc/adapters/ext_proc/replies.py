@@ -38,9 +38,9 @@ def duration(seconds: float) -> duration_pb2.Duration:
 def error_response(refused: Refused, status: int | None = None) -> pb.ProcessingResponse:
     """An OpenAI-style JSON error that Envoy sends to the client in place of the engine's answer."""
     body = error_body(refused.refusal, refused.message, refused.param)
-    retry_after = retry_after_s(refused.refusal, refused.drain_s)
+    retry_after = retry_after_s(refused.refusal, refused.drain_s, refused.retry_in_s)
     headers = [header("content-type", "application/json"),
-               *(header(key, value) for key, value in answer_headers(refused.refusal, retry_after))]
+               *(header(key, value) for key, value in (*answer_headers(refused.refusal, retry_after), *refused.headers))]
     if refused.queue_wait_s is not None:
         headers.append(header(QUEUE_WAIT_HEADER, str(round(refused.queue_wait_s * 1000))))
     return pb.ProcessingResponse(

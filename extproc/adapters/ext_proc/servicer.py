@@ -44,6 +44,7 @@ from collections.abc import AsyncIterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.adapters.budgets.gate import BudgetGate
 from extproc.adapters.config import Config
 from extproc.adapters.ext_proc.admission import Admission, Admissions
 from extproc.adapters.ext_proc.attach.base import Attachment, Stream
@@ -84,6 +85,8 @@ class Processor:
         self.lag = LoopLag(late_s=ACK_LAG_S)
         self.shedding = self._shedding(config)
         self._config = config
+        # Tenant budgets (config.budgets), kept through reloads: their counts are the tenants' usage.
+        self.budgets = None if config.budgets is None else BudgetGate(config.budgets, len(config.bands) - 1)
         self._derive(config)
 
     def _shedding(self, config: Config) -> Shedding:
@@ -101,6 +104,12 @@ class Processor:
         if (old.band_names, old.envoy.message_timeout_ms) != (config.band_names, config.envoy.message_timeout_ms):
             self.shedding = self._shedding(config)
         self._config = config
+        if config.budgets is None:
+            self.budgets = None
+        elif self.budgets is None:
+            self.budgets = BudgetGate(config.budgets, len(config.bands) - 1)
+        else:
+            self.budgets.reconfigure(config.budgets, len(config.bands) - 1)
         self._derive(config)
 
     def _derive(self, config: Config) -> None:
@@ -137,6 +146,7 @@ class Processor:
         if headers.get(":method") == "GET" and headers.get(":path", "").split("?")[0] == "/v1/models":
             yield models_response(self.admissions.names.listed())
             return
+        budgets, budget_pass = self.budgets, None
         try:
             if side.reads(stream):  # else no generator: the fast path reads nothing more
                 async for reply in side.read(stream, messages, headers):
@@ -162,8 +172,14 @@ class Processor:
                 self._telemetry.report(admission.model)(Signed(len(prefix.blocks)))
             stream.prompt = NO_PROMPT  # its slices would keep the body alive through the hold
             dispatcher = self._dispatchers[admission.model]
+            if budgets is not None:  # a budget over its limit refuses (raises) or downgrades
+                expected = dispatcher.expect(admission.tenant, content_length(headers), max_tokens(stream.fields))
+                admission, budget_pass = await budgets.admit(admission, expected)
+                stream.headers = budget_pass.headers
             held = self._submit(side, stream, headers, admission, dispatcher, prefix)
         except Refused as refused:
+            if budgets is not None and budget_pass is not None:
+                budgets.end(budget_pass, None)
             if refused.refusal not in _QUEUE_CAPS:  # the dispatcher counts its own
                 self._count_refusal(stream.fields.model, refused.refusal)
             yield side.refusal(refused)
@@ -190,6 +206,8 @@ class Processor:
                 yield reply
         finally:
             dispatcher.end(held)
+            if budgets is not None and budget_pass is not None:
+                budgets.end(budget_pass, held)
 
     def _submit(self, side: Attachment, stream: Stream, headers: dict[str, str], admission: Admission,
                 dispatcher: ModelDispatcher, prefix: Prefix) -> Held:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from extproc.adapters.config import Listen
+from extproc.adapters.config import GrpcLimits
 
 if TYPE_CHECKING:
     from extproc.adapters.ext_proc.tls import ServerTls
@@ -61,14 +61,14 @@ Methods = Mapping[str, Method]  # by gRPC path, ``/package.Service/Method``
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What a transport lets its peers hold: the ``listen`` section's bounds as configured, and the largest message.
+    """What a transport lets its peers hold: ``advanced.grpc``'s bounds as configured, and the largest message.
 
     The bounds are read from the config's own struct (its defaults are far
     above what Envoy's held requests need, docs/configuration.md), so there is
     one place that says what they are.
     """
 
-    listen: Listen = field(default_factory=Listen)
+    grpc: GrpcLimits = field(default_factory=GrpcLimits)
     max_message_bytes: int = MAX_MESSAGE_BYTES
 
 

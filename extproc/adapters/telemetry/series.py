@@ -300,6 +300,11 @@ class Series:
             if isinstance(series, _Series):
                 self.__dict__[attr] = series.build(registry)
 
+    @classmethod
+    def declared(cls) -> list[_Series[Any]]:
+        """Every series declared above, in order: what the metrics reference (docs/reference/metrics.md) is written from."""
+        return [series for series in vars(cls).values() if isinstance(series, _Series)]
+
     def per_endpoint_gauges(self) -> tuple[Gauge, ...]:
         """Gauges labelled (model, endpoint): cleared when an endpoint leaves its pool."""
         return (self.engine_waiting, self.engine_running, self.engine_kv_usage, self.engine_itl,

@@ -19,6 +19,8 @@ Routes, and why each exists:
   minute's slack at release) come from its telemetry, which keeps them as it
   counts them (``adapters/objectives.py``). With ``batches:``, the batch
   API's batches in progress (``adapters/batches``), read from its store.
+* ``/usage``: with tenant budgets, what each tenant used per model and day or
+  month, as CSV or JSON (``adapters/budgets/usage.py``), for finance.
 
 Anything else is 404 with the OpenAI-style error body and ``x-extproc-reason``,
 as the processor's other answers, so an HTTP probe of a wrong path fails
@@ -38,6 +40,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from extproc.adapters.answers import ANSWERS, answer_headers, error_body, retry_after_s
+from extproc.adapters.budgets.usage import Per, render, since_day
 from extproc.adapters.objectives import ObjectivesStatus
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
@@ -56,6 +59,8 @@ def error(refusal: Refusal, message: str) -> web.Response:
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The usage export from a day (YYYY-MM-DD), per day or month: records, or None without budgets.
+UsageSource = Callable[[str, Per], Awaitable[list[dict[str, Any]] | None]]
 
 
 @web.middleware
@@ -84,25 +89,29 @@ def warnings(statuses: list[ModelStatus]) -> list[str]:
 
 def status_document(statuses: list[ModelStatus], draining: bool,
                     objectives: Mapping[str, ObjectivesStatus] | None = None,
+                    budgets: list[dict[str, object]] | None = None,
                     batches: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """What /status.json answers; each model with its ``objectives`` where ``objectives`` has them (else null).
 
+    ``budgets``: the named tenants' and groups' limits as they stand (null without a budgets: section).
     ``batches``: the batch API's batches in progress (null without ``batches:``).
     """
     found = objectives or {}
     models = [{**asdict(s), "objectives": asdict(found[s.name]) if s.name in found else None} for s in statuses]
     return {"draining": draining, "not_ready": not_ready(statuses, draining), "top_tenants": TOP_TENANTS,
-            "models": models, "batches": batches}
+            "models": models, "budgets": budgets, "batches": batches}
 
 
 def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispatcher],
               draining: Callable[[], bool], telemetry: Telemetry | None = None,
-              awaited: Callable[[str], bool] = lambda model: True,
+              awaited: Callable[[str], bool] = lambda model: True, usage: UsageSource | None = None,
+              budgets: Callable[[], list[dict[str, object]] | None] = lambda: None,
               batches: Callable[[], list[dict[str, Any]]] | None = None) -> web.Application:
     """The app; ``draining`` tells whether the processor is shutting down; ``telemetry``, the objectives' numbers.
 
     ``awaited``: whether readiness waits for a model's first scrape (not for
     one a reload added: a serving processor does not turn unready for it).
+    ``usage``: the budgets' usage export (None, or answering None: no budgets); ``budgets``: their limits now.
     ``batches``: the batch API's batches in progress, for the status page.
     """
 
@@ -129,7 +138,7 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
         return web.json_response({"status": "ready", **({"warnings": told} if told else {})})
 
     async def status_json(request: web.Request) -> web.Response:
-        return web.json_response(status_document(statuses(), draining(), objectives(),
+        return web.json_response(status_document(statuses(), draining(), objectives(), budgets(),
                                                  None if batches is None else batches()),
                                  headers={"Cache-Control": "no-store"})
 
@@ -137,11 +146,28 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
         return web.Response(body=PAGE, content_type="text/html", charset="utf-8",
                             headers={"Cache-Control": "no-store"})
 
+    async def usage_export(request: web.Request) -> web.Response:
+        query = request.query
+        form, per = query.get("format", "json"), query.get("per", "day")
+        try:
+            since = since_day(query.get("since", "1970-01-01"))
+            if form not in ("csv", "json") or per not in ("day", "month"):
+                raise ValueError("format must be csv or json, per day or month")
+        except ValueError as exc:
+            return error(Refusal.BAD_REQUEST, str(exc))
+        found = None if usage is None else await usage(since, "day" if per == "day" else "month")
+        if found is None:
+            return error(Refusal.NOT_FOUND, "no usage: the config has no budgets: section")
+        return web.Response(text=render(found, "csv" if form == "csv" else "json"),
+                            content_type="text/csv" if form == "csv" else "application/json",
+                            headers={"Cache-Control": "no-store"})
+
     app = web.Application(middlewares=[json_errors])
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status.json", status_json)
+    app.router.add_get("/usage", usage_export)
     app.router.add_get("/", page)
     return app
 

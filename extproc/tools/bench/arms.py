@@ -90,14 +90,14 @@ ARMS: tuple[Arm, ...] = (
 )
 # Which arms a scenario runs unless it names its own: the fairness comparison.
 FAIRNESS_ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc")
-# Preemption of the batch class (#19): straight to the engine, the gateway without it and with it.
+# Preemption of the batch class: straight to the engine, the gateway without it and with it.
 PREEMPTION_ARMS = ("direct-fifo", "extproc-no-preempt", "extproc-preempt", "extproc-preempt-tight")
 # A batch-only load (work conservation): the engine alone, Envoy alone (its own cost) and the gateway.
 CONSERVATION_ARMS = ("direct-fifo", "envoy", "extproc-rr")
 # One instance against two sharing Redis, on the same fairness scenarios:
 # `--arms cluster` (direct FIFO runs anyway, as the baseline).
 CLUSTER_ARMS = ("extproc-rr", "cluster-rr", "extproc-vtc", "cluster-vtc")
-# Prefix locality (#21): the two fair policies against the locality-aware one (direct FIFO, or Envoy's own
+# Prefix locality: the two fair policies against the locality-aware one (direct FIFO, or Envoy's own
 # balancing across replicas, as the baseline).
 LOCALITY_ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc", "extproc-locality")
 # The gate comparison (gate-mix): the release rules against each other, same policy.

@@ -6,7 +6,7 @@
     extproc-dev bench --scenarios power-user,noisy-neighbour --arms cluster   # 1 instance vs 2 + Redis
     extproc-dev bench --overhead-only      # just the ext_proc hop (needs `hey`)
     extproc-dev bench --engine vllm        # the scenarios sized for a real vLLM (CPU build; ~25 min)
-    extproc-dev bench --scenarios batch-flood [--engine vllm]   # one scenario by name (see docs/benchmarks.md)
+    extproc-dev bench --scenarios batch-flood [--engine vllm]   # one scenario by name (see docs/reports/benchmarks.md)
     extproc-dev bench --quick --scenarios batch-flood,batch-only   # tiny versions of named scenarios
     extproc-dev bench --trace --no-overhead   # a production trace (the bundled Azure 2023 slice) replayed (~4 min)
     extproc-dev bench --trace conv.csv --trace code.csv --utilisation 0.8 --trace-start "2023-11-16 18:50:00"
@@ -45,13 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="CI smoke run: a small power-user scenario (with --scenarios: tiny versions of those), "
                         "no overhead benchmark")
-    parser.add_argument("--scenarios", help="comma-separated scenario names (default: all; see docs/benchmarks.md): "
+    parser.add_argument("--scenarios", help="comma-separated scenario names (default: all; see docs/reports/benchmarks.md): "
                         "power-user, steady-mix, priority-mix, noisy-neighbour, join-leave, gate-mix, batch-flood, "
                         "steady-classes, batch-only, prefix-share, prefix-share-2 (2 engine replicas), prefix-burst")
     parser.add_argument("--arms", help="comma-separated arm names, run on every chosen scenario (default: each "
                         "scenario's own; direct-fifo always runs); 'cluster' names extproc-rr, cluster-rr, "
                         "extproc-vtc, cluster-vtc: one instance against two sharing a Redis")
-    trace = parser.add_argument_group("production trace replay (docs/benchmarks.md)")
+    trace = parser.add_argument_group("production trace replay (docs/reports/benchmarks.md)")
     trace.add_argument("--trace", action="append", nargs="?", const="azure2023", metavar="FILE|PROFILE",
                        help="replay a real trace (Azure LLM inference trace 2023 CSV): alone, the bundled slice "
                        "(profile azure2023); or FILE, KIND=FILE (KIND conv or code, else read from the file's name), "

@@ -7,7 +7,7 @@ releases one request per thousand seconds), opens ``n`` ext_proc streams on
 one HTTP/2 connection from grpcio's C-core client, each sending the request
 headers Envoy would send on our metadata fast path, and waits until the queue
 stops growing. Per held = (processor RSS with them held − RSS before) / held,
-as docs/reliability.md measured it through Envoy; Envoy is left out here (its
+as docs/reports/reliability.md measures it through Envoy; Envoy is left out here (its
 share, about 54 KB a held request, does not depend on our transport), which
 also keeps the run short. The processor's CPU while the streams arrived is
 given per stream as well.
@@ -34,7 +34,7 @@ from extproc.tools.procs import cpu_seconds
 from extproc.tools.stack import Stack, start_sim
 
 TRANSPORTS = ("h2", "grpcio")
-HELD = 2_000  # streams held per transport in `extproc-dev bench` (10,000 in docs/reliability.md's runs)
+HELD = 2_000  # streams held per transport in `extproc-dev bench` (10,000 in docs/reports/reliability.md's runs)
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 # The queue is taken as settled once its depth has not changed for this long.
 SETTLE_S = 2.0

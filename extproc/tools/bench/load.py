@@ -88,7 +88,7 @@ class Stream:
     every: float = 0.0
     stream: bool = True
     stop_after: str | None = None
-    # Shared prefixes (#21). RAG: each request starts with one of ``documents`` documents of
+    # Shared prefixes. RAG: each request starts with one of ``documents`` documents of
     # ``document_tokens``, drawn at random, then its own prompt (its question). Chats: requests are
     # the turns of ``chats`` conversations in turn, and a turn starts with its chat's whole history
     # (each earlier turn's prompt and answer), then its own prompt.

@@ -531,7 +531,7 @@ def offered_load(scenario: Scenario, baseline: ArmRun) -> dict[str, float | None
             "chats_expected": chats, "chats_measured": measured(UNLOADED)}
 
 
-# --- #19: objectives, the batch class, classes against direct, work conservation ----------------
+# --- priority inside the engine: objectives, the batch class, classes against direct, work conservation ----------------
 
 
 def slowdown(loaded: Any, unloaded: Any) -> dict[str, float | None]:

@@ -192,7 +192,7 @@ def overhead_config(upstream_url: str, *, endpoint_picking: bool = False, transp
             "name": MODEL,
             "endpoints": [upstream_url],
             "target_waiting": 1_000_000,
-            "fallback_max_in_flight": 1_000_000,
+            "advanced": {"fallback_max_in_flight": 1_000_000},
             "endpoint_picking": endpoint_picking,
         }],
         "envoy": {

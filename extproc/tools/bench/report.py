@@ -1,6 +1,6 @@
 """Turn summaries into the benchmark's outputs: results.json, summary.md and PNG plots.
 
-The Markdown tables are what docs/benchmarks.md quotes; the targets table
+The Markdown tables are what docs/reports/benchmarks.md quotes; the targets table
 reports each target of the project beside the measured value, without
 judging the run a failure (a benchmark reports, tests assert).
 """
@@ -37,7 +37,7 @@ from extproc.tools.bench.trace import describe  # noqa: E402
 DPI = 80
 # More tenants than this (a replayed trace's 26): their service lines go without a legend.
 LEGEND_TENANTS = 12
-# Targets from the project's benchmark issue (reported, not asserted).
+# The project's targets (reported, not asserted).
 NEWCOMER_SPEEDUP = 20.0
 THROUGHPUT_RATIO = 0.97
 WAITING_SLACK = 2
@@ -51,7 +51,7 @@ CPU_US_PER_REQUEST = 250
 RATE_VS_ENVOY = 0.45
 ADDED_P50_MS = 0.5
 KB_PER_HELD = 5.0
-# Issue #19's targets.
+# The targets of priority inside the engine.
 WITHIN_OBJECTIVE = 0.99
 IDLE_CAPACITY_SHARE = 0.9
 # "No class worse than straight to the engine": read as TTFT p50 and p99 within this
@@ -165,7 +165,7 @@ def targets(
             add(f"interactive TTFT p99 under batch flood <= {FLOOD_SLOWDOWN}x unloaded ({name})", arm.name, slowdown,
                 "–" if slowdown is None else f"{slowdown:.1f}x ({_s(loaded)} s vs {_s(unloaded)} s)",
                 None if slowdown is None else slowdown <= FLOOD_SLOWDOWN)
-    rows += _issue19_targets(summaries, gated)
+    rows += _priority_targets(summaries, gated)
     rows += _overhead_targets(overhead or {})
     return rows
 
@@ -201,8 +201,8 @@ def _overhead_targets(overhead: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _issue19_targets(summaries: Mapping[str, Mapping[str, Any]], gated: Sequence[Arm]) -> list[dict[str, Any]]:
-    """Objective attainment, batch throughput, no class worse than direct, work conservation (#19)."""
+def _priority_targets(summaries: Mapping[str, Mapping[str, Any]], gated: Sequence[Arm]) -> list[dict[str, Any]]:
+    """Objective attainment, batch throughput, no class worse than direct, work conservation (priority inside the engine)."""
     rows: list[dict[str, Any]] = []
 
     def add(target: str, arm: str, value: float | None, shown: str, met: bool | None) -> None:

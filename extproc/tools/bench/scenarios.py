@@ -233,7 +233,7 @@ def steady_mix(duration: float = 60.0) -> Scenario:
     )
 
 
-# priority-mix also compares the gateway without and with preemption (#19).
+# priority-mix also compares the gateway without and with preemption.
 PRIORITY_ARMS = (*FAIRNESS_ARMS, "extproc-no-preempt", "extproc-preempt")
 
 
@@ -323,7 +323,7 @@ def batch_flood(
     until: float = 150.0, sizes: Sizes = TINY_SIZES, engine: Engine | None = VLLM_LIKE,
     time_scale: float | None = 1.0, arms: tuple[str, ...] = PREEMPTION_ARMS,
 ) -> Scenario:
-    """#19's reproduction: a batch flood of non-streamed completions, interactive chats until it is done.
+    """Priority inside the engine: a batch flood of non-streamed completions, interactive chats until it is done.
 
     Phases, on the same stack before the flood: the chats alone (their
     unloaded reference, ``unloaded_s`` of them), and straight to the engine
@@ -410,7 +410,7 @@ def full_set() -> list[Scenario]:
             prefix_share(1, documents=16, rag_burst=80, rag_rate=0.2)]
 
 
-# A GPU where prefill dominates a request (#21): 1 ms of prefill a prompt token, so a 2,000-token document
+# A GPU where prefill dominates a request (prefix locality): 1 ms of prefill a prompt token, so a 2,000-token document
 # costs 2 s to prefill and ~40 decode steps' worth; its KV cache holds a few documents beside a busy batch.
 PREFILL_HEAVY = Engine(max_num_seqs=8, kv_cache_tokens=24_576, step_ms=20.0, step_ms_per_seq=0.5,
                        prefill_ms_per_token=1.0, prefix_caching=True, block_size=16)
@@ -425,7 +425,7 @@ def prefix_share(
     engine: Engine = PREFILL_HEAVY, arms: tuple[str, ...] = LOCALITY_ARMS, vllm_engine: Any = None,
     time_scale: float | None = None,
 ) -> Scenario:
-    """Tenants that share long prefixes beside a flood of unrelated requests (#21).
+    """Tenants that share long prefixes beside a flood of unrelated requests (prefix locality).
 
     ``rag`` asks questions about ``documents`` documents of ``document_tokens``
     each (a document drawn at random per question), ``chat`` holds ``chats``

@@ -114,7 +114,7 @@ def steady_classes() -> Scenario:
 
 
 def prefix_share(replicas: int) -> Scenario:
-    """#21 on the prefill-size model: its 2,000-token documents take ~0.6 s to prefill uncached, ~0.08 s cached."""
+    """Prefix locality on the prefill-size model: its 2,000-token documents take ~0.6 s to prefill uncached, ~0.08 s cached."""
     return scenarios.prefix_share(
         replicas, duration=40.0, documents=6, document_tokens=1500, rag_rate=0.5, chats=4, chat_rate=0.3, flood=40,
         engine=replace(scenarios.PREFILL_HEAVY, block_size=128), vllm_engine=PREFILL,

@@ -39,7 +39,7 @@ class Stream:
     """
 
     __slots__ = ("request_mode", "response_mode", "has_body", "duplex", "response_duplex", "fields", "prompt", "body",
-                 "held_on_body", "subset")
+                 "held_on_body", "subset", "headers")
 
     def __init__(self, first: pb.ProcessingRequest, fields: RequestFields, prompt: Prompt,
                  subset: frozenset[str] | None = None) -> None:
@@ -58,6 +58,8 @@ class Stream:
         self.held_on_body = False
         # The endpoints the gateway allows (the Endpoint Picker Protocol's subset hint); None: any.
         self.subset = subset
+        # Headers its release sets for the response to carry (a budget's rate headers; our own Envoy echoes them).
+        self.headers: tuple[tuple[str, str], ...] = ()
 
 
 class Attachment:

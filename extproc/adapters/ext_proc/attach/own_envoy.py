@@ -52,7 +52,13 @@ from extproc.adapters.config import Config
 from extproc.adapters.ext_proc import epp
 from extproc.adapters.ext_proc.attach import body
 from extproc.adapters.ext_proc.attach.base import Attachment, Stream
-from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, PROCESSING_MODE, QUEUE_WAIT_HEADER, hold_timeout_for
+from extproc.adapters.ext_proc.contract import (
+    DESTINATION_HEADER,
+    MODEL_HEADER,
+    PROCESSING_MODE,
+    QUEUE_WAIT_HEADER,
+    hold_timeout_for,
+)
 from extproc.adapters.ext_proc.replies import content_length, duration, error_response, header
 from extproc.adapters.ext_proc.request_fields import NO_FIELDS, NO_PROMPT, RequestFields, prompt_from_metadata, prompt_of
 from extproc.core.dispatcher import Held
@@ -100,7 +106,6 @@ class OwnEnvoy(Attachment):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self._model_header = config.identity.model_header
         self._max_body_bytes = config.endpoint_picker.max_body_bytes
         # Prebuilt: one is sent to every request that has to wait.
         self._hold_replies = {
@@ -152,11 +157,13 @@ class OwnEnvoy(Attachment):
         # release or a preemptible one (they say when it can no longer be preempted).
         override_key = (stream.request_mode, stream.response_mode, priority is not None,
                         held.checked or held.preempted is not None)
-        plain = not stream.duplex and not stream.held_on_body  # the headers reply alone: nothing of the body in it
+        # The headers reply alone: nothing of the body in it, nor headers of this request's own.
+        plain = not stream.duplex and not stream.held_on_body and not stream.headers
         key = (model, waited_ms, destination, override_key)
         if plain and waited_ms < _REUSED_WAIT_MS and (reply := self._releases.get(key)) is not None:
             return [reply]
-        routing = [header(QUEUE_WAIT_HEADER, str(waited_ms)), header(self._model_header, model)]
+        routing = [header(QUEUE_WAIT_HEADER, str(waited_ms)), header(MODEL_HEADER, model),
+                   *(header(name, value) for name, value in stream.headers)]
         if destination:
             routing.append(header(DESTINATION_HEADER, destination))
         replies = body.release(duplex=stream.duplex, held_on_body=stream.held_on_body, body=stream.body, routing=routing,

@@ -1,0 +1,214 @@
+"""Each request's budget check at admission, and its settlement when its stream ends.
+
+The servicer asks :meth:`BudgetGate.admit` once it knows the tenant, the model
+and the class, before the request is queued: within its limits the request
+goes on with its reservation made (and its rate headers, when the config
+wants them on responses); over one, the tenant's action decides (core:
+``Verdict``): ``refuse`` raises the 429 (``rate_limit_exceeded`` or
+``insufficient_quota``, with ``Retry-After`` when there is room again and the
+rate headers), ``downgrade`` moves the request to the lowest class, ``report``
+lets it go as it is. Whatever then happens, the servicer hands the pass back
+with the request's :class:`~extproc.core.held.Held` (:meth:`BudgetGate.end`):
+served, it is charged what the cost model measured at its end; not served
+(refused in the queue, its client gone while queued, preempted before its
+response began), nothing.
+
+With ``cluster:`` the counts are the cluster's, in Redis (``shared.py``): one
+round trip per decision; Redis away, this instance's share of each limit.
+
+Time is the wall clock: budgets are per calendar day and month (UTC).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from redis.exceptions import RedisError
+
+from extproc.adapters.budgets.headers import NO_RETRY, rate_headers
+from extproc.adapters.budgets.shared import SharedBudgets, SharedTicket, amounts, meters, share, view
+from extproc.adapters.config.budgets import BudgetSettings, plan
+from extproc.adapters.ext_proc.admission import Admission
+from extproc.core.budgets.book import Usage
+from extproc.core.budgets.ledger import Budgets, Over, Ticket
+from extproc.core.budgets.limits import Action, Kind
+from extproc.core.held import Held
+from extproc.core.outcomes import Refusal, Refused
+
+log = logging.getLogger(__name__)
+
+REFUSALS = {Over.RATE: Refusal.RATE_LIMIT_EXCEEDED, Over.BUDGET: Refusal.INSUFFICIENT_QUOTA}
+
+
+@dataclass(frozen=True, slots=True)
+class Pass:
+    """An admitted request's reservation (in this instance's ledger, or the cluster's), and its response's headers."""
+
+    ticket: Ticket | SharedTicket
+    headers: tuple[tuple[str, str], ...] = ()
+    # The ledger the ticket is in (None: the cluster's), and what the book needs of a shared one.
+    ledger: Budgets | None = None
+    tenant: str = ""
+    model: str = ""
+    over: bool = False
+
+
+class BudgetGate:
+    """The processor's one :class:`~extproc.core.budgets.ledger.Budgets`, asked at admission and told at the end."""
+
+    def __init__(self, settings: BudgetSettings, lowest_band: int, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self.budgets = Budgets(plan(settings))
+        self.settings = settings
+        self._lowest = lowest_band
+        # Requests over a limit, by (tenant, limit kind, action): the metrics read it.
+        self.over: Counter[tuple[str, str, str]] = Counter()
+        # What was charged since start, by (tenant, model): requests, input, cached, output tokens, cost (the metrics').
+        self.usage: dict[tuple[str, str], list[float]] = {}
+        # With cluster: the counts in Redis; and this instance's share while Redis is away (same book).
+        self.shared: SharedBudgets | None = None
+        self._alone: Budgets | None = None
+        self._alone_instances = 0
+        self._warned = False
+
+    def reconfigure(self, settings: BudgetSettings, lowest_band: int) -> None:
+        """New limits from the next request on (a reload); every count is kept."""
+        self.settings = settings
+        self._lowest = lowest_band
+        self.budgets.reconfigure(plan(settings), self._clock())
+        self._alone_instances = 0  # the share is taken again from the new plan when next needed
+
+    async def admit(self, admission: Admission, expected: tuple[float, float]) -> tuple[Admission, Pass]:
+        """``admission`` as it goes on (downgraded over a limit with that action) and its pass; raises the refusal.
+
+        ``expected``: the prompt and output tokens the model's cost model
+        expects of it (its ``max_tokens``, clamped, else the tenant's average).
+        """
+        now = self._clock()
+        usage = Usage(expected[0], 0.0, expected[1])
+        if self.shared is not None:
+            try:
+                found = await self._admit_shared(self.shared, admission, usage, now)
+            except (RedisError, OSError, TimeoutError) as exc:
+                if not self._warned:
+                    self._warned = True
+                    log.warning("budgets: Redis unreachable (%s); enforcing this instance's share of each limit", exc)
+            else:
+                self._warned = False
+                return found
+        return self._admit_here(self._ledger(now), admission, usage, now)
+
+    def _ledger(self, now: float) -> Budgets:
+        """This instance's own ledger: alone, or its share of the cluster's limits while Redis is away."""
+        if self.shared is None:
+            return self.budgets
+        instances = max(1, self.shared.instances())
+        if self._alone is None:
+            self._alone = Budgets(share(self.budgets.plan, instances), self.budgets.book)
+            self._alone_instances = instances
+        elif self._alone_instances != instances:
+            self._alone.reconfigure(share(self.budgets.plan, instances), now)
+            self._alone_instances = instances
+        return self._alone
+
+    def _admit_here(self, budgets: Budgets, admission: Admission, usage: Usage, now: float) -> tuple[Admission, Pass]:
+        verdict = budgets.admit(admission.tenant, admission.model, usage, now)
+        over = verdict.over
+        headers: tuple[tuple[str, str], ...] = ()
+        if over is not None or self.settings.rate_headers:
+            headers = rate_headers(budgets.view(admission.tenant, admission.model, now))
+        passed = Pass(verdict.ticket, headers, budgets, admission.tenant, admission.model, over is not None)
+        if over is None:
+            return admission, passed
+        return self._over(admission, passed, over, verdict.action, verdict.retry_after_s, verdict.reason)
+
+    async def _admit_shared(self, shared: SharedBudgets, admission: Admission, usage: Usage,
+                            now: float) -> tuple[Admission, Pass]:
+        budgets = self.budgets
+        found = meters(budgets.plan, admission.tenant, admission.model, now, shared.calendar)
+        cost = budgets.plan.price(admission.model).cost(usage.input_tokens, 0.0, usage.output_tokens)
+        reserve = amounts(found, usage, cost)
+        ticket = SharedTicket(found, reserve, rated=True)
+        if not found:
+            return admission, Pass(ticket, (), None, admission.tenant, admission.model)
+        verdict = await shared.admit(found, reserve, now)
+        over = verdict.over
+        headers = rate_headers(view(found, verdict.used)) if over is not None or self.settings.rate_headers else ()
+        if over is None:
+            return admission, Pass(ticket, headers, None, admission.tenant, admission.model)
+        action = budgets.plan.tenant(admission.tenant).action
+        if action is Action.REFUSE:
+            ticket.open = False
+        else:  # served over the limit: counted (a downgrade in the periods only), whatever the limits
+            ticket.rated = action is Action.REPORT
+            kept = tuple(amount if ticket.rated or meter.kind == "p" else 0.0 for meter, amount in zip(found, reserve,
+                                                                                                      strict=True))
+            ticket = SharedTicket(found, kept, ticket.rated)
+            await shared.admit(found, kept, now, check=False)
+        passed = Pass(ticket, headers, None, admission.tenant, admission.model, True)
+        reason = f"tenant {admission.tenant!r} is over a limit of its budget (cluster-wide)"
+        return self._over(admission, passed, over, action, verdict.wait, reason)
+
+    def _over(self, admission: Admission, passed: Pass, over: Over, action: Action, wait: float,
+              reason: str) -> tuple[Admission, Pass]:
+        """Over a limit: refused (raises), downgraded to the lowest class, or reported."""
+        self.over[(admission.tenant, over.value, action.value)] += 1
+        if action is Action.REFUSE:
+            # OpenAI's retry-after-ms too: the SDKs read it first, to the millisecond.
+            headers = (*passed.headers, ("retry-after-ms", str(math.ceil(wait * 1000))))
+            raise Refused(REFUSALS[over], f"{reason}; room again in {wait:.0f} s", retry_in_s=wait,
+                          headers=(*headers, NO_RETRY) if over is Over.BUDGET else headers)
+        if action is Action.DOWNGRADE and admission.band < self._lowest:
+            asked = admission.band if admission.requested is None else admission.requested
+            admission = replace(admission, band=self._lowest, requested=asked)
+        return admission, passed
+
+    def named(self) -> list[dict[str, object]]:
+        """Each limit of each named scope (a tenant under ``budgets.tenants``, its models, a group) as it stands now.
+
+        The status page's rows; unnamed tenants (those of ``default``) are many, and in the export.
+        With a cluster these are this instance's own counts (the cluster's are in Redis).
+        """
+        budgets = self.budgets
+        named = budgets.plan.tenants
+        return [{"scope": s.scope.kind.value, "name": s.scope.name, "model": s.scope.model, "limit": s.limit,
+                 "value": s.value, "used": s.used, "remaining": s.remaining, "reset_s": s.reset_s}
+                for s in budgets.standings(self._clock()) if s.scope.kind is Kind.GROUP or s.scope.name in named]
+
+    def end(self, passed: Pass, held: Held | None) -> None:
+        """The request's stream is over: charged what it used if it was served (``held``: None if never queued)."""
+        now = self._clock()
+        ticket = passed.ticket
+        charge = held.charge if held is not None else None
+        served = held is not None and charge is not None and held.served
+        if not served or held is None or charge is None:
+            if isinstance(ticket, SharedTicket):
+                if self.shared is not None:
+                    self.shared.correct(ticket, None, now)
+            elif passed.ledger is not None:
+                passed.ledger.cancel(ticket, now)
+            return
+        used = Usage(held.estimate.prompt_tokens, charge.cached_tokens, charge.output_tokens)
+        if isinstance(ticket, SharedTicket):
+            cost = self.budgets.plan.price(passed.model).cost(used.input_tokens, used.cached_tokens, used.output_tokens)
+            if self.shared is not None:
+                self.shared.correct(ticket, amounts(ticket.meters, used, cost), now)
+            self.budgets.book.add(passed.tenant, passed.model, self.budgets.calendar_day(now), used, cost,
+                                  over=passed.over)
+        else:
+            assert passed.ledger is not None
+            cost = passed.ledger.settle(ticket, used, now)
+        totals = self.usage.get((passed.tenant, passed.model))
+        if totals is None:
+            totals = self.usage[(passed.tenant, passed.model)] = [0.0] * 5
+        totals[0] += 1
+        totals[1] += used.input_tokens
+        totals[2] += used.cached_tokens
+        totals[3] += used.output_tokens
+        totals[4] += cost
+

@@ -1,0 +1,60 @@
+"""The ``advanced:`` section: what only a developer tunes, apart from what an operator sets.
+
+An operator's file names the models, their endpoints and engine, the classes,
+the tenants and the identity; everything here has a default measured for
+Envoy's shape and is changed only to reproduce or study a limit. Keeping it
+in one section keeps the reference's first tables to what a deployment needs.
+A key that moved here from elsewhere is refused at its old place with its
+new one (the sections' ``REMOVED``, values.py), never read from both.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from extproc.adapters.config.values import Count, Positive, Section
+
+
+class GrpcLimits(Section, frozen=True):
+    """The gRPC port's bounds on what one peer can hold (adapters/ext_proc/transport.py ``Limits``).
+
+    Far above what Envoy's held requests need, each held request being one
+    stream (docs/configuration.md, "The gRPC port's limits").
+    """
+
+    max_streams_per_connection: Count = 100_000
+    max_connections: Count = 1_000
+    connection_buffer_bytes: Count = 32 * 1024 * 1024
+    idle_timeout_s: Positive = 3600.0
+    handshake_timeout_s: Positive = 10.0
+
+
+# The keys that were `listen.*` before they moved to `advanced.grpc.*`.
+GRPC_LIMITS = tuple(GrpcLimits.__struct_fields__)
+
+
+class ModelAdvanced(Section, frozen=True):
+    """A model's ``advanced:`` section: how often its engines are read, and how the gate copes without them.
+
+    The defaults suit an engine next to the processor; a developer changes
+    them to study a slower scrape or a lagging engine (docs/gate.md).
+    """
+
+    # How often each endpoint's /metrics is read.
+    scrape_interval_s: Positive = 0.1
+    # Metrics older than this are not trusted (the engine may have moved on); also the scrape's timeout.
+    stale_after_s: Positive = 1.0
+    # In-flight floor per endpoint while the engine's metrics cannot be read.
+    fallback_max_in_flight: Count = 4
+    # Inter-token latency is averaged over this much recent time; also the least time between two cuts.
+    itl_window_s: Positive = 2.0
+
+
+# The model keys that moved to `models[].advanced.*`.
+MODEL_ADVANCED = tuple(ModelAdvanced.__struct_fields__)
+
+
+class AdvancedSettings(Section, frozen=True):
+    """Developer tuning, one subsection per part of the program it bounds."""
+
+    grpc: GrpcLimits = msgspec.field(default_factory=GrpcLimits)

@@ -1,0 +1,153 @@
+"""The ``budgets:`` section: tenant limits and prices as written, checked, and resolved into the core's plan.
+
+Beside ``tenants:`` (who may use which class, at what weight) rather than in
+it: a budget is about how much, it has its own groups and the models' prices,
+and an operator reads one section to see every limit. It reads as
+``tenants:`` does: a tenant's entry inherits every field it does not set from
+the ``default`` entry, and each tenant has its own counters::
+
+    budgets:
+      store: /var/lib/extproc/usage.sqlite    # day and month budgets survive a restart
+      prices:                                 # per million tokens
+        llama-70b: {input: 0.60, cached_input: 0.06, output: 2.40}
+      groups:
+        evaluation: {cost_per_month: 300}
+      tenants:
+        default: {requests_per_minute: 600, output_tokens_per_minute: 200000}
+        team-x:
+          action: downgrade
+          models:
+            llama-70b: {output_tokens_per_minute: 50000}
+
+The structs are checked by validate.py as every section is; the rules here
+run from rules.py's table, and :func:`plan` resolves the section into
+:class:`~extproc.core.budgets.limits.Plan` (docs/budgets.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import fields, replace
+from typing import Literal
+
+import msgspec
+
+from extproc.adapters.config.validate import Problems
+from extproc.adapters.config.values import NonEmpty, NonNegative, Positive
+from extproc.core.budgets.limits import Action, Limits, Plan, Prices, TenantPlan
+
+# The entry every other tenant inherits from (as in `tenants:`).
+DEFAULT_KEY = "default"
+
+
+class _Entry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A mapping in the section: typed fields, unknown keys refused (as schema.py's sections)."""
+
+
+class LimitSettings(_Entry, frozen=True):
+    """One scope's limits as written, named as :class:`~extproc.core.budgets.limits.Limits`' fields; unset: none, or inherited."""
+
+    requests_per_minute: Positive | None = None
+    input_tokens_per_minute: Positive | None = None
+    output_tokens_per_minute: Positive | None = None
+    tokens_per_day: Positive | None = None
+    cost_per_day: NonNegative | None = None
+    cost_per_month: NonNegative | None = None
+
+    def written(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(Limits) if getattr(self, f.name) is not None}
+
+
+class TenantBudget(LimitSettings, frozen=True):
+    """A tenant's limits on all its models, per model, its groups and its action over any of them."""
+
+    # refuse: 429 with Retry-After; downgrade: served in the lowest class (idle capacity); report: only counted.
+    action: Literal["refuse", "downgrade", "report"] | None = None
+    # The groups (budgets.groups) whose shared limits it also counts in.
+    groups: tuple[NonEmpty, ...] | None = None
+    # Limits of this tenant on one model (by its configured name), beside those on all its models.
+    models: dict[str, LimitSettings] = msgspec.field(default_factory=dict)
+
+
+class PriceSettings(_Entry, frozen=True):
+    """A model's prices per million tokens; a cached prompt token (the engine's prefix cache) costs ``cached_input``."""
+
+    input: NonNegative = 0.0
+    cached_input: NonNegative | None = None  # unset: the input price
+    output: NonNegative = 0.0
+
+    def prices(self) -> Prices:
+        return Prices(self.input, self.input if self.cached_input is None else self.cached_input, self.output)
+
+
+class BudgetSettings(_Entry, frozen=True):
+    """Tenant budgets: limits per tenant (``default`` for every other), per tenant and model, per group; prices."""
+
+    tenants: dict[str, TenantBudget] = msgspec.field(default_factory=dict)
+    groups: dict[str, LimitSettings] = msgspec.field(default_factory=dict)
+    # By model name (as in models[].name).
+    prices: dict[str, PriceSettings] = msgspec.field(default_factory=dict)
+    # An SQLite file that keeps the usage book (a single instance's day and month budgets across restarts);
+    # unset: in memory only.
+    store: NonEmpty | None = None
+    # How often the store is written (write-behind: never on a request's path).
+    store_interval_s: Positive = 5.0
+    # OpenAI's x-ratelimit-* headers on released requests' responses (refusals always carry them).
+    rate_headers: bool = True
+
+
+def price_problems(price: PriceSettings) -> Problems:
+    if price.cached_input is not None and price.cached_input > price.input:
+        yield "cached_input", f"must not exceed input ({price.input:g}): a cached prompt token costs less, not more"
+
+
+def budget_problems(budgets: BudgetSettings, models: Iterable[str]) -> Problems:
+    """Names the section uses exist (groups, models), and a money budget has prices to count in. Keys below ``budgets``."""
+    known = set(models)
+    for name in budgets.prices:
+        if name not in known:
+            yield f"prices.{name}", f"no model {name!r} in models (one of: {', '.join(sorted(known))})"
+    costs = []
+    for tenant, entry in budgets.tenants.items():
+        for i, group in enumerate(entry.groups or ()):
+            if group not in budgets.groups:
+                yield f"tenants.{tenant}.groups[{i}]", f"no group {group!r} in budgets.groups"
+        for model, limits in entry.models.items():
+            if model not in known:
+                yield f"tenants.{tenant}.models.{model}", f"no model {model!r} in models"
+            costs += [f"tenants.{tenant}.models.{model}"] if _costs(limits) else []
+        costs += [f"tenants.{tenant}"] if _costs(entry) else []
+    costs += [f"groups.{name}" for name, limits in budgets.groups.items() if _costs(limits)]
+    if costs and not any(p.input or p.output or p.cached_input for p in budgets.prices.values()):
+        yield costs[0], "a money budget needs prices (budgets.prices): without them every request costs 0"
+
+
+def _costs(limits: LimitSettings) -> bool:
+    return limits.cost_per_day is not None or limits.cost_per_month is not None
+
+
+def _limits(written: LimitSettings | None, base: Limits) -> Limits:
+    return base if written is None else replace(base, **written.written())
+
+
+def _tenant(written: TenantBudget, base: TenantPlan) -> TenantPlan:
+    """``written`` over ``base`` field by field; per model, over ``base``'s limits for that model."""
+    models = {**base.models, **{name: _limits(limits, base.models.get(name, Limits()))
+                                for name, limits in written.models.items()}}
+    return TenantPlan(
+        action=base.action if written.action is None else Action(written.action),
+        limits=_limits(written, base.limits),
+        models=models,
+        groups=base.groups if written.groups is None else written.groups,
+    )
+
+
+def plan(budgets: BudgetSettings) -> Plan:
+    """The section as the core reads it: each tenant's entry over ``default``'s."""
+    default = _tenant(budgets.tenants.get(DEFAULT_KEY, TenantBudget()), TenantPlan())
+    return Plan(
+        tenants={name: _tenant(entry, default) for name, entry in budgets.tenants.items() if name != DEFAULT_KEY},
+        default=default,
+        groups={name: _limits(limits, Limits()) for name, limits in budgets.groups.items()},
+        prices={name: price.prices() for name, price in budgets.prices.items()},
+    )

@@ -1,0 +1,108 @@
+"""Budgets through real parts: the OpenAI SDK, Envoy, ``extproc serve`` and the simulator.
+
+The SDK's own rate-limit handling is what a client of this gateway runs: it
+must retry a ``rate_limit_exceeded`` 429 after its ``Retry-After`` and get
+its answer, and give up at once on ``insufficient_quota`` (``x-should-retry:
+false``). The rate headers must reach the client through Envoy, and the usage
+export must show what was served.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+import yaml
+
+from extproc.tools.stack import Stack, start_stack
+from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
+
+pytestmark = pytest.mark.integration
+
+FAST_SIM = ["--max-num-seqs", "8", "--step-ms", "20", "--time-scale", "0.1"]
+# bob: one request a second, a minute's burst at once; carol: a day's budget of a few requests.
+BUDGETS = {"tenants": {"default": {"requests_per_minute": 1000}, "bob": {"requests_per_minute": 60},
+                       "carol": {"tokens_per_day": 200}, "dave": {"tokens_per_day": 300}}}
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    path = write_config(tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**doc, "budgets": {**BUDGETS, "store": str(tmp_path / "usage.sqlite")}}))
+    async with await start_stack(path, tmp_path, sim_args=FAST_SIM) as s:
+        yield s
+
+
+async def ask(client: openai.AsyncOpenAI, max_tokens: int = 4) -> None:
+    await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens)
+
+
+async def test_the_openai_sdk_retries_a_rate_limit_after_retry_after_and_gets_its_answers(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{stack.envoy_url}/v1", api_key=TENANT_KEYS["bob"], max_retries=5)
+    start = time.monotonic()
+    async with client:
+        for _ in range(70):  # ten more than the minute's burst: those wait for the window, by Retry-After
+            answer = await client.chat.completions.with_raw_response.create(
+                model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            assert answer.http_response.status_code == 200
+    elapsed = time.monotonic() - start
+    headers = answer.headers  # the last one, through Envoy: the rate headers of bob's window
+    assert headers["x-ratelimit-limit-requests"] == "60" and int(headers["x-ratelimit-remaining-requests"]) <= 1
+    samples = await read_metrics(stack.metrics_url)
+    refused = metric(samples, "extproc_budget_over_total", tenant="bob", over="rate", action="refuse")
+    assert refused >= 1  # some attempts were refused, and the SDK retried each until it was let in
+    assert elapsed >= 5  # at one a second once the burst was spent: the window held
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{stack.envoy_url}/v1/chat/completions",
+                                json={"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4},
+                                headers={"authorization": f"Bearer {TENANT_KEYS['bob']}"}) as refusal:
+            body = await refusal.json()
+            if refusal.status == 429:  # the window may have room by now
+                assert body["error"]["code"] == "rate_limit_exceeded" and 1 <= int(refusal.headers["retry-after"]) <= 2
+                assert refusal.headers["x-ratelimit-remaining-requests"] == "0"
+        async with session.get(f"http://{stack.config.listen.metrics}/usage", params={"per": "month"}) as usage:
+            rows = {row["tenant"]: row for row in await usage.json()}
+    assert rows["bob"]["requests"] >= 70 and rows["bob"]["output_tokens"] >= 70 * 1
+
+
+async def test_the_openai_sdk_does_not_retry_insufficient_quota(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{stack.envoy_url}/v1", api_key=TENANT_KEYS["carol"], max_retries=5)
+    async with client:
+        await ask(client, max_tokens=50)  # 'hi' is a few tokens + 50: within 200
+        await ask(client, max_tokens=50)
+        start = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as refused:
+            await ask(client, max_tokens=199)  # with what the first two used, over 200
+    assert refused.value.code == "insufficient_quota" and time.monotonic() - start < 2  # no retry
+    assert refused.value.response.headers["x-should-retry"] == "false"
+
+
+async def usage_of(stack: Stack, tenant: str) -> float:
+    """The tokens ``tenant`` used this month, as the processor's /usage says."""
+    async with aiohttp.ClientSession() as session, session.get(
+            f"http://{stack.config.listen.metrics}/usage", params={"per": "month"}) as answer:
+        rows = [row for row in await answer.json() if row["tenant"] == tenant]
+    total: float = sum(row["input_tokens"] + row["output_tokens"] for row in rows)
+    return total
+
+
+async def test_a_restart_in_the_middle_of_a_day_budget_does_not_hand_out_a_fresh_one(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{stack.envoy_url}/v1", api_key=TENANT_KEYS["dave"], max_retries=0)
+    async with client:
+        await ask(client, max_tokens=100)
+        await ask(client, max_tokens=100)
+        used = await usage_of(stack, "dave")
+        assert 10 <= used <= 202
+        assert stack.processor is not None
+        await stack.processor.stop()  # SIGTERM: drains, writes the store
+        await stack.start_processor()
+        assert await usage_of(stack, "dave") == used
+        # Fits a fresh day (300), not what is left of this one.
+        with pytest.raises(openai.RateLimitError) as refused:
+            await ask(client, max_tokens=int(300 - used) + 2)
+    assert refused.value.code == "insufficient_quota"
