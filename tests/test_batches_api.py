@@ -295,6 +295,7 @@ async def test_an_upload_over_the_size_limit_is_refused(tmp_path: Path) -> None:
     (503, {"x-extproc-reason": "queue_timeout", "retry-after": "30"}, ("queue_timeout", 30.0)),
     (429, {"x-extproc-reason": "tenant_queue_full", "retry-after": "999"}, ("tenant_queue_full", 60.0)),
     (503, {"x-extproc-reason": "processor_unavailable"}, ("processor_unavailable", 1.0)),
+    (429, {"x-extproc-reason": "insufficient_quota", "retry-after": "86400"}, ("insufficient_quota", 60.0)),
     (429, {}, ("429", 1.0)),
     (200, {}, None),
     (400, {"x-extproc-reason": "model_not_found"}, None),
