@@ -40,7 +40,8 @@ def _serve(args: argparse.Namespace) -> int:
     source = ConfigSource(Path(args.config), args.shard, args.instance)
     text = source.read()
     config, _ = source.load(text)
-    for key, address in (("listen.grpc", config.listen.grpc), ("listen.metrics", config.listen.metrics)):
+    batches = () if config.batches is None else (("batches.listen", config.batches.listen),)
+    for key, address in (("listen.grpc", config.listen.grpc), ("listen.metrics", config.listen.metrics), *batches):
         problem = bind_problem(address)
         if problem is not None:
             raise CannotStart(f"{key}: {address} {problem} (set {key} to a free address)")

@@ -25,7 +25,7 @@ JWT_CONFIG = ROOT / "envoy" / "jwt-extproc.yaml"
 JWT_BOOTSTRAP = ROOT / "envoy" / "jwt-bootstrap.yaml"
 # One of each kind of generated bootstrap (identity, endpoint addressing, TLS, ext_proc or not).
 VARIANTS = ("demo", "no-keys-hostnames", "https", "jwt-remote", "jwt-inline", "no-ext-proc", "sharded-open", "cluster",
-            "processor-mtls")
+            "processor-mtls", "batches")
 
 
 def free_port_config(api_keys: dict[str, str] | None = None, **overrides: Any) -> Config:
@@ -79,6 +79,10 @@ def variant_bootstrap(variant: str, workdir: Path) -> dict[str, Any]:
     if variant == "processor-mtls":  # mutual TLS to the processor, reached by name
         tls, envoy = processor_tls(workdir / "tls")
         return bootstrap(free_port_config(listen={"grpc": f"localhost:{free_port()}", "tls": tls}, envoy=envoy))
+    if variant == "batches":  # the batch API's routes and the runner's own listener, keyed
+        return bootstrap(free_port_config(batches={
+            "directory": str(workdir / "batches"), "listen": f"127.0.0.1:{free_port()}",
+            "runner_listen": f"127.0.0.1:{free_port()}", "runner_key": "k"}))
     assert variant == "https", variant
     return bootstrap(free_port_config(models=[{"name": "remote", "endpoints": ["https://llm.example.com:443"]}]))
 

@@ -232,3 +232,26 @@ async def test_compose_up_serves_through_envoy(compose: Compose) -> None:
     healthcheck = SERVICES["extproc"]["healthcheck"]["test"][1:]
     status = await asyncio.to_thread(compose.run, "exec", "-T", "extproc", *healthcheck)
     assert json.loads(status) == {"status": "ready"}
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+async def test_compose_runs_a_batch_through_envoy(compose: Compose) -> None:
+    """The batch API on the demo: the SDK's workflow, each line through Envoy's runner listener and the queue."""
+    lines = b"".join(json.dumps({
+        "custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "demo-qwen", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4},
+    }).encode() + b"\n" for i in range(5))
+    async with openai.AsyncOpenAI(base_url=f"{compose.envoy_url}/v1", api_key="key-bob") as client:
+        upload = await client.files.create(file=("requests.jsonl", lines), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        deadline = time.monotonic() + 60
+        while (batch := await client.batches.retrieve(batch.id)).status != "completed":
+            assert batch.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline, batch
+            await asyncio.sleep(0.5)
+        assert batch.output_file_id is not None
+        out = (await client.files.content(batch.output_file_id)).text.splitlines()
+    assert sorted(json.loads(line)["custom_id"] for line in out) == [f"r{i}" for i in range(5)]
+    samples = await read_metrics(compose.metrics_url)
+    assert metric(samples, "extproc_batch_lines_total", tenant="bob", outcome="completed") == 5

@@ -29,7 +29,8 @@ def test_a_minimal_file_lists_every_leaf_of_the_schema_once() -> None:
     assert len(got) == len(set(got))
     patterns = {line.replace("models[0]", "models[]") for line in got}
     # Every leaf outside an absent optional section or a mapping of entries; those show as one key (null, {}).
-    absent = ("listen.tls.", "models[].prefix.", "envoy.jwt.", "cluster.", "shards.", "bands.", "tenants.", "budgets.")
+    absent = ("listen.tls.", "models[].prefix.", "envoy.jwt.", "cluster.", "shards.", "bands.", "tenants.", "budgets.",
+              "batches.")
     expected = {k.path for k in keys() if not k.section and not k.path.startswith(absent)}
     assert expected <= patterns
     assert {"listen.tls", "models[].prefix", "envoy.jwt", "cluster", "shards", "budgets"} <= patterns

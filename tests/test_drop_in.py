@@ -149,6 +149,26 @@ def test_merge_puts_filters_before_the_router_routes_first_and_is_idempotent() -
     assert user == user_envoy(api_port=1) | {"admin": user["admin"], "static_resources": user["static_resources"]}
 
 
+BATCHES = {"directory": "/tmp/batches", "listen": "127.0.0.1:8090", "runner_listen": "127.0.0.1:10001",
+           "runner_key": "k"}
+
+
+@pytest.mark.unit
+def test_with_batches_the_api_routes_run_only_identity_and_the_runner_listener_is_added(tmp_path: Path) -> None:
+    piece = drop_in(load_config(write_stack_config(tmp_path, {"m1": {}}, batches=BATCHES)))
+    api = [r for r in piece["routes"] if r["name"].startswith("extproc-batch_api_")]
+    assert [r["match"]["prefix"] for r in api] == ["/v1/files", "/v1/batches"] and piece["routes"][:2] == api
+    assert all(set(r["typed_per_filter_config"]) == {"extproc.header_mutation", "extproc.api_key_auth"} for r in api)
+    assert "extproc_batch_api" in [c["name"] for c in piece["clusters"]]
+    [runner] = piece["listeners"]
+    assert runner["name"] == "extproc-batch_runner"
+    user = user_envoy(api_port=1)
+    merged = merge(user, piece)
+    bootstrap_message(merged)
+    assert [item["name"] for item in merged["static_resources"]["listeners"]] == ["main", "extproc-batch_runner"]
+    assert merge(merged, piece) == merged
+
+
 @pytest.mark.unit
 def test_merge_names_what_it_cannot_find() -> None:
     piece = drop_in(load_config(DEMO_CONFIG))
@@ -188,12 +208,14 @@ def variant_config(variant: str, tmp_path: Path) -> Config:
         return load_config(JWT_CONFIG)
     if variant == "open":
         return load_config(write_stack_config(tmp_path, {"m1": {}}, envoy={"processor_failure": "open"}))
+    if variant == "batches":
+        return load_config(write_stack_config(tmp_path, {"m1": {}}, batches=BATCHES))
     assert variant == "picking"
     return load_config(write_config(tmp_path, replicas=2, endpoint_picking=True))
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("variant", ["demo", "jwt", "open", "picking"])
+@pytest.mark.parametrize("variant", ["demo", "jwt", "open", "picking", "batches"])
 def test_envoy_validates_every_merged_drop_in(variant: str, tmp_path: Path) -> None:
     config = variant_config(variant, tmp_path)
     path = tmp_path / "merged.yaml"

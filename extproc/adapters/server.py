@@ -36,6 +36,7 @@ from typing import Any
 import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.adapters.batches.service import BatchService
 from extproc.adapters.budgets.metrics import BudgetCollector
 from extproc.adapters.budgets.shared import SharedBudgets
 from extproc.adapters.budgets.store import StoreWriter, UsageStore
@@ -115,11 +116,16 @@ class ProcessorServer:
         self._store = None if budgets is None or budgets.store is None else StoreWriter(
             UsageStore(budgets.store), self._usage_book, budgets.store_interval_s, time.time)
         self.telemetry.registry.register(BudgetCollector(lambda: self.processor.budgets, time.time))
+        # OpenAI's Batch API and its runner (batches:, docs/batches.md).
+        self._batches = (None if config.batches is None
+                         else BatchService(lambda: self.config, self.telemetry.registry, tenant_labels(config)))
+        self._batches_started = False
         # The metrics port (/metrics, /healthz, /readyz, the status page, /usage): adapters/web/app.py.
         host, port = split_address(config.listen.metrics)
         self._metrics_server = MetricsServer(
             build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining, self.telemetry,
-                      lambda model: model not in self._reloaded, self.usage, self._budget_standings),
+                      lambda model: model not in self._reloaded, self.usage, self._budget_standings,
+                      None if self._batches is None else self._batches.progress),
             host, port,
         )
         self._metrics_started = False
@@ -165,6 +171,9 @@ class ProcessorServer:
         except OSError as exc:
             raise OSError(f"listen.metrics: cannot bind {self.config.listen.metrics} ({exc.strerror})") from exc
         self._metrics_started = True
+        if self._batches is not None:
+            await self._batches.start()
+            self._batches_started = True
         self._session = aiohttp.ClientSession()
         self._probes = probe_session()
         if self._tls is not None:
@@ -265,6 +274,9 @@ class ProcessorServer:
                  self.queued(), self.in_flight(), drain_seconds, deadline_seconds)
         self.processor.draining = True
         self.telemetry.draining.set(1)
+        if self._batches is not None and self._batches_started:  # no more lines; those in flight run again next start
+            self._batches_started = False
+            await self._batches.stop()
         self._health.enter_graceful_shutdown()
         await self._wait(lambda: self.queued() == 0, start + min(drain_seconds, deadline_seconds), force)
         if self.queued():
@@ -301,6 +313,8 @@ class ProcessorServer:
         for session in (self._session, self._probes):
             if session is not None:
                 await session.close()
+        if self._batches is not None and self._batches_started:
+            await self._batches.stop()
         if self._metrics_started:
             await self._metrics_server.stop()
         await self._grpc.stop(0)

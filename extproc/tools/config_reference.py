@@ -29,7 +29,8 @@ UNWRITTEN = "(to be written)"
 # Each table: its name in the markers, and the prefix of its keys (shown without it). The top table
 # holds every other key, and each of these sections as one row.
 SECTIONS = {"models": "models[].", "bands": "bands.<name>.", "tenants": "tenants.<name>.", "shards": "shards.<name>.",
-            "cluster": "cluster.", "envoy": "envoy.", "advanced": "advanced.", "budgets": "budgets."}
+            "cluster": "cluster.", "envoy": "envoy.", "advanced": "advanced.", "budgets": "budgets.",
+            "batches": "batches."}
 TABLES = ("top", *SECTIONS)
 HEADER = ["| key | default | value | meaning |", "|---|---|---|---|"]
 

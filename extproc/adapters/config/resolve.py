@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from extproc.adapters.config.advanced import AdvancedSettings
+from extproc.adapters.config.batches import BatchSettings
 from extproc.adapters.config.budgets import BudgetSettings
 from extproc.adapters.config.instances import ClusterSettings, Shard
 from extproc.adapters.config.schema import (
@@ -72,6 +73,8 @@ class Config:
     advanced: AdvancedSettings = field(default_factory=AdvancedSettings)
     # Tenant budgets (None: none; adapters/config/budgets.py resolves them into the core's plan).
     budgets: BudgetSettings | None = None
+    # OpenAI's Batch API (None: not served).
+    batches: BatchSettings | None = None
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -226,4 +229,5 @@ def resolve(file: ConfigFile) -> Config:
         endpoint_picker=file.endpoint_picker,
         advanced=file.advanced,
         budgets=file.budgets,
+        batches=file.batches,
     )

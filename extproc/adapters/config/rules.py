@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 
+from extproc.adapters.config.batches import BatchSettings, batch_file_problems, batch_problems
 from extproc.adapters.config.budgets import PriceSettings, budget_problems, price_problems
 from extproc.adapters.config.instances import ClusterInstance, ClusterSettings, Shard
 from extproc.adapters.config.resolve import DEFAULT_TENANT_KEY, tenants
@@ -92,6 +93,7 @@ def _cluster(cluster: ClusterSettings) -> Problems:
 def _file(file: ConfigFile) -> Problems:
     """The rules between sections: shards and cluster, the classes every section names, the tenants' entitlements."""
     yield from _shard_problems(file)
+    yield from batch_file_problems(file.batches, bool(file.shards), file.cluster is not None)
     for key in ("processor_ca_file", "processor_client_cert_file", "processor_client_key_file"):
         if file.listen.tls is None and getattr(file.envoy, key) is not None:
             yield f"envoy.{key}", "needs listen.tls (the processor's gRPC port is plaintext without it)"
@@ -193,6 +195,7 @@ def _entitlement_problems(file: ConfigFile) -> Problems:
 
 
 RULES: Rules = {
+    BatchSettings: batch_problems,
     TlsSettings: _tls_files,
     CostSettings: _cost,
     ModelConfig: _model,

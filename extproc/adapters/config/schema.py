@@ -23,6 +23,7 @@ import msgspec
 from msgspec import Meta
 
 from extproc.adapters.config.advanced import GRPC_LIMITS, MODEL_ADVANCED, AdvancedSettings, ModelAdvanced
+from extproc.adapters.config.batches import BatchSettings
 from extproc.adapters.config.budgets import BudgetSettings
 from extproc.adapters.config.instances import ClusterSettings, Shard
 from extproc.adapters.config.values import (
@@ -347,3 +348,5 @@ class ConfigFile(Section, frozen=True):
     advanced: AdvancedSettings = msgspec.field(default_factory=AdvancedSettings)
     # Tenant budgets: rate limits, token and money budgets (adapters/config/budgets.py, docs/budgets.md).
     budgets: BudgetSettings | None = None
+    # OpenAI's Batch API on idle capacity (config/batches.py, docs/batches.md).
+    batches: BatchSettings | None = None

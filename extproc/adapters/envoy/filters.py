@@ -64,6 +64,10 @@ ECHOED_HEADERS = (QUEUE_WAIT_HEADER,)
 JSON_CONTENT_TYPES = ("application/json", "application/json; charset=utf-8", "application/json;charset=utf-8")
 # The admission bucket's statistics: ``<prefix>.http_local_rate_limit.rate_limited`` counts what it shed.
 ADMISSION_STAT_PREFIX = "extproc_admission"
+# The filters that decide who asks (the client's headers removed, then a key or a token): the batch API's
+# routes run them, and only them (envoy/batches.py).
+IDENTITY_FILTERS = ("envoy.filters.http.header_mutation", "envoy.filters.http.api_key_auth",
+                    "envoy.filters.http.jwt_authn")
 # A drop-in's filters are named so, so a merge finds them again.
 DROP_IN_FILTER_PREFIX = "extproc."
 
@@ -76,6 +80,8 @@ class Chain:
     ext_proc: bool = True
     # A drop-in into an operator's Envoy, whose own auth filter may set the tenant header.
     drop_in: bool = False
+    # The batch runner's listener: no auth filter, the runner's tenant header kept (envoy/batches.py).
+    runner: bool = False
 
 
 class DropIn(Enum):
@@ -119,7 +125,7 @@ def _sanitise(config: Config, chain: Chain) -> Json:
     sets it.
     """
     identity = config.identity
-    keep_tenant = chain.drop_in and not _own_identity(config)
+    keep_tenant = chain.runner or (chain.drop_in and not _own_identity(config))
     tenant = [] if keep_tenant else [identity.tenant_header, *identity.fairness_id_headers]
     remove = [MODEL_HEADER, *tenant, DESTINATION_HEADER, *ECHOED_HEADERS]
     return typed("envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
@@ -244,9 +250,11 @@ def _router(config: Config, chain: Chain) -> Json:
 # In chain order.
 FILTERS = (
     Filter("envoy.filters.http.header_mutation", _sanitise, _always),
-    Filter("envoy.filters.http.api_key_auth", _api_key_auth, lambda config, chain: bool(config.envoy.api_keys),
+    Filter("envoy.filters.http.api_key_auth", _api_key_auth,
+           lambda config, chain: bool(config.envoy.api_keys) and not chain.runner,
            replies=(Refusal.UNAUTHENTICATED,)),
-    Filter("envoy.filters.http.jwt_authn", _jwt_authn, lambda config, chain: config.envoy.jwt is not None,
+    Filter("envoy.filters.http.jwt_authn", _jwt_authn,
+           lambda config, chain: config.envoy.jwt is not None and not chain.runner,
            replies=(Refusal.UNAUTHENTICATED, Refusal.PERMISSION_DENIED)),
     Filter("envoy.filters.http.json_to_metadata", _json_to_metadata, _always, replies=(Refusal.REQUEST_TOO_LARGE,)),
     Filter("envoy.filters.http.local_ratelimit", _admission, _with_processor, replies=(Refusal.OVERLOADED,)),

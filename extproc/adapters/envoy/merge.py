@@ -8,7 +8,7 @@ that mechanism (``extproc envoy-config --into EXISTING.yaml``):
 * ``routes`` go first in the chosen virtual host. They own only the LLM path
   prefixes and turn the filters on (``typed_per_filter_config``), so every
   other route on the listener runs exactly the filters it ran before.
-* ``clusters`` are added.
+* ``clusters`` are added, and ``listeners`` (the batch runner's, with ``batches:``).
 * ``http_connection_manager``: a timeout is raised to ours only where the
   operator's would cut a held request (unset ``request_timeout`` is no
   limit; unset ``stream_idle_timeout`` is Envoy's 5 minutes); our
@@ -64,10 +64,11 @@ def _one(items: list[dict[str, Any]], name: str | None, what: str, where: str) -
     return items[0]
 
 
-def _find_hcm(existing: dict[str, Any], listener_name: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The listener and its HTTP connection manager's typed_config."""
+def _find_hcm(existing: dict[str, Any], listener_name: str | None,
+              ours: frozenset[str] = frozenset()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The listener and its HTTP connection manager's typed_config (never one of ``ours``, a previous merge's)."""
     static = existing.get("static_resources") or {}
-    listeners = [item for item in static.get("listeners") or [] if isinstance(item, dict)]
+    listeners = [item for item in static.get("listeners") or [] if isinstance(item, dict) and item.get("name") not in ours]
     listener = _one(listeners, listener_name, "listener", "static_resources.listeners")
     hcms = [
         f["typed_config"]
@@ -124,6 +125,16 @@ def _merge_clusters(existing: dict[str, Any], ours: list[dict[str, Any]]) -> Non
     static["clusters"] = theirs + copy.deepcopy(ours)
 
 
+def _merge_listeners(existing: dict[str, Any], ours: list[dict[str, Any]]) -> None:
+    """Our own listeners (the batch runner's), added whole; a previous merge's replaced by name."""
+    if not ours:
+        return
+    static = existing.setdefault("static_resources", {})
+    names = {listener["name"] for listener in ours}
+    theirs = [listener for listener in static.get("listeners") or [] if listener.get("name") not in names]
+    static["listeners"] = theirs + copy.deepcopy(ours)
+
+
 def merge(
     existing: dict[str, Any],
     drop_in: dict[str, Any],
@@ -133,13 +144,14 @@ def merge(
 ) -> dict[str, Any]:
     """``existing`` with ``drop_in`` merged in (a new dict; neither argument changes)."""
     merged = copy.deepcopy(existing)
-    found, hcm = _find_hcm(merged, listener)
+    found, hcm = _find_hcm(merged, listener, frozenset(item["name"] for item in drop_in.get("listeners", [])))
     limit = drop_in["listener"]["per_connection_buffer_limit_bytes"]
     found["per_connection_buffer_limit_bytes"] = max(found.get("per_connection_buffer_limit_bytes", DEFAULT_BUFFER_LIMIT), limit)
     _merge_filters(hcm, drop_in["http_filters"])
     _merge_routes(hcm, drop_in["routes"], virtual_host)
     _merge_hcm_settings(hcm, drop_in["http_connection_manager"])
     _merge_clusters(merged, drop_in["clusters"])
+    _merge_listeners(merged, drop_in.get("listeners", []))
     return merged
 
 

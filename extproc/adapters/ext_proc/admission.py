@@ -17,9 +17,10 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from extproc.adapters.config import Config, ModelConfig
+from extproc.adapters.config import Config, Identity, ModelConfig
 from extproc.adapters.ext_proc.request_fields import RequestFields
 from extproc.core.entitlement import grant
 from extproc.core.outcomes import Refusal, Refused
@@ -69,9 +70,22 @@ class ModelNames:
         return list(self._exact)
 
 
-def _first(headers: dict[str, str], names: tuple[str, ...]) -> str:
+def _first(headers: Mapping[str, str], names: tuple[str, ...]) -> str:
     """The value of the first of ``names`` present (empty: none is)."""
     return next((headers[n] for n in names if headers.get(n)), "")
+
+
+def identified_tenant(headers: Mapping[str, str], identity: Identity) -> str:
+    """The tenant Envoy's auth named (else a fairness id; none: the default tenant, or Refused with ``reject``).
+
+    The batch API (``adapters/batches``) reads its callers the same way.
+    """
+    tenant = headers.get(identity.tenant_header) or _first(headers, identity.fairness_id_headers)
+    if tenant:
+        return tenant
+    if identity.missing_tenant == "reject":
+        raise Refused(Refusal.TENANT_MISSING, "the request carries no tenant identity; authenticate first")
+    return identity.default_tenant
 
 
 class Admissions:
@@ -94,11 +108,7 @@ class Admissions:
             known = ", ".join(sorted(self.names.listed()))
             raise Refused(Refusal.MODEL_NOT_FOUND, f"the model {fields.model!r} does not exist; served models: {known}")
         model, name = resolved
-        tenant = headers.get(identity.tenant_header) or _first(headers, identity.fairness_id_headers)
-        if not tenant:
-            if identity.missing_tenant == "reject":
-                raise Refused(Refusal.TENANT_MISSING, "the request carries no tenant identity; authenticate first")
-            tenant = identity.default_tenant
+        tenant = identified_tenant(headers, identity)
         # The band: what it asks for, limited by the tenant's entitlement (core/entitlement.py decides).
         granted = grant(self._config.band_names, self._config.tenant(tenant), tenant, self._asked(headers, fields))
         retried = _first(headers, identity.retry_headers).strip() not in ("", "0")

@@ -17,7 +17,8 @@ Routes, and why each exists:
   (``core/status.py``); the hot path does no work for it. Each model's
   ``objectives`` (met, missed, preempted per class and tenant, the last
   minute's slack at release) come from its telemetry, which keeps them as it
-  counts them (``adapters/objectives.py``).
+  counts them (``adapters/objectives.py``). With ``batches:``, the batch
+  API's batches in progress (``adapters/batches``), read from its store.
 * ``/usage``: with tenant budgets, what each tenant used per model and day or
   month, as CSV or JSON (``adapters/budgets/usage.py``), for finance.
 
@@ -88,26 +89,30 @@ def warnings(statuses: list[ModelStatus]) -> list[str]:
 
 def status_document(statuses: list[ModelStatus], draining: bool,
                     objectives: Mapping[str, ObjectivesStatus] | None = None,
-                    budgets: list[dict[str, object]] | None = None) -> dict[str, Any]:
+                    budgets: list[dict[str, object]] | None = None,
+                    batches: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """What /status.json answers; each model with its ``objectives`` where ``objectives`` has them (else null).
 
     ``budgets``: the named tenants' and groups' limits as they stand (null without a budgets: section).
+    ``batches``: the batch API's batches in progress (null without ``batches:``).
     """
     found = objectives or {}
     models = [{**asdict(s), "objectives": asdict(found[s.name]) if s.name in found else None} for s in statuses]
     return {"draining": draining, "not_ready": not_ready(statuses, draining), "top_tenants": TOP_TENANTS,
-            "models": models, "budgets": budgets}
+            "models": models, "budgets": budgets, "batches": batches}
 
 
 def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispatcher],
               draining: Callable[[], bool], telemetry: Telemetry | None = None,
               awaited: Callable[[str], bool] = lambda model: True, usage: UsageSource | None = None,
-              budgets: Callable[[], list[dict[str, object]] | None] = lambda: None) -> web.Application:
+              budgets: Callable[[], list[dict[str, object]] | None] = lambda: None,
+              batches: Callable[[], list[dict[str, Any]]] | None = None) -> web.Application:
     """The app; ``draining`` tells whether the processor is shutting down; ``telemetry``, the objectives' numbers.
 
     ``awaited``: whether readiness waits for a model's first scrape (not for
     one a reload added: a serving processor does not turn unready for it).
     ``usage``: the budgets' usage export (None, or answering None: no budgets); ``budgets``: their limits now.
+    ``batches``: the batch API's batches in progress, for the status page.
     """
 
     def statuses() -> list[ModelStatus]:
@@ -133,7 +138,8 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
         return web.json_response({"status": "ready", **({"warnings": told} if told else {})})
 
     async def status_json(request: web.Request) -> web.Response:
-        return web.json_response(status_document(statuses(), draining(), objectives(), budgets()),
+        return web.json_response(status_document(statuses(), draining(), objectives(), budgets(),
+                                                 None if batches is None else batches()),
                                  headers={"Cache-Control": "no-store"})
 
     async def page(request: web.Request) -> web.Response:

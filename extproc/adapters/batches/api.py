@@ -1,0 +1,222 @@
+"""The HTTP API: OpenAI's files and batches endpoints, on aiohttp, for Envoy's routes only.
+
+Who calls is the tenant Envoy's auth named, read as admission reads it
+(``ext_proc/admission.py``): every object is the caller's, and another
+tenant's id answers 404 like an unknown one. Errors are OpenAI's: the status
+and ``{"error": {"message", "type", "param", "code"}}`` (``shapes.ApiError``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import BodyPartReader, web
+
+from extproc.adapters.batches.runner import Runner
+from extproc.adapters.batches.shapes import ENDPOINTS, ApiError, Json, batch_object, new_id, not_found, page
+from extproc.adapters.batches.store import Store
+from extproc.adapters.config import Config
+from extproc.adapters.config.batches import window_s
+from extproc.adapters.ext_proc.admission import identified_tenant
+from extproc.core.outcomes import Refused
+
+# OpenAI's metadata bounds: 16 pairs, keys up to 64 characters, values up to 512.
+MAX_METADATA = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+# OpenAI's page sizes: batches 1-100 (20 by default), files up to 10,000 (all by default).
+BATCH_PAGE, MAX_BATCH_PAGE = 20, 100
+FILE_PAGE, MAX_FILE_PAGE = 10_000, 10_000
+UPLOAD_CHUNK = 1024 * 1024
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure as OpenAI's JSON error, aiohttp's own 404 and 405 too."""
+    try:
+        return await handler(request)
+    except ApiError as error:
+        return error.response()
+    except Refused as refused:  # no tenant identity, with identity.missing_tenant: reject
+        return ApiError(401, refused.message, refused.refusal.value, kind="authentication_error").response()
+    except web.HTTPNotFound:
+        return ApiError(404, f"Invalid URL ({request.method} {request.path})", "not_found").response()
+    except web.HTTPMethodNotAllowed as exc:
+        return ApiError(405, f"{exc.method} is not allowed on {request.path}", "method_not_allowed").response()
+
+
+class Api:
+    """The handlers, over the store and the runner."""
+
+    def __init__(self, current: Callable[[], Config], store: Store, runner: Runner,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``current``: the config now (a reload changes identity; ``batches:`` needs a restart)."""
+        settings = current().batches
+        assert settings is not None
+        self._current, self._settings, self._store, self._runner, self._clock = (
+            current, settings, store, runner, clock)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[openai_errors])
+        app.router.add_post("/v1/files", self.create_file)
+        app.router.add_get("/v1/files", self.list_files)
+        app.router.add_get("/v1/files/{file_id}", self.get_file)
+        app.router.add_delete("/v1/files/{file_id}", self.delete_file)
+        app.router.add_get("/v1/files/{file_id}/content", self.file_content)
+        app.router.add_post("/v1/batches", self.create_batch)
+        app.router.add_get("/v1/batches", self.list_batches)
+        app.router.add_get("/v1/batches/{batch_id}", self.get_batch)
+        app.router.add_post("/v1/batches/{batch_id}/cancel", self.cancel_batch)
+        return app
+
+    def _tenant(self, request: web.Request) -> str:
+        return identified_tenant(request.headers, self._current().identity)
+
+    # --- files ----------------------------------------------------------------------------------
+
+    async def create_file(self, request: web.Request) -> web.Response:
+        tenant = self._tenant(request)
+        if not request.content_type.startswith("multipart/"):
+            raise ApiError(400, "the upload must be multipart/form-data with 'file' and 'purpose'", "invalid_request")
+        file_id = new_id("file-")
+        written = self._store.files_dir / f".{file_id}.upload"
+        purpose, filename = None, None
+        try:
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                if not isinstance(part, BodyPartReader):
+                    continue
+                if part.name == "purpose":
+                    purpose = (await part.text()).strip()
+                elif part.name == "file":
+                    filename = part.filename or "upload.jsonl"
+                    await self._receive(part, written)
+            if filename is None:
+                raise ApiError(400, "'file' is required", "invalid_request", "file")
+            if purpose != "batch":
+                raise ApiError(400, f"purpose {purpose!r} is not served here; use 'batch'", "invalid_purpose", "purpose")
+            return web.json_response(self._store.add_file(file_id, tenant, purpose, filename, written,
+                                                           int(self._clock())))
+        finally:
+            written.unlink(missing_ok=True)
+
+    async def _receive(self, part: BodyPartReader, written: Any) -> None:
+        """The file part to ``written``, refused (413) past ``max_file_bytes``."""
+        size, limit = 0, self._settings.max_file_bytes
+        with open(written, "wb") as out:
+            while chunk := await part.read_chunk(UPLOAD_CHUNK):
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the file is larger than {limit} bytes, the most a batch file may be",
+                                   "file_too_large", "file")
+                out.write(chunk)
+
+    async def list_files(self, request: web.Request) -> web.Response:
+        tenant = self._tenant(request)
+        order = request.query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order must be asc or desc, got {order!r}", "invalid_value", "order")
+        data, more = self._store.files(tenant, request.query.get("after"), _limit(request, FILE_PAGE, MAX_FILE_PAGE),
+                                       order == "asc", request.query.get("purpose"))
+        return web.json_response(page(data, more))
+
+    async def get_file(self, request: web.Request) -> web.Response:
+        return web.json_response(self._file(request))
+
+    def _file(self, request: web.Request) -> Json:
+        file_id = request.match_info["file_id"]
+        found = self._store.file(self._tenant(request), file_id)
+        if found is None:
+            raise not_found("file", file_id)
+        return found
+
+    async def delete_file(self, request: web.Request) -> web.Response:
+        file_id = request.match_info["file_id"]
+        if not self._store.delete_file(self._tenant(request), file_id):
+            raise not_found("file", file_id)
+        return web.json_response({"id": file_id, "object": "file", "deleted": True})
+
+    async def file_content(self, request: web.Request) -> web.StreamResponse:
+        found = self._file(request)
+        return web.FileResponse(self._store.path(found["id"]), headers={"Content-Type": "application/octet-stream"})
+
+    # --- batches --------------------------------------------------------------------------------
+
+    async def create_batch(self, request: web.Request) -> web.Response:
+        tenant = self._tenant(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object", "invalid_request")
+        endpoint, window, file_id = body.get("endpoint"), body.get("completion_window"), body.get("input_file_id")
+        if endpoint not in ENDPOINTS:
+            raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}",
+                           "invalid_value", "endpoint")
+        windows = self._settings.completion_windows
+        if window not in windows:
+            raise ApiError(400, f"completion_window must be one of {', '.join(windows)}, got {window!r}",
+                           "invalid_value", "completion_window")
+        if not isinstance(file_id, str):
+            raise ApiError(400, "input_file_id is required", "invalid_request", "input_file_id")
+        found = self._store.file(tenant, file_id)
+        if found is None:
+            raise not_found("file", file_id)
+        if found["purpose"] != "batch":
+            raise ApiError(400, f"the file {file_id!r} has purpose {found['purpose']!r}; a batch needs 'batch'",
+                           "invalid_purpose", "input_file_id")
+        metadata = _metadata(body.get("metadata"))
+        now = int(self._clock())
+        seconds = window_s(window)
+        assert seconds is not None
+        doc = batch_object(new_id("batch_"), endpoint, file_id, window, now, now + seconds, metadata)
+        self._store.add_batch(tenant, doc)
+        self._runner.run(doc["id"])
+        return web.json_response(doc)
+
+    async def list_batches(self, request: web.Request) -> web.Response:
+        data, more = self._store.batches(self._tenant(request), request.query.get("after"),
+                                         _limit(request, BATCH_PAGE, MAX_BATCH_PAGE))
+        return web.json_response(page(data, more))
+
+    async def get_batch(self, request: web.Request) -> web.Response:
+        return web.json_response(self._batch(request))
+
+    def _batch(self, request: web.Request) -> Json:
+        batch_id = request.match_info["batch_id"]
+        found = self._store.batch(batch_id, self._tenant(request))
+        if found is None:
+            raise not_found("batch", batch_id)
+        return found
+
+    async def cancel_batch(self, request: web.Request) -> web.Response:
+        found = self._batch(request)
+        if found["status"] not in ("validating", "in_progress", "cancelling"):
+            raise ApiError(409, f"Cannot cancel a batch with status '{found['status']}'.", "invalid_state")
+        return web.json_response(self._runner.cancel(found["id"]))
+
+
+def _limit(request: web.Request, default: int, most: int) -> int:
+    written = request.query.get("limit")
+    if written is None:
+        return default
+    if not written.isdigit() or not 1 <= int(written) <= most:
+        raise ApiError(400, f"limit must be an integer from 1 to {most}, got {written!r}", "invalid_value", "limit")
+    return int(written)
+
+
+def _metadata(raw: Any) -> dict[str, str] | None:
+    """OpenAI's metadata: up to 16 string pairs, keys up to 64 characters, values up to 512."""
+    if raw is None:
+        return None
+    if (not isinstance(raw, dict) or len(raw) > MAX_METADATA
+            or any(not isinstance(k, str) or not isinstance(v, str) or len(k) > MAX_METADATA_KEY
+                   or len(v) > MAX_METADATA_VALUE for k, v in raw.items())):
+        raise ApiError(400, f"metadata must map at most {MAX_METADATA} string keys (up to {MAX_METADATA_KEY} "
+                       f"characters) to strings (up to {MAX_METADATA_VALUE})", "invalid_value", "metadata")
+    return dict(raw)

@@ -1,0 +1,76 @@
+"""The ``batches:`` section: OpenAI's Batch API served by ``extproc serve`` (docs/batches.md).
+
+Its own module, so the batch settings and their rules stay together; schema.py
+names the section, rules.py runs :func:`batch_problems` and the file rule
+:func:`batch_file_problems`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from msgspec import Meta
+
+from extproc.adapters.config.validate import Problems
+from extproc.adapters.config.values import Address, Count, HttpUrl, NonEmpty, Section
+
+# A completion window as written: a whole number of seconds, minutes, hours or days ("24h").
+WINDOW = re.compile(r"([1-9][0-9]*)([smhd])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def window_s(window: str) -> int | None:
+    """Seconds of a completion window as written (``24h`` -> 86400); None when it is not one."""
+    found = WINDOW.fullmatch(window)
+    return None if found is None else int(found[1]) * _UNIT_S[found[2]]
+
+
+def _window(value: str) -> str:
+    if window_s(value) is None:
+        raise ValueError(value)
+    return value
+
+
+Window = Annotated[str, Meta(description="a window such as 24h, 30m, 90s or 7d", extra={"check": _window})]
+
+
+class BatchSettings(Section, frozen=True):
+    """OpenAI's Batch API: where its state lives, where it listens, how fast lines are fed."""
+
+    # SQLite (batches.sqlite3) and the files' contents; created if missing.
+    directory: NonEmpty
+    # The API (files, batches), for Envoy only: the generated routes send /v1/files and /v1/batches here.
+    listen: Address = "127.0.0.1:8090"
+    # Envoy's listener for the runner's lines: the tenant header kept, no auth (bind it where only we reach it).
+    runner_listen: Address = "127.0.0.1:10001"
+    # Where the runner reaches that listener (default: http://runner_listen).
+    gateway_url: HttpUrl | None = None
+    # When set, the runner listener's routes require x-extproc-batch-key: <runner_key>.
+    runner_key: NonEmpty | None = None
+    # Lines of one batch in flight at once (queued in the fair queue or running), and over all batches.
+    in_flight_per_batch: Count = 32
+    max_in_flight: Count = 256
+    # The completion windows a batch may ask for (OpenAI: 24h only).
+    completion_windows: Annotated[tuple[Window, ...], Meta(min_length=1)] = ("24h",)
+    # OpenAI's limits: 200 MB a file, 50,000 requests a batch.
+    max_file_bytes: Count = 200 * 1024 * 1024
+    max_lines: Count = 50_000
+    # One line's most bytes (below Envoy's 16 MiB body buffer).
+    max_line_bytes: Count = 8 * 1024 * 1024
+
+
+def batch_problems(settings: BatchSettings) -> Problems:
+    """The rules between the section's fields."""
+    if settings.in_flight_per_batch > settings.max_in_flight:
+        yield "in_flight_per_batch", (f"must be <= max_in_flight ({settings.max_in_flight}), "
+                                      f"got {settings.in_flight_per_batch}")
+    if settings.listen == settings.runner_listen:
+        yield "runner_listen", "must differ from listen (the API and Envoy's runner listener are two ports)"
+
+
+def batch_file_problems(batches: BatchSettings | None, sharded: bool, clustered: bool) -> Problems:
+    """The section against the rest of the file: one instance runs batches (no leases shared in Redis yet)."""
+    if batches is not None and (sharded or clustered):
+        yield "batches", ("cannot be used with shards: or cluster: yet (one instance runs the batches; "
+                          "docs/batches.md)")

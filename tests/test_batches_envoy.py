@@ -1,0 +1,95 @@
+"""The batch API's Envoy pieces and its config section (the generated bootstrap is checked by every variant test)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import msgspec
+import pytest
+
+from extproc.adapters.config import ConfigError
+from extproc.adapters.envoy import bootstrap
+from extproc.adapters.envoy.filters import EXT_PROC_FILTER
+from extproc.adapters.reload import plan
+from extproc.tools.procs import free_port
+from tests.envoyutil import free_port_config
+
+pytestmark = pytest.mark.unit
+
+
+def batches(**settings: Any) -> dict[str, Any]:
+    return {"directory": "/tmp/batches", "listen": f"127.0.0.1:{free_port()}",
+            "runner_listen": f"127.0.0.1:{free_port()}", **settings}
+
+
+def listeners(**settings: Any) -> dict[str, dict[str, Any]]:
+    doc = bootstrap(free_port_config(batches=batches(**settings)))
+    return {listener["name"]: listener["filter_chains"][0]["filters"][0]["typed_config"]
+            for listener in doc["static_resources"]["listeners"]}
+
+
+def routes(hcm: dict[str, Any]) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    return found
+
+
+def filter_names(hcm: dict[str, Any]) -> list[str]:
+    return [f["name"] for f in hcm["http_filters"]]
+
+
+def removed(hcm: dict[str, Any]) -> list[str]:
+    mutation = hcm["http_filters"][0]["typed_config"]["mutations"]["request_mutations"]
+    return [m["remove"] for m in mutation]
+
+
+def test_the_api_routes_come_first_after_auth_with_ext_proc_off() -> None:
+    ingress = listeners()["ingress"]
+    first = routes(ingress)[:2]
+    assert [r["match"]["prefix"] for r in first] == ["/v1/files", "/v1/batches"]
+    assert all(r["route"]["cluster"] == "extproc_batch_api" for r in first)
+    assert all(r["typed_per_filter_config"][EXT_PROC_FILTER]["disabled"] for r in first)
+    # The same chain as every request: a client's tenant header removed, then api_key_auth sets it.
+    assert "envoy.filters.http.api_key_auth" in filter_names(ingress) and "x-tenant-id" in removed(ingress)
+
+
+def test_the_runner_listener_keeps_the_tenant_header_has_no_auth_and_requires_its_key() -> None:
+    runner = listeners(runner_key="k")["batch_runner"]
+    assert "envoy.filters.http.api_key_auth" not in filter_names(runner)
+    assert EXT_PROC_FILTER in filter_names(runner)
+    assert "x-tenant-id" not in removed(runner) and "x-model" in removed(runner)
+    *keyed, refused = routes(runner)
+    assert all({"name": "x-extproc-batch-key", "string_match": {"exact": "k"}} in r["match"]["headers"]
+               for r in keyed)
+    assert all(r["request_headers_to_remove"] == ["x-extproc-batch-key"] for r in keyed if "route" in r)
+    assert refused["direct_response"]["status"] == 401
+    assert refused["typed_per_filter_config"][EXT_PROC_FILTER]["disabled"]
+
+
+def test_without_batches_nothing_is_added() -> None:
+    doc = bootstrap(free_port_config())
+    assert [listener["name"] for listener in doc["static_resources"]["listeners"]] == ["ingress"]
+    assert "extproc_batch_api" not in [c["name"] for c in doc["static_resources"]["clusters"]]
+
+
+@pytest.mark.parametrize(("settings", "top", "error"), [
+    ({"completion_windows": ["24 hours"]}, {}, "batches.completion_windows[0]: must be a window such as 24h"),
+    ({"in_flight_per_batch": 500}, {}, "batches.in_flight_per_batch: must be <= max_in_flight (256)"),
+    ({"listen": "127.0.0.1:9000", "runner_listen": "127.0.0.1:9000"}, {}, "batches.runner_listen: must differ"),
+    ({}, {"cluster": {"redis_url": "redis://127.0.0.1:6379/0"}}, "batches: cannot be used with shards: or cluster:"),
+    ({"size": 1}, {}, "batches.size: unknown key"),
+])
+def test_the_section_is_checked(settings: dict[str, Any], top: dict[str, Any], error: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        free_port_config(batches=batches(**settings), **top)
+    assert any(e.startswith(error) for e in refused.value.errors), refused.value.errors
+
+
+def test_a_reload_that_changes_batches_needs_a_restart_and_one_that_changes_tenants_does_not() -> None:
+    old = free_port_config(batches=batches())
+    assert old.batches is not None
+    with pytest.raises(ConfigError) as refused:
+        plan(old, replace(old, batches=msgspec.structs.replace(old.batches, in_flight_per_batch=8)))
+    assert refused.value.errors == ("batches.in_flight_per_batch: changing it needs a restart "
+                                    "(the running config is kept)",)
+    assert plan(old, replace(old, tenants={})) is not None  # the runner reads entitlements from the config now
