@@ -24,6 +24,7 @@ from extproc.core.outcomes import Refusal
 from extproc.tools.burst import BurstReport, bucket_shed, burst_and_hold, holding_config
 from extproc.tools.stack import start_stack
 from tests.test_processor import Stream, headers_message, make_processor
+from tests.waitutil import eventually
 
 SIM = ["--max-num-seqs", "1"]
 
@@ -103,14 +104,26 @@ async def test_ten_thousand_held_each_answered_once_within_the_memory_bound(tmp_
 @pytest.mark.unit
 async def test_the_lag_probe_sees_a_blocked_loop_before_its_own_timer_fires() -> None:
     """The shed decision cannot wait for the late probe to run: an overdue probe already counts."""
-    lag = LoopLag()
+    lag = _Counted()
     lag.start()
-    await asyncio.sleep(0.05)
     loop = asyncio.get_running_loop()
-    assert lag.seconds(loop.time()) < 0.2
+    # A probe has fired on time, so the next one is pending.
+    await eventually(lambda: lag.fired > 0 and lag.seconds(loop.time()) < 0.2, what="a probe on time")
     time.sleep(0.3)  # the loop is blocked: the probe is overdue
     assert lag.seconds(loop.time()) >= 0.25
     await lag.stop()
+
+
+class _Counted(LoopLag):
+    """Counts the probes that fired: the test waits for one, not for a time it hopes is long enough."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fired = 0
+
+    def record(self, fired_at: float, late_s: float) -> None:
+        self.fired += 1
+        super().record(fired_at, late_s)
 
 
 class _Late(LoopLag):
