@@ -12,6 +12,7 @@ here, before hypothesis' plugin loads the one ``--hypothesis-profile`` names.
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -25,6 +26,15 @@ from tests.redisutil import RedisServer, redis_server_binary
 from tests.vllmutil import FCFS_MODEL, PRIORITY_MODEL, VllmServers, require_vllm
 
 register_profiles()
+
+
+def pytest_collection_finish() -> None:
+    """What collection built (every imported module, every test item) goes to gc's permanent generation.
+
+    None of it is garbage, and a full collection would walk all of it: each
+    ``gc.collect()`` the garbage and shutdown tests make cost 0.15 s of CPU.
+    """
+    gc.freeze()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
