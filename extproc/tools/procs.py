@@ -34,7 +34,7 @@ def free_port() -> int:
     For the configs of child processes (tests, benchmark): the child binds it a
     moment later, so it must not be handed out twice nor be an ephemeral port.
     """
-    ports = _ports_of_this_worker()
+    ports = port_range()
     while True:
         port = random.choice(ports)
         if port in _handed_out:
@@ -48,8 +48,8 @@ def free_port() -> int:
         return port
 
 
-def _ports_of_this_worker() -> range:
-    """All of ``_PORTS``, or under pytest-xdist this worker's share of them.
+def port_range() -> range:
+    """The ports :func:`free_port` draws from: all of ``_PORTS``, or under pytest-xdist this worker's share.
 
     The workers are separate processes: each one's ``_handed_out`` cannot see
     the others', and two could hand out the same port before either child has
