@@ -26,7 +26,7 @@ from tests.stackutil import metric, poll, read_metrics, write_stack_config
 from tests.test_integration import FAST_SIM, gated_then_direct, sample_engine_waiting
 from tests.test_policies_integration import HEAVY_PROMPT, LIGHT_PROMPT, send, service_while_both_backlogged, session, weighted
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 TARGET = 3
 
@@ -90,7 +90,7 @@ async def test_two_instances_keep_the_newcomer_fast_and_the_engine_queue_at_targ
         assert mine.ttft_s * 4 < fifo.ttft_s, (mine, fifo)
     # Both instances together keep the engine's queue as one does: target + 2 at most.
     assert max(waiting) <= TARGET + 2, waiting
-    assert len(waiting) > 10
+    assert max(waiting) >= 1, waiting  # the sampler really watched the run: it saw the flood in the engine's queue
     # Envoy spread the streams: both instances released, and together exactly every request.
     released = {name: metric(await read_metrics(url), "extproc_released_total", model="m1")
                 for name, url in pair.metrics_urls.items()}

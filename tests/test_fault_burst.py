@@ -38,6 +38,7 @@ def _answered_once(report: BurstReport, n: int) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.alone
 async def test_a_burst_within_the_default_bucket_is_all_let_through_to_the_processor(tmp_path: Path) -> None:
     """2,000 at once, fewer than the default bucket holds (what the processor takes in within the message
     timeout): Envoy sheds none of it, whatever the machine's load; the processor holds it (or, starved,
@@ -53,6 +54,7 @@ async def test_a_burst_within_the_default_bucket_is_all_let_through_to_the_proce
 
 
 @pytest.mark.integration
+@pytest.mark.alone
 async def test_a_burst_far_beyond_the_bucket_is_shed_by_envoy_as_json_overloaded(tmp_path: Path) -> None:
     """A bucket of 200 (100 a second) and 1,500 at once: Envoy sheds the excess itself, at once, as JSON;
     what it lets through is held, and no stream outruns the message timeout."""
@@ -72,6 +74,7 @@ async def test_a_burst_far_beyond_the_bucket_is_shed_by_envoy_as_json_overloaded
 
 
 @pytest.mark.integration
+@pytest.mark.alone
 @pytest.mark.slow
 async def test_ten_thousand_at_once_each_answered_once_never_bare(tmp_path: Path) -> None:
     """Beyond what the processor takes in within the message timeout, Envoy's admission bucket sheds: no 504."""
@@ -86,6 +89,7 @@ async def test_ten_thousand_at_once_each_answered_once_never_bare(tmp_path: Path
 
 
 @pytest.mark.integration
+@pytest.mark.alone
 @pytest.mark.slow
 async def test_ten_thousand_held_each_answered_once_within_the_memory_bound(tmp_path: Path) -> None:
     """At most 10 KB per held request, 10,000 held under 200 MB (the measured figures: docs/reports/reliability.md)."""

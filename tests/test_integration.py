@@ -23,7 +23,7 @@ from extproc.tools.power_user import Outcome, PowerUser, chat, run_power_user, s
 from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 # A small, fast GPU: 4 sequences per batch, 10x faster than real time.
 FAST_SIM = ["--max-num-seqs", "4", "--step-ms", "20", "--time-scale", "0.1"]
@@ -71,7 +71,7 @@ async def test_power_user_does_not_delay_newcomers_and_engine_queue_stays_short(
         assert mine.ttft_s * 3 < fifo.ttft_s
     # The engine's own queue never grew past the target (3) + 1 while we held the flood.
     assert max(waiting) <= 4, waiting
-    assert len(waiting) > 10  # the sampler really watched the run
+    assert max(waiting) >= 1, waiting  # the sampler really watched the run: it saw the flood in the engine's queue
     # The power user's requests were held at the gateway, not in the engine.
     alice = next(s for s in summarize(gated) if s.tenant == "alice")
     assert alice.wait_p99 > 0.5 * flood_end - 0.3
