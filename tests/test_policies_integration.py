@@ -173,7 +173,7 @@ async def test_engine_priority_lets_interactive_overtake_inside_vllm_and_cannot_
         # On `prio` she also writes priority -10 into her bodies; the gateway overwrites it.
         flood = [
             asyncio.create_task(send(http, stack, "alice", m, 60, body={"priority": -10} if m == "prio" else None))
-            for m in ("prio", "plain") for _ in range(8)
+            for m in ("prio", "plain") for _ in range(12)
         ]
         # Both at once, from one page: checked one after the other, the second could have drained meanwhile.
         assert await poll(lambda: in_flight(stack, "prio", "plain"), lambda v: v == (5, 5)) == (5, 5)
