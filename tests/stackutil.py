@@ -6,7 +6,7 @@ import asyncio
 import string
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import yaml
@@ -18,6 +18,8 @@ from extproc.tools.stack import Stack
 
 API_KEYS = {"key-alice": "alice", "key-bob": "bob", "key-carol": "carol", "key-dave": "dave"}
 TENANT_KEYS = {tenant: key for key, tenant in API_KEYS.items()}
+
+T = TypeVar("T")
 
 
 def send_chat(
@@ -68,15 +70,18 @@ async def read_metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]]
     }
 
 
-async def poll(read: Callable[[], Awaitable[float]], done: Callable[[float], bool], timeout_s: float = 20) -> float:
-    """``read()`` every 50 ms until ``done(value)`` or the timeout; returns the last value for the assertion."""
-    value = float("nan")
-    for _ in range(int(timeout_s / 0.05)):
+async def poll(read: Callable[[], Awaitable[T]], done: Callable[[T], bool], timeout_s: float = 20) -> T:
+    """``read()`` every 50 ms until ``done(value)`` or the deadline; returns the last value for the assertion.
+
+    The deadline is on the clock, not a count of reads: a read slowed by a loaded machine does not stretch it.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
         value = await read()
-        if done(value):
-            break
+        if done(value) or loop.time() >= deadline:
+            return value
         await asyncio.sleep(0.05)
-    return value
 
 
 async def wait_for_metric(

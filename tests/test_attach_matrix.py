@@ -218,7 +218,7 @@ async def test_our_envoy_holds_a_request_past_its_message_timeout_in_every_body_
     async with aiohttp.ClientSession() as session:
         # m1 runs one request at a time: the long one (about 3 s of tokens) holds the short one.
         long = asyncio.create_task(chat(session, url, "long", "m1", api_key=None, max_tokens=1500))
-        await asyncio.sleep(0.3)
+        assert await wait_for_metric(gateways.stack.metrics_url, "extproc_in_flight", lambda v: v == 1, model="m1") == 1
         short = await chat(session, url, "short", "m1", api_key=None, max_tokens=4)
         done = await long
     assert (done.status, done.tokens) == (200, 1500), done

@@ -17,7 +17,7 @@ from extproc.tools.bench.report import overhead_markdown
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.procs import free_port
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 
 async def test_fast_upstream_answers_chat_and_reports_an_idle_engine(tmp_path: Path) -> None:

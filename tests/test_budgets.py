@@ -22,6 +22,7 @@ from extproc.core.budgets.book import Book, Usage
 from extproc.core.budgets.ledger import Budgets, Over, Ticket
 from extproc.core.budgets.limits import Action, Kind, Limits, Plan, Prices, Scope, TenantPlan
 from extproc.core.budgets.meters import DAY_S, day_start, month_start, next_month
+from tests.propertyutil import examples
 
 pytestmark = pytest.mark.unit
 
@@ -212,7 +213,7 @@ LIMITS = Limits(requests_per_minute=20, input_tokens_per_minute=5000, output_tok
                 tokens_per_day=40_000, cost_per_day=0.05, cost_per_month=0.5)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(STEPS, st.sampled_from(list(Action)))
 def test_counts_are_what_was_used_once_every_request_ended(steps: list[tuple[str, str, float, float, float]],
                                                            action: Action) -> None:
@@ -242,7 +243,7 @@ def test_counts_are_what_was_used_once_every_request_ended(steps: list[tuple[str
         assert standing.used == pytest.approx(used[tenant], abs=1e-6) == pytest.approx(booked, abs=1e-6)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.tuples(TENANTS, st.floats(1, 20_000), st.floats(0, 1)), max_size=80))
 def test_with_refuse_a_budget_is_never_passed_when_requests_use_at_most_their_reservation(
         requests: list[tuple[str, float, float]]) -> None:
@@ -261,7 +262,7 @@ def test_with_refuse_a_budget_is_never_passed_when_requests_use_at_most_their_re
             assert s.used <= s.value + 1e-6
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=6, max_size=6))
 def test_hostile_counts_never_poison_a_budget(values: list[float]) -> None:
     b = budgets(LIMITS)

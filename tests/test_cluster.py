@@ -23,10 +23,10 @@ from extproc.tools.power_user import Outcome, PowerUser
 from extproc.tools.redis_proc import RedisServer
 from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import metric, poll, read_metrics, write_stack_config
-from tests.test_integration import FAST_SIM, gated_then_direct, sample_engine_waiting
+from tests.test_integration import FAST_SIM, gated_then_direct, sample_engine
 from tests.test_policies_integration import HEAVY_PROMPT, LIGHT_PROMPT, send, service_while_both_backlogged, session, weighted
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 TARGET = 3
 
@@ -80,7 +80,8 @@ async def pair(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Stack
 
 async def test_two_instances_keep_the_newcomer_fast_and_the_engine_queue_at_target(pair: Stack) -> None:
     scenario = PowerUser(model="m1", flood=60, max_tokens=40, newcomer_delay_s=0.3)
-    gated, waiting, direct = await gated_then_direct(pair, scenario)
+    gated, engine, direct = await gated_then_direct(pair, scenario)
+    waiting = [w for _, w in engine]
 
     assert all(o.status == 200 and o.ttft_s is not None for o in gated + direct), [o for o in gated if o.error]
     for newcomer in ("bob", "carol"):
@@ -90,7 +91,7 @@ async def test_two_instances_keep_the_newcomer_fast_and_the_engine_queue_at_targ
         assert mine.ttft_s * 4 < fifo.ttft_s, (mine, fifo)
     # Both instances together keep the engine's queue as one does: target + 2 at most.
     assert max(waiting) <= TARGET + 2, waiting
-    assert len(waiting) > 10
+    assert max(r for r, _ in engine) >= 1, engine  # the sampler really watched the run: it saw the engine serve it
     # Envoy spread the streams: both instances released, and together exactly every request.
     released = {name: metric(await read_metrics(url), "extproc_released_total", model="m1")
                 for name, url in pair.metrics_urls.items()}
@@ -165,7 +166,7 @@ async def test_redis_outage_degrades_to_local_shares_and_rejoins(tmp_path: Path,
     sim = ["--max-num-seqs", "4", "--step-ms", "20", "--time-scale", "0.2"]
     async with await start_stack(config, tmp_path, sim_args=sim) as stack, session() as http:
         stop = asyncio.Event()
-        sampler = asyncio.create_task(sample_engine_waiting(stack.sim_url("m1"), stop))
+        sampler = asyncio.create_task(sample_engine(stack.sim_url("m1"), stop))
         flood = [asyncio.create_task(send(http, stack, t, "m1", 40)) for t in ("alice", "bob") for _ in range(40)]
         await wait_cluster(stack, "extproc_queue_depth", lambda v: v >= 40, model="m1")
         await redis_server.stop()
@@ -176,7 +177,7 @@ async def test_redis_outage_degrades_to_local_shares_and_rejoins(tmp_path: Path,
         assert await wait_cluster(stack, "extproc_cluster_degraded", lambda v: v == 0, model="m1") == 0
         outcomes = [o for _, o in await asyncio.wait_for(asyncio.gather(*flood), 90)]
         stop.set()
-        waiting = await sampler
+        waiting = [w for _, w in await sampler]
         # Nothing lost, nothing counted twice: every instance and Redis agree that nothing is in flight.
         assert await wait_cluster(stack, "extproc_in_flight", lambda v: v == 0, model="m1") == 0
         assert await wait_redis_in_flight(redis_server, lambda v: v == 0) == 0

@@ -21,6 +21,7 @@ from redis.exceptions import ResponseError
 from extproc.adapters.cluster.link import SCRIPT
 from extproc.adapters.cluster.wire import Trip, decode_grant, encode_trip
 from extproc.core.cluster import Ask, Backlog
+from tests.propertyutil import examples
 from tests.redisutil import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -182,7 +183,7 @@ STEPS = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cap=st.integers(1, 6), steps=STEPS)
 async def test_any_interleaving_stays_under_the_cap_grants_only_what_is_queued_and_serves_everyone(
     cluster: Cluster, cap: int, steps: list[tuple[int, int, list[str]]]

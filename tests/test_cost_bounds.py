@@ -27,6 +27,7 @@ from extproc.core.dispatcher import Held
 from extproc.core.engine_load import EngineLimits
 from extproc.core.policies import POLICIES, BandPolicy, Policy
 from extproc.core.policies.vtc import MAX_SERVICE, VirtualTokenCounter
+from tests.propertyutil import examples
 from tests.test_locality_dispatch import dispatcher
 from tests.test_processor import Stream, headers_message, make_processor
 
@@ -287,7 +288,7 @@ STEP = st.fixed_dictionaries({
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     steps=st.lists(STEP, min_size=40, max_size=40),
     newcomer_at=st.integers(0, 12),
@@ -309,7 +310,7 @@ def test_hostile_inputs_keep_counters_finite_and_a_newcomer_within_its_bound(
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(charges=st.lists(st.tuples(st.sampled_from("ab"), HOSTILE_FLOATS, HOSTILE_FLOATS), max_size=40),
        weight=st.sampled_from([5e-324, 1e-300, 0.25, 1.0, 1e300]))
 def test_a_caller_passing_garbage_cannot_make_a_counter_infinite(

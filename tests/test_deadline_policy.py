@@ -29,6 +29,7 @@ from extproc.core.held import Held
 from extproc.core.policies import POLICIES
 from extproc.core.policies.deadline import DeadlineBand
 from extproc.core.policies.vtc import VirtualTokenCounter
+from tests.propertyutil import examples
 from tests.test_endpoint_down import Report
 from tests.test_gate import make_gate
 
@@ -56,7 +57,7 @@ def test_the_dispatchers_requests_are_typed_for_it() -> None:
     assert len(band) == 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(ops=st.lists(st.one_of(st.tuples(st.floats(0, 5), OBJECTIVES), st.none()), max_size=120))
 def test_inside_a_tenant_only_arrivals_before_a_deadline_less_the_smallest_objective_overtake_it(
     ops: list[tuple[float, float] | None],
@@ -127,7 +128,7 @@ def test_a_tenant_sending_only_urgent_requests_gets_its_share_and_one_request_mo
     assert counts["urgent"] == 51
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     costs=st.fixed_dictionaries({t: st.floats(1, 100) for t in "ulm"}),
     weights=st.fixed_dictionaries({t: st.floats(0.25, 4) for t in "ulm"}),
@@ -179,7 +180,7 @@ def test_an_idle_tenants_window_is_forgotten_with_its_counter() -> None:
     assert len(band._largest) < 100 and set(band._largest) <= set(band._counters)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(ops=st.lists(st.one_of(
     st.tuples(st.just("push"), st.sampled_from("abcd")),
     st.tuples(st.just("pop"), st.floats(1, 100)),

@@ -21,6 +21,7 @@ import yaml
 from extproc.adapters.config import parse_config, split_address
 from extproc.adapters.ports import bind_problem
 from extproc.tools.demo import DEMO_CONFIG, ENGINES_OFFSET, with_port_base
+from extproc.tools.procs import port_range
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -31,9 +32,10 @@ def port_is_free(address: str) -> bool:
 
 
 def free_port_base() -> int:
-    """A base whose demo ports (base .. base + ENGINES_OFFSET + 1) are all free now."""
+    """A base whose demo ports (base .. base + ENGINES_OFFSET + 1) are all free now, among free_port()'s own."""
+    ports = port_range()
     while True:
-        base = random.randrange(20_000, 30_000)
+        base = random.randrange(ports.start, ports.stop - ENGINES_OFFSET - 2)
         if all(bind_problem(f"127.0.0.1:{port}") is None for port in range(base, base + ENGINES_OFFSET + 2)):
             return base
 

@@ -42,7 +42,7 @@ from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import poll, read_metrics
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 SIM = ["--max-num-seqs", "1"]
 INTERACTIVE, BATCH = "interactive", "batch"

@@ -128,7 +128,8 @@ async def test_traffic_around_the_gateway_stops_releases(tmp_path: Path) -> None
             )
             engine_waiting = await wait_for_metric(f"{sim}/metrics", "vllm:num_requests_waiting", lambda v: v >= 30)
             assert engine_waiting >= 30
-            await asyncio.sleep(0.3)  # a few scrapes
+            # The gate has seen that queue (a scrape since) before bob's requests arrive.
+            assert await wait_for_metric(stack.metrics_url, "extproc_engine_waiting", lambda v: v >= 30, model="m1") >= 30
             mine = asyncio.gather(*(chat(session, stack.envoy_url, "bob", "m1", api_key=TENANT_KEYS["bob"],
                                          max_tokens=4) for _ in range(5)))
             assert await wait_for_metric(stack.metrics_url, "extproc_queue_depth", lambda v: v == 5, model="m1") == 5

@@ -325,6 +325,7 @@ async def test_gateway_following_epp_routing(gateways: Gateways, shape: str, str
 
 @IN_MODULE_LOOP
 @pytest.mark.integration
+@pytest.mark.alone
 @pytest.mark.parametrize("shape", ["strict/duplex", "strict/buffered", "fail_open/duplex"])
 async def test_bodies_pass_unchanged_and_only_duplex_streams(gateways: Gateways, shape: str) -> None:
     """A 200 KB prompt (four of the processor's 62,000-byte chunks) reaches the engine whole; tokens stream in duplex.
@@ -402,6 +403,7 @@ async def test_gateway_destination_endpoint_served_walks_the_fallbacks(gateways:
 
 @IN_MODULE_LOOP
 @pytest.mark.integration
+@pytest.mark.alone
 async def test_a_newcomer_overtakes_a_power_users_flood(gateways: Gateways) -> None:
     """Fair scheduling through AI Gateway's shape: tenants from ``x-gateway-inference-fairness-id``.
 
@@ -418,7 +420,8 @@ async def test_a_newcomer_overtakes_a_power_users_flood(gateways: Gateways) -> N
                                             extra_headers={FAIRNESS_HEADER: tenant}))
 
         flood = [send("alice") for _ in range(120)]
-        await asyncio.sleep(0.3)
+        # Most of the flood held at the gateway (the engines run 12 at a time): then the newcomer arrives.
+        assert await wait_for_metric(gateways.strict.metrics_url, "extproc_queue_depth", lambda v: v >= 60, model=MODEL) >= 60
         newcomer = await send("bob")
         outcomes = await asyncio.gather(*flood)
     assert all(o.status == 200 and o.ttft_s is not None for o in [*outcomes, newcomer]), [o for o in outcomes if o.error]

@@ -21,6 +21,7 @@ from extproc.adapters.ext_proc.h2grpc import GrpcServer
 from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.transport import MAX_MESSAGE_BYTES, GrpcError, Method
 from extproc.tools.procs import free_port
+from tests.waitutil import eventually
 
 pytestmark = pytest.mark.unit
 
@@ -163,11 +164,8 @@ async def test_thousands_of_held_streams_on_one_connection_and_a_reset_ends_each
             call.cancel()  # RST_STREAM
         for call in calls[n // 2:]:
             await call.done_writing()  # END_STREAM: the request finished normally
-        for _ in range(200):
-            if handlers.ended == n:
-                break
-            await asyncio.sleep(0.01)
-        assert handlers.ended == n and handlers.holding == 0
+        await eventually(lambda: handlers.ended == n, what=f"all {n} handlers ended")
+        assert handlers.holding == 0
         assert server.calls() == 0
         assert [await call.code() for call in calls[n // 2:]] == [grpc.StatusCode.OK] * (n - n // 2)
         # The HTTP/2 layer's table of streams keeps open ones only: after as many again, the first are gone.

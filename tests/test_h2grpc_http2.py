@@ -24,6 +24,7 @@ from extproc.adapters.ext_proc import h2grpc_frames as f
 from extproc.adapters.ext_proc import h2grpc_http2 as http2
 from extproc.adapters.ext_proc.h2grpc_frames import ErrorCode
 from extproc.adapters.ext_proc.h2grpc_http2 import Http2Connection, Http2Error, StreamClosed
+from tests.propertyutil import examples
 
 pytestmark = pytest.mark.unit
 
@@ -444,7 +445,7 @@ def test_a_header_table_size_from_the_peer_is_applied_to_our_trailers() -> None:
 # --- any bytes -----------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.binary(max_size=600))
 def test_any_bytes_after_the_handshake_make_events_or_a_connection_error_never_another_exception(data: bytes) -> None:
     conn = server()
@@ -454,7 +455,7 @@ def test_any_bytes_after_the_handshake_make_events_or_a_connection_error_never_a
         assert any(frame.type == f.GOAWAY for frame in written(conn))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["request", "data", "end", "reset", "ping", "window"]),
                           st.binary(max_size=40)), max_size=12),
        st.lists(st.integers(min_value=1, max_value=200), max_size=20))

@@ -20,6 +20,7 @@ from extproc.core.policies import POLICIES
 from extproc.core.policies.locality import OVERTAKES
 from extproc.core.prefix import Prefix, signature
 from extproc.core.report import Charged, DispatchReport
+from tests.propertyutil import examples
 from tests.test_endpoint_down import Report
 from tests.test_gate import make_gate
 from tests.test_reload_core import BANDS, tenants
@@ -114,7 +115,7 @@ steps = st.lists(st.one_of(
 ), max_size=80)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(script=steps, pick=st.booleans())
 def test_with_prefixes_every_request_ends_once_in_a_bounded_order_and_every_charge_is_sane(
     script: list[tuple[Any, ...]], pick: bool,

@@ -15,6 +15,7 @@ from extproc.core.policies import POLICIES
 from extproc.core.policies.locality import LOOKAHEAD, OVERTAKES, QUANTUM_REQUESTS, LocalityBand
 from extproc.core.prefix import Prefix, signature
 from extproc.core.prefix_cache import EndpointCache, PrefixCaches
+from tests.propertyutil import examples
 
 pytestmark = pytest.mark.unit
 
@@ -81,7 +82,7 @@ def test_within_the_quantum_the_longest_hit_goes_first_beyond_it_fairness_wins()
 costs = st.lists(st.tuples(st.sampled_from("abc"), st.floats(1, 100)), min_size=1, max_size=60)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(pushes=costs, pops=st.integers(1, 60))
 def test_with_nothing_cached_it_is_exactly_vtc(pushes: list[tuple[str, float]], pops: int) -> None:
     vtc = POLICIES["vtc"].new_band(lambda t: 1.0, Req.cached_tokens)

@@ -22,9 +22,9 @@ from jwt.algorithms import RSAAlgorithm
 from extproc.tools.power_user import Outcome, chat, percentile
 from extproc.tools.sim.server import estimate_tokens
 from extproc.tools.stack import Stack, start_stack
-from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_stack_config
+from tests.stackutil import TENANT_KEYS, metric, poll, read_metrics, wait_for_metric, write_stack_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 SIM = ["--step-ms", "20", "--time-scale", "0.1"]
 # Weights of the default cost model (input 1, output 2), applied to the simulator's own token counts.
@@ -130,7 +130,10 @@ async def test_batch_fills_an_idle_engine_and_interactive_overtakes_within_a_slo
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_engine(stack.sim_url("m1"), stop))
         batch = asyncio.create_task(flood(None))  # carol's default class: batch
-        await asyncio.sleep(0.6)
+        # The batch flood fills the engine and the rest waits in the gateway: then interactive arrives.
+        assert await wait_for_metric(f"{stack.sim_url('m1')}/metrics", "vllm:num_requests_running", lambda v: v == 4) == 4
+        assert await wait_for_metric(stack.metrics_url, "extproc_queue_depth", lambda v: v > 0, model="m1",
+                                     priority="batch") > 0
         _, interactive = await send(http, stack, "bob", "m1", 5, priority="interactive")
         batch_span, batch_outcomes = await batch
         stop.set()
@@ -150,6 +153,12 @@ async def test_batch_fills_an_idle_engine_and_interactive_overtakes_within_a_slo
     assert interactive.ttft_s is not None and interactive.ttft_s < 1.2 * service, (interactive, service)
 
 
+async def in_flight(stack: Stack, *models: str) -> tuple[float, ...]:
+    """extproc_in_flight of each of ``models``, from one read of the processor's metrics."""
+    samples = await read_metrics(stack.metrics_url)
+    return tuple(metric(samples, "extproc_in_flight", model=model) for model in models)
+
+
 async def test_engine_priority_lets_interactive_overtake_inside_vllm_and_cannot_be_spoofed(tmp_path: Path) -> None:
     """Two engines with vLLM's priority scheduling; only `prio` gets the class written into the body."""
     # Room for 5 waiting in each engine, 1 of them kept for the first band.
@@ -164,10 +173,10 @@ async def test_engine_priority_lets_interactive_overtake_inside_vllm_and_cannot_
         # On `prio` she also writes priority -10 into her bodies; the gateway overwrites it.
         flood = [
             asyncio.create_task(send(http, stack, "alice", m, 60, body={"priority": -10} if m == "prio" else None))
-            for m in ("prio", "plain") for _ in range(8)
+            for m in ("prio", "plain") for _ in range(12)
         ]
-        for model in ("prio", "plain"):
-            assert await wait_for_metric(stack.metrics_url, "extproc_in_flight", lambda v: v == 5, model=model) == 5
+        # Both at once, from one page: checked one after the other, the second could have drained meanwhile.
+        assert await poll(lambda: in_flight(stack, "prio", "plain"), lambda v: v == (5, 5)) == (5, 5)
         # Dave may not use interactive, and cannot borrow bob's identity with a header.
         dave = asyncio.create_task(
             chat(http, stack.envoy_url, "dave", "plain", api_key=TENANT_KEYS["dave"], max_tokens=3,

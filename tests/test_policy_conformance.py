@@ -46,6 +46,7 @@ from extproc.adapters.config import ConfigError, parse_config
 from extproc.core.cluster import Ask, Backlog, Correction
 from extproc.core.fair_queue import FairQueue
 from extproc.core.policies import POLICIES, Policy
+from tests.propertyutil import examples
 from tests.redisutil import RedisServer
 
 pytestmark = pytest.mark.parametrize("name", sorted(POLICIES))
@@ -56,7 +57,7 @@ COSTS = st.floats(1, 100)
 OBJECTIVES = st.floats(0.5, 50)  # seconds, on a clock that ticks once per request
 HITS = st.sampled_from([0.0, 0.0, 16.0, 128.0, 2048.0])  # cached prompt tokens; equal ones tie
 # Function-scoped fixtures (the path factory) serve every example: each example builds its own path.
-SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,11 @@ from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
+from extproc.core.report import Change, DispatchReport, EndpointEvent
 from extproc.tools.procs import free_port
 from tests.httputil import serving
 from tests.test_gate import make_gate
+from tests.waitutil import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -66,10 +68,10 @@ def _config(endpoint: str, tmp_path: Path) -> Config:
     return load_config(path)
 
 
-def _dispatcher(endpoint: str) -> ModelDispatcher:
+def _dispatcher(endpoint: str, report: DispatchReport = lambda _: None) -> ModelDispatcher:
     return ModelDispatcher(
         "m1", make_gate(endpoints=(endpoint,), kind="static_concurrency", max_in_flight=1), (Band("standard", 60.0),),
-        lambda _: None, policy=POLICIES["round_robin"],
+        report, policy=POLICIES["round_robin"],
         tenant=lambda _: Tenant(("standard",), "standard", weight=1.0, max_queued=100),
         cost=CostWeights(), max_queued=100, max_queue_wait_s=60.0, reserved_waiting=0, timers=LoopTimers(),
     )
@@ -101,9 +103,16 @@ async def test_a_reset_metrics_connection_is_down_only_when_the_engine_does_not_
 ) -> None:
     async with engine(_reset, health) as url, aiohttp.ClientSession() as session, probe_session() as probes:
         model = _config(url, tmp_path).models[0]
-        dispatcher = _dispatcher(url)
+        failed: list[EndpointEvent] = []
+
+        def report(event: object) -> None:
+            if isinstance(event, EndpointEvent) and event.change is Change.SCRAPE_FAILED:
+                failed.append(event)
+
+        dispatcher = _dispatcher(url, report)
         task = asyncio.create_task(scrape_endpoint(session, model, dispatcher, url, probes))
-        await asyncio.sleep(0.5)
+        # The first failed scrape (its probe included) decides both; the next ones must not change that.
+        await eventually(lambda: len(failed) >= 3, what="3 failed scrapes")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     pool = dispatcher._pool  # noqa: SLF001 - what the scrape told it

@@ -39,7 +39,7 @@ from tests.vllmutil import FCFS_MODEL, PRIORITY_MODEL, VllmServers, require_vllm
 # The processor's /metrics, as tests.stackutil.read_metrics returns them: (name, labels) -> value.
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.vllm, pytest.mark.alone]
 # The servers live in the session's event loop; async tests and fixtures here run in it too.
 IN_SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
 

@@ -46,7 +46,7 @@ from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_stack_config
 from tests.vllmutil import require_vllm
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.vllm, pytest.mark.alone]
 # The server lives in the session's event loop; async tests and fixtures here run in it too.
 IN_SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from extproc.core.outcomes import Refusal, Refused
 from extproc.core.report import RequestEvent, Step
 from tests.stackutil import metric
 from tests.test_reload_core import dispatcher
+from tests.waitutil import eventually
 
 pytestmark = pytest.mark.unit
 
@@ -131,14 +133,36 @@ def samples(telemetry: Telemetry) -> dict[tuple[str, tuple[tuple[str, str], ...]
             for family in telemetry.registry.collect() for s in family.samples}
 
 
+@dataclass(frozen=True)
+class CountedSource(ConfigSource):
+    """A source that counts its reads: a test waits for the watch to have looked, not for time to pass."""
+
+    reads: list[None] = field(default_factory=list)
+
+    def read(self) -> bytes:
+        self.reads.append(None)
+        return super().read()
+
+    async def looked(self, times: int) -> None:
+        """Until the file has been read ``times`` more times (the watch's looks)."""
+        start = len(self.reads)
+        await eventually(lambda: len(self.reads) >= start + times, what=f"{times} looks at {self.path}")
+
+
 def reloading(tmp_path: Path, telemetry: Telemetry) -> tuple[Path, Target, Reloader]:
     """A config file (``doc()``), the Target loaded from it and the Reloader that reloads it into the Target."""
+    path, target, reloader, _ = counted_reloading(tmp_path, telemetry)
+    return path, target, reloader
+
+
+def counted_reloading(tmp_path: Path, telemetry: Telemetry) -> tuple[Path, Target, Reloader, CountedSource]:
+    """:func:`reloading`, and its source, which counts the reads."""
     path = tmp_path / "config.yaml"
     write(path, doc())
-    source = ConfigSource(path)
+    source = CountedSource(path)
     text = path.read_bytes()
     target = Target(source.load(text)[0])
-    return path, target, Reloader(source, text, target, telemetry)
+    return path, target, Reloader(source, text, target, telemetry), source
 
 
 def test_a_bad_file_keeps_the_old_config_and_says_where(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -200,23 +224,25 @@ def test_relabelled_queue_depths_follow_what_is_queued() -> None:
 
 async def test_the_watch_reloads_when_the_content_changes_not_when_the_file_is_touched(tmp_path: Path) -> None:
     telemetry = Telemetry()
-    path, target, reloader = reloading(tmp_path, telemetry)
+    path, target, reloader, source = counted_reloading(tmp_path, telemetry)
+
+    def rejected() -> float:
+        return metric(samples(telemetry), "extproc_config_reloads_total", outcome="rejected")
+
     watch = asyncio.create_task(reloader.watch(interval_s=0.01))
     try:
         path.write_bytes(path.read_bytes())  # rewritten, same content
-        await asyncio.sleep(0.1)
+        await source.looked(3)
         assert not target.applied
         write(path, doc(tenants={"alice": {"weight": 2}}))
-        for _ in range(100):
-            if target.applied:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: len(target.applied) == 1, what="the changed file applied")
         write(path, doc(models=[model("m1", target_waiting=0)]))  # bad: rejected once, not again and again
-        await asyncio.sleep(0.1)
+        await eventually(lambda: rejected() == 1, what="the bad file rejected")
+        await source.looked(3)
     finally:
         watch.cancel()
     assert len(target.applied) == 1
-    assert metric(samples(telemetry), "extproc_config_reloads_total", outcome="rejected") == 1
+    assert rejected() == 1
 
 
 async def test_a_retired_dispatcher_drains_answers_the_rest_and_forgets_its_endpoints() -> None:
@@ -230,8 +256,8 @@ async def test_a_retired_dispatcher_drains_answers_the_rest_and_forgets_its_endp
     with pytest.raises(Refused) as refused:
         await waiting.future  # not released within the drain: answered
     assert refused.value.refusal is Refusal.MODEL_NOT_FOUND and "'m' was removed" in refused.value.message
-    await asyncio.sleep(0.1)
-    assert scraper.cancelled() and not retiring.done()  # the one in flight still runs
+    await eventually(scraper.cancelled, 1.0, "the scraper stopped")
+    assert not retiring.done()  # the one in flight still runs
     d.end(running)
     await asyncio.wait_for(retiring, 1)
     assert d.endpoints == ()

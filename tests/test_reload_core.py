@@ -26,6 +26,7 @@ from extproc.core.entitlement import Tenant
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES, RuleSettings
+from tests.propertyutil import examples
 from tests.test_endpoint_down import Report
 from tests.test_gate import make_gate
 
@@ -114,7 +115,7 @@ async def _run(policy: str, script: list[Op]) -> None:
     assert {id(h) for h in every if not h.released} == abandoned  # released, unless its client left
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(policy=st.sampled_from(["vtc", "round_robin"]), script=ops)
 def test_reloading_never_loses_or_reorders_queued_requests(policy: str, script: list[Op]) -> None:
     asyncio.run(_run(policy, script))

@@ -211,7 +211,9 @@ async def test_a_model_added_whose_engine_is_not_up_yet_does_not_make_a_serving_
             # m2 reads metrics, and nothing listens at its endpoint yet.
             rewrite(path, lambda doc: doc["models"].append({"name": "m2", "endpoints": [f"http://127.0.0.1:{free_port()}"]}))
             assert reloader.reload("test")
-            await asyncio.sleep(0.3)  # a few failed scrapes of m2
+            # A few failed scrapes of m2 (the counter is the processor's own, read in process).
+            assert await wait_for_metric(f"http://{metrics}/metrics", "extproc_scrape_errors_total", lambda v: v >= 3,
+                                         model="m2") >= 3
             async with session.get(readyz) as after:
                 assert after.status == 200, await after.text()
             async with session.get(f"http://{metrics}/status.json") as status:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from extproc.core.fair_queue import FairQueue
 from extproc.core.policies.round_robin import TenantRoundRobin
+from tests.propertyutil import examples
 
 pytestmark = pytest.mark.unit
 
@@ -86,7 +87,7 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(OPS)
 def test_every_item_leaves_exactly_once_and_fifo_within_tenant(ops: list[tuple[Any, ...]]) -> None:
     q: FairQueue[int] = FairQueue(bands=3)
@@ -121,7 +122,7 @@ def test_every_item_leaves_exactly_once_and_fifo_within_tenant(ops: list[tuple[A
         assert ids == sorted(ids)
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(st.lists(st.tuples(TENANTS, st.integers(1, 20)), min_size=1, max_size=8))
 def test_fifo_within_tenant_and_no_starvation(backlogs: list[tuple[str, int]]) -> None:
     """All tenants backlogged at once: served in rounds, each tenant's items in order."""
@@ -146,7 +147,7 @@ def test_fifo_within_tenant_and_no_starvation(backlogs: list[tuple[str, int]]) -
             assert all(n <= 1 for n in between.values())
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(
     st.lists(st.tuples(TENANTS, st.integers(1, 10)), min_size=1, max_size=5),
     st.integers(0, 30),

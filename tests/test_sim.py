@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.tools.sim import RunningSim, SimSettings, add_arguments, start_sim
 from extproc.tools.sim.engine import RequestTooLong, Scheduler, SimEngine, SimRequest, TokenEvent
 from extproc.tools.sim.server import estimate_tokens, run, settings_from_args
+from tests.propertyutil import examples
 
 pytestmark = pytest.mark.unit
 
@@ -150,7 +151,7 @@ def test_abort_removes_from_waiting_or_running_and_frees_kv() -> None:
     assert not scheduler.abort(running)  # already gone: no-op
 
 
-@hyp_settings(max_examples=60, deadline=None)
+@hyp_settings(max_examples=examples(60), deadline=None)
 @given(
     max_num_seqs=st.integers(1, 4),
     kv_cache_tokens=st.integers(20, 200),

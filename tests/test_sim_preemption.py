@@ -28,6 +28,7 @@ from extproc.tools.sim.engine import (
     TokenEvent,
 )
 from extproc.tools.sim.metrics import VllmMetrics
+from tests.propertyutil import examples
 from tests.test_sim import MODEL, FakeTime, _value
 
 pytestmark = pytest.mark.unit
@@ -272,7 +273,7 @@ async def test_vllm_metrics_count_preemptions() -> None:
     assert _value(page, "vllm:kv_cache_usage_perc") == 0
 
 
-@hyp_settings(max_examples=150, deadline=None)
+@hyp_settings(max_examples=examples(150), deadline=None)
 @given(
     policy=st.sampled_from(["fcfs", "priority"]),
     block_size=st.integers(1, 8),

@@ -255,6 +255,7 @@ def _one(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> f
 
 
 @pytest.mark.integration
+@pytest.mark.alone
 async def test_a_repeated_long_prompt_is_a_hit_and_its_ttft_is_shorter_by_the_prefill_saved(
     http: aiohttp.ClientSession,
 ) -> None:
@@ -280,6 +281,7 @@ async def test_a_repeated_long_prompt_is_a_hit_and_its_ttft_is_shorter_by_the_pr
 
 
 @pytest.mark.integration
+@pytest.mark.alone
 async def test_a_different_prompt_hits_only_the_shared_leading_text(http: aiohttp.ClientSession) -> None:
     async with await start_sim(SimSettings(model=MODEL, prefix_caching=True, **TIMED)) as sim:
         await _ttft(http, sim, LONG + " first question?")
@@ -291,6 +293,7 @@ async def test_a_different_prompt_hits_only_the_shared_leading_text(http: aiohtt
 
 
 @pytest.mark.integration
+@pytest.mark.alone
 async def test_off_by_default_the_same_prompt_costs_the_same_and_nothing_is_counted(
     http: aiohttp.ClientSession,
 ) -> None:
@@ -336,6 +339,7 @@ async def _send_each(
 
 
 @pytest.mark.integration
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.asyncio(loop_scope="session")
@@ -374,6 +378,7 @@ EVICTION_HITS = [0, 0, 0, 0, 256, 384, 0, 0, 0, 384, 256, 0, 128, 256]
 
 
 @pytest.mark.integration
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.asyncio(loop_scope="session")

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from extproc.core.bands import Band
 from extproc.tools.sim.engine import SimSettings
 from tests.coresim import BANDS, Arrival, CoreSim
+from tests.propertyutil import examples
 
 pytestmark = pytest.mark.unit
 
@@ -81,7 +82,7 @@ streams = st.lists(
 )
 
 
-@hyp_settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@hyp_settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     streams=streams,
     slots=st.integers(2, 16),

@@ -34,8 +34,9 @@ def free_port() -> int:
     For the configs of child processes (tests, benchmark): the child binds it a
     moment later, so it must not be handed out twice nor be an ephemeral port.
     """
+    ports = port_range()
     while True:
-        port = random.choice(_PORTS)
+        port = random.choice(ports)
         if port in _handed_out:
             continue
         with socket.socket() as s:
@@ -45,6 +46,22 @@ def free_port() -> int:
                 continue
         _handed_out.add(port)
         return port
+
+
+def port_range() -> range:
+    """The ports :func:`free_port` draws from: all of ``_PORTS``, or under pytest-xdist this worker's share.
+
+    The workers are separate processes: each one's ``_handed_out`` cannot see
+    the others', and two could hand out the same port before either child has
+    bound it. Disjoint shares cannot collide. xdist names its workers gw0, gw1, ...
+    in the environment, which the children (a demo, a benchmark) inherit.
+    """
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count:
+        return _PORTS
+    share = len(_PORTS) // int(count)
+    start = _PORTS.start + int(worker.removeprefix("gw")) * share
+    return range(start, start + share)
 
 
 class ProcessStartError(RuntimeError):

@@ -1,0 +1,96 @@
+"""How the suite shares pytest-xdist's workers (``-n``): which tests go to one worker, which run alone.
+
+*Scopes* (``--dist loadscope``, scheduled by :class:`Scopes`): a module's tests
+go to one worker, so its module fixtures start once; the modules with tests
+on the real vLLM servers (the session fixture ``vllm``, tests/conftest.py),
+``VLLM_MODULES``, go to one worker together, so those start once in the run,
+not once per worker. Collection fails if a test elsewhere uses them.
+
+*Turns*: some tests measure time or throughput against the machine's cores
+(the real vLLM, the benchmarks, the fairness comparisons), and a test beside
+them on the other core would be part of what they measure. Each test takes a
+turn around its setup, call and teardown (so a module's or the session's
+fixtures that start with it are inside it too): shared for most tests,
+exclusive for those marked ``alone``. The turns are two ``flock`` locks on
+files every worker of the run opens: a gate, taken briefly by everyone in
+arrival order, so that an ``alone`` test waiting for the shared holders to
+finish is not overtaken by new ones, and the turn itself.
+
+Without xdist there is one process: nothing to schedule, nothing to take
+turns with. Loaded with ``-p tests.workers`` (``addopts`` in pyproject.toml),
+as tests/tiers.py is.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from xdist.scheduler import LoadScopeScheduling
+
+ALONE = "alone"
+VLLM_MODULES = frozenset({"tests/test_real_vllm.py", "tests/test_sim_prefix.py"})
+
+
+@contextmanager
+def turn(directory: Path, exclusive: bool) -> Generator[None]:
+    """One test's turn: shared with the other workers' tests, or ``exclusive``, waiting until it is given."""
+    with (directory / "gate").open("a") as gate, (directory / "turn").open("a") as held:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
+def _turns_directory(config: pytest.Config) -> Path | None:
+    """Where this run's workers meet, or None outside xdist.
+
+    xdist gives each worker a temporary folder inside the run's own (``--basetemp``), which
+    pytest removes with the runs before the last few: the turns live there, beside them.
+    """
+    basetemp = config.getoption("basetemp")
+    if "PYTEST_XDIST_WORKER" not in os.environ or not basetemp:
+        return None
+    return Path(basetemp).parent
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    directory = _turns_directory(item.config)
+    if directory is None:
+        return (yield)
+    with turn(directory, exclusive=item.get_closest_marker(ALONE) is not None):
+        return (yield)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # CI installs vLLM while the tests not marked alone run (.ci/run): a vLLM test must wait for the second run.
+    crowded = [item.nodeid for item in items if item.get_closest_marker("vllm") and not item.get_closest_marker(ALONE)]
+    if crowded:
+        raise pytest.UsageError("a test on the real vLLM must be marked alone too:\n  " + "\n  ".join(crowded))
+    elsewhere = [item.nodeid for item in items if "vllm" in getattr(item, "fixturenames", ())
+                 and item.nodeid.partition("::")[0] not in VLLM_MODULES]
+    if elsewhere:
+        raise pytest.UsageError("a test on the vllm fixture outside tests/workers.py's VLLM_MODULES:\n  "
+                                + "\n  ".join(elsewhere))
+
+
+class Scopes(LoadScopeScheduling):  # type: ignore[misc]  # xdist ships no type information
+    """xdist's loadscope (a module's tests on one worker), with ``VLLM_MODULES`` as one scope."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        module = nodeid.partition("::")[0]
+        return "vllm" if module in VLLM_MODULES else module
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> Scopes | None:
+    return Scopes(config, log) if config.getvalue("dist") == "loadscope" else None
