@@ -20,6 +20,7 @@ import yaml
 
 from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
+from tests.waitutil import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -96,6 +97,11 @@ async def test_a_restart_in_the_middle_of_a_day_budget_does_not_hand_out_a_fresh
     async with client:
         await ask(client, max_tokens=100)
         await ask(client, max_tokens=100)
+
+        async def both_ended() -> bool:  # the client has its answer before the processor sees the response end
+            return metric(await read_metrics(stack.metrics_url), "extproc_in_flight") == 0
+
+        await eventually(both_ended, timeout_s=10, what="both requests ended at the processor")
         used = await usage_of(stack, "dave")
         assert 10 <= used <= 202
         assert stack.processor is not None

@@ -176,7 +176,10 @@ async def test_engine_priority_lets_interactive_overtake_inside_vllm_and_cannot_
             for m in ("prio", "plain") for _ in range(12)
         ]
         # Both at once, from one page: checked one after the other, the second could have drained meanwhile.
-        assert await poll(lambda: in_flight(stack, "prio", "plain"), lambda v: v == (5, 5)) == (5, 5)
+        # At least 3 of alice's waiting in each engine for bob to overtake (one engine may be a release behind the
+        # other when the page is read; with target_waiting 3 neither gets there).
+        both = await poll(lambda: in_flight(stack, "prio", "plain"), lambda v: min(v) >= 4)
+        assert min(both) >= 4 and max(both) <= 5, both
         # Dave may not use interactive, and cannot borrow bob's identity with a header.
         dave = asyncio.create_task(
             chat(http, stack.envoy_url, "dave", "plain", api_key=TENANT_KEYS["dave"], max_tokens=3,
