@@ -276,8 +276,11 @@ def test_vllms_own_queue_stays_near_target_waiting_in_every_flood(floods: Floods
     direct = [r.waiting_max for r in floods.of("direct")]
     gateway = [r.waiting_max for r in floods.of("gateway")]
     print(f"vLLM waiting max per flood: gateway {gateway}, direct {direct}")
-    # The samples do see the queue: straight to vLLM nearly the whole flood waits.
-    assert min(direct) >= FLOOD - 10, direct
+    # The samples do see the queue: straight to vLLM most of the flood waits. Not all of it in
+    # every flood: on a loaded machine vLLM's API server takes the flood in slowly enough that
+    # its first requests finish before the last arrive (one CI flood peaked at 25 of 40).
+    assert statistics.median(direct) >= FLOOD - 10, direct
+    assert min(direct) > 2 * (TARGET_WAITING + 2), direct
     assert max(gateway) <= TARGET_WAITING + 2, f"vLLM's waiting queue per gateway flood: {gateway}"
 
 
