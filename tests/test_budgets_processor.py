@@ -20,6 +20,8 @@ from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatcher
 from extproc.core.dispatcher import ModelDispatcher
+from extproc.core.engine_load import EngineLoad
+from tests.test_epp_stream import DUPLEX, answers, first_message, send
 from tests.test_processor import Stream, settle
 
 pytestmark = pytest.mark.unit
@@ -194,6 +196,29 @@ async def test_a_stream_without_usage_is_charged_the_estimate() -> None:
     await settle()
     (key, row), = gate.budgets.book.rows()
     assert (row.input_tokens, row.output_tokens) == (100, 100)  # Content-Length's estimate, max_tokens
+
+
+async def test_through_an_endpoint_picker_the_usage_is_read_from_the_chunks_its_gateway_sends_anyway() -> None:
+    processor, dispatcher, _ = make({"tenants": {"default": {"tokens_per_day": 100_000}}})
+    dispatcher.record_scrape("http://127.0.0.1:1", EngineLoad(waiting=0, running=0), 0.0)
+    gate = processor.budgets
+    assert gate is not None
+    stream = Stream(processor, first_message(DUPLEX, {"x-tenant-id": "t"}))  # no metadata: a gateway's filter
+    body = json.dumps({"model": "m", "messages": [], "max_tokens": 50, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    send(stream, pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    released = await answers(stream)
+    assert released[0].HasField("request_headers") and not released[0].HasField("mode_override")
+    events = b'data: {"choices": [{"delta": {"content": "a"}}], "usage": null}\n\n' \
+             b'data: {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}\n\ndata: [DONE]\n\n'
+    for start in range(0, len(events), 40):
+        send(stream, pb.ProcessingRequest(response_body=pb.HttpBody(body=events[start:start + 40])))
+    given_back = [r.response_body.response.body_mutation.streamed_response.body for r in await answers(stream)]
+    assert b"".join(given_back) == events  # passed back as it came
+    stream.close()
+    await settle()
+    (key, row), = gate.budgets.book.rows()
+    assert (row.input_tokens, row.output_tokens) == (7, 3)
 
 
 async def test_a_reload_keeps_the_counts_and_removing_the_section_removes_the_checks() -> None:

@@ -21,7 +21,12 @@ trailers sent, bodies not: ``contract.PROCESSING_MODE``):
    until the response ends: its end is the request's completion.
 5. An ``engine_priority`` model's release also switches the request body to
    buffered; it comes back with the band's ``priority`` written in.
-6. A model with prefix signatures needs its prompt before the hold: its
+6. With budgets, the release also asks for the response body where the
+   engine's usage will be in it (``_read``): a whole answer buffered, a
+   stream whose client asked for ``include_usage`` chunk by chunk
+   (``budgets.stream_usage``); each chunk passes the usage reader
+   (``engine_usage.py``) and goes on unchanged.
+7. A model with prefix signatures needs its prompt before the hold: its
    headers are answered at once, switching to a buffered body (a mode can
    be overridden only in a headers reply, and whether a release is checked is
    known only at the release, so the response headers are turned on too);
