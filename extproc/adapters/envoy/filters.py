@@ -14,7 +14,8 @@ The request path:
    or ``jwt_authn`` (``envoy.jwt``) sets the tenant header, 401 without a
    known key or valid token. With neither, no request has a tenant header.
 2. ``json_to_metadata`` copies the body's ``model``, ``max_tokens``,
-   ``max_completion_tokens`` and ``prompt_cache_key`` into dynamic metadata
+   ``max_completion_tokens`` and ``prompt_cache_key`` (with budgets, also
+   ``stream`` and ``stream_options.include_usage``) into dynamic metadata
    ``extproc``; it buffers the body first, so the metadata exists when
    ext_proc sends the request headers. Only JSON bodies are parsed; anything
    else names no model and the processor answers 400.
@@ -46,10 +47,12 @@ from extproc.adapters.envoy.base import Json, duration, hold_timeout_s, typed
 from extproc.adapters.envoy.clusters import EXTPROC_CLUSTER, JWKS_CLUSTER
 from extproc.adapters.ext_proc.contract import (
     DESTINATION_HEADER,
+    INCLUDE_USAGE_FIELD,
     METADATA_NAMESPACE,
     MODEL_HEADER,
     PROCESSING_MODE,
     QUEUE_WAIT_HEADER,
+    STREAM_FIELD,
 )
 from extproc.core.outcomes import Refusal
 
@@ -175,9 +178,13 @@ def _jwt_authn(config: Config, chain: Chain) -> Json:
 
 
 def _json_to_metadata(config: Config, chain: Chain) -> Json:
-    def rule(key: str, value_type: str) -> Json:
-        return {"selectors": [{"key": key}],
+    def rule(key: str, value_type: str, *path: str) -> Json:
+        return {"selectors": [{"key": k} for k in (*path, key)],
                 "on_present": {"metadata_namespace": METADATA_NAMESPACE, "key": key, "type": value_type}}
+
+    # Budgets charge the engine's usage: whether it comes in one answer or at a stream's end (or not at all) is
+    # the body's to say. Without budgets nothing reads it, and nothing is written.
+    usage = [rule(STREAM_FIELD, "PROTOBUF_VALUE"), rule(INCLUDE_USAGE_FIELD, "PROTOBUF_VALUE", "stream_options")]
 
     return typed(
         "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
@@ -191,6 +198,7 @@ def _json_to_metadata(config: Config, chain: Chain) -> Json:
                 rule("max_completion_tokens", "PROTOBUF_VALUE"),
                 # Prefix-cache affinity for endpoint picking (OpenAI's field).
                 rule("prompt_cache_key", "STRING"),
+                *(usage if config.budgets is not None else ()),
             ],
         },
     )

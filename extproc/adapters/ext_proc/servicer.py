@@ -207,7 +207,7 @@ class Processor:
         finally:
             dispatcher.end(held)
             if budgets is not None and budget_pass is not None:
-                budgets.end(budget_pass, held)
+                budgets.end(budget_pass, held, None if stream.usage is None else stream.usage.reported)
 
     def _submit(self, side: Attachment, stream: Stream, headers: dict[str, str], admission: Admission,
                 dispatcher: ModelDispatcher, prefix: Prefix) -> Held:
