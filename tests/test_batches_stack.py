@@ -11,7 +11,6 @@ hostile files.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +24,8 @@ import pytest
 from extproc.tools.power_user import chat
 from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack, start_stack
+from tests import batchutil
+from tests.batchutil import chat_line, completed_count, entries, jsonl, wait_final
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_stack_config
 
 pytestmark = pytest.mark.integration
@@ -49,33 +50,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
 
 
 def client(stack: Stack, tenant: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{stack.envoy_url}/v1", api_key=TENANT_KEYS[tenant], max_retries=0)
-
-
-def jsonl(lines: list[dict[str, Any]]) -> bytes:
-    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-
-
-def chat_line(custom_id: str, max_tokens: int = 8, model: str = "m1") -> dict[str, Any]:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": model, "messages": [{"role": "user", "content": f"say {custom_id}"}],
-                     "max_tokens": max_tokens}}
-
-
-async def wait_final(sdk: openai.AsyncOpenAI, batch_id: str, timeout_s: float = 60) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        batch = await sdk.batches.retrieve(batch_id)
-        if batch.status in ("completed", "failed", "expired", "cancelled") or time.monotonic() > deadline:
-            return batch
-        await asyncio.sleep(0.2)
-
-
-async def entries(sdk: openai.AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
-    if file_id is None:
-        return []
-    content = await sdk.files.content(file_id)
-    return [json.loads(line) for line in content.text.splitlines() if line]
+    return batchutil.client(stack.envoy_url, tenant)
 
 
 async def test_the_sdk_workflow_end_to_end(stack: Stack) -> None:
@@ -172,11 +147,6 @@ async def slow_stack(tmp_path: Path) -> AsyncIterator[Stack]:
     path = batch_config(tmp_path, in_flight_per_batch=6)
     async with await start_stack(path, tmp_path, sim_args=SLOW_SIM) as running:
         yield running
-
-
-async def completed_count(sdk: openai.AsyncOpenAI, batch_id: str) -> int:
-    counts = (await sdk.batches.retrieve(batch_id)).request_counts
-    return 0 if counts is None else counts.completed
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
