@@ -118,7 +118,7 @@ class ProcessorServer:
         self.telemetry.registry.register(BudgetCollector(lambda: self.processor.budgets, time.time))
         # OpenAI's Batch API and its runner (batches:, docs/batches.md).
         self._batches = (None if config.batches is None
-                         else BatchService(lambda: self.config, self.telemetry.registry, tenant_labels(config)))
+                         else BatchService(lambda: self.config, self.telemetry.registry, tenant_labels(config), self._cluster))
         self._batches_started = False
         # The metrics port (/metrics, /healthz, /readyz, the status page, /usage): adapters/web/app.py.
         host, port = split_address(config.listen.metrics)

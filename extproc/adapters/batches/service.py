@@ -1,23 +1,34 @@
-"""The batch service in ``extproc serve``: the store, the runner and the API on ``batches.listen``.
+"""The batch service in ``extproc serve``: the books, the runner and the API on ``batches.listen``.
+
+One instance (no ``cluster:``): the SQLite store under ``batches.directory``
+and a runner for the batches it keeps. A cluster: state and leases in the
+cluster's Redis and the files on ``batches.directory``, which every instance
+mounts (``shared.py``); every instance serves the API and runs a share of
+every batch's lines (``spread.py``).
 
 ``start`` binds the API and resumes the active batches; ``stop`` stops the
-runner where it is (a line in flight is sent again by the next start) and
-the API.
+runner where it is (a line in flight is sent again: by the next start, or
+another instance) and the API.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from extproc.adapters.batches.api import Api
+from extproc.adapters.batches.books import Books, LocalBooks
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.runner import Runner
 from extproc.adapters.batches.shapes import Json
+from extproc.adapters.batches.shared import SharedBooks, SharedState
+from extproc.adapters.batches.spread import SpreadRunner
 from extproc.adapters.batches.store import Store
+from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.telemetry.labels import TenantLabels
 
@@ -26,17 +37,33 @@ PROGRESS_LISTED = 50
 
 
 class BatchService:
-    def __init__(self, current: Callable[[], Config], registry: CollectorRegistry, tenants: TenantLabels) -> None:
-        """``current``: the config now (reloads change identity and entitlements; ``batches:`` needs a restart)."""
+    def __init__(self, current: Callable[[], Config], registry: CollectorRegistry, tenants: TenantLabels,
+                 cluster: ClusterConnection | None = None) -> None:
+        """``current``: the config now (reloads change identity and entitlements; ``batches:`` needs a restart).
+
+        ``cluster``: the process's connection to the cluster's Redis (``cluster:``), whose client and
+        instance name the shared books and the runner's leases use.
+        """
         settings = current().batches
         assert settings is not None
         self.listen = settings.listen
-        self.store = Store(settings.directory)
         self.metrics = BatchMetrics(registry, tenants)
-        self.runner = Runner(current, self.store, self.metrics)
+        self._store: Store | None = None
+        self._runner: Runner | SpreadRunner
+        books: Books
+        if cluster is None:
+            self._store = Store(settings.directory)
+            self._runner = Runner(current, self._store, self.metrics)
+            books = LocalBooks(self._store, self._runner)
+        else:
+            shared = cluster.settings
+            state = SharedState(cluster.client, shared.key_prefix, shared.redis_timeout_ms / 1000,
+                                Path(settings.directory))
+            self._runner = SpreadRunner(current, state, self.metrics, cluster.instance, shared.lease_s,
+                                        shared.heartbeat_interval_s)
+            books = SharedBooks(state)
         self._stopped = False
-        self._site_runner = web.AppRunner(Api(current, self.store, self.runner).app(), access_log=None,
-                                          handle_signals=False)
+        self._site_runner = web.AppRunner(Api(current, books).app(), access_log=None, handle_signals=False)
 
     async def start(self) -> None:
         """Bind the API (OSError naming ``batches.listen`` if it cannot), then resume the active batches."""
@@ -47,14 +74,20 @@ class BatchService:
         except OSError as exc:
             await self._site_runner.cleanup()
             raise OSError(f"batches.listen: cannot bind {self.listen} ({exc.strerror})") from exc
-        self.runner.start()
+        self._runner.start()
 
     def progress(self) -> list[Json]:
         """The batches in progress, for the status page: each one's counts and its lines per second since it began."""
-        return [] if self._stopped else self.store.progress(time.time(), PROGRESS_LISTED)
+        if self._stopped:
+            return []
+        if self._store is None:
+            assert isinstance(self._runner, SpreadRunner)
+            return self._runner.progress()
+        return self._store.progress(time.time(), PROGRESS_LISTED)
 
     async def stop(self) -> None:
         self._stopped = True
-        await self.runner.stop()
+        await self._runner.stop()
         await self._site_runner.cleanup()
-        self.store.close()
+        if self._store is not None:
+            self._store.close()
