@@ -11,6 +11,7 @@ hostile files.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -45,7 +46,8 @@ def batch_config(tmp_path: Path, **batches: Any) -> Path:
 
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
-    async with await start_stack(batch_config(tmp_path), tmp_path, sim_args=FAST_SIM) as running:
+    serve_args = ["--log-format", "json", "--log-level", "debug"]  # the decision log, read by the workflow test
+    async with await start_stack(batch_config(tmp_path), tmp_path, sim_args=FAST_SIM, serve_args=serve_args) as running:
         yield running
 
 
@@ -82,6 +84,11 @@ async def test_the_sdk_workflow_end_to_end(stack: Stack) -> None:
     assert metric(samples, "extproc_released_total", tenant="bob", priority="batch") == 30
     assert metric(samples, "extproc_released_total", tenant="bob", priority="standard") == 0
     assert metric(samples, "extproc_batch_lines_total", tenant="bob", outcome="completed") == 30
+    # The processor's own decision entry for each line names it: the batch and the line's index.
+    logged = [json.loads(line) for line in (stack.workdir / "extproc.log").read_text().splitlines()]
+    released = [d for d in logged if d["logger"] == "extproc.decisions" and d.get("outcome") == "released"]
+    assert sorted(d["batch_line"] for d in released) == sorted(f"{batch.id}/{i}" for i in range(30))
+    assert {(d["tenant"], d["class"]) for d in released} == {("bob", "batch")}
 
 
 async def test_a_tenant_sees_only_its_own_files_and_batches(stack: Stack) -> None:

@@ -427,7 +427,7 @@ def with_batches(doc: dict[str, Any], config: Config) -> dict[str, Any]:
             "route": {"cluster": BATCH_API_CLUSTER, "timeout": f"{API_TIMEOUT_S:g}s"},
             "typed_per_filter_config": copy.deepcopy(off)} for prefix in API_PREFIXES]
     runner = {**copy.deepcopy(pool), "name": "extproc-batch-runner",
-              "match": {"prefix": "/", "headers": [{"name": RUNNER_KEY_HEADER,
+              "match": {"prefix": "/v1/", "headers": [{"name": RUNNER_KEY_HEADER,
                                                     "string_match": {"exact": settings.runner_key}}]},
               "request_headers_to_remove": [RUNNER_KEY_HEADER]}
     routes[:0] = [*api, runner]
