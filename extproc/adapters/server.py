@@ -308,13 +308,14 @@ class ProcessorServer:
                 await self._store.flush()  # the usage of the last interval, and of every request that ended since
             except sqlite3.Error as exc:
                 log.error("budgets.store: cannot write %s at exit (%s)", self._store.store.path, exc)
+        if self._batches is not None and self._batches_started:  # before the cluster: its lines go back through Redis
+            self._batches_started = False
+            await self._batches.stop()
         if self._cluster is not None:
             await self._cluster.stop()
         for session in (self._session, self._probes):
             if session is not None:
                 await session.close()
-        if self._batches is not None and self._batches_started:
-            await self._batches.stop()
         if self._metrics_started:
             await self._metrics_server.stop()
         await self._grpc.stop(0)

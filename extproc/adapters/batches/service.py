@@ -17,8 +17,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from extproc.adapters.batches.api import Api
 from extproc.adapters.batches.books import Books, LocalBooks
@@ -34,6 +37,10 @@ from extproc.adapters.telemetry.labels import TenantLabels
 
 # Batches the status page lists at most (the oldest active first).
 PROGRESS_LISTED = 50
+# The least a cluster's batch state waits for Redis: an API call or a line's record is not a release
+# decision, which must not wait (cluster.redis_timeout_ms, 250 ms by default); a busy Redis or machine
+# should not answer the API 503.
+MIN_REDIS_TIMEOUT_S = 1.0
 
 
 class BatchService:
@@ -41,14 +48,15 @@ class BatchService:
                  cluster: ClusterConnection | None = None) -> None:
         """``current``: the config now (reloads change identity and entitlements; ``batches:`` needs a restart).
 
-        ``cluster``: the process's connection to the cluster's Redis (``cluster:``), whose client and
-        instance name the shared books and the runner's leases use.
+        ``cluster``: the process's connection to the cluster's Redis (``cluster:``): its settings, and its
+        instance name for the runner's leases.
         """
         settings = current().batches
         assert settings is not None
         self.listen = settings.listen
         self.metrics = BatchMetrics(registry, tenants)
         self._store: Store | None = None
+        self._client: aioredis.Redis | None = None
         self._runner: Runner | SpreadRunner
         books: Books
         if cluster is None:
@@ -57,8 +65,11 @@ class BatchService:
             books = LocalBooks(self._store, self._runner)
         else:
             shared = cluster.settings
-            state = SharedState(cluster.client, shared.key_prefix, shared.redis_timeout_ms / 1000,
-                                Path(settings.directory))
+            # A client of its own: the batches wait longer for Redis than a release decision may.
+            timeout_s = max(shared.redis_timeout_ms / 1000, MIN_REDIS_TIMEOUT_S)
+            self._client = aioredis.from_url(shared.redis_url, socket_timeout=timeout_s,
+                                             socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+            state = SharedState(self._client, shared.key_prefix, timeout_s, Path(settings.directory))
             self._runner = SpreadRunner(current, state, self.metrics, cluster.instance, shared.lease_s,
                                         shared.heartbeat_interval_s)
             books = SharedBooks(state)
@@ -91,3 +102,5 @@ class BatchService:
         await self._site_runner.cleanup()
         if self._store is not None:
             self._store.close()
+        if self._client is not None:
+            await self._client.aclose()

@@ -20,7 +20,7 @@ a file is written to a name of its own and renamed into place, so a reader
 on another instance sees all of it or nothing. Redis holds only small
 records (a line is its ``custom_id`` and where its body is).
 
-Redis away (an error, or slower than ``cluster.redis_timeout_ms``): the API
+Redis away (an error, or slower than the service's timeout, ``service.py``): the API
 answers 503 (Retry-After: 1), the runners stop claiming and try again each
 heartbeat; an answer to a line already sent is recorded once Redis is back.
 """
@@ -47,7 +47,7 @@ SCRIPT = files("extproc.adapters.batches").joinpath("shared.lua").read_text()
 _INTERNAL = ("_status", "_tenant", "_seq", "_total", "_completed", "_failed", "_expired")
 # Records written per pipeline (a validation's lines, a finalization's outcomes).
 CHUNK = 1000
-# Redis errors, and a call slower than redis_timeout_ms.
+# Redis errors, and a call slower than the timeout.
 FAILURES = (RedisError, OSError, TimeoutError)
 
 
