@@ -14,6 +14,7 @@
 --   owner(id)       hash   index -> the instance holding its lease
 --   line(id)        hash   index -> the line as the runner reads it (JSON text)
 --   result(id)      hash   index -> its outcome (JSON text), written once
+--   token(id)       hash   index -> the token of the attempt that recorded it (a retried record is not a duplicate)
 --   lock(id, what)  string the instance validating or finalizing the batch, with a lease
 local P = KEYS[1]
 local function key(name, id, what)
@@ -21,7 +22,7 @@ local function key(name, id, what)
   if name == 'active' then return P .. ':active' end
   if name == 'statuses' then return P .. ':statuses' end
   if name == 'lock' then return P .. ':b:' .. id .. ':lock:' .. what end
-  if name == 'todo' or name == 'lease' or name == 'owner' or name == 'line' or name == 'result' then
+  if name == 'todo' or name == 'lease' or name == 'owner' or name == 'line' or name == 'result' or name == 'token' then
     return P .. ':b:' .. id .. ':' .. name
   end
   error('no such key: ' .. name)
@@ -136,14 +137,20 @@ if op == 'release' then
 end
 
 if op == 'record' then
-  -- { id, index, ok, result }: the line's outcome, once, while the batch runs: "recorded", "duplicate", "closed".
+  -- { id, index, ok, result, token }: the line's outcome, once, while the batch runs: "recorded", "duplicate"
+  -- (another attempt's came first), "closed". The same attempt's record sent again (its answer was lost) is
+  -- "recorded" again, so its runner counts it once.
+  local field = tostring(input.index)
+  if redis.call('HGET', key('token', input.id), field) == input.token then
+    return cjson.encode({ outcome = 'recorded' })
+  end
   if not running(input.id) then
     return cjson.encode({ outcome = 'closed' })
   end
-  local field = tostring(input.index)
   if redis.call('HSETNX', key('result', input.id), field, input.result) == 0 then
     return cjson.encode({ outcome = 'duplicate' })
   end
+  redis.call('HSET', key('token', input.id), field, input.token)
   redis.call('ZREM', key('lease', input.id), field)
   redis.call('HDEL', key('owner', input.id), field)
   redis.call('ZREM', key('todo', input.id), field)
@@ -194,7 +201,7 @@ if op == 'drop' then
   local now = status(input.id)
   for _, allowed in ipairs(input.when) do
     if now == allowed then
-      for _, name in ipairs({ 'todo', 'lease', 'owner', 'line', 'result' }) do
+      for _, name in ipairs({ 'todo', 'lease', 'owner', 'line', 'result', 'token' }) do
         redis.call('DEL', key(name, input.id))
       end
       return cjson.encode({ dropped = true })

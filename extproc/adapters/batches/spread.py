@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -62,6 +63,8 @@ class SpreadRunner:
         self._held: dict[str, dict[int, asyncio.Task[None]]] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._background: list[asyncio.Task[None]] = []
+        # Answers being recorded: not cut with their line (the record may have reached Redis already).
+        self._recording: set[asyncio.Task[None]] = set()
         self._progress: list[Json] = []
         self._pending_tenants: set[str] = set()
         self._warned = False
@@ -76,6 +79,11 @@ class SpreadRunner:
         for task in (*self._background, *self._tasks.values()):
             task.cancel()
         await asyncio.gather(*self._background, *self._tasks.values(), return_exceptions=True)
+        if self._recording:  # answers being recorded: a lease's time at most (then the line runs again elsewhere)
+            _, late = await asyncio.wait(self._recording, timeout=self._lease_ms / 1000)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         await self._sender.close()
 
     def progress(self) -> list[Json]:
@@ -245,13 +253,22 @@ class SpreadRunner:
         return self._state.files_dir / f".{batch_id}.lines"
 
     async def _line(self, batch: Batch, line: Pending) -> None:
-        """Send the line until its answer is final; record it once Redis takes it (the first answer wins)."""
+        """Send the line until its answer is final, then record it: a cut from then on does not stop the record."""
+        ok, result = await self._sender.send(batch.doc["id"], batch.tenant, batch.doc["endpoint"], line)
+        recording = asyncio.create_task(self._record(batch, line, ok, result))
+        self._recording.add(recording)
+        recording.add_done_callback(self._recording.discard)
+        await asyncio.shield(recording)
+
+    async def _record(self, batch: Batch, line: Pending, ok: bool, result: Json) -> None:
+        """The answer recorded once Redis takes it (the first answer wins), and counted if it was the first."""
         batch_id, tenant = batch.doc["id"], batch.tenant
-        ok, result = await self._sender.send(batch_id, tenant, batch.doc["endpoint"], line)
         stored = json.dumps({"ok": ok, "custom_id": line.custom_id, "entry": result})
+        token = uuid.uuid4().hex  # this attempt's: a record sent again after a lost answer is not a duplicate
         while True:
             try:
-                answer = await self._state.call("record", id=batch_id, index=line.index, ok=ok, result=stored)
+                answer = await self._state.call("record", id=batch_id, index=line.index, ok=ok, result=stored,
+                                                token=token)
                 break
             except FAILURES as exc:
                 self._trouble(exc)
