@@ -46,6 +46,7 @@ from extproc.adapters.config import Config
 from extproc.adapters.envoy.base import Json, duration, hold_timeout_s, typed
 from extproc.adapters.envoy.clusters import EXTPROC_CLUSTER, JWKS_CLUSTER
 from extproc.adapters.ext_proc.contract import (
+    BATCH_LINE_HEADER,
     DESTINATION_HEADER,
     INCLUDE_USAGE_FIELD,
     METADATA_NAMESPACE,
@@ -125,12 +126,13 @@ def _sanitise(config: Config, chain: Chain) -> Json:
     headers, which name a tenant too) is stripped as well: api_key_auth or
     jwt_authn, when configured, set it afterwards. A drop-in without either
     leaves identity to the operator's own auth filter, which runs earlier and
-    sets it.
+    sets it. The batch-line header is the runner's (its listener keeps it).
     """
     identity = config.identity
     keep_tenant = chain.runner or (chain.drop_in and not _own_identity(config))
     tenant = [] if keep_tenant else [identity.tenant_header, *identity.fairness_id_headers]
-    remove = [MODEL_HEADER, *tenant, DESTINATION_HEADER, *ECHOED_HEADERS]
+    batch_line = [] if chain.runner else [BATCH_LINE_HEADER]  # only the batch runner names a batch line
+    remove = [MODEL_HEADER, *tenant, DESTINATION_HEADER, *ECHOED_HEADERS, *batch_line]
     return typed("envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
                  mutations={"request_mutations": [{"remove": name} for name in remove]})
 

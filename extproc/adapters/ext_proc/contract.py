@@ -30,6 +30,9 @@ REASON_HEADER = "x-extproc-reason"
 # Gateway API Inference Extension convention: the endpoint picked for a request
 # (HOST:PORT); Envoy routes requests carrying it to an ORIGINAL_DST cluster.
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# Set by the batch runner on each line it sends (``<batch id>/<line>``, adapters/batches/sender.py) and kept
+# only on Envoy's runner listener: the processor's decision entry for the request names the batch line.
+BATCH_LINE_HEADER = "x-extproc-batch-line"
 
 # The ext_proc processing mode: the request headers in, and the response
 # trailers, which keep the stream open until the response is done (completion
