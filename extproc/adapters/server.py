@@ -159,6 +159,8 @@ class ProcessorServer:
             except (OSError, sqlite3.Error) as exc:
                 raise OSError(f"budgets.store: cannot open {self._store.store.path} ({exc})") from exc
             log.info("budgets: %d usage rows of this month read from %s", loaded, self._store.store.path)
+        # From the first request on, a request's metrics are written after its replies (telemetry/deferral.py).
+        self.telemetry.deferral.start(asyncio.get_running_loop())
         host, port = split_address(self.config.listen.grpc)
         try:
             await self._grpc.start(host, port, self._tls)
@@ -319,6 +321,7 @@ class ProcessorServer:
         if self._metrics_started:
             await self._metrics_server.stop()
         await self._grpc.stop(0)
+        self.telemetry.deferral.stop()
 
 
 async def serve(config: Config, drain_seconds: float, deadline_seconds: float,

@@ -12,6 +12,10 @@ Order of service:
 * **A fairness policy inside each band** (``extproc/core/policies``): by
   default round-robin across tenants, each with its own FIFO, so a newcomer
   waits at most one round however deep the flood in front of it.
+
+The queue counts what it holds, in all and per tenant, as requests enter
+and leave: every arrival asks how many are queued (the caps) and every
+release which band goes first, so neither walks the bands.
 """
 
 from __future__ import annotations
@@ -32,19 +36,40 @@ class FairQueue(Generic[Item]):
         if bands < 1:
             raise ValueError("a queue needs at least one priority band")
         self._bands: list[BandPolicy[Item]] = [policy() for _ in range(bands)]
+        self._size = 0
+        # Requests queued per tenant over every band; a tenant with none has no entry.
+        self._tenants: dict[str, int] = {}
 
     def __len__(self) -> int:
-        return sum(len(b) for b in self._bands)
+        return self._size
+
+    def _entered(self, tenant: str) -> None:
+        self._size += 1
+        self._tenants[tenant] = self._tenants.get(tenant, 0) + 1
+
+    def _left(self, tenant: str) -> None:
+        self._size -= 1
+        left = self._tenants[tenant] - 1
+        if left:
+            self._tenants[tenant] = left
+        else:
+            del self._tenants[tenant]
 
     def band_len(self, band: int) -> int:
         return len(self._bands[band])
 
     def push(self, band: int, tenant: str, item: Item) -> None:
         self._bands[band].push(tenant, item)
+        self._entered(tenant)
 
     def first_band(self) -> int | None:
         """The highest band holding a request (the only one strict priority may serve), or None."""
-        return next((index for index, band in enumerate(self._bands) if band), None)
+        if not self._size:
+            return None
+        for index, band in enumerate(self._bands):
+            if band:
+                return index
+        return None
 
     def pop(self, band: int | None = None) -> tuple[int, str, Item]:
         """The next request to release: (band, tenant, item), of ``band`` (None: the first holding any). IndexError when empty."""
@@ -52,6 +77,7 @@ class FairQueue(Generic[Item]):
         if index is None or not self._bands[index]:
             raise IndexError("pop from an empty FairQueue band")
         tenant, item = self._bands[index].pop()
+        self._left(tenant)
         return index, tenant, item
 
     def head(self, band: int, tenant: str) -> Item | None:
@@ -60,14 +86,20 @@ class FairQueue(Generic[Item]):
 
     def take(self, band: int, tenant: str) -> Item | None:
         """Dequeue ``tenant``'s next request in ``band`` whatever the policy's turn (a cluster decided it)."""
-        return self._bands[band].take(tenant)
+        item = self._bands[band].take(tenant)
+        if item is not None:
+            self._left(tenant)
+        return item
 
     def remove(self, band: int, tenant: str, item: Item) -> bool:
-        return self._bands[band].remove(tenant, item)
+        removed = self._bands[band].remove(tenant, item)
+        if removed:
+            self._left(tenant)
+        return removed
 
     def tenant_len(self, tenant: str) -> int:
         """Requests of ``tenant`` queued in every band."""
-        return sum(band.tenant_len(tenant) for band in self._bands)
+        return self._tenants.get(tenant, 0)
 
     def tenant_lengths(self, band: int) -> dict[str, int]:
         """Every tenant with requests queued in ``band``, and how many."""

@@ -4,6 +4,7 @@
 * ``labels.py``   tenant label values, bounded (the configured tenants, then ``other``);
 * ``events.py``   what the adapters report of a model beside the core's events;
 * ``model.py``    each model's recorder (:class:`ModelTelemetry`): every event of the model, into its series;
+* ``deferral.py`` while the processor serves, those events written after the replies, not before;
 * ``process.py``  one processor's :class:`Telemetry`: its own registry, the series, each model's recorder.
 
 The names below are the package's surface; callers import them from here.

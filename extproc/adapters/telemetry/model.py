@@ -4,7 +4,8 @@ Each model's dispatcher reports through a :class:`ModelTelemetry` (the core's
 ``DispatchReport``); the servicer and the cluster link report the adapters'
 own events (events.py) to the same one. Its series' children for every known
 (class, tenant value) are looked up once and created at zero, so a dashboard
-shows 0, not "no data", before the first event.
+shows 0, not "no data", before the first event. While the processor serves,
+events are written after the replies ready with them (deferral.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prometheus_client import Counter
 
 from extproc.adapters.logs import DECISIONS
 from extproc.adapters.objectives import MET, MISSED, PREEMPTED, Objectives, verdict
+from extproc.adapters.telemetry.deferral import Deferral
 from extproc.adapters.telemetry.events import AdapterEvent, Admitted, ClusterTrip, ServedElsewhere, Signed, TurnedAway
 from extproc.adapters.telemetry.labels import NO_TENANT, TenantLabels
 from extproc.adapters.telemetry.series import Series
@@ -40,8 +42,10 @@ class ModelTelemetry:
     """
 
     def __init__(self, series: Series, model: str, priorities: Iterable[str], tenants: TenantLabels,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, deferral: Deferral | None = None) -> None:
         priorities = tuple(priorities)
+        # Where each event goes to be written: at once, unless the processor's deferral runs.
+        self._defer = deferral or Deferral()
         self._t = t = series
         self._model = model
         self._priorities = priorities
@@ -107,6 +111,7 @@ class ModelTelemetry:
         class and tenant), so its leaving, counted under the new label, keeps
         them exact. Counters keep what they counted.
         """
+        self._defer.settle()  # a depth still to change under the old labels would be counted twice
         before = list(self._queued)  # a tenant the config no longer names: its depth goes to 0
         self._label(tenants)
         depth: dict[tuple[str, str], int] = dict.fromkeys([*before, *self._queued], 0)
@@ -118,7 +123,7 @@ class ModelTelemetry:
 
     def __call__(self, event: Event | AdapterEvent) -> None:
         # By type, not by a chain of isinstance tests: several events per request pass here.
-        self._handlers[type(event)](event)
+        self._defer(self._handlers[type(event)], event)
 
     def _charged_event(self, event: Charged) -> None:
         prompt, cached, output, units = self._charged[self._tenant(event.tenant)]

@@ -16,6 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CollectorRegistry, Gauge, PlatformCollector, ProcessCollector
 
+from extproc.adapters.telemetry.deferral import Deferral
 from extproc.adapters.telemetry.labels import NO_TENANT, UNKNOWN_MODEL, TenantLabels
 from extproc.adapters.telemetry.model import ModelTelemetry
 from extproc.adapters.telemetry.series import Series
@@ -53,11 +54,13 @@ class Telemetry(Series):
         ).labels(_package_version("extproc-fair"), platform.python_version()).set(1)
         # Each model's recorder, by model name.
         self.models: dict[str, ModelTelemetry] = {}
+        # Every recorder's events, written after the replies while the server runs (its start and close).
+        self.deferral = Deferral()
 
     def for_model(self, model: str, priorities: Iterable[str], tenants: TenantLabels,
                   clock: Callable[[], float] = time.monotonic) -> ModelTelemetry:
         """A new recorder for ``model``, the one :meth:`report` answers for it from now on."""
-        recorder = self.models[model] = ModelTelemetry(self, model, priorities, tenants, clock)
+        recorder = self.models[model] = ModelTelemetry(self, model, priorities, tenants, clock, self.deferral)
         return recorder
 
     def report(self, model: str) -> ModelTelemetry:
