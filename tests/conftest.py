@@ -2,8 +2,8 @@
 
 A vLLM server takes about 22 s to start on two cores (two processes
 importing torch and vLLM), so each configuration runs once per session and the
-tests share it. Both start concurrently: about 30 s for the two. Idle, they
-use 2 % of a core.
+tests share it; every configuration the run needs starts at once (``vllm_fleet``).
+Idle, they use 2 % of a core each.
 
 Also registers the property tests' hypothesis profiles (tests/propertyutil.py):
 here, before hypothesis' plugin loads the one ``--hypothesis-profile`` names.
@@ -23,7 +23,7 @@ from extproc.tools.procs import ManagedProcess, free_port
 from extproc.tools.realvllm import start_vllm
 from tests.propertyutil import register_profiles
 from tests.redisutil import RedisServer, redis_server_binary
-from tests.vllmutil import FCFS_MODEL, PRIORITY_MODEL, VllmServers, require_vllm
+from tests.vllmutil import FCFS, PRIORITY, VllmFleet, VllmServers, require_vllm
 
 register_profiles()
 
@@ -38,25 +38,42 @@ def pytest_collection_finish() -> None:
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmServers]:
-    """Both servers (4 sequences each), or a skip that says why there is no vLLM here (``require_vllm``)."""
+async def vllm_fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmFleet]:
+    """Every server named in ``VLLM_SERVERS`` by a module of the run's tests on it, all started at once.
+
+    Start-up is mostly one core importing torch and vLLM for each server:
+    on two cores, five servers started together are up sooner than the pair
+    and three more started one by one as each module first needed its own.
+    A skip that says why where there is no vLLM here (``require_vllm``).
+    """
     require_vllm()
+    modules = dict.fromkeys(getattr(item, "module", None) for item in request.session.items
+                            if "vllm_fleet" in getattr(item, "fixturenames", ()))
+    servers = list(dict.fromkeys(server for module in modules for server in getattr(module, "VLLM_SERVERS", ())))
     workdir = tmp_path_factory.mktemp("vllm")
-    ports = free_port(), free_port()
+    ports = [free_port() for _ in servers]
     started = await asyncio.gather(
-        start_vllm(FCFS_MODEL, ports[0], workdir),
-        start_vllm(PRIORITY_MODEL, ports[1], workdir, scheduling_policy="priority"),
+        *(start_vllm(server.name, port, workdir, size=server.size, max_num_seqs=server.max_num_seqs,
+                     scheduling_policy=server.scheduling_policy, max_num_queued_reqs=server.max_num_queued_reqs,
+                     max_num_queued_tokens=server.max_num_queued_tokens)
+          for server, port in zip(servers, ports, strict=True)),
         return_exceptions=True,
     )
-    servers = [s for s in started if isinstance(s, ManagedProcess)]
+    running = [s for s in started if isinstance(s, ManagedProcess)]
     try:
         for outcome in started:
             if isinstance(outcome, BaseException):
                 raise outcome
-        yield VllmServers(*(f"http://127.0.0.1:{port}" for port in ports))
+        yield VllmFleet({server: f"http://127.0.0.1:{port}" for server, port in zip(servers, ports, strict=True)})
     finally:
-        for server in servers:
+        for server in running:
             await server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm(vllm_fleet: VllmFleet) -> VllmServers:
+    """The pair most tests share (4 sequences each): vLLM's default order, and its priority scheduler."""
+    return VllmServers(vllm_fleet.url(FCFS), vllm_fleet.url(PRIORITY))
 
 
 @pytest_asyncio.fixture

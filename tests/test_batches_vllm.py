@@ -18,9 +18,10 @@ from extproc.tools.realvllm import REQUEST_EXTRAS
 from extproc.tools.stack import start_stack
 from tests.batchutil import chat_line, client, entries, jsonl, wait_final
 from tests.stackutil import metric, read_metrics, write_stack_config
-from tests.vllmutil import FCFS_MODEL, VllmServers
+from tests.vllmutil import FCFS, FCFS_MODEL, PRIORITY, VllmServers
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.vllm, pytest.mark.alone]
+VLLM_SERVERS = (FCFS, PRIORITY)  # the session's pair (the ``vllm`` fixture), started at once with the other modules' (vllm_fleet)
 IN_SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
 
 LINES = 12

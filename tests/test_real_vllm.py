@@ -8,7 +8,7 @@ rounds) as a ratio or a count with a margin, never as an absolute time: vLLM,
 Envoy, the processor and the clients share two cores, so times are compared in
 vLLM's own step time (see FloodRun).
 
-The servers come from the session fixture ``vllm`` (tests/conftest.py); the
+The servers come from the session fixture ``vllm_fleet`` (tests/conftest.py); the
 tests skip, saying why, where vLLM is not installed.
 """
 
@@ -19,7 +19,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,11 +30,10 @@ import pytest_asyncio
 from extproc.adapters.engines.dialects import parse_load
 from extproc.adapters.ext_proc.contract import QUEUE_WAIT_HEADER
 from extproc.core.engine_load import EngineLoad
-from extproc.tools.procs import free_port
-from extproc.tools.realvllm import BLOCK_SIZE, MAX_MODEL_LEN, REQUEST_EXTRAS, start_vllm
+from extproc.tools.realvllm import BLOCK_SIZE, MAX_MODEL_LEN, REQUEST_EXTRAS
 from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
-from tests.vllmutil import FCFS_MODEL, PRIORITY_MODEL, VllmServers, require_vllm
+from tests.vllmutil import FCFS, FCFS_MODEL, PRIORITY, PRIORITY_MODEL, VllmFleet, VllmServer, VllmServers
 
 # The processor's /metrics, as tests.stackutil.read_metrics returns them: (name, labels) -> value.
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -42,6 +41,10 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.vllm, pytest.mark.alone]
 # The servers live in the session's event loop; async tests and fixtures here run in it too.
 IN_SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
+PREFILL_MODEL = "prefill"
+# The prefix-caching tests' server: the prefill-size model, where a long prompt's prefill dominates its first token.
+PREFILL = VllmServer(PREFILL_MODEL, size="prefill", max_num_seqs=4)
+VLLM_SERVERS = (FCFS, PRIORITY, PREFILL)  # started at once with the other modules' (vllm_fleet, tests/conftest.py)
 
 FLOOD = 40  # alice's requests per flood
 MAX_TOKENS = 32
@@ -408,22 +411,13 @@ async def test_a_preempted_batch_request_is_aborted_by_vllm(vllm: VllmServers, t
 
 # --- prefix caching: the prefill-size model, where a long prompt's prefill dominates its first token ------------
 
-PREFILL_MODEL = "prefill"
-PREFILL_SEQS = 4
 LONG_PROMPT = 2_000  # tokens; 15 full blocks of 128 can be cached
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def prefill_vllm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
-    """Its own server (the session's two serve the tiny model), started only for these tests."""
-    require_vllm()
-    port = free_port()
-    server = await start_vllm(PREFILL_MODEL, port, tmp_path_factory.mktemp("vllm-prefill"), size="prefill",
-                              max_num_seqs=PREFILL_SEQS)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await server.stop()
+@pytest.fixture(scope="module")
+def prefill_vllm(vllm_fleet: VllmFleet) -> str:
+    """Its own server (the session's two serve the tiny model)."""
+    return vllm_fleet.url(PREFILL)
 
 
 async def first_token_s(http: aiohttp.ClientSession, url: str, prompt: list[int]) -> float:
@@ -470,5 +464,5 @@ async def test_a_prompt_sent_again_hits_vllms_prefix_cache_and_starts_sooner(pre
     assert after.prefix_queries - before.prefix_queries == 2 * len(prompts) * LONG_PROMPT
     # Only the second sending of each hits (the prompts are random: no two share a block).
     assert after.prefix_hits - before.prefix_hits == len(prompts) * cached_blocks * BLOCK_SIZE
-    assert after.kv_capacity_tokens == PREFILL_SEQS * MAX_MODEL_LEN["prefill"]
+    assert after.kv_capacity_tokens == PREFILL.max_num_seqs * MAX_MODEL_LEN["prefill"]
     assert statistics.median(cached) * 3 < statistics.median(uncached), (cached, uncached)

@@ -13,12 +13,13 @@ The gateway alone never reaches it; a client that bypasses the gateway does,
 and then the gateway's clients must not pay for it: Envoy retries the
 engine's 503, the processor reads the rejection counter and releases less.
 
-Two servers of this module's own (the session's two have no valves). One has
-both caps: the token cap sits above what 7 short chat prompts hold in prefill,
-so tests 1 and 2 meet only the request cap; test 3 sends long prompts to meet
-the token cap. The other's request cap leaves room for one request around the
-gateway (8): the last test measures what a bypassing client costs the
-gateway's clients in throughput. Each test starts a stack of its own (the
+Two servers of this module's own (the session's two have no valves), started
+with the others (``vllm_fleet``, tests/conftest.py). One has both caps: the
+token cap sits above what 7 short chat prompts hold in prefill, so tests 1 and
+2 meet only the request cap; test 3 sends long prompts to meet the token cap.
+The other's request cap leaves room for one request around the gateway (8):
+the last test measures what a bypassing client costs the gateway's clients in
+throughput. Each test starts a stack of its own (the
 gate's limit does not carry over).
 """
 
@@ -29,8 +30,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -40,11 +40,10 @@ import openai
 import pytest
 import pytest_asyncio
 
-from extproc.tools.procs import free_port
-from extproc.tools.realvllm import REQUEST_EXTRAS, start_vllm
+from extproc.tools.realvllm import REQUEST_EXTRAS
 from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_stack_config
-from tests.vllmutil import require_vllm
+from tests.vllmutil import VllmFleet, VllmServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.vllm, pytest.mark.alone]
 # The server lives in the session's event loop; async tests and fixtures here run in it too.
@@ -68,6 +67,9 @@ ROOMY_REQS = QUEUED_REQS + 1
 # FLOOD_EVERY_S at most: the bypass's bursts are further apart than the gate's hold for refusals that come again.
 FLOODS = int(os.environ.get("EXTPROC_VALVES_FLOODS", "1"))
 FLOOD_EVERY_S = 15.0
+VALVED = VllmServer(MODEL, max_num_seqs=MAX_NUM_SEQS, max_num_queued_reqs=QUEUED_REQS, max_num_queued_tokens=QUEUED_TOKENS)
+ROOMY = VllmServer(MODEL, max_num_seqs=MAX_NUM_SEQS, max_num_queued_reqs=ROOMY_REQS)
+VLLM_SERVERS = (VALVED, ROOMY)  # started at once with the other modules' (vllm_fleet, tests/conftest.py)
 REJECTIONS = "vllm:admission_rejections_total"
 BUSY = 503  # vLLM's status for a refusal at either cap (QueueOverflowError, MaxQueuedTokensError)
 
@@ -91,7 +93,6 @@ Kind = Literal["streamed", "sdk"]
 @dataclass(frozen=True)
 class Valved:
     url: str
-    workdir: Path
 
 
 @dataclass(frozen=True)
@@ -106,36 +107,23 @@ class Flood:
         return sum(a.tokens for a in self.answers if a.complete) / self.seconds
 
 
-@asynccontextmanager
-async def serving(tmp_path_factory: pytest.TempPathFactory, queued_reqs: int, queued_tokens: int | None = None,
-                  ) -> AsyncIterator[Valved]:
-    """A vLLM of MAX_NUM_SEQS sequences with its own valves on, past its first (slower) batches."""
-    require_vllm()
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("vllm-valves")
-    server = await start_vllm(MODEL, port, workdir, max_num_seqs=MAX_NUM_SEQS, max_num_queued_reqs=queued_reqs,
-                              max_num_queued_tokens=queued_tokens)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with session() as http:  # vLLM's first batches take longer (first use of each shape)
-            await asyncio.gather(*(direct(http, url) for _ in range(MAX_NUM_SEQS)))
-        yield Valved(url, workdir)
-    finally:
-        await server.stop()
+async def warmed(url: str) -> Valved:
+    """The server, past its first (slower) batches: vLLM's first use of each shape takes longer."""
+    async with session() as http:
+        await asyncio.gather(*(direct(http, url) for _ in range(MAX_NUM_SEQS)))
+    return Valved(url)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def valved(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Valved]:
+async def valved(vllm_fleet: VllmFleet) -> Valved:
     """Both valves: 7 requests (the gateway's line), QUEUED_TOKENS prompt tokens in prefill."""
-    async with serving(tmp_path_factory, QUEUED_REQS, QUEUED_TOKENS) as server:
-        yield server
+    return await warmed(vllm_fleet.url(VALVED))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def roomy(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Valved]:
+async def roomy(vllm_fleet: VllmFleet) -> Valved:
     """The request valve only, one above the gateway's line: ROOMY_REQS requests."""
-    async with serving(tmp_path_factory, ROOMY_REQS) as server:
-        yield server
+    return await warmed(vllm_fleet.url(ROOMY))
 
 
 def session(timeout_s: float = 120) -> aiohttp.ClientSession:

@@ -23,10 +23,11 @@ from extproc.tools.sim import RunningSim, SimSettings, add_arguments, start_sim
 from extproc.tools.sim.engine import Scheduler, SimRequest
 from extproc.tools.sim.kvcache import BlockPool, block_hashes
 from extproc.tools.sim.server import prompt_units, settings_from_args
-from tests.vllmutil import FCFS_MODEL, VllmServers
+from tests.vllmutil import FCFS, FCFS_MODEL, PRIORITY, VllmServers
 
 MODEL = "sim-model"
 BLOCK = 4
+VLLM_SERVERS = (FCFS, PRIORITY)  # the session's pair (the ``vllm`` fixture): its tests read the first
 
 
 def _scheduler(**overrides: Any) -> Scheduler:

@@ -1,10 +1,12 @@
 """How the suite shares pytest-xdist's workers (``-n``): which tests go to one worker, which run alone.
 
 *Scopes* (``--dist loadscope``, scheduled by :class:`Scopes`): a module's tests
-go to one worker, so its module fixtures start once; the modules with tests
-on the real vLLM servers (the session fixture ``vllm``, tests/conftest.py),
+go to one worker, so its module fixtures start once (the tests of
+``SPREAD_MODULES``, which share none, each go where a worker is free), and
+scopes with a slow test go out first; the modules with tests
+on the real vLLM servers (the session fixture ``vllm_fleet``, tests/conftest.py),
 ``VLLM_MODULES``, go to one worker together, so those start once in the run,
-not once per worker. Collection fails if a test elsewhere uses them.
+all at once, not once per worker. Collection fails if a test elsewhere uses them.
 
 *Turns*: some tests measure time or throughput against the machine's cores
 (the real vLLM, the benchmarks, the fairness comparisons), and a test beside
@@ -33,7 +35,11 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 ALONE = "alone"
-VLLM_MODULES = frozenset({"tests/test_real_vllm.py", "tests/test_sim_prefix.py", "tests/test_batches_vllm.py"})
+VLLM_MODULES = frozenset({
+    "tests/test_real_vllm.py", "tests/test_real_vllm_valves.py", "tests/test_sim_prefix.py", "tests/test_batches_vllm.py",
+})
+# Modules of long tests that share no fixture: each test is a scope of its own, so they spread over the workers.
+SPREAD_MODULES = frozenset({"tests/test_bench_smoke.py"})
 
 
 @contextmanager
@@ -72,25 +78,43 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object
         return (yield)
 
 
+def scope(nodeid: str) -> str:
+    """The tests that go to one worker together: a module's, the ``VLLM_MODULES``', or one test of ``SPREAD_MODULES``."""
+    module = nodeid.partition("::")[0]
+    if module in VLLM_MODULES:
+        return "vllm"
+    return nodeid if module in SPREAD_MODULES else module
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the order is that of what runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # CI installs vLLM while the tests not marked alone run (.ci/run): a vLLM test must wait for the second run.
     crowded = [item.nodeid for item in items if item.get_closest_marker("vllm") and not item.get_closest_marker(ALONE)]
     if crowded:
         raise pytest.UsageError("a test on the real vLLM must be marked alone too:\n  " + "\n  ".join(crowded))
-    elsewhere = [item.nodeid for item in items if "vllm" in getattr(item, "fixturenames", ())
+    elsewhere = [item.nodeid for item in items if "vllm_fleet" in getattr(item, "fixturenames", ())
                  and item.nodeid.partition("::")[0] not in VLLM_MODULES]
     if elsewhere:
-        raise pytest.UsageError("a test on the vllm fixture outside tests/workers.py's VLLM_MODULES:\n  "
+        raise pytest.UsageError("a test on the vllm_fleet fixture outside tests/workers.py's VLLM_MODULES:\n  "
                                 + "\n  ".join(elsewhere))
+    # Scopes with a slow test first, then the larger first: a long scope started last would leave
+    # the other workers idle at the end. Every worker computes the same order, which Scopes keeps.
+    scopes: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        scopes.setdefault(scope(item.nodeid), []).append(item)
+    ordered = sorted(scopes.values(), key=lambda tests: (not any(t.get_closest_marker("slow") for t in tests), -len(tests)))
+    items[:] = [item for tests in ordered for item in tests]
 
 
 class Scopes(LoadScopeScheduling):  # type: ignore[misc]  # xdist ships no type information
-    """xdist's loadscope (a module's tests on one worker), with ``VLLM_MODULES`` as one scope."""
+    """xdist's loadscope over :func:`scope`, handing scopes out in the order of the workers' collection."""
 
     def _split_scope(self, nodeid: str) -> str:
-        module = nodeid.partition("::")[0]
-        return "vllm" if module in VLLM_MODULES else module
+        return scope(nodeid)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> Scopes | None:
-    return Scopes(config, log) if config.getvalue("dist") == "loadscope" else None
+    if config.getvalue("dist") != "loadscope":
+        return None
+    config.option.loadscopereorder = False  # xdist's own order (the most tests first) would undo ours
+    return Scopes(config, log)
