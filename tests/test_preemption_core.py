@@ -15,6 +15,7 @@ from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
+from extproc.core.preemption import LENT_AFTER_S
 from extproc.core.release.answer import Answer
 from extproc.core.report import Event, RequestEvent, Step
 from tests.test_gate import make_gate
@@ -203,7 +204,11 @@ async def test_a_lent_slot_is_taken_back_at_once_whatever_the_slack_and_the_rate
     now = [0.0]
     dispatcher, steps = make(now, rate=0.5, slots=3)
     fill(dispatcher, ("bob", "bob", "carol"))
-    now[0] = 0.05  # a slot is as likely to free itself within the chat's 0.2 s as not: not at risk
+    now[0] = LENT_AFTER_S / 2  # released so lately they may be streams whose response is about to begin: kept
+    early = dispatcher.submit("alice", INTERACTIVE)
+    assert not steps.of(Step.PREEMPTED) and not early.future.done()
+    dispatcher.end(early)
+    now[0] = LENT_AFTER_S  # a slot is as likely to free itself within the chat's 0.2 s as not: not at risk
     chats = [dispatcher.submit("alice", INTERACTIVE) for _ in range(2)]
     # One each, youngest first, another tenant than the last victim's when there is one; beyond the bucket's token.
     assert [e.tenant for e in steps.of(Step.PREEMPTED)] == ["carol", "bob"]
@@ -217,7 +222,7 @@ async def test_lent_requests_queued_in_the_engine_ahead_of_a_chat_are_ended_with
     now = [0.0]
     dispatcher, steps = make(now, slots=2, in_flight=4)
     batch = fill(dispatcher, ("bob", "bob", "bob"))
-    now[0] = 0.05
+    now[0] = LENT_AFTER_S
     chat = dispatcher.submit("alice", INTERACTIVE)
     assert chat.future.done()
     assert [h.preempted is not None and h.preempted.done() for h in batch] == [False, True, True]

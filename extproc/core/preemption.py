@@ -21,6 +21,9 @@ The rules, in order:
   engine while it had it to itself (:attr:`Lent.QUEUED`), as many as the
   engine queues ahead of it: a chat that finds the engine full of batch work
   starts about as on an idle engine, not after the next batch completion.
+  Only requests released :data:`LENT_AFTER_S` ago or more: a stream's
+  response has begun by then, so what is taken back is work that answers
+  when whole (batch lines), never a live stream on its way.
   The waste is bounded by the rules below, which hold for every victim: the
   youngest goes first (one still queued in the engine has made no
   progress), and a victim's retry is never a victim again, so each request
@@ -55,6 +58,7 @@ Pure: time is passed in.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -66,6 +70,10 @@ _GAP_WEIGHT = 0.2
 # enough for the engine to abort it and for a scrape to show it (real vLLM shows a
 # change 50-400 ms late), so one slot freed is not mistaken for none.
 AGAIN_AFTER_S = 1.0
+# A lent request is taken back at once only once released this long. A streamed response begins as the engine
+# accepts the request (vLLM sends its headers then, within milliseconds): by now a stream's has, and what is still a
+# candidate answers only when whole (a batch line). So a live client's stream on its way is never cut for a slot.
+LENT_AFTER_S = 0.1
 
 
 class Lent(enum.Enum):
@@ -182,10 +190,11 @@ class Preemption:
                 queued = need.ahead  # the first need's: what the engine queues before any of them
             # Lent slots at once: those still queued in the engine ahead of it, and one running.
             taken = len(chosen)
-            while queued > 0 and (victim := self._choose(band, chosen, (Lent.QUEUED,))) is not None:
+            settled = now - LENT_AFTER_S
+            while queued > 0 and (victim := self._choose(band, chosen, (Lent.QUEUED,), settled)) is not None:
                 chosen.append(victim)
                 queued -= 1
-            if (victim := self._choose(band, chosen, LENT)) is not None:
+            if (victim := self._choose(band, chosen, LENT, settled)) is not None:
                 chosen.append(victim)
             if len(chosen) > taken:
                 need.held.room_made_at = now
@@ -202,12 +211,12 @@ class Preemption:
             del self._victims[victim]
         return chosen
 
-    def _choose(self, band: int, taken: list[Held], kinds: tuple[Lent, ...]) -> Held | None:
-        """The youngest candidate of ``kinds`` in a band below ``band``, of another tenant than the last victim's if
-        there is one."""
+    def _choose(self, band: int, taken: list[Held], kinds: tuple[Lent, ...], released_by: float = math.inf) -> Held | None:
+        """The youngest candidate of ``kinds`` in a band below ``band`` released by ``released_by``, of another tenant
+        than the last victim's if there is one."""
         fallback = None
         for held, kind in reversed(self._victims.items()):
-            if held in taken or held.request.band <= band or kind not in kinds:
+            if held in taken or held.request.band <= band or kind not in kinds or held.released_at > released_by:
                 continue
             if held.request.tenant != self._last_tenant:
                 self._last_tenant = held.request.tenant
