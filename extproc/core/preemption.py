@@ -184,13 +184,13 @@ class Preemption:
         self._refill(now)
         chosen: list[Held] = []
         queued: int | None = None  # lent requests that may still queue in the engine ahead of every need
+        settled = now - LENT_AFTER_S  # lent requests released by then: any stream among them has begun
         for need in needs:
             band = need.held.request.band
             if queued is None:
                 queued = need.ahead  # the first need's: what the engine queues before any of them
             # Lent slots at once: those still queued in the engine ahead of it, and one running.
             taken = len(chosen)
-            settled = now - LENT_AFTER_S
             while queued > 0 and (victim := self._choose(band, chosen, (Lent.QUEUED,), settled)) is not None:
                 chosen.append(victim)
                 queued -= 1
