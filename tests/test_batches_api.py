@@ -24,7 +24,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from extproc.adapters.batches.runner import retry_after
+from extproc.adapters.batches.sender import retry_after
 from extproc.adapters.batches.service import BatchService
 from extproc.adapters.config import Config, parse_config
 from extproc.adapters.telemetry.labels import TenantLabels

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from extproc.adapters.config import ConfigError
+from extproc.adapters.config import Config, ConfigError
 from extproc.adapters.envoy import bootstrap
 from extproc.adapters.envoy.filters import EXT_PROC_FILTER
 from extproc.adapters.reload import plan
@@ -24,7 +24,10 @@ def batches(**settings: Any) -> dict[str, Any]:
 
 
 def listeners(**settings: Any) -> dict[str, dict[str, Any]]:
-    doc = bootstrap(free_port_config(batches=batches(**settings)))
+    return listeners_of(bootstrap(free_port_config(batches=batches(**settings))))
+
+
+def listeners_of(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {listener["name"]: listener["filter_chains"][0]["filters"][0]["typed_config"]
             for listener in doc["static_resources"]["listeners"]}
 
@@ -66,6 +69,32 @@ def test_the_runner_listener_keeps_the_tenant_header_has_no_auth_and_requires_it
     assert refused["typed_per_filter_config"][EXT_PROC_FILTER]["disabled"]
 
 
+def test_only_the_runner_listener_keeps_a_batch_line_header() -> None:
+    found = listeners()
+    assert "x-extproc-batch-line" in removed(found["ingress"])
+    assert "x-extproc-batch-line" not in removed(found["batch_runner"])
+
+
+def cluster_config() -> Config:
+    instances = {name: {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}",
+                        "batches": f"127.0.0.1:{port}"} for name, port in (("a", 9101), ("b", 9102))}
+    return free_port_config(batches=batches(), cluster={"redis_url": "redis://127.0.0.1:6379/0",
+                                                        "instances": instances})
+
+
+def test_a_clusters_api_is_every_instances_and_a_call_to_one_that_is_down_goes_to_another() -> None:
+    config = cluster_config()
+    doc = bootstrap(config)
+    [api] = [c for c in doc["static_resources"]["clusters"] if c["name"] == "extproc_batch_api"]
+    endpoints = api["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints] == [9101, 9102]
+    first = routes(listeners_of(doc)["ingress"])[:2]
+    assert all(r["route"]["retry_policy"]["retry_on"] == "connect-failure,reset-before-request" for r in first)
+    # Each instance serves the API on its own address.
+    listens = [settings.listen for settings in (config.for_instance(n).batches for n in "ab") if settings is not None]
+    assert listens == ["127.0.0.1:9101", "127.0.0.1:9102"]
+
+
 def test_without_batches_nothing_is_added() -> None:
     doc = bootstrap(free_port_config())
     assert [listener["name"] for listener in doc["static_resources"]["listeners"]] == ["ingress"]
@@ -76,7 +105,11 @@ def test_without_batches_nothing_is_added() -> None:
     ({"completion_windows": ["24 hours"]}, {}, "batches.completion_windows[0]: must be a window such as 24h"),
     ({"in_flight_per_batch": 500}, {}, "batches.in_flight_per_batch: must be <= max_in_flight (256)"),
     ({"listen": "127.0.0.1:9000", "runner_listen": "127.0.0.1:9000"}, {}, "batches.runner_listen: must differ"),
-    ({}, {"cluster": {"redis_url": "redis://127.0.0.1:6379/0"}}, "batches: cannot be used with shards: or cluster:"),
+    ({}, {"shards": {"s": {"grpc": "127.0.0.1:9001", "metrics": "127.0.0.1:9002", "models": ["m-one", "m/two"]}}},
+     "batches: cannot be used with shards:"),
+    ({}, {"cluster": {"redis_url": "redis://127.0.0.1:6379/0",
+                      "instances": {"a": {"grpc": "127.0.0.1:9001", "metrics": "127.0.0.1:9002"}}}},
+     "cluster.instances.a.batches: is required with batches:"),
     ({"size": 1}, {}, "batches.size: unknown key"),
 ])
 def test_the_section_is_checked(settings: dict[str, Any], top: dict[str, Any], error: str) -> None:

@@ -25,6 +25,8 @@ import pytest
 from extproc.tools.power_user import chat
 from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack, start_stack
+from tests import batchutil
+from tests.batchutil import chat_line, completed_count, entries, jsonl, wait_final
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_stack_config
 
 pytestmark = pytest.mark.integration
@@ -44,38 +46,13 @@ def batch_config(tmp_path: Path, **batches: Any) -> Path:
 
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
-    async with await start_stack(batch_config(tmp_path), tmp_path, sim_args=FAST_SIM) as running:
+    serve_args = ["--log-format", "json", "--log-level", "debug"]  # the decision log, read by the workflow test
+    async with await start_stack(batch_config(tmp_path), tmp_path, sim_args=FAST_SIM, serve_args=serve_args) as running:
         yield running
 
 
 def client(stack: Stack, tenant: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{stack.envoy_url}/v1", api_key=TENANT_KEYS[tenant], max_retries=0)
-
-
-def jsonl(lines: list[dict[str, Any]]) -> bytes:
-    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-
-
-def chat_line(custom_id: str, max_tokens: int = 8, model: str = "m1") -> dict[str, Any]:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": model, "messages": [{"role": "user", "content": f"say {custom_id}"}],
-                     "max_tokens": max_tokens}}
-
-
-async def wait_final(sdk: openai.AsyncOpenAI, batch_id: str, timeout_s: float = 60) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        batch = await sdk.batches.retrieve(batch_id)
-        if batch.status in ("completed", "failed", "expired", "cancelled") or time.monotonic() > deadline:
-            return batch
-        await asyncio.sleep(0.2)
-
-
-async def entries(sdk: openai.AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
-    if file_id is None:
-        return []
-    content = await sdk.files.content(file_id)
-    return [json.loads(line) for line in content.text.splitlines() if line]
+    return batchutil.client(stack.envoy_url, tenant)
 
 
 async def test_the_sdk_workflow_end_to_end(stack: Stack) -> None:
@@ -107,6 +84,11 @@ async def test_the_sdk_workflow_end_to_end(stack: Stack) -> None:
     assert metric(samples, "extproc_released_total", tenant="bob", priority="batch") == 30
     assert metric(samples, "extproc_released_total", tenant="bob", priority="standard") == 0
     assert metric(samples, "extproc_batch_lines_total", tenant="bob", outcome="completed") == 30
+    # The processor's own decision entry for each line names it: the batch and the line's index.
+    logged = [json.loads(line) for line in (stack.workdir / "extproc.log").read_text().splitlines()]
+    released = [d for d in logged if d["logger"] == "extproc.decisions" and d.get("outcome") == "released"]
+    assert sorted(d["batch_line"] for d in released) == sorted(f"{batch.id}/{i}" for i in range(30))
+    assert {(d["tenant"], d["class"]) for d in released} == {("bob", "batch")}
 
 
 async def test_a_tenant_sees_only_its_own_files_and_batches(stack: Stack) -> None:
@@ -172,11 +154,6 @@ async def slow_stack(tmp_path: Path) -> AsyncIterator[Stack]:
     path = batch_config(tmp_path, in_flight_per_batch=6)
     async with await start_stack(path, tmp_path, sim_args=SLOW_SIM) as running:
         yield running
-
-
-async def completed_count(sdk: openai.AsyncOpenAI, batch_id: str) -> int:
-    counts = (await sdk.batches.retrieve(batch_id)).request_counts
-    return 0 if counts is None else counts.completed
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])

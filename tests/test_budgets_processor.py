@@ -9,6 +9,7 @@ import time
 
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
@@ -19,6 +20,8 @@ from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatcher
 from extproc.core.dispatcher import ModelDispatcher
+from extproc.core.engine_load import EngineLoad
+from tests.test_epp_stream import DUPLEX, answers, first_message, send
 from tests.test_processor import Stream, settle
 
 pytestmark = pytest.mark.unit
@@ -41,7 +44,8 @@ def make(budgets: dict[str, object], max_in_flight: int = 4) -> tuple[Processor,
 
 
 def request(tenant: str = "t", max_tokens: int | None = 100, priority: str = "",
-            length: int = 480) -> pb.ProcessingRequest:
+            length: int = 480, body: dict[str, bool] | None = None) -> pb.ProcessingRequest:
+    """The request headers with our metadata: ``body``'s other fields as json_to_metadata writes them."""
     headers = [(":method", "POST"), (":path", "/v1/chat/completions"), ("x-tenant-id", tenant),
                ("content-length", str(length))]
     if priority:
@@ -50,6 +54,7 @@ def request(tenant: str = "t", max_tokens: int | None = 100, priority: str = "",
         headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers])))
     fields = struct_pb2.Struct()
     fields.update({"model": "m", **({"max_tokens": max_tokens} if max_tokens is not None else {})})
+    fields.update(body or {})
     message.metadata_context.filter_metadata["extproc"].CopyFrom(fields)
     return message
 
@@ -135,6 +140,85 @@ async def test_a_served_request_is_charged_what_it_used_and_one_gone_while_queue
     assert key == ("t", "m", "2026-12-03") and row.requests == 1 and row.input_tokens == 100
     assert row.output_tokens == 100  # no decode rate yet: the estimate stands (max_tokens)
     assert {s.limit: s.used for s in gate.budgets.standings(NOON)} == {"tokens_per_day": 200}
+
+
+def usage_body(prompt: int, completion: int, cached: int) -> bytes:
+    return json.dumps({"choices": [{"message": {"content": "hi"}}], "usage": {
+        "prompt_tokens": prompt, "completion_tokens": completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    }).encode()
+
+
+async def test_a_served_request_is_charged_the_usage_its_engine_reported() -> None:
+    processor, _, _ = make({"tenants": {"default": {"tokens_per_day": 100_000}}})
+    gate = processor.budgets
+    assert gate is not None
+    served = Stream(processor, request(max_tokens=100))
+    release = await served.answers.get()
+    # The answer is read: buffered, a body over Envoy's buffer limit sent in part (its usage then unread).
+    assert release.mode_override.response_body_mode == ProcessingMode.BUFFERED_PARTIAL
+    body = usage_body(37, 12, 16)
+    served._inbox.put_nowait(pb.ProcessingRequest(response_body=pb.HttpBody(body=body[:20])))
+    served._inbox.put_nowait(pb.ProcessingRequest(response_body=pb.HttpBody(body=body[20:], end_of_stream=True)))
+    for _ in range(2):  # each chunk goes on as it came
+        assert await served.answers.get() == pb.ProcessingResponse(response_body=pb.BodyResponse())
+    served.close()
+    await settle()
+    (key, row), = gate.budgets.book.rows()
+    assert (row.requests, row.input_tokens, row.cached_tokens, row.output_tokens) == (1, 37, 16, 12)
+    assert {s.limit: s.used for s in gate.budgets.standings(NOON)} == {"tokens_per_day": 49}
+
+
+# As json_to_metadata writes them (envoy/filters.py): `stream`, and `stream_options.include_usage` as its own key.
+@pytest.mark.parametrize(("fields", "settings", "read"), [
+    ({"stream": True, "include_usage": True}, {}, ProcessingMode.STREAMED),
+    ({"stream": True}, {}, None),  # no usage will come: the estimate stands, no chunk is read
+    ({"stream": True, "include_usage": True}, {"stream_usage": False}, None),
+    ({"stream": False}, {}, ProcessingMode.BUFFERED_PARTIAL),
+])
+async def test_a_stream_is_read_only_when_its_usage_will_come_and_the_section_says_so(
+        fields: dict[str, bool], settings: dict[str, object], read: int | None) -> None:
+    processor, _, _ = make({**settings, "tenants": {"default": {"requests_per_minute": 10}}})
+    stream = Stream(processor, request(body=fields))
+    release = await stream.answers.get()
+    # (An override may still turn the response headers on: a release the gate checks.)
+    assert release.HasField("request_headers") and release.mode_override.response_body_mode == (read or 0)
+    stream.close()
+    await settle()
+
+
+async def test_a_stream_without_usage_is_charged_the_estimate() -> None:
+    processor, _, _ = make({"tenants": {"default": {"tokens_per_day": 100_000}}})
+    gate = processor.budgets
+    assert gate is not None
+    served = Stream(processor, request(max_tokens=100, body={"stream": True}))
+    await served.answers.get()
+    served.close()
+    await settle()
+    (key, row), = gate.budgets.book.rows()
+    assert (row.input_tokens, row.output_tokens) == (100, 100)  # Content-Length's estimate, max_tokens
+
+
+async def test_through_an_endpoint_picker_the_usage_is_read_from_the_chunks_its_gateway_sends_anyway() -> None:
+    processor, dispatcher, _ = make({"tenants": {"default": {"tokens_per_day": 100_000}}})
+    dispatcher.record_scrape("http://127.0.0.1:1", EngineLoad(waiting=0, running=0), 0.0)
+    gate = processor.budgets
+    assert gate is not None
+    stream = Stream(processor, first_message(DUPLEX, {"x-tenant-id": "t"}))  # no metadata: a gateway's filter
+    body = json.dumps({"model": "m", "messages": [], "max_tokens": 50, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    send(stream, pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    released = await answers(stream)
+    assert released[0].HasField("request_headers") and not released[0].HasField("mode_override")
+    events = b'data: {"choices": [{"delta": {"content": "a"}}], "usage": null}\n\n' \
+             b'data: {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}\n\ndata: [DONE]\n\n'
+    for start in range(0, len(events), 40):
+        send(stream, pb.ProcessingRequest(response_body=pb.HttpBody(body=events[start:start + 40])))
+    given_back = [r.response_body.response.body_mutation.streamed_response.body for r in await answers(stream)]
+    assert b"".join(given_back) == events  # passed back as it came
+    stream.close()
+    await settle()
+    (key, row), = gate.budgets.book.rows()
+    assert (row.input_tokens, row.output_tokens) == (7, 3)
 
 
 async def test_a_reload_keeps_the_counts_and_removing_the_section_removes_the_checks() -> None:

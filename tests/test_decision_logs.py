@@ -33,6 +33,7 @@ OUTCOMES = (
     RequestEvent(Step.RELEASED, "batch", "alice", waited_s=2.5),  # no objective: no slack in its line
     RequestEvent(Step.REFUSED, "standard", "carol", waited_s=61.0, refusal=Refusal.QUEUE_TIMEOUT, slack_s=-1.0),
     RequestEvent(Step.PREEMPTED, "batch", "alice", waited_s=0.8, refusal=Refusal.PREEMPTED),  # 0.8 s after release
+    RequestEvent(Step.RELEASED, "batch", "bob", waited_s=0.3, tag="batch_abc/7"),  # a batch line (its runner's tag)
 )
 
 
@@ -69,6 +70,7 @@ def test_each_outcome_has_one_line_with_its_slack_and_a_preemption_its_own(
         "refused:queue_timeout m1 tenant=carol class=standard wait_ms=61000.0 slack_ms=-1000.0",
         # Its time is how long it had run since its release (the work thrown away), not a queue wait.
         "preempted m1 tenant=alice class=batch ran_ms=800.0",
+        "released m1 tenant=bob class=batch wait_ms=300.0 batch_line=batch_abc/7",
     ]
     entries = [json.loads(line) for line in lines.getvalue().splitlines()]
     fields = [{k: v for k, v in e.items() if k not in ("ts", "level", "logger", "msg")} for e in entries]
@@ -79,6 +81,8 @@ def test_each_outcome_has_one_line_with_its_slack_and_a_preemption_its_own(
         {"tenant": "carol", "class": "standard", "model": "m1", "wait_ms": 61000.0, "outcome": "refused:queue_timeout",
          "slack_ms": -1000.0},
         {"tenant": "alice", "class": "batch", "model": "m1", "ran_ms": 800.0, "outcome": "preempted"},
+        {"tenant": "bob", "class": "batch", "model": "m1", "wait_ms": 300.0, "outcome": "released",
+         "batch_line": "batch_abc/7"},
     ]
     # The JSON line's message is the text line's.
     assert [e["msg"] for e in entries] == [line.split(": ", 1)[1] for line in text.getvalue().splitlines()]

@@ -169,7 +169,7 @@ def test_every_kind_is_checked_and_none_needs_api_access() -> None:
     built_in = kinds - set(CUSTOM)
     assert built_in == {("v1", "ServiceAccount"), ("v1", "ConfigMap"), ("apps/v1", "Deployment"), ("v1", "Service"),
                         ("policy/v1", "PodDisruptionBudget"), ("networking.k8s.io/v1", "NetworkPolicy"),
-                        ("v1", "Secret")}
+                        ("v1", "Secret"), ("v1", "PersistentVolumeClaim")}
     # No RBAC: the processor reads nothing from the API (DNS only), and mounts no token.
     assert not any(api.startswith("rbac.") for api, _ in kinds)
     assert one("base", "ServiceAccount")["automountServiceAccountToken"] is False
@@ -365,7 +365,8 @@ def test_more_than_one_replica_share_the_redis_of_the_manifests() -> None:
 
 
 def routes() -> list[Doc]:
-    return [d for d in all_documents() if d.kind in ("HTTPRoute", "AIGatewayRoute")]
+    """The gateway examples' routes (the batch API's, on any example's Gateway, are apart: batches/)."""
+    return [d for d in all_documents() if d.kind in ("HTTPRoute", "AIGatewayRoute") and d.path.parent.name != "batches"]
 
 
 def test_each_gateway_example_routes_to_the_pool_through_its_own_gateway() -> None:
@@ -386,6 +387,27 @@ def test_each_gateway_example_routes_to_the_pool_through_its_own_gateway() -> No
     for d in all_documents():
         if d.kind == "GatewayClass":  # Envoy AI Gateway and Envoy Gateway: Envoy Gateway's controller
             assert d.body["spec"]["controllerName"] == "gateway.envoyproxy.io/gatewayclass-controller"
+
+
+def test_the_batch_routes_reach_the_epp_pods_api_and_with_the_runners_key_the_pool() -> None:
+    """deploy/gie/batches/: the API to the EPP pods' batch port, the runner's lines by key to the pool."""
+    gateways = {d.name for d in all_documents() if d.kind == "Gateway"}
+    api, runner = one("batches", "HTTPRoute", "extproc-batch-api"), one("batches", "HTTPRoute", "extproc-batch-runner")
+    for route in (api, runner):
+        assert [p["name"] for p in route["spec"]["parentRefs"]] == list(gateways)  # every example names one
+    [rule] = api["spec"]["rules"]
+    assert [m["path"] for m in rule["matches"]] == [{"type": "PathPrefix", "value": "/v1/files"},
+                                                    {"type": "PathPrefix", "value": "/v1/batches"}]
+    service = one("batches", "Service", "extproc-batches")
+    assert selects(service["spec"]["selector"], epp_pod()["metadata"]["labels"])
+    [port] = service["spec"]["ports"]
+    assert rule["backendRefs"] == [{"name": service["metadata"]["name"], "port": port["port"]}]
+    [rule] = runner["spec"]["rules"]
+    [match] = rule["matches"]
+    assert [(h["type"], h["name"]) for h in match["headers"]] == [("Exact", "x-extproc-batch-key")]
+    pool = one("base", "InferencePool")["metadata"]["name"]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool}]
+    assert one("batches", "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
 def test_the_ai_gateway_route_matches_every_name_the_model_serves() -> None:

@@ -182,6 +182,19 @@ def test_filter_chain_order_and_settings() -> None:
     assert ext["metadata_options"]["forwarding_namespaces"]["untyped"] == ["extproc"]
 
 
+def test_json_to_metadata_writes_the_streams_usage_fields_only_where_budgets_are_on() -> None:
+    def rules(budgets: dict[str, Any] | None) -> dict[str, list[str]]:
+        config = parse_config({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"]}],
+                               **({"budgets": budgets} if budgets is not None else {})})
+        found = http_filter(bootstrap(config), "envoy.filters.http.json_to_metadata")["typed_config"]
+        return {r["on_present"]["key"]: [s["key"] for s in r["selectors"]] for r in found["request_rules"]["rules"]}
+
+    plain = rules(None)
+    assert "stream" not in plain and "include_usage" not in plain
+    budgeted = rules({"tenants": {"default": {"requests_per_minute": 10}}})
+    assert budgeted == {**plain, "stream": ["stream"], "include_usage": ["stream_options", "include_usage"]}
+
+
 @pytest.mark.parametrize(("envoy", "tokens", "per_second"), [
     ({}, 3000, 1000),  # the defaults: the processor's intake (1,500/s) x the message timeout (2 s)
     ({"message_timeout_ms": 5000}, 7500, 1000),  # a longer timeout: the processor takes in more of a burst

@@ -33,7 +33,7 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 ALONE = "alone"
-VLLM_MODULES = frozenset({"tests/test_real_vllm.py", "tests/test_sim_prefix.py"})
+VLLM_MODULES = frozenset({"tests/test_real_vllm.py", "tests/test_sim_prefix.py", "tests/test_batches_vllm.py"})
 
 
 @contextmanager

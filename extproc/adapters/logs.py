@@ -11,9 +11,10 @@ DEBUG (written by ``telemetry.model.ModelTelemetry._decided``): ``outcome``, the
 model, ``tenant``, ``class``, ``wait_ms`` (a preempted request's line has
 ``ran_ms`` instead: how long it had run since its release) and, for a request
 with a TTFT objective, ``slack_ms`` (its deadline - now; negative: missed).
-A batch line (``adapters/batches``) adds a ``batch_line`` entry per attempt's
-end from the runner: ``outcome`` (``completed``, ``failed:<status>``,
-``retry:<reason>``), ``batch``, ``line``, ``custom_id``, ``tenant``.
+A batch line's entries carry ``batch_line`` (``<batch id>/<line>``, from the
+runner's ``x-extproc-batch-line``), and the runner (``adapters/batches``) adds a
+``batch_line`` entry per attempt's end: ``outcome`` (``completed``,
+``failed:<status>``, ``retry:<reason>``), ``batch``, ``line``, ``custom_id``, ``tenant``.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class ProcessorServer:
         self.telemetry.registry.register(BudgetCollector(lambda: self.processor.budgets, time.time))
         # OpenAI's Batch API and its runner (batches:, docs/batches.md).
         self._batches = (None if config.batches is None
-                         else BatchService(lambda: self.config, self.telemetry.registry, tenant_labels(config)))
+                         else BatchService(lambda: self.config, self.telemetry.registry, tenant_labels(config), self._cluster))
         self._batches_started = False
         # The metrics port (/metrics, /healthz, /readyz, the status page, /usage): adapters/web/app.py.
         host, port = split_address(config.listen.metrics)
@@ -308,13 +308,14 @@ class ProcessorServer:
                 await self._store.flush()  # the usage of the last interval, and of every request that ended since
             except sqlite3.Error as exc:
                 log.error("budgets.store: cannot write %s at exit (%s)", self._store.store.path, exc)
+        if self._batches is not None and self._batches_started:  # before the cluster: its lines go back through Redis
+            self._batches_started = False
+            await self._batches.stop()
         if self._cluster is not None:
             await self._cluster.stop()
         for session in (self._session, self._probes):
             if session is not None:
                 await session.close()
-        if self._batches is not None and self._batches_started:
-            await self._batches.stop()
         if self._metrics_started:
             await self._metrics_server.stop()
         await self._grpc.stop(0)

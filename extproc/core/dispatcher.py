@@ -171,6 +171,7 @@ class ModelDispatcher:
         eligible: frozenset[str] | None = None,
         ttft_objective_s: float | None = None,
         retried: bool = False,
+        tag: str = "",
     ) -> Held:
         """Queue a request and dispatch; the returned future may already be resolved.
 
@@ -180,14 +181,15 @@ class ModelDispatcher:
         where it may go (endpoint picking). ``ttft_objective_s`` is the
         client's own objective (the band decides how far to trust it);
         ``retried``: the client says it is a retry, so it is never preempted.
+        ``tag``: what its reports name it by (``Request.tag``).
         Raises :class:`~extproc.core.outcomes.Refused` when a queue cap leaves no room.
         """
         now = self._clock()
-        refused = self._state.refusal(tenant, band, now)
+        refused = self._state.refusal(tenant, band, now, tag)
         if refused is not None:
             self._report(PoolEvent(decision_s=self._clock() - now))
             raise refused
-        request = Request(tenant, band, affinity or tenant, prefix, eligible, retried)
+        request = Request(tenant, band, affinity or tenant, prefix, eligible, retried, tag)
         held, first = self._state.enqueue(request, now, content_length, max_tokens, ttft_objective_s)
         clamped = held.estimate.clamped
         self._strategy.queued(band, tenant, first, now)

@@ -40,6 +40,9 @@ class Request:
     eligible: frozenset[str] | None = None
     # The client says it is a retry (x-stainless-retry-count): never preempted.
     retried: bool = False
+    # What the decision log names it by besides its tenant and class (a batch line: "<batch>/<line>");
+    # the core only carries it into its reports.
+    tag: str = ""
 
 
 @dataclass(eq=False, slots=True)

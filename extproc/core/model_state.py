@@ -112,14 +112,14 @@ class ModelState:
 
     # --- the door --------------------------------------------------------------------------------
 
-    def refusal(self, tenant: str, band: int, now: float) -> Refused | None:
+    def refusal(self, tenant: str, band: int, now: float, tag: str = "") -> Refused | None:
         """The refusal of a new request over a queue cap (reported), or None if it may enter."""
         settings = self._settings
         over = overflow(self.name, self._queue, tenant, settings.tenant(tenant).max_queued, band, settings.bands[band],
                         settings.max_queued)
         if over is None:
             return None
-        self._refused(None, tenant, band, over.refusal, 0.0)
+        self._refused(None, tenant, band, over.refusal, 0.0, tag)
         return Refused(over.refusal, over.message + "; retry later", drain_s=self._release_rate.drain_s(over.backlog, now))
 
     def expect(self, tenant: str, content_length: int | None, max_tokens: float | None) -> tuple[float, float]:
@@ -139,7 +139,7 @@ class ModelState:
         first = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)
         self._admission.arrived(band, now)
-        self._report(RequestEvent(Step.QUEUED, rules.name, tenant))
+        self._report(RequestEvent(Step.QUEUED, rules.name, tenant, tag=request.tag))
         self._expiry.add(held)
         return held, first
 
@@ -225,7 +225,8 @@ class ModelState:
         self._release_rate.record(now)
         self._queue.charge(band, tenant, held.estimate.cost)
         self._resolve(held)
-        self._report(RequestEvent(Step.RELEASED, rules.name, tenant, now - held.enqueued_at, slack_s=held.slack_s(now)))
+        self._report(RequestEvent(Step.RELEASED, rules.name, tenant, now - held.enqueued_at, slack_s=held.slack_s(now),
+                                  tag=held.request.tag))
         return True
 
     def _note_for_preemption(self, held: Held, rules: Band, now: float, into_free_slot: bool) -> None:
@@ -324,7 +325,7 @@ class ModelState:
         victim.ended = True
         request = victim.request
         self._report(RequestEvent(Step.PREEMPTED, self._settings.bands[request.band].name, request.tenant,
-                                  now - victim.released_at, slack_s=victim.slack_s(now)))
+                                  now - victim.released_at, slack_s=victim.slack_s(now), tag=request.tag))
         if victim.preempted is not None and not victim.preempted.done():
             victim.preempted.set_result(None)
 
@@ -356,18 +357,19 @@ class ModelState:
             drain_s=self._release_rate.drain_s(self._queue.band_len(request.band), now), queue_wait_s=waited,
         ))
 
-    def _refused(self, held: Held | None, tenant: str, band: int, refusal: Refusal, waited: float) -> None:
+    def _refused(self, held: Held | None, tenant: str, band: int, refusal: Refusal, waited: float,
+                 tag: str = "") -> None:
         """Report a refusal: of ``held``, which was queued and has left the queue; None: at the door, never queued."""
         slack = None if held is None else held.slack_s(self._clock())
         self._report(RequestEvent(Step.REFUSED, self._settings.bands[band].name, tenant, waited, refusal, held is not None,
-                                  slack_s=slack))
+                                  slack_s=slack, tag=tag if held is None else held.request.tag))
 
     def _abandoned(self, held: Held) -> None:
         """Report a queued request whose client left; it has left the queue."""
         now = self._clock()
         request = held.request
         self._report(RequestEvent(Step.ABANDONED, self._settings.bands[request.band].name, request.tenant,
-                                  now - held.enqueued_at, slack_s=held.slack_s(now)))
+                                  now - held.enqueued_at, slack_s=held.slack_s(now), tag=request.tag))
 
     def _resolve(self, held: Held, refused: Refused | None = None) -> None:
         self._expiry.discard(held)

@@ -46,6 +46,8 @@ class RequestEvent:
     # Its TTFT objective's slack at this step: deadline - now (negative: missed); None: no objective.
     # Set on RELEASED, on REFUSED and ABANDONED of a queued request, and on PREEMPTED.
     slack_s: float | None = None
+    # The request's tag (``Request.tag``): empty for most.
+    tag: str = ""
 
     @property
     def outcome(self) -> str:

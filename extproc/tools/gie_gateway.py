@@ -38,6 +38,10 @@ is invalid (``original_dst_host_invalid``) and the request fails 503. So in
 this shape the EPP must name exactly one endpoint; fallbacks need ``fail_open``'s
 cluster, which walks the list.
 
+``with_batches(doc, config)`` adds to either shape the routes of the batch
+API's manifests (deploy/gie/batches/): the API to the EPP pods, and the
+batch runner's way in (docs/batches.md, "Behind an Endpoint Picker gateway").
+
 ``fail_open(config, model, body=...)`` is the shape GIE's conformance test
 EppUnAvailableFailOpen asks for (kubernetes-sigs/gateway-api-inference-extension
 @ 84436a96b9e6ce2b59ddacd3d04c31b4fbd442de,
@@ -90,9 +94,11 @@ in the GIE repository, same commit), beyond what AI Gateway writes:
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Literal
 
 from extproc.adapters.config import Config, split_address
+from extproc.adapters.envoy.batches import API_PREFIXES, API_TIMEOUT_S, RUNNER_KEY_HEADER
 from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, EXT_PROC_SERVICE
 from extproc.adapters.ext_proc.epp import DESTINATION_NAMESPACE as LB_NAMESPACE
 from extproc.adapters.ext_proc.epp import SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
@@ -392,3 +398,43 @@ def fail_open(
     clusters = [_epp_cluster(config, tls=tls, health_checked=True, max_requests=epp_max_requests),
                 _override_host_pool_cluster(pool_endpoints(config, model))]
     return _bootstrap(config, _filters(config, body, fail_open=True), clusters)
+
+
+BATCH_API_CLUSTER = "httproute/default/extproc-batches"
+
+
+def with_batches(doc: dict[str, Any], config: Config) -> dict[str, Any]:
+    """``doc`` (a shape above) with the two routes of deploy/gie/batches/'s HTTPRoutes, as a gateway translates them.
+
+    * ``/v1/files`` and ``/v1/batches`` to the EPP pods' batch API
+      (``batches.listen``, a Service of its own), the EPP filter off on them
+      (as AI Gateway turns it off on routes to other backends); the tenant
+      header is whatever the gateway's auth set (none here: the client's).
+    * The runner's lines: a route that matches only with
+      ``x-extproc-batch-key: <batches.runner_key>`` (a header match wins over
+      the plain pool route), to the pool through the EPP as any request, the
+      key removed. The runner names the batch's tenant and class itself; on a
+      real gateway the auth applies to the users' routes, not to this one.
+    """
+    settings = config.batches
+    if settings is None or settings.runner_key is None:
+        raise ValueError("with_batches needs batches: with a runner_key")
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes: list[dict[str, Any]] = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    pool = routes[-1]
+    off = {EPP_FILTER: {"@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}}
+    api = [{"name": f"extproc-batches{prefix.replace('/', '-')}", "match": {"prefix": prefix},
+            "route": {"cluster": BATCH_API_CLUSTER, "timeout": f"{API_TIMEOUT_S:g}s"},
+            "typed_per_filter_config": copy.deepcopy(off)} for prefix in API_PREFIXES]
+    runner = {**copy.deepcopy(pool), "name": "extproc-batch-runner",
+              "match": {"prefix": "/v1/", "headers": [{"name": RUNNER_KEY_HEADER,
+                                                    "string_match": {"exact": settings.runner_key}}]},
+              "request_headers_to_remove": [RUNNER_KEY_HEADER]}
+    routes[:0] = [*api, runner]
+    host, port = split_address(settings.listen)
+    doc["static_resources"]["clusters"].append({
+        "name": BATCH_API_CLUSTER, "type": "STATIC", "connect_timeout": CONNECT_TIMEOUT,
+        "load_assignment": {"cluster_name": BATCH_API_CLUSTER,
+                            "endpoints": [{"lb_endpoints": _lb_endpoints([(host, port)])}]},
+    })
+    return doc

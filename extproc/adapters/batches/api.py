@@ -14,9 +14,8 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
-from extproc.adapters.batches.runner import Runner
+from extproc.adapters.batches.books import Books, BooksUnavailable
 from extproc.adapters.batches.shapes import ENDPOINTS, ApiError, Json, batch_object, new_id, not_found, page
-from extproc.adapters.batches.store import Store
 from extproc.adapters.config import Config
 from extproc.adapters.config.batches import window_s
 from extproc.adapters.ext_proc.admission import identified_tenant
@@ -41,6 +40,11 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return await handler(request)
     except ApiError as error:
         return error.response()
+    except BooksUnavailable as exc:  # the cluster's Redis is away: try again soon
+        unavailable = ApiError(503, f"the batch service cannot reach its state ({exc}); try again",
+                               "service_unavailable", kind="server_error").response()
+        unavailable.headers["Retry-After"] = "1"
+        return unavailable
     except Refused as refused:  # no tenant identity, with identity.missing_tenant: reject
         return ApiError(401, refused.message, refused.refusal.value, kind="authentication_error").response()
     except web.HTTPNotFound:
@@ -50,15 +54,13 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
 
 
 class Api:
-    """The handlers, over the store and the runner."""
+    """The handlers, over the books (``books.py``: one instance's, or the cluster's)."""
 
-    def __init__(self, current: Callable[[], Config], store: Store, runner: Runner,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, current: Callable[[], Config], books: Books, clock: Callable[[], float] = time.time) -> None:
         """``current``: the config now (a reload changes identity; ``batches:`` needs a restart)."""
         settings = current().batches
         assert settings is not None
-        self._current, self._settings, self._store, self._runner, self._clock = (
-            current, settings, store, runner, clock)
+        self._current, self._settings, self._books, self._clock = current, settings, books, clock
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[openai_errors])
@@ -83,7 +85,7 @@ class Api:
         if not request.content_type.startswith("multipart/"):
             raise ApiError(400, "the upload must be multipart/form-data with 'file' and 'purpose'", "invalid_request")
         file_id = new_id("file-")
-        written = self._store.files_dir / f".{file_id}.upload"
+        written = self._books.files_dir / f".{file_id}.upload"
         purpose, filename = None, None
         try:
             reader = await request.multipart()
@@ -99,8 +101,8 @@ class Api:
                 raise ApiError(400, "'file' is required", "invalid_request", "file")
             if purpose != "batch":
                 raise ApiError(400, f"purpose {purpose!r} is not served here; use 'batch'", "invalid_purpose", "purpose")
-            return web.json_response(self._store.add_file(file_id, tenant, purpose, filename, written,
-                                                           int(self._clock())))
+            return web.json_response(await self._books.add_file(file_id, tenant, purpose, filename, written,
+                                                                 int(self._clock())))
         finally:
             written.unlink(missing_ok=True)
 
@@ -120,29 +122,29 @@ class Api:
         order = request.query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise ApiError(400, f"order must be asc or desc, got {order!r}", "invalid_value", "order")
-        data, more = self._store.files(tenant, request.query.get("after"), _limit(request, FILE_PAGE, MAX_FILE_PAGE),
+        data, more = await self._books.files(tenant, request.query.get("after"), _limit(request, FILE_PAGE, MAX_FILE_PAGE),
                                        order == "asc", request.query.get("purpose"))
         return web.json_response(page(data, more))
 
     async def get_file(self, request: web.Request) -> web.Response:
-        return web.json_response(self._file(request))
+        return web.json_response(await self._file(request))
 
-    def _file(self, request: web.Request) -> Json:
+    async def _file(self, request: web.Request) -> Json:
         file_id = request.match_info["file_id"]
-        found = self._store.file(self._tenant(request), file_id)
+        found = await self._books.file(self._tenant(request), file_id)
         if found is None:
             raise not_found("file", file_id)
         return found
 
     async def delete_file(self, request: web.Request) -> web.Response:
         file_id = request.match_info["file_id"]
-        if not self._store.delete_file(self._tenant(request), file_id):
+        if not await self._books.delete_file(self._tenant(request), file_id):
             raise not_found("file", file_id)
         return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
     async def file_content(self, request: web.Request) -> web.StreamResponse:
-        found = self._file(request)
-        return web.FileResponse(self._store.path(found["id"]), headers={"Content-Type": "application/octet-stream"})
+        found = await self._file(request)
+        return web.FileResponse(self._books.path(found["id"]), headers={"Content-Type": "application/octet-stream"})
 
     # --- batches --------------------------------------------------------------------------------
 
@@ -164,7 +166,7 @@ class Api:
                            "invalid_value", "completion_window")
         if not isinstance(file_id, str):
             raise ApiError(400, "input_file_id is required", "invalid_request", "input_file_id")
-        found = self._store.file(tenant, file_id)
+        found = await self._books.file(tenant, file_id)
         if found is None:
             raise not_found("file", file_id)
         if found["purpose"] != "batch":
@@ -175,30 +177,29 @@ class Api:
         seconds = window_s(window)
         assert seconds is not None
         doc = batch_object(new_id("batch_"), endpoint, file_id, window, now, now + seconds, metadata)
-        self._store.add_batch(tenant, doc)
-        self._runner.run(doc["id"])
+        await self._books.create_batch(tenant, doc)
         return web.json_response(doc)
 
     async def list_batches(self, request: web.Request) -> web.Response:
-        data, more = self._store.batches(self._tenant(request), request.query.get("after"),
+        data, more = await self._books.batches(self._tenant(request), request.query.get("after"),
                                          _limit(request, BATCH_PAGE, MAX_BATCH_PAGE))
         return web.json_response(page(data, more))
 
     async def get_batch(self, request: web.Request) -> web.Response:
-        return web.json_response(self._batch(request))
+        return web.json_response(await self._batch(request))
 
-    def _batch(self, request: web.Request) -> Json:
+    async def _batch(self, request: web.Request) -> Json:
         batch_id = request.match_info["batch_id"]
-        found = self._store.batch(batch_id, self._tenant(request))
+        found = await self._books.batch(self._tenant(request), batch_id)
         if found is None:
             raise not_found("batch", batch_id)
         return found
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
-        found = self._batch(request)
+        found = await self._batch(request)
         if found["status"] not in ("validating", "in_progress", "cancelling"):
             raise ApiError(409, f"Cannot cancel a batch with status '{found['status']}'.", "invalid_state")
-        return web.json_response(self._runner.cancel(found["id"]))
+        return web.json_response(await self._books.cancel(found["id"]))
 
 
 def _limit(request: web.Request, default: int, most: int) -> int:

@@ -1,42 +1,80 @@
-"""The batch service in ``extproc serve``: the store, the runner and the API on ``batches.listen``.
+"""The batch service in ``extproc serve``: the books, the runner and the API on ``batches.listen``.
+
+One instance (no ``cluster:``): the SQLite store under ``batches.directory``
+and a runner for the batches it keeps. A cluster: state and leases in the
+cluster's Redis and the files on ``batches.directory``, which every instance
+mounts (``shared.py``); every instance serves the API and runs a share of
+every batch's lines (``spread.py``).
 
 ``start`` binds the API and resumes the active batches; ``stop`` stops the
-runner where it is (a line in flight is sent again by the next start) and
-the API.
+runner where it is (a line in flight is sent again: by the next start, or
+another instance) and the API.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from extproc.adapters.batches.api import Api
+from extproc.adapters.batches.books import Books, LocalBooks
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.runner import Runner
 from extproc.adapters.batches.shapes import Json
+from extproc.adapters.batches.shared import SharedBooks, SharedState
+from extproc.adapters.batches.spread import SpreadRunner
 from extproc.adapters.batches.store import Store
+from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.telemetry.labels import TenantLabels
 
 # Batches the status page lists at most (the oldest active first).
 PROGRESS_LISTED = 50
+# The least a cluster's batch state waits for Redis: an API call or a line's record is not a release
+# decision, which must not wait (cluster.redis_timeout_ms, 250 ms by default); a busy Redis or machine
+# should not answer the API 503.
+MIN_REDIS_TIMEOUT_S = 1.0
 
 
 class BatchService:
-    def __init__(self, current: Callable[[], Config], registry: CollectorRegistry, tenants: TenantLabels) -> None:
-        """``current``: the config now (reloads change identity and entitlements; ``batches:`` needs a restart)."""
+    def __init__(self, current: Callable[[], Config], registry: CollectorRegistry, tenants: TenantLabels,
+                 cluster: ClusterConnection | None = None) -> None:
+        """``current``: the config now (reloads change identity and entitlements; ``batches:`` needs a restart).
+
+        ``cluster``: the process's connection to the cluster's Redis (``cluster:``): its settings, and its
+        instance name for the runner's leases.
+        """
         settings = current().batches
         assert settings is not None
         self.listen = settings.listen
-        self.store = Store(settings.directory)
         self.metrics = BatchMetrics(registry, tenants)
-        self.runner = Runner(current, self.store, self.metrics)
+        self._store: Store | None = None
+        self._client: aioredis.Redis | None = None
+        self._runner: Runner | SpreadRunner
+        books: Books
+        if cluster is None:
+            self._store = Store(settings.directory)
+            self._runner = Runner(current, self._store, self.metrics)
+            books = LocalBooks(self._store, self._runner)
+        else:
+            shared = cluster.settings
+            # A client of its own: the batches wait longer for Redis than a release decision may.
+            timeout_s = max(shared.redis_timeout_ms / 1000, MIN_REDIS_TIMEOUT_S)
+            self._client = aioredis.from_url(shared.redis_url, socket_timeout=timeout_s,
+                                             socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+            state = SharedState(self._client, shared.key_prefix, timeout_s, Path(settings.directory))
+            self._runner = SpreadRunner(current, state, self.metrics, cluster.instance, shared.lease_s,
+                                        shared.heartbeat_interval_s)
+            books = SharedBooks(state)
         self._stopped = False
-        self._site_runner = web.AppRunner(Api(current, self.store, self.runner).app(), access_log=None,
-                                          handle_signals=False)
+        self._site_runner = web.AppRunner(Api(current, books).app(), access_log=None, handle_signals=False)
 
     async def start(self) -> None:
         """Bind the API (OSError naming ``batches.listen`` if it cannot), then resume the active batches."""
@@ -47,14 +85,22 @@ class BatchService:
         except OSError as exc:
             await self._site_runner.cleanup()
             raise OSError(f"batches.listen: cannot bind {self.listen} ({exc.strerror})") from exc
-        self.runner.start()
+        self._runner.start()
 
     def progress(self) -> list[Json]:
         """The batches in progress, for the status page: each one's counts and its lines per second since it began."""
-        return [] if self._stopped else self.store.progress(time.time(), PROGRESS_LISTED)
+        if self._stopped:
+            return []
+        if self._store is None:
+            assert isinstance(self._runner, SpreadRunner)
+            return self._runner.progress()
+        return self._store.progress(time.time(), PROGRESS_LISTED)
 
     async def stop(self) -> None:
         self._stopped = True
-        await self.runner.stop()
+        await self._runner.stop()
         await self._site_runner.cleanup()
-        self.store.close()
+        if self._store is not None:
+            self._store.close()
+        if self._client is not None:
+            await self._client.aclose()

@@ -9,9 +9,10 @@ wants them on responses); over one, the tenant's action decides (core:
 rate headers), ``downgrade`` moves the request to the lowest class, ``report``
 lets it go as it is. Whatever then happens, the servicer hands the pass back
 with the request's :class:`~extproc.core.held.Held` (:meth:`BudgetGate.end`):
-served, it is charged what the cost model measured at its end; not served
-(refused in the queue, its client gone while queued, preempted before its
-response began), nothing.
+served, it is charged the usage the engine reported in its response
+(``ext_proc/engine_usage.py``), or, where none came, what the cost model
+measured at its end; not served (refused in the queue, its client gone while
+queued, preempted before its response began), nothing.
 
 With ``cluster:`` the counts are the cluster's, in Redis (``shared.py``): one
 round trip per decision; Redis away, this instance's share of each limit.
@@ -34,6 +35,7 @@ from extproc.adapters.budgets.headers import NO_RETRY, rate_headers
 from extproc.adapters.budgets.shared import SharedBudgets, SharedTicket, amounts, meters, share, view
 from extproc.adapters.config.budgets import BudgetSettings, plan
 from extproc.adapters.ext_proc.admission import Admission
+from extproc.adapters.ext_proc.engine_usage import Reported
 from extproc.core.budgets.book import Usage
 from extproc.core.budgets.ledger import Budgets, Over, Ticket
 from extproc.core.budgets.limits import Action, Kind
@@ -180,8 +182,13 @@ class BudgetGate:
                  "value": s.value, "used": s.used, "remaining": s.remaining, "reset_s": s.reset_s}
                 for s in budgets.standings(self._clock()) if s.scope.kind is Kind.GROUP or s.scope.name in named]
 
-    def end(self, passed: Pass, held: Held | None) -> None:
-        """The request's stream is over: charged what it used if it was served (``held``: None if never queued)."""
+    def end(self, passed: Pass, held: Held | None, reported: Reported | None = None) -> None:
+        """The request's stream is over: charged what it used if it was served (``held``: None if never queued).
+
+        What it used is what the engine ``reported`` in its response, where it
+        did; else what the cost model measured. Cached prompt tokens the engine
+        does not count are the prefix-cache account's (``charge``), as without a report.
+        """
         now = self._clock()
         ticket = passed.ticket
         charge = held.charge if held is not None else None
@@ -193,7 +200,11 @@ class BudgetGate:
             elif passed.ledger is not None:
                 passed.ledger.cancel(ticket, now)
             return
-        used = Usage(held.estimate.prompt_tokens, charge.cached_tokens, charge.output_tokens)
+        if reported is None:
+            used = Usage(held.estimate.prompt_tokens, charge.cached_tokens, charge.output_tokens)
+        else:
+            cached = charge.cached_tokens if reported.cached_tokens is None else reported.cached_tokens
+            used = Usage(reported.prompt_tokens, cached, reported.completion_tokens)
         if isinstance(ticket, SharedTicket):
             cost = self.budgets.plan.price(passed.model).cost(used.input_tokens, used.cached_tokens, used.output_tokens)
             if self.shared is not None:

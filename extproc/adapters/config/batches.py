@@ -12,6 +12,7 @@ from typing import Annotated
 
 from msgspec import Meta
 
+from extproc.adapters.config.instances import ClusterSettings
 from extproc.adapters.config.validate import Problems
 from extproc.adapters.config.values import Address, Count, HttpUrl, NonEmpty, Section
 
@@ -69,8 +70,20 @@ def batch_problems(settings: BatchSettings) -> Problems:
         yield "runner_listen", "must differ from listen (the API and Envoy's runner listener are two ports)"
 
 
-def batch_file_problems(batches: BatchSettings | None, sharded: bool, clustered: bool) -> Problems:
-    """The section against the rest of the file: one instance runs batches (no leases shared in Redis yet)."""
-    if batches is not None and (sharded or clustered):
-        yield "batches", ("cannot be used with shards: or cluster: yet (one instance runs the batches; "
-                          "docs/batches.md)")
+def batch_file_problems(batches: BatchSettings | None, sharded: bool, cluster: ClusterSettings | None) -> Problems:
+    """The section against the rest of the file: one instance, or a cluster sharing the batches through Redis.
+
+    Shards split the models, not the work: a batch's lines would need the
+    instance that owns its model, so batches are refused with ``shards:``.
+    With ``cluster.instances`` each instance serves the API on its own
+    address (``batches``), so that Envoy's API cluster lists every one.
+    """
+    if batches is None:
+        return
+    if sharded:
+        yield "batches", "cannot be used with shards: (use cluster: to share the batches; docs/batches.md)"
+    if cluster is not None and cluster.instances:
+        for name, instance in cluster.instances.items():
+            if instance.batches is None:
+                yield f"cluster.instances.{name}.batches", ("is required with batches: (where this instance serves "
+                                                             "the batch API)")

@@ -94,6 +94,9 @@ class BudgetSettings(_Entry, frozen=True):
     store_interval_s: Positive = 5.0
     # OpenAI's x-ratelimit-* headers on released requests' responses (refusals always carry them).
     rate_headers: bool = True
+    # A stream whose client asked for its usage (stream_options.include_usage) is read chunk by chunk for it, at
+    # some processor CPU per chunk; false: such a stream is charged the cost model's estimate, as any other stream.
+    stream_usage: bool = True
 
 
 def price_problems(price: PriceSettings) -> Problems:

@@ -33,6 +33,8 @@ class ClusterInstance(Section, frozen=True):
 
     grpc: Address
     metrics: Address
+    # With batches: where this instance serves the batch API (its batches.listen); Envoy's API cluster lists them all.
+    batches: Address | None = None
 
 
 # Renewals per lease when heartbeat_s is unset: the lease survives three late ones.

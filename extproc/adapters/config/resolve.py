@@ -145,7 +145,11 @@ class Config:
         if instance is None:
             raise ConfigError(f"--instance {name}: no such instance in cluster.instances "
                               f"(one of: {', '.join(instances)})")
-        return replace(self, listen=msgspec.structs.replace(self.listen, grpc=instance.grpc, metrics=instance.metrics))
+        batches = self.batches
+        if batches is not None and instance.batches is not None:
+            batches = msgspec.structs.replace(batches, listen=instance.batches)
+        return replace(self, listen=msgspec.structs.replace(self.listen, grpc=instance.grpc, metrics=instance.metrics),
+                       batches=batches)
 
 
 def default_priority(file: ConfigFile) -> str:

@@ -93,7 +93,7 @@ def _cluster(cluster: ClusterSettings) -> Problems:
 def _file(file: ConfigFile) -> Problems:
     """The rules between sections: shards and cluster, the classes every section names, the tenants' entitlements."""
     yield from _shard_problems(file)
-    yield from batch_file_problems(file.batches, bool(file.shards), file.cluster is not None)
+    yield from batch_file_problems(file.batches, bool(file.shards), file.cluster)
     for key in ("processor_ca_file", "processor_client_cert_file", "processor_client_key_file"):
         if file.listen.tls is None and getattr(file.envoy, key) is not None:
             yield f"envoy.{key}", "needs listen.tls (the processor's gRPC port is plaintext without it)"
@@ -168,8 +168,10 @@ def _address_problems(section: str, instances: dict[str, Shard] | dict[str, Clus
     """No two instances (nor one instance's two listeners) on the same address."""
     seen: dict[str, str] = {}
     for name, settings in instances.items():
-        for key in ("grpc", "metrics"):
-            address = getattr(settings, key)
+        for key in ("grpc", "metrics", "batches"):
+            address = getattr(settings, key, None)
+            if address is None:
+                continue
             if address in seen:
                 yield f"{section}.{name}.{key}", f"{address} is already used by {seen[address]}"
             seen[address] = f"{section}.{name}.{key}"

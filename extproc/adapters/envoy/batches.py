@@ -27,6 +27,8 @@ API_PREFIXES = ("/v1/files", "/v1/batches")
 # An upload of the largest file (200 MB) through a slow link.
 API_TIMEOUT_S = 600.0
 API_CONNECT_TIMEOUT_S = 5.0
+# A call to an instance that is down goes to another (a cluster's instances all serve the API).
+API_RETRIES = 2
 # The header the runner listener's routes require with batches.runner_key (adapters/batches/runner.py sends it).
 RUNNER_KEY_HEADER = "x-extproc-batch-key"
 
@@ -41,18 +43,27 @@ def api_routes(config: Config, *, name_prefix: str = "", per_filter: Mapping[str
     if config.batches is None:
         return []
     filters = _ext_proc_off() if per_filter is None else dict(per_filter)
+    route: Json = {"cluster": BATCH_API_CLUSTER, "timeout": duration(API_TIMEOUT_S)}
+    if len(_api_addresses(config)) > 1:  # a cluster's instance that is down: the call goes to another one
+        route["retry_policy"] = {"retry_on": "connect-failure,reset-before-request", "num_retries": API_RETRIES}
     return [{"name": f"{name_prefix}batch_api_{prefix.rsplit('/', 1)[1]}", "match": {"prefix": prefix},
-             "route": {"cluster": BATCH_API_CLUSTER, "timeout": duration(API_TIMEOUT_S)},
-             "typed_per_filter_config": copy.deepcopy(filters)}  # one object each: no YAML anchors
+             "route": copy.deepcopy(route), "typed_per_filter_config": copy.deepcopy(filters)}  # no YAML anchors
             for prefix in API_PREFIXES]
+
+
+def _api_addresses(config: Config) -> list[str]:
+    """``batches.listen``, or every cluster instance's ``batches`` (any of them serves any call)."""
+    assert config.batches is not None
+    instances = config.cluster.instances if config.cluster is not None else {}
+    return [i.batches for i in instances.values() if i.batches is not None] or [config.batches.listen]
 
 
 def api_clusters(config: Config) -> list[Json]:
     if config.batches is None:
         return []
-    host, port = split_address(config.batches.listen)
-    reach = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    return [upstream(Upstream(BATCH_API_CLUSTER, [(reach, port)], API_CONNECT_TIMEOUT_S))]
+    reach = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+    hosts = [(reach.get(host, host), port) for host, port in map(split_address, _api_addresses(config))]
+    return [upstream(Upstream(BATCH_API_CLUSTER, hosts, API_CONNECT_TIMEOUT_S))]
 
 
 def runner_routes(config: Config, routes: list[Json]) -> list[Json]:

@@ -14,7 +14,8 @@ The request path:
    or ``jwt_authn`` (``envoy.jwt``) sets the tenant header, 401 without a
    known key or valid token. With neither, no request has a tenant header.
 2. ``json_to_metadata`` copies the body's ``model``, ``max_tokens``,
-   ``max_completion_tokens`` and ``prompt_cache_key`` into dynamic metadata
+   ``max_completion_tokens`` and ``prompt_cache_key`` (with budgets, also
+   ``stream`` and ``stream_options.include_usage``) into dynamic metadata
    ``extproc``; it buffers the body first, so the metadata exists when
    ext_proc sends the request headers. Only JSON bodies are parsed; anything
    else names no model and the processor answers 400.
@@ -45,11 +46,14 @@ from extproc.adapters.config import Config
 from extproc.adapters.envoy.base import Json, duration, hold_timeout_s, typed
 from extproc.adapters.envoy.clusters import EXTPROC_CLUSTER, JWKS_CLUSTER
 from extproc.adapters.ext_proc.contract import (
+    BATCH_LINE_HEADER,
     DESTINATION_HEADER,
+    INCLUDE_USAGE_FIELD,
     METADATA_NAMESPACE,
     MODEL_HEADER,
     PROCESSING_MODE,
     QUEUE_WAIT_HEADER,
+    STREAM_FIELD,
 )
 from extproc.core.outcomes import Refusal
 
@@ -122,12 +126,13 @@ def _sanitise(config: Config, chain: Chain) -> Json:
     headers, which name a tenant too) is stripped as well: api_key_auth or
     jwt_authn, when configured, set it afterwards. A drop-in without either
     leaves identity to the operator's own auth filter, which runs earlier and
-    sets it.
+    sets it. The batch-line header is the runner's (its listener keeps it).
     """
     identity = config.identity
     keep_tenant = chain.runner or (chain.drop_in and not _own_identity(config))
     tenant = [] if keep_tenant else [identity.tenant_header, *identity.fairness_id_headers]
-    remove = [MODEL_HEADER, *tenant, DESTINATION_HEADER, *ECHOED_HEADERS]
+    batch_line = [] if chain.runner else [BATCH_LINE_HEADER]  # only the batch runner names a batch line
+    remove = [MODEL_HEADER, *tenant, DESTINATION_HEADER, *ECHOED_HEADERS, *batch_line]
     return typed("envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
                  mutations={"request_mutations": [{"remove": name} for name in remove]})
 
@@ -175,9 +180,13 @@ def _jwt_authn(config: Config, chain: Chain) -> Json:
 
 
 def _json_to_metadata(config: Config, chain: Chain) -> Json:
-    def rule(key: str, value_type: str) -> Json:
-        return {"selectors": [{"key": key}],
+    def rule(key: str, value_type: str, *path: str) -> Json:
+        return {"selectors": [{"key": k} for k in (*path, key)],
                 "on_present": {"metadata_namespace": METADATA_NAMESPACE, "key": key, "type": value_type}}
+
+    # Budgets charge the engine's usage: whether it comes in one answer or at a stream's end (or not at all) is
+    # the body's to say. Without budgets nothing reads it, and nothing is written.
+    usage = [rule(STREAM_FIELD, "PROTOBUF_VALUE"), rule(INCLUDE_USAGE_FIELD, "PROTOBUF_VALUE", "stream_options")]
 
     return typed(
         "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
@@ -191,6 +200,7 @@ def _json_to_metadata(config: Config, chain: Chain) -> Json:
                 rule("max_completion_tokens", "PROTOBUF_VALUE"),
                 # Prefix-cache affinity for endpoint picking (OpenAI's field).
                 rule("prompt_cache_key", "STRING"),
+                *(usage if config.budgets is not None else ()),
             ],
         },
     )

@@ -21,9 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from extproc.adapters.config import Config, Identity, ModelConfig
+from extproc.adapters.ext_proc.contract import BATCH_LINE_HEADER
 from extproc.adapters.ext_proc.request_fields import RequestFields
 from extproc.core.entitlement import grant
 from extproc.core.outcomes import Refusal, Refused
+
+# The longest batch-line tag kept (a batch id and a line number are far shorter): a log line stays a line.
+MAX_BATCH_LINE = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +42,8 @@ class Admission:
     ttft_objective_s: float | None = None
     # The client says it is a retry (identity.retry_headers): never preempted.
     retried: bool = False
+    # A batch line's "<batch>/<line>" (x-extproc-batch-line, set by the batch runner): its decision entries say so.
+    batch_line: str = ""
 
 
 def is_pattern(name: str) -> bool:
@@ -112,7 +118,8 @@ class Admissions:
         # The band: what it asks for, limited by the tenant's entitlement (core/entitlement.py decides).
         granted = grant(self._config.band_names, self._config.tenant(tenant), tenant, self._asked(headers, fields))
         retried = _first(headers, identity.retry_headers).strip() not in ("", "0")
-        return Admission(model, tenant, granted.band, granted.requested, name, self._ttft_objective_s(headers), retried)
+        return Admission(model, tenant, granted.band, granted.requested, name, self._ttft_objective_s(headers), retried,
+                         headers.get(BATCH_LINE_HEADER, "")[:MAX_BATCH_LINE])
 
     def _asked(self, headers: dict[str, str], fields: RequestFields) -> str:
         """The class the request asks for: the priority header, else its objective, else the body's priority."""

@@ -15,6 +15,10 @@ METADATA_NAMESPACE = "extproc"
 # A string in that namespace an operator's own filter may fill with a request's leading
 # prompt text: hashed as it is (prompt_prefix.py), so such a model's body need not be sent.
 PROMPT_PREFIX_FIELD = "prompt_prefix"
+# Where budgets are on, json_to_metadata also writes the body's `stream` and `stream_options.include_usage` there:
+# whether the engine's usage comes in one JSON answer, at a stream's end, or not at all (engine_usage.py).
+STREAM_FIELD = "stream"
+INCLUDE_USAGE_FIELD = "include_usage"
 # Set by the processor on released requests, from the body's model (anything a client sent is
 # removed by Envoy first): the generated Envoy's routes, and deploy/'s manifests, match on it.
 MODEL_HEADER = "x-model"
@@ -26,6 +30,9 @@ REASON_HEADER = "x-extproc-reason"
 # Gateway API Inference Extension convention: the endpoint picked for a request
 # (HOST:PORT); Envoy routes requests carrying it to an ORIGINAL_DST cluster.
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# Set by the batch runner on each line it sends (``<batch id>/<line>``, adapters/batches/sender.py) and kept
+# only on Envoy's runner listener: the processor's decision entry for the request names the batch line.
+BATCH_LINE_HEADER = "x-extproc-batch-line"
 
 # The ext_proc processing mode: the request headers in, and the response
 # trailers, which keep the stream open until the response is done (completion

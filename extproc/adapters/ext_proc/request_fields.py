@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.adapters.ext_proc.contract import METADATA_NAMESPACE, PROMPT_PREFIX_FIELD
+from extproc.adapters.ext_proc.contract import (
+    INCLUDE_USAGE_FIELD,
+    METADATA_NAMESPACE,
+    PROMPT_PREFIX_FIELD,
+    STREAM_FIELD,
+)
 from extproc.core.outcomes import Refusal, Refused
 
 # The body's output limits, in the order they are read: the later one wins (as in vLLM).
@@ -42,6 +47,10 @@ class RequestFields:
     prompt_cache_key: str | None = None
     # The body's `priority`: a class name, or the engine's integer priority.
     priority: Any = None
+    # The body's `stream` and `stream_options.include_usage` are true: the answer is a stream, whose last event
+    # carries the engine's usage (engine_usage.py). Read only where budgets are on (json_to_metadata's rules).
+    stream: bool = False
+    include_usage: bool = False
 
 
 NO_FIELDS = RequestFields()
@@ -73,6 +82,8 @@ class _Wanted(msgspec.Struct):
     max_completion_tokens: Any = None
     prompt_cache_key: Any = None
     priority: Any = None
+    stream: Any = None
+    stream_options: Any = None
     messages: msgspec.Raw = _ABSENT
     prompt: msgspec.Raw = _ABSENT
 
@@ -103,7 +114,12 @@ def from_metadata(request: pb.ProcessingRequest) -> RequestFields | None:
     # get(), once per field: indexing a map of messages with a missing key would add it.
     fields = namespace.fields
     limits = {f: _value(item) for f in LIMIT_FIELDS if (item := fields.get(f)) is not None}
-    return _fields(_value(fields.get("model")), limits, _value(fields.get("prompt_cache_key")), None)
+    found = _fields(_value(fields.get("model")), limits, _value(fields.get("prompt_cache_key")), None)
+    stream = fields.get(STREAM_FIELD)  # written only where budgets are on (envoy/filters.py)
+    if stream is None or not stream.bool_value:
+        return found
+    usage = fields.get(INCLUDE_USAGE_FIELD)
+    return replace(found, stream=True, include_usage=usage is not None and usage.bool_value)
 
 
 def _value(item: struct_pb2.Value | None) -> Any:
@@ -130,8 +146,12 @@ def from_body(body: bytes) -> tuple[RequestFields, Prompt]:
     except msgspec.DecodeError as exc:
         raise Refused(Refusal.INVALID_BODY, f"the request body must be a JSON object: {exc}") from None
     limits = {f: getattr(wanted, f) for f in LIMIT_FIELDS if getattr(wanted, f) is not None}
-    return (_fields(wanted.model, limits, wanted.prompt_cache_key, wanted.priority),
-            Prompt(wanted.messages, wanted.prompt))
+    found = _fields(wanted.model, limits, wanted.prompt_cache_key, wanted.priority)
+    if wanted.stream is True:
+        options = wanted.stream_options
+        found = replace(found, stream=True,
+                        include_usage=isinstance(options, dict) and options.get("include_usage") is True)
+    return found, Prompt(wanted.messages, wanted.prompt)
 
 
 def prompt_of(body: bytes) -> Prompt:

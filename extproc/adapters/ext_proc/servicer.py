@@ -207,7 +207,7 @@ class Processor:
         finally:
             dispatcher.end(held)
             if budgets is not None and budget_pass is not None:
-                budgets.end(budget_pass, held)
+                budgets.end(budget_pass, held, None if stream.usage is None else stream.usage.reported)
 
     def _submit(self, side: Attachment, stream: Stream, headers: dict[str, str], admission: Admission,
                 dispatcher: ModelDispatcher, prefix: Prefix) -> Held:
@@ -224,6 +224,7 @@ class Processor:
             # it, a tenant's requests stick together (they often share a system prompt).
             affinity=stream.fields.prompt_cache_key or "", prefix=prefix,
             eligible=eligible, ttft_objective_s=admission.ttft_objective_s, retried=admission.retried,
+            tag=admission.batch_line,
         )
 
     def _count_admission(self, admission: Admission) -> None:
@@ -242,7 +243,8 @@ class Processor:
             return False
         band = self._config.band_names[admission.band]
         self._telemetry.report(admission.model)(
-            RequestEvent(Step.REFUSED, band, admission.tenant, refusal=Refusal.OVERLOADED, dequeued=False))
+            RequestEvent(Step.REFUSED, band, admission.tenant, refusal=Refusal.OVERLOADED, dequeued=False,
+                         tag=admission.batch_line))
         return True
 
     def _count_refusal(self, body_model: str | None, refusal: Refusal) -> None:

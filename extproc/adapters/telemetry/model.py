@@ -208,6 +208,9 @@ class ModelTelemetry:
         if event.slack_s is not None:
             fields["slack_ms"] = round(event.slack_s * 1000, 1)
             line += f" slack_ms={fields['slack_ms']}"
+        if event.tag:  # a batch line (adapters/batches): "<batch>/<line>"
+            fields["batch_line"] = event.tag
+            line += f" batch_line={event.tag}"
         DECISIONS.debug("%s", line, extra=fields)
 
     def _pool(self, event: PoolEvent) -> None:

@@ -12,10 +12,12 @@ A request's way through :class:`Budgets`:
    over (a rate, or a budget), when it has room again, and the tenant's
    action (``limits.Action``).
 2. **The end** (:meth:`Budgets.settle`): the reservation is replaced by what
-   the request used: its output tokens as the cost model measured them at
-   the end (the engine's decode rate times its occupancy, capped by
-   ``max_tokens``: ``core/cost.py``), its cached prompt tokens (prefix
-   signatures), priced; the difference is given back (or, rarely, taken).
+   the request used, priced: the engine's own count where its response
+   reported one (the adapter reads it: ``ext_proc/engine_usage.py``), else
+   its output tokens as the cost model measured them at the end (the
+   engine's decode rate times its occupancy, capped by ``max_tokens``:
+   ``core/cost.py``), its prompt as estimated, its cached prompt tokens
+   (prefix signatures); the difference is given back (or, rarely, taken).
    The usage book (``book.py``) gets one more request.
 3. **No service** (:meth:`Budgets.cancel`): a request that never reached the
    engine (its client left while it was queued, it was refused in the queue)
@@ -37,8 +39,10 @@ reservation:
 * a per-minute window, by the in-flight requests' output beyond their
   reservation: zero for requests that give ``max_tokens``, at most the
   context length each for those that do not (their reservation is an
-  average); plus, once per window, one request larger than the whole window,
-  admitted only into an empty one;
+  average); and by their prompts beyond the estimate from their size, where
+  the engine counts more tokens than that (at most the context length each);
+  plus, once per window, one request larger than the whole window, admitted
+  only into an empty one;
 * a day or month budget, by the same, plus the requests in flight when the
   period turns: their reservations belong to the period that ended, and what
   they use is counted in the new one when they end.

@@ -23,11 +23,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.adapters.config import Config
 from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.ext_proc.attach import body
+from extproc.adapters.ext_proc.engine_usage import UsageReader
 from extproc.adapters.ext_proc.release_outcome import engine_answer
 from extproc.adapters.ext_proc.replies import error_response, headers_of, passed
 from extproc.adapters.ext_proc.request_fields import Prompt, RequestFields
 from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.outcomes import Refused
+
+# The answer to a response body chunk read and left as it is: one for all, as a stream may send many.
+_BODY_GOES_ON = [pb.ProcessingResponse(response_body=pb.BodyResponse())]
 
 
 class Stream:
@@ -39,10 +43,10 @@ class Stream:
     """
 
     __slots__ = ("request_mode", "response_mode", "has_body", "duplex", "response_duplex", "fields", "prompt", "body",
-                 "held_on_body", "subset", "headers")
+                 "held_on_body", "subset", "headers", "usage")
 
     def __init__(self, first: pb.ProcessingRequest, fields: RequestFields, prompt: Prompt,
-                 subset: frozenset[str] | None = None) -> None:
+                 subset: frozenset[str] | None = None, usage: bool = False) -> None:
         declared = first.protocol_config  # on the first message only (Envoy 1.40 always sends it)
         self.request_mode: int = declared.request_body_mode
         self.response_mode: int = declared.response_body_mode
@@ -60,6 +64,8 @@ class Stream:
         self.subset = subset
         # Headers its release sets for the response to carry (a budget's rate headers; our own Envoy echoes them).
         self.headers: tuple[tuple[str, str], ...] = ()
+        # The engine's usage, read from the response body where budgets charge it (None: not read).
+        self.usage = UsageReader() if usage else None
 
 
 class Attachment:
@@ -76,6 +82,10 @@ class Attachment:
 
     def __init__(self, config: Config) -> None:
         self._full_statuses = {m.name: DIALECTS[m.engine].full_statuses for m in config.models}
+        # Budgets charge the engine's usage: each stream reads it where its response brings it (a stream's
+        # chunk by chunk only if the section says so).
+        self.reads_usage = config.budgets is not None
+        self.reads_streams = config.budgets is not None and config.budgets.stream_usage
 
     def open(self, first: pb.ProcessingRequest, metadata: RequestFields | None) -> Stream:
         """The stream of ``first`` (its request headers), with ``metadata``: our namespace's fields, if Envoy sent them."""
@@ -111,11 +121,19 @@ class Attachment:
 
     def after_release(self, stream: Stream, dispatcher: ModelDispatcher, held: Held, message: pb.ProcessingRequest,
                       priority: int | None) -> list[pb.ProcessingResponse]:
-        """The answers to a message after the release, in the stream's body modes."""
+        """The answers to a message after the release, in the stream's body modes.
+
+        A response body's chunks pass through the usage reader, where a budget charges the engine's usage.
+        """
         if message.HasField("response_headers"):
             self.response_began(stream, dispatcher, held, message)
-        elif message.HasField("response_body") and stream.response_duplex:  # passed back as it came
-            return body.streamed("response_body", message.response_body.body, message.response_body.end_of_stream)
+        elif message.HasField("response_body"):
+            chunk = message.response_body
+            if stream.usage is not None:
+                stream.usage.feed(chunk.body)
+            if stream.response_duplex:  # passed back as it came
+                return body.streamed("response_body", chunk.body, chunk.end_of_stream)
+            return _BODY_GOES_ON
         elif message.HasField("request_body") and priority is not None:  # buffered after the release (mode override)
             return [body.rewritten(message.request_body.body, priority)]
         return [passed(message)]

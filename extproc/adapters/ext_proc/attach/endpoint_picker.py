@@ -78,7 +78,7 @@ class EndpointPicker(Attachment):
         ), picker.shed_status)
 
     def open(self, first: pb.ProcessingRequest, metadata: RequestFields | None) -> Stream:
-        return Stream(first, NO_FIELDS, NO_PROMPT, epp.subset_hint(first))
+        return Stream(first, NO_FIELDS, NO_PROMPT, epp.subset_hint(first), usage=self.reads_usage)
 
     async def read(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
                    headers: dict[str, str]) -> AsyncIterator[pb.ProcessingResponse]:

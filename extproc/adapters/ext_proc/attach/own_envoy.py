@@ -21,7 +21,12 @@ trailers sent, bodies not: ``contract.PROCESSING_MODE``):
    until the response ends: its end is the request's completion.
 5. An ``engine_priority`` model's release also switches the request body to
    buffered; it comes back with the band's ``priority`` written in.
-6. A model with prefix signatures needs its prompt before the hold: its
+6. With budgets, the release also asks for the response body where the
+   engine's usage will be in it (``_read``): a whole answer buffered, a
+   stream whose client asked for ``include_usage`` chunk by chunk
+   (``budgets.stream_usage``); each chunk passes the usage reader
+   (``engine_usage.py``) and goes on unchanged.
+7. A model with prefix signatures needs its prompt before the hold: its
    headers are answered at once, switching to a buffered body (a mode can
    be overridden only in a headers reply, and whether a release is checked is
    known only at the release, so the response headers are turned on too);
@@ -74,31 +79,55 @@ _REUSED_WAIT_MS = 32
 _MAX_REUSED = 1024
 
 
-def _override(request_mode: int, response_mode: int, body_wanted: bool,
-              checked: bool) -> processing_mode_pb2.ProcessingMode | None:
-    """The generated filter's mode with the declared bodies, the request body buffered and/or the response headers sent.
+def _override(request_mode: int, response_mode: int, body_wanted: bool, checked: bool,
+              read: int | None) -> processing_mode_pb2.ProcessingMode | None:
+    """The generated filter's mode with the declared bodies, the request body buffered, the response headers sent
+    and/or the response body read in mode ``read`` (for the engine's usage).
 
-    None when neither is wanted, or in duplex mode, where Envoy ignores overrides.
+    None when none is wanted, or in duplex mode, where Envoy ignores overrides.
     """
-    if not (body_wanted or checked) or body.DUPLEX in (request_mode, response_mode):
+    if not (body_wanted or checked or read is not None) or body.DUPLEX in (request_mode, response_mode):
         return None
     return processing_mode_pb2.ProcessingMode(**{
         **PROCESSING_MODE,
         "request_body_mode": body.Mode.BUFFERED if body_wanted else request_mode,
-        "response_body_mode": response_mode,
+        "response_body_mode": response_mode if read is None else read,
         **({"response_header_mode": "SEND"} if checked else {}),
     })
 
 
-# By (declared request body mode, declared response body mode, body wanted, response headers wanted).
-_OVERRIDES = {(rq, rs, b, c): _override(rq, rs, b, c)
-              for rq in _MODES for rs in _MODES for b in (False, True) for c in (False, True)}
+# How the response body is read for the engine's usage (``_read``): a whole answer buffered (partially: a body
+# over Envoy's buffer limit is sent in part, its usage then unread, rather than refused), a stream chunk by chunk.
+_WHOLE: int = body.Mode.BUFFERED_PARTIAL
+_CHUNKS: int = body.Mode.STREAMED
+_READS = (None, _WHOLE, _CHUNKS)
+# By (declared request body mode, declared response body mode, body wanted, response headers wanted, read).
+_OVERRIDES = {(rq, rs, b, c, r): _override(rq, rs, b, c, r)
+              for rq in _MODES for rs in _MODES for b in (False, True) for c in (False, True) for r in _READS}
 # A model with prefix signatures: the headers answered at once, the body wanted before the hold (and the
-# response headers, as the release may be checked); by the declared body modes.
+# response headers, as the release may be checked, and the response body where it is read); by the declared
+# body modes and the read.
 _PROMPT_FIRST = {
-    (rq, rs): pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_OVERRIDES[rq, rs, True, True])
-    for rq in _MODES for rs in _MODES
+    (rq, rs, r): pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
+                                       mode_override=_OVERRIDES[rq, rs, True, True, r])
+    for rq in _MODES for rs in _MODES for r in _READS
 }
+
+
+def _read(stream: Stream, streams: bool) -> int | None:
+    """The response body mode that brings the engine's usage where a budget charges it; None: not read.
+
+    A body the filter sends anyway (its declared mode) is read as it comes. A
+    stream carries the usage only when its client asked (``include_usage``):
+    without it there is nothing to read, and the estimate stands; with it, it
+    is read chunk by chunk if ``streams`` (``budgets.stream_usage``).
+    """
+    if stream.usage is None or stream.response_mode != body.Mode.NONE:
+        return None
+    fields = stream.fields
+    if not fields.stream:
+        return _WHOLE
+    return _CHUNKS if fields.include_usage and streams else None
 
 
 class OwnEnvoy(Attachment):
@@ -114,7 +143,8 @@ class OwnEnvoy(Attachment):
         }
         # The release replies built so far, reused (never changed once sent), by what varies among them: the model,
         # the queue wait (those under _REUSED_WAIT_MS: an uncontended gate's), the destination and the mode override.
-        self._releases: dict[tuple[str, int, str | None, tuple[int, int, bool, bool]], pb.ProcessingResponse] = {}
+        self._releases: dict[tuple[str, int, str | None, tuple[int, int, bool, bool, int | None]],
+                             pb.ProcessingResponse] = {}
         # Prebuilt: under a burst these are sent to every arrival, so they cost no construction.
         self.acknowledgement = max(self._hold_replies.values(), key=lambda reply: reply.override_message_timeout.ToMilliseconds())
         self.overloaded = error_response(Refused(
@@ -122,7 +152,7 @@ class OwnEnvoy(Attachment):
         ))
 
     def open(self, first: pb.ProcessingRequest, metadata: RequestFields | None) -> Stream:
-        return Stream(first, metadata or NO_FIELDS, prompt_from_metadata(first) or NO_PROMPT)
+        return Stream(first, metadata or NO_FIELDS, prompt_from_metadata(first) or NO_PROMPT, usage=self.reads_usage)
 
     def reads(self, stream: Stream) -> bool:
         """Only in duplex mode: the body comes at once; else the metadata had what admission needs."""
@@ -141,7 +171,8 @@ class OwnEnvoy(Attachment):
         if not stream.has_body or stream.prompt.text is not None:
             return
         if not stream.duplex:
-            yield _PROMPT_FIRST.get((stream.request_mode, stream.response_mode), _PROMPT_FIRST[body.Mode.NONE, body.Mode.NONE])
+            yield _PROMPT_FIRST.get((stream.request_mode, stream.response_mode, _read(stream, self.reads_streams)),
+                                    _PROMPT_FIRST[body.Mode.NONE, body.Mode.NONE, None])
             stream.body = await body.read(messages, content_length(headers), self._max_body_bytes)
             stream.held_on_body = True
         stream.prompt = prompt_of(stream.body)
@@ -156,7 +187,7 @@ class OwnEnvoy(Attachment):
         # Only a headers reply may override: the body for engine_priority, the response headers for a checked
         # release or a preemptible one (they say when it can no longer be preempted).
         override_key = (stream.request_mode, stream.response_mode, priority is not None,
-                        held.checked or held.preempted is not None)
+                        held.checked or held.preempted is not None, _read(stream, self.reads_streams))
         # The headers reply alone: nothing of the body in it, nor headers of this request's own.
         plain = not stream.duplex and not stream.held_on_body and not stream.headers
         key = (model, waited_ms, destination, override_key)
