@@ -53,6 +53,8 @@ class Arrival:
     max_tokens: int
     # A non-streamed answer begins (its headers come) only when it is whole: preemptible until then.
     stream: bool = True
+    # The client says it is a retry (a preempted request sent again): never preempted.
+    retried: bool = False
 
 
 @dataclass
@@ -100,12 +102,15 @@ class CoreSim:
         end_lag_s: float = 0.002,
         max_queue_wait_s: float = 3600.0,
         check: Callable[[CoreSim], None] | None = None,
+        ended: Callable[[CoreSim, Request], None] | None = None,
     ) -> None:
         self.now = 0.0
         self.scrape_s = scrape_s
         self.lag_s = lag_s
         self.end_lag_s = end_lag_s
         self._check = check
+        # Told of each released request that ended (done or preempted): a client that sends more (``add``).
+        self._ended = ended
         self._heap: list[_Event] = []
         self._seq = itertools.count()
         self.scheduler = Scheduler(engine)
@@ -141,9 +146,7 @@ class CoreSim:
 
     def run(self, arrivals: Sequence[Arrival], until: float) -> None:
         """Replay ``arrivals``, then run until ``until`` (simulated seconds)."""
-        for arrival in arrivals:
-            self._at(arrival.at, lambda a=arrival: self._arrive(a))  # type: ignore[misc]
-        self._to_come += len(arrivals)
+        self.add(arrivals)
         while self._heap and self._heap[0].at <= until:
             if not self._to_come and not self._active and self.step_end is None and not self._inbox:
                 return  # everything answered: only scrapes are left
@@ -154,6 +157,12 @@ class CoreSim:
             if self._check is not None:
                 self._check(self)
 
+    def add(self, arrivals: Sequence[Arrival]) -> None:
+        """More arrivals, before or during a run (at or after ``now``)."""
+        for arrival in arrivals:
+            self._at(arrival.at, lambda a=arrival: self._arrive(a))  # type: ignore[misc]
+        self._to_come += len(arrivals)
+
     @property
     def held(self) -> int:
         """Requests the gateway holds now."""
@@ -163,7 +172,7 @@ class CoreSim:
         self._to_come -= 1
         try:
             held = self.dispatcher.submit(arrival.tenant, arrival.band, max_tokens=arrival.max_tokens,
-                                          content_length=4 * arrival.prompt_tokens)
+                                          content_length=4 * arrival.prompt_tokens, retried=arrival.retried)
         except Refused:
             return
         request = Request(arrival, held)
@@ -192,6 +201,8 @@ class CoreSim:
                     elif request.sim.scheduled_at is not None or request.sim in self.scheduler.waiting:
                         self.scheduler.abort(request.sim)
                 self.dispatcher.end(held)
+            if request.outcome in ("done", "preempted") and self._ended is not None:
+                self._ended(self, request)
         self._active = [r for r in self._active if r.outcome in ("queued", "released")]
 
     def _reach(self, sim: SimRequest, request: Request) -> None:

@@ -15,6 +15,7 @@ from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
+from extproc.core.preemption import LENT_AFTER_S
 from extproc.core.release.answer import Answer
 from extproc.core.report import Event, RequestEvent, Step
 from tests.test_gate import make_gate
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.unit
 
 BANDS = (Band("interactive", ttft_objective_s=0.2), Band("standard"),
          Band("batch", idle_only=True, preemptible=True))
+# Batch that is preemptible but not idle-only: its slots are its own, ended only for an objective at risk.
+OWN_SLOTS = (*BANDS[:2], Band("batch", preemptible=True))
 INTERACTIVE, STANDARD, BATCH = range(3)
 
 
@@ -35,11 +38,14 @@ class Steps(list[RequestEvent]):
         return [e for e in self if e.step is step]
 
 
-def make(now: list[float], rate: float = 2.0, slots: int = 2) -> tuple[ModelDispatcher, Steps]:
+def make(now: list[float], rate: float = 2.0, slots: int = 2, bands: tuple[Band, ...] = BANDS,
+         in_flight: int | None = None) -> tuple[ModelDispatcher, Steps]:
+    """``slots`` engine slots; the gate lets ``in_flight`` go (default: ``slots``), the rest queued in the engine."""
     steps = Steps()
-    every = Tenant(tuple(b.name for b in BANDS), "standard", weight=1.0, max_queued=100)
+    every = Tenant(tuple(b.name for b in bands), "standard", weight=1.0, max_queued=100)
+    gate = make_gate(kind="static_concurrency", max_in_flight=in_flight or slots, max_running=slots)
     dispatcher = ModelDispatcher(
-        "m", make_gate(kind="static_concurrency", max_in_flight=slots, max_running=slots), BANDS, steps,
+        "m", gate, bands, steps,
         lambda: now[0], policy=POLICIES["round_robin"], tenant=lambda _: every, cost=CostWeights(), max_queued=100,
         max_queue_wait_s=120.0, reserved_waiting=0, max_preemptions_per_s=rate, timers=LoopTimers(lambda: now[0]),
     )
@@ -154,9 +160,9 @@ async def test_a_chat_at_risk_preempts_the_youngest_batch_request_once() -> None
     assert not first.preempted.done()  # the chat had its room: no second victim for it
 
 
-async def test_nothing_is_preempted_while_no_objective_is_at_risk() -> None:
+async def test_a_slot_that_is_its_own_is_not_preempted_while_no_objective_is_at_risk() -> None:
     now = [0.0]
-    dispatcher, steps = make(now)
+    dispatcher, steps = make(now, bands=OWN_SLOTS)
     fill(dispatcher)
     now[0] = 0.05  # a slot is as likely to free itself within 0.2 s as not: no reason to preempt
     standard = dispatcher.submit("alice", STANDARD)  # no objective at all
@@ -179,9 +185,9 @@ async def test_retries_and_started_responses_are_never_victims() -> None:
     assert retried.preempted is None and started.preempted is not None and not started.preempted.done()
 
 
-async def test_preemptions_are_rate_bounded_and_spread_over_tenants() -> None:
+async def test_preemptions_for_objectives_at_risk_are_rate_bounded_and_spread_over_tenants() -> None:
     now = [0.0]
-    dispatcher, steps = make(now, rate=1.0, slots=3)
+    dispatcher, steps = make(now, rate=1.0, slots=3, bands=OWN_SLOTS)
     fill(dispatcher, ("bob", "bob", "carol"))
     now[0] = 1.0
     chats = [dispatcher.submit("alice", INTERACTIVE) for _ in range(2)]
@@ -191,6 +197,36 @@ async def test_preemptions_are_rate_bounded_and_spread_over_tenants() -> None:
     now[0] = 2.0
     dispatcher.dispatch()
     assert [e.tenant for e in steps.of(Step.PREEMPTED)] == ["carol", "bob"] and chats[1].future.done()
+
+
+async def test_a_lent_slot_is_taken_back_at_once_whatever_the_slack_and_the_rate() -> None:
+    """Idle-only work runs on slots lent while nobody above needed them: a chat that needs one ends the youngest now."""
+    now = [0.0]
+    dispatcher, steps = make(now, rate=0.5, slots=3)
+    fill(dispatcher, ("bob", "bob", "carol"))
+    now[0] = LENT_AFTER_S / 2  # released so lately they may be streams whose response is about to begin: kept
+    early = dispatcher.submit("alice", INTERACTIVE)
+    assert not steps.of(Step.PREEMPTED) and not early.future.done()
+    dispatcher.end(early)
+    now[0] = LENT_AFTER_S  # a slot is as likely to free itself within the chat's 0.2 s as not: not at risk
+    chats = [dispatcher.submit("alice", INTERACTIVE) for _ in range(2)]
+    # One each, youngest first, another tenant than the last victim's when there is one; beyond the bucket's token.
+    assert [e.tenant for e in steps.of(Step.PREEMPTED)] == ["carol", "bob"]
+    assert all(chat.future.done() for chat in chats)
+    standard = dispatcher.submit("alice", STANDARD)  # no objective: it needs nothing
+    assert len(steps.of(Step.PREEMPTED)) == 2 and not standard.future.done()
+
+
+async def test_lent_requests_queued_in_the_engine_ahead_of_a_chat_are_ended_with_one_running() -> None:
+    """Batch alone filled the engine's queue too (2 slots, 3 released): the chat would wait behind the queued one."""
+    now = [0.0]
+    dispatcher, steps = make(now, slots=2, in_flight=4)
+    batch = fill(dispatcher, ("bob", "bob", "bob"))
+    now[0] = LENT_AFTER_S
+    chat = dispatcher.submit("alice", INTERACTIVE)
+    assert chat.future.done()
+    assert [h.preempted is not None and h.preempted.done() for h in batch] == [False, True, True]
+    assert len(steps.of(Step.PREEMPTED)) == 2
 
 
 async def test_preemption_off_preempts_nothing() -> None:

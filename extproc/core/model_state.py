@@ -39,7 +39,7 @@ from extproc.core.fair_queue import FairQueue
 from extproc.core.held import Held, Request
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.policies import Policy
-from extproc.core.preemption import Preemption
+from extproc.core.preemption import Lent, Preemption
 from extproc.core.pricing import Pricing
 from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
@@ -217,10 +217,10 @@ class ModelState:
         held.estimate = self._pricing.at_release(held)
         held.checked = pool.check_release(held.endpoint, now)
         rules = self._settings.bands[band]
-        self._note_for_preemption(held, rules, now)
         # Counted as running until a scrape shows it: a release into a free slot, and an idle-only band's
         # (sized to free slots, or its probe past the capacity learned so far: one per scrape).
         into_free_slot = free or (rules.idle_only and self._admission.into_free_slots(band, now))
+        self._note_for_preemption(held, rules, now, into_free_slot)
         pool.record_release(held, now, held.endpoint, into_free_slot=into_free_slot)
         self._release_rate.record(now)
         self._queue.charge(band, tenant, held.estimate.cost)
@@ -229,15 +229,17 @@ class ModelState:
                                   tag=held.request.tag))
         return True
 
-    def _note_for_preemption(self, held: Held, rules: Band, now: float) -> None:
-        """What preemption must know of a release: a victim to be, or a higher request that may wait in the engine."""
+    def _note_for_preemption(self, held: Held, rules: Band, now: float, into_free_slot: bool) -> None:
+        """What preemption must know of a release: a victim to be (on a lent slot or not), or a higher request that may
+        wait in the engine."""
         book = self._preemption
         if not book.enabled:
             return
         if rules.preemptible:
             if not held.request.retried:  # a retry is never preempted: its stream need not watch for it
                 held.preempted = asyncio.get_running_loop().create_future()
-                book.released(held, now)
+                lent = Lent.NO if not rules.idle_only else Lent.RUNNING if into_free_slot else Lent.QUEUED
+                book.released(held, now, lent)
         elif held.ttft_objective_s is not None and book.candidates and self._pool.engine_full(self._pool.load_now()):
             book.waits_in_engine(held)
 
@@ -293,8 +295,13 @@ class ModelState:
         book = self._preemption
         if not book.candidates:
             return []
-        load = self._pool.load_now()
-        return book.victims(book.needs(self._pool.engine_full(load), load.waiting, self._queued_needs(), now), now)
+        pool = self._pool
+        load = pool.load_now()
+        # What the engine queues: never more than it holds beyond its capacity, where that is known (a gate
+        # without metrics counts all it released as waiting).
+        capacity = pool.capacity()
+        waiting = min(load.waiting, max(0.0, load.held - capacity)) if capacity > 0 else load.waiting
+        return book.victims(book.needs(pool.engine_full(load), waiting, self._queued_needs(), now), now)
 
     def _queued_needs(self) -> Iterator[Held]:
         """The head of each tenant's queue in each band that is not preemptible."""

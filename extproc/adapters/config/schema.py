@@ -183,7 +183,8 @@ class ModelConfig(Section, frozen=True):
     # --scheduling-policy priority); only such models (and those with `prefix`) have their body sent to us.
     engine_priority: bool = False
     # The most preemptions (of a preemptible band's requests, for a higher band whose
-    # objective is at risk) per second; 0: never preempt.
+    # objective is at risk) per second; an idle-only band's lent slots are taken back
+    # whatever the rate (core/preemption.py); 0: never preempt.
     max_preemptions_per_s: NonNegative = 2.0
     # The engine's batch size (vLLM --max-num-seqs), if known; else learned from its metrics.
     max_running: Count | None = None

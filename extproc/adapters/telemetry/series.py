@@ -155,7 +155,7 @@ class Series:
     preemptions = _counter(
         "extproc_preemptions",
         "Released requests of a preemptible class ended before their response began (503 preempted) because a higher "
-        "class's objective was at risk.",
+        "class needed their slot (an idle-only class's at once, another's for an objective at risk).",
         "model", "priority", "tenant",
     )
     preempted_occupancy = _counter(

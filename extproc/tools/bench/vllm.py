@@ -71,7 +71,7 @@ ARMS: tuple[Arm, ...] = (
     Arm("extproc-no-preempt", "extproc", "as extproc-rr with preemption off (max_preemptions_per_s: 0)",
         model={**_KNOWN_BATCH, "max_preemptions_per_s": 0}),
     Arm("extproc-preempt", "extproc",
-        "as extproc-rr, preempting batch requests for interactive ones at risk (max_preemptions_per_s: 2, the default)",
+        "as extproc-rr, preempting batch requests for interactive ones (max_preemptions_per_s: 2, the default)",
         model={**_KNOWN_BATCH, "max_preemptions_per_s": 2}),
     Arm("extproc-preempt-tight", "extproc",
         f"as extproc-preempt, with interactive's objective at {TIGHT_OBJECTIVE_S:g} s instead of 5 s",
