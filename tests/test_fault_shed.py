@@ -264,8 +264,10 @@ def tally(answers: list[Answer]) -> Counter[tuple[str, str]]:
 
 
 # What Envoy's access log says a request got that is not a bare failure: served, one of the
-# processor's refusals, the routes' JSON processor_unavailable (failure_mode_allow), or its client left.
-ENDED = {"via_upstream", "queue_timeout", "overloaded", "direct_response", "downstream_remote_disconnect"}
+# processor's refusals (``preempted``: the released batch request, on a slot lent to its idle-only class,
+# taken back for the first interactive arrival), the routes' JSON processor_unavailable
+# (failure_mode_allow), or its client left.
+ENDED = {"via_upstream", "queue_timeout", "overloaded", "preempted", "direct_response", "downstream_remote_disconnect"}
 
 
 def envoy_answers(stack: Stack) -> Counter[str]:
