@@ -22,7 +22,7 @@ from collections.abc import Callable
 from extproc.adapters.batches.lines import Limits, Reading, Unusable, raw_lines
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.sender import Sender, decided
-from extproc.adapters.batches.shapes import Json
+from extproc.adapters.batches.shapes import ENDINGS, Json
 from extproc.adapters.batches.store import Pending, Store
 from extproc.adapters.config import Config
 
@@ -30,16 +30,6 @@ log = logging.getLogger(__name__)
 
 # Pending lines read from the store at a time.
 CHUNK = 256
-
-
-# How a batch ends, by the status it reached: its final status, and the error of each line not run.
-_ENDINGS: dict[str, tuple[str, Json | None]] = {
-    "finalizing": ("completed", None),
-    "cancelling": ("cancelled", {"code": "batch_cancelled", "message": "the batch was cancelled before this "
-                                 "request ran"}),
-    "expired": ("expired", {"code": "batch_expired", "message": "this request could not be executed before the "
-                            "completion window expired"}),
-}
 
 
 class Runner:
@@ -108,9 +98,9 @@ class Runner:
         ending = doc["status"]
         if ending == "in_progress":
             ending = await self._feed(batch_id, tenant, doc)
-        if ending not in _ENDINGS:
+        if ending not in ENDINGS:
             return  # failed at validation, or stopped by a failure of its own
-        final, unfinished = _ENDINGS[ending]
+        final, unfinished = ENDINGS[ending]
         changes = await asyncio.to_thread(self._store.finalize, batch_id, tenant, unfinished, int(self._clock()))
         self._store.update(batch_id, **changes, status=final, **{f"{final}_at": int(self._clock())})
         self._count_statuses()

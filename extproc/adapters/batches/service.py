@@ -27,7 +27,7 @@ from extproc.adapters.batches.api import Api
 from extproc.adapters.batches.books import Books, LocalBooks
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.runner import Runner
-from extproc.adapters.batches.shapes import Json
+from extproc.adapters.batches.shapes import PROGRESS_LISTED, Json
 from extproc.adapters.batches.shared import SharedBooks, SharedState
 from extproc.adapters.batches.spread import SpreadRunner
 from extproc.adapters.batches.store import Store
@@ -35,8 +35,6 @@ from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.telemetry.labels import TenantLabels
 
-# Batches the status page lists at most (the oldest active first).
-PROGRESS_LISTED = 50
 # The least a cluster's batch state waits for Redis: an API call or a line's record is not a release
 # decision, which must not wait (cluster.redis_timeout_ms, 250 ms by default); a busy Redis or machine
 # should not answer the API 503.

@@ -19,6 +19,16 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "expired", "cancelled")
 # The endpoints a batch may name: what the gateway schedules.
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# How a batch ends, by the status it reached: its final status, and the error of each line not run.
+ENDINGS: dict[str, tuple[str, Json | None]] = {
+    "finalizing": ("completed", None),
+    "cancelling": ("cancelled", {"code": "batch_cancelled", "message": "the batch was cancelled before this "
+                                 "request ran"}),
+    "expired": ("expired", {"code": "batch_expired", "message": "this request could not be executed before the "
+                            "completion window expired"}),
+}
+# Batches the status page lists with their progress, at most (the oldest active first).
+PROGRESS_LISTED = 50
 
 
 def new_id(prefix: str) -> str:

@@ -29,23 +29,12 @@ from pathlib import Path
 from extproc.adapters.batches.lines import Limits, Line, LineError, Reading, Unusable, raw_lines
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.sender import Sender, decided
-from extproc.adapters.batches.shapes import FINAL, Json, output_line, request_id
+from extproc.adapters.batches.shapes import ENDINGS, FINAL, PROGRESS_LISTED, Json, output_line, request_id
 from extproc.adapters.batches.shared import FAILURES, Batch, SharedState
 from extproc.adapters.batches.store import Pending, Usage
 from extproc.adapters.config import Config
 
 log = logging.getLogger(__name__)
-
-# How a batch ends, by where it stands: its final status, and the error of each line not run.
-_ENDINGS: dict[str, tuple[str, Json | None]] = {
-    "finalizing": ("completed", None),
-    "cancelling": ("cancelled", {"code": "batch_cancelled", "message": "the batch was cancelled before this "
-                                 "request ran"}),
-    "expired": ("expired", {"code": "batch_expired", "message": "this request could not be executed before the "
-                            "completion window expired"}),
-}
-# Batches listed with their progress on the status page, at most.
-PROGRESS_LISTED = 50
 
 
 class SpreadRunner:
@@ -352,7 +341,7 @@ class SpreadRunner:
     async def _finalize(self, batch: Batch) -> None:
         """The output and error files from the recorded outcomes, then the batch final; redone whole if cut short."""
         batch_id, tenant = batch.doc["id"], batch.tenant
-        final, unfinished = _ENDINGS["expired" if batch.status == "in_progress" else batch.status]
+        final, unfinished = ENDINGS["expired" if batch.status == "in_progress" else batch.status]
         suffix = batch_id.removeprefix("batch_")
         out = self._state.files_dir / f".{batch_id}.output.{self._me}"
         err = self._state.files_dir / f".{batch_id}.error.{self._me}"
