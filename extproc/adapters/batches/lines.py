@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 import msgspec
@@ -56,6 +57,14 @@ class Limits:
 
 _decoder = msgspec.json.Decoder()
 READ_CHUNK = 1024 * 1024
+
+
+def open_input(path: Path) -> BinaryIO:
+    """A batch's input file, open for reading; :class:`Unusable` when it was deleted before the batch ran."""
+    try:
+        return path.open("rb")
+    except FileNotFoundError:
+        raise Unusable("missing_file", "the input file was deleted before the batch ran") from None
 
 
 def raw_lines(source: BinaryIO, limit: int) -> Iterator[bytes]:

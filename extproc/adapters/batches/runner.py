@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from extproc.adapters.batches.lines import Limits, Reading, Unusable, raw_lines
+from extproc.adapters.batches.lines import Limits, Reading, Unusable, open_input, raw_lines
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.sender import Sender, decided
 from extproc.adapters.batches.shapes import ENDINGS, Json
@@ -125,10 +125,7 @@ class Runner:
     def _read(self, batch_id: str, doc: Json) -> tuple[int, int, str | None]:
         settings = self._settings
         reading = Reading(doc["endpoint"], Limits(settings.max_lines, settings.max_line_bytes))
-        try:
-            source = self._store.path(doc["input_file_id"]).open("rb")
-        except FileNotFoundError:
-            raise Unusable("missing_file", "the input file was deleted before the batch ran") from None
+        source = open_input(self._store.path(doc["input_file_id"]))
         with source:
             valid, bad = self._store.put_lines(batch_id, reading.items(raw_lines(source, settings.max_line_bytes)))
         return valid, bad, reading.model

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from extproc.adapters.batches.lines import Limits, Line, LineError, Reading, Unusable, raw_lines
+from extproc.adapters.batches.lines import Limits, Line, LineError, Reading, Unusable, open_input, raw_lines
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.sender import Sender, decided
 from extproc.adapters.batches.shapes import ENDINGS, FINAL, PROGRESS_LISTED, Json, output_line, request_id
@@ -322,10 +322,7 @@ class SpreadRunner:
         """(index, line) of each valid line, whose body goes to the lines file; (index, outcome) of each bad one."""
         settings = self._settings
         reading = Reading(doc["endpoint"], Limits(settings.max_lines, settings.max_line_bytes))
-        try:
-            source = self._state.path(doc["input_file_id"]).open("rb")
-        except FileNotFoundError:
-            raise Unusable("missing_file", "the input file was deleted before the batch ran") from None
+        source = open_input(self._state.path(doc["input_file_id"]))
         lines, bad = [], []
         written = self._lines_path(batch_id).with_name(f".{batch_id}.lines.{self._me}")
         with source, written.open("wb") as out:
