@@ -360,3 +360,26 @@ def test_the_window_is_bounded_in_memory_and_then_says_how_long_it_covers() -> N
     status = objectives.status(top=10)
     # The last four outcomes, over the last 4 s; the totals count all ten.
     assert status.window_s == 4 and status.bands[0].recent.met == 4 and status.bands[0].since_start.met == 10
+
+
+@pytest.mark.unit
+async def test_deferred_events_are_written_after_the_pass_and_a_failing_writer_loses_no_other_event() -> None:
+    from extproc.adapters.telemetry.deferral import Deferral
+
+    written: list[str] = []
+
+    def write(event: str) -> None:
+        if event == "bad":
+            raise ValueError(event)
+        written.append(event)
+
+    deferral = Deferral()
+    deferral.start(asyncio.get_running_loop())
+    for event in ("a", "bad", "b"):
+        deferral(write, event)
+    assert written == []  # held until the loop's next pass
+    await asyncio.sleep(0)
+    assert written == ["a", "b"]
+    deferral.stop()
+    deferral(write, "c")
+    assert written == ["a", "b", "c"]  # at once once stopped

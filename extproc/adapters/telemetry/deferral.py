@@ -15,8 +15,11 @@ none. Outside a running server (tests, tools) nothing is deferred.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class Deferral:
@@ -44,7 +47,14 @@ class Deferral:
         self._pending.append((write, event))
 
     def settle(self) -> None:
-        """Write every event held (before anything that recounts the series from the queue: a reload's relabel)."""
+        """Write every event held (before anything that recounts the series from the queue: a reload's relabel).
+
+        A writer that fails is logged and the rest are still written: one bad
+        event must not take the other requests' metrics of the pass with it.
+        """
         pending, self._pending = self._pending, []
         for write, event in pending:
-            write(event)
+            try:
+                write(event)
+            except Exception:
+                log.exception("a telemetry event could not be written: %r", event)
