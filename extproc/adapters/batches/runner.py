@@ -87,6 +87,7 @@ class Runner:
     async def _run(self, batch_id: str) -> None:
         """The batch's lifecycle; again after :data:`FILES_RETRY_S` while the file store is away (the steps that
         touch files, validation and finalization, are redone whole)."""
+        away = False
         while True:
             try:
                 await self._lifecycle(batch_id)
@@ -94,8 +95,10 @@ class Runner:
             except asyncio.CancelledError:
                 raise
             except FilesUnavailable as exc:
-                log.warning("batch %s: the file store is unreachable (%s); tried again in %g s", batch_id, exc,
-                            FILES_RETRY_S)
+                if not away:  # said once: it is tried again every FILES_RETRY_S until the store answers
+                    away = True
+                    log.warning("batch %s: the file store is unreachable (%s); tried again every %g s", batch_id,
+                                exc, FILES_RETRY_S)
                 await asyncio.sleep(FILES_RETRY_S)
             except Exception:
                 log.exception("batch %s: the runner failed; it resumes at the next start", batch_id)
