@@ -101,6 +101,13 @@ def test_without_batches_nothing_is_added() -> None:
     assert "extproc_batch_api" not in [c["name"] for c in doc["static_resources"]["clusters"]]
 
 
+def test_a_cluster_with_its_files_in_s3_needs_no_directory() -> None:
+    config = free_port_config(batches=batches(directory=None, files={"s3": {"bucket": "b", "prefix": "p/"}}),
+                              cluster={"redis_url": "redis://127.0.0.1:6379/0"})
+    assert config.batches is not None and config.batches.directory is None
+    assert config.batches.files.s3 is not None and config.batches.files.s3.bucket == "b"
+
+
 @pytest.mark.parametrize(("settings", "top", "error"), [
     ({"completion_windows": ["24 hours"]}, {}, "batches.completion_windows[0]: must be a window such as 24h"),
     ({"in_flight_per_batch": 500}, {}, "batches.in_flight_per_batch: must be <= max_in_flight (256)"),
@@ -111,6 +118,12 @@ def test_without_batches_nothing_is_added() -> None:
                       "instances": {"a": {"grpc": "127.0.0.1:9001", "metrics": "127.0.0.1:9002"}}}},
      "cluster.instances.a.batches: is required with batches:"),
     ({"size": 1}, {}, "batches.size: unknown key"),
+    ({"directory": None}, {}, "batches.directory: is required: the files' contents"),
+    ({"directory": None, "files": {"s3": {"bucket": "b"}}}, {}, "batches.directory: is required: one instance's"),
+    ({"files": {"s3": {"bucket": "b", "access_key_id": "k"}}}, {},
+     "batches.files.s3.secret_access_key_file: is required with the other"),
+    ({"files": {"s3": {"bucket": "b", "endpoint_url": "minio:9000"}}}, {}, "batches.files.s3.endpoint_url: must be"),
+    ({"files": {"s3": {"prefix": "p/"}}}, {}, "batches.files.s3.bucket: is required"),
 ])
 def test_the_section_is_checked(settings: dict[str, Any], top: dict[str, Any], error: str) -> None:
     with pytest.raises(ConfigError) as refused:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from extproc.adapters.batches.files import DirectoryFiles
 from extproc.adapters.batches.shapes import batch_object
 from extproc.adapters.batches.shared import SharedState
 from tests.redisutil import RedisServer
@@ -31,7 +32,7 @@ TOKENS = itertools.count()
 @pytest.fixture
 async def state(redis_server: RedisServer, tmp_path: Path) -> AsyncIterator[SharedState]:
     client = aioredis.from_url(redis_server.url)
-    yield SharedState(client, "t", 1.0, tmp_path)
+    yield SharedState(client, "t", 1.0, DirectoryFiles(tmp_path))
     await client.aclose()
 
 
@@ -108,9 +109,9 @@ async def test_each_tenant_reads_and_lists_its_own_and_the_statuses_are_counted(
     assert await state.tenants_batch("alice", batch_id) is None
     assert (await state.tenants_batch("bob", batch_id) or {})["status"] == "in_progress"
     for name in ("f1", "f2"):
-        written = tmp_path / f".{name}.upload"
-        written.write_bytes(b"{}\n")
-        await state.add_file(name, "bob", "batch", f"{name}.jsonl", written, 1)
+        with state.contents.create(name) as written:
+            written.write(b"{}\n")
+            await state.add_file(name, "bob", "batch", f"{name}.jsonl", written.commit(), 1)
     assert await state.file("alice", "f1") is None and await state.files("alice", None, 10, False, None) == ([], False)
     page, more = await state.files("bob", None, 1, False, None)
     assert [f["id"] for f in page] == ["f2"] and more

@@ -8,6 +8,9 @@ and ``{"error": {"message", "type", "param", "code"}}`` (``shapes.ApiError``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -15,11 +18,14 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 
 from extproc.adapters.batches.books import Books, BooksUnavailable
+from extproc.adapters.batches.files import FileStore, FilesUnavailable, Writer
 from extproc.adapters.batches.shapes import ENDPOINTS, ApiError, Json, batch_object, new_id, not_found, page
 from extproc.adapters.config import Config
 from extproc.adapters.config.batches import window_s
 from extproc.adapters.ext_proc.admission import identified_tenant
 from extproc.core.outcomes import Refused
+
+log = logging.getLogger(__name__)
 
 # OpenAI's metadata bounds: 16 pairs, keys up to 64 characters, values up to 512.
 MAX_METADATA = 16
@@ -41,10 +47,9 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     except ApiError as error:
         return error.response()
     except BooksUnavailable as exc:  # the cluster's Redis is away: try again soon
-        unavailable = ApiError(503, f"the batch service cannot reach its state ({exc}); try again",
-                               "service_unavailable", kind="server_error").response()
-        unavailable.headers["Retry-After"] = "1"
-        return unavailable
+        return _unavailable(f"the batch service cannot reach its state ({exc}); try again")
+    except FilesUnavailable as exc:  # the file store (S3) is away: try again soon
+        return _unavailable(f"the batch service cannot reach its file store ({exc}); try again")
     except Refused as refused:  # no tenant identity, with identity.missing_tenant: reject
         return ApiError(401, refused.message, refused.refusal.value, kind="authentication_error").response()
     except web.HTTPNotFound:
@@ -53,14 +58,21 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return ApiError(405, f"{exc.method} is not allowed on {request.path}", "method_not_allowed").response()
 
 
-class Api:
-    """The handlers, over the books (``books.py``: one instance's, or the cluster's)."""
+def _unavailable(message: str) -> web.Response:
+    unavailable = ApiError(503, message, "service_unavailable", kind="server_error").response()
+    unavailable.headers["Retry-After"] = "1"
+    return unavailable
 
-    def __init__(self, current: Callable[[], Config], books: Books, clock: Callable[[], float] = time.time) -> None:
+
+class Api:
+    """The handlers, over the books (``books.py``: one instance's, or the cluster's) and the file store."""
+
+    def __init__(self, current: Callable[[], Config], books: Books, files: FileStore,
+                 clock: Callable[[], float] = time.time) -> None:
         """``current``: the config now (a reload changes identity; ``batches:`` needs a restart)."""
         settings = current().batches
         assert settings is not None
-        self._current, self._settings, self._books, self._clock = current, settings, books, clock
+        self._current, self._settings, self._books, self._files, self._clock = current, settings, books, files, clock
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[openai_errors])
@@ -85,8 +97,7 @@ class Api:
         if not request.content_type.startswith("multipart/"):
             raise ApiError(400, "the upload must be multipart/form-data with 'file' and 'purpose'", "invalid_request")
         file_id = new_id("file-")
-        written = self._books.files_dir / f".{file_id}.upload"
-        purpose, filename = None, None
+        purpose, filename, written = None, None, None
         try:
             reader = await request.multipart()
             while (part := await reader.next()) is not None:
@@ -96,26 +107,36 @@ class Api:
                     purpose = (await part.text()).strip()
                 elif part.name == "file":
                     filename = part.filename or "upload.jsonl"
+                    if written is not None:  # a second file part replaces the first
+                        await asyncio.to_thread(written.abort)
+                    written = await asyncio.to_thread(self._files.create, file_id)
                     await self._receive(part, written)
-            if filename is None:
+            if filename is None or written is None:
                 raise ApiError(400, "'file' is required", "invalid_request", "file")
             if purpose != "batch":
                 raise ApiError(400, f"purpose {purpose!r} is not served here; use 'batch'", "invalid_purpose", "purpose")
-            return web.json_response(await self._books.add_file(file_id, tenant, purpose, filename, written,
+            size = await asyncio.to_thread(written.commit)
+        except BaseException:
+            if written is not None:
+                with contextlib.suppress(FilesUnavailable):  # the first failure is the one to answer
+                    await asyncio.to_thread(written.abort)
+            raise
+        try:
+            return web.json_response(await self._books.add_file(file_id, tenant, purpose, filename, size,
                                                                  int(self._clock())))
-        finally:
-            written.unlink(missing_ok=True)
+        except BaseException:  # kept nowhere: its content goes too
+            with contextlib.suppress(FilesUnavailable):
+                await asyncio.to_thread(self._files.delete, file_id)
+            raise
 
-    async def _receive(self, part: BodyPartReader, written: Any) -> None:
+    async def _receive(self, part: BodyPartReader, written: Writer) -> None:
         """The file part to ``written``, refused (413) past ``max_file_bytes``."""
-        size, limit = 0, self._settings.max_file_bytes
-        with open(written, "wb") as out:
-            while chunk := await part.read_chunk(UPLOAD_CHUNK):
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, f"the file is larger than {limit} bytes, the most a batch file may be",
-                                   "file_too_large", "file")
-                out.write(chunk)
+        limit = self._settings.max_file_bytes
+        while chunk := await part.read_chunk(UPLOAD_CHUNK):
+            if written.size + len(chunk) > limit:
+                raise ApiError(413, f"the file is larger than {limit} bytes, the most a batch file may be",
+                               "file_too_large", "file")
+            await asyncio.to_thread(written.write, chunk)
 
     async def list_files(self, request: web.Request) -> web.Response:
         tenant = self._tenant(request)
@@ -143,8 +164,27 @@ class Api:
         return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
     async def file_content(self, request: web.Request) -> web.StreamResponse:
+        """The content streamed from the file store; a store lost midway cuts the response short of its length."""
         found = await self._file(request)
-        return web.FileResponse(self._books.path(found["id"]), headers={"Content-Type": "application/octet-stream"})
+        try:
+            source = await asyncio.to_thread(self._files.open, found["id"])
+        except FileNotFoundError:
+            raise not_found("file", found["id"]) from None
+        try:
+            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
+                                                   "Content-Length": str(found["bytes"])})
+            await response.prepare(request)
+            try:
+                while chunk := await asyncio.to_thread(source.read, UPLOAD_CHUNK):
+                    await response.write(chunk)
+            except FilesUnavailable as exc:  # the status is sent: the connection closed short of the length
+                log.warning("file %s: the file store failed midway (%s); the response is cut", found["id"], exc)
+                response.force_close()
+                return response
+            await response.write_eof()
+            return response
+        finally:
+            source.close()
 
     # --- batches --------------------------------------------------------------------------------
 

@@ -1,15 +1,15 @@
 """What the API asks of where batches live and run: :class:`Books`, and the single instance's :class:`LocalBooks`.
 
 Two implementations: :class:`LocalBooks` (the SQLite store and the runner of
-one instance) and ``cluster.py``'s ``SharedBooks`` (state in the cluster's
-Redis, files on a directory every instance mounts). The API (``api.py``)
-sees only this seam, so its handlers, its validation and OpenAI's shapes are
-the same whichever keeps the books.
+one instance) and ``shared.py``'s ``SharedBooks`` (state in the cluster's
+Redis). The API (``api.py``) sees only this seam and the file store's
+(``files.py``: where the contents are), so its handlers, its validation and
+OpenAI's shapes are the same whichever keeps the books.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import asyncio
 from typing import Protocol
 
 from extproc.adapters.batches.runner import Runner
@@ -24,22 +24,17 @@ class BooksUnavailable(Exception):
 class Books(Protocol):
     """Files and batches of each tenant; a tenant's ``None`` is an id it does not own, or no such id."""
 
-    @property
-    def files_dir(self) -> Path:
-        """Where uploads are written (then committed by :meth:`add_file`, which renames them)."""
-
-    def path(self, file_id: str) -> Path:
-        """Where a committed file's content is."""
-
-    async def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, written: Path,
-                       created_at: int) -> Json: ...
+    async def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, size: int,
+                       created_at: int) -> Json:
+        """Keep a file whose content (``size`` bytes) the file store has committed."""
 
     async def file(self, tenant: str, file_id: str) -> Json | None: ...
 
     async def files(self, tenant: str, after: str | None, limit: int, ascending: bool,
                     purpose: str | None) -> tuple[list[Json], bool]: ...
 
-    async def delete_file(self, tenant: str, file_id: str) -> bool: ...
+    async def delete_file(self, tenant: str, file_id: str) -> bool:
+        """The file's content, then the file; False (nothing done) when it is not the tenant's."""
 
     async def create_batch(self, tenant: str, doc: Json) -> None:
         """Keep a new batch (``validating``) and have it run."""
@@ -58,16 +53,9 @@ class LocalBooks:
     def __init__(self, store: Store, runner: Runner) -> None:
         self._store, self._runner = store, runner
 
-    @property
-    def files_dir(self) -> Path:
-        return self._store.files_dir
-
-    def path(self, file_id: str) -> Path:
-        return self._store.path(file_id)
-
-    async def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, written: Path,
+    async def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, size: int,
                        created_at: int) -> Json:
-        return self._store.add_file(file_id, tenant, purpose, filename, written, created_at)
+        return self._store.add_file(file_id, tenant, purpose, filename, size, created_at)
 
     async def file(self, tenant: str, file_id: str) -> Json | None:
         return self._store.file(tenant, file_id)
@@ -77,7 +65,7 @@ class LocalBooks:
         return self._store.files(tenant, after, limit, ascending, purpose)
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
-        return self._store.delete_file(tenant, file_id)
+        return await asyncio.to_thread(self._store.delete_file, tenant, file_id)
 
     async def create_batch(self, tenant: str, doc: Json) -> None:
         self._store.add_batch(tenant, doc)

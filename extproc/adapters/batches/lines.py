@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import BinaryIO
 
 import msgspec
+
+from extproc.adapters.batches.files import FileStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +60,10 @@ _decoder = msgspec.json.Decoder()
 READ_CHUNK = 1024 * 1024
 
 
-def open_input(path: Path) -> BinaryIO:
+def open_input(files: FileStore, file_id: str) -> BinaryIO:
     """A batch's input file, open for reading; :class:`Unusable` when it was deleted before the batch ran."""
     try:
-        return path.open("rb")
+        return files.open(file_id)
     except FileNotFoundError:
         raise Unusable("missing_file", "the input file was deleted before the batch ran") from None
 

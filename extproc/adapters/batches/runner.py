@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from extproc.adapters.batches.files import FilesUnavailable
 from extproc.adapters.batches.lines import Limits, Reading, Unusable, open_input, raw_lines
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.sender import Sender, decided
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 
 # Pending lines read from the store at a time.
 CHUNK = 256
+# The wait before a batch's step that needs the file store is tried again.
+FILES_RETRY_S = 1.0
 
 
 class Runner:
@@ -82,12 +85,24 @@ class Runner:
         self._metrics.statuses(self._store.counts_by_status())
 
     async def _run(self, batch_id: str) -> None:
-        try:
-            await self._lifecycle(batch_id)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("batch %s: the runner failed; it resumes at the next start", batch_id)
+        """The batch's lifecycle; again after :data:`FILES_RETRY_S` while the file store is away (the steps that
+        touch files, validation and finalization, are redone whole)."""
+        away = False
+        while True:
+            try:
+                await self._lifecycle(batch_id)
+                return
+            except asyncio.CancelledError:
+                raise
+            except FilesUnavailable as exc:
+                if not away:  # said once: it is tried again every FILES_RETRY_S until the store answers
+                    away = True
+                    log.warning("batch %s: the file store is unreachable (%s); tried again every %g s", batch_id,
+                                exc, FILES_RETRY_S)
+                await asyncio.sleep(FILES_RETRY_S)
+            except Exception:
+                log.exception("batch %s: the runner failed; it resumes at the next start", batch_id)
+                return
 
     async def _lifecycle(self, batch_id: str) -> None:
         doc = self._store.batch(batch_id)
@@ -125,7 +140,7 @@ class Runner:
     def _read(self, batch_id: str, doc: Json) -> tuple[int, int, str | None]:
         settings = self._settings
         reading = Reading(doc["endpoint"], Limits(settings.max_lines, settings.max_line_bytes))
-        source = open_input(self._store.path(doc["input_file_id"]))
+        source = open_input(self._store.contents, doc["input_file_id"])
         with source:
             valid, bad = self._store.put_lines(batch_id, reading.items(raw_lines(source, settings.max_line_bytes)))
         return valid, bad, reading.model

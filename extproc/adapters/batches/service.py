@@ -2,9 +2,11 @@
 
 One instance (no ``cluster:``): the SQLite store under ``batches.directory``
 and a runner for the batches it keeps. A cluster: state and leases in the
-cluster's Redis and the files on ``batches.directory``, which every instance
-mounts (``shared.py``); every instance serves the API and runs a share of
-every batch's lines (``spread.py``).
+cluster's Redis (``shared.py``); every instance serves the API and runs a
+share of every batch's lines (``spread.py``). Either way the files' contents
+are in the file store (``files.py``): ``batches.directory/files`` (a
+cluster's: a directory every instance mounts) or, with ``batches.files.s3``,
+an S3 bucket (``s3.py``).
 
 ``start`` binds the API and resumes the active batches; ``stop`` stops the
 runner where it is (a line in flight is sent again: by the next start, or
@@ -25,6 +27,7 @@ from redis.backoff import NoBackoff
 
 from extproc.adapters.batches.api import Api
 from extproc.adapters.batches.books import Books, LocalBooks
+from extproc.adapters.batches.files import DirectoryFiles, FileStore
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.runner import Runner
 from extproc.adapters.batches.shapes import PROGRESS_LISTED, Json
@@ -33,6 +36,7 @@ from extproc.adapters.batches.spread import SpreadRunner
 from extproc.adapters.batches.store import Store
 from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, split_address
+from extproc.adapters.config.batches import BatchSettings
 from extproc.adapters.telemetry.labels import TenantLabels
 
 # The least a cluster's batch state waits for Redis: an API call or a line's record is not a release
@@ -56,9 +60,11 @@ class BatchService:
         self._store: Store | None = None
         self._client: aioredis.Redis | None = None
         self._runner: Runner | SpreadRunner
+        self._files = file_store(settings)
         books: Books
         if cluster is None:
-            self._store = Store(settings.directory)
+            assert settings.directory is not None  # config/batches.py: required without cluster:
+            self._store = Store(settings.directory, self._files)
             self._runner = Runner(current, self._store, self.metrics)
             books = LocalBooks(self._store, self._runner)
         else:
@@ -67,12 +73,12 @@ class BatchService:
             timeout_s = max(shared.redis_timeout_ms / 1000, MIN_REDIS_TIMEOUT_S)
             self._client = aioredis.from_url(shared.redis_url, socket_timeout=timeout_s,
                                              socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
-            state = SharedState(self._client, shared.key_prefix, timeout_s, Path(settings.directory))
+            state = SharedState(self._client, shared.key_prefix, timeout_s, self._files)
             self._runner = SpreadRunner(current, state, self.metrics, cluster.instance, shared.lease_s,
                                         shared.heartbeat_interval_s)
             books = SharedBooks(state)
         self._stopped = False
-        self._site_runner = web.AppRunner(Api(current, books).app(), access_log=None, handle_signals=False)
+        self._site_runner = web.AppRunner(Api(current, books, self._files).app(), access_log=None, handle_signals=False)
 
     async def start(self) -> None:
         """Bind the API (OSError naming ``batches.listen`` if it cannot), then resume the active batches."""
@@ -102,3 +108,16 @@ class BatchService:
             self._store.close()
         if self._client is not None:
             await self._client.aclose()
+        self._files.close()
+
+
+def file_store(settings: BatchSettings) -> FileStore:
+    """The store ``batches:`` names: S3 with ``files.s3``, else ``directory/files``."""
+    if settings.files.s3 is not None:
+        try:
+            from extproc.adapters.batches.s3 import S3Files  # boto3 is optional: the s3 extra
+        except ImportError as exc:
+            raise RuntimeError(f"batches.files.s3 needs boto3 ({exc}): pip install 'extproc-fair[s3]'") from exc
+        return S3Files.from_settings(settings.files.s3)
+    assert settings.directory is not None  # config/batches.py: required without files.s3
+    return DirectoryFiles(Path(settings.directory) / "files")

@@ -1,4 +1,4 @@
-"""A cluster's batches (``cluster:``): state and line leases in the cluster's Redis, files on a shared directory.
+"""A cluster's batches (``cluster:``): state and line leases in the cluster's Redis, files in a shared file store.
 
 Every instance serves the API and runs every active batch; what keeps a line
 from running twice is its lease (``shared.lua``, atomic):
@@ -15,10 +15,10 @@ from running twice is its lease (``shared.lua``, atomic):
   lock with a lease): redone from scratch by another if that one dies.
 
 The files' contents (uploads, the validated lines' bodies, the output and
-error files) live under ``batches.directory``, which every instance mounts:
-a file is written to a name of its own and renamed into place, so a reader
-on another instance sees all of it or nothing. Redis holds only small
-records (a line is its ``custom_id`` and where its body is).
+error files) live in a file store every instance reaches (``files.py``: a
+directory every instance mounts, or S3): a file appears whole or not at all,
+so a reader on another instance never sees half of one. Redis holds only
+small records (a line is its ``custom_id`` and where its body is).
 
 Redis away (an error, or slower than the service's timeout, ``service.py``): the API
 answers 503 (Retry-After: 1), the runners stop claiming and try again each
@@ -33,13 +33,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib.resources import files
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from extproc.adapters.batches.books import BooksUnavailable
+from extproc.adapters.batches.files import FileStore
 from extproc.adapters.batches.shapes import Json, file_object
 
 SCRIPT = files("extproc.adapters.batches").joinpath("shared.lua").read_text()
@@ -68,13 +68,13 @@ class Batch:
 class SharedState:
     """The Redis side: files, batches and lines; every call raises one of ``FAILURES`` when Redis is away."""
 
-    def __init__(self, client: aioredis.Redis, key_prefix: str, timeout_s: float, directory: Path) -> None:
+    def __init__(self, client: aioredis.Redis, key_prefix: str, timeout_s: float, contents: FileStore) -> None:
+        """``contents``: the files' contents, the same store for every instance."""
         self._client = client
         self._script = client.register_script(SCRIPT)
         self._prefix = f"{key_prefix}:batches"
         self.timeout_s = timeout_s
-        self.files_dir = directory / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.contents = contents
 
     def _key(self, *parts: str) -> str:
         return ":".join((self._prefix, *parts))
@@ -91,13 +91,9 @@ class SharedState:
 
     # --- files ----------------------------------------------------------------------------------
 
-    def path(self, file_id: str) -> Path:
-        return self.files_dir / file_id
-
-    async def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, written: Path,
+    async def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, size: int,
                        created_at: int) -> Json:
-        size = written.stat().st_size
-        written.replace(self.path(file_id))
+        """Keep a file whose content (``size`` bytes) the file store has committed."""
         async with asyncio.timeout(self.timeout_s):
             seq = await self._client.incr(self._key("seq"))
         pipe = self._client.pipeline(transaction=True)
@@ -144,13 +140,14 @@ class SharedState:
         return found[:limit], len(found) > limit
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
+        """The content first, then the records: a file store away leaves both."""
         if await self.file(tenant, file_id) is None:
             return False
+        await asyncio.to_thread(self.contents.delete, file_id)
         pipe = self._client.pipeline(transaction=True)
         pipe.delete(self._key("file", file_id))
         pipe.zrem(self._key("files", tenant), file_id)
         await self._run(pipe)
-        self.path(file_id).unlink(missing_ok=True)
         return True
 
     # --- batches --------------------------------------------------------------------------------
@@ -258,17 +255,10 @@ class SharedBooks:
     def __init__(self, state: SharedState, clock: Callable[[], float] = time.time) -> None:
         self._state, self._clock = state, clock
 
-    @property
-    def files_dir(self) -> Path:
-        return self._state.files_dir
-
-    def path(self, file_id: str) -> Path:
-        return self._state.path(file_id)
-
-    async def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, written: Path,
+    async def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, size: int,
                        created_at: int) -> Json:
         try:
-            return await self._state.add_file(file_id, tenant, purpose, filename, written, created_at)
+            return await self._state.add_file(file_id, tenant, purpose, filename, size, created_at)
         except FAILURES as exc:
             raise BooksUnavailable(_why(exc)) from exc
 

@@ -24,8 +24,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
+from extproc.adapters.batches.files import FilesUnavailable, Writer
 from extproc.adapters.batches.lines import Limits, Line, LineError, Reading, Unusable, open_input, raw_lines
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.sender import Sender, decided
@@ -139,13 +139,23 @@ class SpreadRunner:
 
     async def _batch(self, batch_id: str) -> None:
         held = self._held[batch_id]
+        files_away = False
         try:
             while True:
                 try:
                     if not await self._step(batch_id, held):
                         return
+                    if files_away:
+                        files_away = False
+                        log.info("batch %s: the file store answers again", batch_id)
                 except FAILURES as exc:
                     self._trouble(exc)
+                    await asyncio.sleep(self._heartbeat_s)
+                except FilesUnavailable as exc:  # the step is redone whole at the next look
+                    if not files_away:
+                        files_away = True
+                        log.warning("batch %s: the file store is unreachable (%s); its validation, new lines and "
+                                    "finalization wait for it", batch_id, exc)
                     await asyncio.sleep(self._heartbeat_s)
                 except Exception:
                     log.exception("batch %s: the runner failed; it tries again in a heartbeat", batch_id)
@@ -215,7 +225,12 @@ class SpreadRunner:
             answer = await self._state.call("claim", id=batch_id, me=self._me, n=free, lease_ms=self._lease_ms)
             claimed = answer["lines"] or []  # cjson writes an empty list as an object
         if claimed:
-            bodies = await asyncio.to_thread(self._bodies, batch_id, claimed)
+            try:
+                bodies = await asyncio.to_thread(self._bodies, batch_id, claimed)
+            except FilesUnavailable:  # handed back at once, not left to their leases
+                with contextlib.suppress(*FAILURES):
+                    await self._state.call("release", id=batch_id, me=self._me, held=[int(str(i)) for i, _ in claimed])
+                raise
             for line in bodies:
                 task = asyncio.create_task(self._line(batch, line))
                 held[line.index] = task
@@ -230,16 +245,10 @@ class SpreadRunner:
 
     def _bodies(self, batch_id: str, claimed: list[list[object]]) -> list[Pending]:
         """The claimed lines' bodies, read from the batch's lines file."""
-        found = []
-        with self._lines_path(batch_id).open("rb") as source:
-            for index, text in claimed:
-                custom_id, offset, size = json.loads(str(text))
-                source.seek(offset)
-                found.append(Pending(int(str(index)), custom_id, source.read(size)))
-        return found
-
-    def _lines_path(self, batch_id: str) -> Path:
-        return self._state.files_dir / f".{batch_id}.lines"
+        where = [json.loads(str(text)) for _, text in claimed]
+        bodies = self._state.contents.read_spans(_lines_name(batch_id), [(offset, size) for _, offset, size in where])
+        return [Pending(int(str(index)), custom_id, body)
+                for (index, _), (custom_id, _, _), body in zip(claimed, where, bodies, strict=True)]
 
     async def _line(self, batch: Batch, line: Pending) -> None:
         """Send the line until its answer is final, then record it: a cut from then on does not stop the record."""
@@ -322,17 +331,16 @@ class SpreadRunner:
         """(index, line) of each valid line, whose body goes to the lines file; (index, outcome) of each bad one."""
         settings = self._settings
         reading = Reading(doc["endpoint"], Limits(settings.max_lines, settings.max_line_bytes))
-        source = open_input(self._state.path(doc["input_file_id"]))
+        source = open_input(self._state.contents, doc["input_file_id"])
         lines, bad = [], []
-        written = self._lines_path(batch_id).with_name(f".{batch_id}.lines.{self._me}")
-        with source, written.open("wb") as out:
+        with source, self._state.contents.create(_lines_name(batch_id)) as out:
             for item in reading.items(raw_lines(source, settings.max_line_bytes)):
                 if isinstance(item, Line):
-                    lines.append((item.index, json.dumps([item.custom_id, out.tell(), len(item.body)])))
+                    lines.append((item.index, json.dumps([item.custom_id, out.size, len(item.body)])))
                     out.write(item.body)
                 else:
                     bad.append((item.index, _bad(item)))
-        written.replace(self._lines_path(batch_id))
+            out.commit()
         return lines, bad, reading.model
 
     async def _finalize(self, batch: Batch) -> None:
@@ -340,13 +348,43 @@ class SpreadRunner:
         batch_id, tenant = batch.doc["id"], batch.tenant
         final, unfinished = ENDINGS["expired" if batch.status == "in_progress" else batch.status]
         suffix = batch_id.removeprefix("batch_")
-        out = self._state.files_dir / f".{batch_id}.output.{self._me}"
-        err = self._state.files_dir / f".{batch_id}.error.{self._me}"
+        out_id, err_id = f"file-{suffix}o", f"file-{suffix}e"
+        contents = self._state.contents
+        out = await asyncio.to_thread(contents.create, out_id)
+        err = await asyncio.to_thread(contents.create, err_id)
+        changes: Json = {"output_file_id": None, "error_file_id": None}
+        try:
+            usage, completed, failed = await self._outcomes(batch, unfinished, out, err)
+            for key, written, file_id, name in (("output_file_id", out, out_id, f"{batch_id}_output.jsonl"),
+                                                ("error_file_id", err, err_id, f"{batch_id}_error.jsonl")):
+                if written.size:
+                    size = await asyncio.to_thread(written.commit)
+                    await self._state.add_file(file_id, tenant, "batch_output", name, size, int(self._clock()))
+                    changes[key] = file_id
+                else:
+                    await asyncio.to_thread(written.abort)
+        except BaseException:  # redone whole by the next look
+            for written in (out, err):
+                with contextlib.suppress(FilesUnavailable):
+                    await asyncio.to_thread(written.abort)
+            raise
+        now = int(self._clock())
+        if not await self._state.move(batch_id, (batch.status,), final, **changes, usage=usage.batch_usage(),
+                                      **{f"{final}_at": now}, _total=completed + failed, _completed=completed,
+                                      _failed=failed):
+            return  # it moved meanwhile (cancelled while expiring): finalized again from where it stands
+        await self._state.call("drop", id=batch_id, when=list(FINAL))
+        with contextlib.suppress(FilesUnavailable):  # a leftover only, unlisted
+            await asyncio.to_thread(contents.delete, _lines_name(batch_id))
+        log.info("batch %s: %s (%d completed, %d failed)", batch_id, final, completed, failed)
+
+    async def _outcomes(self, batch: Batch, unfinished: Json | None, out: Writer,
+                        err: Writer) -> tuple[Usage, int, int]:
+        """Every line's outcome, from Redis in chunks, to the output or the error file; what the batch counted."""
+        batch_id = batch.doc["id"]
         completed = failed = 0
         usage = Usage()
         total = batch.doc["request_counts"]["total"]
-        out.unlink(missing_ok=True)
-        err.unlink(missing_ok=True)
         for start in range(0, total, 1000):
             rows = await self._state.results(batch_id, start, min(total, start + 1000))
             output: list[bytes] = []
@@ -366,25 +404,9 @@ class SpreadRunner:
                     usage.add(entry["response"]["body"])
                 completed += ok
                 failed += not ok
-            await asyncio.to_thread(_append, out, output)
-            await asyncio.to_thread(_append, err, errors)
-        changes: Json = {"output_file_id": None, "error_file_id": None}
-        for key, written_path, file_id, name in (
-                ("output_file_id", out, f"file-{suffix}o", f"{batch_id}_output.jsonl"),
-                ("error_file_id", err, f"file-{suffix}e", f"{batch_id}_error.jsonl")):
-            if written_path.exists() and written_path.stat().st_size:
-                await self._state.add_file(file_id, tenant, "batch_output", name, written_path, int(self._clock()))
-                changes[key] = file_id
-            else:
-                written_path.unlink(missing_ok=True)
-        now = int(self._clock())
-        if not await self._state.move(batch_id, (batch.status,), final, **changes, usage=usage.batch_usage(),
-                                      **{f"{final}_at": now}, _total=completed + failed, _completed=completed,
-                                      _failed=failed):
-            return  # it moved meanwhile (cancelled while expiring): finalized again from where it stands
-        await self._state.call("drop", id=batch_id, when=list(FINAL))
-        self._lines_path(batch_id).unlink(missing_ok=True)
-        log.info("batch %s: %s (%d completed, %d failed)", batch_id, final, completed, failed)
+            await asyncio.to_thread(out.write, b"".join(output))
+            await asyncio.to_thread(err.write, b"".join(errors))
+        return usage, completed, failed
 
 
 def _ended(held: dict[int, asyncio.Task[None]], index: int, wake: asyncio.Event) -> Callable[[asyncio.Task[None]], None]:
@@ -404,11 +426,11 @@ def _fields(**values: object) -> dict[str, str]:
     return {name: json.dumps(value) for name, value in values.items()}
 
 
+def _lines_name(batch_id: str) -> str:
+    """The file store's name of a batch's validated lines' bodies (each line's offset and size are in Redis)."""
+    return f".{batch_id}.lines"
+
+
 def _bad(item: LineError) -> str:
     return json.dumps({"ok": False, "custom_id": item.custom_id,
                        "entry": {"error": {"code": item.code, "message": item.message}}})
-
-
-def _append(path: Path, chunk: list[bytes]) -> None:
-    with path.open("ab") as out:
-        out.writelines(chunk)

@@ -1,4 +1,4 @@
-"""Where batches live: SQLite for their state and each line's outcome, a directory for the files' contents.
+"""Where one instance's batches live: SQLite for their state and each line's outcome, a file store for the contents.
 
 One owner of batch state (the runner and the API both go through it). The
 rules that make a restart lose and duplicate nothing:
@@ -7,8 +7,8 @@ rules that make a restart lose and duplicate nothing:
   only while the line is still pending (:meth:`Store.record` returns False
   for a line already recorded), so an answer is counted once however often
   the line was sent;
-* a file's content is written to a temporary name and renamed before its row
-  is committed: a row always has its whole content;
+* a file's content is committed to the file store (``files.py``: whole or not
+  at all) before its row is committed: a row always has its whole content;
 * the output and error files are rebuilt from the recorded outcomes when a
   batch finalizes, under ids fixed by the batch, so a finalization cut short
   is redone identically.
@@ -23,7 +23,6 @@ serialised by a lock.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from extproc.adapters.batches.files import FileStore
 from extproc.adapters.batches.lines import Line, LineError
 from extproc.adapters.batches.shapes import ACTIVE, Json, file_object, output_line, request_id
 
@@ -59,12 +59,11 @@ class Pending:
 
 
 class Store:
-    """The SQLite database and the files directory under ``directory`` (created if missing)."""
+    """The SQLite database under ``directory`` (created if missing), and the files' contents in ``contents``."""
 
-    def __init__(self, directory: str | Path) -> None:
-        self.directory = Path(directory)
-        self.files_dir = self.directory / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, directory: str | Path, contents: FileStore) -> None:
+        self.directory, self.contents = Path(directory), contents
+        self.directory.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.directory / "batches.sqlite3", check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -80,13 +79,8 @@ class Store:
 
     # --- files ----------------------------------------------------------------------------------
 
-    def path(self, file_id: str) -> Path:
-        return self.files_dir / file_id
-
-    def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, written: Path, created_at: int) -> Json:
-        """Commit a file whose content was written to ``written`` (renamed to its place first)."""
-        size = written.stat().st_size
-        os.replace(written, self.path(file_id))
+    def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, size: int, created_at: int) -> Json:
+        """Commit a file whose content of ``size`` bytes the file store holds already."""
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO files (id, tenant, purpose, filename, bytes, created_at) "
                        "VALUES (?, ?, ?, ?, ?, ?)", (file_id, tenant, purpose, filename, size, created_at))
@@ -114,11 +108,13 @@ class Store:
         return [file_object(*row) for row in rows[:limit]], len(rows) > limit
 
     def delete_file(self, tenant: str, file_id: str) -> bool:
+        """The content first (blocking: called in a thread), then the row: a store away leaves both."""
+        if self.file(tenant, file_id) is None:
+            return False
+        self.contents.delete(file_id)
         with self._tx() as db:
-            deleted = db.execute("DELETE FROM files WHERE id = ? AND tenant = ?", (file_id, tenant)).rowcount == 1
-        if deleted:
-            self.path(file_id).unlink(missing_ok=True)
-        return deleted
+            db.execute("DELETE FROM files WHERE id = ? AND tenant = ?", (file_id, tenant))
+        return True
 
     # --- batches --------------------------------------------------------------------------------
 
@@ -262,10 +258,11 @@ class Store:
         Returns the changes to make to the batch (its files, its final counts);
         the caller sets the final status with them.
         """
-        out, err = self.files_dir / f".{batch_id}.output", self.files_dir / f".{batch_id}.error"
+        suffix = batch_id.removeprefix("batch_")
         completed = failed = 0
         usage = Usage()
-        with out.open("wb") as output, err.open("wb") as errors:
+        out_id, err_id = f"file-{suffix}o", f"file-{suffix}e"
+        with self.contents.create(out_id) as output, self.contents.create(err_id) as errors:
             for index, custom_id, state, result in self._outcomes(batch_id):
                 if state == PENDING:
                     if unfinished is None:
@@ -279,16 +276,15 @@ class Store:
                     usage.add(entry["response"]["body"])
                 completed += state == DONE
                 failed += state == FAILED
-        suffix = batch_id.removeprefix("batch_")
-        changes: Json = {"request_counts": {"total": completed + failed, "completed": completed, "failed": failed},
-                         "output_file_id": None, "error_file_id": None, "usage": usage.batch_usage()}
-        for key, written, file_id, name in (("output_file_id", out, f"file-{suffix}o", f"{batch_id}_output.jsonl"),
-                                            ("error_file_id", err, f"file-{suffix}e", f"{batch_id}_error.jsonl")):
-            if written.stat().st_size:
-                self.add_file(file_id, tenant, "batch_output", name, written, now)
-                changes[key] = file_id
-            else:
-                written.unlink()
+            changes: Json = {"request_counts": {"total": completed + failed, "completed": completed, "failed": failed},
+                             "output_file_id": None, "error_file_id": None, "usage": usage.batch_usage()}
+            for key, written, file_id, name in (("output_file_id", output, out_id, f"{batch_id}_output.jsonl"),
+                                                ("error_file_id", errors, err_id, f"{batch_id}_error.jsonl")):
+                if written.size:
+                    self.add_file(file_id, tenant, "batch_output", name, written.commit(), now)
+                    changes[key] = file_id
+                else:
+                    written.abort()
         return changes
 
     def _outcomes(self, batch_id: str) -> Iterator[tuple[int, str | None, int, str]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
+import msgspec
 from msgspec import Meta
 
 from extproc.adapters.config.instances import ClusterSettings
@@ -36,11 +37,36 @@ def _window(value: str) -> str:
 Window = Annotated[str, Meta(description="a window such as 24h, 30m, 90s or 7d", extra={"check": _window})]
 
 
+class S3Settings(Section, frozen=True):
+    """An S3-compatible bucket for the files' contents (adapters/batches/s3.py)."""
+
+    bucket: NonEmpty
+    # Prepended to every object's name (e.g. "extproc/batches/"); unset: none.
+    prefix: NonEmpty | None = None
+    # An S3-compatible store (MinIO, Ceph, R2...): its URL, addressed path-style. Unset: AWS's own endpoint.
+    endpoint_url: HttpUrl | None = None
+    # The region to sign for (unset: the AWS chain's, e.g. AWS_REGION).
+    region: NonEmpty | None = None
+    # Explicit credentials: the key id, and a file holding the secret key (never the secret in this file).
+    # Unset: the AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, web identity, instance role).
+    access_key_id: NonEmpty | None = None
+    secret_access_key_file: NonEmpty | None = None
+
+
+class FileSettings(Section, frozen=True):
+    """Where the files' contents live: under ``directory`` (unset) or in S3."""
+
+    s3: S3Settings | None = None
+
+
 class BatchSettings(Section, frozen=True):
     """OpenAI's Batch API: where its state lives, where it listens, how fast lines are fed."""
 
-    # SQLite (batches.sqlite3) and the files' contents; created if missing.
-    directory: NonEmpty
+    # SQLite (batches.sqlite3) and, without files.s3, the files' contents; created if missing. With cluster:
+    # and files.s3 nothing is kept there.
+    directory: NonEmpty | None = None
+    # Where the files' contents live when not under directory.
+    files: FileSettings = msgspec.field(default_factory=FileSettings)
     # The API (files, batches), for Envoy only: the generated routes send /v1/files and /v1/batches here.
     listen: Address = "127.0.0.1:8090"
     # Envoy's listener for the runner's lines: the tenant header kept, no auth (bind it where only we reach it).
@@ -68,6 +94,10 @@ def batch_problems(settings: BatchSettings) -> Problems:
                                       f"got {settings.in_flight_per_batch}")
     if settings.listen == settings.runner_listen:
         yield "runner_listen", "must differ from listen (the API and Envoy's runner listener are two ports)"
+    s3 = settings.files.s3
+    if s3 is not None and (s3.access_key_id is None) != (s3.secret_access_key_file is None):
+        missing = "secret_access_key_file" if s3.secret_access_key_file is None else "access_key_id"
+        yield f"files.s3.{missing}", "is required with the other (explicit credentials), or unset both (the AWS chain)"
 
 
 def batch_file_problems(batches: BatchSettings | None, sharded: bool, cluster: ClusterSettings | None) -> Problems:
@@ -80,6 +110,10 @@ def batch_file_problems(batches: BatchSettings | None, sharded: bool, cluster: C
     """
     if batches is None:
         return
+    if batches.directory is None and (cluster is None or batches.files.s3 is None):
+        where = "the files' contents and, without cluster:, the SQLite state" if batches.files.s3 is None else (
+            "one instance's SQLite state (with cluster: and files.s3 none is needed)")
+        yield "batches.directory", f"is required: {where}"
     if sharded:
         yield "batches", "cannot be used with shards: (use cluster: to share the batches; docs/batches.md)"
     if cluster is not None and cluster.instances:
