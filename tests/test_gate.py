@@ -435,11 +435,11 @@ def test_a_degraded_endpoint_keeps_half_of_what_it_last_ran() -> None:
     gate = make_gate(fallback=4)
     gate.record_scrape("e1", EngineLoad(waiting=3, running=40), started_at=0.0)
     gate.record_scrape("e1", None, started_at=0.1)  # failing from now on
-    assert gate.degraded(0.1) == ["e1"]
+    assert gate.degraded(0.1) == ("e1",)
     assert gate.health.fallback_limit("e1") == 20
     assert gate.allowance(0.1) == 20
     gate.record_scrape("e1", EngineLoad(waiting=0, running=20), started_at=0.5)  # recovers by itself
-    assert gate.degraded(0.5) == []
+    assert gate.degraded(0.5) == ()
 
 
 def test_a_frozen_page_goes_stale_although_it_still_answers() -> None:
@@ -488,7 +488,7 @@ def test_endpoints_can_join_and_leave_the_pool() -> None:
     gate = make_gate(endpoints=("e1",), fallback=4)
     gate.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
     gate.set_endpoints(("e1", "e2"))
-    assert gate.degraded(0.0) == ["e2"]  # a newcomer is capped until scraped
+    assert gate.degraded(0.0) == ("e2",)  # a newcomer is capped until scraped
     assert gate.allowance(0.0) == 8
     gate.record_scrape("e2", EngineLoad(waiting=0, running=0), started_at=0.0)
     gate.set_endpoints(("e2",))

@@ -92,7 +92,26 @@ class LocalRelease:
         self._wakeup: Timer | None = None
 
     def queued(self, band: int, tenant: str, first: bool, now: float) -> None:
-        self.changed(now)
+        if self._outlet.queued == 1:
+            self._alone(band, now)
+        else:
+            self.changed(now)
+
+    def _alone(self, band: int, now: float) -> None:
+        """The round :meth:`changed` makes when the request just queued is the only one held (most arrivals).
+
+        Its band is the first holding any and the round ends once it left (or
+        its client had): one allowance, one release, no wake-up to schedule
+        but while it stays. The same calls in the same order as the loop's
+        first pass, without the loop's rereads of the queue.
+        """
+        outlet = self._outlet
+        outlet.note_health(now)
+        if self._allowance(band, now) <= 0:
+            self._schedule_wakeup(now)
+            return
+        free = outlet.free_slots(now)
+        outlet.release_next(outlet.pick(band, now), now, free=free > 0)
 
     def ended(self, band: int, tenant: str, charged: float, measured: float, now: float) -> None:
         self.changed(now)

@@ -78,7 +78,11 @@ class ModelNames:
 
 def _first(headers: Mapping[str, str], names: tuple[str, ...]) -> str:
     """The value of the first of ``names`` present (empty: none is)."""
-    return next((headers[n] for n in names if headers.get(n)), "")
+    for name in names:  # a loop, not next() over a generator: three lookups per request
+        value = headers.get(name)
+        if value:
+            return value
+    return ""
 
 
 def identified_tenant(headers: Mapping[str, str], identity: Identity) -> str:

@@ -66,8 +66,12 @@ class Adaptive(MetricRule):
             limit.refused(now, held)
 
     def room(self, endpoint: str | None) -> float:
-        limits = self._limits.values() if endpoint is None else [self._limits[endpoint]]
-        return sum(limit.limit for limit in limits) - self.estimate.now(endpoint).held
+        if endpoint is not None:
+            return self._limits[endpoint].limit - self.estimate.now(endpoint).held
+        total: float = 0
+        for limit in self._limits.values():  # a loop, not sum() over a generator: every release asks
+            total += limit.limit
+        return total - self.estimate.now(None).held
 
     def snapshot(self, endpoint: str) -> RuleSnapshot:
         limit = self._limits.get(endpoint)

@@ -44,6 +44,7 @@ Pure: the caller passes ``now`` (a monotonic clock).
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -220,22 +221,36 @@ class LoadEstimate:
         return known
 
     def _compute(self, endpoint: str | None) -> LoadNow:
-        states = list(self._scraped.values()) if endpoint is None else [self._scraped[endpoint]]
-        if self._per_endpoint or endpoint is not None:
-            foreign = sum(max(0.0, s.load.running + s.load.waiting - s.ours_then) for s in states if s.load)
-        else:
-            scraped = sum(s.load.running + s.load.waiting for s in states if s.load)
-            foreign = max(0.0, scraped - max(s.ours_then for s in states))
+        # One pass over the scrapes (every release asks anew: the release before changed ours).
+        states = self._scraped.values() if endpoint is None else (self._scraped[endpoint],)
+        per_endpoint = self._per_endpoint or endpoint is not None
+        foreign: float = 0
+        scraped: float = 0
+        running: float = 0
+        most_ours_then = 0
+        snapshot = math.inf
+        for s in states:
+            load = s.load
+            if load:
+                if per_endpoint:
+                    foreign += max(0.0, load.running + load.waiting - s.ours_then)
+                else:
+                    scraped += load.running + load.waiting
+                running += load.running
+            if s.ours_then > most_ours_then:
+                most_ours_then = s.ours_then
+            if s.started_at < snapshot:
+                snapshot = s.started_at
         if endpoint is not None:
             ours_now = self._in_flight_on[endpoint]
         else:
             ours_now = self.in_flight if self._per_endpoint else self.cluster_in_flight
-        snapshot = min(s.started_at for s in states)
+            if not self._per_endpoint:
+                foreign = max(0.0, scraped - most_ours_then)
         into_slots = 0
         for released, ep, into_slot in reversed(self._in_flight.values()):
             if released < snapshot:
                 break
             into_slots += into_slot and (endpoint is None or ep == endpoint)
-        running = sum(s.load.running for s in states if s.load)
         return LoadNow(held=ours_now + foreign, slots=running + into_slots,
                        into_slots_since=into_slots)

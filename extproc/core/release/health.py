@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from extproc.core.engine_load import EngineLoad
 
@@ -64,6 +65,16 @@ class _Health:
     up_at: float = float("-inf")
 
 
+class _Degraded(NamedTuple):
+    """A :meth:`EndpointHealth.degraded` answer, and what it holds for: the version, and ``now`` with every page that
+    was stale still stale (past ``newest_stale``) and every fresh one still fresh (``oldest_fresh``)."""
+
+    version: int
+    newest_stale: float
+    oldest_fresh: float
+    endpoints: tuple[str, ...]
+
+
 class EndpointHealth:
     """Health of every endpoint of one model pool (see the module docstring)."""
 
@@ -76,6 +87,10 @@ class EndpointHealth:
         # Counts the events that may change who is degraded or down (time aside: :meth:`stable_until`), so that a
         # reader (``health_log.py``) can tell nothing changed without looking at every endpoint.
         self.version = 0
+        # The last answers of serving() and degraded(), kept while the version holds (degraded: and while ``now`` stays
+        # between the staleness times that bound it): every release asks both twice, and they seldom change.
+        self._serving: tuple[int, tuple[str, ...]] = (-1, ())
+        self._degraded = _Degraded(-1, -math.inf, math.inf, ())
         self.set_endpoints(endpoints)
 
     def set_endpoints(self, endpoints: Sequence[str]) -> None:
@@ -134,9 +149,11 @@ class EndpointHealth:
     def check_release(self, endpoint: str | None, now: float) -> bool:
         """Whether to read the response headers of a release to ``endpoint`` (None: anywhere in the pool)."""
         self._releases += 1
-        targets = [endpoint] if endpoint is not None else self.endpoints
-        on_probation = any(now - self._health[e].up_at < PROBATION_S for e in targets if e in self._health)
-        return on_probation or self._releases % CHECK_EVERY == 1
+        for target in (endpoint,) if endpoint is not None else self.endpoints:
+            health = self._health.get(target)
+            if health is not None and now - health.up_at < PROBATION_S:
+                return True  # on probation
+        return self._releases % CHECK_EVERY == 1
 
     def mark_down(self, endpoint: str, now: float) -> None:
         health = self._health.get(endpoint)
@@ -151,17 +168,36 @@ class EndpointHealth:
         """Endpoints whose engine cannot be reached now: nothing is released to them."""
         return [e for e, h in self._health.items() if h.down_at is not None]
 
-    def serving(self) -> list[str]:
+    def serving(self) -> tuple[str, ...]:
         """Endpoints that are up (their metrics may still be degraded)."""
-        return [e for e, h in self._health.items() if h.down_at is None]
+        version, up = self._serving
+        if version != self.version:
+            up = tuple(e for e, h in self._health.items() if h.down_at is None)
+            self._serving = (self.version, up)
+        return up
 
     def healthy(self, endpoint: str, now: float) -> bool:
         health = self._health[endpoint]
         return health.down_at is None and not health.failing and now - health.good_at <= self._stale_after_s
 
-    def degraded(self, now: float) -> list[str]:
+    def degraded(self, now: float) -> tuple[str, ...]:
         """Endpoints whose metrics are unusable now (down ones included)."""
-        return [e for e in self._health if not self.healthy(e, now)]
+        known = self._degraded
+        stale = self._stale_after_s
+        # Subtraction is monotonic: the freshest stale page and the oldest fresh one decide for every endpoint.
+        if known.version == self.version and now - known.newest_stale > stale and now - known.oldest_fresh <= stale:
+            return known.endpoints
+        newest_stale, oldest_fresh, unusable = -math.inf, math.inf, []
+        for endpoint, health in self._health.items():
+            if health.down_at is not None or health.failing:
+                unusable.append(endpoint)
+            elif now - health.good_at <= stale:  # healthy(), the same test
+                oldest_fresh = min(oldest_fresh, health.good_at)
+            else:
+                unusable.append(endpoint)
+                newest_stale = max(newest_stale, health.good_at)
+        self._degraded = _Degraded(self.version, newest_stale, oldest_fresh, tuple(unusable))
+        return self._degraded.endpoints
 
     def stable_until(self, now: float) -> float:
         """Until when :meth:`degraded` stays what it is at ``now`` unless an event comes: the first usable page's staleness."""

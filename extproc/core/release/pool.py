@@ -265,9 +265,9 @@ class Pool:
             return 0
         return max(0, self.rule.endpoint_allowance(endpoint, now) - self.unconfirmed.count(endpoint))
 
-    def degraded(self, now: float) -> list[str]:
+    def degraded(self, now: float) -> tuple[str, ...]:
         """Endpoints whose metrics are unusable now (down ones included), where the rule reads metrics at all."""
-        return self.health.degraded(now) if self.rule.uses_metrics else []
+        return self.health.degraded(now) if self.rule.uses_metrics else ()
 
     def down(self) -> list[str]:
         """Endpoints whose engine cannot be reached: nothing goes to them, whatever the rule."""

@@ -96,7 +96,7 @@ class UnconfirmedEnds:
     def count(self, endpoint: str | None = None) -> int:
         """Unconfirmed ends on ``endpoint`` (endpoint picking), or in the pool (None)."""
         if endpoint is None:
-            return sum(len(v) for v in self._ends.values())
+            return sum(map(len, self._ends.values()))
         return len(self._ends.get(endpoint, ()))
 
     def waits_on(self, endpoint: str) -> bool:
