@@ -19,13 +19,15 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from extproc.adapters.budgets import shared_usage
+from extproc.adapters.budgets import shared_standings, shared_usage
 from extproc.adapters.budgets.gate import BudgetGate, Pass
 from extproc.adapters.budgets.shared import SharedBudgets, SharedTicket
 from extproc.adapters.config import parse_config
 from extproc.adapters.ext_proc.admission import Admission
 from extproc.cli import main
 from extproc.core.budgets.book import Usage, day_of
+from extproc.core.budgets.ledger import Standing
+from extproc.core.budgets.limits import Plan
 from extproc.core.outcomes import Refusal, Refused
 from extproc.tools.power_user import chat
 from extproc.tools.stack import start_stack
@@ -240,3 +242,21 @@ def _bobs(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], limit: 
     wanted = {"scope": "tenant", "name": "bob", "model": "", "limit": limit}
     return next(value for (series, labels), value in samples.items()
                 if series == "extproc_budget_used" and dict(labels) == wanted)
+
+
+async def test_the_clusters_counts_are_read_at_most_once_a_second_however_many_ask(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[float] = []
+
+    async def read(shared: SharedBudgets, plan: Plan, now: float) -> list[Standing]:
+        reads.append(now)
+        await asyncio.sleep(0.05)  # a round trip: those asking meanwhile wait for its rows
+        return []
+
+    monkeypatch.setattr(shared_standings, "read", read)
+    a, _ = gates(aioredis.Redis(), {"tenants": {"t": {"requests_per_minute": 6}}}, [NOON])
+    await asyncio.gather(*(a.refresh() for _ in range(5)))
+    assert len(reads) == 1 and a.standings() == ([], False)
+    await asyncio.sleep(1.0)
+    await a.refresh()
+    assert len(reads) == 2

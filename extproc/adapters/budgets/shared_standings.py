@@ -90,18 +90,21 @@ class ClusterStandings:
         self.rows: list[Standing] = []
         self.stale = True  # nothing read yet
         self._tried = -math.inf  # monotonic time of the last read
+        self._reading = asyncio.Lock()  # one read at a time: those who ask meanwhile get its rows
 
     async def refresh(self, plan: Plan) -> None:
-        """Read the rows again, unless a read began less than :data:`READ_INTERVAL_S` ago."""
-        started = time.monotonic()
-        if started - self._tried < READ_INTERVAL_S:
-            return
-        self._tried = started
-        try:
-            self.rows = await read(self._shared, plan, self._clock())
-        except (RedisError, OSError, TimeoutError) as exc:
-            if not self.stale:
-                log.warning("budgets: cannot read the cluster's limits from Redis (%s); shown as stale", exc)
-            self.stale = True
-        else:
-            self.stale = False
+        """Read the rows again, unless a read began less than :data:`READ_INTERVAL_S` ago (or is under way: its rows)."""
+        async with self._reading:
+            started = time.monotonic()
+            if started - self._tried < READ_INTERVAL_S:
+                return
+            self._tried = started
+            try:
+                self.rows = await read(self._shared, plan, self._clock())
+            except (RedisError, OSError, TimeoutError) as exc:
+                if not self.stale:
+                    log.warning("budgets: cannot read the cluster's limits from Redis (%s); shown as stale",
+                                str(exc) or "timeout")
+                self.stale = True
+            else:
+                self.stale = False
