@@ -129,29 +129,70 @@ def _envoy_document(args: argparse.Namespace, config: Config) -> tuple[dict[str,
 
 
 def _usage(args: argparse.Namespace) -> int:
-    """`extproc usage --config FILE [--since DAY] [--per day|month] [--format csv|json]`: the store's usage on stdout."""
-    import sqlite3
+    """`extproc usage --config FILE [--since DAY] [--per day|month] [--format csv|json] [--store]`: usage on stdout.
 
-    from extproc.adapters.budgets.store import UsageStore
+    With ``cluster:``, the cluster's rows in its Redis (every instance's charges); else, or with ``--store``,
+    this instance's ``budgets.store`` file.
+    """
     from extproc.adapters.budgets.usage import records, render, since_day
 
     config = load_config(args.config)
-    store = None if config.budgets is None else config.budgets.store
-    if store is None:
-        raise CannotStart(f"{args.config}: budgets.store is not set: ask the running processor (GET /usage on its "
-                          "metrics port)")
     try:
         since = since_day(args.since)
     except ValueError as exc:
         raise CannotStart(str(exc)) from exc
+    if config.budgets is not None and config.cluster is not None and not args.store:
+        rows = _cluster_usage(config, since)
+    else:
+        rows = _stored_usage(args.config, config, since)
+    sys.stdout.write(render(records(rows, args.per), args.format))
+    return 0
+
+
+def _cluster_usage(config: Config, since: str) -> list[Any]:
+    """The cluster's usage rows from ``since`` (YYYY-MM-DD), read from its Redis."""
+    import asyncio
+    import time
+
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    from extproc.adapters.budgets import shared_usage
+    from extproc.core.budgets.book import day_of
+
+    assert config.cluster is not None
+    cluster = config.cluster
+
+    async def read() -> list[Any]:
+        client = aioredis.from_url(cluster.redis_url, socket_connect_timeout=5, socket_timeout=10)
+        try:
+            return await shared_usage.rows(client, f"{cluster.key_prefix}:budget", day_of(since), time.time(), 30)
+        finally:
+            await client.aclose()
+
+    try:
+        return asyncio.run(read())
+    except (RedisError, OSError, TimeoutError) as exc:
+        raise CannotStart(f"cluster.redis_url: cannot read the cluster's usage ({str(exc) or 'timeout'}); "
+                          "an instance's own: --store") from exc
+
+
+def _stored_usage(path: str, config: Config, since: str) -> list[Any]:
+    """This instance's usage rows from ``since`` (YYYY-MM-DD), read from its ``budgets.store``."""
+    import sqlite3
+
+    from extproc.adapters.budgets.store import UsageStore
+
+    store = None if config.budgets is None else config.budgets.store
+    if store is None:
+        raise CannotStart(f"{path}: budgets.store is not set: ask the running processor (GET /usage on its "
+                          "metrics port)")
     if not Path(store).exists():
         raise CannotStart(f"budgets.store: {store} does not exist (yet): the processor writes it")
     try:
-        rows = UsageStore(store).rows(since)
+        return UsageStore(store).rows(since)
     except sqlite3.Error as exc:
         raise CannotStart(f"budgets.store: cannot read {store} ({exc})") from exc
-    sys.stdout.write(render(records(rows, args.per), args.format))
-    return 0
 
 
 def _existing_clusters(pairs: list[str]) -> dict[str, str]:
@@ -256,9 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     _envoy_arguments(envoy)
     envoy.set_defaults(func=_envoy_config)
 
-    usage = commands.add_parser("usage", help="print what each tenant used per model and day (budgets.store), "
-                                "as CSV or JSON (docs/budgets.md)")
-    usage.add_argument("--config", required=True, metavar="FILE", help="YAML configuration file (its budgets.store)")
+    usage = commands.add_parser("usage", help="print what each tenant used per model and day (with cluster:, the "
+                                "cluster's, from Redis; else budgets.store), as CSV or JSON (docs/budgets.md)")
+    usage.add_argument("--config", required=True, metavar="FILE",
+                       help="YAML configuration file (its cluster.redis_url or budgets.store)")
+    usage.add_argument("--store", action="store_true", help="with cluster: this instance's budgets.store instead")
     usage.add_argument("--since", default="1970-01-01", metavar="DAY", help="the first day, YYYY-MM-DD or YYYY-MM")
     usage.add_argument("--per", choices=("day", "month"), default="day", help="one row per day or per month")
     usage.add_argument("--format", choices=("csv", "json"), default="csv")

@@ -1,24 +1,38 @@
-"""Budgets with ``cluster:``: two instances count in one Redis (one round trip per decision); Redis away, each its share."""
+"""Budgets with ``cluster:``: two instances count in one Redis (one round trip per decision); Redis away, each its share.
+
+Both read the cluster's counts back (the per-scope series, the status rows) and
+export the cluster's usage, every instance's charges; Redis away, the rows say
+they are stale and the export says where else to look, without hanging.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import calendar
+import json
+import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from extproc.adapters.budgets import shared_standings, shared_usage
 from extproc.adapters.budgets.gate import BudgetGate, Pass
 from extproc.adapters.budgets.shared import SharedBudgets, SharedTicket
 from extproc.adapters.config import parse_config
 from extproc.adapters.ext_proc.admission import Admission
+from extproc.cli import main
+from extproc.core.budgets.book import Usage, day_of
+from extproc.core.budgets.ledger import Standing
+from extproc.core.budgets.limits import Plan
 from extproc.core.outcomes import Refusal, Refused
 from extproc.tools.power_user import chat
 from extproc.tools.stack import start_stack
 from tests.redisutil import RedisServer
-from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
+from tests.stackutil import TENANT_KEYS, metric, poll, read_metrics, write_stack_config
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +46,7 @@ def gates(redis: aioredis.Redis, budgets: dict[str, object], now: list[float]) -
     made = []
     for _ in range(2):
         gate = BudgetGate(config.budgets, 2, clock=lambda: now[0])
-        gate.shared = SharedBudgets(redis, "test", 0.5, lambda: 2)
+        gate.share(SharedBudgets(redis, "test", 0.5, lambda: 2))
         made.append(gate)
     return made[0], made[1]
 
@@ -106,3 +120,143 @@ async def test_two_instances_behind_envoy_enforce_one_limit(tmp_path: Path, redi
                     for name, url in stack.metrics_urls.items()}
     assert 6 <= statuses[200] <= 7 and statuses[200] + statuses[429] == 12, statuses  # 7: a second's refill
     assert min(released.values()) >= 1, released  # both instances admitted some: the count was shared
+
+
+async def test_each_instance_reads_the_clusters_counts_and_marks_them_stale_with_redis_away(
+        redis_server: RedisServer) -> None:
+    client = aioredis.from_url(redis_server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    now = [NOON]
+    a, b = gates(client, {"prices": {"m": {"input": 1.0, "output": 2.0}}, "groups": {"g": {"tokens_per_day": 10_000}},
+                          "tenants": {"t": {"requests_per_minute": 60, "groups": ["g"],
+                                            "models": {"m": {"cost_per_month": 5}}}}}, now)
+    for gate in (a, b, a):
+        assert isinstance(await admitted(gate), Pass)
+    for gate in (a, b):
+        await gate.refresh()
+        rows, stale = gate.standings()
+        assert not stale
+        shown = {(r.scope.kind.value, r.scope.name, r.scope.model, r.limit): (r.value, r.used) for r in rows}
+        assert shown == {("group", "g", "", "tokens_per_day"): (10_000, 60.0),  # 3 reservations of 20 tokens
+                         ("tenant", "t", "", "requests_per_minute"): (60, 3.0),  # all three, whoever admitted them
+                         ("tenant_model", "t", "m", "cost_per_month"): (5, pytest.approx(3 * 30e-6))}
+        assert list(gate.budgets.standings(NOON)) == []  # this instance's own ledger counted none of them
+    now[0] += 30  # the window drains at 1 a second; a read is due again after a second
+    await asyncio.sleep(1.0)
+    await a.refresh()
+    assert [(r.used, r.reset_s) for r in a.standings()[0] if r.limit == "requests_per_minute"] == [(0.0, 0.0)]
+    await redis_server.stop()
+    await asyncio.sleep(1.0)
+    started = time.monotonic()
+    await a.refresh()
+    assert time.monotonic() - started < 2.0  # within the Redis timeout, not a hang
+    rows, stale = a.standings()
+    assert stale and len(rows) == 3  # the last rows read, said to be stale
+    assert {row["stale"] for row in a.named()} == {True}
+    await client.aclose()
+
+
+async def test_the_end_adds_each_charge_to_the_clusters_usage_book(redis_server: RedisServer) -> None:
+    client = aioredis.from_url(redis_server.url)
+    now = [NOON]
+    a, b = gates(client, {"tenants": {"default": {"requests_per_minute": 60}}}, now)
+    assert a.shared is not None and b.shared is not None
+    passed = await admitted(a)
+    assert isinstance(passed, Pass) and isinstance(passed.ticket, SharedTicket)
+    day = day_of("2026-12-03")
+    a.shared.correct(passed.ticket, (1.0,), NOON, shared_usage.charge("t", "m", day, Usage(100, 40, 7), 0.25, False))
+    b.shared.record(shared_usage.charge("t", "m", day, Usage(50, 0, 3), 0.5, True), NOON)  # decided on b's share
+    b.shared.record(shared_usage.charge("u", "m", day + 86_400, Usage(1, 0, 1), 0.0, False), NOON)
+    await _corrections(a.shared)
+    await _corrections(b.shared)
+    rows = await shared_usage.rows(client, b.shared.prefix, day_of("2026-12-01"), NOON, 1.0)
+    assert [(key, row.values()) for key, row in rows] == [
+        (("t", "m", "2026-12-03"), (2, 150.0, 40.0, 10.0, 0.75, 1)),
+        (("u", "m", "2026-12-04"), (1, 1.0, 0.0, 1.0, 0.0, 0))]  # a clock ahead of today's: still exported
+    assert await shared_usage.rows(client, b.shared.prefix, day_of("2026-12-04"), NOON, 1.0) == rows[1:]
+    await client.aclose()
+
+
+async def test_two_instances_show_the_clusters_counts_and_usage(tmp_path: Path, redis_server: RedisServer,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Requests through Envoy to both instances: each one's series, status rows and /usage are the cluster's."""
+    limits = {"requests_per_minute": 12, "tokens_per_day": 1_000_000}
+    path = write_stack_config(tmp_path, {"m1": {}}, redis_url=redis_server.url, cluster_instances=2,
+                              budgets={"tenants": {"bob": limits}})
+    async with await start_stack(path, tmp_path) as stack, aiohttp.ClientSession() as http:
+        sent = time.monotonic()
+        outcomes = [await chat(http, stack.envoy_url, "bob", "m1", api_key=TENANT_KEYS["bob"], max_tokens=3)
+                    for _ in range(8)]
+        assert [o.status for o in outcomes] == [200] * 8
+        released = {name: metric(await read_metrics(url), "extproc_released_total", model="m1")
+                    for name, url in stack.metrics_urls.items()}
+        assert min(released.values()) >= 1 and sum(released.values()) == 8, released  # both served some
+        bases = {name: url.removesuffix("/metrics") for name, url in stack.metrics_urls.items()}
+
+        async def usage(base: str) -> list[dict[str, Any]]:
+            async with http.get(f"{base}/usage", params={"per": "month"}) as answer:
+                assert answer.status == 200
+                return list(await answer.json())
+
+        # The ends' corrections are sent without waiting: the rows are complete once all 8 are in.
+        first = await poll(lambda: usage(bases["a"]), lambda rows: sum(r["requests"] for r in rows) == 8)
+        assert [(r["tenant"], r["model"], r["requests"]) for r in first] == [("bob", "m1", 8)]
+        tokens = first[0]["input_tokens"] + first[0]["output_tokens"]
+        for name, base in bases.items():
+            assert await usage(base) == first, name  # the same rows from either instance
+            samples = await read_metrics(stack.metrics_urls[name])
+            assert metric(samples, "extproc_budget_stale") == 0
+            assert _bobs(samples, "tokens_per_day") == pytest.approx(tokens, abs=1)  # the export rounds
+            drained = (time.monotonic() - sent) * 12 / 60  # the window drains at 12 a minute
+            used = _bobs(samples, "requests_per_minute")
+            assert 8 - drained - 0.01 <= used <= 8, (name, used)  # all 8, not this instance's share of them
+            async with http.get(f"{base}/status.json") as answer:
+                rows = {r["limit"]: r for r in (await answer.json())["budgets"]}
+            assert rows["tokens_per_day"]["used"] == pytest.approx(tokens, abs=1) and not rows["tokens_per_day"]["stale"]
+        # `extproc usage` reads the same rows from Redis, without a processor.
+        capsys.readouterr()
+        assert await asyncio.to_thread(main, ["usage", "--config", str(path), "--per", "month", "--format", "json"]) == 0
+        exported = json.loads(capsys.readouterr().out)
+        assert exported == first
+
+        await redis_server.stop()
+        for name, base in bases.items():
+            async def status(base: str = base) -> list[dict[str, object]]:
+                async with http.get(f"{base}/status.json") as answer:
+                    return list((await answer.json())["budgets"])
+
+            started = time.monotonic()
+            rows_after = await poll(status, lambda rows: all(r["stale"] for r in rows), timeout_s=10)
+            assert rows_after and all(r["stale"] for r in rows_after), name
+            assert time.monotonic() - started < 5.0
+            samples = await read_metrics(stack.metrics_urls[name])
+            assert metric(samples, "extproc_budget_stale") == 1
+            assert metric(samples, "extproc_budget_limit") == 0  # left out, not shown from this instance's counts
+            started = time.monotonic()
+            async with http.get(f"{base}/usage") as answer:
+                assert answer.status == 500 and "Redis" in (await answer.json())["error"]["message"]
+            assert time.monotonic() - started < 15.0
+
+
+def _bobs(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], limit: str) -> float:
+    """``extproc_budget_used`` of tenant bob's ``limit`` (its ``name`` label is not one ``metric`` can filter on)."""
+    wanted = {"scope": "tenant", "name": "bob", "model": "", "limit": limit}
+    return next(value for (series, labels), value in samples.items()
+                if series == "extproc_budget_used" and dict(labels) == wanted)
+
+
+async def test_the_clusters_counts_are_read_at_most_once_a_second_however_many_ask(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[float] = []
+
+    async def read(shared: SharedBudgets, plan: Plan, now: float) -> list[Standing]:
+        reads.append(now)
+        await asyncio.sleep(0.05)  # a round trip: those asking meanwhile wait for its rows
+        return []
+
+    monkeypatch.setattr(shared_standings, "read", read)
+    a, _ = gates(aioredis.Redis(), {"tenants": {"t": {"requests_per_minute": 6}}}, [NOON])
+    await asyncio.gather(*(a.refresh() for _ in range(5)))
+    assert len(reads) == 1 and a.standings() == ([], False)
+    await asyncio.sleep(1.0)
+    await a.refresh()
+    assert len(reads) == 2

@@ -35,12 +35,14 @@ from typing import Any
 
 import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from redis.exceptions import RedisError
 
 from extproc.adapters.batches.service import BatchService
+from extproc.adapters.budgets import shared_usage
 from extproc.adapters.budgets.metrics import BudgetCollector
 from extproc.adapters.budgets.shared import SharedBudgets
 from extproc.adapters.budgets.store import StoreWriter, UsageStore
-from extproc.adapters.budgets.usage import Per, records
+from extproc.adapters.budgets.usage import Per, Unavailable, records
 from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig, split_address
 from extproc.adapters.engines.discovery import watch_pool
@@ -73,6 +75,8 @@ DRAIN_POLL_S = 0.05
 # The gRPC servers under ext_proc, by listen.transport: ours, "h2" (a few KB a held request), or
 # grpc.aio, the reference (docs/decisions.md, "When to choose grpcio").
 TRANSPORTS: dict[str, TransportFactory] = {"h2": GrpcServer, "grpcio": GrpcioServer}
+# The cluster's usage export: a read of up to a year's day rows in one pipeline, off the request path.
+USAGE_TIMEOUT_S = 10.0
 
 
 class ProcessorServer:
@@ -115,7 +119,7 @@ class ProcessorServer:
         budgets = config.budgets
         self._store = None if budgets is None or budgets.store is None else StoreWriter(
             UsageStore(budgets.store), self._usage_book, budgets.store_interval_s, time.time)
-        self.telemetry.registry.register(BudgetCollector(lambda: self.processor.budgets, time.time))
+        self.telemetry.registry.register(BudgetCollector(lambda: self.processor.budgets))
         # OpenAI's Batch API and its runner (batches:, docs/batches.md).
         self._batches = (None if config.batches is None
                          else BatchService(lambda: self.config, self.telemetry.registry, tenant_labels(config), self._cluster))
@@ -125,7 +129,7 @@ class ProcessorServer:
         self._metrics_server = MetricsServer(
             build_app(self.telemetry.registry, self.dispatchers, lambda: self.processor.draining, self.telemetry,
                       lambda model: model not in self._reloaded, self.usage, self._budget_standings,
-                      None if self._batches is None else self._batches.progress),
+                      None if self._batches is None else self._batches.progress, self._refresh_budgets),
             host, port,
         )
         self._metrics_started = False
@@ -134,6 +138,12 @@ class ProcessorServer:
         gate = self.processor.budgets
         return None if gate is None else gate.named()
 
+    async def _refresh_budgets(self) -> None:
+        """Before /metrics and the status page: with a cluster, the limits' counts read from Redis (when due)."""
+        gate = self.processor.budgets
+        if gate is not None:
+            await gate.refresh()
+
     def _usage_book(self) -> Book | None:
         gate = self.processor.budgets
         return None if gate is None else gate.budgets.book
@@ -141,12 +151,23 @@ class ProcessorServer:
     async def usage(self, since: str, per: Per) -> list[dict[str, Any]] | None:
         """The usage export (adapters/budgets/usage.py) from ``since`` (YYYY-MM-DD); None without budgets.
 
-        With a store, what changed is written first and the file is read (every day it holds);
-        else the processor's memory (the days since it started).
+        With a cluster, the cluster's rows in Redis (adapters/budgets/shared_usage.py; raises Unavailable
+        when Redis does not answer). Else, with a store, what changed is written first and the file is read
+        (every day it holds); else the processor's memory (the days since it started).
         """
-        book = self._usage_book()
-        if book is None:
+        gate = self.processor.budgets
+        if gate is None:
             return None
+        book = gate.budgets.book
+        if gate.shared is not None:
+            shared = gate.shared
+            try:
+                found = await shared_usage.rows(shared.client, shared.prefix, day_of(since), time.time(),
+                                                USAGE_TIMEOUT_S)
+            except (RedisError, OSError, TimeoutError) as exc:
+                raise Unavailable(f"the cluster's usage is in Redis, which did not answer ({str(exc) or 'timeout'}); "
+                                  "each instance's own is in its budgets.store") from exc
+            return records(found, per)
         if self._store is None:
             return records(book.rows(day_of(since)), per)
         await self._store.flush()
@@ -249,9 +270,9 @@ class ProcessorServer:
         if gate is None or cluster is None or config.cluster is None or gate.shared is not None:
             return
         expected = max(1, len(config.cluster.instances))
-        gate.shared = SharedBudgets(
+        gate.share(SharedBudgets(
             cluster.client, config.cluster.key_prefix, config.cluster.redis_timeout_ms / 1000,
-            lambda: max([expected, *(seat.instances for seat in cluster.seats.values())]))
+            lambda: max([expected, *(seat.instances for seat in cluster.seats.values())])))
 
     def _stopping(self, task: asyncio.Task[None]) -> None:
         """A scraper taken out of service: close() waits for it to close its sessions (earlier ones that ended go)."""

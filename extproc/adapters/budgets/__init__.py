@@ -3,7 +3,10 @@
 * ``gate.py``    each request's check at admission and its settlement at the end (the core's ``Budgets``);
 * ``headers.py`` OpenAI's ``x-ratelimit-*`` headers from a tenant's tightest windows;
 * ``store.py``   the usage book in SQLite, written behind (day and month budgets survive a restart);
-* ``usage.py``   the usage rows as finance reads them: CSV or JSON, by tenant, model and day.
+* ``usage.py``   the usage rows as finance reads them: CSV or JSON, by tenant, model and day;
+* ``shared.py``  with ``cluster:``, the counts in Redis: one round trip per decision (``budgets.lua``);
+* ``shared_standings.py`` the cluster's limits read back from Redis, for the metrics and the status page;
+* ``shared_usage.py`` the cluster's usage book in Redis: added to at each end, read by the export.
 
 docs/budgets.md says what holds for the operator and the client.
 """

@@ -12,7 +12,8 @@
 --            used = [per meter, before] }
 --   ARGV[1]  { op = "take", now, meters = [[name, kind, limit, amount, ttl_s]] }: reserves without a check (a
 --            request served over a limit: downgraded, or only reported); returns { ok = true, used = [after] }
---   ARGV[1]  { op = "correct", now, meters = [[name, kind, limit, used_delta, reserved_delta, ttl_s]] }
+--   ARGV[1]  { op = "correct", now, meters = [[name, kind, limit, used_delta, reserved_delta, ttl_s]],
+--              usage = { day, ttl, add = [[field, amount]] } (optional: the request's charge, shared_usage.py) }
 --            returns { ok = true }
 
 local P = KEYS[1]
@@ -109,6 +110,14 @@ if input.op == 'correct' then
       local k, used, reserved = period(name)
       store_period(k, used + used_delta, reserved + reserved_delta, ttl)
     end
+  end
+  local usage = input.usage
+  if usage ~= nil then
+    local k = P .. ':usage:' .. usage.day
+    for _, f in ipairs(usage.add) do
+      redis.call('HINCRBYFLOAT', k, f[1], f[2])
+    end
+    redis.call('EXPIRE', k, usage.ttl)
   end
   return cjson.encode({ok = true})
 end

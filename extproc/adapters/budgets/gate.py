@@ -15,7 +15,10 @@ measured at its end; not served (refused in the queue, its client gone while
 queued, preempted before its response began), nothing.
 
 With ``cluster:`` the counts are the cluster's, in Redis (``shared.py``): one
-round trip per decision; Redis away, this instance's share of each limit.
+round trip per decision; Redis away, this instance's share of each limit. The
+end's correction, sent without waiting, carries the request's charge to the
+cluster's usage book (``shared_usage.py``); the limits as they stand are read
+back for the metrics and the status page (``shared_standings.py``).
 
 Time is the wall clock: budgets are per calendar day and month (UTC).
 """
@@ -31,13 +34,15 @@ from dataclasses import dataclass, replace
 
 from redis.exceptions import RedisError
 
+from extproc.adapters.budgets import shared_usage
 from extproc.adapters.budgets.headers import NO_RETRY, rate_headers
 from extproc.adapters.budgets.shared import SharedBudgets, SharedTicket, amounts, meters, share, view
+from extproc.adapters.budgets.shared_standings import ClusterStandings
 from extproc.adapters.config.budgets import BudgetSettings, plan
 from extproc.adapters.ext_proc.admission import Admission
 from extproc.adapters.ext_proc.engine_usage import Reported
 from extproc.core.budgets.book import Usage
-from extproc.core.budgets.ledger import Budgets, Over, Ticket
+from extproc.core.budgets.ledger import Budgets, Over, Standing, Ticket
 from extproc.core.budgets.limits import Action, Kind
 from extproc.core.held import Held
 from extproc.core.outcomes import Refusal, Refused
@@ -74,9 +79,15 @@ class BudgetGate:
         self.usage: dict[tuple[str, str], list[float]] = {}
         # With cluster: the counts in Redis; and this instance's share while Redis is away (same book).
         self.shared: SharedBudgets | None = None
+        self._standings: ClusterStandings | None = None
         self._alone: Budgets | None = None
         self._alone_instances = 0
         self._warned = False
+
+    def share(self, shared: SharedBudgets) -> None:
+        """Count in the cluster's Redis from the next request on (``cluster:``)."""
+        self.shared = shared
+        self._standings = ClusterStandings(shared, self._clock)
 
     def reconfigure(self, settings: BudgetSettings, lowest_band: int) -> None:
         """New limits from the next request on (a reload); every count is kept."""
@@ -170,17 +181,30 @@ class BudgetGate:
             admission = replace(admission, band=self._lowest, requested=asked)
         return admission, passed
 
-    def named(self) -> list[dict[str, object]]:
-        """Each limit of each named scope (a tenant under ``budgets.tenants``, its models, a group) as it stands now.
+    async def refresh(self) -> None:
+        """With a cluster, read the limits as they stand from Redis (when due): before the metrics or status are read."""
+        if self._standings is not None:
+            await self._standings.refresh(self.budgets.plan)
 
-        The status page's rows; unnamed tenants (those of ``default``) are many, and in the export.
-        With a cluster these are this instance's own counts (the cluster's are in Redis).
+    def standings(self) -> tuple[list[Standing], bool]:
+        """Each limit of each named scope (a tenant under ``budgets.tenants``, its models, a group) as it stands, and
+        whether that is stale (a cluster's Redis did not answer the last read: the rows are that read's, or none).
+
+        Unnamed tenants (those of ``default``) are many, and in the export. With a cluster the rows are the
+        cluster's counts as last read from Redis (:meth:`refresh`), never this instance's own.
         """
-        budgets = self.budgets
-        named = budgets.plan.tenants
+        if self._standings is not None:
+            return self._standings.rows, self._standings.stale
+        named = self.budgets.plan.tenants
+        return [s for s in self.budgets.standings(self._clock())
+                if s.scope.kind is Kind.GROUP or s.scope.name in named], False
+
+    def named(self) -> list[dict[str, object]]:
+        """The status page's rows: :meth:`standings`, each saying whether it is stale."""
+        rows, stale = self.standings()
         return [{"scope": s.scope.kind.value, "name": s.scope.name, "model": s.scope.model, "limit": s.limit,
-                 "value": s.value, "used": s.used, "remaining": s.remaining, "reset_s": s.reset_s}
-                for s in budgets.standings(self._clock()) if s.scope.kind is Kind.GROUP or s.scope.name in named]
+                 "value": s.value, "used": s.used, "remaining": s.remaining, "reset_s": s.reset_s, "stale": stale}
+                for s in rows]
 
     def end(self, passed: Pass, held: Held | None, reported: Reported | None = None) -> None:
         """The request's stream is over: charged what it used if it was served (``held``: None if never queued).
@@ -205,15 +229,18 @@ class BudgetGate:
         else:
             cached = charge.cached_tokens if reported.cached_tokens is None else reported.cached_tokens
             used = Usage(reported.prompt_tokens, cached, reported.completion_tokens)
+        day = self.budgets.calendar_day(now)
         if isinstance(ticket, SharedTicket):
             cost = self.budgets.plan.price(passed.model).cost(used.input_tokens, used.cached_tokens, used.output_tokens)
             if self.shared is not None:
-                self.shared.correct(ticket, amounts(ticket.meters, used, cost), now)
-            self.budgets.book.add(passed.tenant, passed.model, self.budgets.calendar_day(now), used, cost,
-                                  over=passed.over)
+                self.shared.correct(ticket, amounts(ticket.meters, used, cost), now,
+                                    shared_usage.charge(passed.tenant, passed.model, day, used, cost, passed.over))
+            self.budgets.book.add(passed.tenant, passed.model, day, used, cost, over=passed.over)
         else:
             assert passed.ledger is not None
             cost = passed.ledger.settle(ticket, used, now)
+            if self.shared is not None:  # decided on this instance's share (Redis away): its charge is the cluster's too
+                self.shared.record(shared_usage.charge(passed.tenant, passed.model, day, used, cost, passed.over), now)
         totals = self.usage.get((passed.tenant, passed.model))
         if totals is None:
             totals = self.usage[(passed.tenant, passed.model)] = [0.0] * 5

@@ -1,4 +1,4 @@
-"""The budgets' Prometheus series, read from the ledger when Prometheus scrapes (nothing on a request's path).
+"""The budgets' Prometheus series, read from the gate when Prometheus scrapes (nothing on a request's path).
 
 * ``extproc_budget_limit``, ``extproc_budget_used``, ``extproc_budget_remaining``
   ``{scope, name, model, limit}``: each limit of each *named* scope (a tenant
@@ -6,6 +6,10 @@
   that only inherits ``default`` has counters of its own, which no label can
   bound, so they are not series (the usage export has them all);
 * ``extproc_budget_reset_seconds``: until the window is empty or the period over;
+  with ``cluster:`` these are the cluster's counts as read from Redis
+  (``shared_standings.py``), left out while Redis does not answer;
+* ``extproc_budget_stale``: 1 while they are left out so (the cluster's counts
+  unknown), 0 else;
 * ``extproc_budget_over_total{tenant, over, action}``: requests over a limit;
 * ``extproc_budget_usage_*_total{tenant, model}``: requests, tokens and cost
   booked, the tenant bounded as every tenant label is (``telemetry/labels.py``).
@@ -20,7 +24,6 @@ from prometheus_client.registry import Collector
 
 from extproc.adapters.budgets.gate import BudgetGate
 from extproc.adapters.telemetry.labels import TenantLabels
-from extproc.core.budgets.limits import Kind
 
 SCOPE_LABELS = ("scope", "name", "model", "limit")
 
@@ -28,31 +31,29 @@ SCOPE_LABELS = ("scope", "name", "model", "limit")
 class BudgetCollector(Collector):
     """Collects the processor's budgets at scrape time; ``gate`` is asked each time (a reload may add or remove it)."""
 
-    def __init__(self, gate: Callable[[], BudgetGate | None], clock: Callable[[], float]) -> None:
+    def __init__(self, gate: Callable[[], BudgetGate | None]) -> None:
         self._gate = gate
-        self._clock = clock
 
     def collect(self) -> Iterator[Metric]:
         gate = self._gate()
         if gate is None:
             return
-        now = self._clock()
-        budgets = gate.budgets
-        named = budgets.plan.tenants
+        named = gate.budgets.plan.tenants
         families = {key: GaugeMetricFamily(f"extproc_budget_{key}", text, labels=SCOPE_LABELS) for key, text in (
             ("limit", "A budget's limit: per minute for a rate, per day or month for a budget (money in the prices' unit)."),
             ("used", "What a budget's scope used of its limit: in its window now, or in its period (with reservations)."),
             ("remaining", "What is left of a budget's limit now."),
             ("reset_seconds", "Seconds until a budget's window is empty again or its period ends."))}
-        for standing in budgets.standings(now):
+        rows, stale = gate.standings()
+        for standing in () if stale else rows:
             scope = standing.scope
-            if scope.kind is not Kind.GROUP and scope.name not in named:
-                continue
             values = [scope.kind.value, scope.name, scope.model, standing.limit]
             for key, value in (("limit", standing.value), ("used", standing.used), ("remaining", standing.remaining),
                                ("reset_seconds", standing.reset_s)):
                 families[key].add_metric(values, value)
         yield from families.values()
+        yield GaugeMetricFamily("extproc_budget_stale", "1 while the per-scope budget series are unknown and left out "
+                                "(with a cluster: Redis did not answer the last read), 0 else.", value=float(stale))
         labels = TenantLabels(named)
         over = CounterMetricFamily("extproc_budget_over", "Requests over a budget's limit, by the kind of limit "
                                    "(rate, budget) and the tenant's action (refuse, downgrade, report).",

@@ -4,7 +4,8 @@ With ``cluster:`` the windows and periods live in Redis (``budgets.lua``):
 an admission is one ``EVALSHA`` that checks every meter of the request (each
 limit of each scope it counts in) and reserves all of them or none, atomic,
 so N instances enforce one limit, not N. The end is one more (the correction:
-what was reserved replaced by what was used), sent without waiting for it.
+what was reserved replaced by what was used, and the request's charge added to
+the cluster's usage book, ``shared_usage.py``), sent without waiting for it.
 The semantics are the core's (``core/budgets``): the same windows, periods,
 reservation and actions; only where the counts live differs.
 
@@ -12,7 +13,8 @@ reservation and actions; only where the counts live differs.
 instance decides on its own counts (the core's ledger), each limit divided by
 the instances last seen live (at least ``cluster.instances``' count), as the
 cluster shares an engine's capacity. A request decided so is corrected there
-too. The usage book (export, store) is each instance's own either way.
+too, and its charge still sent to the cluster's usage book (:meth:`SharedBudgets.record`).
+Each instance keeps its own book (and store) either way.
 """
 
 from __future__ import annotations
@@ -73,24 +75,31 @@ def _key(scope: Scope) -> str:
     return f"{scope.kind.value}:{scope.name}:{scope.model}"
 
 
+COUNTS = {"requests_per_minute": "requests", "input_tokens_per_minute": "input", "output_tokens_per_minute": "output",
+          "tokens_per_day": "tokens", "cost_per_day": "cost", "cost_per_month": "cost"}
+
+
 def meters(plan: Plan, tenant: str, model: str, now: float, calendar: Calendar) -> tuple[Meter, ...]:
     """Every meter a request of ``tenant`` for ``model`` counts in, with the period keys of ``now``'s day and month."""
     day, month = calendar.starts(now)
+    return tuple(meter for scope, limits in plan.scopes(tenant, model)
+                 for _, meter in scope_meters(scope, limits, day, month))
+
+
+def scope_meters(scope: Scope, limits: Limits, day: float, month: float) -> list[tuple[str, Meter]]:
+    """Each limit of ``scope`` and its meter, the periods' those of the day and month starting at ``day``, ``month``."""
     found = []
-    counts = {"requests_per_minute": "requests", "input_tokens_per_minute": "input", "output_tokens_per_minute": "output",
-              "tokens_per_day": "tokens", "cost_per_day": "cost", "cost_per_month": "cost"}
-    for scope, limits in plan.scopes(tenant, model):
-        for name in RATE_LIMITS:
-            limit = getattr(limits, name)
-            if limit is not None:
-                found.append(Meter(f"{_key(scope)}:{name}", "w", limit, counts[name]))
-        for name in BUDGET_LIMITS:
-            limit = getattr(limits, name)
-            if limit is not None:
-                monthly = name == "cost_per_month"
-                start, end = (month, next_month(month)) if monthly else (day, day + DAY_S)
-                found.append(Meter(f"{_key(scope)}:{name}", "p", limit, counts[name], monthly, start, end))
-    return tuple(found)
+    for name in RATE_LIMITS:
+        limit = getattr(limits, name)
+        if limit is not None:
+            found.append((name, Meter(f"{_key(scope)}:{name}", "w", limit, COUNTS[name])))
+    for name in BUDGET_LIMITS:
+        limit = getattr(limits, name)
+        if limit is not None:
+            monthly = name == "cost_per_month"
+            start, end = (month, next_month(month)) if monthly else (day, day + DAY_S)
+            found.append((name, Meter(f"{_key(scope)}:{name}", "p", limit, COUNTS[name], monthly, start, end)))
+    return found
 
 
 def amounts(found: tuple[Meter, ...], usage: Usage, cost: float) -> tuple[float, ...]:
@@ -144,16 +153,18 @@ class SharedBudgets:
     """The Redis side: one script call per decision and per correction; raises on Redis trouble (the gate falls back)."""
 
     def __init__(self, client: aioredis.Redis, key_prefix: str, timeout_s: float, instances: Callable[[], int]) -> None:
+        self.client = client
         self._script = client.register_script(SCRIPT)
-        self._prefix = f"{key_prefix}:budget"
-        self._timeout_s = timeout_s
+        self.prefix = f"{key_prefix}:budget"
+        self.timeout_s = timeout_s
         self.instances = instances
         self.calendar = Calendar()
         self._corrections: set[asyncio.Task[None]] = set()
+        self._lost = False  # the last correction did not reach Redis (warned once until one does)
 
     async def _call(self, payload: dict[str, Any]) -> Any:
-        async with asyncio.timeout(self._timeout_s):
-            reply = await self._script(keys=[self._prefix], args=[json.dumps(payload)])
+        async with asyncio.timeout(self.timeout_s):
+            reply = await self._script(keys=[self.prefix], args=[json.dumps(payload)])
         return json.loads(reply)
 
     async def admit(self, found: tuple[Meter, ...], reserve: tuple[float, ...], now: float, *,
@@ -169,8 +180,12 @@ class SharedBudgets:
             return SharedVerdict(None, used=used)
         return SharedVerdict(Over(answer["over"]), answer["wait"], used)
 
-    def correct(self, ticket: SharedTicket, used: tuple[float, ...] | None, now: float) -> None:
-        """Replace ``ticket``'s reservation by ``used`` (None: nothing, the request was not served), in a task."""
+    def correct(self, ticket: SharedTicket, used: tuple[float, ...] | None, now: float,
+                charged: dict[str, Any] | None = None) -> None:
+        """Replace ``ticket``'s reservation by ``used`` (None: nothing, the request was not served), in a task.
+
+        ``charged``: the request's charge for the cluster's usage book (``shared_usage.charge``), in the same call.
+        """
         if not ticket.open:
             return
         ticket.open = False
@@ -186,15 +201,27 @@ class SharedBudgets:
                 start = month if meter.monthly else day
                 end = next_month(start) if meter.monthly else start + DAY_S
                 rows.append([f"{meter.base}:{start:.0f}", "p", meter.limit, spent, 0.0, max(0.0, end - now)])
-        if not rows:
-            return
-        task = asyncio.get_running_loop().create_task(self._correct(rows, now))
+        if rows or charged is not None:
+            self._send({"op": "correct", "now": now, "meters": rows, **({} if charged is None else {"usage": charged})})
+
+    def record(self, charged: dict[str, Any], now: float) -> None:
+        """Add a charge to the cluster's usage book alone (a request decided on this instance's share), in a task."""
+        self._send({"op": "correct", "now": now, "meters": [], "usage": charged})
+
+    def _send(self, payload: dict[str, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(self._correct(payload))
         self._corrections.add(task)
         task.add_done_callback(self._corrections.discard)
 
-    async def _correct(self, rows: list[list[Any]], now: float) -> None:
+    async def _correct(self, payload: dict[str, Any]) -> None:
         try:
-            await self._call({"op": "correct", "now": now, "meters": rows})
+            await self._call(payload)
         except (RedisError, OSError, TimeoutError) as exc:
             # Windows drain by themselves; a period keeps the reservation until it ends: counted high, never low.
-            log.warning("budgets: a correction did not reach Redis (%s); its reservation stands", exc)
+            # The charge is in this instance's book only (shared_usage.py). Said once per outage: every end fails.
+            if not self._lost:
+                self._lost = True
+                log.warning("budgets: a correction did not reach Redis (%s); its reservation stands, its usage "
+                            "is in this instance's book only", exc)
+        else:
+            self._lost = False

@@ -3,10 +3,12 @@
 One row per tenant, model and period: requests served, input tokens (of
 which cached), output tokens, cost (from ``budgets.prices``, in the prices'
 currency), and how many of the requests were served over a limit
-(downgraded or only reported). Read from the store where there is one (every
-day the instance served), else from the processor's memory (since it
-started). Served at ``GET /usage`` on the metrics port and by
-``extproc usage`` (which reads the store file alone).
+(downgraded or only reported). With ``cluster:``, the cluster's rows in
+Redis (``shared_usage.py``: every instance's charges); else read from the
+store where there is one (every day the instance served), else from the
+processor's memory (since it started). Served at ``GET /usage`` on the
+metrics port and by ``extproc usage`` (which reads Redis, or the store file,
+without a running processor).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ COLUMNS = ("tenant", "model", "period", "requests", "input_tokens", "cached_toke
            "over_limit_requests")
 Per = Literal["day", "month"]
 SINCE = re.compile(r"\d{4}-\d{2}(-\d{2})?")
+
+
+class Unavailable(Exception):
+    """The export's source does not answer (a cluster's Redis): the message says which, and where else to look."""
 
 
 def since_day(text: str) -> str:

@@ -22,6 +22,10 @@ Routes, and why each exists:
 * ``/usage``: with tenant budgets, what each tenant used per model and day or
   month, as CSV or JSON (``adapters/budgets/usage.py``), for finance.
 
+With a cluster, the budgets' counts are in Redis: ``refresh`` reads them
+before ``/metrics`` and ``/status.json`` are built (at most once a second,
+``adapters/budgets/shared_standings.py``), never on a request's path.
+
 Anything else is 404 with the OpenAI-style error body and ``x-extproc-reason``,
 as the processor's other answers, so an HTTP probe of a wrong path fails
 rather than looking healthy.
@@ -40,7 +44,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from extproc.adapters.answers import ANSWERS, answer_headers, error_body, retry_after_s
-from extproc.adapters.budgets.usage import Per, render, since_day
+from extproc.adapters.budgets.usage import Per, Unavailable, render, since_day
 from extproc.adapters.objectives import ObjectivesStatus
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
@@ -106,13 +110,15 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
               draining: Callable[[], bool], telemetry: Telemetry | None = None,
               awaited: Callable[[str], bool] = lambda model: True, usage: UsageSource | None = None,
               budgets: Callable[[], list[dict[str, object]] | None] = lambda: None,
-              batches: Callable[[], list[dict[str, Any]]] | None = None) -> web.Application:
+              batches: Callable[[], list[dict[str, Any]]] | None = None,
+              refresh: Callable[[], Awaitable[None]] | None = None) -> web.Application:
     """The app; ``draining`` tells whether the processor is shutting down; ``telemetry``, the objectives' numbers.
 
     ``awaited``: whether readiness waits for a model's first scrape (not for
     one a reload added: a serving processor does not turn unready for it).
     ``usage``: the budgets' usage export (None, or answering None: no budgets); ``budgets``: their limits now.
     ``batches``: the batch API's batches in progress, for the status page.
+    ``refresh``: awaited before the metrics and the status are read (the budgets' counts in a cluster's Redis).
     """
 
     def statuses() -> list[ModelStatus]:
@@ -124,6 +130,8 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
 
     async def metrics(request: web.Request) -> web.Response:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        if refresh is not None:
+            await refresh()
         body = await asyncio.to_thread(encoder, registry)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -138,6 +146,8 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
         return web.json_response({"status": "ready", **({"warnings": told} if told else {})})
 
     async def status_json(request: web.Request) -> web.Response:
+        if refresh is not None:
+            await refresh()
         return web.json_response(status_document(statuses(), draining(), objectives(), budgets(),
                                                  None if batches is None else batches()),
                                  headers={"Cache-Control": "no-store"})
@@ -155,7 +165,10 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
                 raise ValueError("format must be csv or json, per day or month")
         except ValueError as exc:
             return error(Refusal.BAD_REQUEST, str(exc))
-        found = None if usage is None else await usage(since, "day" if per == "day" else "month")
+        try:
+            found = None if usage is None else await usage(since, "day" if per == "day" else "month")
+        except Unavailable as exc:
+            return error(Refusal.GATEWAY_ERROR, str(exc))
         if found is None:
             return error(Refusal.NOT_FOUND, "no usage: the config has no budgets: section")
         return web.Response(text=render(found, "csv" if form == "csv" else "json"),
