@@ -166,7 +166,7 @@ async def start_vllm(
     shared = model_info_dir()
     shared.mkdir(exist_ok=True)
     infos = private / "modelinfos"  # vLLM's registry's folder under VLLM_CACHE_ROOT
-    if not infos.is_symlink():
+    if not (infos.is_symlink() or infos.exists()):  # a reused workdir keeps what it has
         infos.symlink_to(shared, target_is_directory=True)
     # vLLM's processes talk over ZMQ sockets in TMPDIR, whose paths may not pass 107
     # characters: a deep workdir fails there, so TMPDIR is short (one per port).
