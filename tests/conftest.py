@@ -65,9 +65,8 @@ async def vllm_fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
             if isinstance(outcome, BaseException):
                 raise outcome
         yield VllmFleet({server: f"http://127.0.0.1:{port}" for server, port in zip(servers, ports, strict=True)})
-    finally:
-        for server in running:
-            await server.stop()
+    finally:  # together: each takes about 2 s to exit
+        await asyncio.gather(*(server.stop() for server in running))
 
 
 @pytest.fixture(scope="session")

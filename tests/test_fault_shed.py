@@ -160,6 +160,7 @@ class Arrivals:
     session: aiohttp.ClientSession
     url: str
     sent: list[asyncio.Task[Answer]] = field(default_factory=list)
+    bands: list[str] = field(default_factory=list)  # each sent request's
     # Called with each answer as it comes.
     on_answer: list[Callable[[asyncio.Task[Answer]], None]] = field(default_factory=list)
 
@@ -168,6 +169,7 @@ class Arrivals:
         for call in self.on_answer:
             task.add_done_callback(call)
         self.sent.append(task)
+        self.bands.append(band)
 
     async def at(self, pace: Callable[[], float], until: Callable[[], bool]) -> None:
         """``pace()`` requests a second (asked every 10 ms) until ``until()``."""
@@ -179,9 +181,14 @@ class Arrivals:
             await asyncio.sleep(0.01)
 
     async def answers(self, patience_s: float) -> list[Answer]:
-        """Every answer, once those that come within ``patience_s`` have; the clients of the rest leave."""
-        if self.sent:
-            await asyncio.wait(self.sent, timeout=patience_s)
+        """Every answer, once every interactive request's has come (within ``patience_s``); the clients of the rest leave.
+
+        A batch request is shed at once or held 60 s (``shed_config``), longer than any test waits: waiting for
+        those would only wait out the patience.
+        """
+        interactive = [task for task, band in zip(self.sent, self.bands, strict=True) if band == INTERACTIVE]
+        if interactive:
+            await asyncio.wait(interactive, timeout=patience_s)
         for task in self.sent:
             task.cancel()
         return list(await asyncio.gather(*self.sent))

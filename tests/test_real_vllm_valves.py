@@ -40,6 +40,7 @@ import openai
 import pytest
 import pytest_asyncio
 
+from extproc.core.release.adaptive_limit import REFUSAL_HOLD_S
 from extproc.tools.realvllm import REQUEST_EXTRAS
 from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_stack_config
@@ -63,10 +64,12 @@ BYPASS_AFTER_S = 1.0
 MAX_TOKENS = 32
 # The measuring server's request cap: the gateway's line plus room for one request around it.
 ROOMY_REQS = QUEUED_REQS + 1
-# Floods per kind (streamed, SDK) and arm (with and without the bypass), the arms alternating, one started every
-# FLOOD_EVERY_S at most: the bypass's bursts are further apart than the gate's hold for refusals that come again.
+# Floods per kind (streamed, SDK) and arm (with and without the bypass), the arms alternating.
 FLOODS = int(os.environ.get("EXTPROC_VALVES_FLOODS", "1"))
-FLOOD_EVERY_S = 15.0
+# A flood with the bypass starts this long after the last one ended (vLLM drained, the gate back at its line), so
+# its refusals never come within the gate's hold for refusals that come again (REFUSAL_HOLD_S) of the last one's;
+# the floods without it, which meet no refusal, go in between without a pause.
+BYPASS_QUIET_S = REFUSAL_HOLD_S + 5
 VALVED = VllmServer(MODEL, max_num_seqs=MAX_NUM_SEQS, max_num_queued_reqs=QUEUED_REQS, max_num_queued_tokens=QUEUED_TOKENS)
 ROOMY = VllmServer(MODEL, max_num_seqs=MAX_NUM_SEQS, max_num_queued_reqs=ROOMY_REQS)
 VLLM_SERVERS = (VALVED, ROOMY)  # started at once with the other modules' (vllm_fleet, tests/conftest.py)
@@ -447,7 +450,7 @@ def report(kind: Kind, runs: Mapping[bool, list[Measured]]) -> dict[str, float]:
 async def test_the_gateways_throughput_with_a_client_that_bypasses_it(roomy: Valved, tmp_path: Path) -> None:
     """vLLM's cap leaves room for one request around the gateway (8). Floods of one kind (streamed, or SDK not
     streamed), with and without 8 requests straight to vLLM 1 s in, alternating (FLOODS each; more with
-    EXTPROC_VALVES_FLOODS), FLOOD_EVERY_S apart.
+    EXTPROC_VALVES_FLOODS), one with the bypass BYPASS_QUIET_S after the last one with it ended.
 
     Asserted: the bypass meets vLLM's valve, and the gate's limit, cut by vLLM's refusals, is back at the line by the
     time vLLM has drained (a second after the refusals; a hold of fixed length would keep it down for seconds, under
@@ -466,12 +469,15 @@ async def test_the_gateways_throughput_with_a_client_that_bypasses_it(roomy: Val
         await mixed_flood(http, stack, clients, bypass=None)  # the gate learns vLLM's batch: its limit reaches the line
         await recovered(http, roomy.url, stack, line)
         runs: dict[Kind, dict[bool, list[Measured]]] = {kind: {True: [], False: []} for kind in ("sdk", "streamed")}
+        quiet_until = 0.0
         for i in range(FLOODS):
             for kind, arms in runs.items():
                 for bypass in (True, False) if i % 2 == 0 else (False, True):
-                    started = time.monotonic()
+                    if bypass:
+                        await asyncio.sleep(max(0.0, quiet_until - time.monotonic()))
                     arms[bypass].append(await measured_flood(http, stack, clients, roomy.url, kind, bypass, line))
-                    await asyncio.sleep(max(0.0, started + FLOOD_EVERY_S - time.monotonic()))
+                    if bypass:
+                        quiet_until = time.monotonic() + BYPASS_QUIET_S
     print(f"ratios {({kind: report(kind, arms) for kind, arms in runs.items()})}")
     assert any(m.refused for m in runs["sdk"][True] + runs["streamed"][True]), "the bypass never met the valve"
     floods = [m for arms in runs.values() for ms in arms.values() for m in ms]
