@@ -511,7 +511,7 @@ def test_an_idle_only_band_fills_free_slots_and_stops_at_a_queue(kind: str) -> N
     # The engine was seen full once (8 running, a queue): the adaptive limit is 8 + 3.
     gate.record_scrape("e1", EngineLoad(waiting=2, running=8), started_at=-1.0)
     gate.record_scrape("e1", EngineLoad(waiting=0, running=2), started_at=0.0)
-    # 6 free, of which 3 (35 % of 8) are kept for the bands above, which have work now.
+    # 6 free, of which 3 (35 % of 8, to the nearest slot) are kept for the bands above, which have work now.
     assert band_allowance(gate, 0.0, reserve=0, idle_share=1.0) == 3
     assert band_allowance(gate, 0.0, reserve=0, idle_share=0.5) == 2
     for i in range(3):
@@ -532,7 +532,8 @@ def test_an_idle_only_band_keeps_free_what_the_bands_above_were_seen_to_need() -
     """The free slots kept for the bands above: 35 % of the capacity, or enough to go back to their recent peak and
     one more, whichever is more; at least one, at most half the capacity."""
     reservation = Reservation(3)
-    assert reservation.slots(2, 16) == 6  # 35 % of 16, rounded up
+    assert reservation.slots(2, 16) == 6  # 35 % of 16, to the nearest slot
+    assert reservation.slots(2, 4) == 1
     assert reservation.slots(2, 1) == 1  # at least one, however small the engine
     for _ in range(6):
         reservation.released(0, 0.0)

@@ -80,8 +80,8 @@ def test_a_lower_band_is_lent_everything_while_nobody_above_has_work() -> None:
     assert admission.allowance(STANDARD, 0.0) == 7  # 4 slots and the queue room of 3
     admission.arrived(INTERACTIVE, 0.0)  # chats arrive: standard leaves them 2 of the queue room...
     assert admission.allowance(STANDARD, 0.0) == 5
-    # ...and batch goes into free slots only, leaving the chats a reserve of 2 of them (35 % of 4, rounded up).
-    assert admission.allowance(BATCH, 0.0) == 2
+    # ...and batch goes into free slots only, leaving the chats a reserve of 1 of them (35 % of 4, to the nearest).
+    assert admission.allowance(BATCH, 0.0) == 3
     pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=3 * ARRIVING_S)
     assert admission.allowance(STANDARD, 3 * ARRIVING_S) == 7  # they stopped: lent again
     assert admission.allowance(BATCH, 3 * ARRIVING_S) == 7  # the reserve too
@@ -102,7 +102,7 @@ def test_the_reserve_is_lent_again_the_moment_the_bands_above_stop_arriving() ->
     lapse = admission.next_change_in(0.0)
     assert lapse is not None and lapse == pytest.approx(ARRIVING_S * math.log(2), abs=1e-5)  # one arrival, to half
     pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=lapse - 0.01)
-    assert admission.allowance(BATCH, lapse - 0.01) == 2 and admission.allowance(BATCH, lapse) == 7
+    assert admission.allowance(BATCH, lapse - 0.01) == 3 and admission.allowance(BATCH, lapse) == 7
     held[INTERACTIVE] = 1
     assert admission.next_change_in(0.0) is None  # a chat held: only its release changes anything
 

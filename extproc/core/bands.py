@@ -66,8 +66,8 @@ MAX_DEFAULT_SHARE = 0.5
 # While a band above an idle-only band has work now, the idle-only band leaves at least this share of the engine's
 # capacity free for the bands above, beyond what they hold. An engine's step lengthens with every sequence in it, and a
 # first token waits for about two steps: a chat beside a full engine started 1.12-1.13x later (p99) than on an idle one
-# (the simulator's 16 sequences of 20 ms steps, 0.5 ms more a sequence), 1.07-1.09x with this share kept free; 2 slots
-# of 16 kept free gave 1.11-1.12x, 5 of 16 up to 1.10x (docs/batches.md).
+# (the simulator's 16 sequences of 20 ms steps, 0.5 ms more a sequence), 1.07-1.10x with this share (6 of 16) kept
+# free; 2 slots of 16 kept free gave 1.11-1.12x, 5 of 16 up to 1.10x (docs/batches.md). To the nearest slot: 1 of 4.
 RESERVE_SHARE = 0.35
 # More when the bands above were seen to hold more at once lately (enough for them to go back to that peak, and one
 # more), up to this share of the capacity: the idle-only band keeps the rest while they have work.
@@ -269,7 +269,8 @@ class Reservation:
         """
         most = max(1, math.floor(MAX_RESERVE_SHARE * capacity))
         back_to_peak = math.ceil(self._peak[band]) + 1 - self.above(band)
-        return min(most, max(1, math.ceil(RESERVE_SHARE * capacity), back_to_peak))
+        share = math.floor(RESERVE_SHARE * capacity + 0.5)  # to the nearest slot
+        return min(most, max(1, share, back_to_peak))
 
     def _observe(self, now: float) -> None:
         decay = math.exp(-(now - self._at) / PEAK_S) if now > self._at else 1.0
