@@ -155,8 +155,9 @@ async def test_batch_fills_an_idle_engine_and_interactive_overtakes_within_a_slo
     assert batch_span < 1.6 * standard_span + reserve_s, (batch_span, standard_span)
     assert max(running for running, _ in engine) == 4
     # The interactive request was not held behind the batch backlog and
-    # started within about one freed slot: sooner than one batch request takes.
-    assert interactive.queue_wait_s is not None and interactive.queue_wait_s < 0.05 * batch_span
+    # started within about one freed slot: sooner than one batch request takes. (The batch had the engine to
+    # itself, so it finds lines queued in the engine too, taken back once released 0.1 s: core/preemption.py.)
+    assert interactive.queue_wait_s is not None and interactive.queue_wait_s < service, (interactive, service)
     assert interactive.ttft_s is not None and interactive.ttft_s < 1.2 * service, (interactive, service)
 
 
