@@ -105,6 +105,7 @@ class CoreSim:
         ended: Callable[[CoreSim, Request], None] | None = None,
     ) -> None:
         self.now = 0.0
+        self.bands = bands
         self.scrape_s = scrape_s
         self.lag_s = lag_s
         self.end_lag_s = end_lag_s
@@ -275,6 +276,10 @@ class CoreSim:
         if scheduler.waiting or self._inbox:
             return 0
         return scheduler.max_num_seqs - len(scheduler.running)
+
+    def held_bands(self) -> set[int]:
+        """The bands of the requests the gateway holds now."""
+        return {r.arrival.band for r in self._active if r.outcome == "queued"}
 
     def of(self, band: int) -> list[Request]:
         return [r for r in self.requests if r.arrival.band == band]

@@ -6,7 +6,7 @@ import pytest
 
 from extproc.adapters.engines.dialects import MetricsError, parse_load
 from extproc.adapters.envoy.routes import ENGINE_RETRY_MAX_S
-from extproc.core.bands import Band, BandAdmission
+from extproc.core.bands import PEAK_S, Band, BandAdmission, Reservation
 from extproc.core.engine_load import EngineLoad
 from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.adaptive_limit import DECREASE, QUIET_S, REFUSAL_HOLD_S, ConcurrencyLimit, ItlWindow
@@ -511,17 +511,45 @@ def test_an_idle_only_band_fills_free_slots_and_stops_at_a_queue(kind: str) -> N
     # The engine was seen full once (8 running, a queue): the adaptive limit is 8 + 3.
     gate.record_scrape("e1", EngineLoad(waiting=2, running=8), started_at=-1.0)
     gate.record_scrape("e1", EngineLoad(waiting=0, running=2), started_at=0.0)
-    assert band_allowance(gate, 0.0, reserve=0, idle_share=1.0) == 6
+    # 6 free, of which 3 (35 % of 8, to the nearest slot) are kept for the bands above, which have work now.
+    assert band_allowance(gate, 0.0, reserve=0, idle_share=1.0) == 3
     assert band_allowance(gate, 0.0, reserve=0, idle_share=0.5) == 2
-    for i in range(6):
+    for i in range(3):
         gate.record_release(i, 0.01, into_free_slot=True)
-    # Sized to free slots: not counted as waiting, so the bands above keep their allowance.
-    assert gate.allowance(0.02) == 3
+    # Sized to free slots: not counted as waiting, so the bands above keep their allowance (the limit of 11 less
+    # the 5 held; the target of 3 waiting, none waiting).
+    assert gate.allowance(0.02) == (6 if kind == "adaptive" else 3)
     assert band_allowance(gate, 0.02, reserve=0, idle_share=1.0) == 0
-    gate.record_scrape("e1", EngineLoad(waiting=1, running=7), started_at=0.2)
+    gate.record_scrape("e1", EngineLoad(waiting=1, running=5), started_at=0.2)
     assert band_allowance(gate, 0.2, reserve=0, idle_share=1.0) == 0  # not idle: a queue
-    gate.record_finish(0, 0.3)  # the waiting one takes the freed slot: 7 of 8 in use
-    assert band_allowance(gate, 0.3, reserve=0, idle_share=1.0) == 1
+    gate.record_finish(0, 0.3)  # the waiting one takes the freed slot: 5 of 8 in use, the reserve left free
+    assert band_allowance(gate, 0.3, reserve=0, idle_share=1.0) == 0
+    gate.record_finish(1, 0.4)
+    assert band_allowance(gate, 0.4, reserve=0, idle_share=1.0) == 1
+
+
+def test_an_idle_only_band_keeps_free_what_the_bands_above_were_seen_to_need() -> None:
+    """The free slots kept for the bands above: 35 % of the capacity, or enough to go back to their recent peak and
+    one more, whichever is more; at least one, at most half the capacity."""
+    reservation = Reservation(3)
+    assert reservation.slots(2, 16) == 6  # 35 % of 16, to the nearest slot
+    assert reservation.slots(2, 4) == 1
+    assert reservation.slots(2, 1) == 1  # at least one, however small the engine
+    for _ in range(6):
+        reservation.released(0, 0.0)
+    assert reservation.slots(2, 16) == 6  # they hold 6: room for their peak and one more is 1
+    for _ in range(3):
+        reservation.finished(0, 0.1)
+    assert reservation.slots(2, 16) == 6  # 3 held, back to 6 and one more: 4
+    for _ in range(3):
+        reservation.finished(0, 0.1)
+    assert reservation.slots(2, 16) == 7  # none held: back to the peak of 6, and one
+    assert reservation.slots(2, 10) == 5  # at most half the engine
+    assert reservation.slots(1, 16) == 7  # for the middle band too: its band above
+    reservation.released(1, 0.2)
+    assert reservation.slots(1, 16) == 7 and reservation.above(2) == 1 and reservation.above(1) == 0
+    reservation.finished(1, 0.2 + 3 * PEAK_S)  # decayed as requests come and go, not by time alone
+    assert reservation.slots(2, 16) == 6  # the peak decays back to the share
 
 
 def test_an_idle_only_band_probes_for_the_engine_size() -> None:

@@ -6,7 +6,9 @@ that keeps 32 lines of about 64 tokens in flight (non-streamed, as the batch
 runner sends them; a preempted line is sent again a second later as a retry),
 and chats of 16 tokens at 4 a second. The batch alone fills the engine's
 queue too, so the first chat finds batch lines queued in the engine ahead of
-it. Every run is exactly repeatable; docs/batches.md reports the figures.
+it and takes them back; while chats come, the batch leaves them a reserve of
+free slots. Every run is exactly repeatable; docs/batches.md reports the
+figures.
 """
 
 from __future__ import annotations
@@ -71,8 +73,11 @@ async def test_a_chat_takes_a_lent_slot_back_and_starts_about_as_on_an_idle_engi
           f"{statistics.median(beside) * 1000:.0f} ms, p99 {p99(alone) * 1000:.0f} -> {p99(beside) * 1000:.0f} ms "
           f"({p99(beside) / p99(alone):.2f}x), max {max(beside) * 1000:.0f} ms; batch {lines_per_s:.2f} lines/s, "
           f"{preempted} preempted")
-    # What is left is the engine's own: a step of 16 sequences takes 28 ms, of one 20.5 ms.
-    assert p99(beside) <= 1.15 * p99(alone)
+    # The issue's target. The batch leaves the chats a reserve of free slots while they come (core/bands.py), so the
+    # engine's steps stay short enough: a step of 16 sequences takes 28 ms, of one 20.5 ms, and a first token waits
+    # for about two.
+    assert p99(beside) <= 1.1 * p99(alone)
     assert max(beside) <= 1.2 * max(alone)
-    assert preempted <= len(beside) * 1.1  # about one line for each chat, the queued ones at the start
-    assert lines_per_s > 6.0  # against about 9 a second alone: the chats' own slots, and the lines preempted
+    assert preempted <= len(beside) * 1.1  # at most about one line for each chat, the queued ones at the start
+    # Against about 9 a second alone: the chats' own slots, the reserve kept free for them, the lines preempted.
+    assert lines_per_s > 4.5

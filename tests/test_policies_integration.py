@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
+from extproc.core.bands import ARRIVING_COUNT, ARRIVING_S, MAX_RESERVE_SHARE
 from extproc.tools.power_user import Outcome, chat, percentile
 from extproc.tools.sim.server import estimate_tokens
 from extproc.tools.stack import Stack, start_stack
@@ -127,6 +129,9 @@ async def test_batch_fills_an_idle_engine_and_interactive_overtakes_within_a_slo
         # The same flood in a normal class first: the yardstick, and the gate
         # learns the engine's size (a fresh gate probes for it, see core/bands.py).
         standard_span, _ = await flood("standard")
+        # Until its 32 arrivals stop counting as arriving, standard has work now and batch would leave it a reserve
+        # of free slots: the batch starts on an engine nobody above needs.
+        await asyncio.sleep(max(0.0, ARRIVING_S * math.log(32 / ARRIVING_COUNT) - standard_span) + 0.2)
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_engine(stack.sim_url("m1"), stop))
         batch = asyncio.create_task(flood(None))  # carol's default class: batch
@@ -144,12 +149,15 @@ async def test_batch_fills_an_idle_engine_and_interactive_overtakes_within_a_slo
     assert metric(samples, "extproc_released_total", model="m1", priority="batch") == 32
     service = percentile([o.total_s - (o.queue_wait_s or 0) for o in batch_outcomes], 50)
     # With nothing else queued, batch kept the engine busy: about as fast as (margin for a loaded
-    # 2-core machine) the same flood in a normal class, all 4 sequences in use.
-    assert batch_span < 1.6 * standard_span, (batch_span, standard_span)
+    # 2-core machine) the same flood in a normal class, all 4 sequences in use, but for the reserve it
+    # leaves the interactive request's class while that arrives (about 1.4 s at most half of the engine).
+    reserve_s = MAX_RESERVE_SHARE * ARRIVING_S * math.log(1 / ARRIVING_COUNT)
+    assert batch_span < 1.6 * standard_span + reserve_s, (batch_span, standard_span)
     assert max(running for running, _ in engine) == 4
     # The interactive request was not held behind the batch backlog and
-    # started within about one freed slot: sooner than one batch request takes.
-    assert interactive.queue_wait_s is not None and interactive.queue_wait_s < 0.05 * batch_span
+    # started within about one freed slot: sooner than one batch request takes. (The batch had the engine to
+    # itself, so it finds lines queued in the engine too, taken back once released 0.1 s: core/preemption.py.)
+    assert interactive.queue_wait_s is not None and interactive.queue_wait_s < service, (interactive, service)
     assert interactive.ttft_s is not None and interactive.ttft_s < 1.2 * service, (interactive, service)
 
 

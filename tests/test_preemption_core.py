@@ -6,6 +6,8 @@ The dispatcher runs on a static_concurrency gate of two slots (``max_running``
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from extproc.adapters.timers import LoopTimers
@@ -78,11 +80,31 @@ def test_a_lower_band_is_lent_everything_while_nobody_above_has_work() -> None:
     assert admission.allowance(STANDARD, 0.0) == 7  # 4 slots and the queue room of 3
     admission.arrived(INTERACTIVE, 0.0)  # chats arrive: standard leaves them 2 of the queue room...
     assert admission.allowance(STANDARD, 0.0) == 5
-    assert admission.allowance(BATCH, 0.0) == 4  # ...and batch goes into free slots only
+    # ...and batch goes into free slots only, leaving the chats a reserve of 1 of them (35 % of 4, to the nearest).
+    assert admission.allowance(BATCH, 0.0) == 3
     pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=3 * ARRIVING_S)
     assert admission.allowance(STANDARD, 3 * ARRIVING_S) == 7  # they stopped: lent again
+    assert admission.allowance(BATCH, 3 * ARRIVING_S) == 7  # the reserve too
     held[INTERACTIVE] = 1  # one is held here (strict priority serves it first anyway)
     assert admission.allowance(STANDARD, 3 * ARRIVING_S) == 5
+
+
+def test_the_reserve_is_lent_again_the_moment_the_bands_above_stop_arriving() -> None:
+    """A batch held for the chats' reserve is woken when they stop arriving, not at the next event, which may be
+    seconds away."""
+    pool = make_gate(target=3, max_running=4)
+    pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
+    held = [0, 0, 0]
+    admission = BandAdmission(BANDS, pool, reserved_waiting=0, held=held.__getitem__)
+    admission.arrived(INTERACTIVE, 0.0)
+    assert admission.next_change_in(0.0) is None  # nothing held: nothing to wake
+    held[BATCH] = 5
+    lapse = admission.next_change_in(0.0)
+    assert lapse is not None and lapse == pytest.approx(ARRIVING_S * math.log(2), abs=1e-5)  # one arrival, to half
+    pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=lapse - 0.01)
+    assert admission.allowance(BATCH, lapse - 0.01) == 3 and admission.allowance(BATCH, lapse) == 7
+    held[INTERACTIVE] = 1
+    assert admission.next_change_in(0.0) is None  # a chat held: only its release changes anything
 
 
 def test_free_slots_are_never_kept_back_for_the_bands_above() -> None:

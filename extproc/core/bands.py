@@ -1,7 +1,9 @@
 """Priority bands as the core sees them for one model: their settings, and how much of the engine each may use now.
 
 Work conservation comes first: a band below the first is held back only by
-what the bands above it need *now*, and never from a slot the engine has free.
+what the bands above it need *now*. The invariant: no slot the engine has free
+stays free while a request is held, except the reserve an idle-only band
+leaves free for a band above it that has work now, at most half the engine.
 All the band rules sit here, above the release rule, which knows nothing of
 bands:
 
@@ -14,14 +16,23 @@ bands:
   of the engine (``Pool.free_slots``: its capacity less what it holds by the
   load estimate, none while it queues); what it leaves to the bands above is
   ``reserved_waiting`` of the engine's queue room beyond those slots, so a
-  chat finds a place in the engine's queue without waiting for a slot;
+  chat finds a place in the engine's queue without waiting for a slot. It
+  keeps no free slot for them: it is entitled to the engine, not only to
+  what nobody else needs, and the bands above keep their place by strict
+  priority, ``reserved_waiting`` and preemption for an objective at risk;
 * an idle-only band, while a band above has work now, goes only into free
-  slots (never into the engine's queue), up to ``idle_running_share`` of the
-  engine's capacity — ``max_running`` when configured, else the most
-  requests it was ever seen running. With ``share`` 1 and no configured
-  capacity it also probes past the learned capacity (doubling, by at most
-  ``target_waiting`` a scrape, until the engine first shows a waiting queue,
-  then one request per scrape), so it finds the engine's real size. Without
+  slots (never into the engine's queue), and not into all of them: it leaves
+  a reserve free for the bands above (:class:`Reservation`), so a request of
+  theirs finds a slot at once and the engine's steps, which lengthen with
+  every sequence in them, stay short; and it runs at most
+  ``idle_running_share`` of the engine's capacity (the operator's cap) —
+  ``max_running`` when configured, else the most requests it was ever seen
+  running. The reserve is lent again the moment the bands above stop
+  arriving (a wake-up then, :meth:`BandAdmission.next_change_in`). With
+  ``share`` 1, no configured capacity and the engine full by the capacity
+  learned so far, it probes past it (doubling, by at most ``target_waiting``
+  a scrape, until the engine first shows a waiting queue, then one request
+  per scrape), so it finds the engine's real size. Without
   usable metrics (or with a rule that ignores them) free slots cannot be
   seen: the band gets the ordinary allowance less ``reserved_waiting``, at
   least one slot;
@@ -52,6 +63,19 @@ ARRIVING_COUNT = 0.5
 SHARE_S = 60.0
 # The most a default (arrival-share) minimum share takes: the bands above keep at least the rest.
 MAX_DEFAULT_SHARE = 0.5
+# While a band above an idle-only band has work now, the idle-only band leaves at least this share of the engine's
+# capacity free for the bands above, beyond what they hold. An engine's step lengthens with every sequence in it, and a
+# first token waits for about two steps: a chat beside a full engine started 1.12-1.13x later (p99) than on an idle one
+# (the simulator's 16 sequences of 20 ms steps, 0.5 ms more a sequence), 1.07-1.10x with this share (6 of 16) kept
+# free; 2 slots of 16 kept free gave 1.11-1.12x, 5 of 16 up to 1.10x (docs/batches.md). To the nearest slot: 1 of 4.
+RESERVE_SHARE = 0.35
+# More when the bands above were seen to hold more at once lately (enough for them to go back to that peak, and one
+# more), up to this share of the capacity: the idle-only band keeps the rest while they have work.
+MAX_RESERVE_SHARE = 0.5
+# The time constant of the decaying peak of what the bands above an idle-only band held at once.
+PEAK_S = 10.0
+# A wake-up for a band that stops arriving comes this much after the moment, so that it has stopped by then.
+_AFTER_S = 1e-6
 
 
 @dataclass(frozen=True)
@@ -136,6 +160,12 @@ class BandActivity:
         self._decay(now)
         return self._recent[band] >= ARRIVING_COUNT
 
+    def stops_arriving_in(self, band: int, now: float) -> float | None:
+        """How long until ``band`` no longer arrives now if nothing more comes; None: it does not arrive now."""
+        self._decay(now)
+        count = self._recent[band]
+        return ARRIVING_S * math.log(count / ARRIVING_COUNT) if count >= ARRIVING_COUNT else None
+
     def arrival_share(self, band: int, now: float) -> float:
         """``band``'s share of all the requests that arrived lately (0 when none did): what FIFO would serve of it."""
         self._decay(now)
@@ -195,6 +225,62 @@ class BandShares:
         return chosen
 
 
+class Reservation:
+    """The free slots an idle-only band leaves to the bands above it while one of them has work now.
+
+    Kubernetes API Priority and Fairness keeps part of a level's seats
+    unlendable (``lendablePercent``); here the part kept follows what the
+    bands above were seen to need: :data:`RESERVE_SHARE` of the engine's
+    capacity, or enough for them to go back to the most they held at once
+    lately (a peak decaying over :data:`PEAK_S`) and one more, whichever is
+    more; at least one slot, at most :data:`MAX_RESERVE_SHARE` of the
+    capacity. The slots are free ones, beyond those the bands above hold: a
+    request of theirs that arrives finds one at once, whether or not a lent
+    slot could be taken back for it (a downgraded request's stream cannot
+    be), and the engine's step is not full. A few float updates per release
+    and end.
+    """
+
+    def __init__(self, bands: int) -> None:
+        self._in_flight = [0] * bands
+        # Per band: the decaying peak of what the bands above it held at once.
+        self._peak = [0.0] * bands
+        self._at = 0.0
+
+    def released(self, band: int, now: float) -> None:
+        self._in_flight[band] += 1
+        self._observe(now)
+
+    def finished(self, band: int, now: float) -> None:
+        self._in_flight[band] -= 1
+        self._observe(now)
+
+    def above(self, band: int) -> int:
+        """Requests of the bands above ``band`` released and not finished."""
+        return sum(self._in_flight[:band])
+
+    def slots(self, band: int, capacity: float) -> int:
+        """The free slots kept for the bands above ``band`` while one has work, on an engine of ``capacity``.
+
+        It changes only as requests are released and end (the peak is
+        decayed then), never by time alone: each change is an event the
+        dispatcher acts on, so the idle-only band is never left waiting
+        for a slot a lapse of time has freed.
+        """
+        most = max(1, math.floor(MAX_RESERVE_SHARE * capacity))
+        back_to_peak = math.ceil(self._peak[band]) + 1 - self.above(band)
+        share = math.floor(RESERVE_SHARE * capacity + 0.5)  # to the nearest slot
+        return min(most, max(1, share, back_to_peak))
+
+    def _observe(self, now: float) -> None:
+        decay = math.exp(-(now - self._at) / PEAK_S) if now > self._at else 1.0
+        self._at = max(self._at, now)
+        above = 0
+        for band, held in enumerate(self._in_flight):
+            self._peak[band] = max(float(above), self._peak[band] * decay)
+            above += held
+
+
 class BandAdmission:
     """How many requests of each band may go now, and which band goes next (see the module docstring)."""
 
@@ -206,6 +292,7 @@ class BandAdmission:
         self._held = held
         self.activity = BandActivity(len(bands))
         self.shares = BandShares(bands, self.activity)
+        self.reservation = Reservation(len(bands))
 
     def reconfigure(self, bands: tuple[Band, ...], reserved_waiting: int) -> None:
         """New settings for the same bands (names and order kept: their arrival counts stay valid)."""
@@ -216,6 +303,14 @@ class BandAdmission:
     def arrived(self, band: int, now: float) -> None:
         """A request of ``band`` was queued."""
         self.activity.arrived(band, now)
+
+    def released(self, band: int, now: float) -> None:
+        """A request of ``band`` was released to the engine."""
+        self.reservation.released(band, now)
+
+    def finished(self, band: int, now: float) -> None:
+        """A released request of ``band`` is over (it ended, or was preempted)."""
+        self.reservation.finished(band, now)
 
     def pick(self, first: int, now: float) -> int:
         """The band whose request goes next (:class:`BandShares`)."""
@@ -232,6 +327,17 @@ class BandAdmission:
     def allowance(self, band: int, now: float) -> int:
         return max(0, self.headroom(band, now))
 
+    def next_change_in(self, now: float) -> float | None:
+        """How long until an idle-only band holding requests is lent the reserve by time alone (None: only an event
+        changes it): the moment its bands above, none of them holding requests, stop arriving."""
+        for band, rules in enumerate(self._bands):
+            if not rules.idle_only or not self._held(band) or any(self._held(above) for above in range(band)):
+                continue
+            lapses = [lapse for above in range(band) if (lapse := self.activity.stops_arriving_in(above, now)) is not None]
+            if lapses:
+                return max(lapses) + _AFTER_S
+        return None
+
     def into_free_slots(self, band: int, now: float) -> bool:
         """Whether ``band`` goes only into free slots now: idle-only, while a band above has work now."""
         return self._bands[band].idle_only and self.wanted_above(band, now)
@@ -242,21 +348,23 @@ class BandAdmission:
         if band == 0 or not self.wanted_above(band, now):
             return room  # nobody above needs anything now: all of it is lent
         if self._bands[band].idle_only:
-            return self._idle_allowance(now, self._bands[band].idle_running_share)
+            return self._idle_allowance(band, now, self._bands[band].idle_running_share)
         # Every free slot goes, whatever is reserved; of the engine's queue room, reserved_waiting is kept.
         return min(room, max(self._pool.free_slots(now), room - self._reserved_waiting))
 
-    def _idle_allowance(self, now: float, share: float) -> int:
+    def _idle_allowance(self, band: int, now: float, share: float) -> int:
         pool, settings = self._pool, self._pool.settings
         if not pool.rule.uses_metrics or pool.degraded(now):
             return max(0, pool.allowance(now) - max(1, self._reserved_waiting))
         estimate = pool.estimate.now()
         if estimate.waiting > 0:
             return 0
-        free = math.ceil(share * pool.capacity() - estimate.held)
+        capacity = pool.capacity()
+        room = math.ceil(share * capacity - estimate.held)
+        free = min(room, math.ceil(capacity - estimate.held) - self.reservation.slots(band, capacity))
         if free >= 1:
             return free
-        if share < 1 or settings.max_running is not None or estimate.into_slots_since:
+        if room >= 1 or share < 1 or settings.max_running is not None or estimate.into_slots_since:
             return 0
         # Probe: growing (doubling, at most target_waiting a scrape, so a probe
         # that does not fit leaves no more than the target waiting) until the

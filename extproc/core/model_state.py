@@ -179,7 +179,9 @@ class ModelState:
         return self._pool.free_slots(now)
 
     def next_release_in(self, now: float) -> float | None:
-        return self._pool.next_change_in(now)
+        """How long until more may go by time alone: the release rule's (a rate), or an idle-only band's reserve lent."""
+        due = [d for d in (self._pool.next_change_in(now), self._admission.next_change_in(now)) if d is not None]
+        return min(due) if due else None
 
     def service(self, tenant: str, cost: float) -> float:
         return self._policy.service(cost, self._weight(tenant))
@@ -222,6 +224,7 @@ class ModelState:
         into_free_slot = free or (rules.idle_only and self._admission.into_free_slots(band, now))
         self._note_for_preemption(held, rules, now, into_free_slot)
         pool.record_release(held, now, held.endpoint, into_free_slot=into_free_slot)
+        self._admission.released(band, now)
         self._release_rate.record(now)
         self._queue.charge(band, tenant, held.estimate.cost)
         self._resolve(held)
@@ -281,6 +284,7 @@ class ModelState:
     def finish(self, held: Held, now: float) -> float:
         """A released request is over (it ended, or was preempted): free its place, charge what it cost; the cost measured."""
         occupancy = self._pool.record_finish(held, now)
+        self._admission.finished(held.request.band, now)
         measured = held.charge = self._pricing.measure(held, occupancy)
         request, estimate = held.request, held.estimate
         self._queue.correct(request.band, request.tenant, measured.cost - estimate.cost)
