@@ -98,6 +98,10 @@ class Band:
     # "Idle": the engine's waiting queue is empty and it runs fewer than this
     # share of its capacity.
     idle_running_share: float = 1.0
+    # The least share of the engine's capacity an idle-only band leaves free for
+    # the bands above while one has work now (Reservation): their first tokens
+    # against the band's throughput while they come.
+    reserve_share: float = RESERVE_SHARE
     # The body's `priority` for engine_priority models (vLLM: lower runs first);
     # the config's default is the band's position.
     engine_priority: int = 0
@@ -259,7 +263,7 @@ class Reservation:
         """Requests of the bands above ``band`` released and not finished."""
         return sum(self._in_flight[:band])
 
-    def slots(self, band: int, capacity: float) -> int:
+    def slots(self, band: int, capacity: float, share: float = RESERVE_SHARE) -> int:
         """The free slots kept for the bands above ``band`` while one has work, on an engine of ``capacity``.
 
         It changes only as requests are released and end (the peak is
@@ -269,8 +273,8 @@ class Reservation:
         """
         most = max(1, math.floor(MAX_RESERVE_SHARE * capacity))
         back_to_peak = math.ceil(self._peak[band]) + 1 - self.above(band)
-        share = math.floor(RESERVE_SHARE * capacity + 0.5)  # to the nearest slot
-        return min(most, max(1, share, back_to_peak))
+        kept = math.floor(share * capacity + 0.5)  # to the nearest slot
+        return min(most, max(1, kept, back_to_peak))
 
     def _observe(self, now: float) -> None:
         decay = math.exp(-(now - self._at) / PEAK_S) if now > self._at else 1.0
@@ -348,12 +352,13 @@ class BandAdmission:
         if band == 0 or not self.wanted_above(band, now):
             return room  # nobody above needs anything now: all of it is lent
         if self._bands[band].idle_only:
-            return self._idle_allowance(band, now, self._bands[band].idle_running_share)
+            return self._idle_allowance(band, now)
         # Every free slot goes, whatever is reserved; of the engine's queue room, reserved_waiting is kept.
         return min(room, max(self._pool.free_slots(now), room - self._reserved_waiting))
 
-    def _idle_allowance(self, band: int, now: float, share: float) -> int:
+    def _idle_allowance(self, band: int, now: float) -> int:
         pool, settings = self._pool, self._pool.settings
+        share = self._bands[band].idle_running_share
         if not pool.rule.uses_metrics or pool.degraded(now):
             return max(0, pool.allowance(now) - max(1, self._reserved_waiting))
         estimate = pool.estimate.now()
@@ -361,7 +366,8 @@ class BandAdmission:
             return 0
         capacity = pool.capacity()
         room = math.ceil(share * capacity - estimate.held)
-        free = min(room, math.ceil(capacity - estimate.held) - self.reservation.slots(band, capacity))
+        reserve = self.reservation.slots(band, capacity, self._bands[band].reserve_share)
+        free = min(room, math.ceil(capacity - estimate.held) - reserve)
         if free >= 1:
             return free
         if room >= 1 or share < 1 or settings.max_running is not None or estimate.into_slots_since:

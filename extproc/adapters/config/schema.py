@@ -39,6 +39,7 @@ from extproc.adapters.config.values import (
     NonNegative,
     Positive,
     ReleaseShare,
+    ReserveShare,
     Section,
     Share,
     choice,
@@ -220,6 +221,7 @@ class BandSettings(Section, frozen=True):
     max_queued: Count | None = None
     idle_only: bool | None = None
     idle_running_share: Share = Band.idle_running_share
+    reserve_share: ReserveShare = Band.reserve_share
     engine_priority: int | None = None
     ttft_objective_s: Positive | None = None
     min_ttft_objective_s: Positive | None = None

@@ -130,6 +130,8 @@ Count0 = Annotated[int, Meta(ge=0)]
 Positive = Annotated[float, Meta(gt=0)]
 NonNegative = Annotated[float, Meta(ge=0)]
 Share = Annotated[float, Meta(gt=0, le=1)]
+# A share of the engine an idle-only band keeps free for the bands above: never more than half of it.
+ReserveShare = Annotated[float, Meta(ge=0, le=0.5)]
 # A share that may be nothing but never everything (a minimum share of releases).
 ReleaseShare = Annotated[float, Meta(ge=0, lt=1)]
 Names = Annotated[tuple[NonEmpty, ...], Meta(min_length=1)]
