@@ -33,9 +33,10 @@ def test_defaults_keep_the_old_behaviour_and_make_the_lowest_band_idle_only() ->
 
 
 def test_band_settings_and_the_longest_wait() -> None:
-    c = config(bands={"batch": {"max_queue_wait_s": 900, "idle_only": False, "idle_running_share": 0.5},
+    c = config(bands={"batch": {"max_queue_wait_s": 900, "idle_only": False, "idle_running_share": 0.5,
+                                "reserve_share": 0.1},
                       "interactive": {"max_queued": 10, "engine_priority": -1}})
-    assert c.bands[2].idle_running_share == 0.5 and not c.bands[2].idle_only
+    assert c.bands[2].idle_running_share == 0.5 and not c.bands[2].idle_only and c.bands[2].reserve_share == 0.1
     assert c.bands[0].max_queued == 10 and c.bands[0].engine_priority == -1
     assert c.longest_queue_wait_s(c.models[0]) == 900
 
@@ -63,6 +64,7 @@ def test_every_band_and_tenant_setting_is_a_field_of_the_core_type() -> None:
         ({"models": [{**MODEL, "engine_priority": "yes"}]}, "models[0].engine_priority: must be true or false"),
         ({"bands": {"urgent": {}}}, "bands.urgent: unknown key"),
         ({"bands": {"batch": {"idle_running_share": 1.5}}}, "bands.batch.idle_running_share: must be a number in (0, 1]"),
+        ({"bands": {"batch": {"reserve_share": 0.6}}}, "bands.batch.reserve_share: must be a number in [0, 0.5]"),
         ({"tenants": {"a": {"priorities": ["gold"]}}}, "tenants.a.priorities[0]: must be one of priorities"),
         ({"tenants": {"a": {"priorities": ["batch"]}}}, "tenants.a.default_priority: 'standard' is not among"),
         ({"tenants": {"a": {"weight": 0}}}, "tenants.a.weight: must be a number > 0"),

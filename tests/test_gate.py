@@ -535,6 +535,7 @@ def test_an_idle_only_band_keeps_free_what_the_bands_above_were_seen_to_need() -
     assert reservation.slots(2, 16) == 6  # 35 % of 16, to the nearest slot
     assert reservation.slots(2, 4) == 1
     assert reservation.slots(2, 1) == 1  # at least one, however small the engine
+    assert reservation.slots(2, 16, share=0.1) == 2 and reservation.slots(2, 16, share=0.0) == 1  # the band's setting
     for _ in range(6):
         reservation.released(0, 0.0)
     assert reservation.slots(2, 16) == 6  # they hold 6: room for their peak and one more is 1
