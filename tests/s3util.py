@@ -42,6 +42,11 @@ class S3Server:
     def create_bucket(self) -> None:
         self.client().create_bucket(Bucket=self.bucket)
 
+    def new_bucket(self) -> None:
+        """A bucket of the next test's own on the same server: a server started once serves a module's tests."""
+        self.bucket = f"batches-{secrets.token_hex(4)}"
+        self.create_bucket()
+
     def client(self) -> Any:
         return boto3.session.Session().client("s3", endpoint_url=self.url, region_name="us-east-1",
                                               aws_access_key_id=ACCESS_KEY_ID, aws_secret_access_key=SECRET_ACCESS_KEY)

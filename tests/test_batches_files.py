@@ -27,13 +27,18 @@ from tests.s3util import S3Server
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def s3_server(tmp_path: Path) -> Iterator[S3Server]:
-    server = S3Server(tmp_path)
+@pytest.fixture(scope="module")
+def running_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(tmp_path_factory.mktemp("s3"))
     server.start()
-    server.create_bucket()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def s3_server(running_s3: S3Server) -> S3Server:
+    running_s3.new_bucket()
+    return running_s3
 
 
 @pytest.fixture(params=["directory", "s3"])
@@ -144,16 +149,18 @@ def test_an_unreachable_store_is_unavailable_soon_for_every_call(s3_server: S3Se
         writer.write(b"{}\n")
         writer.commit()
     s3_server.stop()
-    began = time.monotonic()
-    for call in (lambda: store.open("file-g"), lambda: store.read_spans("file-g", [(0, 2)]),
-                 lambda: store.delete("file-g")):
+    try:
+        began = time.monotonic()
+        for call in (lambda: store.open("file-g"), lambda: store.read_spans("file-g", [(0, 2)]),
+                     lambda: store.delete("file-g")):
+            with pytest.raises(FilesUnavailable):
+                call()
+        cut = store.create("file-h")
+        cut.write(b"{}\n")
         with pytest.raises(FilesUnavailable):
-            call()
-    cut = store.create("file-h")
-    cut.write(b"{}\n")
-    with pytest.raises(FilesUnavailable):
-        cut.commit()
-    assert time.monotonic() - began < 10
-    s3_server.start()  # back, on the same port: what was committed is there
+            cut.commit()
+        assert time.monotonic() - began < 10
+    finally:
+        s3_server.start()  # back, on the same port (the module's other tests use it): what was committed is there
     assert read(store, "file-g") == b"{}\n"
     store.close()
