@@ -56,6 +56,7 @@ async def test_short_overhead_run_measures_every_path(tmp_path: Path) -> None:
     assert set(summary["extproc_added_ms"]) == {"p50", "p99"}
     floor = summary["floor"]
     assert set(floor["added_ms"]) == {"p50", "p99"} and all(v is not None for v in floor["added_ms"].values())
+    assert len(floor["added_p50_ms_by_round"]) == summary["rounds"]
     assert floor["cpu_us_per_request"] > 0 and floor["cpu_us_per_request_max"] > 0 and floor["max_rate"] > 0
     assert list(summary["paths"]["envoy+null"]["cpu_us_per_request_fixed"]) == ["envoy", "null"]
     report = "\n".join(overhead_markdown(summary))

@@ -375,6 +375,10 @@ def summarize_overhead(paths: list[PathResult], held: list[HeldResult] | None = 
         alone, floor = by_path["envoy"], by_path[FLOOR_PATH]
         summary["floor"] = {
             "added_ms": {q: _difference(floor["fixed"][q], alone["fixed"][q]) for q in ("p50", "p99")},
+            "added_p50_ms_by_round": [
+                _difference(latency_ms(b.latencies_s)["p50"], latency_ms(a.latencies_s)["p50"])
+                for a, b in zip(runs["envoy"].fixed, runs[FLOOR_PATH].fixed, strict=True)
+            ],
             "cpu_us_per_request": floor["cpu_us_per_request_fixed"]["null"],
             "cpu_us_per_request_max": floor["cpu_us_per_request_max"]["null"],
             "max_rate": floor["max"]["rate"],

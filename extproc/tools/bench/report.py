@@ -588,8 +588,9 @@ def overhead_markdown(overhead: Mapping[str, Any]) -> list[str]:
                       f"and {overhead['extproc_cpu_us_per_request']:,.0f} µs at {overhead['fixed_rate']} req/s."]
     floor = overhead.get("floor")
     if floor and added:
+        by_round = ", ".join(_num(x, 1) for x in floor["added_p50_ms_by_round"])
         lines += ["", f"How much of the hop is the hop itself (at {overhead['fixed_rate']} req/s, added to Envoy alone; "
-                      "processor CPU per request):", ""]
+                      f"processor CPU per request; the floor's p50 added per round: {by_round} ms):", ""]
         lines += _table(
             ["path", "added p50 / p99 (ms)", "CPU µs/request (fixed)", "CPU µs/request (max)", "max rate (req/s)"],
             [["the hop's floor (a processor that only says CONTINUE)",
