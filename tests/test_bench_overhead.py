@@ -38,9 +38,10 @@ async def test_fast_upstream_answers_chat_and_reports_an_idle_engine(tmp_path: P
 
 @pytest.mark.skipif(shutil.which("hey") is None, reason="the load tool `hey` is not installed (apt-get install hey)")
 async def test_short_overhead_run_measures_every_path(tmp_path: Path) -> None:
-    """Direct, Envoy alone, our metadata fast path (on each transport) and the GIE shape's two body modes, all answered."""
+    """Direct, Envoy alone, the hop's floor, our metadata fast path (on each transport) and the GIE shape's two body
+    modes, all answered."""
     summary = summarize_overhead(await run_overhead(tmp_path, seconds=0.5))
-    assert list(summary["paths"]) == ["upstream", "envoy", "envoy+extproc", "envoy+extproc-grpcio", "gie-buffered",
+    assert list(summary["paths"]) == ["upstream", "envoy", "envoy+null", "envoy+extproc", "envoy+extproc-grpcio", "gie-buffered",
                                       "gie-duplex"]
     assert list(summary["added_ms"]) == ["envoy+extproc", "envoy+extproc-grpcio", "gie-buffered", "gie-duplex"]
     assert all(summary["transports"][t]["cpu_us_per_request_fixed"] > 0 for t in ("h2", "grpcio"))
@@ -53,6 +54,14 @@ async def test_short_overhead_run_measures_every_path(tmp_path: Path) -> None:
     assert summary["extproc_cpu_us_per_request"] > 0 and summary["extproc_cpu_us_per_request_max"] > 0
     assert 0 < summary["extproc_rate_vs_envoy"] == summary["extproc_max_rate"] / summary["paths"]["envoy"]["max"]["rate"]
     assert set(summary["extproc_added_ms"]) == {"p50", "p99"}
+    floor = summary["floor"]
+    assert set(floor["added_ms"]) == {"p50", "p99"} and all(v is not None for v in floor["added_ms"].values())
+    assert len(floor["added_p50_ms_by_round"]) == summary["rounds"]
+    assert floor["cpu_us_per_request"] > 0 and floor["cpu_us_per_request_max"] > 0 and floor["max_rate"] > 0
+    assert list(summary["paths"]["envoy+null"]["cpu_us_per_request_fixed"]) == ["envoy", "null"]
+    report = "\n".join(overhead_markdown(summary))
+    assert "| the hop's floor (a processor that only says CONTINUE) |" in report
+    assert "| our processor (envoy+extproc) |" in report
 
 
 async def test_memory_per_held_request_is_measured_on_each_transport(tmp_path: Path) -> None:

@@ -6,6 +6,9 @@ vLLM page that reports an idle engine):
 
 * ``upstream``      — the load tool straight to it: the floor of this machine;
 * ``envoy``         — through the gateway Envoy without ext_proc;
+* ``envoy+null``    — through the same gateway Envoy as ``envoy+extproc``, to a
+  processor that answers every message at once (null_processor.py) on the same
+  transport: the hop's floor, Envoy's ext_proc filter and one gRPC round trip;
 * ``envoy+extproc`` — through the gateway Envoy and the processor, whose gate
   is uncontended (``target_waiting`` far above any queue), so every request is
   held and released at once: the pure cost of the hop, on our metadata fast
@@ -48,13 +51,15 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
+from extproc.adapters.envoy import bootstrap
 from extproc.tools import gie_gateway
 from extproc.tools.bench.arms import MODEL, api_key
 from extproc.tools.bench.held import HeldResult
+from extproc.tools.bench.null_processor import start_null_processor
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.power_user import percentile
 from extproc.tools.procs import cpu_seconds, free_port
@@ -206,10 +211,12 @@ def overhead_config(upstream_url: str, *, endpoint_picking: bool = False, transp
     }
 
 
-# The paths behind Envoy: name, what runs behind it, the GIE gateway shape's body mode (None: our
-# bootstrap), and the processor's transport (listen.transport).
-PATHS: tuple[tuple[str, Gateway, gie_gateway.BodyMode | None, str], ...] = (
+# The paths behind Envoy: name, what runs behind it ("null": null_processor.py behind our ext_proc
+# filter), the GIE gateway shape's body mode (None: our bootstrap), and the processor's transport
+# (listen.transport).
+PATHS: tuple[tuple[str, Gateway | Literal["null"], gie_gateway.BodyMode | None, str], ...] = (
     ("envoy", "envoy", None, "h2"),
+    ("envoy+null", "null", None, "h2"),
     ("envoy+extproc", "extproc", None, "h2"),
     ("envoy+extproc-grpcio", "extproc", None, "grpcio"),
     ("gie-buffered", "extproc", "buffered", "h2"),
@@ -220,6 +227,8 @@ PROCESSOR_PATHS = tuple(path for path, gateway, _, _ in PATHS if gateway == "ext
 # The hop as deployed by default (our Envoy, the metadata fast path, the h2 transport): the path the
 # hop's own figures (extproc_*) and the report's targets are read from.
 FAST_PATH = "envoy+extproc"
+# The hop with a processor that only says CONTINUE: what FAST_PATH costs without our scheduler.
+FLOOR_PATH = "envoy+null"
 # The metadata fast path on each transport: the two compared in summarize_overhead's "transports".
 TRANSPORT_PATHS = {"h2": FAST_PATH, "grpcio": "envoy+extproc-grpcio"}
 
@@ -281,13 +290,21 @@ async def run_overhead(
             config = overhead_config(upstream_url, endpoint_picking=shape is not None, transport=transport)
             config_path.write_text(yaml.safe_dump(config), encoding="utf-8")
             envoy_bootstrap = None if shape is None else functools.partial(gie_gateway.strict, model=MODEL, body=shape)
-            stack = await running.enter_async_context(
-                await start_stack(config_path, folder, gateway=gateway, engines=False, envoy_bootstrap=envoy_bootstrap)
-            )
+            null = None
+            if gateway == "null":
+                null = await running.enter_async_context(await start_null_processor(
+                    config["listen"]["grpc"], MODEL, folder / "null.log"))
+                envoy_bootstrap = functools.partial(bootstrap, ext_proc=True)
+            stack = await running.enter_async_context(await start_stack(
+                config_path, folder, gateway="envoy" if gateway == "null" else gateway, engines=False,
+                envoy_bootstrap=envoy_bootstrap,
+            ))
             assert stack.envoy is not None
             pids = {"envoy": stack.envoy.process.pid}
             if stack.processor is not None:
                 pids["extproc"] = stack.processor.process.pid
+            if null is not None:
+                pids["null"] = null.process.pid
             targets.append(_Target(path, stack.envoy_url, pids))
         for target in targets:  # warm-up: connections, caches
             await run_hey(target.url, seconds=min(1.0, seconds), workers=8, rate_per_worker=50)
@@ -353,6 +370,19 @@ def summarize_overhead(paths: list[PathResult], held: list[HeldResult] | None = 
         summary["extproc_rate_vs_envoy"] = hop["max"]["rate"] / alone["max"]["rate"] if alone["max"]["rate"] else None
         summary["extproc_cpu_us_per_request"] = hop["cpu_us_per_request_fixed"]["extproc"]
         summary["extproc_cpu_us_per_request_max"] = hop["cpu_us_per_request_max"]["extproc"]
+    if "envoy" in runs and FLOOR_PATH in runs:
+        # The hop's floor beside the real processor's figures: how much of the hop is not the scheduler.
+        alone, floor = by_path["envoy"], by_path[FLOOR_PATH]
+        summary["floor"] = {
+            "added_ms": {q: _difference(floor["fixed"][q], alone["fixed"][q]) for q in ("p50", "p99")},
+            "added_p50_ms_by_round": [
+                _difference(latency_ms(b.latencies_s)["p50"], latency_ms(a.latencies_s)["p50"])
+                for a, b in zip(runs["envoy"].fixed, runs[FLOOR_PATH].fixed, strict=True)
+            ],
+            "cpu_us_per_request": floor["cpu_us_per_request_fixed"]["null"],
+            "cpu_us_per_request_max": floor["cpu_us_per_request_max"]["null"],
+            "max_rate": floor["max"]["rate"],
+        }
     memory = {h.transport: h.summary() for h in held or ()}
     transports = {
         transport: {

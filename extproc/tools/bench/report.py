@@ -586,6 +586,21 @@ def overhead_markdown(overhead: Mapping[str, Any]) -> list[str]:
                       f"({_num(overhead['extproc_rate_vs_envoy'])} of Envoy alone's {envoy:,.0f}), using "
                       f"**{overhead['extproc_cpu_us_per_request_max']:,.0f} µs** of processor CPU per request there "
                       f"and {overhead['extproc_cpu_us_per_request']:,.0f} µs at {overhead['fixed_rate']} req/s."]
+    floor = overhead.get("floor")
+    if floor and added:
+        by_round = ", ".join(_num(x, 1) for x in floor["added_p50_ms_by_round"])
+        lines += ["", f"How much of the hop is the hop itself (at {overhead['fixed_rate']} req/s, added to Envoy alone; "
+                      f"processor CPU per request; the floor's p50 added per round: {by_round} ms):", ""]
+        lines += _table(
+            ["path", "added p50 / p99 (ms)", "CPU µs/request (fixed)", "CPU µs/request (max)", "max rate (req/s)"],
+            [["the hop's floor (a processor that only says CONTINUE)",
+              f"{_num(floor['added_ms']['p50'])} / {_num(floor['added_ms']['p99'])}",
+              _num(floor["cpu_us_per_request"], 0), _num(floor["cpu_us_per_request_max"], 0),
+              _num(floor["max_rate"], 0)],
+             [f"our processor ({FAST_PATH})", f"{_num(added['p50'])} / {_num(added['p99'])}",
+              _num(overhead["extproc_cpu_us_per_request"], 0), _num(overhead["extproc_cpu_us_per_request_max"], 0),
+              _num(overhead["extproc_max_rate"], 0)]],
+        )
     by_attachment = overhead.get("added_ms") or {}
     if by_attachment:
         lines += ["", "Added to Envoy alone at the fixed rate, p50 / p99 (ms): " + "; ".join(
