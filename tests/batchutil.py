@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import openai
+import yaml
 
-from tests.stackutil import TENANT_KEYS
+from extproc.tools.procs import free_port
+from extproc.tools.stack import Stack
+from tests.stackutil import TENANT_KEYS, write_stack_config
 
 
 def client(envoy_url: str, tenant: str) -> openai.AsyncOpenAI:
@@ -46,3 +50,25 @@ async def entries(sdk: openai.AsyncOpenAI, file_id: str | None) -> list[dict[str
 async def completed_count(sdk: openai.AsyncOpenAI, batch_id: str) -> int:
     counts = (await sdk.batches.retrieve(batch_id)).request_counts
     return 0 if counts is None else counts.completed
+
+
+def cluster_config(tmp_path: Path, redis_url: str, files: dict[str, Any]) -> Path:
+    """Two instances on one Redis sharing bob's batches, each with its own API; ``files``: where the files are."""
+    path = write_stack_config(
+        tmp_path, {"m1": {"max_running": 4}}, redis_url=redis_url, cluster_instances=2,
+        batches={**files, "runner_listen": f"127.0.0.1:{free_port()}", "in_flight_per_batch": 3},
+        tenants={"bob": {"priorities": ["standard", "batch"]}},
+    )
+    doc = yaml.safe_load(path.read_text())
+    for instance in doc["cluster"]["instances"].values():
+        instance["batches"] = f"127.0.0.1:{free_port()}"  # each instance's own API
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def instance_api(stack: Stack, name: str) -> openai.AsyncOpenAI:
+    """Instance ``name``'s batch API, as bob (the tenant header Envoy's auth would set)."""
+    assert stack.config.cluster is not None
+    address = stack.config.cluster.instances[name].batches
+    return openai.AsyncOpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0,
+                              default_headers={stack.config.identity.tenant_header: "bob"})

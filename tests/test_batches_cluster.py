@@ -19,41 +19,17 @@ from typing import Any
 
 import openai
 import pytest
-import yaml
 
-from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack, start_stack
-from tests.batchutil import chat_line, completed_count, entries, jsonl, wait_final
+from tests.batchutil import chat_line, cluster_config, completed_count, entries, instance_api, jsonl, wait_final
 from tests.redisutil import RedisServer
-from tests.stackutil import metric, read_metrics, write_stack_config
+from tests.stackutil import metric, read_metrics
 
 pytestmark = pytest.mark.integration
 
 # Four sequences of 20 ms steps: a 30-token line runs 0.6 s, so a batch of 40 takes several seconds.
 SLOW_SIM = ["--max-num-seqs", "4", "--step-ms", "20", "--time-scale", "1"]
 LINES = 40
-
-
-def cluster_config(tmp_path: Path, redis_url: str) -> Path:
-    path = write_stack_config(
-        tmp_path, {"m1": {"max_running": 4}}, redis_url=redis_url, cluster_instances=2,
-        batches={"directory": str(tmp_path / "shared"), "runner_listen": f"127.0.0.1:{free_port()}",
-                 "in_flight_per_batch": 3},
-        tenants={"bob": {"priorities": ["standard", "batch"]}},
-    )
-    doc = yaml.safe_load(path.read_text())
-    for instance in doc["cluster"]["instances"].values():
-        instance["batches"] = f"127.0.0.1:{free_port()}"  # each instance's own API
-    path.write_text(yaml.safe_dump(doc))
-    return path
-
-
-def api(stack: Stack, name: str) -> openai.AsyncOpenAI:
-    """Instance ``name``'s batch API, as bob (the tenant header Envoy's auth would set)."""
-    assert stack.config.cluster is not None
-    address = stack.config.cluster.instances[name].batches
-    return openai.AsyncOpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0,
-                              default_headers={stack.config.identity.tenant_header: "bob"})
 
 
 async def engine_finished(stack: Stack) -> float:
@@ -85,9 +61,9 @@ async def test_a_batch_is_shared_visible_and_cancellable_across_instances_and_ru
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     lines = [chat_line(f"r{i}", max_tokens=30) for i in range(LINES)]
-    path = cluster_config(tmp_path, redis_server.url)
+    path = cluster_config(tmp_path, redis_server.url, {"directory": str(tmp_path / "shared")})
     async with await start_stack(path, tmp_path, sim_args=SLOW_SIM) as stack, \
-            api(stack, "a") as on_a, api(stack, "b") as on_b:
+            instance_api(stack, "a") as on_a, instance_api(stack, "b") as on_b:
         batch_id = await create(on_a, lines)
         assert (await on_b.batches.retrieve(batch_id)).id == batch_id  # on the other instance at once
         assert [b.id for b in (await on_b.batches.list()).data] == [batch_id]
@@ -121,8 +97,8 @@ async def test_an_instance_killed_mid_batch_loses_and_duplicates_no_line(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     lines = [chat_line(f"r{i}", max_tokens=30) for i in range(LINES)]
-    path = cluster_config(tmp_path, redis_server.url)
-    async with await start_stack(path, tmp_path, sim_args=SLOW_SIM) as stack, api(stack, "b") as on_b:
+    path = cluster_config(tmp_path, redis_server.url, {"directory": str(tmp_path / "shared")})
+    async with await start_stack(path, tmp_path, sim_args=SLOW_SIM) as stack, instance_api(stack, "b") as on_b:
         batch_id = await create(on_b, lines)
         await until_completed(on_b, batch_id, 6)
         deadline = time.monotonic() + 10

@@ -20,12 +20,11 @@ from typing import Any
 
 import openai
 import pytest
-import yaml
 
 from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack, start_stack
 from tests import batchutil
-from tests.batchutil import chat_line, completed_count, entries, jsonl, wait_final
+from tests.batchutil import chat_line, cluster_config, completed_count, entries, instance_api, jsonl, wait_final
 from tests.redisutil import RedisServer
 from tests.s3util import S3Server
 from tests.stackutil import metric, read_metrics, write_stack_config
@@ -122,35 +121,12 @@ async def test_one_instance_keeps_every_file_in_the_bucket_and_waits_out_the_sto
     assert sorted(e["custom_id"] for e in out) == sorted(f"r{i}" for i in range(LINES))
 
 
-def cluster_config(tmp_path: Path, redis_url: str, s3_server: S3Server) -> Path:
-    """Two instances on one Redis and one bucket, and no ``batches.directory``: nothing shared on disk."""
-    path = write_stack_config(
-        tmp_path, {"m1": {"max_running": 4}}, redis_url=redis_url, cluster_instances=2,
-        batches={"files": {"s3": s3_server.settings()}, "runner_listen": f"127.0.0.1:{free_port()}",
-                 "in_flight_per_batch": 3},
-        tenants={"bob": {"priorities": ["standard", "batch"]}},
-    )
-    doc = yaml.safe_load(path.read_text())
-    for instance in doc["cluster"]["instances"].values():
-        instance["batches"] = f"127.0.0.1:{free_port()}"  # each instance's own API
-    path.write_text(yaml.safe_dump(doc))
-    return path
-
-
-def api(stack: Stack, name: str) -> openai.AsyncOpenAI:
-    """Instance ``name``'s batch API, as bob (the tenant header Envoy's auth would set)."""
-    assert stack.config.cluster is not None
-    address = stack.config.cluster.instances[name].batches
-    return openai.AsyncOpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0,
-                              default_headers={stack.config.identity.tenant_header: "bob"})
-
-
 async def test_two_instances_share_a_batch_through_the_bucket_and_lose_no_line_while_it_is_away(
     tmp_path: Path, redis_server: RedisServer, s3_server: S3Server
 ) -> None:
-    path = cluster_config(tmp_path, redis_server.url, s3_server)
+    path = cluster_config(tmp_path, redis_server.url, {"files": {"s3": s3_server.settings()}})  # no directory
     async with await start_stack(path, tmp_path, sim_args=SLOW_SIM) as stack, \
-            api(stack, "a") as on_a, api(stack, "b") as on_b:
+            instance_api(stack, "a") as on_a, instance_api(stack, "b") as on_b:
         lines = [chat_line(f"r{i}", max_tokens=20) for i in range(LINES)]
         input_id, batch_id = await create(on_a, lines)
         await until_completed(on_b, batch_id, 4)
