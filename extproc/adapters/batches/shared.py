@@ -28,9 +28,10 @@ heartbeat; an answer to a line already sent is recorded once Redis is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any
@@ -257,59 +258,48 @@ class SharedBooks:
 
     async def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, size: int,
                        created_at: int) -> Json:
-        try:
+        with _answering():
             return await self._state.add_file(file_id, tenant, purpose, filename, size, created_at)
-        except FAILURES as exc:
-            raise BooksUnavailable(_why(exc)) from exc
 
     async def file(self, tenant: str, file_id: str) -> Json | None:
-        try:
+        with _answering():
             return await self._state.file(tenant, file_id)
-        except FAILURES as exc:
-            raise BooksUnavailable(_why(exc)) from exc
 
     async def files(self, tenant: str, after: str | None, limit: int, ascending: bool,
                     purpose: str | None) -> tuple[list[Json], bool]:
-        try:
+        with _answering():
             return await self._state.files(tenant, after, limit, ascending, purpose)
-        except FAILURES as exc:
-            raise BooksUnavailable(_why(exc)) from exc
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
-        try:
+        with _answering():
             return await self._state.delete_file(tenant, file_id)
-        except FAILURES as exc:
-            raise BooksUnavailable(_why(exc)) from exc
 
     async def create_batch(self, tenant: str, doc: Json) -> None:
         """Kept in Redis; every instance's runner finds it there (the next heartbeat at most)."""
-        try:
+        with _answering():
             await self._state.add_batch(tenant, doc)
-        except FAILURES as exc:
-            raise BooksUnavailable(_why(exc)) from exc
 
     async def batch(self, tenant: str, batch_id: str) -> Json | None:
-        try:
+        with _answering():
             return await self._state.tenants_batch(tenant, batch_id)
-        except FAILURES as exc:
-            raise BooksUnavailable(_why(exc)) from exc
 
     async def batches(self, tenant: str, after: str | None, limit: int) -> tuple[list[Json], bool]:
-        try:
+        with _answering():
             return await self._state.batches(tenant, after, limit)
-        except FAILURES as exc:
-            raise BooksUnavailable(_why(exc)) from exc
 
     async def cancel(self, batch_id: str) -> Json:
         """``cancelling`` in Redis: each instance running its lines cuts them at its next look."""
-        try:
+        with _answering():
             return await self._state.cancel(batch_id, int(self._clock()))
-        except FAILURES as exc:
-            raise BooksUnavailable(_why(exc)) from exc
 
 
-def _why(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
+@contextlib.contextmanager
+def _answering() -> Iterator[None]:
+    """A Redis failure inside becomes the API's 503 (BooksUnavailable), saying why."""
+    try:
+        yield
+    except FAILURES as exc:
+        raise BooksUnavailable(str(exc) or type(exc).__name__) from exc
 
 
 def _text(value: Any) -> str:

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from extproc.adapters.batches.files import FilesUnavailable, Writer
 from extproc.adapters.batches.lines import Limits, Line, LineError, Reading, Unusable, open_input, raw_lines
@@ -170,11 +170,7 @@ class SpreadRunner:
             return False
         doc = batch.doc
         if batch.status == "validating":  # its window is looked at once it is in progress
-            async with self._lock(batch_id, "validate") as mine:
-                if mine:
-                    await self._validate(batch)
-                    return True
-            await asyncio.sleep(self._heartbeat_s)
+            await self._in_turn(batch_id, "validate", lambda: self._validate(batch))
             return True
         if batch.status == "in_progress" and not batch.expired:
             if self._clock() >= doc["expires_at"]:
@@ -183,12 +179,16 @@ class SpreadRunner:
             await self._feed(batch, held)
             return True
         await self._cut(batch_id, held, hand_back=False)  # finalizing, cancelling or expired: no line runs
-        async with self._lock(batch_id, "finalize") as mine:
-            if mine:
-                await self._finalize(batch)
-                return True
-        await asyncio.sleep(self._heartbeat_s)
+        await self._in_turn(batch_id, "finalize", lambda: self._finalize(batch))
         return True
+
+    async def _in_turn(self, batch_id: str, what: str, work: Callable[[], Awaitable[None]]) -> None:
+        """``work`` if it is this instance's turn to do ``what`` to the batch; else a heartbeat's wait for the next look."""
+        async with self._lock(batch_id, what) as mine:
+            if mine:
+                await work()
+                return
+        await asyncio.sleep(self._heartbeat_s)
 
     @contextlib.asynccontextmanager
     async def _lock(self, batch_id: str, what: str) -> AsyncIterator[bool]:
