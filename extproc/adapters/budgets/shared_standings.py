@@ -62,12 +62,9 @@ async def read(shared: SharedBudgets, plan: Plan, now: float) -> list[Standing]:
     rows = []
     for (scope, name, meter), (used, other) in zip(found, replies, strict=True):
         if meter.kind == "w":
-            window = Window(meter.limit, _number(used), _number(other, now))
-            remaining = window.remaining(now)  # drained to now: ``used`` is now's
-            rows.append(Standing(scope, name, meter.limit, window.used, remaining, window.reset_s(now)))
+            rows.append(Standing.of_window(scope, name, Window(meter.limit, _number(used), _number(other, now)), now))
         else:
-            counted = _number(used) + _number(other)
-            rows.append(Standing(scope, name, meter.limit, counted, max(0.0, meter.limit - counted), meter.end - now))
+            rows.append(Standing.of_period(scope, name, meter.limit, _number(used) + _number(other), meter.end, now))
     rows.sort(key=lambda s: (s.scope.kind, s.scope.name, s.scope.model))
     return rows
 

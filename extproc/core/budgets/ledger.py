@@ -165,6 +165,17 @@ class Standing:
     # When it has all of its room again (a window empty, a period over), in seconds.
     reset_s: float
 
+    @classmethod
+    def of_window(cls, scope: Scope, limit: str, window: Window, now: float) -> Standing:
+        """A rate limit's row: its window drained to ``now`` (``used`` is now's, beyond the limit too)."""
+        remaining = window.remaining(now)
+        return cls(scope, limit, window.limit, window.used, remaining, window.reset_s(now))
+
+    @classmethod
+    def of_period(cls, scope: Scope, limit: str, value: float, counted: float, end: float, now: float) -> Standing:
+        """A budget's row: what its period ending at ``end`` counts (used and reserved) against ``value``."""
+        return cls(scope, limit, value, counted, max(0.0, value - counted), end - now)
+
 
 @dataclass
 class Budgets:
@@ -296,13 +307,10 @@ class Budgets:
         for scope in sorted(self._accounts, key=lambda s: (s.kind, s.name, s.model)):
             account = self._accounts[scope]
             for name, window in account.windows():
-                remaining = window.remaining(now)  # drained to now: ``used`` is now's, beyond the limit too
-                yield Standing(scope, name, window.limit, window.used, remaining, window.reset_s(now))
+                yield Standing.of_window(scope, name, window, now)
             for name, period in account.periods():
                 period.roll(now)
-                value = getattr(account.limits, name)
-                counted = period.counted()
-                yield Standing(scope, name, value, counted, max(0.0, value - counted), period.end - now)
+                yield Standing.of_period(scope, name, getattr(account.limits, name), period.counted(), period.end, now)
 
     def calendar_day(self, now: float) -> float:
         """The start of the day ``now`` is in, as this ledger counts days (never back: ``meters.Calendar``)."""
