@@ -196,7 +196,7 @@ class ClusterConnection:
             except (RedisError, OSError):
                 await asyncio.sleep(self.settings.heartbeat_interval_s)
             finally:
-                await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+                await pubsub.aclose()
 
     async def stop(self) -> None:
         for task in self._tasks:
