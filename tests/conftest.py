@@ -2,8 +2,8 @@
 
 A vLLM server takes about 22 s to start on two cores (two processes
 importing torch and vLLM), so each configuration runs once per session and the
-tests share it; every configuration the run needs starts at once (``vllm_fleet``).
-Idle, they use 2 % of a core each.
+tests share it; every configuration the run needs starts at once (``vllm_fleet``),
+or before the run (tests/fleet.py). Idle, they use 2 % of a core each.
 
 Also registers the property tests' hypothesis profiles (tests/propertyutil.py):
 here, before hypothesis' plugin loads the one ``--hypothesis-profile`` names.
@@ -11,19 +11,27 @@ here, before hypothesis' plugin loads the one ``--hypothesis-profile`` names.
 
 from __future__ import annotations
 
-import asyncio
 import gc
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
-from extproc.tools.procs import ManagedProcess, free_port
-from extproc.tools.realvllm import start_vllm
 from tests.propertyutil import register_profiles
 from tests.redisutil import RedisServer, redis_server_binary
-from tests.vllmutil import FCFS, PRIORITY, VllmFleet, VllmServers, require_vllm
+from tests.vllmutil import (
+    FCFS,
+    FLEET_ENV,
+    PRIORITY,
+    VllmFleet,
+    VllmServers,
+    require_vllm,
+    servers_of,
+    start_fleet,
+    stop_fleet,
+)
 
 register_profiles()
 
@@ -41,32 +49,26 @@ def pytest_collection_finish() -> None:
 async def vllm_fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmFleet]:
     """Every server named in ``VLLM_SERVERS`` by a module of the run's tests on it, all started at once.
 
-    Start-up is mostly one core importing torch and vLLM for each server:
-    on two cores, five servers started together are up sooner than the pair
-    and three more started one by one as each module first needed its own.
-    A skip that says why where there is no vLLM here (``require_vllm``).
+    Where ``EXTPROC_VLLM_FLEET`` names the file of servers already running
+    (``python -m tests.fleet FILE``, which .ci/run starts as soon as vLLM is
+    installed), those are used instead, and left running. A skip that says
+    why where there is no vLLM here (``require_vllm``).
     """
     require_vllm()
     modules = dict.fromkeys(getattr(item, "module", None) for item in request.session.items
                             if "vllm_fleet" in getattr(item, "fixturenames", ()))
-    servers = list(dict.fromkeys(server for module in modules for server in getattr(module, "VLLM_SERVERS", ())))
-    workdir = tmp_path_factory.mktemp("vllm")
-    ports = [free_port() for _ in servers]
-    started = await asyncio.gather(
-        *(start_vllm(server.name, port, workdir, size=server.size, max_num_seqs=server.max_num_seqs,
-                     scheduling_policy=server.scheduling_policy, max_num_queued_reqs=server.max_num_queued_reqs,
-                     max_num_queued_tokens=server.max_num_queued_tokens)
-          for server, port in zip(servers, ports, strict=True)),
-        return_exceptions=True,
-    )
-    running = [s for s in started if isinstance(s, ManagedProcess)]
+    servers = servers_of(modules)
+    if prestarted := os.environ.get(FLEET_ENV):
+        fleet = VllmFleet.load(Path(prestarted))
+        for server in servers:
+            fleet.url(server)  # fails the test now if the file lacks one
+        yield fleet
+        return
+    fleet, running = await start_fleet(servers, tmp_path_factory.mktemp("vllm"))
     try:
-        for outcome in started:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        yield VllmFleet({server: f"http://127.0.0.1:{port}" for server, port in zip(servers, ports, strict=True)})
-    finally:  # together: each takes about 2 s to exit
-        await asyncio.gather(*(server.stop() for server in running))
+        yield fleet
+    finally:
+        await stop_fleet(running)
 
 
 @pytest.fixture(scope="session")

@@ -7,13 +7,20 @@ the run's modules name at once, as the first test that needs one starts.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import pytest
 
-from extproc.tools.realvllm import ModelSize, SchedulingPolicy, VllmUnavailable, vllm_python
+from extproc.tools.procs import ManagedProcess, free_port
+from extproc.tools.realvllm import ModelSize, SchedulingPolicy, VllmUnavailable, start_vllm, vllm_python
+
+# Names a file written by ``python -m tests.fleet FILE``: the servers already run, ``vllm_fleet`` uses them.
+FLEET_ENV = "EXTPROC_VLLM_FLEET"
 
 # Served model names; the gateway's configs name the same models.
 FCFS_MODEL = "tiny"
@@ -48,6 +55,17 @@ class VllmFleet:
             pytest.fail(f"no {server} was started: name it in the VLLM_SERVERS of the module that uses it")
         return self.urls[server]
 
+    def save(self, path: Path) -> None:
+        """Write the fleet for another process (``tests/fleet.py``), atomically: a reader sees all of it or nothing."""
+        part = path.with_name(path.name + ".part")
+        part.write_text(json.dumps([{"server": asdict(server), "url": url} for server, url in self.urls.items()]))
+        part.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> VllmFleet:
+        """The fleet another process saved in ``path``."""
+        return cls({VllmServer(**entry["server"]): entry["url"] for entry in json.loads(path.read_text())})
+
 
 @dataclass(frozen=True)
 class VllmServers:
@@ -55,6 +73,39 @@ class VllmServers:
 
     fcfs: str
     priority: str
+
+
+def servers_of(modules: Iterable[object]) -> list[VllmServer]:
+    """Every server the ``VLLM_SERVERS`` of ``modules`` name, each once, in their order."""
+    return list(dict.fromkeys(server for module in modules for server in getattr(module, "VLLM_SERVERS", ())))
+
+
+async def start_fleet(servers: list[VllmServer], workdir: Path) -> tuple[VllmFleet, list[ManagedProcess]]:
+    """Start ``servers`` at once; if one fails, stop the others and raise its error.
+
+    Start-up is mostly one core importing torch and vLLM for each server:
+    on two cores, five servers started together are up sooner than started
+    one by one.
+    """
+    ports = [free_port() for _ in servers]
+    started = await asyncio.gather(
+        *(start_vllm(server.name, port, workdir, size=server.size, max_num_seqs=server.max_num_seqs,
+                     scheduling_policy=server.scheduling_policy, max_num_queued_reqs=server.max_num_queued_reqs,
+                     max_num_queued_tokens=server.max_num_queued_tokens)
+          for server, port in zip(servers, ports, strict=True)),
+        return_exceptions=True,
+    )
+    running = [s for s in started if isinstance(s, ManagedProcess)]
+    for outcome in started:
+        if isinstance(outcome, BaseException):
+            await stop_fleet(running)
+            raise outcome
+    return VllmFleet({server: f"http://127.0.0.1:{port}" for server, port in zip(servers, ports, strict=True)}), running
+
+
+async def stop_fleet(running: list[ManagedProcess]) -> None:
+    """Stop the servers together: each takes about 2 s to exit."""
+    await asyncio.gather(*(server.stop() for server in running))
 
 
 def require_vllm() -> None:

@@ -1,0 +1,48 @@
+"""The suite's real vLLM servers, started before the tests that use them: ``python -m tests.fleet FILE``.
+
+.ci/run starts this as soon as vLLM is installed, while the tests not marked
+``alone`` still run: a server's start is mostly one core importing torch and
+vLLM (five take 50-80 s on two cores), time the ``alone`` tests would
+otherwise wait out with the machine to themselves. It starts every server
+the modules of ``tests/workers.py``'s ``VLLM_MODULES`` name, writes FILE
+(``VllmFleet.save``) once all answer, and serves until SIGTERM or SIGINT;
+``vllm_fleet`` (tests/conftest.py) uses them where ``EXTPROC_VLLM_FLEET``
+names FILE. A server that does not start ends this with its error, and no
+FILE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.vllmutil import servers_of, start_fleet, stop_fleet
+from tests.workers import VLLM_MODULES
+
+
+async def serve(path: Path) -> None:
+    modules = [importlib.import_module(module.removesuffix(".py").replace("/", ".")) for module in sorted(VLLM_MODULES)]
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    workdir = Path(tempfile.mkdtemp(prefix="extproc-vllm-fleet-"))
+    print(f"starting the vLLM servers; their logs: {workdir}", flush=True)
+    fleet, running = await start_fleet(servers_of(modules), workdir)
+    try:
+        fleet.save(path)
+        print(f"serving: {path}", flush=True)
+        await stopping.wait()
+    finally:
+        path.unlink(missing_ok=True)
+        await stop_fleet(running)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m tests.fleet FILE")
+    asyncio.run(serve(Path(sys.argv[1])))
