@@ -1,8 +1,9 @@
 """What an operator sees when something is wrong: one line per mistake, no traceback, a telling exit code.
 
 ``check-config`` and the busy-port checks run the real command in a child
-process (``python -m extproc``, the demo's ``python -m extproc.tools``), as an operator would; the decision lines go
-through a real dispatcher and the JSON formatter.
+process (``python -m extproc``, the demo's ``python -m extproc.tools``), as an operator would: integration
+tests, each a second of a process importing the package. The decision lines go through a real dispatcher and the
+JSON formatter, in-process: unit tests.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ from extproc.tools.cli import build_parser as build_dev_parser
 from extproc.tools.demo import DEMO_CONFIG, PORT_OFFSETS, with_port_base
 from extproc.tools.procs import free_port
 
-pytestmark = pytest.mark.unit
-
 BROKEN = """\
 listen:
   grpc: "127.0.0.1:50051"
@@ -48,6 +47,7 @@ def extproc(*args: str, module: str = "extproc") -> subprocess.CompletedProcess[
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.integration
 def test_check_config_reports_every_mistake_with_file_line_and_key(tmp_path: Path) -> None:
     path = tmp_path / "broken.yaml"
     path.write_text(BROKEN)
@@ -63,6 +63,7 @@ def test_check_config_reports_every_mistake_with_file_line_and_key(tmp_path: Pat
     ]
 
 
+@pytest.mark.integration
 def test_check_config_names_the_yaml_error_by_line_and_passes_a_good_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("models:\n  - name: m\n    endpoints: [\n")
@@ -74,6 +75,7 @@ def test_check_config_names_the_yaml_error_by_line_and_passes_a_good_file(tmp_pa
     assert extproc("check-config", str(DEMO_CONFIG)).returncode == 0
 
 
+@pytest.mark.integration
 def test_check_config_reports_what_only_envoy_needs(tmp_path: Path) -> None:
     path = tmp_path / "mixed.yaml"
     path.write_text("models: [{name: m, endpoints: ['http://a:1', 'https://b:2']}]\n")
@@ -91,6 +93,7 @@ def listening() -> Iterator[str]:
         yield f"127.0.0.1:{held.getsockname()[1]}"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("key", ["grpc", "metrics"])
 def test_a_busy_port_is_one_line_naming_it_and_its_key(tmp_path: Path, listening: str, key: str) -> None:
     listen = {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}", key: listening}
@@ -101,6 +104,7 @@ def test_a_busy_port_is_one_line_naming_it_and_its_key(tmp_path: Path, listening
     assert result.stderr.splitlines() == [f"error: listen.{key}: {listening} is in use (set listen.{key} to a free address)"]
 
 
+@pytest.mark.integration
 def test_the_demo_names_its_busy_port_and_the_option_that_moves_them(listening: str) -> None:
     port = int(listening.rpartition(":")[2])
     # The port Envoy would listen on is checked first: other busy ports in the block cannot come before it.
@@ -111,6 +115,7 @@ def test_the_demo_names_its_busy_port_and_the_option_that_moves_them(listening: 
     ]
 
 
+@pytest.mark.unit
 def test_port_base_moves_every_port_of_the_demo() -> None:
     raw = yaml.safe_load(DEMO_CONFIG.read_text())
     config = parse_config(with_port_base(raw, 20000))
@@ -157,6 +162,7 @@ def dispatcher_for_one_slot() -> ModelDispatcher:
     return build_dispatchers(config, Telemetry())["m"]
 
 
+@pytest.mark.unit
 async def test_debug_writes_one_json_decision_line_per_request(decisions: Captured) -> None:
     setup_logging("debug", "json")
     dispatcher = dispatcher_for_one_slot()
@@ -177,6 +183,7 @@ async def test_debug_writes_one_json_decision_line_per_request(decisions: Captur
                         str(decisions.lines[0]["msg"]))
 
 
+@pytest.mark.unit
 async def test_at_info_no_decision_line_is_made(decisions: Captured) -> None:
     setup_logging("info", "json")
     dispatcher = dispatcher_for_one_slot()
@@ -184,6 +191,7 @@ async def test_at_info_no_decision_line_is_made(decisions: Captured) -> None:
     assert decisions.lines == []
 
 
+@pytest.mark.unit
 def test_debug_is_for_extprocs_loggers_only() -> None:
     try:
         setup_logging("debug", "text")
@@ -193,6 +201,7 @@ def test_debug_is_for_extprocs_loggers_only() -> None:
         setup_logging()
 
 
+@pytest.mark.unit
 def test_json_lines_carry_extra_fields_and_exceptions() -> None:
     record = logging.LogRecord("extproc.x", logging.ERROR, __file__, 1, "failed %s", ("once",), None)
     record.endpoint = "http://a:1"
