@@ -11,19 +11,14 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-
-from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, Arm  # noqa: E402
-from extproc.tools.bench.metrics import cumulative_service  # noqa: E402
-from extproc.tools.bench.overhead import FAST_PATH  # noqa: E402
-from extproc.tools.bench.runner import ArmRun  # noqa: E402
-from extproc.tools.bench.scenarios import (  # noqa: E402
+from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, Arm
+from extproc.tools.bench.metrics import cumulative_service
+from extproc.tools.bench.overhead import FAST_PATH
+from extproc.tools.bench.runner import ArmRun
+from extproc.tools.bench.scenarios import (
     BATCH,
     CLASSES,
     CONSERVATION,
@@ -32,7 +27,10 @@ from extproc.tools.bench.scenarios import (  # noqa: E402
     TRACE,
     Scenario,
 )
-from extproc.tools.bench.trace import describe  # noqa: E402
+from extproc.tools.bench.trace import describe
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 DPI = 80
 # More tenants than this (a replayed trace's 26): their service lines go without a legend.
@@ -661,10 +659,24 @@ def markdown(
 # --- plots ------------------------------------------------------------------------------
 
 
+def _pyplot() -> ModuleType:
+    """matplotlib's pyplot, drawing to files only: imported on the first plot, not with the module.
+
+    It takes 0.4 s of CPU to import; the report's tables and every command
+    that only reads results need none of it.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _save(fig: Figure, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 def plot_ttft(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any], path: Path) -> None:
@@ -672,7 +684,7 @@ def plot_ttft(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any
     names = [a.name for a in arms if a.name in summary]
     referenced = bool(names) and all("focus_unloaded" in summary[n] for n in names)
     block = "focus_loaded" if referenced else "focus"
-    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    fig, ax = _pyplot().subplots(figsize=(6.4, 3.2))
     width = 0.26
     for i, q in enumerate(("p50", "p95", "p99")):
         values = [_get(summary[n], block, "ttft", q) or math.nan for n in names]
@@ -693,7 +705,7 @@ def plot_ttft(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any
 
 
 def plot_waiting(scenario: Scenario, runs: Sequence[ArmRun], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6.4, 3.0))
+    fig, ax = _pyplot().subplots(figsize=(6.4, 3.0))
     for run in runs:
         ax.step([s.at for s in run.engine], [s.waiting for s in run.engine], where="post", label=run.arm, linewidth=1)
     ax.axhline(TARGET_WAITING, color="grey", linestyle="--", linewidth=0.8, label=f"target_waiting {TARGET_WAITING}")
@@ -713,7 +725,7 @@ def plot_service(scenario: Scenario, runs: Sequence[ArmRun], path: Path) -> None
     """Cumulative weighted service per tenant over time, one panel per arm."""
     end = max((r.done_at for run in runs for r in run.results), default=1.0)
     times = [end * i / 200 for i in range(201)]
-    fig, axes = plt.subplots(1, len(runs), figsize=(3.0 * len(runs) + 0.6, 3.0), sharey=True, squeeze=False)
+    fig, axes = _pyplot().subplots(1, len(runs), figsize=(3.0 * len(runs) + 0.6, 3.0), sharey=True, squeeze=False)
     for ax, run in zip(axes[0], runs, strict=True):
         for tenant in scenario.tenants:
             ax.plot(times, cumulative_service(run.results, tenant, times, scenario.weight(tenant)), label=tenant,
@@ -731,7 +743,7 @@ def plot_locality(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str,
     """Three panels per arm: the engines' prefix-cache hit rate, throughput vs the baseline, service difference."""
     names = [a.name for a in arms if a.name in summary]
     x = range(len(names))
-    fig, (hits, rates, gaps) = plt.subplots(1, 3, figsize=(12.0, 3.4))
+    fig, (hits, rates, gaps) = _pyplot().subplots(1, 3, figsize=(12.0, 3.4))
     hits.bar(x, [_get(summary[n], "locality", "hit_rate") or math.nan for n in names])
     hits.set_ylim(0, 1)
     hits.set_title("prefix-cache hit rate (tokens)", fontsize=9)
