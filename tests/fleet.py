@@ -9,12 +9,18 @@ the modules of ``tests/workers.py``'s ``VLLM_MODULES`` name, writes FILE
 ``vllm_fleet`` (tests/conftest.py) uses them where ``EXTPROC_VLLM_FLEET``
 names FILE. A server that does not start ends this with its error, and no
 FILE.
+
+.ci/run starts it niced, so that the tests running meanwhile keep the cores
+first (starved of CPU, a processor sheds its batch class, as it should): once
+up, the servers are given the usual priority back (``--renice``, where this
+process may raise priorities: root), as the tests that measure them expect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import signal
 import sys
 import tempfile
@@ -24,7 +30,7 @@ from tests.vllmutil import servers_of, start_fleet, stop_fleet
 from tests.workers import VLLM_MODULES
 
 
-async def serve(path: Path) -> None:
+async def serve(path: Path, *, renice: bool) -> None:
     modules = [importlib.import_module(module.removesuffix(".py").replace("/", ".")) for module in sorted(VLLM_MODULES)]
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -34,6 +40,12 @@ async def serve(path: Path) -> None:
     print(f"starting the vLLM servers; their logs: {workdir}", flush=True)
     fleet, running = await start_fleet(servers_of(modules), workdir)
     try:
+        if renice:
+            try:
+                for server in running:  # the group: every process and thread of the server
+                    os.setpriority(os.PRIO_PGRP, server.process.pid, 0)
+            except PermissionError:
+                print("warning: not allowed to raise the servers' priority back; they stay niced", flush=True)
         fleet.save(path)
         print(f"serving: {path}", flush=True)
         await stopping.wait()
@@ -43,6 +55,9 @@ async def serve(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m tests.fleet FILE")
-    asyncio.run(serve(Path(sys.argv[1])))
+    args = sys.argv[1:]
+    renice = "--renice" in args
+    files = [arg for arg in args if arg != "--renice"]
+    if len(files) != 1:
+        sys.exit("usage: python -m tests.fleet [--renice] FILE")
+    asyncio.run(serve(Path(files[0]), renice=renice))
