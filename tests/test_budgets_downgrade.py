@@ -21,7 +21,7 @@ from extproc.tools.power_user import Outcome, chat
 from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, write_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # 40 s an arm: out first, not last in the run
 
 SIM = ["--max-num-seqs", "8", "--step-ms", "20", "--time-scale", "0.25"]
 FLOOD = 300

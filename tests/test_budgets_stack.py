@@ -9,6 +9,7 @@ export must show what was served.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -45,14 +46,22 @@ async def ask(client: openai.AsyncOpenAI, max_tokens: int = 4) -> None:
 
 async def test_the_openai_sdk_retries_a_rate_limit_after_retry_after_and_gets_its_answers(stack: Stack) -> None:
     client = openai.AsyncOpenAI(base_url=f"{stack.envoy_url}/v1", api_key=TENANT_KEYS["bob"], max_retries=5)
+
+    async def create() -> tuple[int, dict[str, str]]:
+        answer = await client.chat.completions.with_raw_response.create(
+            model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        return answer.status_code, dict(answer.headers)
+
     start = time.monotonic()
     async with client:
-        for _ in range(70):  # ten more than the minute's burst: those wait for the window, by Retry-After
-            answer = await client.chat.completions.with_raw_response.create(
-                model="m1", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-            assert answer.http_response.status_code == 200
+        # The minute's burst at once (one after the other, a slow machine's requests would let the window refill a
+        # request a second as fast as they went), then ten more: those wait for the window, by Retry-After.
+        answers = await asyncio.gather(*(create() for _ in range(60)))
+        for _ in range(10):
+            answers.append(answer := await create())
+    assert [status for status, _ in answers] == [200] * 70
     elapsed = time.monotonic() - start
-    headers = answer.headers  # the last one, through Envoy: the rate headers of bob's window
+    headers = answer[1]  # the last one's, through Envoy: the rate headers of bob's window
     assert headers["x-ratelimit-limit-requests"] == "60" and int(headers["x-ratelimit-remaining-requests"]) <= 1
     samples = await read_metrics(stack.metrics_url)
     refused = metric(samples, "extproc_budget_over_total", tenant="bob", over="rate", action="refuse")
