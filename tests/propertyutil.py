@@ -4,7 +4,7 @@ Two hypothesis profiles, registered by tests/conftest.py: ``unit``, loaded by de
 and ``ci`` (``--hypothesis-profile ci``, as .ci/run passes it). A test names the
 count CI runs, ``examples(200)``; the loaded profile scales it by its own
 ``max_examples`` over hypothesis' 100, which is also what a test that names no
-count gets. The quick loop still tries every property with a fifth of the
+count gets. The quick loop still tries every property with a tenth of the
 examples (at least ``FLOOR``): enough to catch a property broken outright, while
 CI keeps the search as deep as each test asks.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 from hypothesis import settings
 
 FULL = 100  # hypothesis' default max_examples: the ci profile's, the base a test's own count is relative to
-PROFILES = {"unit": FULL // 5, "ci": FULL}
-FLOOR = 10
+PROFILES = {"unit": FULL // 10, "ci": FULL}
+FLOOR = 5
 
 
 def register_profiles() -> None:

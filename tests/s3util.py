@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import boto3
-from moto.server import ThreadedMotoServer
 
 from extproc.tools.procs import free_port
+
+if TYPE_CHECKING:
+    from moto.server import ThreadedMotoServer
 
 ACCESS_KEY_ID = "test-key-id"
 SECRET_ACCESS_KEY = "test-secret"
@@ -31,6 +33,9 @@ class S3Server:
         self._server: ThreadedMotoServer | None = None
 
     def start(self) -> None:
+        # Imported here, not with the module: every test worker collects this module, few start a server.
+        from moto.server import ThreadedMotoServer
+
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self._server.start()
 
