@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import xdist.plugin
 from xdist.scheduler import LoadScopeScheduling
 
 ALONE = "alone"
@@ -120,10 +121,10 @@ class Scopes(LoadScopeScheduling):  # type: ignore[misc]  # xdist ships no type 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """``-n auto``: ``WORKERS_PER_CORE`` per core this process may run on (``PYTEST_XDIST_AUTO_NUM_WORKERS`` still wins)."""
+    """``-n auto``: ``WORKERS_PER_CORE`` per core as xdist counts them (``PYTEST_XDIST_AUTO_NUM_WORKERS`` still wins)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
-    return WORKERS_PER_CORE * len(os.sched_getaffinity(0))
+    return WORKERS_PER_CORE * int(xdist.plugin.pytest_xdist_auto_num_workers(config))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> Scopes | None:
