@@ -50,8 +50,8 @@ async def vllm_fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
     """Every server named in ``VLLM_SERVERS`` by a module of the run's tests on it, all started at once.
 
     Where ``EXTPROC_VLLM_FLEET`` names the file of servers already running
-    (``python -m tests.fleet FILE``, which .ci/run starts as soon as vLLM is
-    installed), those are used instead, and left running. A skip that says
+    (``python -m tests.fleet FILE``, which .ci/run starts while its first test
+    run goes on), those are used instead, and left running. A skip that says
     why where there is no vLLM here (``require_vllm``).
     """
     require_vllm()

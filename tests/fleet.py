@@ -1,7 +1,7 @@
 """The suite's real vLLM servers, started before the tests that use them: ``python -m tests.fleet FILE``.
 
-.ci/run starts this as soon as vLLM is installed, while the tests not marked
-``alone`` still run: a server's start is mostly one core importing torch and
+.ci/run starts this once vLLM is installed and ``.venv`` made, while the tests
+not marked ``alone`` still run: a server's start is mostly one core importing torch and
 vLLM (five take 50-80 s on two cores), time the ``alone`` tests would
 otherwise wait out with the machine to themselves. It starts every server
 the modules of ``tests/workers.py``'s ``VLLM_MODULES`` name, writes FILE
@@ -18,11 +18,11 @@ process may raise priorities: root), as the tests that measure them expect.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib
 import os
 import signal
-import sys
 import tempfile
 from pathlib import Path
 
@@ -55,9 +55,8 @@ async def serve(path: Path, *, renice: bool) -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    renice = "--renice" in args
-    files = [arg for arg in args if arg != "--renice"]
-    if len(files) != 1:
-        sys.exit("usage: python -m tests.fleet [--renice] FILE")
-    asyncio.run(serve(Path(files[0]), renice=renice))
+    parser = argparse.ArgumentParser(prog="python -m tests.fleet", description=__doc__.partition("\n")[0])
+    parser.add_argument("file", type=Path, help="where to write the servers' URLs once all answer")
+    parser.add_argument("--renice", action="store_true", help="give the servers the usual priority back once up")
+    args = parser.parse_args()
+    asyncio.run(serve(args.file, renice=args.renice))
