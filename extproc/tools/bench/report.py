@@ -7,6 +7,7 @@ judging the run a failure (a benchmark reports, tests assert).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -659,6 +660,7 @@ def markdown(
 # --- plots ------------------------------------------------------------------------------
 
 
+@functools.cache
 def _pyplot() -> ModuleType:
     """matplotlib's pyplot, drawing to files only: imported on the first plot, not with the module.
 
