@@ -176,7 +176,9 @@ async def test_a_release_the_engine_never_started_is_seen_through_envoy(tmp_path
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/chat/completions", completions)
-    config = write_config(tmp_path)
+    # One scrape, at start: an engine whose metrics answer is up again at the first scrape that starts after
+    # its failure, and this test reads what the response headers alone did (a loaded machine reads late).
+    config = write_config(tmp_path, advanced={"scrape_interval_s": 60, "stale_after_s": 120})
     endpoint = yaml.safe_load(config.read_text())["models"][0]["endpoints"][0]
     runner = web.AppRunner(app)
     await runner.setup()
