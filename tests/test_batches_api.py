@@ -94,6 +94,7 @@ class Served:
         self.config = config(tmp_path, self.gateway_port)
         self.service: BatchService | None = None
         self.registry = CollectorRegistry()
+        self.clock: Callable[[], float] = time.time
 
     async def start_gateway(self) -> None:
         app = web.Application()
@@ -104,7 +105,7 @@ class Served:
 
     async def start(self) -> None:
         self.registry = CollectorRegistry()
-        self.service = BatchService(lambda: self.config, self.registry, TenantLabels(["bob"]))
+        self.service = BatchService(lambda: self.config, self.registry, TenantLabels(["bob"]), clock=self.clock)
         await self.service.start()
 
     async def stop(self) -> None:
@@ -254,6 +255,32 @@ async def test_a_batch_past_its_window_expires_keeping_what_finished(served: Ser
         assert {e["error"]["code"] for e in errors} == {"batch_expired"}
         with pytest.raises(openai.BadRequestError):
             await start_batch(sdk, chat_lines(1), window="1h")
+
+
+async def test_a_batch_expires_at_its_window_even_if_the_wall_clock_steps_back(served: Served) -> None:
+    """The window is waited for on the loop's clock; a wall clock read after the wait may say it is not over yet.
+
+    The wall clock steps back a second once the first line is sent (as an NTP step does; the same as a
+    loop timer that fires before the wall clock reaches the end, as uvloop's do by up to a millisecond).
+    The batch still expires at its window's end, rather than being left in progress until the next start.
+    """
+    stepped = False
+
+    def clock() -> float:
+        return time.time() - (1.0 if stepped else 0.0)
+
+    def answer(cid: str, attempt: int) -> web.Response | None:
+        nonlocal stepped
+        stepped = True
+        return completion(cid) if cid == "r0" else None
+
+    await served.stop()
+    served.clock, served.gateway.answer = clock, answer
+    await served.start()
+    async with served.client("bob") as sdk:
+        batch = await final(sdk, await start_batch(sdk, chat_lines(3), window="2s"), timeout_s=10)
+    assert batch.status == "expired"
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 2)
 
 
 async def test_files_and_batches_are_listed_paged_and_deleted_per_tenant(served: Served) -> None:

@@ -173,8 +173,10 @@ class Runner:
 
         feeding, stopped = asyncio.create_task(feed()), asyncio.create_task(cancelled.wait())
         try:
-            await asyncio.wait((feeding, stopped), timeout=max(0.0, doc["expires_at"] - self._clock()),
-                               return_when=asyncio.FIRST_COMPLETED)
+            # What woke the wait says how the batch ends, not the wall clock read after it: uvloop's timers fire
+            # up to a millisecond before the wall clock reaches expires_at, and a wall clock may step back.
+            ended, _ = await asyncio.wait((feeding, stopped), timeout=max(0.0, doc["expires_at"] - self._clock()),
+                                          return_when=asyncio.FIRST_COMPLETED)
         finally:  # cancelled, expired, or every line answered; a line in flight is cut (and pending)
             for task in (feeding, stopped, *lines):
                 task.cancel()
@@ -183,7 +185,7 @@ class Runner:
         if self._store.batch(batch_id)["status"] == "cancelling":  # type: ignore[index]
             return "cancelling"
         if self._store.remaining(batch_id):
-            if self._clock() < doc["expires_at"]:  # a line's task failed: left in progress, resumed next start
+            if ended:  # fed to the end, yet lines are left: a line's task failed; left in progress, resumed next start
                 log.error("batch %s: lines left without an outcome; the batch resumes at the next start", batch_id)
                 return "in_progress"
             return "expired"  # written with the files: a batch reads expired only once they are there

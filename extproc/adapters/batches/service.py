@@ -47,11 +47,11 @@ MIN_REDIS_TIMEOUT_S = 1.0
 
 class BatchService:
     def __init__(self, current: Callable[[], Config], registry: CollectorRegistry, tenants: TenantLabels,
-                 cluster: ClusterConnection | None = None) -> None:
+                 cluster: ClusterConnection | None = None, clock: Callable[[], float] = time.time) -> None:
         """``current``: the config now (reloads change identity and entitlements; ``batches:`` needs a restart).
 
         ``cluster``: the process's connection to the cluster's Redis (``cluster:``): its settings, and its
-        instance name for the runner's leases.
+        instance name for the runner's leases. ``clock``: the wall clock of the batches' times and windows.
         """
         settings = current().batches
         assert settings is not None
@@ -65,7 +65,7 @@ class BatchService:
         if cluster is None:
             assert settings.directory is not None  # config/batches.py: required without cluster:
             self._store = Store(settings.directory, self._files)
-            self._runner = Runner(current, self._store, self.metrics)
+            self._runner = Runner(current, self._store, self.metrics, clock)
             books = LocalBooks(self._store, self._runner)
         else:
             shared = cluster.settings
@@ -75,10 +75,10 @@ class BatchService:
                                              socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
             state = SharedState(self._client, shared.key_prefix, timeout_s, self._files)
             self._runner = SpreadRunner(current, state, self.metrics, cluster.instance, shared.lease_s,
-                                        shared.heartbeat_interval_s)
+                                        shared.heartbeat_interval_s, clock)
             books = SharedBooks(state)
         self._stopped = False
-        self._site_runner = web.AppRunner(Api(current, books, self._files).app(), access_log=None, handle_signals=False)
+        self._site_runner = web.AppRunner(Api(current, books, self._files, clock).app(), access_log=None, handle_signals=False)
 
     async def start(self) -> None:
         """Bind the API (OSError naming ``batches.listen`` if it cannot), then resume the active batches."""
