@@ -34,12 +34,16 @@ from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, METADATA_NAME
 from extproc.core.outcomes import Refusal
 
 # Retries of a request the engine never started: it could not be reached, or it
-# refused the request as full (its own queue cap). An engine restarting within a
-# second, or a queue cap hit in a burst, is waited for; a dead engine fails the
-# request after one to two seconds, and the processor, seeing the router's 503,
-# marks it down. Envoy's back-off is jittered: each wait is random up to
-# base x 2^attempt, capped at the maximum.
-ENGINE_RETRIES = 3
+# refused the request as full (its own queue cap). Envoy's back-off is jittered:
+# each wait is random up to base x 2^attempt, capped at the maximum, so five
+# retries wait 0 to 3.75 s in all, 1.9 s on average. That outlasts a full
+# engine's wait for its next finished request (a slot taken by a client that
+# bypasses the gateway; with three retries, 0.9 s on average, a real vLLM on
+# 2 cores still passed its "busy" 503 to a gateway client) and an engine that
+# restarts within a second or two. A dead engine fails only what was in flight
+# to it, after those seconds: its refused scrape or the router's 503 marks it
+# down at once, and the processor holds the rest.
+ENGINE_RETRIES = 5
 ENGINE_RETRY_BASE_S = 0.25
 ENGINE_RETRY_MAX_S = 1.0
 
