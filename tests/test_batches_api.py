@@ -81,7 +81,7 @@ def config(tmp_path: Path, gateway_port: int, **batches: Any) -> Config:
         "tenants": {"bob": {"priorities": ["interactive", "standard"]}},
         "batches": {"directory": str(tmp_path / "batches"), "listen": f"127.0.0.1:{free_port()}",
                     "gateway_url": f"http://127.0.0.1:{gateway_port}", "runner_key": "k",
-                    "in_flight_per_batch": 3, "completion_windows": ["24h", "2s"], **batches},
+                    "in_flight_per_batch": 3, "completion_windows": ["24h", "2s", "1s"], **batches},
     })
 
 
@@ -264,10 +264,10 @@ async def test_a_batch_expires_at_its_window_even_if_the_wall_clock_steps_back(s
     loop timer that fires before the wall clock reaches the end, as uvloop's do by up to a millisecond).
     The batch still expires at its window's end, rather than being left in progress until the next start.
     """
-    stepped = False
+    stepped, shift = False, 0.0
 
     def clock() -> float:
-        return time.time() - (1.0 if stepped else 0.0)
+        return time.time() - shift - (1.0 if stepped else 0.0)
 
     def answer(cid: str, attempt: int) -> web.Response | None:
         nonlocal stepped
@@ -278,7 +278,8 @@ async def test_a_batch_expires_at_its_window_even_if_the_wall_clock_steps_back(s
     served.clock, served.gateway.answer = clock, answer
     await served.start()
     async with served.client("bob") as sdk:
-        batch = await final(sdk, await start_batch(sdk, chat_lines(3), window="2s"), timeout_s=10)
+        shift = time.time() % 1  # created on a whole second (times are whole seconds): the window is a whole 1 s
+        batch = await final(sdk, await start_batch(sdk, chat_lines(3), window="1s"), timeout_s=10)
     assert batch.status == "expired"
     assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 2)
 
