@@ -57,6 +57,7 @@ class BatchService:
         assert settings is not None
         self.listen = settings.listen
         self.metrics = BatchMetrics(registry, tenants)
+        self._clock = clock
         self._store: Store | None = None
         self._client: aioredis.Redis | None = None
         self._runner: Runner | SpreadRunner
@@ -98,7 +99,7 @@ class BatchService:
         if self._store is None:
             assert isinstance(self._runner, SpreadRunner)
             return self._runner.progress()
-        return self._store.progress(time.time(), PROGRESS_LISTED)
+        return self._store.progress(self._clock(), PROGRESS_LISTED)
 
     async def stop(self) -> None:
         self._stopped = True
