@@ -58,10 +58,10 @@ async def test_the_openai_sdk_retries_a_rate_limit_after_retry_after_and_gets_it
         # request a second as fast as they went), then ten more: those wait for the window, by Retry-After.
         answers = await asyncio.gather(*(create() for _ in range(60)))
         for _ in range(10):
-            answers.append(answer := await create())
+            answers.append(await create())
     assert [status for status, _ in answers] == [200] * 70
     elapsed = time.monotonic() - start
-    headers = answer[1]  # the last one's, through Envoy: the rate headers of bob's window
+    headers = answers[-1][1]  # the last one's, through Envoy: the rate headers of bob's window
     assert headers["x-ratelimit-limit-requests"] == "60" and int(headers["x-ratelimit-remaining-requests"]) <= 1
     samples = await read_metrics(stack.metrics_url)
     refused = metric(samples, "extproc_budget_over_total", tenant="bob", over="rate", action="refuse")
