@@ -528,7 +528,6 @@ async def test_unknown_model_is_404_json(sim_factory: StartSim, http: aiohttp.Cl
         ("/v1/chat/completions", json.dumps(_chat(max_tokens=0)).encode()),
         ("/v1/chat/completions", json.dumps(_chat(max_tokens="5")).encode()),
         ("/v1/chat/completions", json.dumps(_chat(n=2)).encode()),
-        ("/v1/chat/completions", json.dumps(_chat(priority=1)).encode()),  # fcfs engine: as vLLM
         ("/v1/chat/completions", json.dumps(_chat(priority="high")).encode()),
         ("/v1/completions", json.dumps({"model": MODEL}).encode()),
         ("/v1/completions", json.dumps({"model": MODEL, "prompt": ["a", "b"]}).encode()),
@@ -542,6 +541,27 @@ async def test_malformed_requests_are_400_json(
     async with http.post(f"{sim.url}{path}", data=payload, headers={"Content-Type": "application/json"}) as response:
         assert response.status == 400
         _assert_error_shape(await response.json(), 400)
+
+
+async def test_a_priority_without_priority_scheduling_is_accepted_and_ignored_as_vllm_0_32_does(
+    sim_factory: StartSim, http: aiohttp.ClientSession
+) -> None:
+    sim = await sim_factory()
+    async with http.post(f"{sim.url}/v1/chat/completions", json=_chat(priority=1)) as response:
+        assert response.status == 200
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+async def test_dev_mode_says_the_scheduler_s_settings_as_vllm_s_server_info(
+    sim_factory: StartSim, http: aiohttp.ClientSession, policy: str
+) -> None:
+    quiet = await sim_factory(scheduling_policy=policy)
+    async with http.get(f"{quiet.url}/server_info") as response:
+        assert response.status == 404  # vLLM serves it only in development mode
+    sim = await sim_factory(scheduling_policy=policy, dev_mode=True, max_num_seqs=7)
+    async with http.get(f"{sim.url}/server_info", params={"config_format": "json"}) as response:
+        scheduler = (await response.json())["vllm_config"]["scheduler_config"]
+    assert (scheduler["policy"], scheduler["max_num_seqs"]) == (policy, 7)
 
 
 async def test_request_that_can_never_fit_is_400(sim_factory: StartSim, http: aiohttp.ClientSession) -> None:

@@ -178,6 +178,8 @@ class SimSettings:
     # vLLM's own admission valves (--max-num-queued-reqs/-tokens, off by default): see SimEngine.check_admission.
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    # vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1): GET /server_info says its scheduler's settings.
+    dev_mode: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -17,8 +17,11 @@ Request handling, also as in vLLM:
   ``--default-max-tokens``), finish reason ``length``; ``min_tokens``, stop
   strings and sampling parameters are accepted and ignored; ``n`` must be 1;
 * ``priority`` (an integer, lower first) orders the engine's waiting queue
-  with ``--scheduling-policy priority``; without it any value but 0 is
-  refused with 400, as vLLM does;
+  with ``--scheduling-policy priority``; without it any value is accepted
+  and ignored, as vLLM 0.32 does (its input processor no longer checks it);
+* ``--dev-mode`` serves ``GET /server_info?config_format=json`` as vLLM does
+  with ``VLLM_SERVER_DEV_MODE=1``: its ``vllm_config.scheduler_config``
+  (``max_num_seqs``, ``policy``), what the gateway reads of it;
 * a client that disconnects is aborted in the engine at once (aiohttp's handler
   cancellation), freeing its batch slot and KV, like vLLM's disconnect handling
   (its ``AsyncLLM.generate`` aborts the request when the handler is cancelled),
@@ -169,7 +172,7 @@ class _Params:
     priority: int = 0
 
 
-def _parse_params(body: dict[str, Any], default_max_tokens: int, scheduling_policy: str = "fcfs") -> _Params:
+def _parse_params(body: dict[str, Any], default_max_tokens: int) -> _Params:
     max_tokens = default_max_tokens
     for field in ("max_tokens", "max_completion_tokens"):  # the latter wins, as in vLLM
         value = body.get(field)
@@ -190,9 +193,6 @@ def _parse_params(body: dict[str, Any], default_max_tokens: int, scheduling_poli
     priority = body.get("priority", 0)
     if type(priority) is not int:
         raise _bad_request("'priority' must be an integer", "priority")
-    if priority != 0 and scheduling_policy != "priority":
-        # vLLM's own error text for the same mistake.
-        raise _bad_request(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
     return _Params(max_tokens, bool(stream), bool(options.get("include_usage")), priority)
 
 
@@ -250,6 +250,13 @@ class _Handlers:
             "max_model_len": self.settings.kv_cache_tokens,
         }
         return web.json_response({"object": "list", "data": [card]})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """vLLM's development ``/server_info?config_format=json``: of its config, the scheduler's part we model."""
+        s = self.settings
+        scheduler = {"max_num_seqs": s.max_num_seqs, "policy": s.scheduling_policy,
+                     "max_num_queued_reqs": s.max_num_queued_reqs}
+        return web.json_response({"vllm_config": {"scheduler_config": scheduler}, "vllm_env": {}, "system_env": {}})
 
     async def info(self, request: web.Request) -> web.Response:
         """What the dialect's engine says of its limits (SGLang /server_info, TGI /info, llama.cpp /props).
@@ -328,7 +335,7 @@ class _Handlers:
     async def _generate(
         self, request: web.Request, api: _Api, body: dict[str, Any], prompt: str | list[int]
     ) -> web.StreamResponse:
-        params = _parse_params(body, self.settings.default_max_tokens, self.settings.scheduling_policy)
+        params = _parse_params(body, self.settings.default_max_tokens)
         tokens = estimate_tokens(prompt) if isinstance(prompt, str) else len(prompt)
         # The units only where they are hashed: cutting a 32 MB prompt into its 8 million takes 1.4 s.
         units: Sequence[Hashable] = ()
@@ -480,6 +487,8 @@ def create_app(settings: SimSettings, dialect: str = "vllm", metrics_fault: str 
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.prometheus)
     app.router.add_put("/sim/metrics-fault", handlers.set_metrics_fault)
+    if dialect == "vllm" and settings.dev_mode:
+        app.router.add_get("/server_info", handlers.server_info)
     if dialect in _INFO_PATHS:
         app.router.add_get(_INFO_PATHS[dialect], handlers.info)
 
@@ -567,6 +576,7 @@ _SETTINGS_OPTIONS: tuple[tuple[str, type[bool | int | float | str], tuple[str, .
      "refuse a request (503) when waiting + running would exceed this, as vLLM's --max-num-queued-reqs; off by default"),
     ("max_num_queued_tokens", int, None,
      "refuse a request (503) while this many prompt tokens await their prefill, as vLLM's --max-num-queued-tokens"),
+    ("dev_mode", bool, None, "serve GET /server_info (the scheduler's settings), as vLLM with VLLM_SERVER_DEV_MODE=1"),
 )
 
 
