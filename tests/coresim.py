@@ -101,6 +101,9 @@ class CoreSim:
         lag_s: float = 0.06,
         end_lag_s: float = 0.002,
         max_queue_wait_s: float = 3600.0,
+        engine_priority: bool = False,
+        stream_begins_at_accept: bool = False,
+        policy: str = "round_robin",
         check: Callable[[CoreSim], None] | None = None,
         ended: Callable[[CoreSim, Request], None] | None = None,
     ) -> None:
@@ -109,6 +112,10 @@ class CoreSim:
         self.scrape_s = scrape_s
         self.lag_s = lag_s
         self.end_lag_s = end_lag_s
+        # The band's index as the request's priority in the engine's queue (an engine with a priority queue).
+        self.engine_priority = engine_priority
+        # A stream's response begins as the engine accepts it (vLLM sends its headers then), not at its first token.
+        self.stream_begins_at_accept = stream_begins_at_accept
         self._check = check
         # Told of each released request that ended (done or preempted): a client that sends more (``add``).
         self._ended = ended
@@ -127,9 +134,10 @@ class CoreSim:
                          stale_after_s=10 * scrape_s, fallback_max_in_flight=4)
         every = Tenant(tuple(b.name for b in bands), bands[0].name, weight=1.0, max_queued=1_000_000)
         self.dispatcher = ModelDispatcher(
-            "m", self.pool, bands, lambda event: self.events.append(event), lambda: self.now, policy=POLICIES["round_robin"],
+            "m", self.pool, bands, lambda event: self.events.append(event), lambda: self.now, policy=POLICIES[policy],
             tenant=lambda _: every, cost=CostWeights(), max_queued=1_000_000, max_queue_wait_s=max_queue_wait_s,
             reserved_waiting=reserved_waiting, max_preemptions_per_s=max_preemptions_per_s, timers=self,
+            engine_priority=engine_priority,
         )
         self._at(0.0, self._scrape)
 
@@ -173,7 +181,8 @@ class CoreSim:
         self._to_come -= 1
         try:
             held = self.dispatcher.submit(arrival.tenant, arrival.band, max_tokens=arrival.max_tokens,
-                                          content_length=4 * arrival.prompt_tokens, retried=arrival.retried)
+                                          content_length=4 * arrival.prompt_tokens, retried=arrival.retried,
+                                          whole=not arrival.stream)
         except Refused:
             return
         request = Request(arrival, held)
@@ -190,10 +199,12 @@ class CoreSim:
                     continue
                 request.outcome, request.released_at = "released", self.now
                 sim = SimRequest(prompt_tokens=request.arrival.prompt_tokens, max_tokens=request.arrival.max_tokens,
-                                 arrival=self.now)
+                                 arrival=self.now, priority=request.arrival.band if self.engine_priority else 0)
                 request.sim = sim
                 self._by_sim[sim] = request
                 self._at(self.now + self.lag_s, lambda s=sim, r=request: self._reach(s, r))  # type: ignore[misc]
+                if self.stream_begins_at_accept and request.arrival.stream:
+                    self._at(self.now + self.end_lag_s, lambda r=request: self._accepted(r))  # type: ignore[misc]
             if request.outcome == "released" and held.preempted is not None and held.preempted.done():
                 request.outcome, request.ended_at = "preempted", self.now
                 if request.sim is not None and not request.sim.finished and request.sim in self._by_sim:
@@ -205,6 +216,10 @@ class CoreSim:
             if request.outcome in ("done", "preempted") and self._ended is not None:
                 self._ended(self, request)
         self._active = [r for r in self._active if r.outcome in ("queued", "released")]
+
+    def _accepted(self, request: Request) -> None:
+        if request.outcome == "released":
+            self.dispatcher.record_response(request.held, Answer.SERVED)
 
     def _reach(self, sim: SimRequest, request: Request) -> None:
         if request.outcome != "released":
@@ -231,7 +246,8 @@ class CoreSim:
                 continue
             if token.index == 0:
                 request.first_token_at = self.now
-            if (token.index == 0 and request.arrival.stream) or (token.request.finished and not request.arrival.stream):
+            begins = token.index == 0 and request.arrival.stream and not self.stream_begins_at_accept
+            if begins or (token.request.finished and not request.arrival.stream):
                 self.dispatcher.record_response(request.held, Answer.SERVED)
             if token.request.finished:
                 self._at(self.now + self.end_lag_s, lambda r=request: self._end(r))  # type: ignore[misc]
@@ -279,7 +295,71 @@ class CoreSim:
 
     def held_bands(self) -> set[int]:
         """The bands of the requests the gateway holds now."""
-        return {r.arrival.band for r in self._active if r.outcome == "queued"}
+        return {r.arrival.band for r in self.queued()}
+
+    def queued(self) -> list[Request]:
+        """The requests the gateway holds now."""
+        return [r for r in self._active if r.outcome == "queued"]
 
     def of(self, band: int) -> list[Request]:
         return [r for r in self.requests if r.arrival.band == band]
+
+
+class DirectSim:
+    """The same engine with clients straight to it, no gateway: each arrival reaches it ``lag_s`` later, with its band as
+    its priority (an engine with a priority queue orders by it; one in arrival order ignores it). The reference a
+    gateway is held against."""
+
+    def __init__(self, engine: SimSettings, *, lag_s: float = 0.06) -> None:
+        self.now = 0.0
+        self.lag_s = lag_s
+        self.scheduler = Scheduler(engine)
+        self._heap: list[_Event] = []
+        self._seq = itertools.count()
+        self._inbox: list[SimRequest] = []
+        self._step_end: float | None = None
+        self.requests: list[tuple[Arrival, SimRequest]] = []
+        # Told of each request that finished: a client that sends more (``add``).
+        self.finished: Callable[[DirectSim, Arrival], None] | None = None
+        self._arrival: dict[SimRequest, Arrival] = {}
+
+    def add(self, arrivals: Sequence[Arrival]) -> None:
+        for arrival in arrivals:
+            heapq.heappush(self._heap, _Event(arrival.at + self.lag_s, next(self._seq),
+                                              lambda a=arrival: self._reach(a)))  # type: ignore[misc]
+
+    def run(self, arrivals: Sequence[Arrival], until: float) -> None:
+        self.add(arrivals)
+        while self._heap and self._heap[0].at <= until:
+            event = heapq.heappop(self._heap)
+            self.now = event.at
+            event.run()
+
+    def _reach(self, arrival: Arrival) -> None:
+        sim = SimRequest(arrival.prompt_tokens, arrival.max_tokens, self.now, priority=arrival.band)
+        self.requests.append((arrival, sim))
+        self._arrival[sim] = arrival
+        self._inbox.append(sim)
+        if self._step_end is None:
+            self._step()
+
+    def _step(self) -> None:
+        for sim in self._inbox:
+            self.scheduler.add(sim)
+        self._inbox.clear()
+        if not self.scheduler.has_work:
+            self._step_end = None
+            return
+        self._step_end = self.now + self.scheduler.schedule(self.now).duration
+        heapq.heappush(self._heap, _Event(self._step_end, next(self._seq), self._complete))
+
+    def _complete(self) -> None:
+        for token in self.scheduler.complete(self.now):
+            if token.request.finished and self.finished is not None:
+                self.finished(self, self._arrival[token.request])
+        self._step_end = None
+        self._step()
+
+    def of(self, band: int) -> list[tuple[Arrival, SimRequest]]:
+        return [(a, r) for a, r in self.requests if a.band == band]
+

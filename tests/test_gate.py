@@ -71,11 +71,14 @@ def make_gate(
     return Pool(endpoints, RULES[kind], settings, stale_after_s=1.0, fallback_max_in_flight=fallback, pick_endpoints=pick)
 
 
-def band_allowance(gate: Pool, now: float, *, reserve: int = 0, idle_share: float | None = None) -> int:
-    """What a band below the first (with ``reserve``), or an idle-only band (``idle_share``), may release now."""
+def band_allowance(gate: Pool, now: float, *, reserve: int = 0, idle_share: float | None = None,
+                   firm: bool = True) -> int:
+    """What a band below the first (with ``reserve``), or an idle-only band (``idle_share``), may release now;
+    ``firm``: what it holds keeps its slot to the end once released (streams), else it can be taken back."""
     bands = (Band("first", 60.0), Band("lower", 60.0),
              Band("idle", 60.0, idle_only=True, idle_running_share=idle_share or 1.0))
-    admission = BandAdmission(bands, gate, reserved_waiting=reserve, held=lambda band: 0)
+    admission = BandAdmission(bands, gate, reserved_waiting=reserve, held=lambda band: 0,
+                              firm=lambda band: int(firm))
     admission.arrived(0, now)  # the bands above arrive now: the lower band leaves the reserve,
     admission.arrived(1, now)  # the idle-only band takes free slots only
     return admission.allowance(1 if idle_share is None else 2, now)
@@ -511,8 +514,10 @@ def test_an_idle_only_band_fills_free_slots_and_stops_at_a_queue(kind: str) -> N
     # The engine was seen full once (8 running, a queue): the adaptive limit is 8 + 3.
     gate.record_scrape("e1", EngineLoad(waiting=2, running=8), started_at=-1.0)
     gate.record_scrape("e1", EngineLoad(waiting=0, running=2), started_at=0.0)
-    # 6 free, of which 3 (35 % of 8, to the nearest slot) are kept for the bands above, which have work now.
+    # 6 free, of which 3 (35 % of 8, to the nearest slot) are kept for the bands above, which have work now, from
+    # streams; work that can be taken back takes all 6.
     assert band_allowance(gate, 0.0, reserve=0, idle_share=1.0) == 3
+    assert band_allowance(gate, 0.0, reserve=0, idle_share=1.0, firm=False) == 6
     assert band_allowance(gate, 0.0, reserve=0, idle_share=0.5) == 2
     for i in range(3):
         gate.record_release(i, 0.01, into_free_slot=True)

@@ -17,7 +17,6 @@ from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
-from extproc.core.preemption import LENT_AFTER_S
 from extproc.core.release.answer import Answer
 from extproc.core.report import Event, RequestEvent, Step
 from tests.test_gate import make_gate
@@ -41,7 +40,7 @@ class Steps(list[RequestEvent]):
 
 
 def make(now: list[float], rate: float = 2.0, slots: int = 2, bands: tuple[Band, ...] = BANDS,
-         in_flight: int | None = None) -> tuple[ModelDispatcher, Steps]:
+         in_flight: int | None = None, engine_priority: bool = False) -> tuple[ModelDispatcher, Steps]:
     """``slots`` engine slots; the gate lets ``in_flight`` go (default: ``slots``), the rest queued in the engine."""
     steps = Steps()
     every = Tenant(tuple(b.name for b in bands), "standard", weight=1.0, max_queued=100)
@@ -50,12 +49,13 @@ def make(now: list[float], rate: float = 2.0, slots: int = 2, bands: tuple[Band,
         "m", gate, bands, steps,
         lambda: now[0], policy=POLICIES["round_robin"], tenant=lambda _: every, cost=CostWeights(), max_queued=100,
         max_queue_wait_s=120.0, reserved_waiting=0, max_preemptions_per_s=rate, timers=LoopTimers(lambda: now[0]),
+        engine_priority=engine_priority,
     )
     return dispatcher, steps
 
 
 def fill(dispatcher: ModelDispatcher, tenants: tuple[str, ...] = ("bob", "bob")) -> list[Held]:
-    batch = [dispatcher.submit(tenant, BATCH) for tenant in tenants]
+    batch = [dispatcher.submit(tenant, BATCH, whole=True) for tenant in tenants]
     assert all(h.future.done() for h in batch)
     return batch
 
@@ -75,12 +75,15 @@ def test_a_lower_band_is_lent_everything_while_nobody_above_has_work() -> None:
     """No average of what the chats held keeps anything back: only their requests held now, or arriving."""
     pool = make_gate(target=3, max_running=4)
     pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
-    held = [0, 0, 0]
-    admission = BandAdmission(BANDS, pool, reserved_waiting=2, held=held.__getitem__)
+    held, firm = [0, 0, 0], [0, 0, 0]
+    admission = BandAdmission(BANDS, pool, reserved_waiting=2, held=held.__getitem__, firm=firm.__getitem__)
     assert admission.allowance(STANDARD, 0.0) == 7  # 4 slots and the queue room of 3
     admission.arrived(INTERACTIVE, 0.0)  # chats arrive: standard leaves them 2 of the queue room...
     assert admission.allowance(STANDARD, 0.0) == 5
-    # ...and batch goes into free slots only, leaving the chats a reserve of 1 of them (35 % of 4, to the nearest).
+    # ...and batch goes into free slots only: all of them while what it holds can be taken back...
+    assert admission.allowance(BATCH, 0.0) == 4
+    # ...while it holds streams, which cannot once begun, it leaves the chats a reserve of 1 (35 % of 4, rounded).
+    firm[BATCH] = 1
     assert admission.allowance(BATCH, 0.0) == 3
     pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=3 * ARRIVING_S)
     assert admission.allowance(STANDARD, 3 * ARRIVING_S) == 7  # they stopped: lent again
@@ -198,13 +201,23 @@ async def test_a_slot_that_is_its_own_is_not_preempted_while_no_objective_is_at_
 async def test_retries_and_started_responses_are_never_victims() -> None:
     now = [0.0]
     dispatcher, steps = make(now)
-    retried = dispatcher.submit("bob", BATCH, retried=True)
-    started = dispatcher.submit("bob", BATCH)
+    retried = dispatcher.submit("bob", BATCH, retried=True, whole=True)
+    started = dispatcher.submit("bob", BATCH, whole=True)
     dispatcher.record_response(started, Answer.SERVED)
     now[0] = 1.0
     chat = dispatcher.submit("alice", INTERACTIVE)
     assert not steps.of(Step.PREEMPTED) and not chat.future.done()
     assert retried.preempted is None and started.preempted is not None and not started.preempted.done()
+
+
+async def test_a_stream_is_never_a_victim_its_response_begins_as_the_engine_accepts_it() -> None:
+    now = [0.0]
+    dispatcher, steps = make(now)
+    streams = [dispatcher.submit("bob", BATCH), dispatcher.submit("carol", BATCH)]
+    now[0] = 5.0  # nothing completes: the chat is at risk
+    chat = dispatcher.submit("alice", INTERACTIVE)
+    assert not steps.of(Step.PREEMPTED) and not chat.future.done()
+    assert all(s.preempted is None for s in streams)
 
 
 async def test_preemptions_for_objectives_at_risk_are_rate_bounded_and_spread_over_tenants() -> None:
@@ -221,34 +234,46 @@ async def test_preemptions_for_objectives_at_risk_are_rate_bounded_and_spread_ov
     assert [e.tenant for e in steps.of(Step.PREEMPTED)] == ["carol", "bob"] and chats[1].future.done()
 
 
-async def test_a_lent_slot_is_taken_back_at_once_whatever_the_slack_and_the_rate() -> None:
-    """Idle-only work runs on slots lent while nobody above needed them: a chat that needs one ends the youngest now."""
+async def test_work_in_progress_is_reclaimed_as_it_drains_unless_an_objective_is_at_risk() -> None:
+    """Idle-only work running in slots lent while nobody above needed them has cost its prefill and every token since:
+    a chat that is not at risk waits for one to finish rather than throw that away (APF reclaims borrowed seats as
+    they drain); one at risk ends the youngest."""
     now = [0.0]
     dispatcher, steps = make(now, rate=0.5, slots=3)
-    fill(dispatcher, ("bob", "bob", "carol"))
-    now[0] = LENT_AFTER_S / 2  # released so lately they may be streams whose response is about to begin: kept
-    early = dispatcher.submit("alice", INTERACTIVE)
-    assert not steps.of(Step.PREEMPTED) and not early.future.done()
-    dispatcher.end(early)
-    now[0] = LENT_AFTER_S  # a slot is as likely to free itself within the chat's 0.2 s as not: not at risk
-    chats = [dispatcher.submit("alice", INTERACTIVE) for _ in range(2)]
-    # One each, youngest first, another tenant than the last victim's when there is one; beyond the bucket's token.
-    assert [e.tenant for e in steps.of(Step.PREEMPTED)] == ["carol", "bob"]
-    assert all(chat.future.done() for chat in chats)
-    standard = dispatcher.submit("alice", STANDARD)  # no objective: it needs nothing
-    assert len(steps.of(Step.PREEMPTED)) == 2 and not standard.future.done()
+    batch = fill(dispatcher, ("bob", "bob", "carol"))
+    now[0] = 0.01  # the last completion a moment ago: a slot is as likely to free itself within 0.2 s as not
+    patient = dispatcher.submit("alice", INTERACTIVE)
+    assert not steps.of(Step.PREEMPTED) and not patient.future.done()
+    dispatcher.end(batch[0])  # a batch request finishes: the chat takes its slot
+    assert patient.future.done() and not steps.of(Step.PREEMPTED)
+    now[0] = 5.0  # nothing completed for 5 s: the next chat's 0.2 s objective is at risk
+    urgent = dispatcher.submit("alice", INTERACTIVE)
+    assert [e.tenant for e in steps.of(Step.PREEMPTED)] == ["carol"] and urgent.future.done()
 
 
-async def test_lent_requests_queued_in_the_engine_ahead_of_a_chat_are_ended_with_one_running() -> None:
-    """Batch alone filled the engine's queue too (2 slots, 3 released): the chat would wait behind the queued one."""
+async def test_lent_requests_queued_in_the_engine_ahead_of_a_chat_are_ended_the_running_ones_kept() -> None:
+    """Batch alone filled the engine's queue too (2 slots, 3 released): the chat would wait behind the queued one,
+    which has made no progress: it is ended at once, whatever the slack; the two running keep their slots."""
     now = [0.0]
     dispatcher, steps = make(now, slots=2, in_flight=4)
     batch = fill(dispatcher, ("bob", "bob", "bob"))
-    now[0] = LENT_AFTER_S
+    now[0] = 0.1
     chat = dispatcher.submit("alice", INTERACTIVE)
     assert chat.future.done()
-    assert [h.preempted is not None and h.preempted.done() for h in batch] == [False, True, True]
-    assert len(steps.of(Step.PREEMPTED)) == 2
+    assert [h.preempted is not None and h.preempted.done() for h in batch] == [False, False, True]
+    assert len(steps.of(Step.PREEMPTED)) == 1
+
+
+async def test_what_lower_bands_queue_in_an_engine_that_orders_by_priority_is_passed_not_ended() -> None:
+    """Behind an engine that runs the classes in order, the chat passes the queued batch request: nothing is ended,
+    and the chat goes in although the gate's line is reached."""
+    now = [0.0]
+    dispatcher, steps = make(now, slots=2, in_flight=3, engine_priority=True)
+    batch = fill(dispatcher, ("bob", "bob", "bob"))
+    now[0] = 0.1
+    chat = dispatcher.submit("alice", INTERACTIVE)
+    assert chat.future.done() and not steps.of(Step.PREEMPTED)
+    assert all(not h.preempted.done() for h in batch if h.preempted is not None)
 
 
 async def test_preemption_off_preempts_nothing() -> None:

@@ -87,8 +87,11 @@ async def test_release_then_client_gone_before_continue_frees_the_slot() -> None
     assert dispatcher.queued == 1
     first.close()
     # The first response finishes; the second is released — and its client leaves
-    # in the same instant, before the stream could send CONTINUE.
-    await asyncio.sleep(0)
+    # in the same instant, as the stream is about to send CONTINUE.
+    for _ in range(20):
+        if not dispatcher.queued:
+            break
+        await asyncio.sleep(0)
     assert dispatcher.in_flight == 1 and dispatcher.queued == 0
     second.task.cancel()
     await settle()

@@ -86,7 +86,7 @@ def headers_message(tenant: str, priority: str) -> bytes:
     request = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
         headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers])))
     fields = struct_pb2.Struct()
-    fields.update({"model": "m"})
+    fields.update({"model": "m", "stream": True})  # streams: never taken back for the standard ones queued
     request.metadata_context.filter_metadata["extproc"].CopyFrom(fields)
     return message(request.SerializeToString())
 

@@ -263,6 +263,10 @@ class Reservation:
         """Requests of the bands above ``band`` released and not finished."""
         return sum(self._in_flight[:band])
 
+    def below(self, band: int) -> int:
+        """Requests of the bands below ``band`` released and not finished."""
+        return sum(self._in_flight[band + 1:])
+
     def slots(self, band: int, capacity: float, share: float = RESERVE_SHARE) -> int:
         """The free slots kept for the bands above ``band`` while one has work, on an engine of ``capacity``.
 
@@ -288,15 +292,21 @@ class Reservation:
 class BandAdmission:
     """How many requests of each band may go now, and which band goes next (see the module docstring)."""
 
-    def __init__(self, bands: tuple[Band, ...], pool: Pool, reserved_waiting: int, held: Callable[[int], int]) -> None:
+    def __init__(self, bands: tuple[Band, ...], pool: Pool, reserved_waiting: int, held: Callable[[int], int],
+                 firm: Callable[[int], int] | None = None) -> None:
         self._bands = bands
         self._pool = pool
         self._reserved_waiting = reserved_waiting
-        # How many requests each band holds queued here (the fair queue's count).
+        # How many requests each band holds queued here (the fair queue's count), and how many of them are firm:
+        # once released they keep their slot to the end (a stream, a retry, a band that is not preemptible).
         self._held = held
+        self._firm = firm or held
         self.activity = BandActivity(len(bands))
         self.shares = BandShares(bands, self.activity)
         self.reservation = Reservation(len(bands))
+        # The engine orders its waiting queue by the band's priority (vLLM's --scheduling-policy priority, with the
+        # band's engine_priority in each body): a request of a lower band waiting in it is behind every higher one.
+        self.priority_queue = False
 
     def reconfigure(self, bands: tuple[Band, ...], reserved_waiting: int) -> None:
         """New settings for the same bands (names and order kept: their arrival counts stay valid)."""
@@ -343,18 +353,38 @@ class BandAdmission:
         return None
 
     def into_free_slots(self, band: int, now: float) -> bool:
-        """Whether ``band`` goes only into free slots now: idle-only, while a band above has work now."""
-        return self._bands[band].idle_only and self.wanted_above(band, now)
+        """Whether ``band`` goes only into free slots now: idle-only, while a band above has work now.
+
+        Not in an engine whose queue is ordered by priority, for work that can be taken back and no cap of the
+        operator's: what it queues there is passed by whatever comes above, and its running requests are taken
+        back for a higher request that needs their slot.
+        """
+        rules = self._bands[band]
+        if not rules.idle_only or not self.wanted_above(band, now):
+            return False
+        return not (self.priority_queue and rules.idle_running_share >= 1 and not self._firm(band))
 
     def headroom(self, band: int, now: float) -> int:
         """The band's allowance before it is floored at 0 (a cluster adds it to what is in flight)."""
-        room = self._pool.headroom(now)
+        room = self._pool.headroom(now) + self.passed(band)
         if band == 0 or not self.wanted_above(band, now):
             return room  # nobody above needs anything now: all of it is lent
-        if self._bands[band].idle_only:
+        if self.into_free_slots(band, now):
             return self._idle_allowance(band, now)
+        if self.priority_queue:
+            return room  # what it queues in the engine waits behind whatever comes above
         # Every free slot goes, whatever is reserved; of the engine's queue room, reserved_waiting is kept.
         return min(room, max(self._pool.free_slots(now), room - self._reserved_waiting))
+
+    def passed(self, band: int) -> int:
+        """In an engine whose queue is ordered by priority: how many of what it queues a request of ``band`` would
+        pass, so they do not count against it. Those are of the bands below, and the engine takes its waiting
+        requests highest band first, so what waits is theirs first: the engine's queue, at most the bands below's
+        requests in flight."""
+        if not self.priority_queue or band == len(self._bands) - 1:
+            return 0
+        below = self.reservation.below(band)
+        return int(min(self._pool.load_now().waiting, below)) if below else 0
 
     def _idle_allowance(self, band: int, now: float) -> int:
         pool, settings = self._pool, self._pool.settings
@@ -366,7 +396,9 @@ class BandAdmission:
             return 0
         capacity = pool.capacity()
         room = math.ceil(share * capacity - estimate.held)
-        reserve = self.reservation.slots(band, capacity, self._bands[band].reserve_share)
+        firm = self._firm(band) > 0
+        # Work that can be taken back keeps nothing free: a request above that needs its slot ends it (preemption.py).
+        reserve = self.reservation.slots(band, capacity, self._bands[band].reserve_share) if firm else 0
         free = min(room, math.ceil(capacity - estimate.held) - reserve)
         if free >= 1:
             return free

@@ -86,6 +86,7 @@ class ModelDispatcher:
         max_queue_wait_s: float,
         reserved_waiting: int,
         max_preemptions_per_s: float = 0.0,
+        engine_priority: bool | None = False,
         strategy: StrategyFactory | None = None,
     ) -> None:
         self.name = name
@@ -93,7 +94,7 @@ class ModelDispatcher:
         self._report = report
         self._clock = clock
         settings = LiveSettings(bands, tenant, cost, max_queued, max_queue_wait_s, reserved_waiting,
-                                type(pool.rule), pool.settings)
+                                type(pool.rule), pool.settings, engine_priority)
         self._state = ModelState(name, pool, settings, report, clock, timers, policy, max_preemptions_per_s)
         self._strategy = (strategy or (lambda outlet: LocalRelease(outlet, timers)))(self._state)
         self._probe: Callable[[tuple[str, ...]], None] | None = None
@@ -120,6 +121,12 @@ class ModelDispatcher:
         """
         self._state.reconfigure(settings)
         self.dispatch()
+
+    @property
+    def priority_first(self) -> str | None:
+        """Which ``priority`` values the engines run first ("lower", "higher") where the adapter writes the band's
+        ``engine_priority`` into each body (negated for "higher"); None: none is written (``model_state.py``)."""
+        return self._state.priority_first()
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -171,6 +178,7 @@ class ModelDispatcher:
         eligible: frozenset[str] | None = None,
         ttft_objective_s: float | None = None,
         retried: bool = False,
+        whole: bool = False,
         tag: str = "",
     ) -> Held:
         """Queue a request and dispatch; the returned future may already be resolved.
@@ -181,6 +189,7 @@ class ModelDispatcher:
         where it may go (endpoint picking). ``ttft_objective_s`` is the
         client's own objective (the band decides how far to trust it);
         ``retried``: the client says it is a retry, so it is never preempted.
+        ``whole``: its answer is not streamed, so it can be taken back until it completes.
         ``tag``: what its reports name it by (``Request.tag``).
         Raises :class:`~extproc.core.outcomes.Refused` when a queue cap leaves no room.
         """
@@ -189,7 +198,7 @@ class ModelDispatcher:
         if refused is not None:
             self._report(PoolEvent(decision_s=self._clock() - now))
             raise refused
-        request = Request(tenant, band, affinity or tenant, prefix, eligible, retried, tag)
+        request = Request(tenant, band, affinity or tenant, prefix, eligible, retried, whole, tag)
         held, first = self._state.enqueue(request, now, content_length, max_tokens, ttft_objective_s)
         clamped = held.estimate.clamped
         self._strategy.queued(band, tenant, first, now)
@@ -280,10 +289,10 @@ class ModelDispatcher:
     def record_limits(self, endpoint: str, limits: EngineLimits) -> None:
         """What the engine at ``endpoint`` says of its own limits: they bound the rule and the cost's context; a cap
         too tight is told."""
-        self._state.engine_context(limits.max_model_len)
         warning = self._pool.record_limits(endpoint, limits)
         if warning is None:
             return
+        self._state.engine_said(limits.max_model_len)
         said = ", ".join(f"{k} {v}" for k, v in vars(limits).items() if v is not None) or "nothing of its limits"
         note = f"model {self.name}: engine {endpoint} says {said}" + (f"; {warning}" if warning else "")
         self._report(EndpointEvent(endpoint, Change.LIMITS, note=note, warning=bool(warning)))
@@ -292,10 +301,10 @@ class ModelDispatcher:
     def set_endpoints(self, endpoints: tuple[str, ...]) -> None:
         """The pool's membership changed (DNS); forget the telemetry of endpoints that left."""
         gone = set(self._pool.endpoints) - set(endpoints)
-        self._state.left(gone)
         for endpoint in gone:
             self._report(EndpointEvent(endpoint, Change.LEFT))
         self._pool.set_endpoints(endpoints)
+        self._state.left(gone)
 
     def reject_all(self, refused: Callable[[], Refused] = shutting_down) -> None:
         """Refuse every queued request with ``refused()`` (default ``shutting_down``: draining ran out of time)."""

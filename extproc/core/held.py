@@ -40,6 +40,9 @@ class Request:
     eligible: frozenset[str] | None = None
     # The client says it is a retry (x-stainless-retry-count): never preempted.
     retried: bool = False
+    # Its answer comes whole (not streamed): its response begins only as it completes, so it can be taken back
+    # (preempted) until then. A stream's response begins as the engine accepts it.
+    whole: bool = False
     # What the decision log names it by besides its tenant and class (a batch line: "<batch>/<line>");
     # the core only carries it into its reports.
     tag: str = ""
@@ -64,6 +67,9 @@ class Held:
     # Refused (queue_timeout) if it is still queued this long after enqueued_at (``expiry.py``): its band's longest
     # wait when it was queued.
     queue_wait_s: float
+    # Once released it keeps its slot to the end: a stream, or of a band that is not preemptible (decided as it is
+    # queued, with the band's settings then; ModelState._firm).
+    firm: bool = True
     released: bool = False
     released_at: float = math.nan
     # The endpoint picked at the release, and the others in order of preference (the gateway's fallbacks).

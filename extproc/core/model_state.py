@@ -39,7 +39,7 @@ from extproc.core.fair_queue import FairQueue
 from extproc.core.held import Held, Request
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.policies import Policy
-from extproc.core.preemption import Lent, Preemption
+from extproc.core.preemption import Place, Preemption
 from extproc.core.pricing import Pricing
 from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
@@ -67,6 +67,9 @@ class LiveSettings:
     reserved_waiting: int
     rule: type[ReleaseRule]
     rule_settings: RuleSettings
+    # The band's engine_priority is written into each body and the engines order their queues by it: True (the
+    # operator says so), False (never), None (where every engine says it does: Pool.priority_first).
+    engine_priority: bool | None = None
 
 
 class ModelState:
@@ -85,11 +88,15 @@ class ModelState:
         self._pricing = Pricing(pool, settings.cost)
         self._queue: FairQueue[Held] = FairQueue(
             len(settings.bands), lambda: policy.new_band(self._weight, self._pricing.expected_hit))
-        self._admission = BandAdmission(settings.bands, pool, settings.reserved_waiting, self._queue.band_len)
+        # Per band, the held requests that keep their slot to the end once released (``_firm``).
+        self._firm_held = [0] * len(settings.bands)
+        self._admission = BandAdmission(settings.bands, pool, settings.reserved_waiting, self._queue.band_len,
+                                        self._firm_held.__getitem__)
         self._preemption = Preemption(max_preemptions_per_s)
         self._release_rate = ReleaseRate()
         self._health_log = HealthLog(name, pool, report)
         self._expiry = Expiry(timers, clock, self._expire)
+        self._follow_engine_priority()
 
     def reconfigure(self, settings: LiveSettings) -> None:
         """Take new settings for what comes next (the same bands, by name and order: a queued request's band is its index).
@@ -106,6 +113,19 @@ class ModelState:
         pool = self._pool
         if (type(pool.rule), pool.settings) != (settings.rule, settings.rule_settings):
             pool.reconfigure(settings.rule, settings.rule_settings)
+        self._follow_engine_priority()
+
+    def priority_first(self) -> str | None:
+        """Which ``priority`` values the engines run first ("lower", "higher") where the band's is written into each
+        body; None: none is written. As configured, else as every engine said (``LiveSettings.engine_priority``)."""
+        configured = self._settings.engine_priority
+        if configured is None:
+            return self._pool.priority_first()
+        return (self._pool.priority_first() or "lower") if configured else None
+
+    def _follow_engine_priority(self) -> None:
+        """The bands count what is queued below them as passed while the engines order their queues by priority."""
+        self._admission.priority_queue = self._preemption.priority_queue = self.priority_first() is not None
 
     def _weight(self, tenant: str) -> float:
         return self._settings.tenant(tenant).weight
@@ -138,6 +158,8 @@ class ModelState:
                     deadline=now + (objective if objective is not None else queue_wait), queue_wait_s=queue_wait)
         first = self._queue.head(band, tenant) is None
         self._queue.push(band, tenant, held)
+        held.firm = self._firm(held)
+        self._firm_held[band] += held.firm
         self._admission.arrived(band, now)
         self._report(RequestEvent(Step.QUEUED, rules.name, tenant, tag=request.tag))
         self._expiry.add(held)
@@ -206,8 +228,24 @@ class ModelState:
         held = self._queue.take(band, tenant)
         return held is not None and self.release(band, tenant, held, now, free=free)
 
+    def _firm(self, held: Held) -> bool:
+        """Whether ``held``, once released, keeps its slot to the end: it is a stream (its response begins as the
+        engine accepts it, and a response begun is never cut) or of a band that is not preemptible.
+
+        A retry is never taken back either, but it is not counted: each request is retried at most once after a
+        take-back, so retries are a bounded share of what a band runs, and counting them would keep a reserve free
+        for a whole band of work that can be taken back.
+        """
+        request = held.request
+        return not (request.whole and self._settings.bands[request.band].preemptible)
+
+    def _dequeued(self, held: Held) -> None:
+        """``held`` left the queue, whichever way."""
+        self._firm_held[held.request.band] -= held.firm
+
     def release(self, band: int, tenant: str, held: Held, now: float, *, free: bool) -> bool:
         """``held`` left the queue to be released: release it, unless its client already left (False)."""
+        self._dequeued(held)
         if held.future.done():  # its stream was cancelled a moment ago; end() will not find it
             self._resolve(held)
             self._abandoned(held)
@@ -233,17 +271,18 @@ class ModelState:
         return True
 
     def _note_for_preemption(self, held: Held, rules: Band, now: float, into_free_slot: bool) -> None:
-        """What preemption must know of a release: a victim to be (on a lent slot or not), or a higher request that may
-        wait in the engine."""
+        """What preemption must know of a release: a victim to be (in a slot, or queued in the engine), and a request
+        with an objective that may wait in the engine for a slot."""
         book = self._preemption
         if not book.enabled:
             return
-        if rules.preemptible:
-            if not held.request.retried:  # a retry is never preempted: its stream need not watch for it
-                held.preempted = asyncio.get_running_loop().create_future()
-                lent = Lent.NO if not rules.idle_only else Lent.RUNNING if into_free_slot else Lent.QUEUED
-                book.released(held, now, lent)
-        elif held.ttft_objective_s is not None and book.candidates and self._pool.engine_full(self._pool.load_now()):
+        request = held.request
+        # A stream begins as the engine accepts it, and a retry is never preempted: their streams need not watch.
+        if rules.preemptible and request.whole and not request.retried:
+            held.preempted = asyncio.get_running_loop().create_future()
+            queued = not into_free_slot and not self._admission.priority_queue
+            book.released(held, now, Place.OWN if not rules.idle_only else Place.QUEUED if queued else Place.LENT)
+        if held.ttft_objective_s is not None and book.candidates and self._pool.engine_full(self._pool.load_now()):
             book.waits_in_engine(held)
 
     # --- a held request's end ----------------------------------------------------------------------
@@ -278,6 +317,7 @@ class ModelState:
         """A request that was not released ended (its client left, or it was refused): it leaves the queue if there."""
         held.ended = True
         if self._queue.remove(held.request.band, held.request.tenant, held):
+            self._dequeued(held)
             self._resolve(held)
             self._abandoned(held)
 
@@ -305,13 +345,17 @@ class ModelState:
         # without metrics counts all it released as waiting).
         capacity = pool.capacity()
         waiting = min(load.waiting, max(0.0, load.held - capacity)) if capacity > 0 else load.waiting
+        # In an engine that orders its queue by priority, what the bands below queue is passed, not waited behind.
+        waiting = max(0.0, waiting - self._admission.passed(0))
         return book.victims(book.needs(pool.engine_full(load), waiting, self._queued_needs(), now), now)
 
     def _queued_needs(self) -> Iterator[Held]:
-        """The head of each tenant's queue in each band that is not preemptible."""
+        """The head of each tenant's queue in each band above the lowest preemptible one (a victim is of a lower band)."""
         queue = self._queue
-        for index, band in enumerate(self._settings.bands):
-            if band.preemptible or not queue.band_len(index):
+        bands = self._settings.bands
+        lowest = max((index for index, band in enumerate(bands) if band.preemptible), default=0)
+        for index in range(lowest):
+            if not queue.band_len(index):
                 continue
             for tenant in queue.tenant_lengths(index):
                 head = queue.head(index, tenant)
@@ -339,6 +383,7 @@ class ModelState:
         """Refuse every queued request with ``refused()``."""
         while len(self._queue):
             band, _, held = self._queue.pop()
+            self._dequeued(held)
             answer = refused()
             if held.future.done():  # its stream was cancelled a moment ago, as in release()
                 self._abandoned(held)
@@ -350,6 +395,7 @@ class ModelState:
         request = held.request
         if not self._queue.remove(request.band, request.tenant, held):
             return
+        self._dequeued(held)
         now = self._clock()
         waited = now - held.enqueued_at
         band_name = self._settings.bands[request.band].name
@@ -390,13 +436,17 @@ class ModelState:
         """A usable scrape of ``endpoint``: the pricing learns its decode rate and cache hits."""
         self._pricing.scraped(endpoint, load, started_at)
 
-    def engine_context(self, max_model_len: int | None) -> None:
-        """An engine said its context length: the pricing's clamp where none is configured."""
+    def engine_said(self, max_model_len: int | None) -> None:
+        """An engine said its limits (the pool has them): the pricing's clamp where none is configured, and whether
+        the engines order their queues by priority."""
         self._pricing.engine_context(max_model_len)
+        self._follow_engine_priority()
 
     def left(self, endpoints: set[str]) -> None:
-        """Endpoints that left the pool: the pricing forgets their caches."""
+        """Endpoints that left the pool: the pricing forgets their caches, and what they said of their queues."""
         self._pricing.forget(endpoints)
+        self._follow_engine_priority()
+
 
     def queued_in(self, band: int) -> int:
         return self._queue.band_len(band)

@@ -1,53 +1,64 @@
-"""Which released request of a preemptible band to end, and when, so a higher band's priority holds inside the engine.
+"""Which released request of a lower band to take back, and when, so a higher band's priority holds inside the engine.
 
 Once a request is inside the engine it keeps its slot until it finishes, and
 vLLM does not preempt a running request for a higher priority when it is
 short of slots (only when KV blocks run out). So an interactive request that
-arrives while batch work fills the engine waits for a batch request to
-finish. The gateway can end such a request itself: its ext_proc stream is
-still open, and while the response has not begun Envoy answers the client
-our JSON 503 ``preempted`` (with ``Retry-After``) and resets the upstream
-request, which the engine aborts at once, freeing the slot.
+arrives while lower work fills the engine waits for some of it to finish.
+The gateway can end a request itself while its response has not begun: its
+ext_proc stream is still open, Envoy answers the client our JSON 503
+``preempted`` (with ``Retry-After``) and resets the upstream request, which
+the engine aborts at once, freeing the slot. A stream's response begins as
+the engine accepts it; an answer that comes whole (a batch line, any
+non-streamed request) has not begun until it completes.
 
 The rules, in order:
 
-* **A request in need.** A request of a higher band with an objective that
-  needs a slot: queued here because the gate is full, or released into an
-  engine with no free slot.
-* **Lent slots are taken back at once.** A request of an idle-only band
-  runs on a slot lent to it while nobody above needed it (``core/bands.py``).
-  For a request in need the book ends one of them now, whatever the slack
-  and the rate, and, for the first need, those the band left queued in the
-  engine while it had it to itself (:attr:`Lent.QUEUED`), as many as the
-  engine queues ahead of it: a chat that finds the engine full of batch work
-  starts about as on an idle engine, not after the next batch completion.
-  Only requests released :data:`LENT_AFTER_S` ago or more: a stream's
-  response has begun by then, so what is taken back is work that answers
-  when whole (batch lines), never a live stream on its way.
-  The waste is bounded by the rules below, which hold for every victim: the
-  youngest goes first (one still queued in the engine has made no
-  progress), and a victim's retry is never a victim again, so each request
-  is ended at most once.
-* **Otherwise only for an objective at risk.** With no lent slot to take
-  back, a request in need is at risk when its deadline comes sooner than the
-  engine is expected to free a slot by itself for it: ``ahead + 1`` times the
-  recent interval between completions (measured; while nothing completes,
-  the time since the last completion stands in for it). Nobody at risk,
-  nothing is preempted. One victim per request at risk; another only if it
-  is still waiting and at risk :data:`AGAIN_AFTER_S` later (in an engine that
-  serves its queue in arrival order, requests released before it may stand
-  ahead of it). A request a slot was taken back for waits as long before it
-  is a need again.
-* **The victim wastes least.** Among the preemptible requests in flight whose
-  response has not begun (their response headers have not come), the one
-  released last: the least progress. A different tenant than the last victim
-  when there is one, so one tenant does not absorb every preemption.
-* **Never twice in a row.** A request that says it is a retry (the OpenAI
-  SDKs send ``x-stainless-retry-count``) is never a victim: a preempted
-  request comes back as such and then runs to the end.
+* **A request in need.** A request of a band with an objective that needs a
+  place in the engine: queued here because the gate is full, or released
+  into an engine with no free slot.
+* **What is cheap is taken back at once.** A request of an idle-only band
+  released into the engine's queue while it had the engine to itself
+  (:attr:`Place.QUEUED`) may still wait there, ahead of the request in need
+  in an engine that serves its queue in arrival order: for the first need,
+  as many of them as the engine queues ahead of it are ended now, whatever
+  the slack and the rate. They have made no progress, so nothing is lost but
+  their client's second (``Retry-After: 1``). Otherwise one idle-only
+  request running in a slot lent to it (:attr:`Place.LENT`) is ended now if
+  it has run for at most a :data:`CHEAP` part of what the request in need is
+  expected to wait for a slot: the take-back saves at least twice the engine
+  time it throws away. Neither in an engine that orders its queue by
+  priority: the request in need passes what waits there, and a slot freed
+  early goes to that before the need reaches the engine.
+* **Other work in progress only for an objective at risk.** A request
+  running in the engine has cost its prefill and every token since; ending it
+  throws that away. So beyond the cheap ones it is ended only for a request
+  in need that is at risk: its deadline comes sooner than the engine is
+  expected to free a slot by itself for it, ``ahead + 1`` times the recent
+  interval between completions (measured; while nothing completes, the time
+  since the last completion stands in for it). Nobody at risk, nothing more
+  is preempted: a slot lent to a lower band is reclaimed as it drains, as
+  Kubernetes API Priority and Fairness reclaims borrowed seats. One victim
+  per request at risk; another only if it is still waiting and at risk
+  :data:`AGAIN_AFTER_S` later (in an engine that serves its queue in arrival
+  order, requests released before it may stand ahead of it). A request a
+  slot was taken back for waits as long before it is a need again.
+* **The victim wastes least.** Among the requests in flight of a preemptible
+  band below the request in need whose answer comes whole (a stream begins as
+  the engine accepts it, and a live stream is never cut) and has not begun,
+  the one released last: the least progress. A different tenant than the
+  last victim when there is one, so one tenant does not absorb every
+  preemption.
+* **Never twice.** A request that says it is a retry (the OpenAI SDKs send
+  ``x-stainless-retry-count``) is never a victim: a preempted request comes
+  back as such and then runs to the end. Each request is taken back at most
+  once, and its client sees one 503 ``preempted`` at most.
 * **Bounded rate.** For objectives at risk, at most ``max_preemptions_per_s``
   (a token bucket of that rate, holding at most one second's worth); 0 turns
-  preemption off, lent slots included.
+  preemption off, queued places included.
+
+Every take-back is reported with the engine time it threw away (the time
+since its release: ``extproc_preempted_seconds_total``), so its cost is
+counted, not guessed.
 
 The book (:class:`Preemption`) is the one place that knows who may be
 ended and who waits for a slot; the model's state (``model_state.py``) tells
@@ -70,22 +81,19 @@ _GAP_WEIGHT = 0.2
 # enough for the engine to abort it and for a scrape to show it (real vLLM shows a
 # change 50-400 ms late), so one slot freed is not mistaken for none.
 AGAIN_AFTER_S = 1.0
-# A lent request is taken back at once only once released this long. A streamed response begins as the engine
-# accepts the request (vLLM sends its headers then, within milliseconds): by now a stream's has, and what is still a
-# candidate answers only when whole (a batch line). So a live client's stream on its way is never cut for a slot.
-LENT_AFTER_S = 0.1
+class Place(enum.Enum):
+    """Where a released request of a preemptible band went, which says what taking it back costs."""
+
+    OWN = "own"  # a band that is not idle-only: its slot is its own, taken back only for an objective at risk
+    LENT = "lent"  # idle-only, into a free slot lent while nobody above needed it: taken back when that is cheap
+    QUEUED = "queued"  # idle-only, into the engine's queue while it had the engine to itself: it may still wait there
 
 
-class Lent(enum.Enum):
-    """What a preemptible request in flight holds: a slot lent to an idle-only band (taken back at once), or its own."""
-
-    NO = "no"  # of a preemptible band that is not idle-only: ended only for an objective at risk
-    QUEUED = "queued"  # idle-only, released into the engine's queue (the band had the engine to itself)
-    RUNNING = "running"  # idle-only, released into a free slot
-
-
-LENT = (Lent.QUEUED, Lent.RUNNING)
-ANY = (Lent.NO, *LENT)
+ANY = (Place.OWN, Place.LENT, Place.QUEUED)
+IDLE = (Place.LENT, Place.QUEUED)
+# A take-back of work in progress must save the request in need at least this many times the engine time it throws
+# away: a lent request is ended at once only if it has run for at most 1 / CHEAP of the need's expected wait.
+CHEAP = 2.0
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,7 @@ class Preemption:
         self._tokens = min(1.0, rate_per_s)
         self._filled_at: float | None = None
         # Released, response not begun, not a retry: in release order (the last is the youngest).
-        self._victims: dict[Held, Lent] = {}
+        self._victims: dict[Held, Place] = {}
         # Released requests of non-preemptible bands with an objective that went into an
         # engine without a free slot: they may be waiting in it (their needs).
         self._waiting_above: dict[Held, None] = {}
@@ -113,6 +121,9 @@ class Preemption:
         # The measured interval between completions, and when the last one came.
         self._gap_s: float | None = None
         self._last_end: float | None = None
+
+    # The engine orders its queue by priority (``bands.py``): the bands below queue there behind every need.
+    priority_queue = False
 
     @property
     def enabled(self) -> bool:
@@ -123,14 +134,14 @@ class Preemption:
         """Preemptible requests in flight whose response has not begun."""
         return len(self._victims)
 
-    def released(self, held: Held, now: float, lent: Lent) -> None:
+    def released(self, held: Held, now: float, place: Place) -> None:
         """``held``, of a preemptible band and not a retry, went to the engine: it may be ended later."""
         if self._last_end is None:
             self._last_end = now
-        self._victims[held] = lent
+        self._victims[held] = place
 
     def waits_in_engine(self, held: Held) -> None:
-        """``held``, of a band that is not preemptible and with an objective, went into an engine without a free slot."""
+        """``held``, with an objective, went into an engine without a free slot: it may wait there for one."""
         self._waiting_above[held] = None
 
     def started(self, held: Held) -> None:
@@ -161,8 +172,8 @@ class Preemption:
 
         Those released into an engine without a free slot while it still
         queues (``engine_full``: none is free now, so whoever was released
-        runs), and those ``queued`` here in a band that is not preemptible
-        (each band's tenants' heads). ``engine_waiting``: what the engine
+        runs), and those ``queued`` here in a band above the lowest preemptible
+        one (each band's tenants' heads). ``engine_waiting``: what the engine
         queues by the load estimate.
         """
         if not engine_full:
@@ -178,24 +189,30 @@ class Preemption:
         return [Need(held, deadline, others + ahead) for ahead, (deadline, held) in enumerate(deadlines)]
 
     def victims(self, needs: Iterable[Need], now: float) -> list[Held]:
-        """The requests to end now, most urgent need first: lent slots at once, others for an objective at risk."""
+        """The requests to end now, most urgent need first: what is cheap to take back at once, else only for an
+        objective at risk."""
         if not self._victims:
             return []
         self._refill(now)
         chosen: list[Held] = []
-        queued: int | None = None  # lent requests that may still queue in the engine ahead of every need
-        settled = now - LENT_AFTER_S  # lent requests released by then: any stream among them has begun
+        queued: int | None = None  # idle-only requests that may still queue in the engine ahead of every need
         for need in needs:
             band = need.held.request.band
             if queued is None:
                 queued = need.ahead  # the first need's: what the engine queues before any of them
-            # Lent slots at once: those still queued in the engine ahead of it, and one running.
+            # At once where it wastes nothing: idle-only requests still queued in the engine ahead of it.
             taken = len(chosen)
-            while queued > 0 and (victim := self._choose(band, chosen, (Lent.QUEUED,), settled)) is not None:
+            while queued > 0 and (victim := self._choose(band, chosen, (Place.QUEUED,))) is not None:
                 chosen.append(victim)
                 queued -= 1
-            if (victim := self._choose(band, chosen, LENT, settled)) is not None:
-                chosen.append(victim)
+            # At once where it is cheap: an idle-only request that has run for at most a part of the need's wait.
+            # Not where the engine orders its queue by priority: what of the bands below waits there would take the
+            # slot before the need reaches the engine (the gateway released it into the queue at once).
+            # Only once the interval between completions is measured: without it the wait is not known.
+            if len(chosen) == taken and not self.priority_queue and self._gap_s is not None:
+                cheap = now - self.expected_wait_s(need.ahead, now) / CHEAP
+                if (victim := self._choose(band, chosen, IDLE, released_since=cheap)) is not None:
+                    chosen.append(victim)
             if len(chosen) > taken:
                 need.held.room_made_at = now
                 continue
@@ -209,14 +226,18 @@ class Preemption:
             self._tokens -= 1
         for victim in chosen:
             del self._victims[victim]
+            self._waiting_above.pop(victim, None)
         return chosen
 
-    def _choose(self, band: int, taken: list[Held], kinds: tuple[Lent, ...], released_by: float = math.inf) -> Held | None:
-        """The youngest candidate of ``kinds`` in a band below ``band`` released by ``released_by``, of another tenant
-        than the last victim's if there is one."""
+    def _choose(self, band: int, taken: list[Held], kinds: tuple[Place, ...],
+                released_since: float = -math.inf) -> Held | None:
+        """The youngest candidate of ``kinds`` in a band below ``band`` released since ``released_since``, of another
+        tenant than the last victim's if there is one."""
         fallback = None
         for held, kind in reversed(self._victims.items()):
-            if held in taken or held.request.band <= band or kind not in kinds or held.released_at > released_by:
+            if held.released_at < released_since:
+                break  # in release order: every one before is older still
+            if held in taken or held.request.band <= band or kind not in kinds:
                 continue
             if held.request.tenant != self._last_tenant:
                 self._last_tenant = held.request.tenant
