@@ -9,6 +9,7 @@ has to import another to name it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class EngineLimits:
     max_held: int | None = None
     # Tokens of one request, prompt and output (vLLM and SGLang max_model_len, TGI max_total_tokens).
     max_model_len: int | None = None
+    # It orders its waiting queue by each request's `priority`: "lower" values first (vLLM --scheduling-policy
+    # priority; SGLang with --schedule-low-priority-values-first) or "higher" first (SGLang's default).
+    priority_first: Literal["lower", "higher"] | None = None
 
     def too_tight(self, target_waiting: int, runs: float | None) -> str:
         """Why the engine's own cap would refuse what the gate sends it ("" if it would not).

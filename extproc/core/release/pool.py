@@ -60,6 +60,8 @@ class Pool:
         self.warnings: dict[str, str] = {}
         # Per endpoint, the engine's rejection counter at its last usable scrape.
         self._rejected: dict[str, float] = {}
+        # Per endpoint, whether its engine said it orders its queue by priority, and which values first.
+        self._priority_first: dict[str, str | None] = {}
         # Set by the adapter that probes the endpoints (``probe_ends``): ends then wait for a sign of life.
         self.probe_ends = False
 
@@ -139,6 +141,7 @@ class Pool:
         self.unconfirmed.set_endpoints(self.endpoints)
         self.warnings = {e: w for e, w in self.warnings.items() if e in self.endpoints}
         self._rejected = {e: n for e, n in self._rejected.items() if e in self.endpoints}
+        self._priority_first = {e: p for e, p in self._priority_first.items() if e in self.endpoints}
 
     def record_release(
         self, request: Hashable, now: float, endpoint: str | None = None, *, into_free_slot: bool = False
@@ -163,8 +166,15 @@ class Pool:
         if endpoint not in self.endpoints:
             return None
         self.rule.record_limits(endpoint, limits)
+        self._priority_first[endpoint] = limits.priority_first
         warning = self.warnings[endpoint] = limits.too_tight(self.rule.settings.target_waiting, self.rule.runs(endpoint))
         return warning
+
+    def priority_first(self) -> str | None:
+        """Which request priorities every member's engine runs first ("lower" or "higher"), where all of them said
+        they order their queue by priority and agree; None otherwise (one that does not, or has not said yet)."""
+        said = {self._priority_first.get(e) for e in self.endpoints}
+        return said.pop() if len(said) == 1 else None
 
     def awaits_life(self, endpoint: str) -> bool:
         """Whether ends at ``endpoint`` wait for a sign of life from it, so a probe of it is worth sending."""
