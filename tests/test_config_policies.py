@@ -24,8 +24,11 @@ def config(**top: Any) -> Any:
 def test_defaults_keep_the_old_behaviour_and_make_the_lowest_band_idle_only() -> None:
     c = config()
     assert [b.idle_only for b in c.bands] == [False, False, True]
+    assert [b.preemptible for b in c.bands] == [False, True, True]  # what has not begun below the first
     assert [b.engine_priority for b in c.bands] == [0, 1, 2]
-    assert c.models[0].policy == "round_robin" and c.models[0].reserved_waiting == 0
+    assert c.models[0].policy == "round_robin" and c.models[0].engine_priority == "auto"
+    # Of the engine's queue room, lower bands keep one place while a band above has work.
+    assert c.models[0].reserved_waiting is None and c.models[0].waiting_kept() == c.models[0].target_waiting - 1
     assert c.tenant("anyone").bands == c.band_names  # every band
     assert c.tenant("anyone").default_band == "standard"
     assert c.bands[2].queue_wait_s(c.models[0].max_queue_wait_s) == c.models[0].max_queue_wait_s
@@ -61,7 +64,7 @@ def test_every_band_and_tenant_setting_is_a_field_of_the_core_type() -> None:
     [
         ({"models": [{**MODEL, "policy": "wfq"}]}, "models[0].policy: must be one of round_robin, vtc"),
         ({"models": [{**MODEL, "cost": {"output_weight": -1}}]}, "models[0].cost.output_weight: must be a number >= 0"),
-        ({"models": [{**MODEL, "engine_priority": "yes"}]}, "models[0].engine_priority: must be true or false"),
+        ({"models": [{**MODEL, "engine_priority": "yes"}]}, "models[0].engine_priority: must be true, false or auto"),
         ({"bands": {"urgent": {}}}, "bands.urgent: unknown key"),
         ({"bands": {"batch": {"idle_running_share": 1.5}}}, "bands.batch.idle_running_share: must be a number in (0, 1]"),
         ({"bands": {"batch": {"reserve_share": 0.6}}}, "bands.batch.reserve_share: must be a number in [0, 0.5]"),

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from extproc.adapters.config import ENGINES, load_config
-from extproc.adapters.engines.limits import SOURCES, cap_advice
+from extproc.adapters.engines.limits import SOURCES, cap_advice, read_limits
 from extproc.adapters.engines.probe import probe_session
 from extproc.adapters.engines.scraper import scrape_endpoint
 from extproc.adapters.telemetry import Telemetry
@@ -42,7 +42,37 @@ pytestmark = pytest.mark.unit
     ("tgi", {"max_concurrent_requests": "many", "max_total_tokens": True}, EngineLimits()),  # not numbers: nothing
 ])
 def test_each_engine_says_its_limits_its_own_way(engine: str, document: dict[str, object], expected: EngineLimits) -> None:
-    assert SOURCES[engine].read(document, "m") == expected
+    assert SOURCES[engine][0].read(document, "m") == expected
+
+
+@pytest.mark.parametrize(("engine", "document", "expected"), [
+    # vLLM 0.32's GET /server_info?config_format=json (development mode only), cut to what is read.
+    ("vllm", {"vllm_config": {"scheduler_config": {"max_num_seqs": 8, "policy": "priority"}}, "vllm_env": {}},
+     EngineLimits(max_running=8, priority_first="lower")),
+    ("vllm", {"vllm_config": {"scheduler_config": {"max_num_seqs": 8, "policy": "fcfs"}}}, EngineLimits(max_running=8)),
+    ("vllm", {"vllm_config": "VllmConfig(...)"}, EngineLimits()),  # the text format: nothing read
+    # SGLang orders by priority only with --enable-priority-scheduling; higher values first unless told otherwise.
+    ("sglang", {"max_running_requests": 8, "enable_priority_scheduling": True}, EngineLimits(max_running=8,
+                                                                                            priority_first="higher")),
+    ("sglang", {"max_running_requests": 8, "enable_priority_scheduling": True, "schedule_low_priority_values_first": True},
+     EngineLimits(max_running=8, priority_first="lower")),
+])
+def test_an_engine_says_whether_it_orders_its_queue_by_priority(
+    engine: str, document: dict[str, object], expected: EngineLimits
+) -> None:
+    assert SOURCES[engine][-1].read(document, "m") == expected
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+async def test_what_vllm_s_two_pages_say_is_read_together(policy: str) -> None:
+    settings = SimSettings(model="m", max_num_seqs=5, kv_cache_tokens=1024, scheduling_policy=policy, dev_mode=True)
+    async with await start_sim(settings) as sim, aiohttp.ClientSession() as session:
+        said = await read_limits(session, sim.url, "vllm", "m", 2.0)
+        async with await start_sim(SimSettings(model="m", kv_cache_tokens=1024)) as quiet:
+            without = await read_limits(session, quiet.url, "vllm", "m", 2.0)
+    assert said == EngineLimits(max_running=5, max_model_len=1024,
+                                priority_first="lower" if policy == "priority" else None)
+    assert without == EngineLimits(max_model_len=1024)  # no development mode: /v1/models alone
 
 
 def test_a_queue_cap_below_what_the_gate_sends_is_told_with_the_fix() -> None:

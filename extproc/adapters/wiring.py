@@ -60,9 +60,14 @@ def live_settings(config: Config, model: ModelConfig) -> LiveSettings:
     """What a reload hands ``model``'s live dispatcher (adapters/reload.py): the settings it takes in place."""
     return LiveSettings(
         bands=config.bands, tenant=config.tenant, cost=model.cost_weights(), max_queued=model.max_queued,
-        max_queue_wait_s=model.max_queue_wait_s, reserved_waiting=model.reserved_waiting,
-        rule=RULES[model.gate], rule_settings=rule_settings(model),
+        max_queue_wait_s=model.max_queue_wait_s, reserved_waiting=model.waiting_kept(),
+        rule=RULES[model.gate], rule_settings=rule_settings(model), engine_priority=engine_priority(model),
     )
+
+
+def engine_priority(model: ModelConfig) -> bool | None:
+    """``engine_priority`` as the core takes it: on, off, or None for as the engines say (``auto``)."""
+    return None if model.engine_priority == "auto" else model.engine_priority
 
 
 def build_dispatcher(
@@ -80,8 +85,9 @@ def build_dispatcher(
         cost=model.cost_weights(),
         max_queued=model.max_queued,
         max_queue_wait_s=model.max_queue_wait_s,
-        reserved_waiting=model.reserved_waiting,
+        reserved_waiting=model.waiting_kept(),
         max_preemptions_per_s=model.max_preemptions_per_s,
+        engine_priority=engine_priority(model),
         strategy=None if cluster is None else (lambda outlet: cluster.seat(model.name, outlet, timers)),
     )
     report.count_in_flight(lambda: dispatcher.in_flight)

@@ -167,9 +167,11 @@ def _written(section: msgspec.Struct) -> dict[str, Any]:
 def _bands(file: ConfigFile) -> tuple[Band, ...]:
     """Each band's settings as written, over the defaults that depend on its place.
 
-    The lowest of several bands is idle-only and preemptible, with no minimum
-    share (it may wait as long as the bands above keep the engine busy); a
-    band's engine priority is its position (vLLM runs lower numbers first). The
+    The lowest of several bands is idle-only, with no minimum share (it may
+    wait as long as the bands above keep the engine busy); every band below the
+    first is preemptible (what of it has not begun can be taken back for a
+    band above, core/preemption.py); a band's engine priority is its position
+    (vLLM runs lower numbers first). The
     first of several bands has a TTFT objective of 5 s (people give up after
     about that long without progress), the middle ones 60 s (they expect a
     wait), the lowest none.
@@ -179,7 +181,7 @@ def _bands(file: ConfigFile) -> tuple[Band, ...]:
     def defaults(index: int) -> dict[str, Any]:
         lowest = count > 1 and index == count - 1
         objective = None if count == 1 or lowest else (5.0 if index == 0 else 60.0)
-        return {"idle_only": lowest, "preemptible": lowest, "engine_priority": index, "ttft_objective_s": objective,
+        return {"idle_only": lowest, "preemptible": index > 0, "engine_priority": index, "ttft_objective_s": objective,
                 **({"min_share": 0.0} if lowest else {})}
 
     return tuple(

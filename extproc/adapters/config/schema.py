@@ -177,12 +177,18 @@ class ModelConfig(Section, frozen=True):
     max_queued: Count = 10_000
     # Of the engine's queue room beyond its free slots, what bands below the first
     # leave to the bands above while those have work now (requests held or arriving),
-    # so a chat finds a place in the engine's queue without waiting for a slot;
-    # free slots themselves are never kept back (core/bands.py).
-    reserved_waiting: Count0 = 0
-    # Write the band's numeric priority into the body's `priority` (vLLM
-    # --scheduling-policy priority); only such models (and those with `prefix`) have their body sent to us.
-    engine_priority: bool = False
+    # so a chat does not wait behind them in an engine that serves its queue in arrival
+    # order; free slots themselves are never kept back (core/bands.py). Unset:
+    # target_waiting - 1, so a lower band keeps one request waiting to fill the next
+    # free slot. Not used where the engine orders its queue by priority (engine_priority).
+    reserved_waiting: Count0 | None = None
+    # Write the band's numeric priority into the body's `priority`, so an engine that
+    # orders its waiting queue by priority (vLLM --scheduling-policy priority) runs the
+    # classes in order inside it, and the gate counts what lower classes queue there as
+    # passed. auto: where the engine says it does (its info endpoint, adapters/engines/limits.py);
+    # only those models (and those with `prefix`) have their body sent to us.
+    engine_priority: Annotated[bool | Literal["auto"], Meta(description="true, false or auto")] = "auto"
+
     # The most preemptions (of a preemptible band's requests, for a higher band whose
     # objective is at risk) per second; an idle-only band's lent slots are taken back
     # whatever the rate (core/preemption.py); 0: never preempt.
@@ -203,6 +209,10 @@ class ModelConfig(Section, frozen=True):
     advanced: ModelAdvanced = msgspec.field(default_factory=ModelAdvanced)
 
     REMOVED = {key: f"moved to {{path}}.advanced.{key}" for key in MODEL_ADVANCED}
+
+    def waiting_kept(self) -> int:
+        """``reserved_waiting``, resolved: as written, else all of the engine's queue room but one place."""
+        return self.reserved_waiting if self.reserved_waiting is not None else max(0, self.target_waiting - 1)
 
     def cost_weights(self) -> CostWeights:
         """How the `vtc` policy prices this model's requests: the cost section, the context length, the cached price."""

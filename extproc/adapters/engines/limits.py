@@ -8,12 +8,15 @@ Which engine says what (checked against each project's source; the table in
 docs/engines.md):
 
 * vLLM (0.32): ``GET /v1/models`` has the model's ``max_model_len``, nothing
-  else: ``max_num_seqs`` and the queue caps are only in ``/server_info``,
-  which exists with ``VLLM_SERVER_DEV_MODE`` alone. Its refusals are read
-  from ``vllm:admission_rejections_total`` instead (dialects.py).
+  else: ``max_num_seqs``, the queue caps and the scheduling policy are only in
+  ``/server_info`` (``vllm_config.scheduler_config``), which exists with
+  ``VLLM_SERVER_DEV_MODE`` alone; it is read where it answers. Its refusals
+  are read from ``vllm:admission_rejections_total`` instead (dialects.py).
 * SGLang: ``GET /server_info`` dumps its server arguments:
   ``max_running_requests``, ``max_queued_requests`` (waiting only: the cap on
-  what it holds is their sum), ``context_length``.
+  what it holds is their sum), ``context_length``, and whether it orders its
+  queue by priority (``enable_priority_scheduling``; lower values first with
+  ``schedule_low_priority_values_first``, else higher).
 * TGI: ``GET /info``: ``max_concurrent_requests`` (running and queued),
   ``max_total_tokens``.
 * llama.cpp: ``GET /props``: ``total_slots`` and the context's ``n_ctx``; it
@@ -47,12 +50,24 @@ def _vllm(doc: Mapping[str, Any], model: str) -> EngineLimits:
     return EngineLimits(max_model_len=_int(card.get("max_model_len")))
 
 
+def _vllm_config(doc: Mapping[str, Any], model: str) -> EngineLimits:
+    """vLLM's ``/server_info?config_format=json`` (development mode only): its scheduler's batch and queue order."""
+    config = doc.get("vllm_config")
+    scheduler = config.get("scheduler_config") if isinstance(config, dict) else None
+    if not isinstance(scheduler, dict):
+        return EngineLimits()
+    return EngineLimits(max_running=_int(scheduler.get("max_num_seqs")),
+                        priority_first="lower" if scheduler.get("policy") == "priority" else None)
+
+
 def _sglang(doc: Mapping[str, Any], model: str) -> EngineLimits:
     running, queued = _int(doc.get("max_running_requests")), _int(doc.get("max_queued_requests"))
+    ordered = doc.get("enable_priority_scheduling") is True
     return EngineLimits(
         max_running=running,
         max_held=running + queued if running is not None and queued is not None else None,
         max_model_len=_int(doc.get("context_length")),
+        priority_first=None if not ordered else "lower" if doc.get("schedule_low_priority_values_first") else "higher",
     )
 
 
@@ -96,22 +111,31 @@ class LimitsSource:
     read: Callable[[Mapping[str, Any], str], EngineLimits]
 
 
-SOURCES: dict[str, LimitsSource] = {
-    "vllm": LimitsSource("/v1/models", _vllm),
-    "sglang": LimitsSource("/server_info", _sglang),
-    "tgi": LimitsSource("/info", _tgi),
-    "llamacpp": LimitsSource("/props", _llamacpp),
+# Per engine, the places read in turn; what a later one says fills what the earlier ones did not.
+SOURCES: dict[str, tuple[LimitsSource, ...]] = {
+    "vllm": (LimitsSource("/v1/models", _vllm), LimitsSource("/server_info?config_format=json", _vllm_config)),
+    "sglang": (LimitsSource("/server_info", _sglang),),
+    "tgi": (LimitsSource("/info", _tgi),),
+    "llamacpp": (LimitsSource("/props", _llamacpp),),
 }
 
 
 async def read_limits(session: aiohttp.ClientSession, endpoint: str, engine: str, model: str,
                       timeout_s: float) -> EngineLimits | None:
     """What ``endpoint`` says of its limits; None when its engine has no such endpoint or it does not answer."""
-    source = SOURCES.get(engine)
-    if source is None:
+    said = [limits for source in SOURCES.get(engine, ())
+            if (limits := await _read(session, endpoint + source.path, source, model, timeout_s)) is not None]
+    if not said:
         return None
+    merged = {key: next((value for limits in said if (value := getattr(limits, key)) is not None), None)
+              for key in vars(said[0])}
+    return EngineLimits(**merged)
+
+
+async def _read(session: aiohttp.ClientSession, url: str, source: LimitsSource, model: str,
+                timeout_s: float) -> EngineLimits | None:
     try:
-        async with asyncio_timeout(timeout_s), session.get(endpoint + source.path) as response:
+        async with asyncio_timeout(timeout_s), session.get(url) as response:
             if response.status != 200:
                 return None
             doc = json.loads(await response.read())

@@ -117,7 +117,6 @@ class Processor:
         self.admissions = Admissions(config)
         self.own_envoy = OwnEnvoy(config)
         self.endpoint_picker = EndpointPicker(config, self._telemetry)
-        self._engine_priority_models = {m.name for m in config.models if m.engine_priority}
         self._signers = {m.name: Signer(m) for m in config.models if m.prefix is not None}
 
     async def process(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
@@ -199,7 +198,8 @@ class Processor:
             except Refused as refused:
                 yield side.refusal(refused)
                 return
-            priority = self._engine_priority(admission)
+            # A body read before the hold and dropped (nothing was to be written then) cannot be rewritten now.
+            priority = None if stream.held_on_body and not stream.body else self._engine_priority(admission, dispatcher)
             for reply in side.release(stream, held, admission.model, waited, priority):
                 yield reply
             async for reply in _follow(side, stream, messages, dispatcher, held, priority):
@@ -215,7 +215,7 @@ class Processor:
         limit = max_tokens(stream.fields)
         eligible = side.eligible(stream, dispatcher)
         self._count_admission(admission)
-        if not stream.duplex and admission.model not in self._engine_priority_models:
+        if not stream.duplex and dispatcher.priority_first is None:
             stream.body = b""  # neither given back nor rewritten: not worth its memory through the hold
         return dispatcher.submit(
             admission.tenant, admission.band,
@@ -224,6 +224,7 @@ class Processor:
             # it, a tenant's requests stick together (they often share a system prompt).
             affinity=stream.fields.prompt_cache_key or "", prefix=prefix,
             eligible=eligible, ttft_objective_s=admission.ttft_objective_s, retried=admission.retried,
+            whole=not stream.fields.stream,
             tag=admission.batch_line,
         )
 
@@ -253,11 +254,14 @@ class Processor:
         resolved = self.admissions.names.resolve(body_model) if body_model else None
         self._telemetry.report(resolved[0] if resolved else UNKNOWN_MODEL)(TurnedAway(refusal))
 
-    def _engine_priority(self, admission: Admission) -> int | None:
-        """The body ``priority`` to write for this request, or None (model without engine_priority)."""
-        if admission.model not in self._engine_priority_models:
+    def _engine_priority(self, admission: Admission, dispatcher: ModelDispatcher) -> int | None:
+        """The body ``priority`` to write for this request: its band's, negated for an engine that runs higher values
+        first; None where none is written (``ModelDispatcher.priority_first``)."""
+        first = dispatcher.priority_first
+        if first is None:
             return None
-        return self._config.bands[admission.band].engine_priority
+        value = self._config.bands[admission.band].engine_priority
+        return value if first == "lower" else -value
 
 
 async def _follow(side: Attachment, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
