@@ -182,7 +182,7 @@ def test_filter_chain_order_and_settings() -> None:
     assert ext["metadata_options"]["forwarding_namespaces"]["untyped"] == ["extproc"]
 
 
-def test_json_to_metadata_writes_the_streams_usage_fields_only_where_budgets_are_on() -> None:
+def test_json_to_metadata_writes_whether_a_request_streams_and_its_usage_field_only_where_budgets_are_on() -> None:
     def rules(budgets: dict[str, Any] | None) -> dict[str, list[str]]:
         config = parse_config({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"]}],
                                **({"budgets": budgets} if budgets is not None else {})})
@@ -190,9 +190,9 @@ def test_json_to_metadata_writes_the_streams_usage_fields_only_where_budgets_are
         return {r["on_present"]["key"]: [s["key"] for s in r["selectors"]] for r in found["request_rules"]["rules"]}
 
     plain = rules(None)
-    assert "stream" not in plain and "include_usage" not in plain
+    assert plain["stream"] == ["stream"] and "include_usage" not in plain  # a whole answer can be taken back
     budgeted = rules({"tenants": {"default": {"requests_per_minute": 10}}})
-    assert budgeted == {**plain, "stream": ["stream"], "include_usage": ["stream_options", "include_usage"]}
+    assert budgeted == {**plain, "include_usage": ["stream_options", "include_usage"]}
 
 
 @pytest.mark.parametrize(("envoy", "tokens", "per_second"), [

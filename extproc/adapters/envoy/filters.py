@@ -184,9 +184,10 @@ def _json_to_metadata(config: Config, chain: Chain) -> Json:
         return {"selectors": [{"key": k} for k in (*path, key)],
                 "on_present": {"metadata_namespace": METADATA_NAMESPACE, "key": key, "type": value_type}}
 
-    # Budgets charge the engine's usage: whether it comes in one answer or at a stream's end (or not at all) is
-    # the body's to say. Without budgets nothing reads it, and nothing is written.
-    usage = [rule(STREAM_FIELD, "PROTOBUF_VALUE"), rule(INCLUDE_USAGE_FIELD, "PROTOBUF_VALUE", "stream_options")]
+    # Whether the answer streams: a whole answer can be taken back until it completes (core/preemption.py), a
+    # stream begins as the engine accepts it. Budgets charge the engine's usage, which a stream carries at its end
+    # only if its client asked for it: without budgets nothing reads that, and nothing is written.
+    usage = [rule(INCLUDE_USAGE_FIELD, "PROTOBUF_VALUE", "stream_options")]
 
     return typed(
         "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
@@ -200,6 +201,7 @@ def _json_to_metadata(config: Config, chain: Chain) -> Json:
                 rule("max_completion_tokens", "PROTOBUF_VALUE"),
                 # Prefix-cache affinity for endpoint picking (OpenAI's field).
                 rule("prompt_cache_key", "STRING"),
+                rule(STREAM_FIELD, "PROTOBUF_VALUE"),
                 *(usage if config.budgets is not None else ()),
             ],
         },

@@ -47,8 +47,9 @@ class RequestFields:
     prompt_cache_key: str | None = None
     # The body's `priority`: a class name, or the engine's integer priority.
     priority: Any = None
-    # The body's `stream` and `stream_options.include_usage` are true: the answer is a stream, whose last event
-    # carries the engine's usage (engine_usage.py). Read only where budgets are on (json_to_metadata's rules).
+    # The body's `stream` and `stream_options.include_usage` are true: the answer is a stream (it cannot be taken
+    # back once the engine accepts it), whose last event carries the engine's usage (engine_usage.py; read only where
+    # budgets are on: json_to_metadata's rules).
     stream: bool = False
     include_usage: bool = False
 
@@ -115,7 +116,7 @@ def from_metadata(request: pb.ProcessingRequest) -> RequestFields | None:
     fields = namespace.fields
     limits = {f: _value(item) for f in LIMIT_FIELDS if (item := fields.get(f)) is not None}
     found = _fields(_value(fields.get("model")), limits, _value(fields.get("prompt_cache_key")), None)
-    stream = fields.get(STREAM_FIELD)  # written only where budgets are on (envoy/filters.py)
+    stream = fields.get(STREAM_FIELD)
     if stream is None or not stream.bool_value:
         return found
     usage = fields.get(INCLUDE_USAGE_FIELD)
