@@ -26,6 +26,8 @@ from extproc.tools.procs import free_port
 from extproc.tools.stack import Gateway
 
 MODEL = "bench-model"
+# The classes every arm's config names, highest first.
+PRIORITIES = ("interactive", "standard", "batch")
 # The project's default: a few requests wait in the engine so it never runs dry.
 # Everything else is left at its default too, in wall-clock time, including the
 # 100 ms scrape interval: at time scale 0.25 the gate reacts 4x slower relative
@@ -48,11 +50,20 @@ class Arm:
     top: Mapping[str, Any] = field(default_factory=dict)
     # The engine's waiting-queue order (vLLM's --scheduling-policy; the simulator's too).
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # Straight to the engine: each request's class written as the body's `priority` (its place in the bench's
+    # priorities, lower first), as a client of vLLM's priority scheduling writes it.
+    body_priority: bool = False
+    # More of the simulator's options (`extproc-dev sim`).
+    sim_args: tuple[str, ...] = ()
     # Processor instances: more than one forms a cluster sharing a Redis (the runner starts it).
     instances: int = 1
 
 
 DIRECT = Arm("direct-fifo", "direct", "clients straight to the engine: its FIFO queue decides")
+DIRECT_PRIORITY = Arm("direct-priority", "direct",
+                      "clients straight to an engine that orders its waiting queue by the body's priority (vLLM's "
+                      "--scheduling-policy priority), each class's place written there: no tenants, no preemption",
+                      scheduling_policy="priority", body_priority=True)
 # The gate comparison's static baselines are tuned by hand to the bench engine
 # (scenarios.Engine: 16 sequences) at the default time scale (0.25): the best
 # a static setting can do when someone measured the engine for it.
@@ -60,6 +71,7 @@ STATIC_CONCURRENCY = 16 + TARGET_WAITING
 STATIC_RATE = 8.0  # released requests per wall-clock second: ~2 per model second, the gate-mix capacity
 ARMS: tuple[Arm, ...] = (
     DIRECT,
+    DIRECT_PRIORITY,
     Arm("envoy", "envoy", "through Envoy without ext_proc (routing on the body's model): Envoy's own cost"),
     Arm("extproc-rr", "extproc", "Envoy + extproc, round-robin per tenant, adaptive gate (the defaults)"),
     Arm("extproc-vtc", "extproc", "Envoy + extproc, cost-weighted fair queueing (vtc), adaptive gate",
@@ -72,6 +84,10 @@ ARMS: tuple[Arm, ...] = (
     Arm("extproc-preempt-tight", "extproc",
         f"as extproc-preempt, with interactive's objective at {TIGHT_OBJECTIVE_S:g} s instead of 5 s",
         model={"max_preemptions_per_s": 2}, top=TIGHT_OBJECTIVE),
+    Arm("extproc-engine-priority", "extproc",
+        "as extproc-rr on an engine with a priority queue (--scheduling-policy priority) that says so (vLLM's "
+        "/server_info, --dev-mode): the gateway learns it and writes each class's priority into the body "
+        "(engine_priority: auto, the default)", scheduling_policy="priority", sim_args=("--dev-mode",)),
     Arm("extproc-locality", "extproc",
         "Envoy + extproc, locality-aware fair queueing (policy: locality: the longest expected prefix-cache hit "
         "first within a deficit quantum of vtc's share)", model={"policy": "locality"}),
@@ -88,6 +104,8 @@ ARMS: tuple[Arm, ...] = (
         f"round-robin; gate: static_rate, {STATIC_RATE:g} req/s (hand-tuned to the gate-mix capacity)",
         model={"gate": "static_rate", "release_rate": STATIC_RATE}),
 )
+# The priority comparison: straight to the engine (its FIFO queue, its priority queue) and the gateway in front of each.
+PRIORITY_QUEUE_ARMS = ("direct-fifo", "direct-priority", "extproc-rr", "extproc-engine-priority")
 # Which arms a scenario runs unless it names its own: the fairness comparison.
 FAIRNESS_ARMS = ("direct-fifo", "envoy", "extproc-rr", "extproc-vtc")
 # Preemption of the batch class: straight to the engine, the gateway without it and with it.
@@ -135,7 +153,7 @@ def arm_config(
              "target_waiting": TARGET_WAITING, **(model_settings or {})}
     doc = {
         "listen": {"grpc": f"127.0.0.1:{free_port()}", "metrics": f"127.0.0.1:{free_port()}"},
-        "priorities": ["interactive", "standard", "batch"],
+        "priorities": list(PRIORITIES),
         "default_priority": "standard",
         "models": [_merge(model, arm.model)],
         "envoy": {

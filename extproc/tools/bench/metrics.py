@@ -84,7 +84,8 @@ Definitions (all times in model seconds, see :mod:`extproc.tools.bench.runner`):
   direct FIFO's, and the requests that missed the class's TTFT objective (no
   first token within it, in the window); and the processor's own count
   (``extproc_objective_requests_total``: released late, or left the queue once
-  the deadline had passed). The focus class's TTFT p99 against the same
+  the deadline had passed); the worst-served tenant of each class (the
+  largest TTFT p99 of its tenants). The focus class's TTFT p99 against the same
   requests alone on a quiet engine (the baseline's ``UNLOADED`` phase), and the
   offered load as measured: the engine's mean running / slots over the replayed
   span with the trace alone (the ``TRACE_ALONE`` phase) and the chats alone,
@@ -461,6 +462,9 @@ def trace_class(mine: Sequence[Result], direct: Sequence[Result], window: float,
     """One class of a trace replay in its window, against the same class straight to the engine (see the docstring)."""
     tokens, base = tokens_until(mine, window), tokens_until(direct, window)
     answered = sum(r.ok for r in mine)
+    by_tenant = {t: ttft_in_window([r for r in mine if r.tenant == t])["p99"] for t in sorted({r.tenant for r in mine})}
+    # The worst-served tenant: the largest TTFT p99 (None, a p99 past the window, is the worst of all).
+    worst = max(by_tenant, key=lambda t: math.inf if by_tenant[t] is None else by_tenant[t], default=None)
     return {
         "requests": len(mine),
         "answered": answered,
@@ -475,6 +479,7 @@ def trace_class(mine: Sequence[Result], direct: Sequence[Result], window: float,
         "missed": missed_objective(mine, objective_s),
         "processor_met": counters.get(f"objective_{cls}_met"),
         "processor_missed": counters.get(f"objective_{cls}_missed"),
+        "worst_tenant": None if worst is None else {"tenant": worst, "p99": by_tenant[worst]},
     }
 
 

@@ -540,6 +540,7 @@ def _trace_tables(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str,
              f"{scenario.focus} p99 against the same chats alone straight to a quiet engine):", "",
              *_table(["arm", "idle slot-s while held", "% of the window", "held (s)",
                       f"{scenario.focus} TTFT p99 vs quiet engine", "output tokens vs direct"], arm_rows)]
+    lines += _against_priority_queue(ran, summary, classes)
     offered = next((o for a in ran if (o := _get(summary, a.name, "trace", "offered")) is not None), None)
     if offered is not None:
         lines += ["", "Offered load, computed from the engine model and measured straight to the engine (mean "
@@ -547,6 +548,40 @@ def _trace_tables(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str,
                   f"{_num(offered['measured'])} measured; the chats alone {_num(offered['chats_expected'])} computed, "
                   f"{_num(offered['chats_measured'])} measured."]
     return lines
+
+
+# The reference a gateway is held against on a trace: the engine's own priority queue, straight.
+PRIORITY_REFERENCE = "direct-priority"
+
+
+def _against_priority_queue(ran: Sequence[Arm], summary: Mapping[str, Any], classes: Sequence[str]) -> list[str]:
+    """Each arm against straight to the engine's priority queue: per class its TTFT p99, worst-served tenant and
+    requests answered in the window; the output tokens against straight FIFO, the idle slots while it held any."""
+    reference = _get(summary, PRIORITY_REFERENCE, "trace")
+    if reference is None:
+        return []
+    rows = []
+    for arm in ran:
+        t, idle = _get(summary, arm.name, "trace"), _get(summary, arm.name, "idle_while_held")
+        cells = []
+        for cls in classes:
+            mine, ref = _get(t, "classes", cls), _get(reference, "classes", cls)
+            worst, ref_worst = _get(mine, "worst_tenant"), _get(ref, "worst_tenant")
+            against = _ratio(_get(worst, "p99"), _get(ref_worst, "p99"))
+            cells += [
+                _num(_ratio(_get(mine, "ttft", "p99"), _get(ref, "ttft", "p99")), 2),
+                "–" if worst is None else f"{worst['tenant']} {_s(worst['p99'])} ({_num(against, 2)})",
+                _num(_ratio(_get(mine, "answered"), _get(ref, "answered")), 2),
+            ]
+        rows.append([arm.name, *cells, _num(t["tokens_vs_direct"], 3),
+                     "–" if idle is None or idle["share"] is None else f"{idle['share']:.2%}"])
+    header = ["arm"]
+    for cls in classes:
+        header += [f"{cls} TTFT p99", f"{cls} worst tenant p99 (s)", f"{cls} answered"]
+    return ["", f"Against straight to the engine's priority queue ({PRIORITY_REFERENCE}; ratios, lower is better for a "
+            "TTFT, higher for requests answered; a worst tenant's ratio is against the reference's worst tenant), "
+            "with output tokens in the window against straight FIFO and idle slot-seconds while anything was held:",
+            "", *_table([*header, "output tokens vs FIFO", "idle while held"], rows)]
 
 
 def _jain(summary: Mapping[str, Any]) -> str:

@@ -53,7 +53,7 @@ from extproc.adapters.config import load_config
 from extproc.adapters.engines.dialects import MetricsError, parse_load
 from extproc.adapters.ext_proc.contract import QUEUE_WAIT_HEADER, REASON_HEADER
 from extproc.core.outcomes import Refusal
-from extproc.tools.bench.arms import MODEL, Arm, api_key, arm_config, band_objectives, scale_objectives, write_config
+from extproc.tools.bench.arms import MODEL, PRIORITIES, Arm, api_key, arm_config, band_objectives, scale_objectives, write_config
 from extproc.tools.bench.load import Planned
 from extproc.tools.bench.scenarios import Engine, Scenario
 from extproc.tools.bench.vllm import VllmEngine
@@ -422,6 +422,7 @@ async def replay(
     on_done: Callable[[], None] = lambda: None,
     unique_prompts: bool = False,
     window: float | None = None,
+    priorities: Mapping[str, int] | None = None,
 ) -> list[Result]:
     """Send every planned request at ``t0 + at * time_scale`` (open loop) and wait for all answers.
 
@@ -433,7 +434,8 @@ async def replay(
     (:func:`planned_prompt`), else the same filler text for all. ``window``
     (model seconds from ``t0``): at its end every request not yet answered is
     abandoned and its result marked ``cut``; a request planned after it is
-    not sent (and has no result).
+    not sent (and has no result). ``priorities``: each class's body ``priority`` (clients of an engine's
+    priority queue), else none is written.
     """
     numbers = {id(planned): number for number, planned in enumerate(requests)}
     connector = aiohttp.TCPConnector(limit=0)  # one connection per concurrent request, as separate clients
@@ -482,6 +484,8 @@ async def replay(
                 "messages": [{"role": "user", "content": text}],
                 **engine.request_extras,
             }
+            if priorities is not None and planned.priority is not None and planned.priority in priorities:
+                body["priority"] = priorities[planned.priority]
             url = f"{base_urls[numbers[id(planned)] % len(base_urls)]}/v1/chat/completions"
             attempt = await send(session, url, body, {**headers, RETRY_HEADER: "0"}, sending.progress)
             attempts = 1
@@ -575,14 +579,14 @@ async def _start(arm: Arm, config: Path, engine: Engine | VllmEngine, time_scale
             raise
         stack.sims.extend(servers)
         return stack
-    sim_args = [*engine.sim_args(time_scale), "--scheduling-policy", arm.scheduling_policy]
+    sim_args = [*engine.sim_args(time_scale), "--scheduling-policy", arm.scheduling_policy, *arm.sim_args]
     return await start_stack(config, workdir, sim_args=sim_args, serve_args=SERVE_ARGS, gateway=arm.gateway)
 
 
 async def _watched(
     stack: Stack, base_urls: Sequence[str], requests: Sequence[Planned], keys: dict[str, str],
     engine: Engine | VllmEngine, time_scale: float, on_done: Callable[[], None], *, unique_prompts: bool = False,
-    window: float | None = None,
+    window: float | None = None, priorities: Mapping[str, int] | None = None,
 ) -> PhaseRun:
     """Replay ``requests`` from now, sampling the (first) engine until the last answer (or the window's cut)."""
     started_wall = time.time()
@@ -592,7 +596,7 @@ async def _watched(
     try:
         results = await replay(
             base_urls, requests, time_scale=time_scale, api_keys=keys, t0=t0, engine=engine, on_done=on_done,
-            unique_prompts=unique_prompts, window=window,
+            unique_prompts=unique_prompts, window=window, priorities=priorities,
         )
     finally:
         stop.set()
@@ -623,10 +627,12 @@ async def _measure(
     base_urls = endpoints if direct else [stack.envoy_url]
     keys = {} if direct else {t: api_key(t) for t in scenario.tenants}
     unique = scenario.unique_prompts
+    priorities = {name: index for index, name in enumerate(PRIORITIES)} if arm.body_priority else None
     phases = {}
     for phase in scenario.phases_of(arm.name):
         phases[phase.name] = await _watched(
-            stack, base_urls, scenario.phase_requests(phase), keys, engine, time_scale, on_done, unique_prompts=unique)
+            stack, base_urls, scenario.phase_requests(phase), keys, engine, time_scale, on_done, unique_prompts=unique,
+            priorities=priorities)
         await _settle(stack.sim_url(MODEL))
     counters_before = await _scrape_processors(stack) if stack.processors and phases else {}
     pids = {"engine": [sim.process.pid for sim in stack.sims]}
@@ -638,7 +644,7 @@ async def _measure(
     client_before = time.process_time()
     prefix_before = await _prefix_counters(endpoints)
     run = await _watched(stack, base_urls, scenario.requests(), keys, engine, time_scale, on_done, unique_prompts=unique,
-                         window=scenario.window)
+                         window=scenario.window, priorities=priorities)
     if any(r.cut for r in run.results):
         # The requests it abandoned reach the processors' counters and decision log a moment later.
         await asyncio.sleep(SETTLE_PAUSE_S)

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from extproc.tools.bench.arms import PRIORITY_QUEUE_ARMS
 from extproc.tools.bench.load import LogNormal, Planned, Stream
 from extproc.tools.bench.scenarios import (
     BATCH_ONLY_TENANT,
@@ -123,7 +124,8 @@ QUICK_FLOOD = 24
 QUICK_FLOOD_AT = 2.0
 QUICK_DRAIN_S = 5.0
 
-TRACE_ARMS = ("direct-fifo", "extproc-rr")
+# Straight to the engine (its FIFO queue, its priority queue) and the gateway in front of each.
+TRACE_ARMS = PRIORITY_QUEUE_ARMS
 
 
 @dataclass(frozen=True)
