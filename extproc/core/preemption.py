@@ -57,7 +57,7 @@ The rules, in order:
   preemption off, queued places included.
 
 Every take-back is reported with the engine time it threw away (the time
-since its release: ``extproc_preempted_seconds_total``), so its cost is
+since its release: ``extproc_preempted_occupancy_seconds_total``), so its cost is
 counted, not guessed.
 
 The book (:class:`Preemption`) is the one place that knows who may be

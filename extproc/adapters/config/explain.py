@@ -27,7 +27,7 @@ import msgspec
 
 from extproc.adapters.config.resolve import DEFAULT_TENANT_KEY, Config, default_priority
 from extproc.adapters.config.rules import RULES
-from extproc.adapters.config.schema import BandSettings, ConfigFile, TenantSettings
+from extproc.adapters.config.schema import BandSettings, ConfigFile, ModelConfig, TenantSettings
 from extproc.adapters.config.validate import convert
 
 SOURCES = ("set", "default", "derived", "engine")
@@ -44,12 +44,16 @@ DERIVED: dict[str, tuple[str, Rule]] = {
     "envoy.admission_burst": ("the intake (`admission_per_second` x 3/2) x `message_timeout_ms`",
                               lambda config, file: config.envoy.admission(config.listen.transport).tokens),
 }
+# Per model, what follows from the model's other settings: the rule in words, and the value it gives.
+MODEL_DERIVED: dict[str, tuple[str, Callable[[ModelConfig], Any]]] = {
+    "models[].reserved_waiting": ("`target_waiting` - 1", lambda model: model.waiting_kept()),
+}
 # Per model, a prefix section that `policy: locality` implies; per class, what depends on its place.
 SECTIONS_DERIVED = {"models[].prefix": "`policy: locality` (the defaults)"}
 BAND_PLACE = "the class's place: the lowest of several"
 BAND_DERIVED = {
     "idle_only": f"{BAND_PLACE} is idle-only",
-    "preemptible": f"{BAND_PLACE} is preemptible",
+    "preemptible": "the class's place: every class below the first",
     "engine_priority": "the class's index (0, 1, 2, ...)",
     "ttft_objective_s": "the class's place: 5 for the first of several, 60 for the middle ones, none for the lowest",
     "min_share": f"{BAND_PLACE} has 0; else the class's share of recent arrivals at run time (at most 0.5)",
@@ -134,6 +138,9 @@ def _field(value: Any, raw: Any, is_set: bool, key: str, derived: str, config: C
     elif _pattern(key) in DERIVED:
         note, rule = DERIVED[_pattern(key)]
         yield Line(key, rule(config, file), "derived", note)
+    elif _pattern(key) in MODEL_DERIVED and value is None:
+        note, of_model = MODEL_DERIVED[_pattern(key)]
+        yield Line(key, of_model(config.models[int(key.split("[")[1].split("]")[0])]), "derived", note)
     elif _pattern(key) in FROM_ENGINE and value is None:
         yield Line(key, None, "engine", FROM_ENGINE[_pattern(key)])
     else:

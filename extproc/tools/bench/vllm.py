@@ -26,7 +26,7 @@ from typing import Any
 
 from extproc.tools.bench import scenarios
 from extproc.tools.bench.arms import ARMS as SIM_ARMS
-from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, TIGHT_OBJECTIVE, TIGHT_OBJECTIVE_S, Arm
+from extproc.tools.bench.arms import DIRECT, DIRECT_PRIORITY, TARGET_WAITING, TIGHT_OBJECTIVE, TIGHT_OBJECTIVE_S, Arm
 from extproc.tools.bench.scenarios import Scenario
 from extproc.tools.procs import ManagedProcess
 from extproc.tools.realvllm import REQUEST_EXTRAS, ModelSize, SchedulingPolicy, start_vllm
@@ -65,6 +65,7 @@ _KNOWN_BATCH = {"max_running": MAX_NUM_SEQS, "target_waiting": TARGET_WAITING}
 ENVOY = next(a for a in SIM_ARMS if a.name == "envoy")
 ARMS: tuple[Arm, ...] = (
     DIRECT,
+    DIRECT_PRIORITY,
     ENVOY,
     Arm("extproc-rr", "extproc", "Envoy + extproc, round-robin per tenant, adaptive gate; vLLM fcfs",
         model=_KNOWN_BATCH),
