@@ -61,7 +61,7 @@ def live_settings(config: Config, model: ModelConfig) -> LiveSettings:
     return LiveSettings(
         bands=config.bands, tenant=config.tenant, cost=model.cost_weights(), max_queued=model.max_queued,
         max_queue_wait_s=model.max_queue_wait_s, reserved_waiting=model.reserved_waiting,
-        rule=RULES[model.gate], rule_settings=rule_settings(model),
+        rule=RULES[model.gate], rule_settings=rule_settings(model), cold_start_wait_s=model.cold_start_wait(),
     )
 
 
@@ -82,6 +82,7 @@ def build_dispatcher(
         max_queue_wait_s=model.max_queue_wait_s,
         reserved_waiting=model.reserved_waiting,
         max_preemptions_per_s=model.max_preemptions_per_s,
+        cold_start_wait_s=model.cold_start_wait(),
         strategy=None if cluster is None else (lambda outlet: cluster.seat(model.name, outlet, timers)),
     )
     report.count_in_flight(lambda: dispatcher.in_flight)

@@ -33,16 +33,20 @@ from extproc.adapters.config.validate import convert
 SOURCES = ("set", "default", "derived", "engine")
 
 # Key paths (a list item as ``[]``, a mapping's entry as ``*``) whose unset value follows from other
-# settings: the rule in words (the reference prints it as the default), and the value it gives.
-Rule = Callable[[Config, Any], Any]
+# settings: the rule in words (the reference prints it as the default), and the value it gives (from the
+# config, the file and the key's own path: a model's key names its model).
+Rule = Callable[[Config, Any, str], Any]
 DERIVED: dict[str, tuple[str, Rule]] = {
     "default_priority": ("`standard` if it is a class, else the lowest class",
-                         lambda config, file: default_priority(file)),
-    "cluster.heartbeat_s": ("`cluster.lease_s` / 4", lambda config, file: config.cluster and config.cluster.heartbeat_interval_s),
+                         lambda config, file, key: default_priority(file)),
+    "cluster.heartbeat_s": ("`cluster.lease_s` / 4",
+                            lambda config, file, key: config.cluster and config.cluster.heartbeat_interval_s),
     "envoy.admission_per_second": ("2/3 of the processor's intake on `listen.transport` (h2: 1,500/s, grpcio: 750/s)",
-                                   lambda config, file: config.envoy.admission(config.listen.transport).per_second),
+                                   lambda config, file, key: config.envoy.admission(config.listen.transport).per_second),
     "envoy.admission_burst": ("the intake (`admission_per_second` x 3/2) x `message_timeout_ms`",
-                              lambda config, file: config.envoy.admission(config.listen.transport).tokens),
+                              lambda config, file, key: config.envoy.admission(config.listen.transport).tokens),
+    "models[].cold_start_wait_s": ("the model's `max_queue_wait_s`",
+                                   lambda config, file, key: config.models[_index(key)].cold_start_wait()),
 }
 # Per model, a prefix section that `policy: locality` implies; per class, what depends on its place.
 SECTIONS_DERIVED = {"models[].prefix": "`policy: locality` (the defaults)"}
@@ -85,6 +89,11 @@ def explain(raw: Any, config: Config) -> list[Line]:
     """Every leaf of the valid document ``raw`` (whose resolved form is ``config``), in the schema's order."""
     file = convert(raw, ConfigFile, RULES)
     return list(_section(file, raw, "", "", config, file))
+
+
+def _index(path: str) -> int:
+    """``models[2].cold_start_wait_s`` -> 2: the list item a key is under."""
+    return int(path[path.index("[") + 1:path.index("]")])
 
 
 def _pattern(path: str) -> str:
@@ -133,7 +142,7 @@ def _field(value: Any, raw: Any, is_set: bool, key: str, derived: str, config: C
         yield Line(key, _shown(key, value), "derived", derived)
     elif _pattern(key) in DERIVED:
         note, rule = DERIVED[_pattern(key)]
-        yield Line(key, rule(config, file), "derived", note)
+        yield Line(key, rule(config, file, key), "derived", note)
     elif _pattern(key) in FROM_ENGINE and value is None:
         yield Line(key, None, "engine", FROM_ENGINE[_pattern(key)])
     else:

@@ -157,6 +157,9 @@ class ModelConfig(Section, frozen=True):
     # A request still queued after this long is answered 503 instead of held
     # (a band's own max_queue_wait_s overrides it).
     max_queue_wait_s: Positive = 120.0
+    # While no engine of the pool is up (scaled to zero, starting, every one down), a queued request
+    # is kept past its class's wait up to this long from its arrival, then answered 503 (unset: max_queue_wait_s).
+    cold_start_wait_s: Positive | None = None
     # How releases are decided (docs/gate.md).
     gate: Annotated[str, choice(RULES)] = "adaptive"
     # Optional ceilings for the adaptive gate.
@@ -203,6 +206,10 @@ class ModelConfig(Section, frozen=True):
     advanced: ModelAdvanced = msgspec.field(default_factory=ModelAdvanced)
 
     REMOVED = {key: f"moved to {{path}}.advanced.{key}" for key in MODEL_ADVANCED}
+
+    def cold_start_wait(self) -> float:
+        """How long a request is kept while no engine of the pool is up: ``cold_start_wait_s``, else ``max_queue_wait_s``."""
+        return self.max_queue_wait_s if self.cold_start_wait_s is None else self.cold_start_wait_s
 
     def cost_weights(self) -> CostWeights:
         """How the `vtc` policy prices this model's requests: the cost section, the context length, the cached price."""
