@@ -86,6 +86,7 @@ def build_dispatcher(
         strategy=None if cluster is None else (lambda outlet: cluster.seat(model.name, outlet, timers)),
     )
     report.count_in_flight(lambda: dispatcher.in_flight)
+    report.read_demand(dispatcher.demand)
     return dispatcher
 
 
