@@ -30,6 +30,11 @@ from extproc.adapters.engines import discovery
 from extproc.cli import main as extproc
 
 
+def command(path: Path) -> list[str]:
+    """The ``extproc`` command with host names answered from ``path`` (a stack's ``command``)."""
+    return [sys.executable, "-m", "extproc.tools.hosts", str(path)]
+
+
 def write_hosts(path: Path, hosts: Mapping[str, Sequence[str]]) -> None:
     """Write ``hosts`` (name -> member URLs) to ``path`` in one rename, so a lookup never reads half a file."""
     part = path.with_name(path.name + ".part")
