@@ -303,7 +303,12 @@ class Budgets:
         return RateView(requests, tokens)
 
     def standings(self, now: float) -> Iterator[Standing]:
-        """Every limit of every account made so far, as it stands ``now``."""
+        """Every limit of every account made so far, and of every named scope (made now if no request made it: its
+        periods count what the book holds, a restart's usage read back), as it stands ``now``."""
+        for scope, limits in self.plan.named():
+            if scope not in self._accounts and not limits.empty:
+                self._limit(account := Account(scope, limits), limits, now)
+                self._accounts[scope] = account
         for scope in sorted(self._accounts, key=lambda s: (s.kind, s.name, s.model)):
             account = self._accounts[scope]
             for name, window in account.windows():
