@@ -362,10 +362,14 @@ def _check(accounts: tuple[Account, ...], expected: Usage, cost: float, now: flo
 
 
 def _reason(account: Account, name: str) -> str:
-    scope = account.scope
+    return over_reason(account.scope, name, getattr(account.limits, name))
+
+
+def over_reason(scope: Scope, limit: str, value: float) -> str:
+    """The refusal's words for ``scope`` over its ``limit`` of ``value`` (with a cluster, the same words)."""
     who = {Kind.TENANT: f"tenant {scope.name!r}", Kind.TENANT_MODEL: f"tenant {scope.name!r} on model {scope.model!r}",
            Kind.GROUP: f"group {scope.name!r}"}[scope.kind]
-    return f"{who} is over its {name.replace('_', ' ')} ({getattr(account.limits, name):g})"
+    return f"{who} is over its {limit.replace('_', ' ')} ({value:g})"
 
 
 def _reserve(ticket: Ticket, now: float) -> None:
