@@ -39,6 +39,7 @@ import pytest
 import yaml
 
 from extproc.adapters.config import parse_config
+from extproc.tools.autoscale import Settings
 from extproc.tools.hosts import command, write_hosts
 from extproc.tools.power_user import chat
 from extproc.tools.procs import ManagedProcess, free_port
@@ -259,8 +260,15 @@ def test_keda_and_the_hpa_scale_the_engines_on_the_models_demand_one_engine_per_
                                             "selector": {"matchLabels": {"model": model.name}}}
     assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
     assert hpa["spec"]["minReplicas"] >= 1  # an HPA does not scale to zero
-    # The same pace both ways: the simulated autoscaler's (extproc-dev autoscale).
-    assert hpa["spec"]["behavior"] == scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    # The same pace both ways, the simulated autoscaler's (extproc-dev autoscale): one engine more per 15 s of
+    # need, the surplus stopped after 60 s of none.
+    behavior = hpa["spec"]["behavior"]
+    assert behavior == scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    simulated = Settings()
+    assert behavior["scaleUp"] == {"stabilizationWindowSeconds": simulated.up_window_s, "policies": [
+        {"type": "Pods", "value": 1, "periodSeconds": simulated.up_every_s}]}
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == simulated.down_window_s
+    assert behavior["scaleDown"]["policies"] == [{"type": "Percent", "value": 100, "periodSeconds": 15}]
     # The cold-start wait covers KEDA's reaction.
     assert model.cold_start_wait() > scaled["spec"]["pollingInterval"]
     [rule] = adapter_config(one("hpa/prometheus-adapter.yaml", "ConfigMap"))["externalRules"]
@@ -277,6 +285,13 @@ def adapter_query(model: str) -> str:
     assert series is not None
     rendered: str = rule["metricsQuery"].replace("<<.Series>>", series[1])
     return rendered.replace("<<.LabelMatchers>>", f'model="{model}"')
+
+
+def guide_query() -> str:
+    """The guide's query for every class but the idle-only one (its indented block, one query on two lines)."""
+    page = (ROOT / "docs" / "guides" / "autoscaling.md").read_text()
+    [block] = [b for b in re.findall(r"(?m)(?:^    .+\n)+", page) if 'priority!="batch"' in b]
+    return " ".join(line.strip() for line in block.splitlines())
 
 
 def reference_queries() -> dict[str, str]:
@@ -324,7 +339,8 @@ async def test_the_guides_queries_return_what_it_says_for_a_known_queue(tmp_path
             queries = {**{series: q.replace("$model", "m1") for series, q in reference_queries().items()},
                        "keda": one("keda/scaledobject.yaml", "ScaledObject")["spec"]["triggers"][0]["metadata"][
                            "query"].replace('model="llama"', 'model="m1"'),
-                       "adapter": adapter_query("m1")}
+                       "adapter": adapter_query("m1"),
+                       "not batch": guide_query().replace('model="llama"', 'model="m1"')}
 
             async def answers() -> dict[str, float]:
                 found = {}
@@ -334,7 +350,7 @@ async def test_the_guides_queries_return_what_it_says_for_a_known_queue(tmp_path
                 return found
 
             # No engine: 21 held, the engines' size the one configured.
-            expected = {"keda": 3.0, "adapter": 3.0, "extproc_engines_needed": 3.0,
+            expected = {"keda": 3.0, "adapter": 3.0, "not batch": 3.0, "extproc_engines_needed": 3.0,
                         "extproc_demand_requests": float(SENT), "extproc_engine_capacity_requests": 7.0,
                         "extproc_drain_seconds": math.inf, "inference_pool_ready_pods": 0.0,
                         "inference_pool_average_queue_size": float(SENT)}
