@@ -91,7 +91,7 @@ class Settings:
     tokens: int = 48
     step_ms: float = 50.0
     step_ms_per_seq: float = 0.5
-    engine_start_s: float = 10.0
+    engine_start_s: float = 5.0
     sync_s: float = 5.0
     up_window_s: float = 15.0
     up_every_s: float = 15.0
