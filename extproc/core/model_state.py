@@ -7,10 +7,10 @@ the preemption book (``preemption.py``: who may be ended, who waits in the
 engine), the pricing (``pricing.py``: cost estimates and the account of the
 engines' prefix caches), the recent release rate and the requests in flight
 per band (with the queue, the demand an autoscaler reads: ``demand.py``).
-Nothing else writes them: the dispatcher (``dispatcher.py``) hands it each event and the release
-strategy (``strategy.py``) asks it questions and lets requests go through it,
-as the :class:`~extproc.core.strategy.Outlet` it implements (and a cluster
-seat as the :class:`~extproc.core.cluster.ClusterOutlet`). Whichever
+Nothing else writes them: the dispatcher (``dispatcher.py``) hands it each
+event and the release strategy (``strategy.py``) asks it questions and lets
+requests go through it, as the :class:`~extproc.core.strategy.Outlet` it
+implements (and a cluster seat as the :class:`~extproc.core.cluster.ClusterOutlet`). Whichever
 strategy decides, a request leaves the queue the same way (:meth:`release`):
 an endpoint picked, the pool and the fair queue charged, its future resolved
 and the release reported.
