@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import pytest
+from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.core.held import Held
 from extproc.core.prefix import NO_PREFIX
 from tests.test_epp_stream import BUFFERED, DUPLEX, chat, first_message
 from tests.test_epp_stream import answers as all_answers
@@ -158,3 +161,31 @@ async def test_release_replies_are_reused_for_short_waits_and_bounded_as_endpoin
         reply = own.release(stream, held, "m", 0.004, None)[0]
         assert released_headers(reply)["x-gateway-destination-endpoint"] == f"10.1.{i // 250}.{i % 250}:8000".encode()
     assert len(own._releases) <= 1024  # noqa: SLF001
+
+
+async def test_a_preemption_that_meets_the_response_headers_answers_them_with_the_503() -> None:
+    """The core preempts a batch request in the instant its response headers reach the processor: Envoy holds them
+    for the reply (the release asked for them), so the 503 replaces them; a CONTINUE first would send the client a
+    200 that the 503 then cuts."""
+    processor, dispatcher, _ = make()
+    helds: list[Held] = []
+    submit = dispatcher.submit
+
+    def keeping(*args: Any, **kwargs: Any) -> Held:
+        helds.append(submit(*args, **kwargs))
+        return helds[-1]
+
+    dispatcher.submit = keeping  # type: ignore[method-assign]
+    request = headers_message(BODY)
+    request.request_headers.headers.headers.append(base_pb2.HeaderValue(key="x-priority", raw_value=b"batch"))
+    stream = Stream(processor, request)
+    (released,) = await all_answers(stream)
+    assert released.mode_override.response_header_mode == processing_mode_pb2.ProcessingMode.SEND
+    [held] = helds
+    assert held.preempted is not None
+    stream._inbox.put_nowait(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+    held.preempted.set_result(None)  # in the same instant, before the stream reads the headers
+    (answer,) = await all_answers(stream)
+    assert answer.immediate_response.status.code == 503
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "preempted"
+    await stream.task

@@ -77,6 +77,43 @@ async def test_a_restart_in_the_middle_of_a_day_budget_does_not_hand_out_a_fresh
     assert await run(2) == [200, 429]  # 900 used: one more would pass 1000
 
 
+def budget_series(server: ProcessorServer) -> dict[tuple[str, str, str, str], float]:
+    """(series, scope, name, limit) -> value of the per-scope budget series on the processor's page."""
+    return {(s.name, s.labels["scope"], s.labels["name"], s.labels["limit"]): s.value
+            for m in server.telemetry.registry.collect() for s in m.samples
+            if s.name.startswith("extproc_budget_") and "scope" in s.labels}
+
+
+async def test_after_a_restart_every_named_tenant_and_group_has_its_series_before_its_first_request(
+        tmp_path: Path) -> None:
+    config = parse_config({
+        "models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "advanced": {"fallback_max_in_flight": 8}}],
+        "budgets": {"store": str(tmp_path / "usage.sqlite"), "groups": {"team": {"tokens_per_day": 10_000}},
+                    "tenants": {"a": {"tokens_per_day": 1000, "groups": ["team"]}, "b": {"requests_per_minute": 6},
+                                "default": {"tokens_per_day": 500}}},
+    })
+    first = ProcessorServer(config)
+    assert first._store is not None
+    first._store.load()
+    stream = Stream(first.processor, request(tenant="a", max_tokens=200))  # 100 prompt + 200 output tokens
+    assert (await stream.answers.get()).HasField("request_headers")
+    stream.close()
+    await settle()
+    await first._store.flush()
+    await first.close()
+
+    restarted = ProcessorServer(config)  # no request yet
+    assert restarted._store is not None
+    restarted._store.load()
+    series = budget_series(restarted)
+    assert series[("extproc_budget_used", "tenant", "a", "tokens_per_day")] == 300  # the store's usage
+    assert series[("extproc_budget_remaining", "tenant", "a", "tokens_per_day")] == 700
+    assert series[("extproc_budget_used", "group", "team", "tokens_per_day")] == 300
+    assert series[("extproc_budget_remaining", "tenant", "b", "requests_per_minute")] == 6
+    assert {name for _, _, name, _ in series} == {"a", "b", "team"}  # the default's tenants are not named
+    await restarted.close()
+
+
 async def test_usage_is_exported_by_the_metrics_port_and_the_command_and_budgets_are_series(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = tmp_path / "usage.sqlite"

@@ -78,3 +78,27 @@ async def test_each_wait_length_keeps_its_own_order_and_timer() -> None:
     assert expired == [short]
     timers.fire()
     assert expired == [short, long]
+
+
+async def test_kept_requests_expire_at_their_own_deadlines_whatever_order_they_were_kept_in() -> None:
+    """The cold start keeps requests past their wait (``keep``): deadlines not in arrival order, on one heap."""
+    timers, expired = _Timers(), list[Held]()
+    expiry = Expiry(timers, lambda: timers.now, expired.append)
+    late, early, gone = _held(0.0, 2.0), _held(0.0, 1.0), _held(0.0, 1.0)
+    for held in (late, early, gone):
+        expiry.add(held)
+    timers.armed.sort(key=lambda armed: armed[0])
+    timers.fire()  # the 1 s length: early and gone run out, and are kept
+    assert expired == [early, gone]
+    expired.clear()
+    expiry.keep(gone, 20.0)
+    expiry.keep(early, 10.0)  # kept after gone, due before it: a timer for the earlier deadline
+    assert sorted(d for d, _ in timers.armed) == [2.0, 10.0, 20.0]
+    expiry.discard(gone)  # released meanwhile: it never expires
+    timers.armed.sort(key=lambda armed: armed[0])
+    timers.fire()  # the 2 s length: late runs out
+    assert expired == [late]
+    timers.fire()
+    assert expired == [late, early]
+    timers.fire()  # the timer set for gone finds nothing due, and nothing is left to wait for
+    assert expired == [late, early] and timers.armed == []

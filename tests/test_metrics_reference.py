@@ -25,7 +25,7 @@ def test_every_series_on_a_processors_page_is_in_the_reference() -> None:
     page = generate_latest(Telemetry().registry).decode()
     families = set(re.findall(r"^# TYPE (\S+) ", page, re.MULTILINE))
     listed = set(re.findall(r"^\| `(\w+)`", metrics_reference.table(), re.MULTILINE))
-    ours = {name for name in families if name.startswith("extproc_")}
+    ours = {name for name in families if name.startswith(("extproc_", "inference_pool_"))}
     assert ours and ours == listed
     assert families - ours <= {name for name in families if name.startswith(("process_", "python_"))}
 

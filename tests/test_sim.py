@@ -903,3 +903,22 @@ async def test_run_serves_until_sigterm(http: aiohttp.ClientSession) -> None:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_a_drain_refuses_new_requests_and_lets_those_in_flight_finish(
+    sim_factory: StartSim, http: aiohttp.ClientSession
+) -> None:
+    """``--shutdown-timeout``'s drain, as vLLM's: a 503 for what comes, every token for what was there."""
+    sim = await sim_factory(time_scale=1.0)  # 20 tokens at 20 ms a step: 0.4 s
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True}
+    async with http.post(f"{sim.url}/v1/chat/completions", json=body) as streaming:
+        assert streaming.status == 200
+        first = await streaming.content.readline()  # under way
+        draining = asyncio.create_task(sim.drain(10.0))
+        await asyncio.sleep(0.05)
+        async with http.post(f"{sim.url}/v1/chat/completions", json=body) as refused:
+            assert refused.status == 503 and "shutting down" in (await refused.json())["error"]["message"]
+        assert not draining.done()
+        rest = first + await streaming.content.read()
+    await asyncio.wait_for(draining, 5.0)
+    assert rest.count(b'"content"') == 21 and rest.endswith(b"data: [DONE]\n\n")  # the role, then 20 tokens

@@ -30,6 +30,7 @@ from extproc.adapters.objectives import (
     TenantRecent,
 )
 from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.telemetry.model import DEMAND_READ_S
 from extproc.adapters.wiring import build_dispatchers, tenant_labels
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
@@ -383,3 +384,32 @@ async def test_deferred_events_are_written_after_the_pass_and_a_failing_writer_l
     deferral.stop()
     deferral(write, "c")
     assert written == ["a", "b", "c"]  # at once once stopped
+
+
+@pytest.mark.unit
+async def test_the_demand_series_are_read_from_the_dispatcher_when_scraped_without_a_tenant_label() -> None:
+    """What an autoscaler reads (core/demand.py): per class held and in flight, the engines needed, GIE's pool series."""
+    telemetry, dispatchers = build(parse_config({"models": [{**CONFIG_MODELS[0], "max_running": 4}]}))
+    dispatcher, r = dispatchers["m"], telemetry.registry
+    assert r.get_sample_value("extproc_engines_needed", {"model": "m"}) == 0
+    assert r.get_sample_value("extproc_engine_capacity_requests", {"model": "m"}) == 4 + 3  # max_running + target
+    dispatcher.record_scrape(ENDPOINT, EngineLoad(waiting=0, running=0, kv_usage=0.5), time.monotonic())
+    held = [dispatcher.submit("alice", band) for band in (0, 0, 1) for _ in range(4)]  # 7 go, 5 are held
+    await asyncio.sleep(DEMAND_READ_S * 2)  # a new scrape reads anew
+    demand = samples(r, "extproc_demand_requests")
+    assert {dict(k)["priority"]: v for k, v in demand.items() if dict(k)["state"] == "in_flight"} == {
+        "interactive": 7, "standard": 0, "batch": 0}
+    assert {dict(k)["priority"]: v for k, v in demand.items() if dict(k)["state"] == "held"} == {
+        "interactive": 1, "standard": 4, "batch": 0}
+    assert r.get_sample_value("extproc_engines_needed", {"model": "m"}) == 12 / 7
+    assert r.get_sample_value("extproc_drain_seconds", {"model": "m"}) == 5 / 0.7  # 7 released in the last 10 s
+    assert r.get_sample_value("inference_pool_ready_pods", {"name": "m"}) == 1
+    assert r.get_sample_value("inference_pool_average_queue_size", {"name": "m"}) == 5  # held here + engine's waiting
+    assert r.get_sample_value("inference_pool_average_kv_cache_utilization", {"name": "m"}) == 0.5
+    assert r.get_sample_value("inference_pool_average_running_requests", {"name": "m"}) == 0
+    for h in held:
+        h.future.cancel()
+        dispatcher.end(h)
+    await asyncio.sleep(DEMAND_READ_S * 2)
+    assert r.get_sample_value("extproc_engines_needed", {"model": "m"}) == 0
+    assert r.get_sample_value("extproc_drain_seconds", {"model": "m"}) == 0

@@ -91,8 +91,10 @@ class ProcessorServer:
         self.dispatchers = build_dispatchers(config, self.telemetry, self._cluster)
         self.processor = Processor(config, self.dispatchers, self.telemetry)
         self._share_budgets(config)
-        # Ready once every model's pool has a member: what the Endpoint Picker Protocol calls synced.
-        self._health = Health(lambda: all(d.endpoints for d in self.dispatchers.values()))
+        # Ready once every model's pool is known (its first lookup done): what the Endpoint Picker Protocol calls
+        # synced. An empty pool is known: its requests are held for the cold start, never refused for it.
+        self._synced: set[str] = set()
+        self._health = Health(lambda: self._synced.issuperset(self.dispatchers))
         # Every held request is an open stream: the transport's limits (listen.*) are far above
         # them, and the h2 transport keeps each small (measured per held request in docs/reports/reliability.md).
         self._grpc = TRANSPORTS[config.listen.transport]({
@@ -228,7 +230,8 @@ class ProcessorServer:
 
     def _start_scraper(self, model: ModelConfig, dispatcher: ModelDispatcher) -> None:
         assert self._session is not None and self._probes is not None
-        self._scrapers[model.name] = asyncio.create_task(watch_pool(self._session, self._probes, model, dispatcher))
+        self._scrapers[model.name] = asyncio.create_task(
+            watch_pool(self._session, self._probes, model, dispatcher, lambda: self._synced.add(model.name)))
 
     def accepts_reload(self) -> str | None:
         """Why a reload cannot be applied now, or None (adapters/reload.py asks first)."""

@@ -62,6 +62,7 @@ def live_settings(config: Config, model: ModelConfig) -> LiveSettings:
         bands=config.bands, tenant=config.tenant, cost=model.cost_weights(), max_queued=model.max_queued,
         max_queue_wait_s=model.max_queue_wait_s, reserved_waiting=model.waiting_kept(),
         rule=RULES[model.gate], rule_settings=rule_settings(model), engine_priority=engine_priority(model),
+        cold_start_wait_s=model.cold_start_wait(),
     )
 
 
@@ -88,9 +89,11 @@ def build_dispatcher(
         reserved_waiting=model.waiting_kept(),
         max_preemptions_per_s=model.max_preemptions_per_s,
         engine_priority=engine_priority(model),
+        cold_start_wait_s=model.cold_start_wait(),
         strategy=None if cluster is None else (lambda outlet: cluster.seat(model.name, outlet, timers)),
     )
     report.count_in_flight(lambda: dispatcher.in_flight)
+    report.read_demand(dispatcher.demand)
     return dispatcher
 
 

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
+from extproc.core.demand import Demand
 from extproc.core.engine_load import EngineLimits, EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.held import Held, Request
@@ -87,6 +88,7 @@ class ModelDispatcher:
         reserved_waiting: int,
         max_preemptions_per_s: float = 0.0,
         engine_priority: bool | None = False,
+        cold_start_wait_s: float = 0.0,
         strategy: StrategyFactory | None = None,
     ) -> None:
         self.name = name
@@ -94,7 +96,7 @@ class ModelDispatcher:
         self._report = report
         self._clock = clock
         settings = LiveSettings(bands, tenant, cost, max_queued, max_queue_wait_s, reserved_waiting,
-                                type(pool.rule), pool.settings, engine_priority)
+                                type(pool.rule), pool.settings, engine_priority, cold_start_wait_s)
         self._state = ModelState(name, pool, settings, report, clock, timers, policy, max_preemptions_per_s)
         self._strategy = (strategy or (lambda outlet: LocalRelease(outlet, timers)))(self._state)
         self._probe: Callable[[tuple[str, ...]], None] | None = None
@@ -161,6 +163,10 @@ class ModelDispatcher:
     def status(self, top: int) -> ModelStatus:
         """A read-only snapshot for the status page (``core/status.py``); ``top`` tenants listed per band."""
         return self._state.status(top, self._strategy.cluster())
+
+    def demand(self) -> Demand:
+        """What the held and in-flight requests ask of the engines now: the series an autoscaler reads (``demand.py``)."""
+        return self._state.demand()
 
     def expect(self, tenant: str, content_length: int | None, max_tokens: float | None) -> tuple[float, float]:
         """The prompt and output tokens a request of ``tenant`` is expected to use: what its release would be charged."""

@@ -16,10 +16,19 @@ not a timer of the event loop.
 
 A reload that changes a band's longest wait starts another length; a request
 keeps the wait it was queued with.
+
+A request whose wait ran out while its model had no engine up may be *kept*
+(:meth:`Expiry.keep`: the model's cold-start wait, ``model_state.py``) until
+a later deadline. Kept requests are rare (a pool scaled to zero, or every
+engine down) and their deadlines are not in arrival order across wait
+lengths, so they have a heap of their own, by deadline, and one timer for
+its earliest.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -45,6 +54,11 @@ class Expiry:
         self._clock = clock
         self._expire = expire
         self._lengths: dict[float, _Length] = {}
+        # Requests kept past their wait (:meth:`keep`): (deadline, order, held), and those still queued among them.
+        self._kept: list[tuple[float, int, Held]] = []
+        self._keeping: set[Held] = set()
+        self._order = itertools.count()
+        self._kept_armed: set[float] = set()  # the deadlines a timer is set for
 
     def add(self, held: Held) -> None:
         """``held`` was queued: it expires at ``enqueued_at + queue_wait_s`` unless it leaves first (:meth:`discard`)."""
@@ -61,6 +75,35 @@ class Expiry:
         length = self._lengths.get(held.queue_wait_s)
         if length is not None:
             length.held.pop(held, None)
+        self._keeping.discard(held)  # its heap entry is skipped when it comes up
+
+    def keep(self, held: Held, deadline: float) -> None:
+        """``held``, whose wait ran out, stays queued until ``deadline`` (then ``expire`` is told again) unless it
+        leaves first."""
+        heapq.heappush(self._kept, (deadline, next(self._order), held))
+        self._keeping.add(held)
+        self._arm_kept()
+
+    def _arm_kept(self) -> None:
+        """A timer for the earliest kept request still queued, unless one is set for it or before."""
+        kept = self._kept
+        while kept and kept[0][2] not in self._keeping:  # left the queue meanwhile
+            heapq.heappop(kept)
+        if kept and not any(armed <= kept[0][0] for armed in self._kept_armed):
+            deadline = kept[0][0]
+            self._kept_armed.add(deadline)
+            self._timers.at(deadline, lambda: self._fire_kept(deadline))
+
+    def _fire_kept(self, armed: float) -> None:
+        self._kept_armed.discard(armed)
+        now = self._clock()
+        kept = self._kept
+        while kept and kept[0][0] <= now:
+            held = heapq.heappop(kept)[2]
+            if held in self._keeping:
+                self._keeping.discard(held)
+                self._expire(held)
+        self._arm_kept()
 
     def _arm(self, wait: float, length: _Length, deadline: float) -> None:
         length.armed = True

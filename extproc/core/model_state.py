@@ -5,11 +5,12 @@ them, stored here once), the fair queue of held requests, the band demand
 (``bands.py``: who arrives, each band's credit towards its minimum share),
 the preemption book (``preemption.py``: who may be ended, who waits in the
 engine), the pricing (``pricing.py``: cost estimates and the account of the
-engines' prefix caches) and the recent release rate. Nothing else writes
-them: the dispatcher (``dispatcher.py``) hands it each event and the release
-strategy (``strategy.py``) asks it questions and lets requests go through it,
-as the :class:`~extproc.core.strategy.Outlet` it implements (and a cluster
-seat as the :class:`~extproc.core.cluster.ClusterOutlet`). Whichever
+engines' prefix caches), the recent release rate and the requests in flight
+per band (with the queue, the demand an autoscaler reads: ``demand.py``).
+Nothing else writes them: the dispatcher (``dispatcher.py``) hands it each
+event and the release strategy (``strategy.py``) asks it questions and lets
+requests go through it, as the :class:`~extproc.core.strategy.Outlet` it
+implements (and a cluster seat as the :class:`~extproc.core.cluster.ClusterOutlet`). Whichever
 strategy decides, a request leaves the queue the same way (:meth:`release`):
 an endpoint picked, the pool and the fair queue charged, its future resolved
 and the release reported.
@@ -19,6 +20,12 @@ the pool's own events (scrapes, probes, membership) reach it from the
 dispatcher. Pure but for the futures it resolves: time is passed in, and the
 queued requests' longest waits (``expiry.py``) are left to the injected
 :class:`~extproc.core.timers.Timers`.
+
+**No engine up** (a pool scaled to zero, its engines starting, every one
+down): a queued request whose class's wait runs out is kept, up to the
+model's cold-start wait since it arrived (``LiveSettings.cold_start_wait_s``),
+and refused ``queue_timeout`` then if still no engine is up; once one is, the
+held requests go in class and fairness order as ever.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from extproc.core.bands import Band, BandAdmission
 from extproc.core.caps import overflow
 from extproc.core.cluster import Backlog
 from extproc.core.cost import CostWeights
+from extproc.core.demand import Demand, DemandGauge
 from extproc.core.drain_time import ReleaseRate
 from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
@@ -70,6 +78,8 @@ class LiveSettings:
     # The band's engine_priority is written into each body and the engines order their queues by it: True (the
     # operator says so), False (never), None (where every engine says it does: Pool.priority_first).
     engine_priority: bool | None = None
+    # How long a queued request is kept past its class's wait while no engine of the pool is up, from its arrival.
+    cold_start_wait_s: float = 0.0
 
 
 class ModelState:
@@ -94,6 +104,9 @@ class ModelState:
                                         self._firm_held.__getitem__)
         self._preemption = Preemption(max_preemptions_per_s)
         self._release_rate = ReleaseRate()
+        # Released and not finished, per band; and the engines' size while none is ready (demand.py).
+        self._in_flight = [0] * len(settings.bands)
+        self._demand = DemandGauge()
         self._health_log = HealthLog(name, pool, report)
         self._expiry = Expiry(timers, clock, self._expire)
         self._follow_engine_priority()
@@ -264,6 +277,7 @@ class ModelState:
         pool.record_release(held, now, held.endpoint, into_free_slot=into_free_slot)
         self._admission.released(band, now)
         self._release_rate.record(now)
+        self._in_flight[band] += 1
         self._queue.charge(band, tenant, held.estimate.cost)
         self._resolve(held)
         self._report(RequestEvent(Step.RELEASED, rules.name, tenant, now - held.enqueued_at, slack_s=held.slack_s(now),
@@ -325,6 +339,7 @@ class ModelState:
         """A released request is over (it ended, or was preempted): free its place, charge what it cost; the cost measured."""
         occupancy = self._pool.record_finish(held, now)
         self._admission.finished(held.request.band, now)
+        self._in_flight[held.request.band] -= 1
         measured = held.charge = self._pricing.measure(held, occupancy)
         request, estimate = held.request, held.estimate
         self._queue.correct(request.band, request.tenant, measured.cost - estimate.cost)
@@ -392,18 +407,23 @@ class ModelState:
             self._resolve(held, answer)
 
     def _expire(self, held: Held) -> None:
+        """``held``'s wait ran out: refused, unless no engine is up and its cold-start wait has not (then kept)."""
+        now = self._clock()
+        cold = not self._pool.serves()
+        if cold and held.enqueued_at + self._settings.cold_start_wait_s > now:
+            self._expiry.keep(held, held.enqueued_at + self._settings.cold_start_wait_s)
+            return
         request = held.request
         if not self._queue.remove(request.band, request.tenant, held):
             return
         self._dequeued(held)
-        now = self._clock()
         waited = now - held.enqueued_at
         band_name = self._settings.bands[request.band].name
+        why = "while no engine of the pool was up" if cold else "without capacity"
         self._refused(held, request.tenant, request.band, Refusal.QUEUE_TIMEOUT, waited)
         self._resolve(held, Refused(
             Refusal.QUEUE_TIMEOUT,
-            f"request waited {waited:.1f}s in the {band_name!r} queue for model {self.name!r} without capacity; "
-            "retry later",
+            f"request waited {waited:.1f}s in the {band_name!r} queue for model {self.name!r} {why}; retry later",
             drain_s=self._release_rate.drain_s(self._queue.band_len(request.band), now), queue_wait_s=waited,
         ))
 
@@ -454,6 +474,12 @@ class ModelState:
     def queued_by_tenant(self) -> dict[tuple[str, str], int]:
         return {(band.name, tenant): count for index, band in enumerate(self._settings.bands)
                 for tenant, count in self._queue.tenant_lengths(index).items()}
+
+    def demand(self) -> Demand:
+        """What the held and in-flight requests ask of the engines now (``demand.py``)."""
+        now = self._clock()
+        held = tuple(self._queue.band_len(band) for band in range(len(self._settings.bands)))
+        return self._demand.read(self._pool, held, tuple(self._in_flight), self._release_rate.per_second(now), now)
 
     def status(self, top: int, cluster: ClusterStatus | None) -> ModelStatus:
         now = self._clock()

@@ -76,9 +76,12 @@ class ModelStatus:
     cluster: ClusterStatus | None = None
 
     @property
-    def scraped(self) -> bool:
-        """Whether the pool can be gated: a usable scrape of some endpoint since start, where the rule needs one."""
-        return not self.uses_metrics or any(e.scraped_ago_s is not None for e in self.endpoints)
+    def known(self) -> bool:
+        """Whether the pool is known well enough to gate: a usable scrape of some endpoint since start, where the rule
+        needs one; or no engine up (no member, or every one down): its requests are held until one is (the cold
+        start), which needs no scrape."""
+        return (not self.uses_metrics or any(e.scraped_ago_s is not None for e in self.endpoints)
+                or all(e.down for e in self.endpoints))
 
 
 def band_status(name: str, lengths: dict[str, int], top: int) -> BandStatus:

@@ -1,4 +1,4 @@
-"""Development command line: ``extproc-dev sim|demo|bench``.
+"""Development command line: ``extproc-dev sim|demo|bench|autoscale``.
 
 The simulator, the demo and the benchmark, apart from ``extproc`` so that the
 command an operator runs never imports them. Same conventions as ``extproc``
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 
 from extproc.cli import command_parser, log_options_after, run
+from extproc.tools.autoscale import add_arguments as add_autoscale_arguments
+from extproc.tools.autoscale import run_autoscale
 from extproc.tools.bench.cli import add_arguments as add_bench_arguments
 from extproc.tools.bench.cli import run_bench
 from extproc.tools.demo import add_arguments as add_demo_arguments
@@ -37,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmark scenarios and the ext_proc overhead: tables and plots")
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench)
+
+    autoscale = commands.add_parser("autoscale", help="a simulated autoscaler on the demand series, under a day of load "
+                                    "in minutes: lost requests, TTFT, engine-seconds")
+    add_autoscale_arguments(autoscale)
+    autoscale.set_defaults(func=run_autoscale)
     return parser
 
 

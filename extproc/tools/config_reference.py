@@ -23,7 +23,6 @@ from extproc.adapters.config.explain import (
     BAND_DERIVED,
     DERIVED,
     FROM_ENGINE,
-    MODEL_DERIVED,
     SECTIONS_DERIVED,
     TENANT_DERIVED,
 )
@@ -60,8 +59,6 @@ def default(key: Key) -> str:
         return "required"
     if key.path in DERIVED:
         return f"derived: {DERIVED[key.path][0]}"
-    if key.path in MODEL_DERIVED:
-        return f"derived: {MODEL_DERIVED[key.path][0]}"
     if key.path in FROM_ENGINE:
         return f"from the engine at run time: {FROM_ENGINE[key.path]}"
     if key.path in SECTIONS_DERIVED:

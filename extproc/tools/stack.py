@@ -39,6 +39,8 @@ class Stack:
     config_path: Path
     workdir: Path
     serve_args: Sequence[str] = ()
+    # The `extproc` command a processor runs as (tools/hosts.py's, to answer host names from a file).
+    command: Sequence[str] = tuple(PYTHON)
     sims: list[ManagedProcess] = field(default_factory=list)
     # Name -> the running `extproc serve`: one per cluster.instances entry, else SOLE.
     processors: dict[str, ManagedProcess] = field(default_factory=dict)
@@ -81,7 +83,7 @@ class Stack:
         ``extproc-NAME.log``; the sole processor runs without it, to ``extproc.log``.
         """
         instance = [] if name == SOLE else ["--instance", name]
-        argv = [*PYTHON, "serve", "--config", str(self.config_path), *instance, *self.serve_args]
+        argv = [*self.command, "serve", "--config", str(self.config_path), *instance, *self.serve_args]
         log = self.workdir / ("extproc.log" if name == SOLE else f"extproc-{name}.log")
         process = await ManagedProcess.start(" ".join(["extproc serve", *instance]), argv, log,
                                              ready_url=self.metrics_urls[name])
@@ -123,6 +125,7 @@ async def start_stack(
     gateway: Gateway = "extproc",
     engines: bool = True,
     envoy_bootstrap: Callable[[Config], dict[str, Any]] | None = None,
+    command: Sequence[str] = tuple(PYTHON),
 ) -> Stack:
     """Start a simulator per model endpoint, ``extproc serve`` (one per ``cluster.instances`` entry) and Envoy.
 
@@ -134,9 +137,10 @@ async def start_stack(
     simulator: the caller serves the model endpoints itself.
     ``envoy_bootstrap`` replaces our generated bootstrap with another built
     from the config (a GIE gateway's shape: tools/gie_gateway.py).
+    ``command`` is the `extproc` command the processors run as.
     """
     config = load_config(config_path)
-    stack = Stack(config, config_path, workdir, serve_args)
+    stack = Stack(config, config_path, workdir, serve_args, command)
     try:
         for model in config.models if engines else ():
             for endpoint in model.endpoints:

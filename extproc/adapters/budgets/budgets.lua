@@ -9,7 +9,8 @@
 --   ARGV[1]  { op = "admit", now, meters = [[name, kind, limit, amount, ttl_s]] }
 --              kind "w" (a window) or "p" (a period: ttl_s is until its end); reserves all or nothing
 --            returns { ok = true, used = [per meter, after] } or { ok = false, wait, over = "rate"|"budget",
---            used = [per meter, before] }
+--            used = [per meter, before], at = the meter the refusal names (1-based: the first budget over, else
+--            the first rate over, as the core's message names it) }
 --   ARGV[1]  { op = "take", now, meters = [[name, kind, limit, amount, ttl_s]] }: reserves without a check (a
 --            request served over a limit: downgraded, or only reported); returns { ok = true, used = [after] }
 --   ARGV[1]  { op = "correct", now, meters = [[name, kind, limit, used_delta, reserved_delta, ttl_s]],
@@ -50,9 +51,10 @@ local function store_period(k, used, reserved, ttl)
   redis.call('EXPIRE', k, math.ceil(math.max(ttl, 0)) + 86400)
 end
 
--- Each meter's state now, and the time until every one has room for its amount (0: all have; over: which kind).
+-- Each meter's state now, the time until every one has room for its amount (0: all have; over: which kind), and
+-- the meter to name (the first budget over, else the first rate over).
 local function look(meters)
-  local wait, over = 0, nil
+  local wait, over, named = 0, nil, nil
   local seen, used = {}, {}
   for i, m in ipairs(meters) do
     local name, kind, limit, amount, ttl = m[1], m[2], m[3], m[4], m[5]
@@ -62,18 +64,23 @@ local function look(meters)
       local excess = u + math.min(amount, limit) - limit
       if excess > EPSILON then
         wait = math.max(wait, excess * 60 / limit)
-        over = over or 'rate'
+        if over == nil then
+          over, named = 'rate', i
+        end
       end
     else
       local k, u, reserved = period(name)
       seen[i], used[i] = {k, u, reserved}, u + reserved
       if u + reserved + amount > limit then
         wait = math.max(wait, ttl)
+        if over ~= 'budget' then
+          named = i
+        end
         over = 'budget'
       end
     end
   end
-  return seen, used, wait, over
+  return seen, used, wait, over, named
 end
 
 local function take(meters, seen)
@@ -93,9 +100,9 @@ local function take(meters, seen)
 end
 
 if input.op == 'admit' or input.op == 'take' then
-  local seen, used, wait, over = look(input.meters)
+  local seen, used, wait, over, named = look(input.meters)
   if over ~= nil and input.op == 'admit' then
-    return cjson.encode({ok = false, wait = wait, over = over, used = used})
+    return cjson.encode({ok = false, wait = wait, over = over, used = used, at = named})
   end
   return cjson.encode({ok = true, used = take(input.meters, seen)})
 end

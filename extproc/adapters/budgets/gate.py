@@ -42,7 +42,7 @@ from extproc.adapters.config.budgets import BudgetSettings, plan
 from extproc.adapters.ext_proc.admission import Admission
 from extproc.adapters.ext_proc.engine_usage import Reported
 from extproc.core.budgets.book import Usage
-from extproc.core.budgets.ledger import Budgets, Over, Standing, Ticket
+from extproc.core.budgets.ledger import Budgets, Over, Standing, Ticket, over_reason
 from extproc.core.budgets.limits import Action, Kind
 from extproc.core.held import Held
 from extproc.core.outcomes import Refusal, Refused
@@ -164,7 +164,8 @@ class BudgetGate:
             ticket = SharedTicket(found, kept, ticket.rated)
             await shared.admit(found, kept, now, check=False)
         passed = Pass(ticket, headers, None, admission.tenant, admission.model, True)
-        reason = f"tenant {admission.tenant!r} is over a limit of its budget (cluster-wide)"
+        named = found[verdict.at]
+        reason = f"{over_reason(named.scope, named.limit_name, named.limit)} (cluster-wide)"
         return self._over(admission, passed, over, action, verdict.wait, reason)
 
     def _over(self, admission: Admission, passed: Pass, over: Over, action: Action, wait: float,

@@ -51,6 +51,9 @@ class Meter:
     limit: float
     # Which of a request's amounts it counts: requests, input, output, tokens, cost.
     counts: str
+    # Whose limit, and which (a refusal names it).
+    scope: Scope
+    limit_name: str
     monthly: bool = False
     # A period's start and end (epoch seconds): its key, its Retry-After and its key's expiry; 0 for a window.
     start: float = 0.0
@@ -92,13 +95,14 @@ def scope_meters(scope: Scope, limits: Limits, day: float, month: float) -> list
     for name in RATE_LIMITS:
         limit = getattr(limits, name)
         if limit is not None:
-            found.append((name, Meter(f"{_key(scope)}:{name}", "w", limit, COUNTS[name])))
+            found.append((name, Meter(f"{_key(scope)}:{name}", "w", limit, COUNTS[name], scope, name)))
     for name in BUDGET_LIMITS:
         limit = getattr(limits, name)
         if limit is not None:
             monthly = name == "cost_per_month"
             start, end = (month, next_month(month)) if monthly else (day, day + DAY_S)
-            found.append((name, Meter(f"{_key(scope)}:{name}", "p", limit, COUNTS[name], monthly, start, end)))
+            found.append((name, Meter(f"{_key(scope)}:{name}", "p", limit, COUNTS[name], scope, name, monthly, start,
+                                      end)))
     return found
 
 
@@ -142,11 +146,12 @@ def share(plan: Plan, instances: int) -> Plan:
 @dataclass(frozen=True, slots=True)
 class SharedVerdict:
     """Redis's answer: ``over`` None with ``used`` (per meter, after the reservation), or over with ``wait`` (and
-    ``used`` before)."""
+    ``used`` before) and the meter the refusal names (``at``, an index)."""
 
     over: Over | None
     wait: float = 0.0
     used: tuple[float, ...] = ()
+    at: int = 0
 
 
 class SharedBudgets:
@@ -178,7 +183,7 @@ class SharedBudgets:
         used = tuple(answer["used"] or ())  # cjson writes an empty list as an object
         if answer["ok"]:
             return SharedVerdict(None, used=used)
-        return SharedVerdict(Over(answer["over"]), answer["wait"], used)
+        return SharedVerdict(Over(answer["over"]), answer["wait"], used, answer["at"] - 1)
 
     def correct(self, ticket: SharedTicket, used: tuple[float, ...] | None, now: float,
                 charged: dict[str, Any] | None = None) -> None:

@@ -23,13 +23,13 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
 from extproc.adapters.budgets.shared import SharedBudgets, scope_meters
 from extproc.core.budgets.ledger import Standing
-from extproc.core.budgets.limits import Kind, Limits, Plan, Scope
+from extproc.core.budgets.limits import Plan
 from extproc.core.budgets.meters import Window
 
 log = logging.getLogger(__name__)
@@ -38,20 +38,10 @@ log = logging.getLogger(__name__)
 READ_INTERVAL_S = 1.0
 
 
-def named(plan: Plan) -> Iterator[tuple[Scope, Limits]]:
-    """Each named scope of ``plan`` and its limits: the named tenants, their models, the groups."""
-    for tenant, entry in plan.tenants.items():
-        yield Scope(Kind.TENANT, tenant), entry.limits
-        for model, limits in entry.models.items():
-            yield Scope(Kind.TENANT_MODEL, tenant, model), limits
-    for group, limits in plan.groups.items():
-        yield Scope(Kind.GROUP, group), limits
-
-
 async def read(shared: SharedBudgets, plan: Plan, now: float) -> list[Standing]:
     """Every limit of every named scope as Redis holds it ``now``; raises RedisError, OSError or TimeoutError."""
     day, month = shared.calendar.starts(now)
-    found = [(scope, name, meter) for scope, limits in named(plan) for name, meter in scope_meters(scope, limits, day, month)]
+    found = [(scope, name, meter) for scope, limits in plan.named() for name, meter in scope_meters(scope, limits, day, month)]
     if not found:
         return []
     async with asyncio.timeout(shared.timeout_s):

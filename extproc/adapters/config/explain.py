@@ -27,26 +27,28 @@ import msgspec
 
 from extproc.adapters.config.resolve import DEFAULT_TENANT_KEY, Config, default_priority
 from extproc.adapters.config.rules import RULES
-from extproc.adapters.config.schema import BandSettings, ConfigFile, ModelConfig, TenantSettings
+from extproc.adapters.config.schema import BandSettings, ConfigFile, TenantSettings
 from extproc.adapters.config.validate import convert
 
 SOURCES = ("set", "default", "derived", "engine")
 
 # Key paths (a list item as ``[]``, a mapping's entry as ``*``) whose unset value follows from other
-# settings: the rule in words (the reference prints it as the default), and the value it gives.
-Rule = Callable[[Config, Any], Any]
+# settings: the rule in words (the reference prints it as the default), and the value it gives (from the
+# config, the file and the key's own path: a model's key names its model).
+Rule = Callable[[Config, Any, str], Any]
 DERIVED: dict[str, tuple[str, Rule]] = {
     "default_priority": ("`standard` if it is a class, else the lowest class",
-                         lambda config, file: default_priority(file)),
-    "cluster.heartbeat_s": ("`cluster.lease_s` / 4", lambda config, file: config.cluster and config.cluster.heartbeat_interval_s),
+                         lambda config, file, key: default_priority(file)),
+    "cluster.heartbeat_s": ("`cluster.lease_s` / 4",
+                            lambda config, file, key: config.cluster and config.cluster.heartbeat_interval_s),
     "envoy.admission_per_second": ("2/3 of the processor's intake on `listen.transport` (h2: 1,500/s, grpcio: 750/s)",
-                                   lambda config, file: config.envoy.admission(config.listen.transport).per_second),
+                                   lambda config, file, key: config.envoy.admission(config.listen.transport).per_second),
     "envoy.admission_burst": ("the intake (`admission_per_second` x 3/2) x `message_timeout_ms`",
-                              lambda config, file: config.envoy.admission(config.listen.transport).tokens),
-}
-# Per model, what follows from the model's other settings: the rule in words, and the value it gives.
-MODEL_DERIVED: dict[str, tuple[str, Callable[[ModelConfig], Any]]] = {
-    "models[].reserved_waiting": ("`target_waiting` - 1", lambda model: model.waiting_kept()),
+                              lambda config, file, key: config.envoy.admission(config.listen.transport).tokens),
+    "models[].cold_start_wait_s": ("the model's `max_queue_wait_s`",
+                                   lambda config, file, key: config.models[_index(key)].cold_start_wait()),
+    "models[].reserved_waiting": ("`target_waiting` - 1",
+                                  lambda config, file, key: config.models[_index(key)].waiting_kept()),
 }
 # Per model, a prefix section that `policy: locality` implies; per class, what depends on its place.
 SECTIONS_DERIVED = {"models[].prefix": "`policy: locality` (the defaults)"}
@@ -89,6 +91,11 @@ def explain(raw: Any, config: Config) -> list[Line]:
     """Every leaf of the valid document ``raw`` (whose resolved form is ``config``), in the schema's order."""
     file = convert(raw, ConfigFile, RULES)
     return list(_section(file, raw, "", "", config, file))
+
+
+def _index(path: str) -> int:
+    """``models[2].cold_start_wait_s`` -> 2: the list item a key is under."""
+    return int(path[path.index("[") + 1:path.index("]")])
 
 
 def _pattern(path: str) -> str:
@@ -137,10 +144,7 @@ def _field(value: Any, raw: Any, is_set: bool, key: str, derived: str, config: C
         yield Line(key, _shown(key, value), "derived", derived)
     elif _pattern(key) in DERIVED:
         note, rule = DERIVED[_pattern(key)]
-        yield Line(key, rule(config, file), "derived", note)
-    elif _pattern(key) in MODEL_DERIVED and value is None:
-        note, of_model = MODEL_DERIVED[_pattern(key)]
-        yield Line(key, of_model(config.models[int(key.split("[")[1].split("]")[0])]), "derived", note)
+        yield Line(key, rule(config, file, key), "derived", note)
     elif _pattern(key) in FROM_ENGINE and value is None:
         yield Line(key, None, "engine", FROM_ENGINE[_pattern(key)])
     else:

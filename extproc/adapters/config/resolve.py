@@ -83,8 +83,8 @@ class Config:
         return self.tenants.get(name, self.default_tenant)
 
     def longest_queue_wait_s(self, model: ModelConfig) -> float:
-        """The longest any request may stay queued for ``model``, whatever its band."""
-        return max(band.queue_wait_s(model.max_queue_wait_s) for band in self.bands)
+        """The longest any request may stay queued for ``model``, whatever its band: a class's wait, or the cold start's."""
+        return max(model.cold_start_wait(), *(band.queue_wait_s(model.max_queue_wait_s) for band in self.bands))
 
     def envoy_problems(self) -> list[str]:
         """What only the generated Envoy config needs, each with its key path (envoy-config refuses, check-config reports).

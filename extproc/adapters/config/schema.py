@@ -157,6 +157,9 @@ class ModelConfig(Section, frozen=True):
     # A request still queued after this long is answered 503 instead of held
     # (a band's own max_queue_wait_s overrides it).
     max_queue_wait_s: Positive = 120.0
+    # While no engine of the pool is up (scaled to zero, starting, every one down), a queued request
+    # is kept past its class's wait up to this long from its arrival, then answered 503 (unset: max_queue_wait_s).
+    cold_start_wait_s: Positive | None = None
     # How releases are decided (docs/gate.md).
     gate: Annotated[str, choice(RULES)] = "adaptive"
     # Optional ceilings for the adaptive gate.
@@ -213,6 +216,10 @@ class ModelConfig(Section, frozen=True):
     def waiting_kept(self) -> int:
         """``reserved_waiting``, resolved: as written, else all of the engine's queue room but one place."""
         return self.reserved_waiting if self.reserved_waiting is not None else max(0, self.target_waiting - 1)
+
+    def cold_start_wait(self) -> float:
+        """How long a request is kept while no engine of the pool is up: ``cold_start_wait_s``, else ``max_queue_wait_s``."""
+        return self.max_queue_wait_s if self.cold_start_wait_s is None else self.cold_start_wait_s
 
     def cost_weights(self) -> CostWeights:
         """How the `vtc` policy prices this model's requests: the cost section, the context length, the cached price."""

@@ -15,6 +15,11 @@ the engine lives and may serve, so traffic keeps flowing on the fallback.
 
 Once an endpoint answers (and again after it was unreachable) what its engine
 says of its own limits is read from its info endpoint (``limits.py``).
+
+A member given by host name is a name that has no address now
+(``discovery.py``): it is reported unreachable at each interval without a
+request (no lookup at the scrape's pace, and never a release to a name),
+until discovery replaces it with the addresses it resolves to.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from urllib.parse import urlsplit
 
 import aiohttp
 
-from extproc.adapters.config import ModelConfig
+from extproc.adapters.config import ModelConfig, is_ip_address
 from extproc.adapters.engines.dialects import DIALECTS, MetricsError, parse_load
 from extproc.adapters.engines.limits import read_limits
 from extproc.adapters.engines.probe import Answer, probe
@@ -52,8 +58,13 @@ async def scrape_endpoint(
     healthy: bool | None = None
     # What the engine says of its own limits is read once it answers, and again after it was gone.
     limits_read = False
+    unresolved = not is_ip_address(urlsplit(endpoint).hostname or "")
     while True:
         started = time.monotonic()
+        if unresolved:
+            dispatcher.record_scrape(endpoint, None, started, reachable=False)
+            await asyncio.sleep(model.advanced.scrape_interval_s)
+            continue
         reachable = True
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result of a scrape that

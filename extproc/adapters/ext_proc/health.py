@@ -6,8 +6,9 @@ is NOT_FOUND. The services are those of the Endpoint Picker Protocol
 
 * ``liveness``: SERVING while the process answers gRPC at all, through the drain
   too (restarting a draining processor would cut what it still serves);
-* ``readiness``: SERVING once every model knows at least one endpoint (its pool
-  is discovered) and until the drain begins;
+* ``readiness``: SERVING once every model's pool is discovered (its first
+  lookup done; an empty pool too: its requests are held for the cold start)
+  and until the drain begins;
 * ``envoy.service.ext_proc.v3.ExternalProcessor`` and ``""`` (the server as a
   whole, which grpcio's probes ask): the same as readiness.
 

@@ -298,7 +298,9 @@ async def _until_preempted(messages: AsyncIterator[pb.ProcessingRequest], held: 
         except BaseException:  # cancelled: the stream ends here, and the reader with it
             await _end_reader(following)
             raise
-        if not following.done():  # preempted: the stream ends with our answer
+        if preempted.done():  # preempted: the stream ends with our answer
+            # Its response headers may have come in the same instant: Envoy holds them for our reply (the mode
+            # sends them), so the 503 replaces them; answered CONTINUE, the client would get a cut 200.
             await _end_reader(following)
             return
         try:

@@ -24,6 +24,7 @@ from extproc.adapters.telemetry.deferral import Deferral
 from extproc.adapters.telemetry.events import AdapterEvent, Admitted, ClusterTrip, ServedElsewhere, Signed, TurnedAway
 from extproc.adapters.telemetry.labels import NO_TENANT, TenantLabels
 from extproc.adapters.telemetry.series import Series
+from extproc.core.demand import Demand
 from extproc.core.engine_load import EngineLoad
 from extproc.core.outcomes import Refusal
 from extproc.core.report import Change, Charged, EndpointEvent, Event, PoolEvent, RequestEvent, Step
@@ -32,6 +33,24 @@ from extproc.core.report import Change, Charged, EndpointEvent, Event, PoolEvent
 HEALTH = logging.getLogger("extproc.health")
 # The engine refusing requests at its own queue cap is logged at most this often per endpoint.
 REJECTIONS_LOG_S = 10.0
+# One reading of a model's demand serves every series of one scrape (read within this long of each other).
+DEMAND_READ_S = 0.1
+
+
+class _DemandReading:
+    """A model's demand, read once per scrape: each of its series asks, within microseconds of the others."""
+
+    def __init__(self, read: Callable[[], Demand], clock: Callable[[], float]) -> None:
+        self._read = read
+        self._clock = clock
+        self._at = -math.inf
+        self._last: Demand | None = None
+
+    def __call__(self) -> Demand:
+        now = self._clock()
+        if self._last is None or now - self._at > DEMAND_READ_S:
+            self._last, self._at = self._read(), now
+        return self._last
 
 
 class ModelTelemetry:
@@ -78,6 +97,25 @@ class ModelTelemetry:
         """Read the model's in-flight gauge from ``in_flight`` when it is scraped: it changes with every release and
         end, so reporting each change would cost every request a gauge write that nobody reads."""
         self._in_flight.set_function(in_flight)
+
+    def read_demand(self, demand: Callable[[], Demand]) -> None:
+        """Read the model's demand series (and the pool's, under GIE's names) from ``demand`` when they are scraped,
+        for the same reason: they change with every request."""
+        t, model, now = self._t, self._model, _DemandReading(demand, self._clock)
+
+        def of_band(state: str, band: int) -> Callable[[], float]:
+            return lambda: (now().held if state == "held" else now().in_flight)[band]
+
+        for band, priority in enumerate(self._priorities):
+            for state in ("held", "in_flight"):
+                t.demand.labels(model, priority, state).set_function(of_band(state, band))
+        t.engines_needed.labels(model).set_function(lambda: now().engines)
+        t.engine_capacity.labels(model).set_function(lambda: math.nan if (n := now().per_engine) is None else n)
+        t.drain_seconds.labels(model).set_function(lambda: now().drain_s)
+        t.pool_ready.labels(model).set_function(lambda: now().ready)
+        t.pool_queue.labels(model).set_function(lambda: now().mean_queue)
+        t.pool_running.labels(model).set_function(lambda: now().mean_running)
+        t.pool_kv.labels(model).set_function(lambda: now().mean_kv_usage)
 
     def _label(self, tenants: TenantLabels) -> None:
         """Look up the children of every (class, tenant value) once.

@@ -14,6 +14,13 @@ histogram over negative and positive values would break its ``_sum``, a
 counter that ``rate()`` reads a decrease of as a reset (OpenMetrics forbids
 ``_sum`` on a histogram with negative buckets), and ``histogram_quantile``
 assumes the lowest bucket starts at 0.
+
+The demand (``core/demand.py``): what an autoscaler scales the engines on,
+one series per model (and class) with no tenant label, read from the
+dispatcher when Prometheus scrapes; and the same pool under the Gateway API
+Inference Extension's own names (``inference_pool_*{name}``, the model's
+name), where they mean what its endpoint picker's mean. The queries that use
+them are in docs/reference/metrics.md and docs/guides/autoscaling.md.
 """
 
 from __future__ import annotations
@@ -186,6 +193,54 @@ class Series:
         "model",
     )
     in_flight = _gauge("extproc_in_flight", "Released requests whose response has not finished.", "model")
+    # The demand (core/demand.py), read when scraped: what an autoscaler scales the engines on.
+    demand = _gauge(
+        "extproc_demand_requests",
+        "Requests of the model per class held here (state held) or released to its engines and not finished (state "
+        "in_flight): the demand on its engines, whatever the engines' own queues show.",
+        "model", "priority", "state",
+    )
+    engines_needed = _gauge(
+        "extproc_engines_needed",
+        "Engines the model's demand needs now: its requests held and in flight over what one endpoint holds at its "
+        "learned limit (extproc_engine_capacity_requests); 1 while anything is held and that is not known yet.",
+        "model",
+    )
+    engine_capacity = _gauge(
+        "extproc_engine_capacity_requests",
+        "What one endpoint of the model holds at its learned limit (running + waiting): the mean over its ready "
+        "endpoints, the last one seen while none is ready, else max_running + target_waiting; NaN: not known yet.",
+        "model",
+    )
+    drain_seconds = _gauge(
+        "extproc_drain_seconds",
+        "How long the model's held requests take to leave at the release rate of the last 10 s: 0 with none held, "
+        "+Inf while nothing is released (no engine up).",
+        "model",
+    )
+    # The Gateway API Inference Extension's pool metrics, under their names (label `name`: the model).
+    pool_ready = _gauge(
+        "inference_pool_ready_pods",
+        "The number of ready pods in the inference server pool: endpoints up with usable metrics (as GIE's endpoint "
+        "picker reports it; `name` is the model).",
+        "name",
+    )
+    pool_queue = _gauge(
+        "inference_pool_average_queue_size",
+        "The average number of requests pending in the model server queue, per ready pod: the engines' waiting and "
+        "the requests this gateway holds for them (the whole queue while no pod is ready).",
+        "name",
+    )
+    pool_running = _gauge(
+        "inference_pool_average_running_requests",
+        "The average number of running requests across the ready model servers of the pool.",
+        "name",
+    )
+    pool_kv = _gauge(
+        "inference_pool_average_kv_cache_utilization",
+        "The average kv cache utilization (0..1) across the ready model servers of the pool.",
+        "name",
+    )
     engine_waiting = _gauge("extproc_engine_waiting", "Engine waiting queue from the last good scrape.", "model", "endpoint")
     engine_running = _gauge("extproc_engine_running", "Engine running requests from the last good scrape.", "model", "endpoint")
     scrape_errors = _counter("extproc_scrape_errors", "Failed or unusable engine /metrics scrapes.", "model", "endpoint")

@@ -8,8 +8,9 @@ Routes, and why each exists:
 * ``/healthz``: the process answers (liveness). Nothing else: a process that
   waits for an engine is alive, and restarting it would drop its queue.
 * ``/readyz``: ready to schedule (readiness): the config is loaded (it is,
-  once this answers), every model whose gate reads metrics has had a usable scrape of one endpoint since start
-  (a model a reload added or rebuilt is not waited for), and the processor is not draining. 503 with the reasons otherwise, so a
+  once this answers), every model whose gate reads metrics has had a usable scrape of one endpoint since start,
+  or has no engine up (a pool scaled to zero: its requests are held for the cold start; a model a reload added or
+  rebuilt is not waited for), and the processor is not draining. 503 with the reasons otherwise, so a
   probe does not send traffic to a processor that is leaving. Either answer carries ``warnings``: engine
   settings the operator should fix (a queue cap below what the gate sends), which do not make it unready.
 * ``/`` and ``/status.json``: the live status page (``status.html``), which
@@ -80,7 +81,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
 
 def not_ready(statuses: list[ModelStatus], draining: bool) -> list[str]:
     """Why the processor is not ready (empty: ready)."""
-    reasons = [f"model {s.name!r}: no usable scrape of any endpoint yet" for s in statuses if not s.scraped]
+    reasons = [f"model {s.name!r}: no usable scrape of any endpoint yet" for s in statuses if not s.known]
     if draining:
         reasons.append("draining: the processor is shutting down")
     return reasons

@@ -303,7 +303,12 @@ class Budgets:
         return RateView(requests, tokens)
 
     def standings(self, now: float) -> Iterator[Standing]:
-        """Every limit of every account made so far, as it stands ``now``."""
+        """Every limit of every account made so far, and of every named scope (made now if no request made it: its
+        periods count what the book holds, a restart's usage read back), as it stands ``now``."""
+        for scope, limits in self.plan.named():
+            if scope not in self._accounts and not limits.empty:
+                self._limit(account := Account(scope, limits), limits, now)
+                self._accounts[scope] = account
         for scope in sorted(self._accounts, key=lambda s: (s.kind, s.name, s.model)):
             account = self._accounts[scope]
             for name, window in account.windows():
@@ -357,10 +362,14 @@ def _check(accounts: tuple[Account, ...], expected: Usage, cost: float, now: flo
 
 
 def _reason(account: Account, name: str) -> str:
-    scope = account.scope
+    return over_reason(account.scope, name, getattr(account.limits, name))
+
+
+def over_reason(scope: Scope, limit: str, value: float) -> str:
+    """The refusal's words for ``scope`` over its ``limit`` of ``value`` (with a cluster, the same words)."""
     who = {Kind.TENANT: f"tenant {scope.name!r}", Kind.TENANT_MODEL: f"tenant {scope.name!r} on model {scope.model!r}",
            Kind.GROUP: f"group {scope.name!r}"}[scope.kind]
-    return f"{who} is over its {name.replace('_', ' ')} ({getattr(account.limits, name):g})"
+    return f"{who} is over its {limit.replace('_', ' ')} ({value:g})"
 
 
 def _reserve(ticket: Ticket, now: float) -> None:

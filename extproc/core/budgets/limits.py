@@ -11,7 +11,7 @@ only its token limits bind.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -110,6 +110,15 @@ class Plan:
                  (Scope(Kind.TENANT_MODEL, tenant, model), plan.models.get(model, NO_LIMITS)),
                  *((Scope(Kind.GROUP, group), self.groups.get(group, NO_LIMITS)) for group in plan.groups)]
         return [(scope, limits) for scope, limits in found if not limits.empty]
+
+    def named(self) -> Iterator[tuple[Scope, Limits]]:
+        """Each named scope and its limits: the tenants named under ``budgets.tenants``, their models, the groups."""
+        for tenant, entry in self.tenants.items():
+            yield Scope(Kind.TENANT, tenant), entry.limits
+            for model, limits in entry.models.items():
+                yield Scope(Kind.TENANT_MODEL, tenant, model), limits
+        for group, limits in self.groups.items():
+            yield Scope(Kind.GROUP, group), limits
 
     def limits(self, scope: Scope) -> Limits:
         """``scope``'s limits under this plan (none: NO_LIMITS)."""

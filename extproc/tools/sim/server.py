@@ -34,7 +34,11 @@ Request handling, also as in vLLM:
   with the error as its one event, then ``[DONE]``, as vLLM 0.32 does;
 * ``--kv-mode incremental`` allocates KV in ``--block-size`` blocks as the
   request decodes and preempts on KV pressure, as vLLM's scheduler does
-  (:mod:`extproc.tools.sim.engine`).
+  (:mod:`extproc.tools.sim.engine`);
+* on SIGTERM with ``--shutdown-timeout S`` (vLLM 0.32's option of that name,
+  ``vllm/entrypoints/launchers/launcher.py``) it refuses new requests (503)
+  and lets those in flight finish, for up to S seconds, before it exits;
+  without it (0, vLLM's default too) they are cut.
 
 ``--dialect`` makes ``/metrics`` speak another engine's names
 (:mod:`extproc.tools.sim.dialects`). For tests of broken metrics, ``/metrics`` can
@@ -234,6 +238,9 @@ class _Handlers:
         self.metrics = metrics
         self.metrics_fault = metrics_fault
         self._frozen: web.Response | None = None
+        # Completions being answered, and whether new ones are refused (the drain: RunningSim.drain).
+        self.in_flight = 0
+        self.draining = False
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -333,6 +340,17 @@ class _Handlers:
         return body
 
     async def _generate(
+        self, request: web.Request, api: _Api, body: dict[str, Any], prompt: str | list[int]
+    ) -> web.StreamResponse:
+        if self.draining:
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, "The simulator is shutting down.", "ServiceUnavailableError")
+        self.in_flight += 1
+        try:
+            return await self._answer(request, api, body, prompt)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(
         self, request: web.Request, api: _Api, body: dict[str, Any], prompt: str | list[int]
     ) -> web.StreamResponse:
         params = _parse_params(body, self.settings.default_max_tokens)
@@ -449,6 +467,9 @@ def _error_type(status: int) -> str:
     return "BadRequestError" if status < 500 else "InternalServerError"
 
 
+HANDLERS_KEY = web.AppKey("sim_handlers", _Handlers)
+
+
 @web.middleware
 async def _json_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -481,6 +502,7 @@ def create_app(settings: SimSettings, dialect: str = "vllm", metrics_fault: str 
     app = web.Application(middlewares=[_json_errors], client_max_size=_MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = metrics
+    app[HANDLERS_KEY] = handlers
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.models)
@@ -513,12 +535,20 @@ class RunningSim:
     host: str
     port: int
     _runner: web.AppRunner
+    _handlers: _Handlers
 
     @property
     def url(self) -> str:
         """Base URL, e.g. ``http://127.0.0.1:8000`` (append ``/v1`` for OpenAI clients)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests and wait, up to ``timeout_s``, until those in flight are answered."""
+        self._handlers.draining = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._handlers.in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         """Abort in-flight requests, close connections and free the port."""
@@ -546,7 +576,7 @@ async def start_sim(
         await runner.cleanup()
         raise
     bound_port = runner.addresses[0][1]
-    return RunningSim(settings, app[ENGINE_KEY], app[METRICS_KEY], host, bound_port, runner)
+    return RunningSim(settings, app[ENGINE_KEY], app[METRICS_KEY], host, bound_port, runner, app[HANDLERS_KEY])
 
 
 # The SimSettings fields as ``extproc-dev sim`` options, in --help order: (field, type, choices, help).
@@ -598,6 +628,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="whose metric names /metrics uses (default: %(default)s)",
     )
     parser.add_argument(
+        "--shutdown-timeout", type=float, default=0.0,
+        help="on SIGTERM, refuse new requests and let those in flight finish for up to this many seconds, as vLLM's "
+        "--shutdown-timeout (default: %(default)s, cut them)",
+    )
+    parser.add_argument(
         "--metrics-fault", choices=METRICS_FAULTS, default="ok",
         help="make /metrics fail from the start, for tests (default: %(default)s)",
     )
@@ -614,11 +649,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("invalid simulator settings: %s", exc)
         return 2
-    uvloop.run(_serve_until_signalled(settings, args.host, args.port, args.dialect, args.metrics_fault))
+    uvloop.run(_serve_until_signalled(settings, args.host, args.port, args.dialect, args.metrics_fault,
+                                      args.shutdown_timeout))
     return 0
 
 
-async def _serve_until_signalled(settings: SimSettings, host: str, port: int, dialect: str, fault: str) -> None:
+async def _serve_until_signalled(settings: SimSettings, host: str, port: int, dialect: str, fault: str,
+                                 shutdown_timeout_s: float) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -627,5 +664,7 @@ async def _serve_until_signalled(settings: SimSettings, host: str, port: int, di
     print(f"simulator ({dialect} metrics) serving {settings.model!r} on {sim.url}", flush=True)
     try:
         await stop.wait()
+        if shutdown_timeout_s > 0:
+            await sim.drain(shutdown_timeout_s)
     finally:
         await sim.stop()
