@@ -355,14 +355,11 @@ class BandAdmission:
     def into_free_slots(self, band: int, now: float) -> bool:
         """Whether ``band`` goes only into free slots now: idle-only, while a band above has work now.
 
-        Not in an engine whose queue is ordered by priority, for work that can be taken back and no cap of the
-        operator's: what it queues there is passed by whatever comes above, and its running requests are taken
-        back for a higher request that needs their slot.
+        Even in an engine that orders its queue by priority: what it queued there would take the next slot that
+        frees before a request of the bands above released for it arrives (an engine takes requests in a
+        moment after they are sent), and the waiting it showed would cut the gate's limit for the bands above.
         """
-        rules = self._bands[band]
-        if not rules.idle_only or not self.wanted_above(band, now):
-            return False
-        return not (self.priority_queue and rules.idle_running_share >= 1 and not self._firm(band))
+        return self._bands[band].idle_only and self.wanted_above(band, now)
 
     def headroom(self, band: int, now: float) -> int:
         """The band's allowance before it is floored at 0 (a cluster adds it to what is in flight)."""

@@ -138,7 +138,7 @@ class ModelState:
 
     def _follow_engine_priority(self) -> None:
         """The bands count what is queued below them as passed while the engines order their queues by priority."""
-        self._admission.priority_queue = self._preemption.priority_queue = self.priority_first() is not None
+        self._admission.priority_queue = self.priority_first() is not None
 
     def _weight(self, tenant: str) -> float:
         return self._settings.tenant(tenant).weight

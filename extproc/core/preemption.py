@@ -122,9 +122,6 @@ class Preemption:
         self._gap_s: float | None = None
         self._last_end: float | None = None
 
-    # The engine orders its queue by priority (``bands.py``): the bands below queue there behind every need.
-    priority_queue = False
-
     @property
     def enabled(self) -> bool:
         return self._rate > 0
@@ -205,11 +202,9 @@ class Preemption:
             while queued > 0 and (victim := self._choose(band, chosen, (Place.QUEUED,))) is not None:
                 chosen.append(victim)
                 queued -= 1
-            # At once where it is cheap: an idle-only request that has run for at most a part of the need's wait.
-            # Not where the engine orders its queue by priority: what of the bands below waits there would take the
-            # slot before the need reaches the engine (the gateway released it into the queue at once).
-            # Only once the interval between completions is measured: without it the wait is not known.
-            if len(chosen) == taken and not self.priority_queue and self._gap_s is not None:
+            # At once where it is cheap: an idle-only request that has run for at most a part of the need's wait
+            # (once the interval between completions is measured: without it the wait is not known).
+            if len(chosen) == taken and self._gap_s is not None:
                 cheap = now - self.expected_wait_s(need.ahead, now) / CHEAP
                 if (victim := self._choose(band, chosen, IDLE, released_since=cheap)) is not None:
                     chosen.append(victim)
