@@ -191,9 +191,10 @@ class NoReader:
         self.sock.setblocking(False)
         self.streams = 0
 
-    async def connect(self, port: int) -> None:
+    async def connect(self, port: int, window: int = 2**31 - 1) -> None:
+        """With ``window`` as its streams' (the default: as wide open as it gets)."""
         await asyncio.get_running_loop().sock_connect(self.sock, ("127.0.0.1", port))
-        self.sock.send(f.PREFACE + f.settings({f.INITIAL_WINDOW_SIZE: 2**31 - 1}) + f.window_update(0, 2**31 - 2**16))
+        self.sock.send(f.PREFACE + f.settings({f.INITIAL_WINDOW_SIZE: window}) + f.window_update(0, 2**31 - 2**16))
 
     def ask(self) -> bool:
         """One more request; False once our socket is full (the server stopped reading) or the server ended it."""
@@ -238,6 +239,27 @@ async def test_a_peer_that_leaves_more_than_the_cap_unread_is_ended(warnings: py
             await asyncio.sleep(0.01)
         await eventually(lambda: not served.server.connections, what="the connection ended")
         assert len(named(warnings, "max_output_buffer_bytes")) == 1
+        peer.sock.close()
+        assert await _echoes(await served.connect())
+
+
+async def test_a_peer_that_opens_no_window_gets_no_new_stream_past_the_output_buffer(
+        warnings: pytest.LogCaptureFixture) -> None:
+    """Its replies wait on windows it never opens (800 KB each); past output_buffer_bytes of them, the next stream
+    it opens ends the connection: new work from a peer that takes none."""
+    async with _serving(Handlers(), output_buffer_bytes=1024 * 1024, max_output_buffer_bytes=64 * 1024 * 1024) as served:
+        peer = NoReader()
+        await peer.connect(served.port, window=0)
+        await eventually(lambda: len(served.server.connections) == 1)
+        (conn,) = served.server.connections
+        peer.ask()
+        await eventually(lambda: conn._waiting > 0, what="a reply waiting")
+        peer.ask()  # 1.6 MB waiting
+        await eventually(lambda: conn._waiting > 1024 * 1024, what="two replies waiting")
+        assert conn in served.server.connections
+        peer.ask()
+        await eventually(lambda: not served.server.connections, what="the connection ended")
+        assert len(named(warnings, "output_buffer_bytes")) == 1
         peer.sock.close()
         assert await _echoes(await served.connect())
 

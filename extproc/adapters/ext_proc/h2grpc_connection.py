@@ -181,6 +181,8 @@ class Connection(Bounded):
                 self._data(stream_id, value, size)
             elif kind == http2.REQUEST:
                 self._start(stream_id, value)
+                if self._ended:  # the stream was one too many
+                    return
             elif kind == http2.ENDED:
                 call = self.calls.get(stream_id)
                 if call is not None and call.closing is None:
@@ -241,6 +243,10 @@ class Connection(Bounded):
             self._warnings.warn(self._peer, "stream refused: %d open on one connection "
                                 "(advanced.grpc.max_streams_per_connection)", len(self.calls))
             self._h2.reset_stream(stream_id, ErrorCode.REFUSED_STREAM)
+            return
+        if self._waiting > self._grpc.output_buffer_bytes:  # new work from a peer that takes none of ours
+            self._flood(f"a new stream while {self._waiting} bytes of replies wait on the peer's windows "
+                        "(past advanced.grpc.output_buffer_bytes)")
             return
         headers = dict(header_list)
         refusal = refused(headers)
