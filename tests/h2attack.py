@@ -54,6 +54,8 @@ from tests.h2raw import message
 ECHO, HOLD = b"/t.T/Echo", b"/t.T/Hold"
 # A write that cannot go out for this long: the server stopped reading this connection.
 THROTTLE_S = 0.3
+# How much longer than asked an attack goes on while the server has neither ended nor throttled it.
+PATIENCE = 3
 # The receive buffer of an attacker that never reads: what the server writes stays in the server.
 NO_READ_BUFFER = 4096
 MAX_WINDOW = 2**31 - 1
@@ -181,10 +183,18 @@ def _drain(sock: socket.socket, eof: threading.Event) -> None:
 
 
 def run(port: int, attack: Attack, seconds: float) -> Outcome:
-    """Play ``attack`` on 127.0.0.1:``port`` for ``seconds``, reconnecting whenever the server ends it."""
+    """Play ``attack`` on 127.0.0.1:``port`` for ``seconds``, reconnecting whenever the server ends it, and on, up
+    to PATIENCE times as long, until the server has ended or throttled a connection (a loaded machine's server
+    takes longer to fill its socket's buffers with answers nobody reads)."""
     outcome = Outcome()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+
+    def going() -> bool:
+        elapsed = time.monotonic() - start
+        return elapsed < seconds or (elapsed < PATIENCE * seconds and not (outcome.ended or outcome.throttled)
+                                     and not attack.held_streams)
+
+    while going():
         sock = socket.socket()
         if not attack.reads:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, NO_READ_BUFFER)
@@ -197,7 +207,7 @@ def run(port: int, attack: Attack, seconds: float) -> Outcome:
         try:
             sock.sendall(attack.opening())
             for chunk in attack.flood():
-                if time.monotonic() >= deadline or eof.is_set():
+                if not going() or eof.is_set():
                     break
                 if chunk:
                     sock.sendall(chunk)
@@ -208,7 +218,7 @@ def run(port: int, attack: Attack, seconds: float) -> Outcome:
                 outcome.ended += 1
         except TimeoutError:
             outcome.throttled += 1
-            eof.wait(max(0.0, deadline - time.monotonic()))  # held open, unread, until the attack's end
+            eof.wait(max(0.0, seconds - (time.monotonic() - start)))  # held open, unread, until the attack's end
             if eof.is_set():
                 outcome.ended += 1
         except (ConnectionResetError, BrokenPipeError):

@@ -4,7 +4,8 @@ A server on one transport (``listen.transport``, its default limits) runs in
 a process of its own (tests/abuseserver.py). Each case plays one attack
 (tests/h2attack.py: the classes of CVE-2019-9511..9518, CVE-2023-44487 and
 CVE-2024-27316, and streams held open) from one connection at a time for
-ATTACK_S, reconnecting whenever the server ends it, while bystanders on
+ATTACK_S (and on, up to three times as long, until the server has ended or
+throttled it), reconnecting whenever the server ends it, while bystanders on
 their own connections keep held requests going, each released after 20 ms
 as a scheduler would; the same bystanders run QUIET_S before and after it.
 Held, for an attack, means:
@@ -195,17 +196,17 @@ class Measured:
                 f"release p99 {self.quiet * 1000:5.1f} -> {self.attacked * 1000:6.1f} ms ({self.ratio:.2f}x), "
                 f"connections {o.connections}, ended {o.ended}, throttled {o.throttled}, sent {o.sent / MB:.0f} MB")
 
-    def problems(self, attack: Attack) -> list[str]:
-        """What this run breaks of the suite's bounds (none: the attack is held)."""
-        found = []
+    def problems(self, attack: Attack) -> set[str]:
+        """Which of the suite's bounds this run breaks: grew, kept, slowed, unchecked (none: the attack is held)."""
+        found = set()
         if self.grown > BOUND_MB * MB:
-            found.append(f"grew {self.grown / MB:.0f} MB")
+            found.add("grew")
         if self.left > BOUND_MB * MB:
-            found.append(f"kept {self.left / MB:.0f} MB")
+            found.add("kept")
         if self.attacked > RATIO * self.quiet + NOISE_S:
-            found.append(f"release p99 {self.ratio:.1f}x")
+            found.add("slowed")
         if not attack.held_streams and not (self.outcome.ended or self.outcome.throttled):
-            found.append("neither ended nor throttled")
+            found.add("unchecked")
         return found
 
 
@@ -230,20 +231,22 @@ async def measure(server: Server, attack: Attack, settle_s: float = 5.0) -> Meas
 
 
 # Where grpcio's C-core does not hold an attack (its own limits set, grpcio_server.py), as measured and as
-# docs/decisions.md says: each is asserted to still be so. Those that leave the server grown or busy run on a
-# server of their own.
-GRPCIO_GAPS = {
-    "ping": "answers the flood's first PINGs, then reads on and drops the rest: the attacker is neither ended nor throttled",
-    "priority": "reads PRIORITY frames without a limit: neither ended nor throttled",
-    "data dribble": "sends a byte per WINDOW_UPDATE for ever: neither ended nor throttled",
-    "continuation": "reads CONTINUATION frames without a limit: neither ended nor throttled",
-    "empty headers": "keeps every stream of fields with empty names: 80-110 MB, kept",
-    "no read": "keeps reading while its replies wait: 55-110 MB",
-    "zero window": "keeps every reply a client never opens a window for: 200-500 MB, releases 10-30x slower",
-    "rapid reset": "keeps each reset stream's call: 125-380 MB, kept",
-    "held streams": "starts a call per HEADERS-only stream at once: 2,000 cost 46 MB, releases 5-10x slower",
+# docs/decisions.md says: what it may break, and what it still must (so the docs cannot go stale). Those
+# that leave the server grown or busy run on a server of their own.
+GRPCIO_GAPS: dict[str, tuple[set[str], set[str]]] = {  # attack: (what it may break, what it must)
+    # Read on, the rest dropped: bounded, but neither ended nor (always) throttled.
+    "ping": ({"unchecked", "slowed"}, set()),  # its answers to the flood's first PINGs slowed others 3-5x at times
+    "priority": ({"unchecked"}, set()),
+    "data dribble": ({"unchecked", "grew"}, set()),
+    "continuation": ({"unchecked", "grew"}, set()),
+    # What it keeps per stream or per reply.
+    "empty headers": ({"unchecked", "grew", "kept", "slowed"}, {"grew"}),
+    "no read": ({"unchecked", "grew", "kept", "slowed"}, {"grew"}),
+    "zero window": ({"unchecked", "grew", "kept", "slowed"}, {"grew"}),
+    "rapid reset": ({"unchecked", "grew", "kept", "slowed"}, {"grew"}),
+    "held streams": ({"grew", "kept", "slowed"}, {"grew"}),
 }
-DAMAGING = {"empty headers", "no read", "zero window", "rapid reset", "held streams"}
+DAMAGING = {name for name, (_, must) in GRPCIO_GAPS.items() if must}
 CASES = [pytest.param(transport, attack, id=f"{transport}-{attack.name.replace(' ', '-')}")
          for transport in TRANSPORTS for attack in ATTACKS]
 
@@ -251,15 +254,14 @@ CASES = [pytest.param(transport, attack, id=f"{transport}-{attack.name.replace('
 @pytest.mark.parametrize(("server", "attack"), [c.values for c in CASES], ids=[c.id for c in CASES], indirect=["server"])
 async def test_each_attack_is_held_as_documented(
         server: Server, attack: Attack, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Held (no problem) by builtin; by grpcio but where GRPCIO_GAPS says it is not, and there it must still not be."""
-    gap = GRPCIO_GAPS.get(attack.name) if server.transport == "grpcio" else None
-    if attack.name in DAMAGING and gap:
+    """Held (no bound broken) by builtin; by grpcio but for what GRPCIO_GAPS allows, and what it must still break."""
+    may, must = GRPCIO_GAPS.get(attack.name, (set(), set())) if server.transport == "grpcio" else (set(), set())
+    if attack.name in DAMAGING and must:
         with serving(server.transport, tmp_path_factory) as own:
             measured = await measure(own, attack, settle_s=0.5)
     else:
         measured = await measure(server, attack)
     print("\n" + measured.report(server.transport, attack), file=sys.stderr)
-    if gap:
-        assert measured.problems(attack), f"grpcio now holds {attack.name}: docs/decisions.md says it does not ({gap})"
-    else:
-        assert measured.problems(attack) == []
+    broken = measured.problems(attack)
+    assert broken <= may, f"{server.transport} breaks {sorted(broken - may)} under {attack.name}"
+    assert must <= broken, f"{server.transport} now holds {attack.name}: docs/decisions.md says it does not"
