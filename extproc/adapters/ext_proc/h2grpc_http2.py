@@ -271,7 +271,8 @@ class Http2Connection(FloodCounts, ClosedStreams):
         """A stream error (RFC 9113, 5.4.2): RST_STREAM; an open stream ends as if reset."""
         self.control_frame()
         self._out += f.rst_stream(stream_id, code)
-        self._remember(stream_id, BY_US)
+        if stream_id in self.streams or stream_id in self._closed:  # one never opened stays so (as h2 has it)
+            self._remember(stream_id, BY_US)
         if self.streams.pop(stream_id, None) is not None:
             events.append((RESET, stream_id, code, 0))
 
@@ -296,7 +297,7 @@ class Http2Connection(FloodCounts, ClosedStreams):
             if stream_id > self.highest_inbound_stream_id:
                 self._fail(ErrorCode.PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
             self.acknowledge_received_data(size, 0)  # nobody reads it: the connection's window is the peer's again
-            if stream is not None or self._closed_error(stream_id):  # not past our own reset
+            if stream is not None or self._closed_error(stream_id, headers=False):  # not past our own reset
                 self._stream_error(stream_id, ErrorCode.STREAM_CLOSED, events)
             return
         if size > stream.recv_window:
@@ -362,7 +363,7 @@ class Http2Connection(FloodCounts, ClosedStreams):
                 self._remote_end(stream_id, stream, events)
             return
         if stream_id <= self.highest_inbound_stream_id:
-            if self._closed_error(stream_id):
+            if self._closed_error(stream_id, headers=True):
                 self._stream_error(stream_id, ErrorCode.STREAM_CLOSED, events)
             return
         if not stream_id % 2:

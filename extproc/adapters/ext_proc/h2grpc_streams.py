@@ -14,7 +14,8 @@ from extproc.adapters.ext_proc.h2grpc_frames import ErrorCode
 # Closed streams are remembered with how they closed, the last 1,024 (60 KB at most): by our RST_STREAM (a
 # frame the peer sent before it read it is ignored), by the peer's (any frame but PRIORITY is then a stream
 # error STREAM_CLOSED), or by both ends (a connection error STREAM_CLOSED). On a stream forgotten or never
-# opened (skipped: closed by a higher one, 5.1.1) a frame is a connection error PROTOCOL_ERROR, as h2 has it.
+# opened (skipped: closed by a higher one, 5.1.1), HEADERS is a connection error PROTOCOL_ERROR and any other
+# frame a stream error STREAM_CLOSED, as h2 answers them.
 REMEMBERED_RESETS = 1024
 BY_US, BY_PEER, ENDED_BOTH = 0, 1, 2
 
@@ -55,10 +56,10 @@ class ClosedStreams:
         if len(closed) > REMEMBERED_RESETS:
             del closed[next(iter(closed))]
 
-    def _closed_error(self, stream_id: int) -> bool:
+    def _closed_error(self, stream_id: int, *, headers: bool) -> bool:
         """A frame on a closed stream: True for a stream error STREAM_CLOSED, False to ignore it; or the end."""
         how = self._closed.get(stream_id)
-        if how is None or how == ENDED_BOTH:
-            self._fail(ErrorCode.PROTOCOL_ERROR if how is None else ErrorCode.STREAM_CLOSED,
-                       f"a frame on stream {stream_id}, closed or never opened")
-        return how == BY_PEER
+        if how == ENDED_BOTH or (how is None and headers):
+            self._fail(ErrorCode.STREAM_CLOSED if how == ENDED_BOTH else ErrorCode.PROTOCOL_ERROR,
+                       f"{'HEADERS' if headers else 'a frame'} on stream {stream_id}, closed or never opened")
+        return how != BY_US
