@@ -44,7 +44,7 @@ async def test_short_overhead_run_measures_every_path(tmp_path: Path) -> None:
     assert list(summary["paths"]) == ["upstream", "envoy", "envoy+null", "envoy+extproc", "envoy+extproc-grpcio", "gie-buffered",
                                       "gie-duplex"]
     assert list(summary["added_ms"]) == ["envoy+extproc", "envoy+extproc-grpcio", "gie-buffered", "gie-duplex"]
-    assert all(summary["transports"][t]["cpu_us_per_request_fixed"] > 0 for t in ("h2", "grpcio"))
+    assert all(summary["transports"][t]["cpu_us_per_request_fixed"] > 0 for t in ("builtin", "grpcio"))
     assert summary["added_ms"]["envoy+extproc"] == summary["extproc_added_ms"]
     for path, figures in summary["paths"].items():
         for run in ("fixed", "max"):
@@ -69,6 +69,6 @@ async def test_memory_per_held_request_is_measured_on_each_transport(tmp_path: P
     held = await run_held(tmp_path, 500)
     figures = summarize_overhead([], held)["transports"]
     assert [f["held"] for f in figures.values()] == [499, 499]  # all queued but the one the gate released
-    assert figures["grpcio"]["kb_per_held"] > 2 * figures["h2"]["kb_per_held"] > 0
+    assert figures["grpcio"]["kb_per_held"] > 2 * figures["builtin"]["kb_per_held"] > 0
     table = "\n".join(overhead_markdown({"paths": {}, "max_workers": 32, "transports": figures}))
     assert "| h2 | 499 |" in table and "| grpcio | 499 |" in table

@@ -35,7 +35,7 @@ def _overhead(extproc_cpu_max: float = 582.0, kb: float = 6.5) -> dict[str, Any]
         _path("envoy", 0.0012, 4142, {"envoy": (673, 232)}),
         _path("envoy+extproc", 0.0027, 1212, {"envoy": (1024, 464), "extproc": (1338, extproc_cpu_max)}),
     ]
-    held = HeldResult("h2", 2000, 1999, rss_idle=70 * 2**20, rss_held=70 * 2**20 + round(kb * 1024 * 1999), cpu_s=0.8)
+    held = HeldResult("builtin", 2000, 1999, rss_idle=70 * 2**20, rss_held=70 * 2**20 + round(kb * 1024 * 1999), cpu_s=0.8)
     return summarize_overhead(paths, [held])
 
 
@@ -53,7 +53,7 @@ def test_overhead_only_lists_the_hop_s_four_targets_and_nothing_else() -> None:
         ("envoy+extproc", 582.0, False),  # CPU per request at saturation <= 250 µs
         ("envoy+extproc", 0.29, False),  # rate >= 0.45 of Envoy alone's
         ("envoy+extproc", 1.5, False),  # added p50 <= 0.5 ms
-        ("h2", 6.5, False),  # memory per held request <= 5 KB
+        ("builtin", 6.5, False),  # memory per held request <= 5 KB
     ]
     text = markdown(META, [], [], {}, _overhead())
     table = text.split("## Targets", 1)[1].split("##", 1)[0]
@@ -61,7 +61,7 @@ def test_overhead_only_lists_the_hop_s_four_targets_and_nothing_else() -> None:
            "at 300 req/s) | **no** |" in table
     assert "| held-and-released rate >= 0.45 of Envoy alone's (max rate, same run) | envoy+extproc | 0.29 (1,212 vs " \
            "4,142 req/s) | **no** |" in table
-    assert "| processor memory per held request <= 5 KB | h2 | 6.5 KB (1999 held) | **no** |" in table
+    assert "| processor memory per held request <= 5 KB | builtin | 6.5 KB (1999 held) | **no** |" in table
     assert "–" not in table and table.count("\n| ") == 5  # the header and the four targets
     assert "Arms:" not in text and "simulator" not in text  # no scenario ran: no arms, no engine
     assert "after [1.9, 0.9, 0.4]" in text

@@ -62,7 +62,8 @@ def test_rules_between_fields_are_reported_together() -> None:
         ({"models": [{**MODEL, "max_running": True}]}, "models[0].max_running: must be an integer >= 1, got True"),
         ({"models": [MODEL], "tenants": {"a": {"priorities": []}}}, "tenants.a.priorities: must be a non-empty list"),
         ({"models": [MODEL], "envoy": {"api_keys": {"k": " "}}}, "envoy.api_keys.k: must be a non-empty string"),
-        ({"models": [MODEL], "listen": {"transport": "quic"}}, "listen.transport: must be one of h2, grpcio, got 'quic'"),
+        ({"models": [MODEL], "listen": {"transport": "quic"}},
+         "listen.transport: must be one of builtin, grpcio (h2: builtin's old name), got 'quic'"),
     ],
 )
 def test_one_mistake(raw: object, message: str) -> None:

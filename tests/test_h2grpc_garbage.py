@@ -71,3 +71,18 @@ async def test_streams_ended_by_the_client_or_reset_as_envoy_ends_them_leave_no_
         await asyncio.sleep(0.01)  # the cancelled tasks' last steps
         gc.collect()
         assert _ours(saved_garbage) == []
+
+
+async def test_streams_reset_before_their_handler_ran_leave_no_cycle(saved_garbage: list[object]) -> None:
+    """Opened and reset in one write (rapid reset's shape): the task is cancelled before it first ran."""
+    handlers = Handlers()
+    async with _connected(handlers) as (_, client):
+        for _ in range(20):
+            client.h2.reset_stream(client.request(HOLD))
+        client.flush()
+        echo = client.request(ECHO)
+        client.send(echo, message(b"\x0a\x02hi"), end=True)
+        await client.until(lambda: client.ended(echo))
+        await asyncio.sleep(0.01)  # the cancelled tasks' last steps
+        gc.collect()
+        assert _ours(saved_garbage) == []

@@ -209,7 +209,7 @@ def free_port() -> int:
 
 
 @pytest.mark.integration  # a processor, serving until SIGTERM
-@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+@pytest.mark.parametrize("transport", ["builtin", "grpcio"])
 def test_serve_loads_no_tools(tmp_path: Path, transport: str) -> None:
     metrics = f"127.0.0.1:{free_port()}"
     config = tmp_path / "config.yaml"

@@ -60,9 +60,9 @@ def batch(session: aiohttp.ClientSession, stack: Stack) -> asyncio.Task[int]:
 
 
 @pytest.mark.parametrize(("transport", "signals"), [
-    ("h2", [signal.SIGTERM]),  # the queue answered at the drain deadline, the releases cut at the hard deadline
+    ("builtin", [signal.SIGTERM]),  # the queue answered at the drain deadline, the releases cut at the hard deadline
     ("grpcio", [signal.SIGTERM]),
-    ("h2", [signal.SIGINT, signal.SIGINT]),  # the second signal cuts the drain short
+    ("builtin", [signal.SIGINT, signal.SIGINT]),  # the second signal cuts the drain short
 ])
 async def test_a_shutdown_with_held_released_and_abandoned_streams_leaves_asyncio_nothing_to_report(
     tmp_path: Path, transport: str, signals: list[signal.Signals]

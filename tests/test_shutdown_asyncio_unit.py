@@ -125,7 +125,7 @@ PATHS = ["idle", "hard_deadline", "second_signal", "drain", "client_gone", "mid_
          "client_leaves_as_server_closes"]
 
 
-@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+@pytest.mark.parametrize("transport", ["builtin", "grpcio"])
 @pytest.mark.parametrize("path", PATHS)
 async def test_no_shutdown_path_leaves_asyncio_anything_to_report(path: str, transport: str) -> None:
     async with engine() as url, asyncio_reports() as reports:

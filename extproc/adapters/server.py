@@ -72,9 +72,9 @@ FINAL_GRACE_S = 1.0
 BODY_MESSAGE_MARGIN = 64 * 1024
 # How often the drain looks at the queues; it runs once per process lifetime.
 DRAIN_POLL_S = 0.05
-# The gRPC servers under ext_proc, by listen.transport: ours, "h2" (a few KB a held request), or
-# grpc.aio, the reference (docs/decisions.md, "When to choose grpcio").
-TRANSPORTS: dict[str, TransportFactory] = {"h2": GrpcServer, "grpcio": GrpcioServer}
+# The gRPC servers under ext_proc, by listen.transport (config/schema.py TRANSPORT_NAMES): ours, "builtin"
+# (a few KB a held request), or grpc.aio, the reference (docs/decisions.md, "When to choose grpcio").
+TRANSPORTS: dict[str, TransportFactory] = {"builtin": GrpcServer, "grpcio": GrpcioServer}
 # The cluster's usage export: a read of up to a year's day rows in one pipeline, off the request path.
 USAGE_TIMEOUT_S = 10.0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from extproc.adapters.config.values import Count, Positive, Section
+from extproc.adapters.config.values import Count, Count0, Positive, Section
 
 
 class GrpcLimits(Section, frozen=True):
@@ -27,10 +27,25 @@ class GrpcLimits(Section, frozen=True):
     connection_buffer_bytes: Count = 32 * 1024 * 1024
     idle_timeout_s: Positive = 3600.0
     handshake_timeout_s: Positive = 10.0
+    # What a peer can make the HTTP/2 layer send, or read for nothing: Envoy's codec limits by their
+    # names and defaults (config/core/v3/protocol.proto, Http2ProtocolOptions), nghttp2's for
+    # CONTINUATION, Envoy's runtime keys for premature resets (docs/configuration.md, "Floods").
+    output_buffer_bytes: Count = 1024 * 1024
+    max_output_buffer_bytes: Count = 4 * 1024 * 1024
+    max_outbound_frames: Count = 10_000
+    max_outbound_control_frames: Count = 1_000
+    max_consecutive_inbound_frames_with_empty_payload: Count0 = 1
+    max_inbound_priority_frames_per_stream: Count0 = 100
+    max_inbound_window_update_frames_per_data_frame_sent: Count = 10
+    max_continuation_frames: Count0 = 8
+    premature_reset_total_stream_count: Count = 500
+    premature_reset_min_stream_lifetime_s: Positive = 1.0
+    max_frames_per_read: Count = 512
 
 
 # The keys that were `listen.*` before they moved to `advanced.grpc.*`.
-GRPC_LIMITS = tuple(GrpcLimits.__struct_fields__)
+GRPC_LIMITS = ("max_streams_per_connection", "max_connections", "connection_buffer_bytes", "idle_timeout_s",
+               "handshake_timeout_s")
 
 
 class ModelAdvanced(Section, frozen=True):

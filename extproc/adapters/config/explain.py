@@ -41,7 +41,7 @@ DERIVED: dict[str, tuple[str, Rule]] = {
                          lambda config, file, key: default_priority(file)),
     "cluster.heartbeat_s": ("`cluster.lease_s` / 4",
                             lambda config, file, key: config.cluster and config.cluster.heartbeat_interval_s),
-    "envoy.admission_per_second": ("2/3 of the processor's intake on `listen.transport` (h2: 1,500/s, grpcio: 750/s)",
+    "envoy.admission_per_second": ("2/3 of the processor's intake on `listen.transport` (builtin: 1,500/s, grpcio: 750/s)",
                                    lambda config, file, key: config.envoy.admission(config.listen.transport).per_second),
     "envoy.admission_burst": ("the intake (`admission_per_second` x 3/2) x `message_timeout_ms`",
                               lambda config, file, key: config.envoy.admission(config.listen.transport).tokens),

@@ -14,6 +14,7 @@ so a new band or tenant setting is a field here and one in the core's type.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -69,15 +70,39 @@ class TlsSettings(Section, frozen=True):
     reload_s: Positive = 5.0
 
 
+log = logging.getLogger(__name__)
+
+# The gRPC servers `listen.transport` names (adapters/server.py TRANSPORTS): ours, built into the package
+# (its own HTTP/2 layer), and grpc.aio. And the name ours had when it ran on the `h2` library, still read.
+TRANSPORT_NAMES = ("builtin", "grpcio")
+OLD_TRANSPORT_NAMES = {"h2": "builtin"}
+
+
+def _transport(value: str) -> str:
+    """A transport's name; its old name is read as the new one, with a warning."""
+    if value in OLD_TRANSPORT_NAMES:
+        new = OLD_TRANSPORT_NAMES[value]
+        log.warning("listen.transport: %r is the old name of %r (our own gRPC server, which no longer runs on "
+                    "the h2 library); read as %r, write %r", value, new, new, new)
+        return new
+    if value not in TRANSPORT_NAMES:
+        raise ValueError(value)
+    return value
+
+
+TransportName = Annotated[str, Meta(description=f"one of {', '.join(TRANSPORT_NAMES)} (h2: builtin's old name)",
+                                    extra={"check": _transport})]
+
+
 class Listen(Section, frozen=True):
     """Where the processor listens: gRPC for Envoy (TLS with a ``tls`` section), HTTP for Prometheus."""
 
     grpc: Address = "127.0.0.1:50051"
     metrics: Address = "127.0.0.1:9464"
     tls: TlsSettings | None = None
-    # The gRPC server under ext_proc: ours on h2 (~3 KB a held request) or grpc.aio, the reference
+    # The gRPC server under ext_proc: ours, built in (~4 KB a held request), or grpc.aio, the reference
     # (~24 KB; docs/decisions.md, "When to choose grpcio").
-    transport: Literal["h2", "grpcio"] = "h2"
+    transport: TransportName = "builtin"
 
     REMOVED = {key: f"moved to advanced.grpc.{key}" for key in GRPC_LIMITS}
 
@@ -289,7 +314,7 @@ ADMISSION_REFILL_SHARE = Fraction(2, 3)
 # timeout. h2's is measured (3,000 in 2 s on a loaded 2-core machine, docs/reports/reliability.md, "Bursts");
 # grpcio's is h2's scaled by what each transport releases at most (807 against 1,599 req/s,
 # docs/reports/benchmarks.md, "The two transports"), not measured with bursts.
-INTAKE_PER_S = {"h2": 1500, "grpcio": 750}
+INTAKE_PER_S = {"builtin": 1500, "grpcio": 750}
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from extproc.adapters.ext_proc.h2grpc_warnings import WARN_EVERY_S
 from extproc.adapters.ext_proc.tls import ServerTls
 from extproc.adapters.ext_proc.transport import INTERNAL, GrpcError, Limits, Message, Method, Methods, Transport
 
@@ -39,6 +41,45 @@ if TYPE_CHECKING:  # grpc-stubs make it generic; grpcio's class is not subscript
     _GenericRpcHandler = grpc.GenericRpcHandler[Any, Any]
 else:
     _GenericRpcHandler = grpc.GenericRpcHandler
+
+
+class _BatchErrors(logging.Filter):
+    """grpcio's traceback for a reply it could not send becomes one line, at most one per WARN_EVERY_S.
+
+    When a client leaves, or never opens its window, with replies still to
+    send, grpc.aio logs ``ExecuteBatchError raised in core by servicer method``
+    with the traceback of its own send, at ERROR (2,000 requests from a
+    zero-window client left one): nothing of ours failed, and the client is
+    gone. The record is kept as a warning without the traceback, the next
+    ones within the window counted into it.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._clock = clock
+        self._last = float("-inf")
+        self._suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("ExecuteBatchError raised in core"):
+            return True
+        now = self._clock()
+        if now - self._last < WARN_EVERY_S:
+            self._suppressed += 1
+            return False
+        more = f" ({self._suppressed} more not logged)" if self._suppressed else ""
+        self._last, self._suppressed = now, 0
+        record.msg = (f"{record.getMessage()}: a reply could not be sent, its client left or opened no window "
+                      f"(grpcio's traceback not logged){more}")
+        record.args = ()
+        record.exc_info = record.exc_text = None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+# grpc.aio logs its failures to send through this logger (grpc/_cython/_cygrpc/aio/server.pyx.pxi).
+_GRPC_AIO_LOG = logging.getLogger("grpc._cython.cygrpc")
+_BATCH_ERRORS = _BatchErrors()
 
 
 class _Undecodable(Exception):
@@ -107,6 +148,8 @@ class GrpcioServer(Transport):
     async def start(self, host: str, port: int, tls: ServerTls | None = None) -> None:
         """Listen; with ``tls``, every connection is TLS with its files (reloaded ones for new handshakes)."""
         bounds = self.limits.grpc
+        if _BATCH_ERRORS not in _GRPC_AIO_LOG.filters:
+            _GRPC_AIO_LOG.addFilter(_BATCH_ERRORS)
         self._server = grpc.aio.server(handlers=[_Handlers(self)], options=[
             ("grpc.max_receive_message_length", self.limits.max_message_bytes),
             ("grpc.max_send_message_length", -1),
@@ -122,6 +165,14 @@ class GrpcioServer(Transport):
             ("grpc.max_allowed_incoming_connections", bounds.max_connections),
             ("grpc.max_connection_idle_ms", int(bounds.idle_timeout_s * 1000)),
             ("grpc.server_handshake_timeout_ms", int(bounds.handshake_timeout_s * 1000)),
+            # Abuse (docs/decisions.md, "The two transports side by side"): C-core's own limits, set to what
+            # builtin holds where C-core has the knob. A header list of 16 KiB, as builtin's; PINGs without
+            # data: GOAWAY ENHANCE_YOUR_CALM ("too_many_pings") at the third within 5 minutes; at most 32 new
+            # streams handled per read (its defaults, written down so they do not drift).
+            ("grpc.absolute_max_metadata_size", 16 * 1024),
+            ("grpc.http2.max_ping_strikes", 2),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5 * 60 * 1000),
+            ("grpc.http2.max_requests_per_read", 32),
         ])
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:

@@ -12,7 +12,7 @@ import asyncio
 from collections import deque
 from typing import Any, Protocol
 
-from extproc.adapters.ext_proc.transport import INTERNAL, RESOURCE_EXHAUSTED, GrpcError, Method
+from extproc.adapters.ext_proc.transport import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, GrpcError, Method
 
 # What grpcio's server says of a message it cannot decode (grpc/_server.py).
 UNDECODABLE = "Exception deserializing request!"
@@ -37,9 +37,9 @@ class Call:
     """
 
     __slots__ = ("stream_id", "method", "owner", "buffer", "inbox", "waiter", "ended", "task", "started",
-                 "outgoing", "closing", "buffered", "unacked")
+                 "outgoing", "closing", "buffered", "unacked", "born", "parked")
 
-    def __init__(self, stream_id: int, method: Method, owner: Consumer) -> None:
+    def __init__(self, stream_id: int, method: Method, owner: Consumer, born: float) -> None:
         self.stream_id = stream_id
         self.method = method
         self.owner = owner
@@ -53,6 +53,8 @@ class Call:
         self.closing: list[tuple[bytes, bytes]] | None = None  # trailers to send once outgoing is out
         self.buffered = 0
         self.unacked = 0
+        self.born = born  # when its headers came; 0 once its handler took a message (h2grpc_connection.py)
+        self.parked = 0  # the outgoing bytes its connection counted when it parked the call (waiting on a window)
 
     def __aiter__(self) -> Call:
         return self
@@ -130,3 +132,30 @@ def trailers(status: int, message: str) -> list[tuple[bytes, bytes]]:
         encoded = b"".join(bytes([b]) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in message.encode())
         out.append((b"grpc-message", encoded))
     return out
+
+
+def is_grpc(content_type: bytes) -> bool:
+    """grpc-go's rule: ``application/grpc``, alone or followed by ``+`` or ``;`` (so not gRPC-Web)."""
+    value = content_type.lower()
+    return value == b"application/grpc" or value[:17] in (b"application/grpc+", b"application/grpc;")
+
+
+def refused(headers: dict[bytes, bytes]) -> tuple[bytes, int, str] | None:
+    """A request that is not a gRPC POST: refused as grpc-go refuses it (grpc.aio serves it as gRPC), with
+    the HTTP status, the gRPC status and its message; None for a gRPC request."""
+    content_type = headers.get(b"content-type", b"")
+    if not is_grpc(content_type):
+        return b"415", INVALID_ARGUMENT, f'invalid gRPC request content-type "{shown(content_type)}"'
+    verb = headers.get(b":method", b"")
+    if verb != b"POST":
+        return b"405", INTERNAL, f'Received a HEADERS frame with :method "{shown(verb)}" which should be POST'
+    return None
+
+
+def shown(value: bytes) -> str:
+    """A peer's header value as a log line and a status message may carry it: printable ASCII, any other byte escaped.
+
+    The HTTP/2 layer does not check inbound headers (docs/decisions.md), so a value may
+    hold any byte, a line break that would forge a log line included.
+    """
+    return "".join(chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}" for b in value)

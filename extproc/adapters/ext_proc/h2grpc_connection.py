@@ -14,6 +14,10 @@ a connection, request bytes no handler has taken are capped too: past the
 cap, the stream holding the most is ended RESOURCE_EXHAUSTED. Ending one
 rather than pausing the connection's window keeps it deadlock-free: partial
 messages of many streams can never wedge every other stream on it.
+
+What we write is bounded too, and what a peer makes us do per loop cycle:
+a peer that does not read what it asks for is not read from, and floods end
+the connection (h2grpc_bounds.py, h2grpc_flood.py).
 """
 
 from __future__ import annotations
@@ -23,20 +27,12 @@ import logging
 from typing import Any, cast
 
 from extproc.adapters.ext_proc import h2grpc_http2 as http2
-from extproc.adapters.ext_proc.h2grpc_call import PREFIX, Call, trailers
-from extproc.adapters.ext_proc.h2grpc_frames import ErrorCode
-from extproc.adapters.ext_proc.h2grpc_http2 import RESPONSE_HEADERS, Http2Connection, Http2Error, StreamClosed
+from extproc.adapters.ext_proc.h2grpc_bounds import OUTPUT, Bounded
+from extproc.adapters.ext_proc.h2grpc_call import PREFIX, Call, refused, shown, trailers
+from extproc.adapters.ext_proc.h2grpc_frames import RESPONSE_HEADERS, ErrorCode
+from extproc.adapters.ext_proc.h2grpc_http2 import Http2Connection, Http2Error, StreamClosed
 from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
-from extproc.adapters.ext_proc.transport import (
-    INTERNAL,
-    INVALID_ARGUMENT,
-    OK,
-    RESOURCE_EXHAUSTED,
-    UNIMPLEMENTED,
-    GrpcError,
-    Limits,
-    Methods,
-)
+from extproc.adapters.ext_proc.transport import INTERNAL, OK, RESOURCE_EXHAUSTED, UNIMPLEMENTED, GrpcError, Limits, Methods
 
 log = logging.getLogger("extproc.adapters.ext_proc.h2grpc")
 
@@ -49,22 +45,7 @@ LAST_STREAM = 2**31 - 1
 _SHUTDOWN_PING = b"h2grpc\x00\x01"
 
 
-def is_grpc(content_type: bytes) -> bool:
-    """grpc-go's rule: ``application/grpc``, alone or followed by ``+`` or ``;`` (so not gRPC-Web)."""
-    value = content_type.lower()
-    return value == b"application/grpc" or value[:17] in (b"application/grpc+", b"application/grpc;")
-
-
-def shown(value: bytes) -> str:
-    """A peer's header value as a log line and a status message may carry it: printable ASCII, any other byte escaped.
-
-    The HTTP/2 layer does not check inbound headers (docs/decisions.md), so a value may
-    hold any byte, a line break that would forge a log line included.
-    """
-    return "".join(chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}" for b in value)
-
-
-class Connection(asyncio.Protocol):
+class Connection(Bounded):
     """One HTTP/2 connection (Envoy keeps one or a few to us, each carrying many streams).
 
     Given what it shares with the other connections of its server: the methods,
@@ -74,16 +55,12 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, methods: Methods, limits: Limits, connections: set[Connection],
                  warnings: PeerWarnings) -> None:
+        grpc = limits.grpc
+        super().__init__(grpc, Http2Connection(max_streams=grpc.max_streams_per_connection, stream_window=STREAM_WINDOW,
+                                               connection_window=CONNECTION_WINDOW, limits=grpc), warnings)
         self._methods = methods
-        self._grpc = limits.grpc
         self._max_message = limits.max_message_bytes
         self._connections = connections
-        self._warnings = warnings
-        self._loop = asyncio.get_running_loop()  # made by the listener, in its loop
-        self._h2 = Http2Connection(max_streams=self._grpc.max_streams_per_connection, stream_window=STREAM_WINDOW,
-                                   connection_window=CONNECTION_WINDOW)
-        self._transport: asyncio.Transport | None = None
-        self._peer: object = None
         self.calls: dict[int, Call] = {}
         self._pending: dict[int, Call] = {}  # calls with reply bytes waiting on a window, oldest first
         self._big: set[Call] = set()  # calls holding at least BIG unread bytes
@@ -97,11 +74,15 @@ class Connection(asyncio.Protocol):
         self._last_frame = 0.0
         self._draining = False  # a GOAWAY went either way: the connection ends with its last stream
         self._last_stream: int | None = None  # streams after it are refused (our final GOAWAY)
+        self._queued = 0  # reply bytes queued for this loop cycle's write
+        self._parked = False  # replies wait on our output (_output_full), not on a window
 
     # -- the connection's life --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass, but one in kind
+        # Above this much unwritten, pause_writing stops reading the peer (asyncio's low mark: a quarter).
+        self._transport.set_write_buffer_limits(high=self._grpc.output_buffer_bytes)
         self._peer = transport.get_extra_info("peername")
         self._last_frame = self._loop.time()
         if len(self._connections) >= self._grpc.max_connections:
@@ -121,12 +102,23 @@ class Connection(asyncio.Protocol):
         self._connections.discard(self)
         if self._timer is not None:
             self._timer.cancel()
+        self._abandon()
+        self._transport = None
+
+    def _end(self) -> None:
+        """Past a limit, or broken: every call ends now, not when the transport reports the close (a loop cycle
+        later, in which their handlers would go on making replies nobody reads)."""
+        super()._end()
+        self._abandon()
+
+    def _abandon(self) -> None:
         for call in self.calls.values():
             _cancel(call)
+            call.outgoing = b""
         self.calls.clear()
         self._pending.clear()
+        self._waiting = 0
         self._big.clear()
-        self._transport = None
 
     def _handshake_expired(self) -> None:
         self._warnings.warn(self._peer, "no HTTP/2 preface and SETTINGS within %gs: connection closed",
@@ -172,19 +164,25 @@ class Connection(asyncio.Protocol):
     # -- frames in ------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self._ended:
+            return
         self._last_frame = self._loop.time()
         try:
-            events = self._h2.receive_data(data)
+            events = self._read(data)
         except Http2Error as exc:  # the GOAWAY that says why is queued
-            self._warnings.warn(self._peer, "HTTP/2 protocol error, connection closed: %s", exc)
-            self._flush()
-            self.close()
+            if exc.code == ErrorCode.ENHANCE_YOUR_CALM:
+                self._flood(str(exc), queued=True)
+            else:
+                self._warnings.warn(self._peer, "HTTP/2 protocol error, connection closed: %s", exc)
+                self._end()
             return
         for kind, stream_id, value, size in events:
             if kind == http2.DATA:
                 self._data(stream_id, value, size)
             elif kind == http2.REQUEST:
                 self._start(stream_id, value)
+                if self._ended:  # the stream was one too many
+                    return
             elif kind == http2.ENDED:
                 call = self.calls.get(stream_id)
                 if call is not None and call.closing is None:
@@ -196,9 +194,13 @@ class Connection(asyncio.Protocol):
                 call = self._drop(stream_id)
                 if call is not None:
                     _cancel(call)
+                    if self._premature_reset(call.born, self._last_frame):
+                        return
             else:
                 self._connection_event(kind, stream_id, value)
         self._flush_soon()
+        if self._h2.more_input:
+            self._more_later()
 
     def _connection_event(self, kind: int, stream_id: int, value: Any) -> None:
         if kind == http2.WINDOW:
@@ -242,16 +244,12 @@ class Connection(asyncio.Protocol):
                                 "(advanced.grpc.max_streams_per_connection)", len(self.calls))
             self._h2.reset_stream(stream_id, ErrorCode.REFUSED_STREAM)
             return
+        if self._waiting > self._grpc.output_buffer_bytes:  # new work from a peer that takes none of ours
+            self._flood(f"a new stream while {self._waiting} bytes of replies wait on the peer's windows "
+                        "(past advanced.grpc.output_buffer_bytes)")
+            return
         headers = dict(header_list)
-        # Refused as grpc-go refuses them (grpc.aio serves them as gRPC): HTTP 415 or 405, and a gRPC status.
-        content_type = headers.get(b"content-type", b"")
-        verb = headers.get(b":method", b"")
-        refusal = (
-            (b"415", INVALID_ARGUMENT, f'invalid gRPC request content-type "{shown(content_type)}"')
-            if not is_grpc(content_type) else
-            (b"405", INTERNAL, f'Received a HEADERS frame with :method "{shown(verb)}" which should be POST')
-            if verb != b"POST" else None
-        )
+        refusal = refused(headers)
         if refusal is not None:
             self._warnings.warn(self._peer, "not a gRPC request: %s", refusal[2])
             self._close_stream(stream_id, [(b":status", refusal[0]), (b"content-type", b"application/grpc"),
@@ -261,7 +259,7 @@ class Connection(asyncio.Protocol):
         if method is None:  # grpcio's words
             self._close_stream(stream_id, [*RESPONSE_HEADERS, *trailers(UNIMPLEMENTED, "Method not found!")])
             return
-        call = Call(stream_id, method, self)
+        call = Call(stream_id, method, self, self._last_frame)
         self.calls[stream_id] = call
         call.task = self._loop.create_task(self._run(call))
 
@@ -290,6 +288,7 @@ class Connection(asyncio.Protocol):
 
     def consumed(self, call: Call, size: int) -> None:
         """A handler took a message: hand its bytes back to the peer (Call.__anext__)."""
+        call.born = 0.0  # a reset from now on is not premature: its work was asked for and done
         self.buffered -= size
         self._account(call)
         if call.unacked and self._transport is not None:
@@ -382,24 +381,31 @@ class Connection(asyncio.Protocol):
     def _drop(self, stream_id: int) -> Call | None:
         """Forget a call whose stream is over (the connection ends with its last, once draining)."""
         call = self.calls.pop(stream_id, None)
-        self._pending.pop(stream_id, None)
+        if self._pending.pop(stream_id, None) is not None and call is not None:
+            self._waiting -= call.parked
         if call is not None:
+            self._closed_calls += 1
             self._release(call)
             self._end_if_done()
         return call
 
     def _drain(self, call: Call) -> None:
-        """Send as much of the call's pending reply bytes as the flow-control windows allow."""
-        self._pending.pop(call.stream_id, None)
+        """Send as much of the call's pending reply bytes as the flow-control windows allow, while the peer reads."""
+        if self._pending.pop(call.stream_id, None) is not None:
+            self._waiting -= call.parked
+        outgoing, sent = call.outgoing, 0  # what is left is cut off once, not after every frame
         try:
-            while call.outgoing:
-                size = min(len(call.outgoing), self._h2.local_flow_control_window(call.stream_id),
+            while sent < len(outgoing):
+                size = min(len(outgoing) - sent, self._h2.local_flow_control_window(call.stream_id),
                            self._h2.max_outbound_frame_size)
-                if size <= 0:
-                    self._pending[call.stream_id] = call  # at the back: the next window goes to the others first
+                if size <= 0 or self._output_full():
+                    call.outgoing = outgoing[sent:]
+                    self._park(call)
                     return
-                self._h2.send_data(call.stream_id, call.outgoing[:size])
-                call.outgoing = call.outgoing[size:]
+                self._h2.send_data(call.stream_id, outgoing[sent:sent + size] if sent or size < len(outgoing) else outgoing)
+                self._queued += size
+                sent += size
+            call.outgoing = b""
             call.wake()  # its handler may read on
         except StreamClosed:
             call.outgoing = b""
@@ -408,19 +414,58 @@ class Connection(asyncio.Protocol):
         if call.closing is not None:
             self._close_stream(call.stream_id, call.closing)
 
+    def _park(self, call: Call) -> None:
+        """The call's reply waits (at the back: the next window goes to the others first), counted as output the
+        peer has not taken: past max_output_buffer_bytes with what its socket holds, the connection ends."""
+        self._pending[call.stream_id] = call
+        call.parked = len(call.outgoing)
+        self._waiting += call.parked
+        if self._waiting > self._grpc.max_output_buffer_bytes:
+            self._output_check(0)
+
+    def _output_full(self) -> bool:
+        """The peer has output_buffer_bytes of ours unread, or this loop cycle's write will be that large.
+
+        Replies then wait with their calls, as on a shut window, and their
+        handlers with them (Call.__anext__): a window opened for every stream
+        at once (SETTINGS) cannot pour every waiting reply into one write.
+        They go once that write was taken (the next cycle) or read (resume_writing).
+        """
+        if self._paused & OUTPUT or self._queued > self._grpc.output_buffer_bytes:
+            self._parked = True
+            return True
+        return False
+
     def _drain_pending(self) -> None:
-        """The connection's window opened: the calls waiting on it, not every call, get their turn."""
+        """A window opened, or our output was taken: the calls waiting, not every call, get their turn."""
         for call in list(self._pending.values()):
-            if self._h2.outbound_flow_control_window <= 0:
+            if self._h2.outbound_flow_control_window <= 0 or self._output_full():
                 return
             self._drain(call)
 
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._drain_pending()
+        self._flush_soon()
+
     def _flush(self) -> None:
-        """Write what the HTTP/2 layer has to send now (before a close, which must not cut it off)."""
+        """Write what the HTTP/2 layer has to send now (before a close, which must not cut it off).
+
+        Then what the peer left unread is checked against the limits: the bytes
+        that wait, and the frames they are (h2grpc_flood.py).
+        """
         self._flush_pending = False
+        transport = self._transport
+        if transport is None or self._ended:
+            return
         data = self._h2.data_to_send()
-        if data and self._transport is not None:
-            self._transport.write(data)
+        self._queued = 0
+        if data:
+            transport.write(data)
+            self._output_check(len(data))
+        if self._parked and not self._paused & OUTPUT:  # taken: the replies that waited on this write go on
+            self._parked = False
+            self._loop.call_soon(self._drain_pending)
 
     def _flush_soon(self) -> None:
         """Write what the HTTP/2 layer has to send once the loop has run what is ready: one write for many streams' replies.
@@ -436,8 +481,15 @@ class Connection(asyncio.Protocol):
 
 
 def _cancel(call: Call) -> None:
-    """End the call's handler, and any other task reading the call (one its handler started): none waits on it forever."""
+    """End the call's handler, and any other task reading the call (one its handler started): none waits on it forever.
+
+    The call lets go of its task: a task cancelled before it first ran never
+    reaches _run's own letting go, and the two would be a reference cycle
+    (a stream opened and reset in one read, rapid reset's shape), each left
+    to the cyclic GC, whose full passes then held the loop for 80 ms.
+    """
     if call.task is not None:
         call.task.cancel()
+        call.task = None
     if call.waiter is not None:
         call.waiter.cancel()

@@ -32,6 +32,12 @@ PRIORITY_FLAG = 0x20
 # Settings (RFC 9113, 6.5.2).
 HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE, MAX_HEADER_LIST_SIZE = (
     range(1, 7))
+# The response headers of every gRPC reply, and as a block: ":status: 200" from HPACK's static table and
+# content-type a literal that is not indexed, so the encoder's dynamic table (the trailers') is untouched.
+RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
+RESPONSE_BLOCK = b"\x88\x0f\x10\x10application/grpc"
+RESPONSE_FRAME = len(RESPONSE_BLOCK).to_bytes(3, "big") + bytes([HEADERS, END_HEADERS])
+
 _SETTING = struct.Struct(">HL")
 _WINDOW = struct.Struct(">L")
 _GOAWAY = struct.Struct(">LL")

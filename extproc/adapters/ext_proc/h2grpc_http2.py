@@ -5,21 +5,16 @@ state those depend on: the preface and SETTINGS, each open stream's two
 halves, flow control both ways, HEADERS with CONTINUATION decoded by HPACK
 (h2grpc_hpack.py), and the connection's error. It does no I/O:
 h2grpc_connection.py feeds it what the socket read and writes what it
-queued. What the protocol asks of a peer is checked here and answered as RFC
-9113 says: a connection error queues GOAWAY and raises :class:`Http2Error`;
-a stream error resets that stream and is reported as its reset.
+queued. A connection error queues GOAWAY and raises :class:`Http2Error`; a
+stream error resets that stream and is reported as its reset; frames that
+oblige an answer or carry nothing are counted as Envoy counts them
+(h2grpc_flood.py). It replaced the ``h2`` library, whose generality cost a
+quarter of the processor's CPU per request (docs/decisions.md), and is
+checked against h2's state machine (tests/test_h2grpc_conformance.py).
 
-Why not the ``h2`` library, which this replaced: it is general (both sides,
-push, priorities, header validation, an event object per frame, a state
-machine stepped through enum tables, a frame object per frame built and
-parsed by hyperframe), and that generality was about a quarter of the
-processor's CPU per held-and-released request (docs/decisions.md). This
-module is one class with a slotted record per open stream.
-
-What is left out, as a gRPC server may: server push (never sent; a client's
-PUSH_PROMISE is a connection error), priorities (read, checked and ignored,
-as RFC 9113 lets a server), and the checks h2 did not make here either (the
-transport reads three headers and refuses per stream what it does not serve).
+Left out, as a gRPC server may: server push (a client's PUSH_PROMISE is a
+connection error), priorities (read, checked and ignored, as RFC 9113 lets
+a server), header field checks (the transport reads three headers).
 """
 
 from __future__ import annotations
@@ -28,9 +23,12 @@ from typing import Any, NoReturn
 
 from hpack import Encoder, HPACKError
 
+from extproc.adapters.config import GrpcLimits
 from extproc.adapters.ext_proc import h2grpc_frames as f
+from extproc.adapters.ext_proc.h2grpc_flood import DEFAULT_LIMITS, FloodCounts
 from extproc.adapters.ext_proc.h2grpc_frames import ErrorCode
 from extproc.adapters.ext_proc.h2grpc_hpack import MemoDecoder
+from extproc.adapters.ext_proc.h2grpc_streams import BY_PEER, BY_US, ENDED_BOTH, ClosedStreams, Stream, window_increment
 
 # What receive_data reports: (kind, stream id, value, size) tuples.
 REQUEST = 1  # a new stream's headers: value the header list
@@ -45,20 +43,14 @@ GOING_AWAY = 8  # the peer's GOAWAY: value (error code, debug data), size the la
 Event = tuple[int, int, Any, int]
 Headers = list[tuple[bytes, bytes]]
 
+# The largest header list we take (SETTINGS_MAX_HEADER_LIST_SIZE, enforced while decoding), grpcio's hard limit
+# (GRPC_ARG_ABSOLUTE_MAX_METADATA_SIZE): it bounds a block's decoding to 512 fields, 1.4 ms of pure Python.
+MAX_HEADER_LIST = 16 * 1024
+# A header block's cost in max_frames_per_read (h2grpc_flood.py): one per field, and this for its stream.
+STREAM_WORK = 16
 # A header block larger than this (in HPACK bytes, HEADERS and CONTINUATIONs together) ends the connection
 # before it is decoded: a bound on what a peer makes us buffer, far above the header list limit's worth.
 MAX_BLOCK_FACTOR = 4
-# And a block in more CONTINUATION frames than this ends it too: empty ones would cost CPU without end (h2's bound).
-MAX_CONTINUATIONS = 64
-# Streams we reset, remembered so that frames the peer sent before it read our RST_STREAM are ignored: the
-# last 1,024 (a round trip's worth of our resets, at about 60 KB a connection at most); a frame on one
-# forgotten is answered as on any closed stream.
-REMEMBERED_RESETS = 1024
-# The response headers of every gRPC reply; as a block: ":status: 200" from HPACK's static table and
-# content-type a literal that is not indexed, so the encoder's dynamic table (the trailers') is untouched.
-RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
-_RESPONSE_BLOCK = b"\x88\x0f\x10\x10application/grpc"
-_RESPONSE_FRAME = len(_RESPONSE_BLOCK).to_bytes(3, "big") + bytes([f.HEADERS, f.END_HEADERS])
 _EMPTY = b""
 # A HEADERS frame whose priority names its own stream: a flag of ours, outside the wire's 8 bits.
 _SELF_DEPENDENT = 0x100
@@ -76,37 +68,14 @@ class StreamClosed(Exception):
     """Nothing may be sent on this stream any more: the peer reset it, or both sides ended it."""
 
 
-class _Stream:
-    """An open stream: its windows both ways, and which halves are still open."""
-
-    __slots__ = ("send_window", "recv_window", "processed", "remote_open", "local_open")
-
-    def __init__(self, send_window: int, recv_window: int, remote_open: bool) -> None:
-        self.send_window = send_window  # what we may still send
-        self.recv_window = recv_window  # what the peer may still send
-        self.processed = 0  # bytes the handler took that the peer was not given back yet
-        self.remote_open = remote_open
-        self.local_open = True
-
-
-def _increment(window: int, processed: int, largest: int) -> int:
-    """How much window to give back: h2's rule, kept so the peer sees the same updates.
-
-    Once half the window's worth is processed, or the window is shut and more
-    than 1 KB (a quarter of a small window) is: few WINDOW_UPDATEs for many
-    small DATA frames, and a stream is never left blocked.
-    """
-    if processed >= largest // 2 or (window == 0 and processed > min(1024, largest // 4)):
-        return min(processed, largest - window)
-    return 0
-
-
-class Http2Connection:
+class Http2Connection(FloodCounts, ClosedStreams):
     """One server connection's HTTP/2 state: events out of received bytes, frames out of sends."""
 
     def __init__(self, *, max_streams: int, stream_window: int, connection_window: int,
-                 max_header_list: int = 2**16) -> None:
-        self.streams: dict[int, _Stream] = {}
+                 max_header_list: int = MAX_HEADER_LIST, limits: GrpcLimits = DEFAULT_LIMITS) -> None:
+        FloodCounts.__init__(self, limits)
+        ClosedStreams.__init__(self)
+        self.streams: dict[int, Stream] = {}
         self.highest_inbound_stream_id = 0
         self.max_outbound_frame_size = f.DEFAULT_FRAME_SIZE
         self.outbound_flow_control_window = f.DEFAULT_WINDOW
@@ -125,8 +94,6 @@ class Http2Connection:
         self._preface = f.PREFACE  # what of the preface is still to come
         self._settled = False  # the peer's first frame, a SETTINGS, came
         self._block: tuple[int, int, bytearray] | None = None  # a header block waiting on CONTINUATION
-        self._continuations = 0  # the CONTINUATION frames of that block so far
-        self._resets: dict[int, None] = {}  # streams we reset, oldest first
         self._broken = False
 
     # -- our side ---------------------------------------------------------------------------------
@@ -143,7 +110,7 @@ class Http2Connection:
         self._out.clear()
         return out
 
-    def _open(self, stream_id: int) -> _Stream:
+    def _open(self, stream_id: int) -> Stream:
         stream = self.streams.get(stream_id)
         if stream is None or not stream.local_open:
             raise StreamClosed(stream_id)
@@ -152,16 +119,19 @@ class Http2Connection:
     def send_response_headers(self, stream_id: int) -> None:
         """RESPONSE_HEADERS on a stream, as constant bytes (the same two headers on every stream)."""
         self._open(stream_id)
-        self._out += _RESPONSE_FRAME + stream_id.to_bytes(4, "big") + _RESPONSE_BLOCK
+        self.outbound_frames += 1
+        self._out += f.RESPONSE_FRAME + stream_id.to_bytes(4, "big") + f.RESPONSE_BLOCK
 
     def send_headers(self, stream_id: int, headers: Headers, *, end_stream: bool = True) -> None:
         """Headers (trailers, or a whole refusal) HPACK-encoded; with ``end_stream`` our half of the stream ends."""
         stream = self._open(stream_id)
+        self.outbound_frames += 1
         self._out += f.header_block(stream_id, self.encoder.encode(headers), end_stream, self.max_outbound_frame_size)
         if end_stream:
             stream.local_open = False
             if not stream.remote_open:
                 del self.streams[stream_id]
+                self._remember(stream_id, ENDED_BOTH)
 
     def send_data(self, stream_id: int, data: bytes) -> None:
         """One DATA frame; the caller keeps it within local_flow_control_window and max_outbound_frame_size."""
@@ -169,7 +139,10 @@ class Http2Connection:
         size = len(data)
         stream.send_window -= size
         self.outbound_flow_control_window -= size
-        self._out += f.HEADER.pack(size >> 8, size & 0xFF, f.DATA, 0, stream_id) + data
+        self.outbound_frames += 1
+        self.data_frames_sent += 1
+        self._out += f.HEADER.pack(size >> 8, size & 0xFF, f.DATA, 0, stream_id)
+        self._out += data
 
     def local_flow_control_window(self, stream_id: int) -> int:
         """How much DATA may go out on the stream now: the smaller of its window and the connection's."""
@@ -179,24 +152,27 @@ class Http2Connection:
         """RST_STREAM, if the stream is still open (a closed one has nothing to reset: nothing is sent)."""
         if self.streams.pop(stream_id, None) is not None:
             self._out += f.rst_stream(stream_id, code)
-            self._remember_reset(stream_id)
+            self.own_control_frame()
+            self._remember(stream_id, BY_US)
 
     def acknowledge_received_data(self, size: int, stream_id: int) -> None:
         """The handler took ``size`` flow-controlled bytes: the peer may send them again (when it is worth a frame)."""
         self._processed += size
-        increment = _increment(self._recv_window, self._processed, self._connection_window)
+        increment = window_increment(self._recv_window, self._processed, self._connection_window)
         if increment:
             self._processed = 0
             self._recv_window += increment
+            self.outbound_frames += 1
             self._out += f.window_update(0, increment)
         stream = self.streams.get(stream_id)
         if stream is None or not stream.remote_open:  # the peer sends nothing more on it
             return
         stream.processed += size
-        increment = _increment(stream.recv_window, stream.processed, self._stream_window)
+        increment = window_increment(stream.recv_window, stream.processed, self._stream_window)
         if increment:
             stream.processed = 0
             stream.recv_window += increment
+            self.outbound_frames += 1
             self._out += f.window_update(stream_id, increment)
 
     def send_goaway(self, last_stream_id: int, code: int = 0, debug: bytes = b"") -> None:
@@ -206,16 +182,11 @@ class Http2Connection:
     def ping(self, data: bytes) -> None:
         self._out += f.ping(data)
 
-    def _remember_reset(self, stream_id: int) -> None:
-        resets = self._resets
-        resets[stream_id] = None
-        if len(resets) > REMEMBERED_RESETS:
-            del resets[next(iter(resets))]
-
     # -- the peer's side --------------------------------------------------------------------------
 
-    def receive_data(self, data: bytes) -> list[Event]:
-        """The events the peer's bytes make, in order. Raises Http2Error (its GOAWAY queued) on a connection error."""
+    def receive_data(self, data: bytes, work: int = 0) -> list[Event]:
+        """The events the peer's bytes make, in order (``work`` of max_frames_per_read already spent: more_input).
+        Raises Http2Error (its GOAWAY queued) on a connection error."""
         if self._broken:
             return []
         buffer = self._in + data if self._in else data
@@ -231,6 +202,8 @@ class Http2Connection:
             self._preface = _EMPTY
         events: list[Event] = []
         position, end = 0, len(buffer)
+        self.work = work
+        budget = self.max_work
         try:
             while end - position >= f.HEADER_SIZE:
                 high, low, kind, flags, stream_id = f.HEADER.unpack_from(buffer, position)
@@ -243,11 +216,19 @@ class Http2Connection:
                 payload = buffer[position + f.HEADER_SIZE:stop]
                 position = stop
                 self._frame(kind, flags, stream_id & f.STREAM_MASK, payload, events)
+                self.work += 1
+                if self.work > budget:  # the rest waits for the next loop cycle (more_input)
+                    break
         except Http2Error:
             self._in = _EMPTY
             raise
         self._in = buffer[position:]
         return events
+
+    @property
+    def more_input(self) -> bool:
+        """The last read's work was cut at max_frames_per_read: frames of it wait for receive_data(b"")."""
+        return self.work > self.max_work and len(self._in) >= f.HEADER_SIZE
 
     def _fail(self, code: ErrorCode, message: str) -> NoReturn:
         """A connection error: GOAWAY with the last stream we took, and nothing more is read."""
@@ -288,16 +269,18 @@ class Http2Connection:
 
     def _stream_error(self, stream_id: int, code: ErrorCode, events: list[Event]) -> None:
         """A stream error (RFC 9113, 5.4.2): RST_STREAM; an open stream ends as if reset."""
+        self.control_frame()
         self._out += f.rst_stream(stream_id, code)
-        self._remember_reset(stream_id)
+        if stream_id in self.streams or stream_id in self._closed:  # one never opened stays so (as h2 has it)
+            self._remember(stream_id, BY_US)
         if self.streams.pop(stream_id, None) is not None:
             events.append((RESET, stream_id, code, 0))
 
     def _unpadded(self, flags: int, payload: bytes) -> bytes:
         if not flags & f.PADDED:
             return payload
-        if not payload or payload[0] >= len(payload):
-            self._fail(ErrorCode.PROTOCOL_ERROR, "padding as long as the frame")
+        if not payload or payload[0] >= len(payload):  # no Pad Length field is too short (RFC 9113, 4.2)
+            self._fail(ErrorCode.PROTOCOL_ERROR if payload else ErrorCode.FRAME_SIZE_ERROR, "padding as long as the frame")
         return payload[1:len(payload) - payload[0]]
 
     def _data(self, flags: int, stream_id: int, payload: bytes, events: list[Event]) -> None:
@@ -308,12 +291,13 @@ class Http2Connection:
             self._fail(ErrorCode.FLOW_CONTROL_ERROR, "DATA beyond the connection's window")
         self._recv_window -= size
         data = self._unpadded(flags, payload)
+        self.payload(data or flags & f.END_STREAM, size)
         stream = self.streams.get(stream_id)
         if stream is None or not stream.remote_open:
             if stream_id > self.highest_inbound_stream_id:
                 self._fail(ErrorCode.PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
             self.acknowledge_received_data(size, 0)  # nobody reads it: the connection's window is the peer's again
-            if stream is not None or stream_id not in self._resets:  # not in flight past our reset: an error
+            if stream is not None or self._closed_error(stream_id, headers=False):  # not past our own reset
                 self._stream_error(stream_id, ErrorCode.STREAM_CLOSED, events)
             return
         if size > stream.recv_window:
@@ -323,10 +307,11 @@ class Http2Connection:
         if flags & f.END_STREAM:
             self._remote_end(stream_id, stream, events)
 
-    def _remote_end(self, stream_id: int, stream: _Stream, events: list[Event]) -> None:
+    def _remote_end(self, stream_id: int, stream: Stream, events: list[Event]) -> None:
         stream.remote_open = False
         if not stream.local_open:
             del self.streams[stream_id]
+            self._remember(stream_id, ENDED_BOTH)
         events.append((ENDED, stream_id, None, 0))
 
     def _headers(self, flags: int, stream_id: int, payload: bytes, events: list[Event]) -> None:
@@ -340,11 +325,12 @@ class Http2Connection:
             block = block[5:]
             if depends_on == stream_id:
                 flags |= _SELF_DEPENDENT
+        self.payload(block or flags & f.END_STREAM)
         if flags & f.END_HEADERS:
             self._header_block(flags, stream_id, block, events)
         else:
             self._block = (stream_id, flags, bytearray(block))
-            self._continuations = 0
+            self.continuations = 0
 
     def _continuation(self, flags: int, stream_id: int, payload: bytes, events: list[Event]) -> None:
         pending = self._block
@@ -352,20 +338,21 @@ class Http2Connection:
             self._fail(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without the HEADERS it continues")
         block = pending[2]
         block += payload
-        self._continuations += 1
-        if len(block) > self._max_block or self._continuations > MAX_CONTINUATIONS:
-            self._fail(ErrorCode.ENHANCE_YOUR_CALM, f"a header block over {self._max_block} bytes or "
-                       f"{MAX_CONTINUATIONS} CONTINUATION frames")
+        self.continuation_frame(payload)
+        if len(block) > self._max_block:
+            self._fail(ErrorCode.ENHANCE_YOUR_CALM, f"a header block over {self._max_block} bytes")
         if flags & f.END_HEADERS:
             self._block = None
             self._header_block(pending[1], stream_id, bytes(block), events)
 
     def _header_block(self, flags: int, stream_id: int, block: bytes, events: list[Event]) -> None:
         """A whole header block: decoded in any case (HPACK's table is the connection's), then a stream opens or ends."""
+        self.header_blocks += 1
         try:
             headers: Headers = self.decoder.decode(block, raw=True)  # type: ignore[assignment]
         except HPACKError as exc:  # OversizedHeaderListError included: a block we will not hold
             self._fail(ErrorCode.COMPRESSION_ERROR, f"header block: {exc}")
+        self.work += len(headers) + STREAM_WORK
         stream = self.streams.get(stream_id)
         if stream is not None:  # trailers: they must end the stream (RFC 9113, 8.1)
             if not stream.remote_open:
@@ -376,9 +363,9 @@ class Http2Connection:
                 self._remote_end(stream_id, stream, events)
             return
         if stream_id <= self.highest_inbound_stream_id:
-            if stream_id in self._resets:  # sent before the peer read our RST_STREAM
-                return
-            self._fail(ErrorCode.PROTOCOL_ERROR, f"HEADERS on stream {stream_id}, closed or skipped")
+            if self._closed_error(stream_id, headers=True):
+                self._stream_error(stream_id, ErrorCode.STREAM_CLOSED, events)
+            return
         if not stream_id % 2:
             self._fail(ErrorCode.PROTOCOL_ERROR, f"a client stream with an even id ({stream_id})")
         self.highest_inbound_stream_id = stream_id
@@ -386,22 +373,24 @@ class Http2Connection:
             self._stream_error(stream_id, ErrorCode.PROTOCOL_ERROR, events)
             return
         ends = bool(flags & f.END_STREAM)
-        self.streams[stream_id] = _Stream(self._peer_window, self._stream_window, not ends)
+        self.streams[stream_id] = Stream(self._peer_window, self._stream_window, not ends)
         events.append((REQUEST, stream_id, headers, 0))
         if ends:
             events.append((ENDED, stream_id, None, 0))
 
     def _rst_stream(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
-        if len(payload) != 4:
+        if len(payload) != 4 and stream_id:  # on stream 0 the first of its errors is that (as h2 finds it)
             self._fail(ErrorCode.FRAME_SIZE_ERROR, "RST_STREAM not 4 bytes")
         if not stream_id or stream_id > self.highest_inbound_stream_id:
             self._fail(ErrorCode.PROTOCOL_ERROR, f"RST_STREAM on idle stream {stream_id}")
         if self.streams.pop(stream_id, None) is not None:  # on a closed stream: nothing to end
+            self._remember(stream_id, BY_PEER)
             events.append((RESET, stream_id, f.u32(payload), 0))
 
     def _window_update(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
         if len(payload) != 4:
             self._fail(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE not 4 bytes")
+        self.window_update_frame()
         increment = f.u32(payload) & f.STREAM_MASK
         if not stream_id:
             if not increment:
@@ -439,6 +428,7 @@ class Http2Connection:
         for code, value in f.parse_settings(payload):
             self._setting(code, value, events)
         self._settled = True
+        self.control_frame()
         self._out += f.frame(f.SETTINGS, f.ACK, 0)
         events.append((SETTLED, 0, None, 0))
 
@@ -472,12 +462,14 @@ class Http2Connection:
         if flags & f.ACK:
             events.append((PONG, 0, payload, 0))
         else:
+            self.control_frame()
             self._out += f.ping(payload, ack=True)
 
     def _priority(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
         """Read and ignored (RFC 9113 deprecates priorities), but for what makes it an error."""
         if not stream_id:
             self._fail(ErrorCode.PROTOCOL_ERROR, "PRIORITY on stream 0")
+        self.priority_frame()
         if len(payload) != 5:
             self._stream_error(stream_id, ErrorCode.FRAME_SIZE_ERROR, events)
         elif f.u32(payload) & f.STREAM_MASK == stream_id:

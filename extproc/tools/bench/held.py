@@ -33,7 +33,7 @@ from extproc.tools.burst import holding_config, queued, rss_bytes
 from extproc.tools.procs import cpu_seconds
 from extproc.tools.stack import Stack, start_sim
 
-TRANSPORTS = ("h2", "grpcio")
+TRANSPORTS = ("builtin", "grpcio")
 HELD = 2_000  # streams held per transport in `extproc-dev bench` (10,000 in docs/reports/reliability.md's runs)
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 # The queue is taken as settled once its depth has not changed for this long.

@@ -186,7 +186,7 @@ def upstream_bootstrap(listen_port: int, admin_port: int) -> dict[str, Any]:
     }
 
 
-def overhead_config(upstream_url: str, *, endpoint_picking: bool = False, transport: str = "h2") -> dict[str, Any]:
+def overhead_config(upstream_url: str, *, endpoint_picking: bool = False, transport: str = "builtin") -> dict[str, Any]:
     """An extproc config whose gate never holds: the queue is far below ``target_waiting``.
 
     ``endpoint_picking`` for the GIE paths: their Envoy routes to the endpoint the processor names.
@@ -215,12 +215,12 @@ def overhead_config(upstream_url: str, *, endpoint_picking: bool = False, transp
 # filter), the GIE gateway shape's body mode (None: our bootstrap), and the processor's transport
 # (listen.transport).
 PATHS: tuple[tuple[str, Gateway | Literal["null"], gie_gateway.BodyMode | None, str], ...] = (
-    ("envoy", "envoy", None, "h2"),
-    ("envoy+null", "null", None, "h2"),
-    ("envoy+extproc", "extproc", None, "h2"),
+    ("envoy", "envoy", None, "builtin"),
+    ("envoy+null", "null", None, "builtin"),
+    ("envoy+extproc", "extproc", None, "builtin"),
     ("envoy+extproc-grpcio", "extproc", None, "grpcio"),
-    ("gie-buffered", "extproc", "buffered", "h2"),
-    ("gie-duplex", "extproc", "duplex", "h2"),
+    ("gie-buffered", "extproc", "buffered", "builtin"),
+    ("gie-duplex", "extproc", "duplex", "builtin"),
 )
 # Each path with a processor, compared with Envoy alone (summarize_overhead's added_ms).
 PROCESSOR_PATHS = tuple(path for path, gateway, _, _ in PATHS if gateway == "extproc")
@@ -230,7 +230,7 @@ FAST_PATH = "envoy+extproc"
 # The hop with a processor that only says CONTINUE: what FAST_PATH costs without our scheduler.
 FLOOR_PATH = "envoy+null"
 # The metadata fast path on each transport: the two compared in summarize_overhead's "transports".
-TRANSPORT_PATHS = {"h2": FAST_PATH, "grpcio": "envoy+extproc-grpcio"}
+TRANSPORT_PATHS = {"builtin": FAST_PATH, "grpcio": "envoy+extproc-grpcio"}
 
 
 @dataclass(frozen=True)

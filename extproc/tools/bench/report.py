@@ -192,10 +192,10 @@ def _overhead_targets(overhead: Mapping[str, Any]) -> list[dict[str, Any]]:
     if added is not None:
         add(f"ext_proc added p50 <= {ADDED_P50_MS:g} ms at {overhead['fixed_rate']} req/s", FAST_PATH, added,
             f"{added:.2f} ms", added <= ADDED_P50_MS)
-    held = _get(overhead, "transports", "h2")
+    held = _get(overhead, "transports", "builtin")
     kb = _get(held, "kb_per_held")
     if kb is not None:
-        add(f"processor memory per held request <= {KB_PER_HELD:g} KB", "h2", kb,
+        add(f"processor memory per held request <= {KB_PER_HELD:g} KB", "builtin", kb,
             f"{kb:.1f} KB ({_num(_get(held, 'held'), 0)} held)", kb <= KB_PER_HELD)
     return rows
 
