@@ -560,6 +560,7 @@ def _against_priority_queue(ran: Sequence[Arm], summary: Mapping[str, Any], clas
     reference = _get(summary, PRIORITY_REFERENCE, "trace")
     if reference is None:
         return []
+    fifo_running = _get(summary, "direct-fifo", "engine", "running_mean")
     rows = []
     for arm in ran:
         t, idle = _get(summary, arm.name, "trace"), _get(summary, arm.name, "idle_while_held")
@@ -574,14 +575,18 @@ def _against_priority_queue(ran: Sequence[Arm], summary: Mapping[str, Any], clas
                 _num(_ratio(_get(mine, "answered"), _get(ref, "answered")), 2),
             ]
         rows.append([arm.name, *cells, _num(t["tokens_vs_direct"], 3),
+                     _num(_ratio(_get(summary, arm.name, "engine", "running_mean"), fifo_running), 3),
                      "–" if idle is None or idle["share"] is None else f"{idle['share']:.2%}"])
     header = ["arm"]
     for cls in classes:
         header += [f"{cls} TTFT p99", f"{cls} worst tenant p99 (s)", f"{cls} answered"]
     return ["", f"Against straight to the engine's priority queue ({PRIORITY_REFERENCE}; ratios, lower is better for a "
             "TTFT, higher for requests answered; a worst tenant's ratio is against the reference's worst tenant), "
-            "with output tokens in the window against straight FIFO and idle slot-seconds while anything was held:",
-            "", *_table([*header, "output tokens vs FIFO", "idle while held"], rows)]
+            "with output tokens in the window and the engine's slots in use (its mean running) against straight "
+            "FIFO, and idle slot-seconds while anything was held (the tokens also follow what was served: a "
+            "prompt's prefill stalls every running sequence, so an order that serves more of the long-prompt "
+            "classes in the window gets fewer tokens from a busy engine):",
+            "", *_table([*header, "output tokens vs FIFO", "slots in use vs FIFO", "idle while held"], rows)]
 
 
 def _jain(summary: Mapping[str, Any]) -> str:
