@@ -107,3 +107,36 @@ async def test_a_chat_beside_a_full_batch_starts_sooner_than_the_engine_s_priori
     # chat's expected wait, and each at most once.
     assert lines > 0.9 * reference_lines
     assert preempted <= len(beside)
+
+
+def behind_batch(*, stream: bool, max_running: int | None, flood_at: float) -> list[float]:
+    """40 long batch-class requests (an over-budget tenant's, downgraded: docs/budgets.md) beside a chat every 0.1 s
+    on an engine of 8: for each chat that waited in the engine while batch work was admitted ahead of it, how long."""
+    arrivals = [Arrival(flood_at, BATCH, "alice", 200, 256, stream=stream) for _ in range(40)]
+    arrivals += [Arrival(0.5 + 0.1 * i, INTERACTIVE, "bob", 50, 16) for i in range(200)]
+    sim = CoreSim(SimSettings("m", max_num_seqs=8, step_ms=20), max_running=max_running, max_preemptions_per_s=2.0,
+                  stream_begins_at_accept=True)
+    sim.run(sorted(arrivals, key=lambda a: a.at), until=90.0)
+    admitted = [r.sim.scheduled_at for r in sim.of(BATCH) if r.sim is not None and r.sim.scheduled_at is not None]
+    waits = []
+    for chat in sim.of(INTERACTIVE):
+        assert chat.sim is not None and chat.sim.scheduled_at is not None and chat.released_at is not None
+        reached = chat.released_at + sim.lag_s
+        if any(reached < at < chat.sim.scheduled_at for at in admitted):
+            waits.append(chat.sim.scheduled_at - reached)
+    return waits
+
+
+@pytest.mark.parametrize("flood_at", [0.0, 1.0, 5.0])
+@pytest.mark.parametrize(("stream", "max_running"), [(False, None), (False, 8), (True, 8)])
+async def test_no_chat_waits_inside_the_engine_behind_batch_work_beyond_the_next_step(
+    flood_at: float, stream: bool, max_running: int | None
+) -> None:
+    """A request of the classes above never waits inside the engine while batch work is admitted ahead of it for
+    more than one engine step beyond the one it arrived in (8 sequences: 24 ms a step, up to 34 ms with a prompt's
+    prefill in it): batch goes into free slots only while they have work, a batch request that took the last one
+    as a chat arrived is taken back, and streams, which cannot be, never queue in the engine. Without
+    ``max_running`` streams do until the gate has learned the engine's size (docs/budgets.md), so that case runs
+    with it."""
+    waits = behind_batch(stream=stream, max_running=max_running, flood_at=flood_at)
+    assert max(waits, default=0.0) <= 2 * 0.034, waits  # the step it arrived in, and one more

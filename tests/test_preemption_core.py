@@ -87,7 +87,9 @@ def test_a_lower_band_is_lent_everything_while_nobody_above_has_work() -> None:
     assert admission.allowance(BATCH, 0.0) == 3
     pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=3 * ARRIVING_S)
     assert admission.allowance(STANDARD, 3 * ARRIVING_S) == 7  # they stopped: lent again
-    assert admission.allowance(BATCH, 3 * ARRIVING_S) == 7  # the reserve too
+    assert admission.allowance(BATCH, 3 * ARRIVING_S) == 4  # the reserve too: its free slots (streams never queue)
+    firm[BATCH] = 0
+    assert admission.allowance(BATCH, 3 * ARRIVING_S) == 7  # what can be taken back: the queue room too
     held[INTERACTIVE] = 1  # one is held here (strict priority serves it first anyway)
     assert admission.allowance(STANDARD, 3 * ARRIVING_S) == 5
 
@@ -105,7 +107,7 @@ def test_the_reserve_is_lent_again_the_moment_the_bands_above_stop_arriving() ->
     lapse = admission.next_change_in(0.0)
     assert lapse is not None and lapse == pytest.approx(ARRIVING_S * math.log(2), abs=1e-5)  # one arrival, to half
     pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=lapse - 0.01)
-    assert admission.allowance(BATCH, lapse - 0.01) == 3 and admission.allowance(BATCH, lapse) == 7
+    assert admission.allowance(BATCH, lapse - 0.01) == 3 and admission.allowance(BATCH, lapse) == 4
     held[INTERACTIVE] = 1
     assert admission.next_change_in(0.0) is None  # a chat held: only its release changes anything
 

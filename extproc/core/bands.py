@@ -353,21 +353,25 @@ class BandAdmission:
         return None
 
     def into_free_slots(self, band: int, now: float) -> bool:
-        """Whether ``band`` goes only into free slots now: idle-only, while a band above has work now.
+        """Whether ``band`` goes only into free slots now: idle-only, while a band above has work now, or while it
+        holds streams (a stream queued in the engine cannot be taken back for a request above that comes later).
 
         Even in an engine that orders its queue by priority: what it queued there would take the next slot that
         frees before a request of the bands above released for it arrives (an engine takes requests in a
         moment after they are sent), and the waiting it showed would cut the gate's limit for the bands above.
         """
-        return self._bands[band].idle_only and self.wanted_above(band, now)
+        return self._bands[band].idle_only and (self._firm(band) > 0 or self.wanted_above(band, now))
 
     def headroom(self, band: int, now: float) -> int:
         """The band's allowance before it is floored at 0 (a cluster adds it to what is in flight)."""
         room = self._pool.headroom(now) + self.passed(band)
-        if band == 0 or not self.wanted_above(band, now):
+        if band == 0:
+            return room
+        above = self.wanted_above(band, now)
+        if self._bands[band].idle_only and (above or self._firm(band) > 0):
+            return self._idle_allowance(band, now, above)
+        if not above:
             return room  # nobody above needs anything now: all of it is lent
-        if self.into_free_slots(band, now):
-            return self._idle_allowance(band, now)
         if self.priority_queue:
             return room  # what it queues in the engine waits behind whatever comes above
         # Every free slot goes, whatever is reserved; of the engine's queue room, reserved_waiting is kept.
@@ -383,19 +387,21 @@ class BandAdmission:
         below = self.reservation.below(band)
         return int(min(self._pool.load_now().waiting, below)) if below else 0
 
-    def _idle_allowance(self, band: int, now: float) -> int:
+    def _idle_allowance(self, band: int, now: float, above: bool) -> int:
+        """An idle-only band's free slots: while a band above has work now (``above``), less its reserve and within
+        its share; else (it holds streams) all of them."""
         pool, settings = self._pool, self._pool.settings
-        share = self._bands[band].idle_running_share
         if not pool.rule.uses_metrics or pool.degraded(now):
-            return max(0, pool.allowance(now) - max(1, self._reserved_waiting))
+            return max(0, pool.allowance(now) - (max(1, self._reserved_waiting) if above else 0))
         estimate = pool.estimate.now()
         if estimate.waiting > 0:
             return 0
+        share = self._bands[band].idle_running_share if above else 1.0
         capacity = pool.capacity()
         room = math.ceil(share * capacity - estimate.held)
         firm = self._firm(band) > 0
         # Work that can be taken back keeps nothing free: a request above that needs its slot ends it (preemption.py).
-        reserve = self.reservation.slots(band, capacity, self._bands[band].reserve_share) if firm else 0
+        reserve = self.reservation.slots(band, capacity, self._bands[band].reserve_share) if firm and above else 0
         free = min(room, math.ceil(capacity - estimate.held) - reserve)
         if free >= 1:
             return free
@@ -403,5 +409,8 @@ class BandAdmission:
             return 0
         # Probe: growing (doubling, at most target_waiting a scrape, so a probe
         # that does not fit leaves no more than the target waiting) until the
-        # engine first queued, then one more per scrape.
-        return 1 if pool.estimate.seen_waiting else max(1, min(int(estimate.held), settings.target_waiting))
+        # engine first queued, then one more per scrape; streams only until then
+        # (one that queues cannot be taken back for a request above).
+        if pool.estimate.seen_waiting:
+            return 0 if firm else 1
+        return max(1, min(int(estimate.held), settings.target_waiting))
