@@ -16,6 +16,8 @@ stream (:class:`Stream`, ``body.py``).
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import AsyncIterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -30,8 +32,28 @@ from extproc.adapters.ext_proc.request_fields import Prompt, RequestFields
 from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.outcomes import Refused
 
+log = logging.getLogger(__name__)
+
 # The answer to a response body chunk read and left as it is: one for all, as a stream may send many.
 _BODY_GOES_ON = [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+# The first Envoy that declares its filter's body modes on each stream (``ProcessingRequest.protocol_config``,
+# envoyproxy/envoy 1609d78876cf7893f5844c4b7ef2a9a04ff3f9ca, 2025-03-18: in 1.34.0, as FULL_DUPLEX_STREAMED is).
+DECLARES_MODES_SINCE = "1.34"
+
+
+def undeclared(first: pb.ProcessingRequest, attachment: str, assumed: int) -> int:
+    """The request body mode ``attachment`` takes a stream in where Envoy declares none: ``assumed``, said once."""
+    if not first.HasField("protocol_config"):
+        _told_undeclared(attachment, body.mode_name(assumed))
+    return assumed
+
+
+@functools.cache  # once per attachment: a gateway's Envoy sends every stream so
+def _told_undeclared(attachment: str, assumed: str) -> None:
+    log.warning("ext_proc streams arrive without protocol_config: the gateway's Envoy is older than %s, the first that "
+                "declares its body modes (FULL_DUPLEX_STREAMED came with it). The %s attachment takes the request body "
+                "as %s; set the ext_proc filter's request_body_mode so, or run Envoy %s or later. Logged once.",
+                DECLARES_MODES_SINCE, attachment, assumed, DECLARES_MODES_SINCE)
 
 
 class Stream:
@@ -46,10 +68,12 @@ class Stream:
                  "held_on_body", "subset", "headers", "usage")
 
     def __init__(self, first: pb.ProcessingRequest, fields: RequestFields, prompt: Prompt,
-                 subset: frozenset[str] | None = None, usage: bool = False) -> None:
-        declared = first.protocol_config  # on the first message only (Envoy 1.40 always sends it)
-        self.request_mode: int = declared.request_body_mode
-        self.response_mode: int = declared.response_body_mode
+                 subset: frozenset[str] | None = None, usage: bool = False, undeclared: int = body.Mode.NONE) -> None:
+        if first.HasField("protocol_config"):  # on the first message only (Envoy 1.34 and later)
+            self.request_mode: int = first.protocol_config.request_body_mode
+            self.response_mode: int = first.protocol_config.response_body_mode
+        else:  # an older Envoy: no duplex mode yet; the request body as the attachment takes it (``undeclared``)
+            self.request_mode, self.response_mode = undeclared, body.Mode.NONE
         self.has_body = not first.request_headers.end_of_stream
         # A body comes at once, and reaches the engine only as it is given back.
         self.duplex = self.has_body and self.request_mode == body.DUPLEX

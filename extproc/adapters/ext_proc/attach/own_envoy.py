@@ -152,6 +152,7 @@ class OwnEnvoy(Attachment):
         ))
 
     def open(self, first: pb.ProcessingRequest, metadata: RequestFields | None) -> Stream:
+        # Where Envoy declares no body mode (before 1.34), the generated filter's is taken: no body.
         return Stream(first, metadata or NO_FIELDS, prompt_from_metadata(first) or NO_PROMPT, usage=self.reads_usage)
 
     def reads(self, stream: Stream) -> bool:
