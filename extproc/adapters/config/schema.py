@@ -183,6 +183,12 @@ class ModelConfig(Section, frozen=True):
     # Write the band's numeric priority into the body's `priority` (vLLM
     # --scheduling-policy priority); only such models (and those with `prefix`) have their body sent to us.
     engine_priority: bool = False
+    # Read each stream's first event before its response headers go to the client, and answer an engine's
+    # refusal inside a 200 (its own queue cap: vLLM's --max-num-queued-reqs/-tokens, SGLang's
+    # --max-queued-requests, TGI's --max-concurrent-requests) with 503 engine_full, which the OpenAI SDKs
+    # retry. It costs a message each way per streamed chunk (docs/engines.md). None: the engine's default
+    # (on for TGI, whose cap is on by default; off for the others).
+    check_stream_start: bool | None = None
     # The most preemptions (of a preemptible band's requests, for a higher band whose
     # objective is at risk) per second; an idle-only band's lent slots are taken back
     # whatever the rate (core/preemption.py); 0: never preempt.
@@ -203,6 +209,12 @@ class ModelConfig(Section, frozen=True):
     advanced: ModelAdvanced = msgspec.field(default_factory=ModelAdvanced)
 
     REMOVED = {key: f"moved to {{path}}.advanced.{key}" for key in MODEL_ADVANCED}
+
+    def checks_stream_start(self) -> bool:
+        """Whether this model's streams have their first event read (``check_stream_start``, else the engine's default)."""
+        if self.check_stream_start is None:
+            return DIALECTS[self.engine].checks_stream_start
+        return self.check_stream_start
 
     def cost_weights(self) -> CostWeights:
         """How the `vtc` policy prices this model's requests: the cost section, the context length, the cached price."""

@@ -14,8 +14,9 @@ The request path:
    or ``jwt_authn`` (``envoy.jwt``) sets the tenant header, 401 without a
    known key or valid token. With neither, no request has a tenant header.
 2. ``json_to_metadata`` copies the body's ``model``, ``max_tokens``,
-   ``max_completion_tokens`` and ``prompt_cache_key`` (with budgets, also
-   ``stream`` and ``stream_options.include_usage``) into dynamic metadata
+   ``max_completion_tokens`` and ``prompt_cache_key`` (with budgets or a
+   model that checks its streams' start, also ``stream`` and
+   ``stream_options.include_usage``) into dynamic metadata
    ``extproc``; it buffers the body first, so the metadata exists when
    ext_proc sends the request headers. Only JSON bodies are parsed; anything
    else names no model and the processor answers 400.
@@ -185,8 +186,10 @@ def _json_to_metadata(config: Config, chain: Chain) -> Json:
                 "on_present": {"metadata_namespace": METADATA_NAMESPACE, "key": key, "type": value_type}}
 
     # Budgets charge the engine's usage: whether it comes in one answer or at a stream's end (or not at all) is
-    # the body's to say. Without budgets nothing reads it, and nothing is written.
+    # the body's to say; a model that checks its streams' first event needs to know a stream. Without either
+    # nothing reads it, and nothing is written.
     usage = [rule(STREAM_FIELD, "PROTOBUF_VALUE"), rule(INCLUDE_USAGE_FIELD, "PROTOBUF_VALUE", "stream_options")]
+    streams = config.budgets is not None or any(m.checks_stream_start() for m in config.models)
 
     return typed(
         "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
@@ -200,7 +203,7 @@ def _json_to_metadata(config: Config, chain: Chain) -> Json:
                 rule("max_completion_tokens", "PROTOBUF_VALUE"),
                 # Prefix-cache affinity for endpoint picking (OpenAI's field).
                 rule("prompt_cache_key", "STRING"),
-                *(usage if config.budgets is not None else ()),
+                *(usage if streams else ()),
             ],
         },
     )

@@ -115,7 +115,7 @@ def from_metadata(request: pb.ProcessingRequest) -> RequestFields | None:
     fields = namespace.fields
     limits = {f: _value(item) for f in LIMIT_FIELDS if (item := fields.get(f)) is not None}
     found = _fields(_value(fields.get("model")), limits, _value(fields.get("prompt_cache_key")), None)
-    stream = fields.get(STREAM_FIELD)  # written only where budgets are on (envoy/filters.py)
+    stream = fields.get(STREAM_FIELD)  # written only where budgets or stream checks are on (envoy/filters.py)
     if stream is None or not stream.bool_value:
         return found
     usage = fields.get(INCLUDE_USAGE_FIELD)

@@ -159,6 +159,7 @@ class Processor:
                 return
             if acknowledged and overloaded:
                 yield ack
+            side.check_start(stream, admission.model)
             prefix = NO_PREFIX
             signer = self._signers.get(admission.model)
             if signer is not None:

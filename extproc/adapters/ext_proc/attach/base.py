@@ -29,13 +29,17 @@ from extproc.adapters.ext_proc.engine_usage import UsageReader
 from extproc.adapters.ext_proc.release_outcome import engine_answer
 from extproc.adapters.ext_proc.replies import error_response, headers_of, passed
 from extproc.adapters.ext_proc.request_fields import Prompt, RequestFields
+from extproc.adapters.ext_proc.stream_start import FirstEvent, Verdict, error_message
 from extproc.core.dispatcher import Held, ModelDispatcher
-from extproc.core.outcomes import Refused
+from extproc.core.outcomes import Refusal, Refused
+from extproc.core.release.answer import Answer
 
 log = logging.getLogger(__name__)
 
 # The answer to a response body chunk read and left as it is: one for all, as a stream may send many.
 _BODY_GOES_ON = [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+# The answer that lets the response headers go on, unchanged.
+_HEADERS_GO_ON = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 # The first Envoy that declares its filter's body modes on each stream (``ProcessingRequest.protocol_config``,
 # envoyproxy/envoy 1609d78876cf7893f5844c4b7ef2a9a04ff3f9ca, 2025-03-18: in 1.34.0, as FULL_DUPLEX_STREAMED is).
 DECLARES_MODES_SINCE = "1.34"
@@ -65,7 +69,7 @@ class Stream:
     """
 
     __slots__ = ("request_mode", "response_mode", "has_body", "duplex", "response_duplex", "fields", "prompt", "body",
-                 "held_on_body", "subset", "headers", "usage")
+                 "held_on_body", "subset", "headers", "usage", "start")
 
     def __init__(self, first: pb.ProcessingRequest, fields: RequestFields, prompt: Prompt,
                  subset: frozenset[str] | None = None, usage: bool = False, undeclared: int = body.Mode.NONE) -> None:
@@ -90,6 +94,8 @@ class Stream:
         self.headers: tuple[tuple[str, str], ...] = ()
         # The engine's usage, read from the response body where budgets charge it (None: not read).
         self.usage = UsageReader() if usage else None
+        # The response's first event, read before its headers go on (stream_start.py); None: not read, or read.
+        self.start: FirstEvent | None = None
 
 
 class Attachment:
@@ -104,8 +110,14 @@ class Attachment:
     # The answer to an arrival shed under overload (shedding.py).
     overloaded: pb.ProcessingResponse
 
+    # The response body modes a stream's first event can be read in: the chunks come while the headers wait.
+    reads_start_in: frozenset[int] = frozenset({body.DUPLEX})
+
     def __init__(self, config: Config) -> None:
         self._full_statuses = {m.name: DIALECTS[m.engine].full_statuses for m in config.models}
+        # The models whose streams have their first event read, and how their engine's refusal reads.
+        self._stream_refusals = {m.name: refusal for m in config.models
+                                 if m.checks_stream_start() and (refusal := DIALECTS[m.engine].stream_refusal)}
         # Budgets charge the engine's usage: each stream reads it where its response brings it (a stream's
         # chunk by chunk only if the section says so).
         self.reads_usage = config.budgets is not None
@@ -130,6 +142,14 @@ class Attachment:
         return
         yield
 
+    def check_start(self, stream: Stream, model: str) -> None:
+        """Read the first event of ``stream``'s response before its headers go on, if ``model`` checks its streams'
+        start and the response will come in duplex (declared, or asked for in the release's override)."""
+        refusal = self._stream_refusals.get(model)
+        if refusal is not None and stream.fields.stream and stream.response_mode in self.reads_start_in:
+            stream.start = FirstEvent(refusal)
+            stream.response_duplex = True
+
     def eligible(self, stream: Stream, dispatcher: ModelDispatcher) -> frozenset[str] | None:
         """Where the request may go (raises Refused where nowhere can take it); None: wherever the pool picks."""
         return None
@@ -147,26 +167,58 @@ class Attachment:
                       priority: int | None) -> list[pb.ProcessingResponse]:
         """The answers to a message after the release, in the stream's body modes.
 
-        A response body's chunks pass through the usage reader, where a budget charges the engine's usage.
+        A response body's chunks pass through the usage reader, where a budget charges the engine's usage. Where the
+        stream's start is read, the response headers' answer waits for the first event (:meth:`_first_event`).
         """
+        start = stream.start
         if message.HasField("response_headers"):
-            self.response_began(stream, dispatcher, held, message)
+            headers = self.response_began(stream, dispatcher, held, message)
+            if start is not None:
+                if headers.get(":status") == "200" and headers.get("content-type", "").startswith("text/event-stream"):
+                    start.headers_held = True
+                    hold = self.hold_reply(dispatcher.name)  # until the engine's first token
+                    return [hold] if hold is not None else []
+                stream.start = None  # not a stream the engine began: nothing of it to read
         elif message.HasField("response_body"):
             chunk = message.response_body
             if stream.usage is not None:
                 stream.usage.feed(chunk.body)
+            if start is not None and start.headers_held:
+                return self._first_event(stream, start, dispatcher, held, chunk)
             if stream.response_duplex:  # passed back as it came
                 return body.streamed("response_body", chunk.body, chunk.end_of_stream)
             return _BODY_GOES_ON
         elif message.HasField("request_body") and priority is not None:  # buffered after the release (mode override)
             return [body.rewritten(message.request_body.body, priority)]
+        elif message.HasField("response_trailers") and start is not None and start.headers_held:
+            stream.start = None  # trailers before any event: everything goes on
+            held_back = start.held()
+            return [_HEADERS_GO_ON, *(body.streamed("response_body", held_back, False) if held_back else ()),
+                    passed(message)]
         return [passed(message)]
 
+    def _first_event(self, stream: Stream, start: FirstEvent, dispatcher: ModelDispatcher, held: Held,
+                     chunk: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        """A chunk while the response headers wait: nothing until the first event is whole; then the engine's
+        refusal answered 503 in the response's place (the engine's answer recorded as full), or the headers and the
+        chunks so far let go."""
+        verdict = start.feed(chunk.body, chunk.end_of_stream)
+        if verdict is None:
+            return []
+        stream.start = None
+        if verdict is Verdict.REFUSED:
+            dispatcher.record_response(held, Answer.FULL)
+            said = error_message(start.event or {})
+            return [self.refusal(Refused(Refusal.ENGINE_FULL, f"the engine refused the stream before its first "
+                                         f"token, its own queue being full ({said}); retry"))]
+        return [_HEADERS_GO_ON, *body.streamed("response_body", start.held(), chunk.end_of_stream)]
+
     def response_began(self, stream: Stream, dispatcher: ModelDispatcher, held: Held,
-                       message: pb.ProcessingRequest) -> None:
+                       message: pb.ProcessingRequest) -> dict[str, str]:
         """The response's headers: whether the release reached a live engine, a full one or none (release_outcome.py)."""
-        answer = engine_answer(headers_of(message.response_headers), self._full_statuses[dispatcher.name])
-        dispatcher.record_response(held, answer)
+        headers = headers_of(message.response_headers)
+        dispatcher.record_response(held, engine_answer(headers, self._full_statuses[dispatcher.name]))
+        return headers
 
     def refusal(self, refused: Refused) -> pb.ProcessingResponse:
         """The refusal as the client hears it."""

@@ -127,14 +127,14 @@ class EndpointPicker(Attachment):
         return replies
 
     def response_began(self, stream: Stream, dispatcher: ModelDispatcher, held: Held,
-                       message: pb.ProcessingRequest) -> None:
+                       message: pb.ProcessingRequest) -> dict[str, str]:
         """The endpoint that served, as the gateway reports it: a fallback taken moves the count there."""
         served = epp.served_endpoint(message)
         endpoint = next((e for e in dispatcher.endpoints if epp.host_port(e) == served), None)
         if endpoint is not None and endpoint != held.endpoint:
             self._telemetry.report(dispatcher.name)(ServedElsewhere())
             dispatcher.record_served(held, endpoint)
-        super().response_began(stream, dispatcher, held, message)
+        return super().response_began(stream, dispatcher, held, message)
 
     def refusal(self, refused: Refused) -> pb.ProcessingResponse:
         """A request shed under load gets the protocol's status (429 by default)."""
