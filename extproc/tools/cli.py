@@ -1,4 +1,4 @@
-"""Development command line: ``extproc-dev sim|demo|bench``.
+"""Development command line: ``extproc-dev sim|demo|bench|soak``.
 
 The simulator, the demo and the benchmark, apart from ``extproc`` so that the
 command an operator runs never imports them. Same conventions as ``extproc``
@@ -19,6 +19,8 @@ from extproc.tools.demo import run_demo
 from extproc.tools.envoy_bin import EnvoyNotFound
 from extproc.tools.sim import add_arguments as add_sim_arguments
 from extproc.tools.sim import run as run_sim
+from extproc.tools.soak import add_arguments as add_soak_arguments
+from extproc.tools.soak import run as run_soak
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmark scenarios and the ext_proc overhead: tables and plots")
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench)
+
+    soak = commands.add_parser("soak", help="mixed traffic for an hour: memory, descriptors, tasks and release "
+                               "latency over time, with a plot")
+    add_soak_arguments(soak)
+    soak.set_defaults(func=run_soak)
     return parser
 
 
