@@ -7,11 +7,13 @@ from where (:meth:`~Attachment.open`, :meth:`~Attachment.read`), where a
 request may go (:meth:`~Attachment.eligible`), how a held request is kept
 alive (:meth:`~Attachment.hold_reply`), how it is let go
 (:meth:`~Attachment.release`), how the stream is answered after that
-(:meth:`~Attachment.after_release`) and how a refusal sounds
-(:meth:`~Attachment.refusal`). ``own_envoy.py`` and ``endpoint_picker.py``
-implement it; the base class holds what both answer alike. Whichever it
-is, the shape of each reply follows the body modes Envoy declared for the
-stream (:class:`Stream`, ``body.py``).
+(:meth:`~Attachment.after_release`: where the model checks its streams'
+start, the response headers held until the first event is read,
+``stream_start.py``) and how a refusal sounds (:meth:`~Attachment.refusal`).
+``own_envoy.py`` and ``endpoint_picker.py`` implement it; the base class
+holds what both answer alike. Whichever it is, the shape of each reply
+follows the body modes Envoy declared for the stream (:class:`Stream`,
+``body.py``).
 """
 
 from __future__ import annotations

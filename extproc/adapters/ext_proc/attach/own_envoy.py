@@ -26,7 +26,11 @@ trailers sent, bodies not: ``contract.PROCESSING_MODE``):
    stream whose client asked for ``include_usage`` chunk by chunk
    (``budgets.stream_usage``); each chunk passes the usage reader
    (``engine_usage.py``) and goes on unchanged.
-7. A model with prefix signatures needs its prompt before the hold: its
+7. A stream of a model with ``check_stream_start`` has its response body
+   asked for in duplex, with its headers: they wait for their answer while
+   the chunks come, until the first event is read (``stream_start.py``);
+   every chunk is then given back as it came (and read for its usage).
+8. A model with prefix signatures needs its prompt before the hold: its
    headers are answered at once, switching to a buffered body (a mode can
    be overridden only in a headers reply, and whether a release is checked is
    known only at the release, so the response headers are turned on too);
