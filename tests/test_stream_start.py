@@ -102,8 +102,8 @@ def test_a_check_on_an_engine_without_a_cap_is_refused_and_the_default_is_the_en
 ENDPOINT = "http://10.0.0.1:8000"
 
 
-def make(check: bool = True) -> tuple[Processor, ModelDispatcher]:
-    config = parse_config({"models": [{"name": "m", "endpoints": [ENDPOINT], "check_stream_start": check}]})
+def make(check: bool = True, **top: Any) -> tuple[Processor, ModelDispatcher]:
+    config = parse_config({"models": [{"name": "m", "endpoints": [ENDPOINT], "check_stream_start": check}], **top})
     telemetry = Telemetry()
     dispatchers = build_dispatchers(config, telemetry)
     dispatchers["m"].record_scrape(ENDPOINT, EngineLoad(waiting=0, running=0), 0.0)
@@ -227,3 +227,16 @@ async def test_no_check_unless_the_model_checks_and_the_request_is_a_stream(chec
     assert release.mode_override.response_body_mode != DUPLEX
     stream.close()
     await stream.task
+
+
+async def test_a_budget_charges_a_stream_its_engine_refused_nothing_and_a_served_one_its_use() -> None:
+    processor, _ = make(budgets={"tenants": {"default": {"requests_per_minute": 100}}})
+    for first in (VLLM_REFUSED, TOKEN):
+        stream, _ = await released(processor, request())
+        stream._inbox.put_nowait(response_headers())
+        stream._inbox.put_nowait(chunk(first))
+        await answers(stream)
+        stream.close()
+        await stream.task
+    assert processor.budgets is not None
+    assert processor.budgets.usage[("t", "m")][0] == 1  # one request charged: the one served

@@ -235,9 +235,11 @@ class ModelDispatcher:
         endpoint down before the stream ends, so the slot it frees is not
         handed to the next held request: they wait for the engine, or go to an
         endpoint that is up. ``FULL`` (the engine refused it, its own queue
-        cap reached) cuts the endpoint's limit and leaves it up.
+        cap reached) cuts the endpoint's limit and leaves it up, and the request was not served (a budget charges it
+        nothing). A stream refused inside its 200 is told twice: served at its headers, full at its first event.
         """
         if self._state.started(held):
+            held.refused = answer is Answer.FULL
             self._release_outcome(held.endpoint, answer)
 
     def record_served(self, held: Held, endpoint: str) -> None:
