@@ -391,18 +391,25 @@ def verdict(soak: Soak) -> dict[str, Any]:
 
 
 def plot(soak: Soak, path: Path) -> None:
-    """Memory, descriptors, tasks and the release latency against minutes, the warm-up shaded."""
+    """Memory, descriptors, tasks and the release latency against minutes: the warm-up shaded, and for memory and
+    descriptors the band the verdict allows (5 % around the first window's level)."""
     from extproc.tools.bench.report import pyplot
 
+    judged = verdict(soak)
+    warm = judged["from_s"] / 60
     minutes = [s.t_s / 60 for s in soak.samples]
     fig, axes = pyplot().subplots(4, 1, figsize=(8.0, 9.0), sharex=True)
-    panels = (("resident memory (MB)", [s.rss_mb for s in soak.samples]),
-              ("open file descriptors", [s.fds for s in soak.samples]),
-              ("asyncio tasks", [s.tasks for s in soak.samples]))
-    for ax, (label, values) in zip(axes, panels, strict=False):
-        ax.plot(minutes, values, marker=".", linewidth=1)
+    panels = (("resident memory (MB)", "rss_mb"), ("open file descriptors", "fds"), ("asyncio tasks", "tasks"))
+    for ax, (label, name) in zip(axes, panels, strict=False):
+        ax.plot(minutes, [getattr(s, name) for s in soak.samples], marker=".", linewidth=1)
         ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
+        if name != "tasks":
+            level = judged[name]["levels"][0]
+            ax.axhspan(level * (1 - FLAT_SHARE), level * (1 + FLAT_SHARE), xmin=0, xmax=1, color="green", alpha=0.1,
+                       label="first level ± 5 %")
+            ax.legend(loc="lower right")
+        else:
+            ax.set_ylim(bottom=0)
     waits = axes[3]
     for q in ("p50", "p99"):
         values = [getattr(s, f"queue_wait_{q}_ms") for s in soak.samples]
@@ -411,7 +418,6 @@ def plot(soak: Soak, path: Path) -> None:
     waits.set_yscale("symlog", linthresh=1)
     waits.legend(loc="upper right")
     waits.set_xlabel("minutes")
-    warm = verdict(soak)["from_s"] / 60
     for ax in axes:
         ax.axvspan(0, warm, color="grey", alpha=0.15)
     fig.tight_layout()
