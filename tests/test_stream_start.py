@@ -25,7 +25,7 @@ from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatchers
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
-from tests.test_epp_stream import answers
+from tests.test_epp_stream import answers, body, chat, first_message
 from tests.test_processor import Stream
 
 pytestmark = pytest.mark.unit
@@ -240,3 +240,30 @@ async def test_a_budget_charges_a_stream_its_engine_refused_nothing_and_a_served
         await stream.task
     assert processor.budgets is not None
     assert processor.budgets.usage[("t", "m")][0] == 1  # one request charged: the one served
+
+
+async def test_behind_an_endpoint_picker_gateway_in_duplex_the_check_costs_no_override() -> None:
+    """GIE's filter streams the response in duplex already: the headers' answer waits (with nothing sent to hold
+    them: the gateway's own timeout is long) and a refusal is answered 503, the protocol's status for it."""
+    config = parse_config({"models": [{"name": "m", "endpoints": [ENDPOINT], "check_stream_start": True,
+                                       "endpoint_picking": True}]})
+    telemetry = Telemetry()
+    dispatchers = build_dispatchers(config, telemetry)
+    dispatchers["m"].record_scrape(ENDPOINT, EngineLoad(waiting=0, running=0), 0.0)
+    processor = Processor(config, dispatchers, telemetry)
+    for first, refused in ((VLLM_REFUSED, True), (TOKEN, False)):
+        stream = Stream(processor, first_message(DUPLEX))
+        stream._inbox.put_nowait(body(chat("m", stream=True)))
+        released = await answers(stream)
+        assert released[0].HasField("request_headers") and not released[0].HasField("mode_override")
+        stream._inbox.put_nowait(response_headers())
+        assert await answers(stream) == []  # held, silently
+        stream._inbox.put_nowait(chunk(first))
+        replies = await answers(stream)
+        if refused:
+            assert replies[0].immediate_response.status.code == 503
+        else:
+            assert replies[0].HasField("response_headers") and given_back(replies) == [(TOKEN, False)]
+        stream.close()
+        await stream.task
+    assert dispatchers["m"].in_flight == 0
