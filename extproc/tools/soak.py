@@ -189,14 +189,16 @@ class Traffic:
 
     async def chat(self, tenant: str, model: str, *, leave_after: int | None = None, timeout_s: float | None = None,
                    kind: str = "stream") -> None:
-        """One streamed chat; ``leave_after`` tokens, or after ``timeout_s`` (queued), the client leaves."""
+        """One streamed chat; after ``leave_after`` tokens, or ``timeout_s`` (queued, or streaming), the client leaves."""
         body = {"model": model, "messages": [{"role": "user", "content": f"hi from {tenant}"}],
                 "max_tokens": MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
         headers = {"authorization": f"Bearer {TENANT_KEYS[tenant]}"}
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
+        began = False  # the response's headers came: the request left the queue
         try:
             async with self.http.post(f"{self.stack.envoy_url}/v1/chat/completions", json=body, headers=headers,
                                       timeout=timeout) as response:
+                began = True
                 if response.status != 200:
                     await response.read()
                     self.count(f"{kind}:{response.status}")
@@ -212,7 +214,7 @@ class Traffic:
                 # Cut short: the engine stopped mid-stream (the restarts); without tokens too: before its first.
                 self.count(f"{kind}:200" if done else f"{kind}:200 cut short" if tokens else f"{kind}:200 without tokens")
         except TimeoutError:
-            self.count(f"{kind}:left while queued")
+            self.count(f"{kind}:left mid-stream" if began else f"{kind}:left while queued")
         except aiohttp.ClientError as exc:
             self.count(f"{kind}:{type(exc).__name__}")
 
