@@ -24,7 +24,7 @@ from extproc.adapters.ext_proc.stream_start import MOST_HELD_BYTES, FirstEvent, 
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatchers
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLoad
+from extproc.core.engine_load import EngineLimits, EngineLoad
 from tests.test_epp_stream import answers, body, chat, first_message
 from tests.test_processor import Stream
 
@@ -90,10 +90,7 @@ def test_no_event_by_the_bodys_end_or_within_the_bound_goes_on() -> None:
     assert first.feed(b"x", False) is Verdict.GOES_ON
 
 
-def test_a_check_on_an_engine_without_a_cap_is_refused_and_the_default_is_the_engines() -> None:
-    models = [{"name": n, "endpoints": ["http://127.0.0.1:1"], "engine": e} for n, e in (("v", "vllm"), ("t", "tgi"))]
-    config = parse_config({"models": models})
-    assert [m.checks_stream_start() for m in config.models] == [False, True]
+def test_a_check_on_an_engine_without_a_cap_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"models\[0\]\.check_stream_start: engine llamacpp has no queue cap"):
         parse_config({"models": [{"name": "l", "endpoints": ["http://127.0.0.1:1"], "engine": "llamacpp",
                                   "check_stream_start": True}]})
@@ -102,8 +99,9 @@ def test_a_check_on_an_engine_without_a_cap_is_refused_and_the_default_is_the_en
 ENDPOINT = "http://10.0.0.1:8000"
 
 
-def make(check: bool = True, **top: Any) -> tuple[Processor, ModelDispatcher]:
-    config = parse_config({"models": [{"name": "m", "endpoints": [ENDPOINT], "check_stream_start": check}], **top})
+def make(check: bool | None = True, engine: str = "vllm", **top: Any) -> tuple[Processor, ModelDispatcher]:
+    model = {"name": "m", "endpoints": [ENDPOINT], "engine": engine, **({} if check is None else {"check_stream_start": check})}
+    config = parse_config({"models": [model], **top})
     telemetry = Telemetry()
     dispatchers = build_dispatchers(config, telemetry)
     dispatchers["m"].record_scrape(ENDPOINT, EngineLoad(waiting=0, running=0), 0.0)
@@ -267,3 +265,24 @@ async def test_behind_an_endpoint_picker_gateway_in_duplex_the_check_costs_no_ov
         stream.close()
         await stream.task
     assert dispatchers["m"].in_flight == 0
+
+
+@pytest.mark.parametrize("engine", ["sglang", "tgi", "vllm"])
+async def test_unset_the_check_follows_what_the_engine_says_of_its_cap(engine: str) -> None:
+    """SGLang says its --max-queued-requests (/server_info), TGI its --max-concurrent-requests (/info): while one of
+    the model's engines says it caps what it holds, its streams are checked. vLLM says nothing of its caps."""
+    processor, dispatcher = make(None, engine)
+
+    async def checked() -> bool:
+        stream, release = await released(processor, request())
+        stream.close()
+        await stream.task
+        return bool(release.mode_override.response_body_mode == DUPLEX)
+
+    assert not await checked()  # nothing said yet
+    said = {"sglang": EngineLimits(max_running=8, max_held=12), "tgi": EngineLimits(max_held=128),
+            "vllm": EngineLimits(max_model_len=4096)}[engine]
+    dispatcher.record_limits(ENDPOINT, said)
+    assert await checked() == (engine != "vllm")
+    dispatcher.record_limits(ENDPOINT, EngineLimits())  # back without a cap (its flag removed, a restart)
+    assert not await checked()

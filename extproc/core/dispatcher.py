@@ -279,6 +279,10 @@ class ModelDispatcher:
         self._strategy.scraped(self._clock())
         self._preempt_at_risk(self._clock())
 
+    def caps_held(self) -> bool:
+        """Whether an engine of the pool says it caps what it holds, so it may refuse what the gateway released."""
+        return bool(self._pool.capped)
+
     def record_limits(self, endpoint: str, limits: EngineLimits) -> None:
         """What the engine at ``endpoint`` says of its own limits: they bound the rule and the cost's context; a cap
         too tight is told."""

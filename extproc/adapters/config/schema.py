@@ -186,8 +186,8 @@ class ModelConfig(Section, frozen=True):
     # Read each stream's first event before its response headers go to the client, and answer an engine's
     # refusal inside a 200 (its own queue cap: vLLM's --max-num-queued-reqs/-tokens, SGLang's
     # --max-queued-requests, TGI's --max-concurrent-requests) with 503 engine_full, which the OpenAI SDKs
-    # retry. It costs a message each way per streamed chunk (docs/engines.md). None: the engine's default
-    # (on for TGI, whose cap is on by default; off for the others).
+    # retry. It costs a message each way per streamed chunk (docs/engines.md). None: while an engine of the
+    # model says it caps what it holds (SGLang's /server_info, TGI's /info); vLLM does not say.
     check_stream_start: bool | None = None
     # The most preemptions (of a preemptible band's requests, for a higher band whose
     # objective is at risk) per second; an idle-only band's lent slots are taken back
@@ -210,10 +210,11 @@ class ModelConfig(Section, frozen=True):
 
     REMOVED = {key: f"moved to {{path}}.advanced.{key}" for key in MODEL_ADVANCED}
 
-    def checks_stream_start(self) -> bool:
-        """Whether this model's streams have their first event read (``check_stream_start``, else the engine's default)."""
+    def may_check_stream_start(self) -> bool:
+        """Whether this model's streams may have their first event read: set, or unset on an engine that says its
+        queue cap (then while one of its engines says it caps what it holds)."""
         if self.check_stream_start is None:
-            return DIALECTS[self.engine].checks_stream_start
+            return DIALECTS[self.engine].says_cap
         return self.check_stream_start
 
     def cost_weights(self) -> CostWeights:

@@ -114,9 +114,8 @@ class EngineDialect:
     # Whether a stream's first event (a JSON object with an "error") is such a refusal, made after the stream's
     # status 200 went out (ext_proc/stream_start.py). None: the engine never refuses a stream so.
     stream_refusal: Callable[[Mapping[str, Any]], bool] | None = None
-    # Whether a model on this engine has its streams' first event read (models[].check_stream_start) unless its
-    # config says: only where the engine's cap is on by default.
-    checks_stream_start: bool = False
+    # Whether the engine says its queue cap where it says its limits (adapters/engines/limits.py: EngineLimits.max_held).
+    says_cap: bool = False
     # What answers whether the process serves (probe.py): vLLM, SGLang, TGI, llama.cpp
     # and trtllm-serve all have GET /health.
     health_path: str = "/health"
@@ -199,6 +198,7 @@ DIALECTS: dict[str, EngineDialect] = {
         # A stream it refuses gets 200 and {"error": {..., "code": 503}} as its first event
         # (entrypoints/openai/serving_chat.py's stream generator, create_streaming_error_response).
         stream_refusal=_error_code(503),
+        says_cap=True,  # /server_info: max_queued_requests
     ),
     "tgi": EngineDialect(
         waiting=("tgi_queue_size",),
@@ -212,8 +212,7 @@ DIALECTS: dict[str, EngineDialect] = {
         rejected=(Counted("tgi_request_failure_total", (("err", "overloaded"),)),),
         full_statuses=frozenset({429}),
         stream_refusal=_tgi_overloaded,
-        # Its cap is on by default (--max-concurrent-requests 128), and every refused stream is a 200.
-        checks_stream_start=True,
+        says_cap=True,  # /info: max_concurrent_requests
     ),
     "llamacpp": EngineDialect(
         waiting=("llamacpp:requests_deferred",),

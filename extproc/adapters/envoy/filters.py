@@ -189,7 +189,7 @@ def _json_to_metadata(config: Config, chain: Chain) -> Json:
     # the body's to say; a model that checks its streams' first event needs to know a stream. Without either
     # nothing reads it, and nothing is written.
     usage = [rule(STREAM_FIELD, "PROTOBUF_VALUE"), rule(INCLUDE_USAGE_FIELD, "PROTOBUF_VALUE", "stream_options")]
-    streams = config.budgets is not None or any(m.checks_stream_start() for m in config.models)
+    streams = config.budgets is not None or any(m.may_check_stream_start() for m in config.models)
 
     return typed(
         "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",

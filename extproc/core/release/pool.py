@@ -60,6 +60,8 @@ class Pool:
         self.warnings: dict[str, str] = {}
         # Per endpoint, the engine's rejection counter at its last usable scrape.
         self._rejected: dict[str, float] = {}
+        # The endpoints whose engine says it caps what it holds (EngineLimits.max_held): it may refuse a release.
+        self.capped: set[str] = set()
         # Set by the adapter that probes the endpoints (``probe_ends``): ends then wait for a sign of life.
         self.probe_ends = False
 
@@ -139,6 +141,7 @@ class Pool:
         self.unconfirmed.set_endpoints(self.endpoints)
         self.warnings = {e: w for e, w in self.warnings.items() if e in self.endpoints}
         self._rejected = {e: n for e, n in self._rejected.items() if e in self.endpoints}
+        self.capped &= set(self.endpoints)
 
     def record_release(
         self, request: Hashable, now: float, endpoint: str | None = None, *, into_free_slot: bool = False
@@ -162,6 +165,10 @@ class Pool:
         ""); None: not a member."""
         if endpoint not in self.endpoints:
             return None
+        if limits.max_held is None:
+            self.capped.discard(endpoint)
+        else:
+            self.capped.add(endpoint)
         self.rule.record_limits(endpoint, limits)
         warning = self.warnings[endpoint] = limits.too_tight(self.rule.settings.target_waiting, self.rule.runs(endpoint))
         return warning

@@ -117,9 +117,11 @@ class Attachment:
 
     def __init__(self, config: Config) -> None:
         self._full_statuses = {m.name: DIALECTS[m.engine].full_statuses for m in config.models}
-        # The models whose streams have their first event read, and how their engine's refusal reads.
+        # The models whose streams may have their first event read, and how their engine's refusal reads; of
+        # those, the ones that leave it to their engines (only while one says it caps what it holds).
         self._stream_refusals = {m.name: refusal for m in config.models
-                                 if m.checks_stream_start() and (refusal := DIALECTS[m.engine].stream_refusal)}
+                                 if m.may_check_stream_start() and (refusal := DIALECTS[m.engine].stream_refusal)}
+        self._stream_check_if_capped = {m.name for m in config.models if m.check_stream_start is None}
         # Budgets charge the engine's usage: each stream reads it where its response brings it (a stream's
         # chunk by chunk only if the section says so).
         self.reads_usage = config.budgets is not None
@@ -144,11 +146,15 @@ class Attachment:
         return
         yield
 
-    def check_start(self, stream: Stream, model: str) -> None:
-        """Read the first event of ``stream``'s response before its headers go on, if ``model`` checks its streams'
-        start and the response will come in duplex (declared, or asked for in the release's override)."""
+    def check_start(self, stream: Stream, dispatcher: ModelDispatcher) -> None:
+        """Read the first event of ``stream``'s response before its headers go on, if its model checks its streams'
+        start (``check_stream_start``; unset, while an engine of it says it caps what it holds) and the response
+        will come in duplex (declared, or asked for in the release's override)."""
+        model = dispatcher.name
         refusal = self._stream_refusals.get(model)
-        if refusal is not None and stream.fields.stream and stream.response_mode in self.reads_start_in:
+        if refusal is None or model in self._stream_check_if_capped and not dispatcher.caps_held():
+            return
+        if stream.fields.stream and stream.response_mode in self.reads_start_in:
             stream.start = FirstEvent(refusal)
             stream.response_duplex = True
 
