@@ -129,7 +129,7 @@ async def gateways(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Ga
     workdir = tmp_path_factory.mktemp("attach")
     config_path = write_stack_config(workdir, {
         "m1": {"endpoint_picking": True, "gate": "static_concurrency", "max_in_flight": 1},
-        "ranked": {"prefix": {}, "engine_priority": True},
+        "ranked": {"prefix": {}, "engine_priority": True, "check_stream_start": True},
     }, api_keys={})
     async with contextlib.AsyncExitStack() as running:
         stack = await running.enter_async_context(await start_stack(config_path, workdir, sim_args=FAST_SIM))
@@ -196,7 +196,8 @@ async def test_each_combination_serves_or_is_refused_at_once(gateways: Gateways,
 async def test_our_envoy_signs_the_prompt_and_rewrites_the_priority_in_every_body_mode(
     gateways: Gateways, mode: str,
 ) -> None:
-    """A model with prefix signatures and engine_priority: the body read before the hold, rewritten in the release."""
+    """A model with prefix signatures and engine_priority: the body read before the hold, rewritten in the release;
+    and with check_stream_start, its streams' response body asked for in duplex in the same override."""
     expected = await _direct_prompt_tokens(gateways.stack, "ranked", QUESTION)
     metrics = gateways.stack.metrics_url
     signed_before = metric(await read_metrics(metrics), "extproc_prefix_blocks_count", model="ranked")
@@ -207,6 +208,10 @@ async def test_our_envoy_signs_the_prompt_and_rewrites_the_priority_in_every_bod
     assert status == 200, answer
     assert (answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]) == (expected, 5)
     assert metric(await read_metrics(metrics), "extproc_prefix_blocks_count", model="ranked") - signed_before == 1
+    # A stream of it: its first event read before the headers go on (check_stream_start), in every mode too.
+    async with aiohttp.ClientSession() as session:
+        streamed = await chat(session, gateways.own[mode], "t", "ranked", api_key=None, max_tokens=6)
+    assert (streamed.status, streamed.tokens) == (200, 6), streamed
     assert await wait_for_metric(metrics, "extproc_in_flight", lambda v: v == 0, model="ranked") == 0
 
 

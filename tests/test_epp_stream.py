@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from typing import Any
 
+import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -19,11 +22,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc.adapters.config import parse_config
+from extproc.adapters.ext_proc.attach import base
+from extproc.adapters.ext_proc.h2grpc import GrpcServer
 from extproc.adapters.ext_proc.servicer import Processor
+from extproc.adapters.ext_proc.transport import Method
+from extproc.adapters.server import PROCESS_PATH
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatchers
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
+from extproc.tools.procs import free_port
 from tests.test_processor import Stream, settle
 
 pytestmark = pytest.mark.unit
@@ -51,16 +59,18 @@ def make() -> tuple[Processor, ModelDispatcher]:
     return Processor(CONFIG, dispatchers, telemetry), dispatcher
 
 
-def first_message(mode: int, headers: dict[str, str] | None = None, subset: list[str] | None = None,
+def first_message(mode: int | None, headers: dict[str, str] | None = None, subset: list[str] | None = None,
                   body_follows: bool = True) -> pb.ProcessingRequest:
+    """The request headers as Envoy sends them, declaring ``mode`` for both bodies (None: as Envoy before 1.34, none)."""
     pairs = {":method": "POST", ":path": "/v1/chat/completions", **(headers or {})}
     message = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(
             headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]),
             end_of_stream=not body_follows,
         ),
-        protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode),
     )
+    if mode is not None:
+        message.protocol_config.CopyFrom(pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode))
     if subset is not None:
         hint = struct_pb2.Struct()
         hint.update({"x-gateway-destination-endpoint-subset": subset})
@@ -245,3 +255,55 @@ async def test_the_served_endpoint_read_back_moves_the_count_and_marks_the_pick_
     assert f"http://{picked}" in pool.down()
     stream.close()
     await stream.task
+
+
+async def test_an_envoy_before_1_34_declares_no_mode_and_its_buffered_body_is_asked_for_over_real_grpc(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Envoy declares its body modes (protocol_config) since 1.34, the release that brought duplex: an older one's
+    stream, as it sends it, is taken as BUFFERED, its one mode that brings the body before the request goes upstream.
+    The headers get an empty answer, the body comes, the release answers it; one warning names the version. A stream
+    whose filter sends no body (NONE: the request went on) is answered 500, not held."""
+    base._told_undeclared.cache_clear()  # noqa: SLF001 - each test sees its own first warning
+    processor, dispatcher = make()
+    server = GrpcServer({PROCESS_PATH: Method(pb.ProcessingRequest.FromString, processor.process)})
+    port = free_port()
+    await server.start("127.0.0.1", port)
+    channel: Any = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    process = channel.stream_stream(PROCESS_PATH, request_serializer=pb.ProcessingRequest.SerializeToString,
+                                    response_deserializer=pb.ProcessingResponse.FromString)
+    try:
+        with caplog.at_level(logging.WARNING, logger=base.__name__):
+            for _ in range(2):
+                call = process()
+                await call.write(first_message(None, {"x-gateway-inference-fairness-id": "alice"}))
+                go_on = await call.read()
+                assert go_on.HasField("request_headers") and not go_on.request_headers.HasField("response"), go_on
+                await call.write(body(chat()))
+                released = await call.read()
+                assert released.HasField("request_body"), released
+                header, metadata = destination(released)
+                assert header == metadata and header.startswith("10.0.0.")
+                await call.write(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+                assert (await call.read()).HasField("response_headers")
+                await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: one\n\n")))
+                assert (await call.read()).response_body == pb.BodyResponse()  # not duplex: left as it came
+                await call.done_writing()
+                assert await call.read() == grpc.aio.EOF  # type: ignore[attr-defined]
+            # A filter that sends no body: its request went upstream on the empty answer, unrouted.
+            call = process()
+            await call.write(first_message(None))
+            await call.read()
+            await call.write(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+            refused = await call.read()
+            assert refused.immediate_response.status.code == 500
+            assert json.loads(refused.immediate_response.body)["error"]["code"] == "gateway_error"
+            await call.done_writing()
+        told = [r.getMessage() for r in caplog.records if "protocol_config" in r.getMessage()]
+        assert len(told) == 1 and "older than 1.34" in told[0] and "as BUFFERED" in told[0], told
+        assert dispatcher.queued == 0
+        await asyncio.sleep(0.05)
+        assert dispatcher.in_flight == 0
+    finally:
+        await channel.close()
+        await server.stop(0)

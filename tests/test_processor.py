@@ -42,7 +42,8 @@ def headers_message(tenant: str = "t", model: str | None = "m", priority: str = 
     request = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(
             headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers])
-        )
+        ),
+        protocol_config=pb.ProtocolConfiguration(),  # the generated filter's: no body (Envoy 1.40 declares it)
     )
     if model is not None:
         fields = struct_pb2.Struct()

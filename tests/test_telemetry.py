@@ -364,6 +364,16 @@ def test_the_window_is_bounded_in_memory_and_then_says_how_long_it_covers() -> N
 
 
 @pytest.mark.unit
+def test_the_window_keeps_only_its_minute_whether_or_not_the_status_is_read() -> None:
+    clock = Clock()
+    objectives = Objectives(BANDS, clock)
+    for _ in range(600):  # ten minutes, one outcome a second, and nobody reads the page
+        objectives.record("interactive", "alice", MET, 1.0)
+        clock.now += 1
+    assert len(objectives._recent) == WINDOW_S + 1  # noqa: SLF001 - what is held: the last minute only
+
+
+@pytest.mark.unit
 async def test_deferred_events_are_written_after_the_pass_and_a_failing_writer_loses_no_other_event() -> None:
     from extproc.adapters.telemetry.deferral import Deferral
 

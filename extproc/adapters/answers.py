@@ -63,6 +63,7 @@ ANSWERS: dict[Refusal, Answer] = {
     Refusal.SHUTTING_DOWN: Answer(503, "server_error", Retry.SOON),
     Refusal.OVERLOADED: Answer(503, "server_error", Retry.SOON),
     Refusal.PREEMPTED: Answer(503, "server_error", Retry.SOON),
+    Refusal.ENGINE_FULL: Answer(503, "server_error", Retry.SOON),
     Refusal.PROCESSOR_UNAVAILABLE: Answer(503, "server_error", Retry.SOON),
     Refusal.UNAUTHENTICATED: Answer(401, "authentication_error"),
     Refusal.PERMISSION_DENIED: Answer(403, "permission_error"),

@@ -184,6 +184,7 @@ class ProcessorServer:
             log.info("budgets: %d usage rows of this month read from %s", loaded, self._store.store.path)
         # From the first request on, a request's metrics are written after its replies (telemetry/deferral.py).
         self.telemetry.deferral.start(asyncio.get_running_loop())
+        self.telemetry.watch(asyncio.get_running_loop())
         host, port = split_address(self.config.listen.grpc)
         try:
             await self._grpc.start(host, port, self._tls)

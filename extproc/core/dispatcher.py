@@ -250,9 +250,11 @@ class ModelDispatcher:
         endpoint down before the stream ends, so the slot it frees is not
         handed to the next held request: they wait for the engine, or go to an
         endpoint that is up. ``FULL`` (the engine refused it, its own queue
-        cap reached) cuts the endpoint's limit and leaves it up.
+        cap reached) cuts the endpoint's limit and leaves it up, and the request was not served (a budget charges it
+        nothing). A stream refused inside its 200 is told twice: served at its headers, full at its first event.
         """
         if self._state.started(held):
+            held.refused = answer is Answer.FULL
             self._release_outcome(held.endpoint, answer)
 
     def record_served(self, held: Held, endpoint: str) -> None:
@@ -291,6 +293,10 @@ class ModelDispatcher:
             self._report(EndpointEvent(endpoint, Change.SCRAPED, load, snapshot.itl_s, snapshot.limit, refused=refused))
         self._strategy.scraped(self._clock())
         self._preempt_at_risk(self._clock())
+
+    def caps_held(self) -> bool:
+        """Whether an engine of the pool says it caps what it holds, so it may refuse what the gateway released."""
+        return bool(self._pool.capped)
 
     def record_limits(self, endpoint: str, limits: EngineLimits) -> None:
         """What the engine at ``endpoint`` says of its own limits: they bound the rule and the cost's context; a cap

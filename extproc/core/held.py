@@ -81,6 +81,8 @@ class Held:
     preempted: asyncio.Future[None] | None = field(default=None, repr=False)
     # Its response has begun (its headers came): it can no longer be preempted.
     started: bool = False
+    # The engine refused it as full before starting it (its own queue cap): nothing was served.
+    refused: bool = False
     ended: bool = False
     # When a preemptible request was last ended to make room for it (preemption.py).
     room_made_at: float = -math.inf
@@ -89,8 +91,9 @@ class Held:
 
     @property
     def served(self) -> bool:
-        """Released, and not preempted before its response began: the engine worked for its client."""
-        return self.released and (self.preempted is None or not self.preempted.done() or self.started)
+        """Released, not refused by the engine and not preempted before its response began: the engine worked for its
+        client."""
+        return self.released and not self.refused and (self.preempted is None or not self.preempted.done() or self.started)
 
     @property
     def objective_due(self) -> float | None:

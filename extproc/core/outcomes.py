@@ -36,6 +36,7 @@ class Refusal(StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"  # no room freed up within the class's longest wait
     SHUTTING_DOWN = "shutting_down"  # the processor drains
     PREEMPTED = "preempted"  # released, then ended before its response began: a higher class needed the engine
+    ENGINE_FULL = "engine_full"  # released, then refused by the engine's own queue cap inside a stream's 200
     RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # the tenant is over a per-minute limit of its budget (OpenAI's code)
     INSUFFICIENT_QUOTA = "insufficient_quota"  # the tenant is over a day or month budget (OpenAI's code)
     OVERLOADED = "overloaded"  # a burst put the processor (or Envoy's admission bucket) too far behind: shed on arrival

@@ -1,4 +1,4 @@
-"""Development command line: ``extproc-dev sim|demo|bench|autoscale``.
+"""Development command line: ``extproc-dev sim|demo|bench|autoscale|soak``.
 
 The simulator, the demo and the benchmark, apart from ``extproc`` so that the
 command an operator runs never imports them. Same conventions as ``extproc``
@@ -21,6 +21,8 @@ from extproc.tools.demo import run_demo
 from extproc.tools.envoy_bin import EnvoyNotFound
 from extproc.tools.sim import add_arguments as add_sim_arguments
 from extproc.tools.sim import run as run_sim
+from extproc.tools.soak import add_arguments as add_soak_arguments
+from extproc.tools.soak import run as run_soak
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "in minutes: lost requests, TTFT, engine-seconds")
     add_autoscale_arguments(autoscale)
     autoscale.set_defaults(func=run_autoscale)
+    soak = commands.add_parser("soak", help="mixed traffic for an hour: memory, descriptors, tasks and release "
+                               "latency over time, with a plot")
+    add_soak_arguments(soak)
+    soak.set_defaults(func=run_soak)
     return parser
 
 

@@ -28,6 +28,7 @@ from extproc.adapters.config.schema import (
     TlsSettings,
 )
 from extproc.adapters.config.validate import Problems, Rules
+from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.ext_proc.tls import TlsFileError, load_context
 from extproc.core import release
 from extproc.core.policies import POLICIES
@@ -52,7 +53,7 @@ def _cost(cost: CostSettings) -> Problems:
 
 
 def _model(model: ModelConfig) -> Problems:
-    """What the model's gate needs, what endpoint picking needs, and a cached token's price."""
+    """What the model's gate needs, what endpoint picking needs, a stream check's engine, and a cached token's price."""
     rule = release.RULES[model.gate]
     for required in rule.requires:
         if getattr(model, required) is None:
@@ -61,6 +62,8 @@ def _model(model: ModelConfig) -> Problems:
         yield "endpoint_picking", f"does not work with gate: {rule.name} (no per-endpoint state)"
     if model.endpoint_picking and any(e.startswith("https:") for e in model.endpoints):
         yield "endpoint_picking", "needs http:// endpoints (the picked-endpoint cluster is plain HTTP)"
+    if model.check_stream_start and DIALECTS[model.engine].stream_refusal is None:
+        yield "check_stream_start", f"engine {model.engine} has no queue cap: it never refuses a stream inside a 200"
     if model.prefix is not None and model.prefix.cached_input_weight > model.cost.input_weight:
         yield "prefix.cached_input_weight", (f"must not exceed cost.input_weight ({model.cost.input_weight:g}): "
                                              "a cached prompt token costs the engine less, not more")

@@ -216,7 +216,12 @@ class ModelConfig(Section, frozen=True):
     # passed. auto: where the engine says it does (its info endpoint, adapters/engines/limits.py);
     # only those models (and those with `prefix`) have their body sent to us.
     engine_priority: Annotated[bool | Literal["auto"], Meta(description="true, false or auto")] = "auto"
-
+    # Read each stream's first event before its response headers go to the client, and answer an engine's
+    # refusal inside a 200 (its own queue cap: vLLM's --max-num-queued-reqs/-tokens, SGLang's
+    # --max-queued-requests, TGI's --max-concurrent-requests) with 503 engine_full, which the OpenAI SDKs
+    # retry. It costs a message each way per streamed chunk (docs/engines.md). None: while an engine of the
+    # model says it caps what it holds (SGLang's /server_info, TGI's /info); vLLM does not say.
+    check_stream_start: bool | None = None
     # The most preemptions (of a preemptible band's requests, for a higher band whose
     # objective is at risk) per second; an idle-only band's lent slots are taken back
     # whatever the rate (core/preemption.py); 0: never preempt.
@@ -245,6 +250,13 @@ class ModelConfig(Section, frozen=True):
     def cold_start_wait(self) -> float:
         """How long a request is kept while no engine of the pool is up: ``cold_start_wait_s``, else ``max_queue_wait_s``."""
         return self.max_queue_wait_s if self.cold_start_wait_s is None else self.cold_start_wait_s
+
+    def may_check_stream_start(self) -> bool:
+        """Whether this model's streams may have their first event read: set, or unset on an engine that says its
+        queue cap (then while one of its engines says it caps what it holds)."""
+        if self.check_stream_start is None:
+            return DIALECTS[self.engine].says_cap
+        return self.check_stream_start
 
     def cost_weights(self) -> CostWeights:
         """How the `vtc` policy prices this model's requests: the cost section, the context length, the cached price."""

@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -110,9 +111,35 @@ class EngineDialect:
     # (adapters/envoy/routes.py), and one that reaches the processor cuts the limit instead of marking
     # the endpoint down (release_outcome.py). Empty: the engine has no queue cap.
     full_statuses: frozenset[int] = frozenset()
+    # Whether a stream's first event (a JSON object with an "error") is such a refusal, made after the stream's
+    # status 200 went out (ext_proc/stream_start.py). None: the engine never refuses a stream so.
+    stream_refusal: Callable[[Mapping[str, Any]], bool] | None = None
+    # Whether the engine says its queue cap where it says its limits (adapters/engines/limits.py: EngineLimits.max_held).
+    says_cap: bool = False
     # What answers whether the process serves (probe.py): vLLM, SGLang, TGI, llama.cpp
     # and trtllm-serve all have GET /health.
     health_path: str = "/health"
+
+
+def _error_code(*codes: int) -> Callable[[Mapping[str, Any]], bool]:
+    """A refusal event in OpenAI's error shape, ``{"error": {"message", "type", "code"}}``, with one of ``codes``."""
+    def refused(event: Mapping[str, Any]) -> bool:
+        error = event.get("error")
+        return isinstance(error, dict) and error.get("code") in codes
+    return refused
+
+
+_TGI_OVERLOADED = "Model is overloaded"  # InferError::Overloaded's message (router/src/infer/mod.rs)
+
+
+def _tgi_overloaded(event: Mapping[str, Any]) -> bool:
+    """TGI's refusal inside a stream: ``{"error": {"message": "Model is overloaded", "http_status_code": 422}}`` on its
+    OpenAI routes (``into_openai_event``), ``{"error": "Model is overloaded", "error_type": "overloaded"}`` on its own
+    (``impl From<InferError> for Event``), router/src/infer/mod.rs and router/src/server.rs."""
+    error = event.get("error")
+    if isinstance(error, dict):
+        return error.get("message") == _TGI_OVERLOADED
+    return event.get("error_type") == "overloaded"
 
 
 DIALECTS: dict[str, EngineDialect] = {
@@ -147,6 +174,9 @@ DIALECTS: dict[str, EngineDialect] = {
         rejected=(Counted("vllm:admission_rejections_total"),),
         # QueueOverflowError / MaxQueuedTokensError (vllm/exceptions.py), checked before a stream begins.
         full_statuses=frozenset({503}),
+        # The same errors when the second check (the request joining the engine) refuses a stream already begun:
+        # its generator writes {"error": {..., "code": 503}} as the first event (measured on 0.32, docs/engines.md).
+        stream_refusal=_error_code(503),
     ),
     "sglang": EngineDialect(
         waiting=("sglang:num_queue_reqs",),
@@ -165,6 +195,10 @@ DIALECTS: dict[str, EngineDialect] = {
         # --max-queued-requests: "The request queue is full." (scheduler.py _abort_on_queued_limit); counted
         # by no metric (sglang:num_aborted_requests_total is client aborts).
         full_statuses=frozenset({503}),
+        # A stream it refuses gets 200 and {"error": {..., "code": 503}} as its first event
+        # (entrypoints/openai/serving_chat.py's stream generator, create_streaming_error_response).
+        stream_refusal=_error_code(503),
+        says_cap=True,  # /server_info: max_queued_requests
     ),
     "tgi": EngineDialect(
         waiting=("tgi_queue_size",),
@@ -177,6 +211,8 @@ DIALECTS: dict[str, EngineDialect] = {
         # prometheus_client's parser names a counter's sample *_total whatever the page says.
         rejected=(Counted("tgi_request_failure_total", (("err", "overloaded"),)),),
         full_statuses=frozenset({429}),
+        stream_refusal=_tgi_overloaded,
+        says_cap=True,  # /info: max_concurrent_requests
     ),
     "llamacpp": EngineDialect(
         waiting=("llamacpp:requests_deferred",),

@@ -14,8 +14,9 @@ The request path:
    or ``jwt_authn`` (``envoy.jwt``) sets the tenant header, 401 without a
    known key or valid token. With neither, no request has a tenant header.
 2. ``json_to_metadata`` copies the body's ``model``, ``max_tokens``,
-   ``max_completion_tokens`` and ``prompt_cache_key`` (with budgets, also
-   ``stream`` and ``stream_options.include_usage``) into dynamic metadata
+   ``max_completion_tokens`` and ``prompt_cache_key`` (with budgets or a
+   model that checks its streams' start, also ``stream`` and
+   ``stream_options.include_usage``) into dynamic metadata
    ``extproc``; it buffers the body first, so the metadata exists when
    ext_proc sends the request headers. Only JSON bodies are parsed; anything
    else names no model and the processor answers 400.
@@ -185,8 +186,9 @@ def _json_to_metadata(config: Config, chain: Chain) -> Json:
                 "on_present": {"metadata_namespace": METADATA_NAMESPACE, "key": key, "type": value_type}}
 
     # Whether the answer streams: a whole answer can be taken back until it completes (core/preemption.py), a
-    # stream begins as the engine accepts it. Budgets charge the engine's usage, which a stream carries at its end
-    # only if its client asked for it: without budgets nothing reads that, and nothing is written.
+    # stream begins as the engine accepts it (and a model that checks its streams' first event needs to know a
+    # stream). Budgets charge the engine's usage, which a stream carries at its end only if its client asked for
+    # it: without budgets nothing reads that, and nothing is written.
     usage = [rule(INCLUDE_USAGE_FIELD, "PROTOBUF_VALUE", "stream_options")]
 
     return typed(

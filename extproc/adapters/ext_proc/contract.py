@@ -16,7 +16,8 @@ METADATA_NAMESPACE = "extproc"
 # prompt text: hashed as it is (prompt_prefix.py), so such a model's body need not be sent.
 PROMPT_PREFIX_FIELD = "prompt_prefix"
 # Where budgets are on, json_to_metadata also writes the body's `stream` and `stream_options.include_usage` there:
-# whether the engine's usage comes in one JSON answer, at a stream's end, or not at all (engine_usage.py).
+# whether the engine's usage comes in one JSON answer, at a stream's end, or not at all (engine_usage.py); and
+# where a model checks its streams' first event (stream_start.py), whether the response is a stream.
 STREAM_FIELD = "stream"
 INCLUDE_USAGE_FIELD = "include_usage"
 # Set by the processor on released requests, from the body's model (anything a client sent is

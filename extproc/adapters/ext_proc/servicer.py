@@ -158,6 +158,8 @@ class Processor:
                 return
             if acknowledged and overloaded:
                 yield ack
+            dispatcher = self._dispatchers[admission.model]
+            side.check_start(stream, dispatcher)
             prefix = NO_PREFIX
             signer = self._signers.get(admission.model)
             if signer is not None:
@@ -170,7 +172,6 @@ class Processor:
                 prefix = signer.sign(stream.prompt, stream.fields.prompt_cache_key)
                 self._telemetry.report(admission.model)(Signed(len(prefix.blocks)))
             stream.prompt = NO_PROMPT  # its slices would keep the body alive through the hold
-            dispatcher = self._dispatchers[admission.model]
             if budgets is not None:  # a budget over its limit refuses (raises) or downgrades
                 expected = dispatcher.expect(admission.tenant, content_length(headers), max_tokens(stream.fields))
                 admission, budget_pass = await budgets.admit(admission, expected)

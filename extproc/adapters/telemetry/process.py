@@ -9,6 +9,7 @@ own, so a dashboard shows 0, not "no data", before the first event.
 
 from __future__ import annotations
 
+import asyncio
 import platform
 import time
 from collections.abc import Callable, Iterable
@@ -67,6 +68,10 @@ class Telemetry(Series):
         """Where ``model``'s events go; a model no dispatcher serves reports as ``(unknown)``."""
         reporter = self.models.get(model) or self.models.get(UNKNOWN_MODEL)
         return reporter or self.for_model(UNKNOWN_MODEL, (), TenantLabels(()))
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Count ``loop``'s tasks at each scrape (the page is encoded on another thread: the loop is named)."""
+        self.asyncio_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
 
     def tls_reloaded(self, outcome: str) -> None:
         self.tls_reloads.labels(outcome=outcome).inc()

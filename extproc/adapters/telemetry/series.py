@@ -300,6 +300,8 @@ class Series:
         "model",
     )
     draining = _gauge("extproc_draining", "1 from SIGTERM until the process exits (health NOT_SERVING).")
+    asyncio_tasks = _gauge("extproc_asyncio_tasks", "Tasks on the processor's event loop, read at the scrape (a "
+                           "number that keeps growing under steady traffic is a leak).")
     # Active-active (a `cluster:` section; adapters/cluster/link.py): one series per model.
     cluster_degraded = _gauge(
         "extproc_cluster_degraded",

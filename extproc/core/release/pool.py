@@ -62,6 +62,8 @@ class Pool:
         self._rejected: dict[str, float] = {}
         # Per endpoint, whether its engine said it orders its queue by priority, and which values first.
         self._priority_first: dict[str, str | None] = {}
+        # The endpoints whose engine says it caps what it holds (EngineLimits.max_held): it may refuse a release.
+        self.capped: set[str] = set()
         # Set by the adapter that probes the endpoints (``probe_ends``): ends then wait for a sign of life.
         self.probe_ends = False
 
@@ -142,6 +144,7 @@ class Pool:
         self.warnings = {e: w for e, w in self.warnings.items() if e in self.endpoints}
         self._rejected = {e: n for e, n in self._rejected.items() if e in self.endpoints}
         self._priority_first = {e: p for e, p in self._priority_first.items() if e in self.endpoints}
+        self.capped &= set(self.endpoints)
 
     def record_release(
         self, request: Hashable, now: float, endpoint: str | None = None, *, into_free_slot: bool = False
@@ -165,6 +168,10 @@ class Pool:
         ""); None: not a member."""
         if endpoint not in self.endpoints:
             return None
+        if limits.max_held is None:
+            self.capped.discard(endpoint)
+        else:
+            self.capped.add(endpoint)
         self.rule.record_limits(endpoint, limits)
         self._priority_first[endpoint] = limits.priority_first
         warning = self.warnings[endpoint] = limits.too_tight(self.rule.settings.target_waiting, self.rule.runs(endpoint))

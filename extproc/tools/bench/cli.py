@@ -5,6 +5,7 @@
     extproc-dev bench --scenarios power-user,priority-mix --arms direct-fifo,extproc-rr
     extproc-dev bench --scenarios power-user,noisy-neighbour --arms cluster   # 1 instance vs 2 + Redis
     extproc-dev bench --overhead-only      # just the ext_proc hop (needs `hey`)
+    extproc-dev bench --stream-check       # what reading each stream's first event costs (check_stream_start, ~1 min)
     extproc-dev bench --engine vllm        # the scenarios sized for a real vLLM (CPU build; ~25 min)
     extproc-dev bench --scenarios batch-flood [--engine vllm]   # one scenario by name (see docs/reports/benchmarks.md)
     extproc-dev bench --quick --scenarios batch-flood,batch-only   # tiny versions of named scenarios
@@ -72,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     overhead = parser.add_mutually_exclusive_group()
     overhead.add_argument("--no-overhead", action="store_true", help="skip the overhead benchmark")
     overhead.add_argument("--overhead-only", action="store_true", help="run only the overhead benchmark")
+    overhead.add_argument("--stream-check", action="store_true",
+                          help="run only the measurement of check_stream_start: CPU and latency per streamed request, "
+                          "with and without (writes stream_check.json)")
     parser.add_argument("--overhead-seconds", type=float, default=OVERHEAD_SECONDS,
                         help="length of each overhead measurement (default %(default)s)")
     parser.add_argument("--held-streams", type=int,
@@ -262,9 +266,26 @@ def _trace_scenario(args: argparse.Namespace) -> Scenario:
         raise SystemExit(f"error: {exc}") from None
 
 
+async def _stream_check(args: argparse.Namespace, console: Console) -> int:
+    from extproc.tools.bench.stream_check import run_stream_check
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="extproc-bench-"))
+    summary = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "machine": _machine(),
+               **await run_stream_check(workdir)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stream_check.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    console.print_json(data={"arms": summary["arms"], "added": summary["added"]})
+    console.print(f"wrote {out}/stream_check.json; logs in {workdir}")
+    return 0
+
+
 def run_bench(args: argparse.Namespace) -> int:
     import uvloop
     from rich.console import Console
+
+    if args.stream_check:
+        return uvloop.run(_stream_check(args, Console()))
 
     try:
         import matplotlib  # noqa: F401

@@ -701,7 +701,7 @@ def markdown(
 
 
 @functools.cache
-def _pyplot() -> ModuleType:
+def pyplot() -> ModuleType:
     """matplotlib's pyplot, drawing to files only: imported on the first plot, not with the module.
 
     It takes 0.4 s of CPU to import; the report's tables and every command
@@ -718,7 +718,7 @@ def _pyplot() -> ModuleType:
 def _save(fig: Figure, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
-    _pyplot().close(fig)
+    pyplot().close(fig)
 
 
 def plot_ttft(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any], path: Path) -> None:
@@ -726,7 +726,7 @@ def plot_ttft(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any
     names = [a.name for a in arms if a.name in summary]
     referenced = bool(names) and all("focus_unloaded" in summary[n] for n in names)
     block = "focus_loaded" if referenced else "focus"
-    fig, ax = _pyplot().subplots(figsize=(6.4, 3.2))
+    fig, ax = pyplot().subplots(figsize=(6.4, 3.2))
     width = 0.26
     for i, q in enumerate(("p50", "p95", "p99")):
         values = [_get(summary[n], block, "ttft", q) or math.nan for n in names]
@@ -747,7 +747,7 @@ def plot_ttft(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str, Any
 
 
 def plot_waiting(scenario: Scenario, runs: Sequence[ArmRun], path: Path) -> None:
-    fig, ax = _pyplot().subplots(figsize=(6.4, 3.0))
+    fig, ax = pyplot().subplots(figsize=(6.4, 3.0))
     for run in runs:
         ax.step([s.at for s in run.engine], [s.waiting for s in run.engine], where="post", label=run.arm, linewidth=1)
     ax.axhline(TARGET_WAITING, color="grey", linestyle="--", linewidth=0.8, label=f"target_waiting {TARGET_WAITING}")
@@ -767,7 +767,7 @@ def plot_service(scenario: Scenario, runs: Sequence[ArmRun], path: Path) -> None
     """Cumulative weighted service per tenant over time, one panel per arm."""
     end = max((r.done_at for run in runs for r in run.results), default=1.0)
     times = [end * i / 200 for i in range(201)]
-    fig, axes = _pyplot().subplots(1, len(runs), figsize=(3.0 * len(runs) + 0.6, 3.0), sharey=True, squeeze=False)
+    fig, axes = pyplot().subplots(1, len(runs), figsize=(3.0 * len(runs) + 0.6, 3.0), sharey=True, squeeze=False)
     for ax, run in zip(axes[0], runs, strict=True):
         for tenant in scenario.tenants:
             ax.plot(times, cumulative_service(run.results, tenant, times, scenario.weight(tenant)), label=tenant,
@@ -785,7 +785,7 @@ def plot_locality(scenario: Scenario, arms: Sequence[Arm], summary: Mapping[str,
     """Three panels per arm: the engines' prefix-cache hit rate, throughput vs the baseline, service difference."""
     names = [a.name for a in arms if a.name in summary]
     x = range(len(names))
-    fig, (hits, rates, gaps) = _pyplot().subplots(1, 3, figsize=(12.0, 3.4))
+    fig, (hits, rates, gaps) = pyplot().subplots(1, 3, figsize=(12.0, 3.4))
     hits.bar(x, [_get(summary[n], "locality", "hit_rate") or math.nan for n in names])
     hits.set_ylim(0, 1)
     hits.set_title("prefix-cache hit rate (tokens)", fontsize=9)

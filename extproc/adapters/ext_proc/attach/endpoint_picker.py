@@ -34,7 +34,7 @@ from extproc.adapters.answers import SHED
 from extproc.adapters.config import Config
 from extproc.adapters.ext_proc import epp
 from extproc.adapters.ext_proc.attach import body
-from extproc.adapters.ext_proc.attach.base import Attachment, Stream
+from extproc.adapters.ext_proc.attach.base import Attachment, Stream, undeclared
 from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, QUEUE_WAIT_HEADER
 from extproc.adapters.ext_proc.replies import content_length, error_response, header
 from extproc.adapters.ext_proc.request_fields import NO_FIELDS, NO_PROMPT, RequestFields, from_body
@@ -78,7 +78,10 @@ class EndpointPicker(Attachment):
         ), picker.shed_status)
 
     def open(self, first: pb.ProcessingRequest, metadata: RequestFields | None) -> Stream:
-        return Stream(first, NO_FIELDS, NO_PROMPT, epp.subset_hint(first), usage=self.reads_usage)
+        # An Envoy before 1.34 declares no body mode, and has no duplex one: BUFFERED is the one mode of it that brings
+        # the body before the request goes upstream (any other sends it on unrouted, answered 500 by body.read).
+        return Stream(first, NO_FIELDS, NO_PROMPT, epp.subset_hint(first), usage=self.reads_usage,
+                      undeclared=undeclared(first, "Endpoint Picker", body.Mode.BUFFERED))
 
     async def read(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
                    headers: dict[str, str]) -> AsyncIterator[pb.ProcessingResponse]:
@@ -124,14 +127,14 @@ class EndpointPicker(Attachment):
         return replies
 
     def response_began(self, stream: Stream, dispatcher: ModelDispatcher, held: Held,
-                       message: pb.ProcessingRequest) -> None:
+                       message: pb.ProcessingRequest) -> dict[str, str]:
         """The endpoint that served, as the gateway reports it: a fallback taken moves the count there."""
         served = epp.served_endpoint(message)
         endpoint = next((e for e in dispatcher.endpoints if epp.host_port(e) == served), None)
         if endpoint is not None and endpoint != held.endpoint:
             self._telemetry.report(dispatcher.name)(ServedElsewhere())
             dispatcher.record_served(held, endpoint)
-        super().response_began(stream, dispatcher, held, message)
+        return super().response_began(stream, dispatcher, held, message)
 
     def refusal(self, refused: Refused) -> pb.ProcessingResponse:
         """A request shed under load gets the protocol's status (429 by default)."""

@@ -26,7 +26,11 @@ trailers sent, bodies not: ``contract.PROCESSING_MODE``):
    stream whose client asked for ``include_usage`` chunk by chunk
    (``budgets.stream_usage``); each chunk passes the usage reader
    (``engine_usage.py``) and goes on unchanged.
-7. A model with prefix signatures needs its prompt before the hold: its
+7. A stream of a model with ``check_stream_start`` has its response body
+   asked for in duplex, with its headers: they wait for their answer while
+   the chunks come, until the first event is read (``stream_start.py``);
+   every chunk is then given back as it came (and read for its usage).
+8. A model with prefix signatures needs its prompt before the hold: its
    headers are answered at once, switching to a buffered body (a mode can
    be overridden only in a headers reply, and whether a release is checked is
    known only at the release, so the response headers are turned on too);
@@ -80,19 +84,20 @@ _MAX_REUSED = 1024
 
 
 def _override(request_mode: int, response_mode: int, body_wanted: bool, checked: bool,
-              read: int | None) -> processing_mode_pb2.ProcessingMode | None:
+              read: int | None, start: bool) -> processing_mode_pb2.ProcessingMode | None:
     """The generated filter's mode with the declared bodies, the request body buffered, the response headers sent
-    and/or the response body read in mode ``read`` (for the engine's usage).
+    and/or the response body read in mode ``read`` (for the engine's usage) or in duplex, its headers held until its
+    first event is read (``start``: stream_start.py).
 
     None when none is wanted, or in duplex mode, where Envoy ignores overrides.
     """
-    if not (body_wanted or checked or read is not None) or body.DUPLEX in (request_mode, response_mode):
+    if not (body_wanted or checked or read is not None or start) or body.DUPLEX in (request_mode, response_mode):
         return None
     return processing_mode_pb2.ProcessingMode(**{
         **PROCESSING_MODE,
         "request_body_mode": body.Mode.BUFFERED if body_wanted else request_mode,
-        "response_body_mode": response_mode if read is None else read,
-        **({"response_header_mode": "SEND"} if checked else {}),
+        "response_body_mode": body.DUPLEX if start else response_mode if read is None else read,
+        **({"response_header_mode": "SEND"} if checked or start else {}),
     })
 
 
@@ -101,28 +106,29 @@ def _override(request_mode: int, response_mode: int, body_wanted: bool, checked:
 _WHOLE: int = body.Mode.BUFFERED_PARTIAL
 _CHUNKS: int = body.Mode.STREAMED
 _READS = (None, _WHOLE, _CHUNKS)
-# By (declared request body mode, declared response body mode, body wanted, response headers wanted, read).
-_OVERRIDES = {(rq, rs, b, c, r): _override(rq, rs, b, c, r)
-              for rq in _MODES for rs in _MODES for b in (False, True) for c in (False, True) for r in _READS}
+# By (declared request body mode, declared response body mode, body wanted, response headers wanted, read, start).
+_OVERRIDES = {(rq, rs, b, c, r, st): _override(rq, rs, b, c, r, st)
+              for rq in _MODES for rs in _MODES for b in (False, True) for c in (False, True) for r in _READS
+              for st in (False, True)}
 # A model with prefix signatures: the headers answered at once, the body wanted before the hold (and the
-# response headers, as the release may be checked, and the response body where it is read); by the declared
-# body modes and the read.
+# response headers, as the release may be checked, and the response body where it is read or its start is);
+# by the declared body modes, the read and the start.
 _PROMPT_FIRST = {
-    (rq, rs, r): pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
-                                       mode_override=_OVERRIDES[rq, rs, True, True, r])
-    for rq in _MODES for rs in _MODES for r in _READS
+    (rq, rs, r, st): pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
+                                           mode_override=_OVERRIDES[rq, rs, True, True, r, st])
+    for rq in _MODES for rs in _MODES for r in _READS for st in (False, True)
 }
 
 
 def _read(stream: Stream, streams: bool) -> int | None:
     """The response body mode that brings the engine's usage where a budget charges it; None: not read.
 
-    A body the filter sends anyway (its declared mode) is read as it comes. A
-    stream carries the usage only when its client asked (``include_usage``):
-    without it there is nothing to read, and the estimate stands; with it, it
-    is read chunk by chunk if ``streams`` (``budgets.stream_usage``).
+    A body the filter sends anyway (its declared mode, or duplex where its start is
+    read) is read as it comes. A stream carries the usage only when its client asked
+    (``include_usage``): without it there is nothing to read, and the estimate
+    stands; with it, it is read chunk by chunk if ``streams`` (``budgets.stream_usage``).
     """
-    if stream.usage is None or stream.response_mode != body.Mode.NONE:
+    if stream.usage is None or stream.response_mode != body.Mode.NONE or stream.start is not None:
         return None
     fields = stream.fields
     if not fields.stream:
@@ -132,6 +138,9 @@ def _read(stream: Stream, streams: bool) -> int | None:
 
 class OwnEnvoy(Attachment):
     """Requests that come with our metadata: held by message-timeout overrides, released by the routing headers."""
+
+    # No response body declared: the release's override asks for it in duplex; or duplex declared.
+    reads_start_in = frozenset({body.Mode.NONE, body.DUPLEX})
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -143,7 +152,7 @@ class OwnEnvoy(Attachment):
         }
         # The release replies built so far, reused (never changed once sent), by what varies among them: the model,
         # the queue wait (those under _REUSED_WAIT_MS: an uncontended gate's), the destination and the mode override.
-        self._releases: dict[tuple[str, int, str | None, tuple[int, int, bool, bool, int | None]],
+        self._releases: dict[tuple[str, int, str | None, tuple[int, int, bool, bool, int | None, bool]],
                              pb.ProcessingResponse] = {}
         # Prebuilt: under a burst these are sent to every arrival, so they cost no construction.
         self.acknowledgement = max(self._hold_replies.values(), key=lambda reply: reply.override_message_timeout.ToMilliseconds())
@@ -152,6 +161,7 @@ class OwnEnvoy(Attachment):
         ))
 
     def open(self, first: pb.ProcessingRequest, metadata: RequestFields | None) -> Stream:
+        # Where Envoy declares no body mode (before 1.34), the generated filter's is taken: no body.
         return Stream(first, metadata or NO_FIELDS, prompt_from_metadata(first) or NO_PROMPT, usage=self.reads_usage)
 
     def reads(self, stream: Stream) -> bool:
@@ -171,8 +181,9 @@ class OwnEnvoy(Attachment):
         if not stream.has_body or stream.prompt.text is not None:
             return
         if not stream.duplex:
-            yield _PROMPT_FIRST.get((stream.request_mode, stream.response_mode, _read(stream, self.reads_streams)),
-                                    _PROMPT_FIRST[body.Mode.NONE, body.Mode.NONE, None])
+            start = stream.start is not None
+            yield _PROMPT_FIRST.get((stream.request_mode, stream.response_mode, _read(stream, self.reads_streams), start),
+                                    _PROMPT_FIRST[body.Mode.NONE, body.Mode.NONE, None, start])
             stream.body = await body.read(messages, content_length(headers), self._max_body_bytes)
             stream.held_on_body = True
         stream.prompt = prompt_of(stream.body)
@@ -187,7 +198,8 @@ class OwnEnvoy(Attachment):
         # Only a headers reply may override: the body for engine_priority, the response headers for a checked
         # release or a preemptible one (they say when it can no longer be preempted).
         override_key = (stream.request_mode, stream.response_mode, priority is not None,
-                        held.checked or held.preempted is not None, _read(stream, self.reads_streams))
+                        held.checked or held.preempted is not None, _read(stream, self.reads_streams),
+                        stream.start is not None)
         # The headers reply alone: nothing of the body in it, nor headers of this request's own.
         plain = not stream.duplex and not stream.held_on_body and not stream.headers
         key = (model, waited_ms, destination, override_key)
