@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 import uvloop
 from google.protobuf import wrappers_pb2
 
-from extproc.adapters.ext_proc.transport import Limits, Method
+from extproc.adapters.grpc.transport import Limits, Method
 from extproc.adapters.server import TRANSPORTS
 from tests.test_h2grpc import ECHO, HOLD, Handlers
 

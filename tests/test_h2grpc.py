@@ -18,8 +18,8 @@ from google.protobuf import wrappers_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.adapters.ext_proc.h2grpc import GrpcServer
-from extproc.adapters.ext_proc.health import Health
-from extproc.adapters.ext_proc.transport import MAX_MESSAGE_BYTES, GrpcError, Method
+from extproc.adapters.grpc.health import Health
+from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, GrpcError, Method
 from extproc.tools.procs import free_port
 from tests.waitutil import eventually
 

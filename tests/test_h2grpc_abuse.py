@@ -27,7 +27,7 @@ from extproc.adapters.config import GrpcLimits
 from extproc.adapters.ext_proc.h2grpc import GrpcServer
 from extproc.adapters.ext_proc.h2grpc_call import TRUNCATED, UNDECODABLE
 from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
-from extproc.adapters.ext_proc.transport import MAX_MESSAGE_BYTES, Limits
+from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits
 from extproc.tools.procs import free_port
 from tests.h2raw import RawClient, message
 from tests.test_h2grpc import Handlers

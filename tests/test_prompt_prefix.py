@@ -23,7 +23,7 @@ from extproc.adapters.ext_proc.h2grpc import GrpcServer
 from extproc.adapters.ext_proc.prompt_prefix import Signer, leading_text
 from extproc.adapters.ext_proc.request_fields import Prompt, from_body, prompt_of
 from extproc.adapters.ext_proc.servicer import Processor
-from extproc.adapters.ext_proc.transport import Method
+from extproc.adapters.grpc.transport import Method
 from extproc.adapters.server import PROCESS_PATH
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatchers

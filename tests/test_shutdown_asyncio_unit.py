@@ -32,7 +32,7 @@ from google.protobuf import struct_pb2, wrappers_pb2
 
 from extproc.adapters.config import parse_config
 from extproc.adapters.ext_proc.h2grpc import GrpcServer
-from extproc.adapters.ext_proc.transport import Message, Method
+from extproc.adapters.grpc.transport import Message, Method
 from extproc.adapters.server import PROCESS_PATH, ProcessorServer
 from extproc.tools.procs import free_port
 from tests.h2raw import RawClient, message

@@ -1,4 +1,4 @@
-"""The transport seam (adapters/ext_proc/transport.py): every ``listen.transport`` choice names a server, and only those.
+"""The transport seam (adapters/grpc/transport.py): every ``listen.transport`` choice names a server, and only those.
 
 The servers' behaviour is the conformance suite's (tests/test_transport_differential.py),
 which runs each case against every entry of ``TRANSPORTS``.

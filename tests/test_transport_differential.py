@@ -32,7 +32,7 @@ import pytest
 from google.protobuf import wrappers_pb2
 from hyperframe.frame import GoAwayFrame, PingFrame, SettingsFrame
 
-from extproc.adapters.ext_proc.transport import MAX_MESSAGE_BYTES, Limits, Transport
+from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits, Transport
 from extproc.adapters.server import TRANSPORTS
 from extproc.tools.procs import free_port
 from tests.test_h2grpc import ECHO, HOLD, Handlers

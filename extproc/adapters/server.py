@@ -48,12 +48,12 @@ from extproc.adapters.config import Config, ModelConfig, split_address
 from extproc.adapters.engines.discovery import watch_pool
 from extproc.adapters.engines.limits import cap_advice
 from extproc.adapters.engines.probe import probe_session
-from extproc.adapters.ext_proc.grpcio_server import GrpcioServer
 from extproc.adapters.ext_proc.h2grpc import GrpcServer
-from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.servicer import Processor
-from extproc.adapters.ext_proc.tls import RELOAD_OUTCOMES, ServerTls
-from extproc.adapters.ext_proc.transport import MAX_MESSAGE_BYTES, Limits, Method, TransportFactory
+from extproc.adapters.grpc.grpcio_server import GrpcioServer
+from extproc.adapters.grpc.health import Health
+from extproc.adapters.grpc.tls import RELOAD_OUTCOMES, ServerTls
+from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits, Method, TransportFactory
 from extproc.adapters.reload import ConfigSource, Plan, Reloader, rebuilt_model, removed_model, retire
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import MetricsServer, build_app

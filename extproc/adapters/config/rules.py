@@ -28,7 +28,7 @@ from extproc.adapters.config.schema import (
     TlsSettings,
 )
 from extproc.adapters.config.validate import Problems, Rules
-from extproc.adapters.ext_proc.tls import TlsFileError, load_context
+from extproc.adapters.grpc.tls import TlsFileError, load_context
 from extproc.core import release
 from extproc.core.policies import POLICIES
 

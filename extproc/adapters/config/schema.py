@@ -57,7 +57,7 @@ ENGINES = tuple(DIALECTS)
 
 
 class TlsSettings(Section, frozen=True):
-    """TLS on the gRPC port (adapters/ext_proc/tls.py): the processor's certificate, and optionally the clients' CA.
+    """TLS on the gRPC port (adapters/grpc/tls.py): the processor's certificate, and optionally the clients' CA.
 
     The files are loaded when the file is checked (rules.py), so a wrong one is
     refused with its key path; once serving, changed files are reloaded every ``reload_s``.

@@ -33,8 +33,8 @@ import asyncio
 from extproc.adapters.ext_proc.h2grpc_connection import Connection
 from extproc.adapters.ext_proc.h2grpc_hpack import mute_debug
 from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
-from extproc.adapters.ext_proc.tls import ServerTls
-from extproc.adapters.ext_proc.transport import Limits, Methods, Transport
+from extproc.adapters.grpc.tls import ServerTls
+from extproc.adapters.grpc.transport import Limits, Methods, Transport
 
 __all__ = ["GrpcServer"]
 

@@ -12,7 +12,7 @@ import asyncio
 from collections import deque
 from typing import Any, Protocol
 
-from extproc.adapters.ext_proc.transport import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, GrpcError, Method
+from extproc.adapters.grpc.transport import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, GrpcError, Method
 
 # What grpcio's server says of a message it cannot decode (grpc/_server.py).
 UNDECODABLE = "Exception deserializing request!"

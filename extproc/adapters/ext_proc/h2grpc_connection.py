@@ -32,7 +32,7 @@ from extproc.adapters.ext_proc.h2grpc_call import PREFIX, Call, refused, shown, 
 from extproc.adapters.ext_proc.h2grpc_frames import RESPONSE_HEADERS, ErrorCode
 from extproc.adapters.ext_proc.h2grpc_http2 import Http2Connection, Http2Error, StreamClosed
 from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
-from extproc.adapters.ext_proc.transport import INTERNAL, OK, RESOURCE_EXHAUSTED, UNIMPLEMENTED, GrpcError, Limits, Methods
+from extproc.adapters.grpc.transport import INTERNAL, OK, RESOURCE_EXHAUSTED, UNIMPLEMENTED, GrpcError, Limits, Methods
 
 log = logging.getLogger("extproc.adapters.ext_proc.h2grpc")
 

@@ -29,9 +29,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.ext_proc.contract import MODEL_HEADER
 from extproc.adapters.ext_proc.h2grpc import GrpcServer
-from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.replies import header, passed
-from extproc.adapters.ext_proc.transport import Method
+from extproc.adapters.grpc.health import Health
+from extproc.adapters.grpc.transport import Method
 from extproc.adapters.server import PROCESS_PATH
 from extproc.tools.procs import ManagedProcess, ProcessStartError, log_tail
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from extproc.adapters.config import GrpcLimits
 
 if TYPE_CHECKING:
-    from extproc.adapters.ext_proc.tls import ServerTls
+    from extproc.adapters.grpc.tls import ServerTls
 
 # gRPC status codes (https://grpc.github.io/grpc/core/md_doc_statuscodes.html) our servers and handlers send.
 OK, UNKNOWN, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 2, 3, 5, 8, 12, 13

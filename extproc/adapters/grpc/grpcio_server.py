@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from extproc.adapters.ext_proc.h2grpc_warnings import WARN_EVERY_S
-from extproc.adapters.ext_proc.tls import ServerTls
-from extproc.adapters.ext_proc.transport import INTERNAL, GrpcError, Limits, Message, Method, Methods, Transport
+from extproc.adapters.grpc.tls import ServerTls
+from extproc.adapters.grpc.transport import INTERNAL, GrpcError, Limits, Message, Method, Methods, Transport
 
 log = logging.getLogger(__name__)
 
