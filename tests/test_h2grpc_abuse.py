@@ -1,4 +1,4 @@
-"""The ext_proc transport (h2grpc) under abuse: what a peer that can reach the port may send.
+"""The ext_proc hop's own gRPC server (listen.transport: builtin) under abuse: what a peer that can reach the port may send.
 
 Each test attacks a real GrpcServer on a loopback socket with a raw HTTP/2
 client (tests/h2raw.py) or grpcio's, and asserts what the peers observe:
@@ -24,9 +24,9 @@ from google.protobuf import wrappers_pb2
 from hyperframe.frame import PingFrame, WindowUpdateFrame
 
 from extproc.adapters.config import GrpcLimits
-from extproc.adapters.ext_proc.h2grpc import GrpcServer
-from extproc.adapters.ext_proc.h2grpc_call import TRUNCATED, UNDECODABLE
-from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
+from extproc.adapters.grpc.builtin.call import TRUNCATED, UNDECODABLE
+from extproc.adapters.grpc.builtin.peer_warnings import PeerWarnings
+from extproc.adapters.grpc.builtin.server import GrpcServer
 from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits
 from extproc.tools.procs import free_port
 from tests.h2raw import RawClient, message

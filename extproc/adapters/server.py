@@ -48,8 +48,8 @@ from extproc.adapters.config import Config, ModelConfig, split_address
 from extproc.adapters.engines.discovery import watch_pool
 from extproc.adapters.engines.limits import cap_advice
 from extproc.adapters.engines.probe import probe_session
-from extproc.adapters.ext_proc.h2grpc import GrpcServer
 from extproc.adapters.ext_proc.servicer import Processor
+from extproc.adapters.grpc.builtin.server import GrpcServer
 from extproc.adapters.grpc.grpcio_server import GrpcioServer
 from extproc.adapters.grpc.health import Health
 from extproc.adapters.grpc.tls import RELOAD_OUTCOMES, ServerTls

@@ -1,7 +1,7 @@
 """The ext_proc stream: one gRPC stream per HTTP request passing through Envoy.
 
 Transport-independent: :meth:`Processor.process` turns the stream's messages
-into replies; h2grpc.py carries them (server.py wires the two).
+into replies; a gRPC server of adapters/grpc/ carries them (server.py wires the two).
 
 What every request shares is here: the request is read (by its attachment),
 admitted (``admission.py``: who asks, for which model, how urgently), signed
