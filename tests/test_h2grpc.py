@@ -17,7 +17,7 @@ import pytest
 from google.protobuf import wrappers_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.adapters.grpc.builtin.server import GrpcServer
+from extproc.adapters.grpc.builtin.server import BuiltinServer
 from extproc.adapters.grpc.health import Health
 from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, GrpcError, Method
 from extproc.tools.procs import free_port
@@ -89,8 +89,8 @@ class Handlers:
         yield Bytes()
 
 
-async def _serving(handlers: Handlers, health: Health | None = None) -> tuple[GrpcServer, Any]:
-    server = GrpcServer({**handlers.methods(ECHO, HOLD, FAIL, BROKEN), **(health.methods() if health else {})})
+async def _serving(handlers: Handlers, health: Health | None = None) -> tuple[BuiltinServer, Any]:
+    server = BuiltinServer({**handlers.methods(ECHO, HOLD, FAIL, BROKEN), **(health.methods() if health else {})})
     port = free_port()
     await server.start("127.0.0.1", port)
     # Any: grpc-stubs type the aio channel's calls after the synchronous API's.

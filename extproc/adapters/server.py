@@ -49,7 +49,7 @@ from extproc.adapters.engines.discovery import watch_pool
 from extproc.adapters.engines.limits import cap_advice
 from extproc.adapters.engines.probe import probe_session
 from extproc.adapters.ext_proc.servicer import Processor
-from extproc.adapters.grpc.builtin.server import GrpcServer
+from extproc.adapters.grpc.builtin.server import BuiltinServer
 from extproc.adapters.grpc.grpcio_server import GrpcioServer
 from extproc.adapters.grpc.health import Health
 from extproc.adapters.grpc.tls import RELOAD_OUTCOMES, ServerTls
@@ -74,7 +74,7 @@ BODY_MESSAGE_MARGIN = 64 * 1024
 DRAIN_POLL_S = 0.05
 # The gRPC servers under ext_proc, by listen.transport (config/schema.py TRANSPORT_NAMES): ours, "builtin"
 # (a few KB a held request), or grpc.aio, the reference (docs/decisions.md, "When to choose grpcio").
-TRANSPORTS: dict[str, TransportFactory] = {"builtin": GrpcServer, "grpcio": GrpcioServer}
+TRANSPORTS: dict[str, TransportFactory] = {"builtin": BuiltinServer, "grpcio": GrpcioServer}
 # The cluster's usage export: a read of up to a year's day rows in one pipeline, off the request path.
 USAGE_TIMEOUT_S = 10.0
 

@@ -7,7 +7,7 @@ request (21–24 KB of native state per stream against about 3 KB,
 docs/decisions.md) and more CPU per request (docs/reports/benchmarks.md).
 
 It implements the same :class:`~.transport.Transport` as
-:class:`~.builtin.server.GrpcServer`, serving the ``{path: Method}`` table through one
+:class:`~.builtin.server.BuiltinServer`, serving the ``{path: Method}`` table through one
 generic handler, so the ext_proc servicer and the health service (the same
 :class:`~.health.Health` object, one source of truth for status) do not know
 which transport carries them. A handler's :class:`~.transport.GrpcError` ends

@@ -29,7 +29,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.ext_proc.contract import MODEL_HEADER
 from extproc.adapters.ext_proc.replies import header, passed
-from extproc.adapters.grpc.builtin.server import GrpcServer
+from extproc.adapters.grpc.builtin.server import BuiltinServer
 from extproc.adapters.grpc.health import Health
 from extproc.adapters.grpc.transport import Method
 from extproc.adapters.server import PROCESS_PATH
@@ -57,7 +57,7 @@ def methods(model: str) -> dict[str, Method]:
 
 async def serve(address: str, model: str) -> None:
     host, _, port = address.rpartition(":")
-    server = GrpcServer(methods(model))
+    server = BuiltinServer(methods(model))
     await server.start(host, int(port))
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

@@ -4,7 +4,7 @@ Not the ``h2`` library (whose name the value had while it ran on it): a few
 KB per held stream against grpc.aio's 21–24 KB (``server.py`` says why). From
 the top down:
 
-* ``server.py``        ``GrpcServer``, the :class:`~extproc.adapters.grpc.transport.Transport`: listen, count calls, stop;
+* ``server.py``        ``BuiltinServer``, the :class:`~extproc.adapters.grpc.transport.Transport`: listen, count calls, stop;
 * ``connection.py``    one connection: streams to calls, a peer's bad bytes ending only their stream, GOAWAY;
 * ``bounds.py``        what a connection may cost: reading paused while the peer does not read, ended past a limit;
 * ``call.py``          one call: message framing, the inbox its handler reads, the statuses grpcio would send;

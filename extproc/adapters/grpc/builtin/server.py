@@ -34,10 +34,10 @@ from extproc.adapters.grpc.builtin.peer_warnings import PeerWarnings
 from extproc.adapters.grpc.tls import ServerTls
 from extproc.adapters.grpc.transport import Limits, Methods, Transport
 
-__all__ = ["GrpcServer"]
+__all__ = ["BuiltinServer"]
 
 
-class GrpcServer(Transport):
+class BuiltinServer(Transport):
     """Serves ``methods`` on one listening address over HTTP/2 (transport.py says what it owes)."""
 
     def __init__(self, methods: Methods, limits: Limits | None = None) -> None:
