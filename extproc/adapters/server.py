@@ -49,11 +49,10 @@ from extproc.adapters.engines.discovery import watch_pool
 from extproc.adapters.engines.limits import cap_advice
 from extproc.adapters.engines.probe import probe_session
 from extproc.adapters.ext_proc.servicer import Processor
-from extproc.adapters.grpc.builtin.server import BuiltinServer
-from extproc.adapters.grpc.grpcio_server import GrpcioServer
 from extproc.adapters.grpc.health import Health
+from extproc.adapters.grpc.registry import TRANSPORTS
 from extproc.adapters.grpc.tls import RELOAD_OUTCOMES, ServerTls
-from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits, Method, TransportFactory
+from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits, Method
 from extproc.adapters.reload import ConfigSource, Plan, Reloader, rebuilt_model, removed_model, retire
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import MetricsServer, build_app
@@ -72,9 +71,6 @@ FINAL_GRACE_S = 1.0
 BODY_MESSAGE_MARGIN = 64 * 1024
 # How often the drain looks at the queues; it runs once per process lifetime.
 DRAIN_POLL_S = 0.05
-# The gRPC servers under ext_proc, by listen.transport (config/schema.py TRANSPORT_NAMES): ours, "builtin"
-# (a few KB a held request), or grpc.aio, the reference (docs/decisions.md, "When to choose grpcio").
-TRANSPORTS: dict[str, TransportFactory] = {"builtin": BuiltinServer, "grpcio": GrpcioServer}
 # The cluster's usage export: a read of up to a year's day rows in one pipeline, off the request path.
 USAGE_TIMEOUT_S = 10.0
 
@@ -96,7 +92,7 @@ class ProcessorServer:
         self._synced: set[str] = set()
         self._health = Health(lambda: self._synced.issuperset(self.dispatchers))
         # Every held request is an open stream: the transport's limits (listen.*) are far above
-        # them, and the h2 transport keeps each small (measured per held request in docs/reports/reliability.md).
+        # them, and the builtin transport keeps each small (measured per held request in docs/reports/reliability.md).
         self._grpc = TRANSPORTS[config.listen.transport]({
             PROCESS_PATH: Method(pb.ProcessingRequest.FromString, self.processor.process),
             **self._health.methods(),

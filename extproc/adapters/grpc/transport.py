@@ -3,8 +3,8 @@
 The ext_proc servicer and the health service hand a transport a table of
 :class:`Method` by gRPC path and end a call early by raising
 :class:`GrpcError`; they never learn which server carries them. Two servers
-implement :class:`Transport`, chosen by ``listen.transport`` (server.py
-``TRANSPORTS``): ``h2`` (builtin/server.py, ours, a few KB per held request) and
+implement :class:`Transport`, chosen by ``listen.transport`` (registry.py
+``TRANSPORTS``): ``builtin`` (builtin/, ours, a few KB per held request) and
 ``grpcio`` (grpcio_server.py, grpc.aio, the reference). Each maps its
 library's failures to ours at this seam, so a caller sees the same errors and
 statuses whichever runs. tests/test_transport_differential.py is the
