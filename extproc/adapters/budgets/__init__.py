@@ -1,6 +1,7 @@
 """Tenant budgets at the edge: the admission check, the rate headers, the store, the usage export, the metrics.
 
 * ``gate.py``    each request's check at admission and its settlement at the end (the core's ``Budgets``);
+* ``plan.py``    the ``budgets:`` section resolved into the core's plan;
 * ``headers.py`` OpenAI's ``x-ratelimit-*`` headers from a tenant's tightest windows;
 * ``store.py``   the usage book in SQLite, written behind (day and month budgets survive a restart);
 * ``usage.py``   the usage rows as finance reads them: CSV or JSON, by tenant, model and day;
