@@ -65,7 +65,7 @@ async def test_short_overhead_run_measures_every_path(tmp_path: Path) -> None:
 
 
 async def test_memory_per_held_request_is_measured_on_each_transport(tmp_path: Path) -> None:
-    """grpc.aio's native per-stream state shows: several times h2grpc's per held request (measured 27 vs 6 KB)."""
+    """grpc.aio's native per-stream state shows: several times the builtin server's per held request (measured 27 vs 6 KB)."""
     held = await run_held(tmp_path, 500)
     figures = summarize_overhead([], held)["transports"]
     assert [f["held"] for f in figures.values()] == [499, 499]  # all queued but the one the gate released

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from extproc.adapters.budgets.plan import plan
 from extproc.adapters.config import ConfigError, parse_config
-from extproc.adapters.config.budgets import plan
 from extproc.core.budgets.limits import Action, Kind, Limits, Prices, Scope
 
 pytestmark = pytest.mark.unit

@@ -67,10 +67,10 @@ async def test_a_restart_in_the_middle_of_a_day_budget_does_not_hand_out_a_fresh
     async def run(count: int) -> list[int]:
         """A processor's life: its store read at start, ``count`` requests, its store written at the end."""
         server = ProcessorServer(config)  # not started: no scrapes, the engine runs on its fallback limit
-        assert server._store is not None
-        server._store.load()
+        assert server.budgets is not None and server.budgets.store is not None
+        server.budgets.store.load()
         statuses = await served(server, count)
-        await server._store.flush()
+        await server.budgets.store.flush()
         return statuses
 
     assert await run(2) == [200, 200]  # 600 of 1000 used
@@ -93,18 +93,18 @@ async def test_after_a_restart_every_named_tenant_and_group_has_its_series_befor
                                 "default": {"tokens_per_day": 500}}},
     })
     first = ProcessorServer(config)
-    assert first._store is not None
-    first._store.load()
+    assert first.budgets is not None and first.budgets.store is not None
+    first.budgets.store.load()
     stream = Stream(first.processor, request(tenant="a", max_tokens=200))  # 100 prompt + 200 output tokens
     assert (await stream.answers.get()).HasField("request_headers")
     stream.close()
     await settle()
-    await first._store.flush()
+    await first.budgets.store.flush()
     await first.close()
 
     restarted = ProcessorServer(config)  # no request yet
-    assert restarted._store is not None
-    restarted._store.load()
+    assert restarted.budgets is not None and restarted.budgets.store is not None
+    restarted.budgets.store.load()
     series = budget_series(restarted)
     assert series[("extproc_budget_used", "tenant", "a", "tokens_per_day")] == 300  # the store's usage
     assert series[("extproc_budget_remaining", "tenant", "a", "tokens_per_day")] == 700
@@ -124,8 +124,8 @@ async def test_usage_is_exported_by_the_metrics_port_and_the_command_and_budgets
                     "tenants": {"default": {"tokens_per_day": 100_000}, "t": {"requests_per_minute": 5}}},
     }))
     server = ProcessorServer(load_config(path))
-    assert server._store is not None
-    server._store.load()
+    assert server.budgets is not None and server.budgets.store is not None
+    server.budgets.store.load()
     for tenant in ("t", "t", "u"):
         stream = Stream(server.processor, request(tenant=tenant, max_tokens=200))
         assert (await stream.answers.get()).HasField("request_headers")

@@ -23,9 +23,9 @@ from google.protobuf import struct_pb2
 
 from extproc.adapters.config import parse_config
 from extproc.adapters.ext_proc.attach import base
-from extproc.adapters.ext_proc.h2grpc import GrpcServer
 from extproc.adapters.ext_proc.servicer import Processor
-from extproc.adapters.ext_proc.transport import Method
+from extproc.adapters.grpc.builtin.server import BuiltinServer
+from extproc.adapters.grpc.transport import Method
 from extproc.adapters.server import PROCESS_PATH
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatchers
@@ -266,7 +266,7 @@ async def test_an_envoy_before_1_34_declares_no_mode_and_its_buffered_body_is_as
     whose filter sends no body (NONE: the request went on) is answered 500, not held."""
     base._told_undeclared.cache_clear()  # noqa: SLF001 - each test sees its own first warning
     processor, dispatcher = make()
-    server = GrpcServer({PROCESS_PATH: Method(pb.ProcessingRequest.FromString, processor.process)})
+    server = BuiltinServer({PROCESS_PATH: Method(pb.ProcessingRequest.FromString, processor.process)})
     port = free_port()
     await server.start("127.0.0.1", port)
     channel: Any = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

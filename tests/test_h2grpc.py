@@ -1,4 +1,4 @@
-"""The ext_proc hop's own gRPC server (h2grpc.py), spoken to by grpcio's C-core client over real HTTP/2.
+"""The ext_proc hop's own gRPC server (builtin/server.py), spoken to by grpcio's C-core client over real HTTP/2.
 
 grpcio is an independent implementation of the same protocol, so these check
 the wire behaviour Envoy relies on: replies and statuses, flow control for
@@ -17,9 +17,9 @@ import pytest
 from google.protobuf import wrappers_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.adapters.ext_proc.h2grpc import GrpcServer
-from extproc.adapters.ext_proc.health import Health
-from extproc.adapters.ext_proc.transport import MAX_MESSAGE_BYTES, GrpcError, Method
+from extproc.adapters.grpc.builtin.server import BuiltinServer
+from extproc.adapters.grpc.health import Health
+from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, GrpcError, Method
 from extproc.tools.procs import free_port
 from tests.waitutil import eventually
 
@@ -89,8 +89,8 @@ class Handlers:
         yield Bytes()
 
 
-async def _serving(handlers: Handlers, health: Health | None = None) -> tuple[GrpcServer, Any]:
-    server = GrpcServer({**handlers.methods(ECHO, HOLD, FAIL, BROKEN), **(health.methods() if health else {})})
+async def _serving(handlers: Handlers, health: Health | None = None) -> tuple[BuiltinServer, Any]:
+    server = BuiltinServer({**handlers.methods(ECHO, HOLD, FAIL, BROKEN), **(health.methods() if health else {})})
     port = free_port()
     await server.start("127.0.0.1", port)
     # Any: grpc-stubs type the aio channel's calls after the synchronous API's.

@@ -1,6 +1,6 @@
-"""The ext_proc transport (h2grpc) under abuse: what a peer that can reach the port may send.
+"""The ext_proc hop's own gRPC server (listen.transport: builtin) under abuse: what a peer that can reach the port may send.
 
-Each test attacks a real GrpcServer on a loopback socket with a raw HTTP/2
+Each test attacks a real BuiltinServer on a loopback socket with a raw HTTP/2
 client (tests/h2raw.py) or grpcio's, and asserts what the peers observe:
 the attacked stream's status, that another stream on the same connection
 still completes, what the server buffers, that stalled connections close, and
@@ -24,10 +24,10 @@ from google.protobuf import wrappers_pb2
 from hyperframe.frame import PingFrame, WindowUpdateFrame
 
 from extproc.adapters.config import GrpcLimits
-from extproc.adapters.ext_proc.h2grpc import GrpcServer
-from extproc.adapters.ext_proc.h2grpc_call import TRUNCATED, UNDECODABLE
-from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
-from extproc.adapters.ext_proc.transport import MAX_MESSAGE_BYTES, Limits
+from extproc.adapters.grpc.builtin.call import TRUNCATED, UNDECODABLE
+from extproc.adapters.grpc.builtin.peer_warnings import PeerWarnings
+from extproc.adapters.grpc.builtin.server import BuiltinServer
+from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits
 from extproc.tools.procs import free_port
 from tests.h2raw import RawClient, message
 from tests.test_h2grpc import Handlers
@@ -50,7 +50,7 @@ def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptur
 
 @dataclass
 class _Served:
-    server: GrpcServer
+    server: BuiltinServer
     port: int
     clients: list[RawClient] = field(default_factory=list)
 
@@ -62,7 +62,7 @@ class _Served:
 
 @asynccontextmanager
 async def _serving(handlers: Handlers, **limits: Any) -> AsyncIterator[_Served]:
-    server = GrpcServer(handlers.methods(*(p.decode() for p in (ECHO, HOLD, GATE))), limits=Limits(GrpcLimits(**limits)))
+    server = BuiltinServer(handlers.methods(*(p.decode() for p in (ECHO, HOLD, GATE))), limits=Limits(GrpcLimits(**limits)))
     served = _Served(server, free_port())
     await server.start("127.0.0.1", served.port)
     try:
@@ -74,7 +74,7 @@ async def _serving(handlers: Handlers, **limits: Any) -> AsyncIterator[_Served]:
 
 
 @asynccontextmanager
-async def _connected(handlers: Handlers | None = None, **limits: Any) -> AsyncIterator[tuple[GrpcServer, RawClient]]:
+async def _connected(handlers: Handlers | None = None, **limits: Any) -> AsyncIterator[tuple[BuiltinServer, RawClient]]:
     """A server and one raw client connected to it."""
     async with _serving(handlers or Handlers(), **limits) as served:
         yield served.server, await served.connect()

@@ -1,7 +1,7 @@
 """Our HTTP/2 layer against the ``h2`` library's state machine: the same bytes, the same events, the same errors.
 
 Generated conversations (valid frames, frames that break a rule, bytes flipped, all split anywhere)
-are fed to both servers: h2grpc_http2.Http2Connection and h2.connection.H2Connection (server side,
+are fed to both servers: http2.Http2Connection and h2.connection.H2Connection (server side,
 python-hyper's, maintained and used by httpx, hypercorn and grpclib). Both must report the same
 events and send the same answers (RST_STREAM, GOAWAY, PING and SETTINGS acknowledgements), and must
 end the connection at the same byte with the same error code, in a common vocabulary:
@@ -48,7 +48,7 @@ Where the two legitimately differ, the difference is narrow and written here (``
 13. a CONTINUATION not preceded by its HEADERS, on a closed stream: RFC 9113 (6.10) says PROTOCOL_ERROR,
    as we answer; h2 answers STREAM_CLOSED.
 
-The flood limits (h2grpc_flood.py) are ours, not the RFC's: lifted here (test_h2grpc_flood.py tests them).
+The flood limits (builtin/flood.py) are ours, not the RFC's: lifted here (test_h2grpc_flood.py tests them).
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extproc.adapters.config import GrpcLimits
-from extproc.adapters.ext_proc import h2grpc_frames as f
-from extproc.adapters.ext_proc import h2grpc_http2 as http2
-from extproc.adapters.ext_proc.h2grpc_frames import ErrorCode
-from extproc.adapters.ext_proc.h2grpc_http2 import Http2Connection, Http2Error
+from extproc.adapters.grpc.builtin import frames as f
+from extproc.adapters.grpc.builtin import http2
+from extproc.adapters.grpc.builtin.frames import ErrorCode
+from extproc.adapters.grpc.builtin.http2 import Http2Connection, Http2Error
 from tests.propertyutil import examples
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""Each flood limit of the h2grpc transport (advanced.grpc, h2grpc_flood.py and h2grpc_bounds.py), one test each.
+"""Each flood limit of the builtin transport (advanced.grpc, builtin/flood.py and builtin/bounds.py), one test each.
 
 Past a limit the connection ends with GOAWAY ENHANCE_YOUR_CALM and one warning naming the key; below it,
 the same frames are served. The counting rules are Envoy's (``ProtocolConstraints``) unless the test says
@@ -19,10 +19,10 @@ import pytest
 from hyperframe.frame import PingFrame
 
 from extproc.adapters.config import GrpcLimits
-from extproc.adapters.ext_proc import h2grpc_frames as f
-from extproc.adapters.ext_proc import h2grpc_http2 as http2
-from extproc.adapters.ext_proc.h2grpc_frames import ErrorCode
-from extproc.adapters.ext_proc.h2grpc_http2 import Http2Error
+from extproc.adapters.grpc.builtin import frames as f
+from extproc.adapters.grpc.builtin import http2
+from extproc.adapters.grpc.builtin.frames import ErrorCode
+from extproc.adapters.grpc.builtin.http2 import Http2Error
 from tests.h2raw import RawClient, message
 from tests.test_h2grpc import Handlers
 from tests.test_h2grpc_abuse import HI, HOLD, _connected, _echoes, _held, _serving

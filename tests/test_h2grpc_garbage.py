@@ -1,4 +1,4 @@
-"""A stream leaves no reference cycle behind in the h2grpc transport: its objects are freed when it ends.
+"""A stream leaves no reference cycle behind in the builtin transport: its objects are freed when it ends.
 
 At saturation every request that left a cycle cost the cyclic GC about as much
 as a tenth of the processor's CPU. Envoy ends each ext_proc stream with

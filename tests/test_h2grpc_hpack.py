@@ -18,7 +18,7 @@ import pytest
 from hpack import Decoder, Encoder
 from hpack.struct import HeaderTuple
 
-from extproc.adapters.ext_proc.h2grpc_hpack import MemoDecoder, mute_debug
+from extproc.adapters.grpc.builtin.hpack_decoder import MemoDecoder, mute_debug
 
 pytestmark = pytest.mark.unit
 

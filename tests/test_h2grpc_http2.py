@@ -1,4 +1,4 @@
-"""The h2grpc transport's HTTP/2 layer (h2grpc_http2.py), frame by frame: what each frame does, and what RFC 9113
+"""The builtin transport's HTTP/2 layer (builtin/http2.py), frame by frame: what each frame does, and what RFC 9113
 says a server answers when a peer breaks a rule (a connection error: GOAWAY and the end; a stream error:
 RST_STREAM, the rest of the connection goes on).
 
@@ -21,12 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.adapters.config import GrpcLimits
-from extproc.adapters.ext_proc import h2grpc_frames as f
-from extproc.adapters.ext_proc import h2grpc_http2 as http2
-from extproc.adapters.ext_proc.h2grpc_flood import DEFAULT_LIMITS
-from extproc.adapters.ext_proc.h2grpc_frames import ErrorCode
-from extproc.adapters.ext_proc.h2grpc_http2 import Http2Connection, Http2Error, StreamClosed
-from extproc.adapters.ext_proc.h2grpc_streams import REMEMBERED_RESETS
+from extproc.adapters.grpc.builtin import frames as f
+from extproc.adapters.grpc.builtin import http2
+from extproc.adapters.grpc.builtin.flood import DEFAULT_LIMITS
+from extproc.adapters.grpc.builtin.frames import ErrorCode
+from extproc.adapters.grpc.builtin.http2 import Http2Connection, Http2Error, StreamClosed
+from extproc.adapters.grpc.builtin.streams import REMEMBERED_RESETS
 from tests.propertyutil import examples
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""What the h2grpc transport writes: the replies of streams that run in the same loop iteration leave in one
+"""What the builtin transport writes: the replies of streams that run in the same loop iteration leave in one
 socket write, and the response headers, written as constant bytes, read as h2's own would; a request's
 frames become its three events.
 
@@ -16,7 +16,7 @@ import h2.connection
 import h2.events
 import pytest
 
-from extproc.adapters.ext_proc import h2grpc_http2 as http2
+from extproc.adapters.grpc.builtin import http2
 from tests.test_h2grpc_abuse import ECHO, HI, HOLD, OK, _connected
 
 pytestmark = pytest.mark.unit

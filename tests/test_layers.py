@@ -17,6 +17,10 @@
   the commands themselves show when run in a child process.
 * Imports do not loop, those under ``TYPE_CHECKING`` included: two modules
   that need each other's types are one concept, or a seam in the wrong place.
+* The optional features (the Batch API, tenant budgets, the cluster link and
+  the grpcio transport) are imported only where their section (or
+  ``listen.transport``) is on: ``extproc serve`` with the README's config, run
+  in a child process, has loaded none of them, nor redis or boto3.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from extproc.adapters.config import load_config
+from tests.test_readme import ADDRESS, readme_blocks
 
 PACKAGE = Path(__file__).resolve().parent.parent / "extproc"
 ENTRY = {"extproc", "extproc.__main__", "extproc.cli"}
@@ -171,21 +178,26 @@ def test_core_and_adapter_modules_stay_small() -> None:
 
 # --- the production command, run: no extproc.tools module in its process --------------------------
 
-# `extproc ARGS` in a child process; its last stderr line lists the extproc.tools modules it loaded.
+# `extproc ARGS` in a child process; its last stderr line lists every module it loaded (sys.modules at its exit).
 CHILD = (
     "import json, sys\n"
     "from extproc.cli import main\n"
     "code = main(sys.argv[1:])\n"
-    "print(json.dumps(sorted(m for m in sys.modules if m.startswith('extproc.tools'))), file=sys.stderr)\n"
+    "print(json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
     "sys.exit(code)\n"
 )
 DEMO_CONFIG = PACKAGE / "data" / "demo.yaml"
 USER_ENVOY = Path(__file__).resolve().parent / "fixtures" / "user-envoy.yaml"
 
 
+def loaded(stderr: str, *packages: str) -> list[str]:
+    """The modules of ``packages`` (each a package or a module, with what is under it) the child had loaded."""
+    modules: list[str] = json.loads(stderr.splitlines()[-1])
+    return [m for m in modules if any(m == p or m.startswith(p + ".") for p in packages)]
+
+
 def tools_loaded(stderr: str) -> list[str]:
-    loaded: list[str] = json.loads(stderr.splitlines()[-1])
-    return loaded
+    return loaded(stderr, "extproc.tools")
 
 
 @pytest.mark.unit
@@ -208,15 +220,9 @@ def free_port() -> int:
         return port
 
 
-@pytest.mark.integration  # a processor, serving until SIGTERM
-@pytest.mark.parametrize("transport", ["builtin", "grpcio"])
-def test_serve_loads_no_tools(tmp_path: Path, transport: str) -> None:
-    metrics = f"127.0.0.1:{free_port()}"
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        f"listen: {{grpc: '127.0.0.1:{free_port()}', metrics: '{metrics}', transport: {transport}}}\n"
-        "models: [{name: m, endpoints: ['http://127.0.0.1:1']}]\n"
-    )
+def serve(config: Path, metrics: str) -> str:
+    """``extproc serve --config config`` in a child process until it serves (its metrics port answers), then SIGTERM;
+    the child's stderr (its last line: the modules it loaded)."""
     argv = ["serve", "--config", str(config), "--watch-config", "--drain-seconds", "1", "--deadline-seconds", "5"]
     child = subprocess.Popen([sys.executable, "-c", CHILD, *argv], stderr=subprocess.PIPE, text=True)
     try:
@@ -233,4 +239,56 @@ def test_serve_loads_no_tools(tmp_path: Path, transport: str) -> None:
     finally:
         child.kill()
     assert child.returncode == 0, stderr
-    assert tools_loaded(stderr) == []
+    return stderr
+
+
+@pytest.mark.integration  # a processor, serving until SIGTERM
+@pytest.mark.parametrize("transport", ["builtin", "grpcio"])
+def test_serve_loads_no_tools(tmp_path: Path, transport: str) -> None:
+    metrics = f"127.0.0.1:{free_port()}"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"listen: {{grpc: '127.0.0.1:{free_port()}', metrics: '{metrics}', transport: {transport}}}\n"
+        "models: [{name: m, endpoints: ['http://127.0.0.1:1']}]\n"
+    )
+    assert tools_loaded(serve(config, metrics)) == []
+
+
+# --- the optional features, loaded only where configured ------------------------------------------
+
+# Each optional feature's packages, and the libraries only they use: redis (the cluster, and budgets and
+# batches shared through it), boto3 (batch files in S3). aiohttp is not among them: the metrics port
+# and the scrapers run on it, and the Batch API's server uses no part of it they do not.
+OPTIONAL = {
+    "batches": ("extproc.adapters.batches", "boto3", "botocore"),
+    "budgets": ("extproc.adapters.budgets", "extproc.core.budgets"),
+    "cluster": ("extproc.adapters.cluster", "redis"),
+    "grpcio": ("extproc.adapters.grpc.grpcio_server", "grpc"),
+}
+
+
+def readme_config(tmp_path: Path, extra: str = "") -> tuple[Path, str]:
+    """The README's config (its ``newcomer: config`` block) with free ports and ``extra`` appended; its metrics address."""
+    ports: dict[str, str] = {}
+    text = ADDRESS.sub(lambda m: f"127.0.0.1:{ports.setdefault(m[1], str(free_port()))}", readme_blocks()["config"])
+    config = tmp_path / "config.yaml"
+    config.write_text(text + extra, encoding="utf-8")
+    return config, str(load_config(config).listen.metrics)
+
+
+@pytest.mark.integration  # a processor, serving until SIGTERM
+def test_serve_with_the_readme_config_loads_no_optional_feature(tmp_path: Path) -> None:
+    stderr = serve(*readme_config(tmp_path))
+    assert {name: loaded(stderr, *packages) for name, packages in OPTIONAL.items()} == dict.fromkeys(OPTIONAL, [])
+
+
+@pytest.mark.integration  # a processor, serving until SIGTERM
+def test_serve_loads_the_features_it_is_configured_with_and_no_other(tmp_path: Path) -> None:
+    """The check above can fail: the same config with budgets and the grpcio transport loads those two."""
+    config, metrics = readme_config(tmp_path, "budgets: {tenants: {alice: {requests_per_minute: 60}}}\n")
+    config.write_text(config.read_text().replace("listen: {", "listen: {transport: grpcio, ", 1))
+    stderr = serve(config, metrics)
+    features = ("extproc.adapters.budgets.gate", "extproc.core.budgets.ledger", "extproc.adapters.grpc.grpcio_server",
+                "grpc.aio")
+    assert set(features) <= set(loaded(stderr, *features))
+    assert loaded(stderr, *OPTIONAL["batches"], "extproc.adapters.cluster") == []

@@ -19,11 +19,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc.adapters.config import ConfigError, parse_config
-from extproc.adapters.ext_proc.h2grpc import GrpcServer
 from extproc.adapters.ext_proc.prompt_prefix import Signer, leading_text
 from extproc.adapters.ext_proc.request_fields import Prompt, from_body, prompt_of
 from extproc.adapters.ext_proc.servicer import Processor
-from extproc.adapters.ext_proc.transport import Method
+from extproc.adapters.grpc.builtin.server import BuiltinServer
+from extproc.adapters.grpc.transport import Method
 from extproc.adapters.server import PROCESS_PATH
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import build_dispatchers
@@ -283,7 +283,7 @@ async def test_attached_by_ext_proc_alone_the_body_read_for_its_fields_gives_the
 
 async def test_over_real_grpc_the_body_comes_before_the_release() -> None:
     processor, _, submitted = make(prefix={})
-    server = GrpcServer({PROCESS_PATH: Method(pb.ProcessingRequest.FromString, processor.process)})
+    server = BuiltinServer({PROCESS_PATH: Method(pb.ProcessingRequest.FromString, processor.process)})
     port = free_port()
     await server.start("127.0.0.1", port)
     channel: Any = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

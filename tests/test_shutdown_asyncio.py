@@ -1,7 +1,7 @@
 """Shutdown leaves asyncio nothing to complain of: ``extproc serve`` behind a real Envoy, on either transport.
 
 A user saw ``Task exception was never retrieved … StopAsyncIteration`` (from
-h2grpc_call.py) in the processor's log at its shutdown after a load run. Its
+builtin/call.py) in the processor's log at its shutdown after a load run. Its
 cause: a preemptible (batch) request, released and waiting for its response
 headers, reads its stream in a task of its own (servicer.py ``_until_preempted``);
 when the stream was cancelled (the client gone: Envoy half-closes and resets

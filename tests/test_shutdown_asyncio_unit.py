@@ -31,8 +31,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2, wrappers_pb2
 
 from extproc.adapters.config import parse_config
-from extproc.adapters.ext_proc.h2grpc import GrpcServer
-from extproc.adapters.ext_proc.transport import Message, Method
+from extproc.adapters.grpc.builtin.server import BuiltinServer
+from extproc.adapters.grpc.transport import Message, Method
 from extproc.adapters.server import PROCESS_PATH, ProcessorServer
 from extproc.tools.procs import free_port
 from tests.h2raw import RawClient, message
@@ -188,7 +188,7 @@ async def shut_down(server: ProcessorServer, envoy: Envoy, path: str) -> None:
 
 @pytest.mark.parametrize("end", ["reset", "connection_lost", "server_stopped"])
 async def test_a_task_reading_a_call_the_transport_ends_is_cancelled_not_left_waiting(end: str) -> None:
-    """h2grpc's own guarantee, whatever a handler does: a reader of a call it ended (another task than the handler) ends too."""
+    """The builtin server's guarantee, whatever a handler does: a reader of a call it ended (another task) ends too."""
     readers: list[asyncio.Task[Any]] = []
 
     async def handler(requests: AsyncIterator[Any]) -> AsyncIterator[Message]:
@@ -196,7 +196,7 @@ async def test_a_task_reading_a_call_the_transport_ends_is_cancelled_not_left_wa
         await asyncio.Event().wait()  # held until the transport cancels the handler
         yield wrappers_pb2.BytesValue()
 
-    server = GrpcServer({"/t.T/Read": Method(wrappers_pb2.BytesValue.FromString, handler)})
+    server = BuiltinServer({"/t.T/Read": Method(wrappers_pb2.BytesValue.FromString, handler)})
     port = free_port()
     await server.start("127.0.0.1", port)
     client = await RawClient.connect(port)

@@ -1,4 +1,4 @@
-"""TLS on the gRPC port (ext_proc/tls.py): its settings, the handshake grpcio's client makes, mutual TLS, and reloads.
+"""TLS on the gRPC port (adapters/grpc/tls.py): its settings, the handshake grpcio's client makes, mutual TLS, and reloads.
 
 grpcio is an independent TLS + HTTP/2 client (it insists on ALPN h2, as
 Envoy's gateways do); the certificates come from tests/tlsutil.py, made per
@@ -20,10 +20,11 @@ import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.adapters.config import ConfigError, parse_config
-from extproc.adapters.ext_proc.health import Health
-from extproc.adapters.ext_proc.tls import ServerTls
-from extproc.adapters.ext_proc.transport import Limits, Transport
-from extproc.adapters.server import TRANSPORTS, ProcessorServer
+from extproc.adapters.grpc.health import Health
+from extproc.adapters.grpc.registry import TRANSPORTS
+from extproc.adapters.grpc.tls import ServerTls
+from extproc.adapters.grpc.transport import Limits, Transport
+from extproc.adapters.server import ProcessorServer
 from extproc.tools.procs import free_port
 from tests.stackutil import metric, read_metrics
 from tests.tlsutil import CA, Pair, SecretVolume, common_name

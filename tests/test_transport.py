@@ -1,4 +1,4 @@
-"""The transport seam (adapters/ext_proc/transport.py): every ``listen.transport`` choice names a server, and only those.
+"""The transport seam (adapters/grpc/transport.py): every ``listen.transport`` choice names a server, and only those.
 
 The servers' behaviour is the conformance suite's (tests/test_transport_differential.py),
 which runs each case against every entry of ``TRANSPORTS``.
@@ -12,7 +12,7 @@ import pytest
 
 from extproc.adapters.config import parse_config
 from extproc.adapters.config.schema import OLD_TRANSPORT_NAMES, TRANSPORT_NAMES
-from extproc.adapters.server import TRANSPORTS
+from extproc.adapters.grpc.registry import TRANSPORTS
 
 pytestmark = pytest.mark.unit
 

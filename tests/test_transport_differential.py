@@ -1,7 +1,7 @@
 """The transport conformance suite: every implementation of transport.py's ``Transport``, attacked alike, behaves alike.
 
 Each case runs against every server ``listen.transport`` can choose
-(server.py ``TRANSPORTS``: ``h2``, ours, and ``grpcio``, the reference)
+(adapters/grpc/registry.py ``TRANSPORTS``: ``builtin``, ours, and ``grpcio``, the reference)
 serving a small fake service, through real clients: grpcio's
 C-core channel for conformance, and raw HTTP/2 with the ``h2`` library on
 asyncio sockets (or bare bytes) for what no well-behaved client sends. What
@@ -32,8 +32,8 @@ import pytest
 from google.protobuf import wrappers_pb2
 from hyperframe.frame import GoAwayFrame, PingFrame, SettingsFrame
 
-from extproc.adapters.ext_proc.transport import MAX_MESSAGE_BYTES, Limits, Transport
-from extproc.adapters.server import TRANSPORTS
+from extproc.adapters.grpc.registry import TRANSPORTS
+from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits, Transport
 from extproc.tools.procs import free_port
 from tests.test_h2grpc import ECHO, HOLD, Handlers
 
@@ -455,7 +455,7 @@ async def test_header_bomb_never_reaches_a_handler(served: Served, raw: Connect)
     assert served.handlers.received == 0
     seen = client.streams[stream_id]
     # Refused: the reference ends that stream RESOURCE_EXHAUSTED ("metadata size exceeds hard limit",
-    # 16 KB) and the connection lives on; h2's HPACK decoder stops inside the block, so h2grpc can only
+    # 16 KB) and the connection lives on; h2's HPACK decoder stops inside the block, so the builtin server can only
     # end the connection (GOAWAY). Either way no handler sees it and other connections are served.
     assert (seen.done and seen.grpc_status != OK) or client.closed or client.goaway is not None, seen
     assert await served.serves()
@@ -483,7 +483,7 @@ async def test_unknown_frames_are_ignored_and_a_malformed_frame_ends_the_connect
     unknown = (8).to_bytes(3, "big") + bytes([0xFA, 0]) + (0).to_bytes(4, "big") + b"whatever"
     client.write_raw(unknown)
     assert await client.alive()
-    # HEADERS on stream 0: a connection error (RFC 9113, 6.2). h2grpc says GOAWAY(PROTOCOL_ERROR) and
+    # HEADERS on stream 0: a connection error (RFC 9113, 6.2). The builtin server says GOAWAY(PROTOCOL_ERROR) and
     # closes; the reference just closes. (DATA on stream 0, as much an error, the reference ignores.)
     headers_on_stream_0 = (4).to_bytes(3, "big") + bytes([0x1, 0x4]) + (0).to_bytes(4, "big") + b"oops"
     client.write_raw(headers_on_stream_0)

@@ -1,7 +1,8 @@
 """The adapters: where the pure core meets Envoy, the engines, Prometheus and the config file.
 
-* ``ext_proc/``     the gRPC servicer Envoy calls for each request, and what
+* ``ext_proc/``     the ext_proc servicer Envoy calls for each request, and what
   it and the generated Envoy config agree on;
+* ``grpc/``         the gRPC servers that carry it (``listen.transport``), TLS and gRPC health;
 * ``engines/``      each engine's ``/metrics`` dialect, the scraper, pool
   membership (DNS);
 * ``envoy/``        the Envoy bootstrap (or drop-in) generated from the config;

@@ -28,39 +28,34 @@ import asyncio
 import gc
 import logging
 import signal
-import sqlite3
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from redis.exceptions import RedisError
 
-from extproc.adapters.batches.service import BatchService
-from extproc.adapters.budgets import shared_usage
-from extproc.adapters.budgets.metrics import BudgetCollector
-from extproc.adapters.budgets.shared import SharedBudgets
-from extproc.adapters.budgets.store import StoreWriter, UsageStore
-from extproc.adapters.budgets.usage import Per, Unavailable, records
-from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig, split_address
 from extproc.adapters.engines.discovery import watch_pool
 from extproc.adapters.engines.limits import cap_advice
 from extproc.adapters.engines.probe import probe_session
-from extproc.adapters.ext_proc.grpcio_server import GrpcioServer
-from extproc.adapters.ext_proc.h2grpc import GrpcServer
-from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.servicer import Processor
-from extproc.adapters.ext_proc.tls import RELOAD_OUTCOMES, ServerTls
-from extproc.adapters.ext_proc.transport import MAX_MESSAGE_BYTES, Limits, Method, TransportFactory
+from extproc.adapters.grpc.health import Health
+from extproc.adapters.grpc.registry import TRANSPORTS
+from extproc.adapters.grpc.tls import RELOAD_OUTCOMES, ServerTls
+from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits, Method
 from extproc.adapters.reload import ConfigSource, Plan, Reloader, rebuilt_model, removed_model, retire
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import MetricsServer, build_app
 from extproc.adapters.wiring import build_dispatcher, build_dispatchers, cluster_forms, live_settings, tenant_labels
-from extproc.core.budgets.book import Book, day_of
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.outcomes import Refused
+
+if TYPE_CHECKING:  # the optional features: each imported where its section is on (ProcessorServer.__init__)
+    from extproc.adapters.batches.service import BatchService
+    from extproc.adapters.budgets.service import BudgetService
+    from extproc.adapters.budgets.usage import Per
+    from extproc.adapters.cluster.link import ClusterConnection
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +67,6 @@ FINAL_GRACE_S = 1.0
 BODY_MESSAGE_MARGIN = 64 * 1024
 # How often the drain looks at the queues; it runs once per process lifetime.
 DRAIN_POLL_S = 0.05
-# The gRPC servers under ext_proc, by listen.transport (config/schema.py TRANSPORT_NAMES): ours, "builtin"
-# (a few KB a held request), or grpc.aio, the reference (docs/decisions.md, "When to choose grpcio").
-TRANSPORTS: dict[str, TransportFactory] = {"builtin": GrpcServer, "grpcio": GrpcioServer}
-# The cluster's usage export: a read of up to a year's day rows in one pipeline, off the request path.
-USAGE_TIMEOUT_S = 10.0
 
 
 class ProcessorServer:
@@ -86,17 +76,26 @@ class ProcessorServer:
         self.config = config
         self.telemetry = Telemetry()
         # Active-active (a `cluster:` section): releases are decided with the other instances (docs/cluster.md).
-        self._cluster = (None if config.cluster is None else ClusterConnection(
-            config.cluster, self.telemetry, cluster_forms(config), config.listen.grpc))
+        self._cluster: ClusterConnection | None = None
+        if config.cluster is not None:
+            from extproc.adapters.cluster.link import ClusterConnection
+
+            self._cluster = ClusterConnection(config.cluster, self.telemetry, cluster_forms(config), config.listen.grpc)
         self.dispatchers = build_dispatchers(config, self.telemetry, self._cluster)
         self.processor = Processor(config, self.dispatchers, self.telemetry)
+        # Tenant budgets (budgets:, docs/budgets.md): the gate is the processor's; their store, series and export here.
+        self.budgets: BudgetService | None = None
+        if config.budgets is not None:
+            from extproc.adapters.budgets.service import BudgetService
+
+            self.budgets = BudgetService(config.budgets, lambda: self.processor.budgets, self.telemetry.registry)
         self._share_budgets(config)
         # Ready once every model's pool is known (its first lookup done): what the Endpoint Picker Protocol calls
         # synced. An empty pool is known: its requests are held for the cold start, never refused for it.
         self._synced: set[str] = set()
         self._health = Health(lambda: self._synced.issuperset(self.dispatchers))
         # Every held request is an open stream: the transport's limits (listen.*) are far above
-        # them, and the h2 transport keeps each small (measured per held request in docs/reports/reliability.md).
+        # them, and the builtin transport keeps each small (measured per held request in docs/reports/reliability.md).
         self._grpc = TRANSPORTS[config.listen.transport]({
             PROCESS_PATH: Method(pb.ProcessingRequest.FromString, self.processor.process),
             **self._health.methods(),
@@ -117,14 +116,12 @@ class ProcessorServer:
         self._reloaded: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
         self._probes: aiohttp.ClientSession | None = None  # the engines' /health looks (probe.probe_session)
-        # The budgets' usage book in SQLite (budgets.store), read at start and written behind.
-        budgets = config.budgets
-        self._store = None if budgets is None or budgets.store is None else StoreWriter(
-            UsageStore(budgets.store), self._usage_book, budgets.store_interval_s, time.time)
-        self.telemetry.registry.register(BudgetCollector(lambda: self.processor.budgets))
         # OpenAI's Batch API and its runner (batches:, docs/batches.md).
-        self._batches = (None if config.batches is None
-                         else BatchService(lambda: self.config, self.telemetry.registry, tenant_labels(config), self._cluster))
+        self._batches: BatchService | None = None
+        if config.batches is not None:
+            from extproc.adapters.batches.service import BatchService
+
+            self._batches = BatchService(lambda: self.config, self.telemetry.registry, tenant_labels(config), self._cluster)
         self._batches_started = False
         # The metrics port (/metrics, /healthz, /readyz, the status page, /usage): adapters/web/app.py.
         host, port = split_address(config.listen.metrics)
@@ -137,51 +134,19 @@ class ProcessorServer:
         self._metrics_started = False
 
     def _budget_standings(self) -> list[dict[str, object]] | None:
-        gate = self.processor.budgets
-        return None if gate is None else gate.named()
+        return None if self.budgets is None else self.budgets.standings()
 
     async def _refresh_budgets(self) -> None:
-        """Before /metrics and the status page: with a cluster, the limits' counts read from Redis (when due)."""
-        gate = self.processor.budgets
-        if gate is not None:
-            await gate.refresh()
-
-    def _usage_book(self) -> Book | None:
-        gate = self.processor.budgets
-        return None if gate is None else gate.budgets.book
+        if self.budgets is not None:
+            await self.budgets.refresh()
 
     async def usage(self, since: str, per: Per) -> list[dict[str, Any]] | None:
-        """The usage export (adapters/budgets/usage.py) from ``since`` (YYYY-MM-DD); None without budgets.
-
-        With a cluster, the cluster's rows in Redis (adapters/budgets/shared_usage.py; raises Unavailable
-        when Redis does not answer). Else, with a store, what changed is written first and the file is read
-        (every day it holds); else the processor's memory (the days since it started).
-        """
-        gate = self.processor.budgets
-        if gate is None:
-            return None
-        book = gate.budgets.book
-        if gate.shared is not None:
-            shared = gate.shared
-            try:
-                found = await shared_usage.rows(shared.client, shared.prefix, day_of(since), time.time(),
-                                                USAGE_TIMEOUT_S)
-            except (RedisError, OSError, TimeoutError) as exc:
-                raise Unavailable(f"the cluster's usage is in Redis, which did not answer ({str(exc) or 'timeout'}); "
-                                  "each instance's own is in its budgets.store") from exc
-            return records(found, per)
-        if self._store is None:
-            return records(book.rows(day_of(since)), per)
-        await self._store.flush()
-        return records(await asyncio.to_thread(self._store.store.rows, since), per)
+        """The usage export (adapters/budgets/service.py) from ``since`` (YYYY-MM-DD); None without budgets."""
+        return None if self.budgets is None else await self.budgets.usage(since, per)
 
     async def start(self) -> None:
-        if self._store is not None:  # before the first request: a restart does not hand out a fresh budget
-            try:
-                loaded = self._store.load()
-            except (OSError, sqlite3.Error) as exc:
-                raise OSError(f"budgets.store: cannot open {self._store.store.path} ({exc})") from exc
-            log.info("budgets: %d usage rows of this month read from %s", loaded, self._store.store.path)
+        if self.budgets is not None:  # before the first request: a restart does not hand out a fresh budget
+            self.budgets.load()
         # From the first request on, a request's metrics are written after its replies (telemetry/deferral.py).
         self.telemetry.deferral.start(asyncio.get_running_loop())
         self.telemetry.watch(asyncio.get_running_loop())
@@ -204,8 +169,8 @@ class ProcessorServer:
         self._probes = probe_session()
         if self._tls is not None:
             self._tasks.append(asyncio.create_task(self._tls.watch()))
-        if self._store is not None:
-            self._tasks.append(asyncio.create_task(self._store.run()))
+        if self.budgets is not None and self.budgets.store is not None:
+            self._tasks.append(asyncio.create_task(self.budgets.store.run()))
         for model in self.config.models:
             self._start_scraper(model, self.dispatchers[model.name])
             log.info("model %s (%s): %s", model.name, model.engine, cap_advice(model.engine, model.target_waiting))
@@ -269,14 +234,9 @@ class ProcessorServer:
         self.config = config
 
     def _share_budgets(self, config: Config) -> None:
-        """With a cluster, the budgets' counts are the cluster's, in Redis (adapters/budgets/shared.py)."""
-        gate, cluster = self.processor.budgets, self._cluster
-        if gate is None or cluster is None or config.cluster is None or gate.shared is not None:
-            return
-        expected = max(1, len(config.cluster.instances))
-        gate.share(SharedBudgets(
-            cluster.client, config.cluster.key_prefix, config.cluster.redis_timeout_ms / 1000,
-            lambda: max([expected, *(seat.instances for seat in cluster.seats.values())])))
+        """With a cluster, the budgets' counts are the cluster's, in Redis (adapters/budgets/service.py ``share``)."""
+        if self.budgets is not None and self._cluster is not None and config.cluster is not None:
+            self.budgets.share(self._cluster, config.cluster)
 
     def _stopping(self, task: asyncio.Task[None]) -> None:
         """A scraper taken out of service: close() waits for it to close its sessions (earlier ones that ended go)."""
@@ -330,11 +290,8 @@ class ProcessorServer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._store is not None:
-            try:
-                await self._store.flush()  # the usage of the last interval, and of every request that ended since
-            except sqlite3.Error as exc:
-                log.error("budgets.store: cannot write %s at exit (%s)", self._store.store.path, exc)
+        if self.budgets is not None:
+            await self.budgets.close()
         if self._batches is not None and self._batches_started:  # before the cluster: its lines go back through Redis
             self._batches_started = False
             await self._batches.stop()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, ModelConfig
 from extproc.adapters.telemetry import Telemetry, TenantLabels
 from extproc.adapters.timers import LoopTimers
@@ -19,6 +19,9 @@ from extproc.core.dispatcher import LiveSettings, ModelDispatcher
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.pool import Pool
+
+if TYPE_CHECKING:  # built by server.py only with a cluster: section
+    from extproc.adapters.cluster.link import ClusterConnection
 
 
 def rule_settings(model: ModelConfig) -> RuleSettings:

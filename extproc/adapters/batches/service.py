@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -34,10 +35,12 @@ from extproc.adapters.batches.shapes import PROGRESS_LISTED, Json
 from extproc.adapters.batches.shared import SharedBooks, SharedState
 from extproc.adapters.batches.spread import SpreadRunner
 from extproc.adapters.batches.store import Store
-from extproc.adapters.cluster.link import ClusterConnection
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.config.batches import BatchSettings
 from extproc.adapters.telemetry.labels import TenantLabels
+
+if TYPE_CHECKING:  # built by server.py only with a cluster: section
+    from extproc.adapters.cluster.link import ClusterConnection
 
 # The least a cluster's batch state waits for Redis: an API call or a line's record is not a release
 # decision, which must not wait (cluster.redis_timeout_ms, 250 ms by default); a busy Redis or machine

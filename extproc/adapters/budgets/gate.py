@@ -36,9 +36,10 @@ from redis.exceptions import RedisError
 
 from extproc.adapters.budgets import shared_usage
 from extproc.adapters.budgets.headers import NO_RETRY, rate_headers
+from extproc.adapters.budgets.plan import plan
 from extproc.adapters.budgets.shared import SharedBudgets, SharedTicket, amounts, meters, share, view
 from extproc.adapters.budgets.shared_standings import ClusterStandings
-from extproc.adapters.config.budgets import BudgetSettings, plan
+from extproc.adapters.config.budgets import BudgetSettings
 from extproc.adapters.ext_proc.admission import Admission
 from extproc.adapters.ext_proc.engine_usage import Reported
 from extproc.core.budgets.book import Usage

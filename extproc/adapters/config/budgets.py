@@ -20,21 +20,20 @@ the ``default`` entry, and each tenant has its own counters::
             llama-70b: {output_tokens_per_minute: 50000}
 
 The structs are checked by validate.py as every section is; the rules here
-run from rules.py's table, and :func:`plan` resolves the section into
-:class:`~extproc.core.budgets.limits.Plan` (docs/budgets.md).
+run from rules.py's table. adapters/budgets/plan.py resolves the section into
+the core's :class:`~extproc.core.budgets.limits.Plan` where budgets are on
+(docs/budgets.md), so a config without them loads nothing of the budgets.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import fields, replace
 from typing import Literal
 
 import msgspec
 
 from extproc.adapters.config.validate import Problems
 from extproc.adapters.config.values import NonEmpty, NonNegative, Positive
-from extproc.core.budgets.limits import Action, Limits, Plan, Prices, TenantPlan
 
 # The entry every other tenant inherits from (as in `tenants:`).
 DEFAULT_KEY = "default"
@@ -54,10 +53,6 @@ class LimitSettings(_Entry, frozen=True):
     cost_per_day: NonNegative | None = None
     cost_per_month: NonNegative | None = None
 
-    def written(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(Limits) if getattr(self, f.name) is not None}
-
-
 class TenantBudget(LimitSettings, frozen=True):
     """A tenant's limits on all its models, per model, its groups and its action over any of them."""
 
@@ -75,10 +70,6 @@ class PriceSettings(_Entry, frozen=True):
     input: NonNegative = 0.0
     cached_input: NonNegative | None = None  # unset: the input price
     output: NonNegative = 0.0
-
-    def prices(self) -> Prices:
-        return Prices(self.input, self.input if self.cached_input is None else self.cached_input, self.output)
-
 
 class BudgetSettings(_Entry, frozen=True):
     """Tenant budgets: limits per tenant (``default`` for every other), per tenant and model, per group; prices."""
@@ -127,30 +118,3 @@ def budget_problems(budgets: BudgetSettings, models: Iterable[str]) -> Problems:
 
 def _costs(limits: LimitSettings) -> bool:
     return limits.cost_per_day is not None or limits.cost_per_month is not None
-
-
-def _limits(written: LimitSettings | None, base: Limits) -> Limits:
-    return base if written is None else replace(base, **written.written())
-
-
-def _tenant(written: TenantBudget, base: TenantPlan) -> TenantPlan:
-    """``written`` over ``base`` field by field; per model, over ``base``'s limits for that model."""
-    models = {**base.models, **{name: _limits(limits, base.models.get(name, Limits()))
-                                for name, limits in written.models.items()}}
-    return TenantPlan(
-        action=base.action if written.action is None else Action(written.action),
-        limits=_limits(written, base.limits),
-        models=models,
-        groups=base.groups if written.groups is None else written.groups,
-    )
-
-
-def plan(budgets: BudgetSettings) -> Plan:
-    """The section as the core reads it: each tenant's entry over ``default``'s."""
-    default = _tenant(budgets.tenants.get(DEFAULT_KEY, TenantBudget()), TenantPlan())
-    return Plan(
-        tenants={name: _tenant(entry, default) for name, entry in budgets.tenants.items() if name != DEFAULT_KEY},
-        default=default,
-        groups={name: _limits(limits, Limits()) for name, limits in budgets.groups.items()},
-        prices={name: price.prices() for name, price in budgets.prices.items()},
-    )

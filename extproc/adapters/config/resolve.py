@@ -71,7 +71,7 @@ class Config:
     cluster: ClusterSettings | None = None
     endpoint_picker: EndpointPickerSettings = field(default_factory=EndpointPickerSettings)
     advanced: AdvancedSettings = field(default_factory=AdvancedSettings)
-    # Tenant budgets (None: none; adapters/config/budgets.py resolves them into the core's plan).
+    # Tenant budgets (None: none; adapters/budgets/plan.py resolves them into the core's plan).
     budgets: BudgetSettings | None = None
     # OpenAI's Batch API (None: not served).
     batches: BatchSettings | None = None

@@ -29,7 +29,7 @@ from extproc.adapters.config.schema import (
 )
 from extproc.adapters.config.validate import Problems, Rules
 from extproc.adapters.engines.dialects import DIALECTS
-from extproc.adapters.ext_proc.tls import TlsFileError, load_context
+from extproc.adapters.grpc.tls import TlsFileError, load_context
 from extproc.core import release
 from extproc.core.policies import POLICIES
 

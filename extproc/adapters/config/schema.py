@@ -57,7 +57,7 @@ ENGINES = tuple(DIALECTS)
 
 
 class TlsSettings(Section, frozen=True):
-    """TLS on the gRPC port (adapters/ext_proc/tls.py): the processor's certificate, and optionally the clients' CA.
+    """TLS on the gRPC port (adapters/grpc/tls.py): the processor's certificate, and optionally the clients' CA.
 
     The files are loaded when the file is checked (rules.py), so a wrong one is
     refused with its key path; once serving, changed files are reloaded every ``reload_s``.
@@ -72,8 +72,9 @@ class TlsSettings(Section, frozen=True):
 
 log = logging.getLogger(__name__)
 
-# The gRPC servers `listen.transport` names (adapters/server.py TRANSPORTS): ours, built into the package
-# (its own HTTP/2 layer), and grpc.aio. And the name ours had when it ran on the `h2` library, still read.
+# The gRPC servers `listen.transport` names (adapters/grpc/registry.py TRANSPORTS): `builtin`, ours, built into the
+# package (adapters/grpc/builtin/: its own HTTP/2 layer), and `grpcio`, grpc.aio. And `h2`, the name ours had when it
+# ran on the `h2` library, still read as `builtin` with a warning.
 TRANSPORT_NAMES = ("builtin", "grpcio")
 OLD_TRANSPORT_NAMES = {"h2": "builtin"}
 
@@ -100,8 +101,9 @@ class Listen(Section, frozen=True):
     grpc: Address = "127.0.0.1:50051"
     metrics: Address = "127.0.0.1:9464"
     tls: TlsSettings | None = None
-    # The gRPC server under ext_proc: ours, built in (~4 KB a held request), or grpc.aio, the reference
-    # (~24 KB; docs/decisions.md, "When to choose grpcio").
+    # The gRPC server under ext_proc: `builtin`, ours, built into the package on its own HTTP/2 layer (not the h2
+    # library; ~4 KB a held request), or `grpcio`, grpc.aio, the reference (~24 KB; docs/decisions.md, "When to
+    # choose grpcio"). `h2`, builtin's old name, is read as `builtin` with a warning.
     transport: TransportName = "builtin"
 
     REMOVED = {key: f"moved to advanced.grpc.{key}" for key in GRPC_LIMITS}

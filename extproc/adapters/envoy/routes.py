@@ -23,7 +23,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from extproc.adapters.budgets.headers import RATE_HEADERS
 from extproc.adapters.config import Config
 from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.envoy.base import Json, duration, header_values, idle_timeout_s, typed
@@ -156,7 +155,11 @@ class _RouteTable:
     def echoed(self) -> tuple[str, ...]:
         """The request headers the processor sets that the response carries: the queue wait, a budget's rate headers."""
         budgets = self.config.budgets
-        return ECHOED_HEADERS + (RATE_HEADERS if budgets is not None and budgets.rate_headers else ())
+        if budgets is None or not budgets.rate_headers:
+            return ECHOED_HEADERS
+        from extproc.adapters.budgets.headers import RATE_HEADERS  # budgets are optional: imported where configured
+
+        return ECHOED_HEADERS + RATE_HEADERS
 
     def with_filters(self, route: Json) -> Json:
         if self.scope.per_filter:

@@ -1,2 +1,2 @@
-"""Envoy's side of a request: the ext_proc servicer, how Envoy attached it (``attach/``), its gRPC transport,
-and the contract with the generated config."""
+"""Envoy's side of a request: the ext_proc servicer, how Envoy attached it (``attach/``), and the contract with the
+generated config. The gRPC server that carries its streams is ``adapters/grpc/``'s."""

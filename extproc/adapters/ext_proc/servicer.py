@@ -1,7 +1,7 @@
 """The ext_proc stream: one gRPC stream per HTTP request passing through Envoy.
 
 Transport-independent: :meth:`Processor.process` turns the stream's messages
-into replies; h2grpc.py carries them (server.py wires the two).
+into replies; a gRPC server of adapters/grpc/ carries them (server.py wires the two).
 
 What every request shares is here: the request is read (by its attachment),
 admitted (``admission.py``: who asks, for which model, how urgently), signed
@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.adapters.budgets.gate import BudgetGate
 from extproc.adapters.config import Config
 from extproc.adapters.ext_proc.admission import Admission, Admissions
 from extproc.adapters.ext_proc.attach.base import Attachment, Stream
@@ -60,6 +60,9 @@ from extproc.core.dispatcher import Held, ModelDispatcher, shutting_down
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.prefix import NO_PREFIX, Prefix
 from extproc.core.report import RequestEvent, Step
+
+if TYPE_CHECKING:  # imported where a budgets: section is configured (_budgets)
+    from extproc.adapters.budgets.gate import BudgetGate
 
 # From this loop lag on, a stream is acknowledged before it is decided: the
 # acknowledgement is the cheapest reply that stops Envoy's message timer. A loop
@@ -85,8 +88,8 @@ class Processor:
         self.lag = LoopLag(late_s=ACK_LAG_S)
         self.shedding = self._shedding(config)
         self._config = config
-        # Tenant budgets (config.budgets), kept through reloads: their counts are the tenants' usage.
-        self.budgets = None if config.budgets is None else BudgetGate(config.budgets, len(config.bands) - 1)
+        self.budgets: BudgetGate | None = None
+        self._budgets(config)
         self._derive(config)
 
     def _shedding(self, config: Config) -> Shedding:
@@ -104,13 +107,19 @@ class Processor:
         if (old.band_names, old.envoy.message_timeout_ms) != (config.band_names, config.envoy.message_timeout_ms):
             self.shedding = self._shedding(config)
         self._config = config
+        self._budgets(config)
+        self._derive(config)
+
+    def _budgets(self, config: Config) -> None:
+        """Tenant budgets (config.budgets), kept through reloads: their counts are the tenants' usage."""
         if config.budgets is None:
             self.budgets = None
         elif self.budgets is None:
+            from extproc.adapters.budgets.gate import BudgetGate  # an optional feature: loaded where configured
+
             self.budgets = BudgetGate(config.budgets, len(config.bands) - 1)
         else:
             self.budgets.reconfigure(config.budgets, len(config.bands) - 1)
-        self._derive(config)
 
     def _derive(self, config: Config) -> None:
         """What the processor keeps prebuilt from the config: the admission and both attachments."""

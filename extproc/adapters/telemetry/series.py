@@ -324,7 +324,7 @@ class Series:
         "Time of one successful round trip to the cluster's Redis.",
         "model", buckets=DECISION_BUCKETS,
     )
-    # TLS on the gRPC port (listen.tls; adapters/ext_proc/tls.py).
+    # TLS on the gRPC port (listen.tls; adapters/grpc/tls.py).
     tls_reloads = _counter(
         "extproc_tls_reloads",
         "Reloads of the gRPC port's changed certificate files, by outcome (failed: the previous one still serves).",

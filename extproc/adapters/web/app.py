@@ -38,19 +38,21 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from extproc.adapters.answers import ANSWERS, answer_headers, error_body, retry_after_s
-from extproc.adapters.budgets.usage import Per, Unavailable, render, since_day
 from extproc.adapters.objectives import ObjectivesStatus
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.outcomes import Refusal
 from extproc.core.status import ModelStatus
+
+if TYPE_CHECKING:
+    from extproc.adapters.budgets.usage import Per
 
 # Tenants listed per priority class on the status page; the rest are summed.
 TOP_TENANTS = 10
@@ -65,7 +67,7 @@ def error(refusal: Refusal, message: str) -> web.Response:
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # The usage export from a day (YYYY-MM-DD), per day or month: records, or None without budgets.
-UsageSource = Callable[[str, Per], Awaitable[list[dict[str, Any]] | None]]
+UsageSource = Callable[[str, "Per"], Awaitable[list[dict[str, Any]] | None]]
 
 
 @web.middleware
@@ -158,6 +160,9 @@ def build_app(registry: CollectorRegistry, dispatchers: Mapping[str, ModelDispat
                             headers={"Cache-Control": "no-store"})
 
     async def usage_export(request: web.Request) -> web.Response:
+        # The export's format (adapters/budgets/usage.py), loaded when first asked for: budgets are optional.
+        from extproc.adapters.budgets.usage import Unavailable, render, since_day
+
         query = request.query
         form, per = query.get("format", "json"), query.get("per", "day")
         try:

@@ -2,7 +2,7 @@
 
 The overhead benchmark's ``envoy+null`` path puts this behind the same
 gateway Envoy as ``envoy+extproc`` (same filter, processing mode, metadata)
-and on the same transport (h2grpc.py), so what the real processor adds above
+and on the same transport (builtin/server.py), so what the real processor adds above
 it is the scheduler's, and what it adds to Envoy alone is the hop's own:
 Envoy's ext_proc filter and one gRPC round trip. No config, queue or metrics.
 
@@ -28,10 +28,10 @@ from pathlib import Path
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.ext_proc.contract import MODEL_HEADER
-from extproc.adapters.ext_proc.h2grpc import GrpcServer
-from extproc.adapters.ext_proc.health import Health
 from extproc.adapters.ext_proc.replies import header, passed
-from extproc.adapters.ext_proc.transport import Method
+from extproc.adapters.grpc.builtin.server import BuiltinServer
+from extproc.adapters.grpc.health import Health
+from extproc.adapters.grpc.transport import Method
 from extproc.adapters.server import PROCESS_PATH
 from extproc.tools.procs import ManagedProcess, ProcessStartError, log_tail
 
@@ -57,7 +57,7 @@ def methods(model: str) -> dict[str, Method]:
 
 async def serve(address: str, model: str) -> None:
     host, _, port = address.rpartition(":")
-    server = GrpcServer(methods(model))
+    server = BuiltinServer(methods(model))
     await server.start(host, int(port))
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

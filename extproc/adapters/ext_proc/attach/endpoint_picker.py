@@ -3,7 +3,7 @@
 No metadata comes (no ``json_to_metadata`` in front): the body is read from
 the stream in the gateway's body mode (``body.py``) and its fields decoded
 (``request_fields.py``), then the request is admitted and held like any
-other; the release speaks the Endpoint Picker Protocol (``epp.py``, docs/epp.md):
+other; the release speaks the Endpoint Picker Protocol (``epp_protocol.py``, docs/epp.md):
 
 * in: the gateway's subset hint bounds the pick (an empty or foreign one, or
   no endpoint up: 503 at once); on the response, the endpoint that served
@@ -32,7 +32,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.answers import SHED
 from extproc.adapters.config import Config
-from extproc.adapters.ext_proc import epp
+from extproc.adapters.ext_proc import epp_protocol as epp
 from extproc.adapters.ext_proc.attach import body
 from extproc.adapters.ext_proc.attach.base import Attachment, Stream, undeclared
 from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, QUEUE_WAIT_HEADER

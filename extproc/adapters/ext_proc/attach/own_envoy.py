@@ -58,7 +58,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.config import Config
-from extproc.adapters.ext_proc import epp
+from extproc.adapters.ext_proc import epp_protocol as epp
 from extproc.adapters.ext_proc.attach import body
 from extproc.adapters.ext_proc.attach.base import Attachment, Stream
 from extproc.adapters.ext_proc.contract import (

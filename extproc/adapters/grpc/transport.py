@@ -3,8 +3,8 @@
 The ext_proc servicer and the health service hand a transport a table of
 :class:`Method` by gRPC path and end a call early by raising
 :class:`GrpcError`; they never learn which server carries them. Two servers
-implement :class:`Transport`, chosen by ``listen.transport`` (server.py
-``TRANSPORTS``): ``h2`` (h2grpc.py, ours, a few KB per held request) and
+implement :class:`Transport`, chosen by ``listen.transport`` (registry.py
+``TRANSPORTS``): ``builtin`` (builtin/, ours, a few KB per held request) and
 ``grpcio`` (grpcio_server.py, grpc.aio, the reference). Each maps its
 library's failures to ours at this seam, so a caller sees the same errors and
 statuses whichever runs. tests/test_transport_differential.py is the
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from extproc.adapters.config import GrpcLimits
 
 if TYPE_CHECKING:
-    from extproc.adapters.ext_proc.tls import ServerTls
+    from extproc.adapters.grpc.tls import ServerTls
 
 # gRPC status codes (https://grpc.github.io/grpc/core/md_doc_statuscodes.html) our servers and handlers send.
 OK, UNKNOWN, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL = 0, 2, 3, 5, 8, 12, 13

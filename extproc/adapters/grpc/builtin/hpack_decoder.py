@@ -1,4 +1,4 @@
-"""HPACK for the h2grpc transport: decoding memoised per header block while the dynamic table is unchanged,
+"""HPACK for the builtin transport: decoding memoised per header block while the dynamic table is unchanged,
 and hpack's debug lines muted.
 
 Envoy opens every ext_proc stream with the same header block, byte for byte,

@@ -46,7 +46,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 from extproc.adapters.config import GrpcLimits
-from extproc.adapters.ext_proc.h2grpc_frames import ErrorCode
+from extproc.adapters.grpc.builtin.frames import ErrorCode
 
 # The key that names each limit in the log line and the GOAWAY's reason.
 KEY = "advanced.grpc."
@@ -73,7 +73,7 @@ class FloodCounts:
         self._updates = 0
         self.data_frames_sent = 0
         self.max_work = limits.max_frames_per_read
-        self.work = 0  # frames read in this loop cycle, a header block counting more (h2grpc_http2.py)
+        self.work = 0  # frames read in this loop cycle, a header block counting more (builtin/http2.py)
 
     def _fail(self, code: ErrorCode, message: str) -> NoReturn:
         raise NotImplementedError  # Http2Connection's: GOAWAY queued, Http2Error raised
@@ -107,7 +107,7 @@ class FloodCounts:
                        f"{self.outbound_control_frames} PING, SETTINGS and RST_STREAM frames the peer did not read")
 
     def own_control_frame(self) -> None:
-        """A RST_STREAM of our own queued: counted, and checked once written (h2grpc_bounds.py)."""
+        """A RST_STREAM of our own queued: counted, and checked once written (builtin/bounds.py)."""
         self.outbound_frames += 1
         self.outbound_control_frames += 1
 

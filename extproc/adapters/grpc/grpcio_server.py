@@ -1,4 +1,4 @@
-"""The same gRPC server as h2grpc.py on grpc.aio (``listen.transport: grpcio``): the reference transport.
+"""The same gRPC server as builtin/server.py on grpc.aio (``listen.transport: grpcio``): the reference transport.
 
 Why keep it: grpcio's C-core is the battle-tested HTTP/2 and gRPC stack that
 our own transport is compared with (tests/test_transport_differential.py), and
@@ -7,16 +7,16 @@ request (21–24 KB of native state per stream against about 3 KB,
 docs/decisions.md) and more CPU per request (docs/reports/benchmarks.md).
 
 It implements the same :class:`~.transport.Transport` as
-:class:`~.h2grpc.GrpcServer`, serving the ``{path: Method}`` table through one
+:class:`~.builtin.server.BuiltinServer`, serving the ``{path: Method}`` table through one
 generic handler, so the ext_proc servicer and the health service (the same
 :class:`~.health.Health` object, one source of truth for status) do not know
 which transport carries them. A handler's :class:`~.transport.GrpcError` ends
 the call with its status; a request that does not decode ends with INTERNAL,
-as h2grpc does; any other exception is logged and ends with INTERNAL.
+as the builtin server does; any other exception is logged and ends with INTERNAL.
 
 TLS takes the same files; grpcio reads them through its own credentials, which
 ask :class:`~.tls.ServerTls` before every handshake whether they were reloaded,
-so a rotated certificate serves new connections as on h2grpc.
+so a rotated certificate serves new connections as on the builtin server.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from extproc.adapters.ext_proc.h2grpc_warnings import WARN_EVERY_S
-from extproc.adapters.ext_proc.tls import ServerTls
-from extproc.adapters.ext_proc.transport import INTERNAL, GrpcError, Limits, Message, Method, Methods, Transport
+from extproc.adapters.grpc.builtin.peer_warnings import WARN_EVERY_S
+from extproc.adapters.grpc.tls import ServerTls
+from extproc.adapters.grpc.transport import INTERNAL, GrpcError, Limits, Message, Method, Methods, Transport
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _serialize(message: Message) -> bytes:
 
 
 class _Handlers(_GenericRpcHandler):
-    """Every method of the table as a bidirectional stream, as h2grpc serves them (any cardinality fits)."""
+    """Every method of the table as a bidirectional stream, as the builtin server serves them (any cardinality fits)."""
 
     def __init__(self, server: GrpcioServer) -> None:
         self._handlers = {
@@ -153,11 +153,11 @@ class GrpcioServer(Transport):
         self._server = grpc.aio.server(handlers=[_Handlers(self)], options=[
             ("grpc.max_receive_message_length", self.limits.max_message_bytes),
             ("grpc.max_send_message_length", -1),
-            # A port already in use is an error, as on h2grpc, not a second listener sharing it.
+            # A port already in use is an error, as on the builtin server, not a second listener sharing it.
             ("grpc.so_reuseport", 0),
             # C-core cancels new calls once 1,000 wait for Python to take them (3,000: at once): a burst of
             # held requests does that (measured: 207 of 2,000 opened at once lost). Every held request is a
-            # call, so like h2grpc, no such limit.
+            # call, so like the builtin server, no such limit.
             ("grpc.server.max_pending_requests", 2**30), ("grpc.server.max_pending_requests_hard_limit", 2**30),
             # advanced.grpc's limits, as C-core names them. connection_buffer_bytes has no C-core
             # counterpart: its own flow-control windows bound what a connection buffers.
@@ -180,7 +180,7 @@ class GrpcioServer(Transport):
                 self._server.add_insecure_port(address)
             else:
                 self._server.add_secure_port(address, _credentials(tls))
-        except RuntimeError:  # grpcio says only that it could not bind; an OSError, as h2grpc raises
+        except RuntimeError:  # grpcio says only that it could not bind; an OSError, as the builtin server raises
             raise OSError(errno.EADDRINUSE, "Address already in use, or not permitted (grpcio does not say which)"
                           ) from None
         await self._server.start()

@@ -1,6 +1,6 @@
-"""One gRPC call of the h2grpc transport: its message framing, its inbox, and what it owes flow control.
+"""One gRPC call of the builtin transport: its message framing, its inbox, and what it owes flow control.
 
-Split from h2grpc_connection.py so the per-stream state, the part that
+Split from builtin/connection.py so the per-stream state, the part that
 10,000 held requests multiply, reads on its own. The statuses and messages are
 grpcio's (or grpc-go's where grpcio does not check), so a client sees what a
 reference gRPC server would have said.
@@ -12,7 +12,7 @@ import asyncio
 from collections import deque
 from typing import Any, Protocol
 
-from extproc.adapters.ext_proc.transport import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, GrpcError, Method
+from extproc.adapters.grpc.transport import INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, GrpcError, Method
 
 # What grpcio's server says of a message it cannot decode (grpc/_server.py).
 UNDECODABLE = "Exception deserializing request!"
@@ -53,7 +53,7 @@ class Call:
         self.closing: list[tuple[bytes, bytes]] | None = None  # trailers to send once outgoing is out
         self.buffered = 0
         self.unacked = 0
-        self.born = born  # when its headers came; 0 once its handler took a message (h2grpc_connection.py)
+        self.born = born  # when its headers came; 0 once its handler took a message (builtin/connection.py)
         self.parked = 0  # the outgoing bytes its connection counted when it parked the call (waiting on a window)
 
     def __aiter__(self) -> Call:

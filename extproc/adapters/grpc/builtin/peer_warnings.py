@@ -1,4 +1,4 @@
-"""How the h2grpc transport tells the operator about peers that break the rules (or its limits, transport.py ``Limits``).
+"""How the builtin transport tells the operator about peers that break the rules (or its limits, transport.py ``Limits``).
 
 The limits are the ``listen`` section's (config/schema.py, docs/configuration.md), built in transport.py.
 The warnings are rate-limited per peer host: whatever a peer sends can cost it
@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 
-log = logging.getLogger("extproc.adapters.ext_proc.h2grpc")
+log = logging.getLogger("extproc.adapters.grpc.builtin")
 
 # How long a peer's further warnings are counted instead of logged, and how many peers are remembered.
 WARN_EVERY_S = 10.0

@@ -1,7 +1,7 @@
 """HTTP/2 frames as bytes (RFC 9113, sections 4 and 6): the frame header, the codes, and the frames this server sends.
 
 A frame is a 9-byte header (24-bit payload length, type, flags, a reserved
-bit and a 31-bit stream id) and its payload. h2grpc_http2.py reads frames
+bit and a 31-bit stream id) and its payload. builtin/http2.py reads frames
 with :data:`HEADER` and writes them with the builders here; they check
 nothing a caller controls (the connection sends only what its state allows).
 """

@@ -1,11 +1,11 @@
-"""One HTTP/2 connection of the h2grpc transport: what a peer may send on it, and what it costs.
+"""One HTTP/2 connection of the builtin transport: what a peer may send on it, and what it costs.
 
 Envoy keeps one or a few long-lived connections to us, each carrying every
 held request of its share as a stream, so a mistake that ends a connection
 ends all of them. Everything a peer can send therefore ends at most its own
 stream, with the status a reference gRPC server would send, or, for a broken
 connection (an HTTP/2 protocol error), that connection; never a traceback,
-and a warning at most once per peer per 10 s (h2grpc_warnings.py).
+and a warning at most once per peer per 10 s (builtin/peer_warnings.py).
 
 Memory is bounded by flow control. A stream's bytes are handed back to the
 peer (WINDOW_UPDATE) as its handler takes its messages, beyond what one whole
@@ -17,7 +17,7 @@ messages of many streams can never wedge every other stream on it.
 
 What we write is bounded too, and what a peer makes us do per loop cycle:
 a peer that does not read what it asks for is not read from, and floods end
-the connection (h2grpc_bounds.py, h2grpc_flood.py).
+the connection (builtin/bounds.py, builtin/flood.py).
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ import asyncio
 import logging
 from typing import Any, cast
 
-from extproc.adapters.ext_proc import h2grpc_http2 as http2
-from extproc.adapters.ext_proc.h2grpc_bounds import OUTPUT, Bounded
-from extproc.adapters.ext_proc.h2grpc_call import PREFIX, Call, refused, shown, trailers
-from extproc.adapters.ext_proc.h2grpc_frames import RESPONSE_HEADERS, ErrorCode
-from extproc.adapters.ext_proc.h2grpc_http2 import Http2Connection, Http2Error, StreamClosed
-from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
-from extproc.adapters.ext_proc.transport import INTERNAL, OK, RESOURCE_EXHAUSTED, UNIMPLEMENTED, GrpcError, Limits, Methods
+from extproc.adapters.grpc.builtin import http2
+from extproc.adapters.grpc.builtin.bounds import OUTPUT, Bounded
+from extproc.adapters.grpc.builtin.call import PREFIX, Call, refused, shown, trailers
+from extproc.adapters.grpc.builtin.frames import RESPONSE_HEADERS, ErrorCode
+from extproc.adapters.grpc.builtin.http2 import Http2Connection, Http2Error, StreamClosed
+from extproc.adapters.grpc.builtin.peer_warnings import PeerWarnings
+from extproc.adapters.grpc.transport import INTERNAL, OK, RESOURCE_EXHAUSTED, UNIMPLEMENTED, GrpcError, Limits, Methods
 
-log = logging.getLogger("extproc.adapters.ext_proc.h2grpc")
+log = logging.getLogger("extproc.adapters.grpc.builtin")
 
 # Receive windows: large enough that a buffered body arrives without waiting on window updates.
 STREAM_WINDOW = 1024 * 1024
@@ -452,7 +452,7 @@ class Connection(Bounded):
         """Write what the HTTP/2 layer has to send now (before a close, which must not cut it off).
 
         Then what the peer left unread is checked against the limits: the bytes
-        that wait, and the frames they are (h2grpc_flood.py).
+        that wait, and the frames they are (builtin/flood.py).
         """
         self._flush_pending = False
         transport = self._transport

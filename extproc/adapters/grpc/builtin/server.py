@@ -20,26 +20,24 @@ is (docs/reports/reliability.md, "The gRPC port under abuse"): a peer's bad
 bytes end only its stream, flow control bounds what it can make us buffer,
 streams per connection and connections are limited (Limits, far above the
 held requests we expect), stalled and idle connections are closed, GOAWAY
-is graceful both ways. The pieces: h2grpc_call.py (one call),
-h2grpc_connection.py (one connection), h2grpc_http2.py (its HTTP/2: frames,
-streams, flow control, protocol errors), h2grpc_frames.py (frames as bytes),
-h2grpc_hpack.py (its HPACK decoding), h2grpc_warnings.py (warnings per peer).
+is graceful both ways. Its pieces, one module each, are listed in the
+package's docstring (``builtin/__init__.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from extproc.adapters.ext_proc.h2grpc_connection import Connection
-from extproc.adapters.ext_proc.h2grpc_hpack import mute_debug
-from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
-from extproc.adapters.ext_proc.tls import ServerTls
-from extproc.adapters.ext_proc.transport import Limits, Methods, Transport
+from extproc.adapters.grpc.builtin.connection import Connection
+from extproc.adapters.grpc.builtin.hpack_decoder import mute_debug
+from extproc.adapters.grpc.builtin.peer_warnings import PeerWarnings
+from extproc.adapters.grpc.tls import ServerTls
+from extproc.adapters.grpc.transport import Limits, Methods, Transport
 
-__all__ = ["GrpcServer"]
+__all__ = ["BuiltinServer"]
 
 
-class GrpcServer(Transport):
+class BuiltinServer(Transport):
     """Serves ``methods`` on one listening address over HTTP/2 (transport.py says what it owes)."""
 
     def __init__(self, methods: Methods, limits: Limits | None = None) -> None:

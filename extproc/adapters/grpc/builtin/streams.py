@@ -1,4 +1,4 @@
-"""The streams of h2grpc_http2.py's connection: an open one's record, a closed one's memory, windows given back.
+"""The streams of builtin/http2.py's connection: an open one's record, a closed one's memory, windows given back.
 
 Apart so that what RFC 9113 (5.1) says of a frame on a closed stream reads in
 one place, as the conformance test against the ``h2`` library found it
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from extproc.adapters.ext_proc.h2grpc_frames import ErrorCode
+from extproc.adapters.grpc.builtin.frames import ErrorCode
 
 # Closed streams are remembered with how they closed, the last 1,024 (60 KB at most): by our RST_STREAM (a
 # frame the peer sent before it read it is ignored), by the peer's (any frame but PRIORITY is then a stream

@@ -3,12 +3,12 @@
 It turns the peer's bytes into events and our sends into frames, and keeps the
 state those depend on: the preface and SETTINGS, each open stream's two
 halves, flow control both ways, HEADERS with CONTINUATION decoded by HPACK
-(h2grpc_hpack.py), and the connection's error. It does no I/O:
-h2grpc_connection.py feeds it what the socket read and writes what it
+(builtin/hpack_decoder.py), and the connection's error. It does no I/O:
+builtin/connection.py feeds it what the socket read and writes what it
 queued. A connection error queues GOAWAY and raises :class:`Http2Error`; a
 stream error resets that stream and is reported as its reset; frames that
 oblige an answer or carry nothing are counted as Envoy counts them
-(h2grpc_flood.py). It replaced the ``h2`` library, whose generality cost a
+(builtin/flood.py). It replaced the ``h2`` library, whose generality cost a
 quarter of the processor's CPU per request (docs/decisions.md), and is
 checked against h2's state machine (tests/test_h2grpc_conformance.py).
 
@@ -24,11 +24,11 @@ from typing import Any, NoReturn
 from hpack import Encoder, HPACKError
 
 from extproc.adapters.config import GrpcLimits
-from extproc.adapters.ext_proc import h2grpc_frames as f
-from extproc.adapters.ext_proc.h2grpc_flood import DEFAULT_LIMITS, FloodCounts
-from extproc.adapters.ext_proc.h2grpc_frames import ErrorCode
-from extproc.adapters.ext_proc.h2grpc_hpack import MemoDecoder
-from extproc.adapters.ext_proc.h2grpc_streams import BY_PEER, BY_US, ENDED_BOTH, ClosedStreams, Stream, window_increment
+from extproc.adapters.grpc.builtin import frames as f
+from extproc.adapters.grpc.builtin.flood import DEFAULT_LIMITS, FloodCounts
+from extproc.adapters.grpc.builtin.frames import ErrorCode
+from extproc.adapters.grpc.builtin.hpack_decoder import MemoDecoder
+from extproc.adapters.grpc.builtin.streams import BY_PEER, BY_US, ENDED_BOTH, ClosedStreams, Stream, window_increment
 
 # What receive_data reports: (kind, stream id, value, size) tuples.
 REQUEST = 1  # a new stream's headers: value the header list
@@ -46,7 +46,7 @@ Headers = list[tuple[bytes, bytes]]
 # The largest header list we take (SETTINGS_MAX_HEADER_LIST_SIZE, enforced while decoding), grpcio's hard limit
 # (GRPC_ARG_ABSOLUTE_MAX_METADATA_SIZE): it bounds a block's decoding to 512 fields, 1.4 ms of pure Python.
 MAX_HEADER_LIST = 16 * 1024
-# A header block's cost in max_frames_per_read (h2grpc_flood.py): one per field, and this for its stream.
+# A header block's cost in max_frames_per_read (builtin/flood.py): one per field, and this for its stream.
 STREAM_WORK = 16
 # A header block larger than this (in HPACK bytes, HEADERS and CONTINUATIONs together) ends the connection
 # before it is decoded: a bound on what a peer makes us buffer, far above the header list limit's worth.

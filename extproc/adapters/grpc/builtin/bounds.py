@@ -1,13 +1,13 @@
-"""What one connection of the h2grpc transport may cost: read only while its peer keeps up, ended past a limit.
+"""What one connection of the builtin transport may cost: read only while its peer keeps up, ended past a limit.
 
-The base of h2grpc_connection.py's Connection, apart so that its bounds read
+The base of builtin/connection.py's Connection, apart so that its bounds read
 together. Reading pauses for two reasons: our output waits on the peer (more
 than ``advanced.grpc.output_buffer_bytes`` unread: the transport calls
 pause_writing), or the rest of a read waits for the next loop cycle (past
-``max_frames_per_read``, h2grpc_flood.py), so that no connection holds the
+``max_frames_per_read``, builtin/flood.py), so that no connection holds the
 loop for more than its share. The connection ends, with GOAWAY
 ENHANCE_YOUR_CALM and one warning naming the limit, past the HTTP/2 layer's
-counts (h2grpc_flood.py), past ``max_output_buffer_bytes`` or the frame
+counts (builtin/flood.py), past ``max_output_buffer_bytes`` or the frame
 counts of what the peer left unread, or once the streams the peer reset
 prematurely are half of its streams (Envoy's rule for CVE-2023-44487's
 rapid reset; premature: before its handler took a message, within
@@ -22,10 +22,10 @@ import ctypes.util
 import time
 
 from extproc.adapters.config import GrpcLimits
-from extproc.adapters.ext_proc import h2grpc_http2 as http2
-from extproc.adapters.ext_proc.h2grpc_frames import ErrorCode
-from extproc.adapters.ext_proc.h2grpc_http2 import Http2Connection
-from extproc.adapters.ext_proc.h2grpc_warnings import PeerWarnings
+from extproc.adapters.grpc.builtin import http2
+from extproc.adapters.grpc.builtin.frames import ErrorCode
+from extproc.adapters.grpc.builtin.http2 import Http2Connection
+from extproc.adapters.grpc.builtin.peer_warnings import PeerWarnings
 
 # Why reading is paused: our output waits on the peer, or the rest of a read waits for the next loop cycle.
 OUTPUT, INPUT = 1, 2
