@@ -71,4 +71,4 @@ async def test_memory_per_held_request_is_measured_on_each_transport(tmp_path: P
     assert [f["held"] for f in figures.values()] == [499, 499]  # all queued but the one the gate released
     assert figures["grpcio"]["kb_per_held"] > 2 * figures["builtin"]["kb_per_held"] > 0
     table = "\n".join(overhead_markdown({"paths": {}, "max_workers": 32, "transports": figures}))
-    assert "| h2 | 499 |" in table and "| grpcio | 499 |" in table
+    assert "| builtin | 499 |" in table and "| grpcio | 499 |" in table

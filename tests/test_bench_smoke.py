@@ -150,7 +150,7 @@ def test_quick_bench_replays_a_tiny_production_trace(tmp_path: Path) -> None:
     out = quick_bench(tmp_path, "--trace", timeout=120)
     results = json.loads((out / "results.json").read_text())
     arms = results["scenarios"]["trace"]
-    assert tuple(arms) == ("direct-fifo", "extproc-rr")
+    assert tuple(arms) == ("direct-fifo", "direct-priority", "extproc-engine-priority")
     replay = results["replays"]["trace"]
     assert replay["utilisation"] == 0.87 and replay["offered_utilisation"] == pytest.approx(0.87)
     assert replay["time_factor"] > 0 and [f["kind"] for f in replay["files"]] == ["conv", "code"]
@@ -166,16 +166,19 @@ def test_quick_bench_replays_a_tiny_production_trace(tmp_path: Path) -> None:
         assert trace["tokens"] > 0 and math.isfinite(trace["tokens_vs_direct"]), arm
         assert trace["focus_reference"]["quiet_p99"] > 0
     assert arms["direct-fifo"]["idle_while_held"] is None
-    idle = arms["extproc-rr"]["idle_while_held"]
+    idle = arms["extproc-engine-priority"]["idle_while_held"]
     assert idle["over_s"] == pytest.approx(replay["window_s"]) and 0 <= idle["share"] < 1
     # The processor's objective counters were read.
-    assert arms["extproc-rr"]["trace"]["classes"]["interactive"]["processor_met"] is not None
+    assert arms["extproc-engine-priority"]["trace"]["classes"]["interactive"]["processor_met"] is not None
+    # Each class's worst-served tenant, for the comparison with the engine's priority queue.
+    assert all(c["worst_tenant"]["tenant"] for c in arms["direct-priority"]["trace"]["classes"].values())
     offered = arms["direct-fifo"]["trace"]["offered"]
     assert offered["expected"] == pytest.approx(0.87) and 0 < offered["measured"] <= 1
     raw = json.loads((tmp_path / "work" / "trace" / "direct-fifo" / "raw.json").read_text())
     assert set(raw["phases"]) == {"unloaded", "trace-alone"}
     summary_md = (out / "summary.md").read_text()
     for text in ("### trace", "Replayed: Azure LLM inference trace 2023", "idle slot-s while held (% of the window)",
-                 "missed objective (client / processor)", "TTFT p99 vs quiet engine", "Offered load"):
+                 "missed objective (client / processor)", "TTFT p99 vs quiet engine", "Offered load",
+                 "Against straight to the engine's priority queue", "slots in use vs FIFO"):
         assert text in summary_md, text
     assert (out / "trace-ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

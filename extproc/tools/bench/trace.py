@@ -126,6 +126,8 @@ QUICK_DRAIN_S = 5.0
 
 # Straight to the engine (its FIFO queue, its priority queue) and the gateway in front of each.
 TRACE_ARMS = PRIORITY_QUEUE_ARMS
+# `--quick --trace` (CI's smoke run): the reference and the gateway that learns the engine's priority queue.
+QUICK_TRACE_ARMS = ("direct-fifo", "direct-priority", "extproc-engine-priority")
 
 
 @dataclass(frozen=True)
@@ -353,6 +355,8 @@ def trace_replay(
         raise TraceError(f"--trace-seconds {seconds:g}: expected a positive length of trace")
     replay = replay_rows(read, start=first, seconds=seconds, engine=engine, utilisation=utilisation, seed=seed)
     flood, flood_at, drain = (QUICK_FLOOD, QUICK_FLOOD_AT, QUICK_DRAIN_S) if quick else (FLOOD, FLOOD_AT, DRAIN_S)
+    if quick and arms == TRACE_ARMS:
+        arms = QUICK_TRACE_ARMS
     span = replay.factors["span_s"]
     prompt, output = clip(FLOOD_PROMPT_TOKENS, FLOOD_OUTPUT_TOKENS, engine.kv_cache_tokens)
     job = Stream(FLOOD_TENANT, LogNormal(prompt, 0.0), LogNormal(output, 0.0), burst=flood, start=flood_at,
