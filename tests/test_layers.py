@@ -213,6 +213,19 @@ def test_config_commands_load_no_tools(argv: list[str]) -> None:
     assert tools_loaded(done.stderr) == []
 
 
+# The libraries of the optional extras (bench, s3, test): the image the compose demo runs has none of them,
+# and its `extproc-dev sim` must start there.
+EXTRAS = ("openai", "matplotlib", "numpy", "boto3", "moto", "h2", "hypothesis", "jwt", "jsonschema", "kubernetes_validate")
+
+
+@pytest.mark.unit
+def test_the_dev_command_loads_no_optional_extra() -> None:
+    child = "import json, sys\nimport extproc.tools.cli\nprint(json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert loaded(done.stderr, *EXTRAS) == []
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
