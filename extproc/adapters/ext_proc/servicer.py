@@ -56,8 +56,8 @@ from extproc.adapters.ext_proc.replies import content_length, headers_of, models
 from extproc.adapters.ext_proc.request_fields import NO_PROMPT, from_metadata, max_tokens
 from extproc.adapters.ext_proc.shedding import Shedding
 from extproc.adapters.telemetry import UNKNOWN_MODEL, Admitted, Signed, Telemetry, TurnedAway
-from extproc.core.dispatcher import Held, ModelDispatcher, shutting_down
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.dispatcher import Held, ModelDispatcher
+from extproc.core.outcomes import Refusal, Refused, shutting_down
 from extproc.core.prefix import NO_PREFIX, Prefix
 from extproc.core.report import RequestEvent, Step
 
