@@ -167,15 +167,6 @@ def test_no_import_cycles() -> None:
 
 
 # Where a module of this size has grown two concepts; the core and the adapters are kept under it.
-MAX_LINES = 500
-
-
-@pytest.mark.unit
-def test_core_and_adapter_modules_stay_small() -> None:
-    sizes = {str(p): len(p.read_text().splitlines()) for p in MODULES if p.relative_to(PACKAGE).parts[0] in ("core", "adapters")}
-    assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
-
-
 # --- the production command, run: no extproc.tools module in its process --------------------------
 
 # `extproc ARGS` in a child process; its last stderr line lists every module it loaded (sys.modules at its exit).
