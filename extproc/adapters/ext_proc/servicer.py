@@ -138,7 +138,7 @@ class Processor:
 
     async def process(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
         """One stream: read the request, admit it, hold it until the dispatcher decides, then follow the response."""
-        messages = aiter(requests)
+        messages = requests  # an iterator already: read as it is
         first = await anext(messages, None)
         if first is None:
             return
