@@ -48,7 +48,7 @@ from extproc.core.prefix import NO_PREFIX, Prefix
 from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
 from extproc.core.release.pool_report import PoolReport
-from extproc.core.report import DispatchReport, PoolEvent
+from extproc.core.report import DispatchReport, PoolEvent, RequestEvent, Step
 from extproc.core.status import ModelStatus
 from extproc.core.strategy import LocalRelease, ReleaseStrategy
 from extproc.core.timers import Timers
@@ -98,6 +98,7 @@ class ModelDispatcher:
                                 type(pool.rule), pool.settings, engine_priority, cold_start_wait_s)
         self._state = ModelState(name, pool, settings, report, clock, timers, policy, max_preemptions_per_s)
         self._strategy = (strategy or (lambda outlet: LocalRelease(outlet, timers)))(self._state)
+        self._band_names = tuple(band.name for band in bands)  # kept through reconfigure (same names, same order)
         self._probe: Callable[[tuple[str, ...]], None] | None = None
 
     def probe_with(self, probe: Callable[[tuple[str, ...]], None]) -> None:
@@ -126,7 +127,7 @@ class ModelDispatcher:
     def priority_first(self) -> str | None:
         """Which ``priority`` values the engines run first ("lower", "higher") where the adapter writes the band's
         ``engine_priority`` into each body (negated for "higher"); None: none is written (``model_state.py``)."""
-        return self._state.priority_first()
+        return self._state.engine_order
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -194,17 +195,17 @@ class ModelDispatcher:
         streamed, so it can be taken back until it completes. ``tag``: what its reports name it by (``Request.tag``).
         Raises :class:`~extproc.core.outcomes.Refused` when a queue cap leaves no room.
         """
-        now = self._clock()
-        refused = self._state.refusal(tenant, band, now, tag)
-        if refused is not None:
+        now, request = self._clock(), Request(tenant, band, affinity or tenant, prefix, eligible, retried, whole, tag)
+        try:
+            held, first = self._state.enqueue(request, now, content_length, max_tokens, ttft_objective_s)
+        except Refused:
             self._report(PoolEvent(decision_s=self._clock() - now))
-            raise refused
-        request = Request(tenant, band, affinity or tenant, prefix, eligible, retried, whole, tag)
-        held, first = self._state.enqueue(request, now, content_length, max_tokens, ttft_objective_s)
+            raise
         clamped = held.estimate.clamped
         self._strategy.queued(band, tenant, first, now)
         self._preempt_at_risk(now)
-        self._report(PoolEvent(decision_s=self._clock() - now, cost_clamped=clamped))
+        self._report(RequestEvent(Step.QUEUED, self._band_names[band], tenant, tag=tag,
+                                  decision_s=self._clock() - now, cost_clamped=clamped))
         return held
 
     def end(self, held: Held) -> None:
