@@ -19,7 +19,9 @@ only frames running outside any task or in a task that the traced request
 started: a scrape's task, running beside the request, is not its path. A
 timer that fires inside the window (a loop-lag probe) would still count, so
 the request is traced three times and the least is printed (what runs
-beside a request only ever adds calls).
+beside a request only ever adds calls). Each traced request waits a moment
+first, so that the end of the one before (Envoy's RST_STREAM) is not read
+in the same read as its first bytes.
 
 Counted, per module: its *entries* (a call into one of its functions, or a
 coroutine of it resumed, from a frame of another module or from the event
@@ -56,6 +58,7 @@ TENANT = "path"
 API_KEY = "key-path"
 WARM_UP = 5
 TRACES = 3
+SETTLE_S = 0.1
 # Where the request's path begins and ends (the builtin transport's connection).
 _START: CodeType = Connection.data_received.__code__
 _QUEUED: CodeType = Connection._drain.__code__  # noqa: SLF001 (the reply's bytes queued on the stream)
@@ -176,6 +179,9 @@ async def _ask(session: aiohttp.ClientSession, url: str) -> None:
 
 
 async def _traced(session: aiohttp.ClientSession, url: str) -> RequestPath:
+    # The previous request's stream ends after its response; its last frames (Envoy's RST_STREAM) must not arrive in
+    # the same read as this request's first: a pause lets them come and go first.
+    await asyncio.sleep(SETTLE_S)
     tracer = _Tracer()
     sys.setprofile(tracer.hook)
     try:
