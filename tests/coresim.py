@@ -20,23 +20,25 @@ at every moment something happened, not at chosen ones.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import Held, ModelDispatcher
-from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
-from extproc.core.outcomes import Refused
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
-from extproc.core.report import Event
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.outcomes import Refused
+from extproc.core.values.report import Event
 from extproc.tools.sim.engine import Scheduler, SimRequest, SimSettings
 
 ENDPOINT = "http://engine"
@@ -147,6 +149,9 @@ class CoreSim:
         timer = _Timer()
         self._at(deadline, lambda: None if timer.cancelled else callback())
         return timer
+
+    def future(self) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().create_future()
 
     def _at(self, at: float, run: Callable[[], None]) -> None:
         heapq.heappush(self._heap, _Event(at, next(self._seq), run))
@@ -264,7 +269,7 @@ class CoreSim:
         load = EngineLoad(waiting=scheduler.shown_waiting, running=scheduler.shown_running,
                           kv_usage=scheduler.kv_usage)
         self.dispatcher.record_scrape(ENDPOINT, load, self.now)
-        limit = self.pool.rule.snapshot(ENDPOINT).limit
+        limit = self.pool.snapshot(ENDPOINT).limit
         if limit is not None:
             self.limits.append((self.now, limit))
         self._at(self.now + self.scrape_s, self._scrape)
@@ -281,7 +286,7 @@ class CoreSim:
         pool = self.pool
         if pool.degraded(self.now):
             return 0
-        estimate = pool.estimate.now()
+        estimate = pool.load_now()
         if estimate.waiting > 0:
             return 0
         return max(0, math.floor(pool.capacity() - estimate.held))

@@ -20,7 +20,7 @@ from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.runtime import ModelRuntime
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLoad
+from extproc.core.values.engine_load import EngineLoad
 from tests.test_epp_stream import DUPLEX, answers, first_message, send
 from tests.test_processor import Stream, settle
 

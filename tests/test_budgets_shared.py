@@ -28,7 +28,7 @@ from extproc.cli import main
 from extproc.core.budgets.book import Usage, day_of
 from extproc.core.budgets.ledger import Standing
 from extproc.core.budgets.limits import Plan
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 from extproc.tools.power_user import chat
 from extproc.tools.stack import start_stack
 from tests.redisutil import RedisServer

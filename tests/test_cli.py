@@ -25,7 +25,7 @@ from extproc.adapters.logs import DECISIONS, JsonFormatter, setup_logging
 from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.outcomes import Refused
+from extproc.core.values.outcomes import Refused
 from extproc.tools.cli import build_parser as build_dev_parser
 from extproc.tools.demo import DEMO_CONFIG, PORT_OFFSETS, with_port_base
 from extproc.tools.procs import free_port

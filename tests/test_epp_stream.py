@@ -30,7 +30,7 @@ from extproc.adapters.runtime import Dispatchers, build_runtimes
 from extproc.adapters.server import PROCESS_PATH
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLoad
+from extproc.core.values.engine_load import EngineLoad
 from extproc.tools.procs import free_port
 from tests.test_processor import Stream, settle
 
@@ -252,7 +252,7 @@ async def test_the_served_endpoint_read_back_moves_the_count_and_marks_the_pick_
     send(stream, served)
     await answers(stream)
     pool = dispatcher._pool  # noqa: SLF001 - where the count went
-    assert pool.estimate.in_flight_on(f"http://{fallback}") == 1 and pool.estimate.in_flight_on(f"http://{picked}") == 0
+    assert pool.in_flight_on(f"http://{fallback}") == 1 and pool.in_flight_on(f"http://{picked}") == 0
     assert f"http://{picked}" in pool.down()
     stream.close()
     await stream.task

@@ -2,7 +2,7 @@
 
 * ``extproc/core`` (queues, policies, band and release rules, load estimate,
   cost, the dispatcher) takes plain values and reports through
-  ``core/report.py``; it imports only the core. An import from the core into
+  ``core/values/report.py``; it imports only the core. An import from the core into
   the adapters would bring I/O and their settings into code tested as pure.
 * ``extproc/adapters`` (the ext_proc servicer, engine metrics and scraping,
   Envoy config generation, telemetry, config, wiring, the server) import the

@@ -14,11 +14,11 @@ from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import ARRIVING_S, MAX_DEFAULT_SHARE, SHARE_S, Band, BandActivity, BandAdmission, BandShares
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import Held, ModelDispatcher
-from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
 from extproc.core.release.answer import Answer
-from extproc.core.report import Event, RequestEvent, Step
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.report import Event, RequestEvent, Step
 from tests.test_gate import make_gate
 
 pytestmark = pytest.mark.unit

@@ -26,7 +26,7 @@ from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
-from extproc.core.report import Change, DispatchReport, EndpointEvent
+from extproc.core.values.report import Change, DispatchReport, EndpointEvent
 from extproc.tools.procs import free_port
 from tests.httputil import serving
 from tests.test_gate import make_gate
@@ -117,7 +117,7 @@ async def test_a_reset_metrics_connection_is_down_only_when_the_engine_does_not_
         await asyncio.gather(task, return_exceptions=True)
     pool = dispatcher._pool  # noqa: SLF001 - what the scrape told it
     assert pool.down() == ([url] if down else [])
-    assert pool.health.degraded(0.0) == (url,)  # either way its metrics cannot be used
+    assert pool.unusable_metrics(0.0) == (url,)  # either way its metrics cannot be used
 
 
 async def test_an_end_is_probed_and_its_slot_freed_when_the_engine_answers(tmp_path: Path) -> None:

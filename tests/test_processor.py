@@ -20,7 +20,7 @@ from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.runtime import ModelRuntime, build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 pytestmark = pytest.mark.unit
 

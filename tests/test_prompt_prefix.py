@@ -28,9 +28,9 @@ from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.server import PROCESS_PATH
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import Held, ModelDispatcher
-from extproc.core.engine_load import EngineLoad
-from extproc.core.outcomes import Refused
 from extproc.core.prefix import NO_PREFIX, Prefix
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.outcomes import Refused
 from extproc.tools.procs import free_port
 from tests.test_epp_stream import BUFFERED, DUPLEX, first_message
 from tests.test_processor import Stream, settle

@@ -24,7 +24,7 @@ from extproc.adapters.ext_proc.stream_start import MOST_HELD_BYTES, FirstEvent, 
 from extproc.adapters.runtime import Dispatchers, build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLimits, EngineLoad
+from extproc.core.values.engine_load import EngineLimits, EngineLoad
 from tests.test_epp_stream import answers, body, chat, first_message
 from tests.test_processor import Stream
 

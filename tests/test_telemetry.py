@@ -35,9 +35,9 @@ from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.telemetry.model import DEMAND_READ_S
 from extproc.adapters.wiring import tenant_labels
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLoad
-from extproc.core.outcomes import Refusal, Refused
-from extproc.core.report import RequestEvent, Step
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.outcomes import Refusal, Refused
+from extproc.core.values.report import RequestEvent, Step
 from extproc.tools.power_user import chat
 from extproc.tools.stack import start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config

@@ -1,4 +1,4 @@
-"""What a client hears for each :class:`~extproc.core.outcomes.Refusal`: status, OpenAI error type, Retry-After.
+"""What a client hears for each :class:`~extproc.core.values.outcomes.Refusal`: status, OpenAI error type, Retry-After.
 
 One table for every front end that answers instead of the engine: the
 processor's ext_proc answers (``ext_proc/servicer.py``), the answers Envoy
@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Any
 
 from extproc.adapters.ext_proc.contract import REASON_HEADER
-from extproc.core.outcomes import Refusal
+from extproc.core.values.outcomes import Refusal
 
 # Retry-After: the refusing queue's drain time at the recent release rate, within these bounds.
 MIN_RETRY_AFTER_S = 1

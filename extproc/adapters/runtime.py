@@ -38,7 +38,7 @@ from extproc.adapters.ext_proc.replies import duration
 from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
 from extproc.adapters.wiring import build_dispatcher, live_settings, tenant_labels
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.outcomes import Refused
+from extproc.core.values.outcomes import Refused
 
 if TYPE_CHECKING:  # built by server.py only with a cluster: section
     from extproc.adapters.cluster.link import ClusterConnection

@@ -48,7 +48,7 @@ from extproc.adapters.runtime import Dispatchers, ModelRuntime, build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import MetricsServer, build_app
 from extproc.adapters.wiring import cluster_forms, tenant_labels
-from extproc.core.outcomes import Refused
+from extproc.core.values.outcomes import Refused
 
 if TYPE_CHECKING:  # the optional features: each imported where its section is on (ProcessorServer.__init__)
     from extproc.adapters.batches.service import BatchService

@@ -444,9 +444,9 @@ class BandAdmission:
         """An idle-only band's free slots: while a band above has work now (``above``), less its reserve and within
         its share; else (it holds streams) all of them."""
         pool, settings = self._pool, self._pool.settings
-        if not pool.rule.uses_metrics or pool.degraded(now):
+        if not pool.uses_metrics or pool.degraded(now):
             return max(0, pool.allowance(now) - (max(1, self._reserved_waiting) if above else 0))
-        estimate = pool.estimate.now()
+        estimate = pool.load_now()
         if estimate.waiting > 0:
             return 0
         share = self._bands[band].idle_running_share if above else 1.0
@@ -464,6 +464,6 @@ class BandAdmission:
         # that does not fit leaves no more than the target waiting) until the
         # engine first queued, then one more per scrape; streams only until then
         # (one that queues cannot be taken back for a request above).
-        if pool.estimate.seen_waiting:
+        if pool.seen_waiting:
             return 0 if firm else 1
         return max(1, min(int(estimate.held), settings.target_waiting))

@@ -17,9 +17,9 @@ and the release reported.
 
 It reads the pool (``release/pool.py``) and tells it of releases and finishes;
 the pool's own events (scrapes, probes, membership) reach it from the
-dispatcher. Pure but for the futures it resolves: time is passed in, and the
-queued requests' longest waits (``expiry.py``) are left to the injected
-:class:`~extproc.core.timers.Timers`.
+dispatcher. Pure: time is passed in; the queued requests' longest waits
+(``expiry.py``) and the futures the streams await (which it only resolves) are
+the injected :class:`~extproc.core.timers.Timers`' to make.
 
 **No engine up** (a pool scaled to zero, its engines starting, every one
 down): a queued request whose class's wait runs out is kept, up to the
@@ -30,7 +30,6 @@ held requests go in class and fairness order as ever.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -41,21 +40,21 @@ from extproc.core.cluster import Backlog
 from extproc.core.cost import CostWeights
 from extproc.core.demand import Demand, DemandGauge
 from extproc.core.drain_time import ReleaseRate
-from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.expiry import Expiry
 from extproc.core.fair_queue import FairQueue
 from extproc.core.held import Held, Request
-from extproc.core.outcomes import Refusal, Refused
 from extproc.core.policies import Policy
 from extproc.core.preemption import Place, Preemption
 from extproc.core.pricing import Pricing
 from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
 from extproc.core.release.rule import ReleaseRule, RuleSettings
-from extproc.core.report import Charged, DispatchReport, RequestEvent, Step
-from extproc.core.status import ClusterStatus, ModelStatus, band_status
 from extproc.core.timers import Timers
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.outcomes import Refusal, Refused
+from extproc.core.values.report import Charged, DispatchReport, RequestEvent, Step
+from extproc.core.values.status import ClusterStatus, ModelStatus, band_status
 
 
 @dataclass(frozen=True)
@@ -96,6 +95,7 @@ class ModelState:
         self._report = report
         self._clock = clock
         self._policy = policy
+        self._timers = timers
         self._pricing = Pricing(pool, settings.cost)
         self._queue: FairQueue[Held] = FairQueue(
             len(settings.bands), lambda: policy.new_band(self._weight, self._pricing.expected_hit))
@@ -130,7 +130,7 @@ class ModelState:
         self._admission.reconfigure(settings.bands, settings.reserved_waiting)
         self._pricing.reweigh(settings.cost)
         pool = self._pool
-        if (type(pool.rule), pool.settings) != (settings.rule, settings.rule_settings):
+        if (pool.rule_type, pool.settings) != (settings.rule, settings.rule_settings):
             pool.reconfigure(settings.rule, settings.rule_settings)
         self._follow_engine_priority()
 
@@ -166,13 +166,13 @@ class ModelState:
     def enqueue(self, request: Request, now: float, content_length: int | None, max_tokens: float | None,
                 ttft_objective_s: float | None) -> tuple[Held, bool]:
         """Queue ``request``, priced and given its deadlines; whether it is its tenant's first queued in its band.
-        Raises :class:`~extproc.core.outcomes.Refused` (reported) over a queue cap; QUEUED is the dispatcher's."""
+        Raises :class:`~extproc.core.values.outcomes.Refused` (reported) over a queue cap; QUEUED is the dispatcher's."""
         band, tenant = request.band, request.tenant
         refused = self._refusal(tenant, band, now, request.tag)
         if refused is not None:
             raise refused
         objective, queue_wait = self._admission.arrived(band, now, ttft_objective_s, self._settings.max_queue_wait_s)
-        held = Held(request, now, asyncio.get_running_loop().create_future(),
+        held = Held(request, now, self._timers.future(),
                     self._pricing.estimate(tenant, content_length, max_tokens), ttft_objective_s=objective,
                     deadline=now + (objective if objective is not None else queue_wait), queue_wait_s=queue_wait)
         first = self._queue.push(band, tenant, held)
@@ -294,7 +294,7 @@ class ModelState:
         # A stream begins as the engine accepts it, and a retry is never preempted: their streams need not watch.
         if not (rules.preemptible and request.whole and not request.retried):
             return None
-        held.preempted = asyncio.get_running_loop().create_future()
+        held.preempted = self._timers.future()
         queued = not into_free_slot and not self._admission.priority_queue
         return Place.OWN if not rules.idle_only else Place.QUEUED if queued else Place.LENT
 
@@ -488,8 +488,8 @@ class ModelState:
         pool = self._pool
         return ModelStatus(
             name=self.name,
-            rule=pool.rule.name,
-            uses_metrics=pool.rule.uses_metrics,
+            rule=pool.rule_type.name,
+            uses_metrics=pool.uses_metrics,
             rule_rate=pool.settings.release_rate,
             queued=len(self._queue),
             in_flight=pool.in_flight,

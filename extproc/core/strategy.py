@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from extproc.core.status import ClusterStatus
 from extproc.core.timers import Timer, Timers
+from extproc.core.values.status import ClusterStatus
 
 # An extra per-band limit on what may go now (a cluster seat's share), from the band and ``now``.
 Limit = Callable[[int, float], int]

@@ -23,7 +23,7 @@ from extproc.adapters.batches.shapes import ENDPOINTS, ApiError, Json, batch_obj
 from extproc.adapters.config import Config
 from extproc.adapters.config.batches import window_s
 from extproc.adapters.ext_proc.admission import identified_tenant
-from extproc.core.outcomes import Refused
+from extproc.core.values.outcomes import Refused
 
 log = logging.getLogger(__name__)
 

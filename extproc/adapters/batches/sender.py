@@ -27,7 +27,7 @@ from extproc.adapters.config.batches import BatchSettings
 from extproc.adapters.envoy.batches import RUNNER_KEY_HEADER
 from extproc.adapters.ext_proc.contract import BATCH_LINE_HEADER, REASON_HEADER
 from extproc.adapters.logs import DECISIONS
-from extproc.core.outcomes import Refusal
+from extproc.core.values.outcomes import Refusal
 
 log = logging.getLogger(__name__)
 

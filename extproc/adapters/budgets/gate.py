@@ -53,7 +53,7 @@ from extproc.core.budgets.ledger import Budgets, Over, Standing, Ticket, over_re
 from extproc.core.budgets.limits import Action, Kind
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.held import Held
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from extproc.adapters.engines.dialects import DIALECTS, MetricsError, parse_load
 from extproc.adapters.engines.limits import read_limits
 from extproc.adapters.engines.probe import Answer, probe
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLoad
+from extproc.core.values.engine_load import EngineLoad
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from extproc.adapters.envoy.base import Json, duration, typed
 from extproc.adapters.envoy.clusters import Upstream, upstream
 from extproc.adapters.envoy.filters import EXT_PROC_FILTER
 from extproc.adapters.envoy.local_replies import direct_reply
-from extproc.core.outcomes import Refusal
+from extproc.core.values.outcomes import Refusal
 
 BATCH_API_CLUSTER = "extproc_batch_api"
 API_PREFIXES = ("/v1/files", "/v1/batches")

@@ -56,7 +56,7 @@ from extproc.adapters.ext_proc.contract import (
     QUEUE_WAIT_HEADER,
     STREAM_FIELD,
 )
-from extproc.core.outcomes import Refusal
+from extproc.core.values.outcomes import Refusal
 
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 JWT_PROVIDER = "tenant"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from extproc.adapters.answers import ANSWERS, answer_headers, error_body, retry_after_s
 from extproc.adapters.envoy.base import Json, header_values, typed
 from extproc.adapters.ext_proc.contract import REASON_HEADER
-from extproc.core.outcomes import Refusal
+from extproc.core.values.outcomes import Refusal
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from extproc.adapters.envoy.clusters import PICKED_CLUSTER, cluster_names, picks
 from extproc.adapters.envoy.filters import ECHOED_HEADERS, EXT_PROC_FILTER
 from extproc.adapters.envoy.local_replies import direct_reply
 from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, METADATA_NAMESPACE, MODEL_HEADER
-from extproc.core.outcomes import Refusal
+from extproc.core.values.outcomes import Refusal
 
 # Retries of a request the engine never started: it could not be reached, or it
 # refused the request as full (its own queue cap). Envoy's back-off is jittered:

@@ -17,7 +17,7 @@ from google.protobuf import duration_pb2
 
 from extproc.adapters.answers import ANSWERS, answer_headers, error_body, retry_after_s
 from extproc.adapters.ext_proc.contract import QUEUE_WAIT_HEADER
-from extproc.core.outcomes import Refused
+from extproc.core.values.outcomes import Refused
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 

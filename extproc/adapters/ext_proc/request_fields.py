@@ -31,7 +31,7 @@ from extproc.adapters.ext_proc.contract import (
     PROMPT_PREFIX_FIELD,
     STREAM_FIELD,
 )
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 # The body's output limits, in the order they are read: the later one wins (as in vLLM).
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")

@@ -39,7 +39,7 @@ class is decided first, so that a shed stream gets one reply and an admitted
 one its acknowledgement.
 
 A request that does not reach the engine ends in one of the core's named
-refusals (``core/outcomes.py``); what the client hears for each comes from
+refusals (``core/values/outcomes.py``); what the client hears for each comes from
 ``adapters/answers.py`` (``replies.py``), in its attachment's statuses.
 """
 
@@ -64,9 +64,9 @@ from extproc.adapters.ext_proc.served import ServedModel
 from extproc.adapters.ext_proc.shedding import Shedding
 from extproc.adapters.telemetry import UNKNOWN_MODEL, Admitted, Signed, Telemetry, TurnedAway
 from extproc.core.held import Held
-from extproc.core.outcomes import Refusal, Refused, shutting_down
 from extproc.core.prefix import NO_PREFIX, Prefix
-from extproc.core.report import RequestEvent, Step
+from extproc.core.values.outcomes import Refusal, Refused, shutting_down
+from extproc.core.values.report import RequestEvent, Step
 
 if TYPE_CHECKING:  # imported where a budgets: section is configured (_budgets)
     from extproc.adapters.budgets.gate import BudgetGate

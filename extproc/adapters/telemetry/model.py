@@ -25,9 +25,9 @@ from extproc.adapters.telemetry.events import AdapterEvent, Admitted, ClusterTri
 from extproc.adapters.telemetry.labels import NO_TENANT, TenantLabels
 from extproc.adapters.telemetry.series import Series
 from extproc.core.demand import Demand
-from extproc.core.engine_load import EngineLoad
-from extproc.core.outcomes import Refusal
-from extproc.core.report import Change, Charged, EndpointEvent, Event, PoolEvent, RequestEvent, Step
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.outcomes import Refusal
+from extproc.core.values.report import Change, Charged, EndpointEvent, Event, PoolEvent, RequestEvent, Step
 
 # Endpoint health changes, as the core's events tell them (core/release/health_log.py).
 HEALTH = logging.getLogger("extproc.health")
@@ -56,7 +56,7 @@ class _DemandReading:
 class ModelTelemetry:
     """One model's series, its decision lines and its health log lines: every report of the model comes here.
 
-    The core's events (``core/report.py``) and the adapters' own (the
+    The core's events (``core/values/report.py``) and the adapters' own (the
     servicer's admissions, the cluster link's round trips) take this one road.
     """
 

@@ -15,7 +15,7 @@ Routes, and why each exists:
   settings the operator should fix (a queue cap below what the gate sends), which do not make it unready.
 * ``/`` and ``/status.json``: the live status page (``status.html``), which
   polls the JSON. The JSON is built on request from the dispatchers' state
-  (``core/status.py``); the hot path does no work for it. Each model's
+  (``core/values/status.py``); the hot path does no work for it. Each model's
   ``objectives`` (met, missed, preempted per class and tenant, the last
   minute's slack at release) come from its telemetry, which keeps them as it
   counts them (``adapters/objectives.py``). With ``batches:``, the batch
@@ -48,8 +48,8 @@ from extproc.adapters.answers import ANSWERS, answer_headers, error_body, retry_
 from extproc.adapters.objectives import ObjectivesStatus
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.outcomes import Refusal
-from extproc.core.status import ModelStatus
+from extproc.core.values.outcomes import Refusal
+from extproc.core.values.status import ModelStatus
 
 if TYPE_CHECKING:
     from extproc.adapters.budgets.usage import Per

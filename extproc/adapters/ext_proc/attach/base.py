@@ -33,8 +33,8 @@ from extproc.adapters.ext_proc.request_fields import Prompt, RequestFields
 from extproc.adapters.ext_proc.served import ServedModel
 from extproc.adapters.ext_proc.stream_start import FirstEvent, Verdict, error_message
 from extproc.core.dispatcher import Held, ModelDispatcher
-from extproc.core.outcomes import Refusal, Refused
 from extproc.core.release.answer import Answer
+from extproc.core.values.outcomes import Refusal, Refused
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from google.protobuf import struct_pb2
 
 from extproc.adapters.ext_proc.priority_body import with_priority
 from extproc.adapters.ext_proc.replies import header
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from extproc.adapters.ext_proc.request_fields import NO_FIELDS, NO_PROMPT, Reque
 from extproc.adapters.ext_proc.served import ServedModel
 from extproc.adapters.telemetry import ServedElsewhere
 from extproc.core.dispatcher import Held, ModelDispatcher
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 log = logging.getLogger(__name__)
 

@@ -72,7 +72,7 @@ from extproc.adapters.ext_proc.replies import content_length, duration, error_re
 from extproc.adapters.ext_proc.request_fields import NO_FIELDS, NO_PROMPT, RequestFields, prompt_from_metadata, prompt_of
 from extproc.adapters.ext_proc.served import ServedModel
 from extproc.core.dispatcher import Held
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 _MODES = body.Mode.BodySendMode.values()
 # A release reply is built once for each queue wait below this many milliseconds (and each model, destination and
