@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator
 import uvloop
 from google.protobuf import wrappers_pb2
 
-from extproc.adapters.grpc.registry import TRANSPORTS
 from extproc.adapters.grpc.transport import Limits, Method
+from extproc.adapters.transports import TRANSPORTS
 from tests.test_h2grpc import ECHO, HOLD, Handlers
 
 Bytes = wrappers_pb2.BytesValue

@@ -15,8 +15,8 @@ from google.protobuf import struct_pb2
 
 from extproc.adapters.budgets.gate import BudgetGate
 from extproc.adapters.config import parse_config
-from extproc.adapters.ext_proc.admission import Admission
 from extproc.adapters.ext_proc.servicer import Processor
+from extproc.adapters.request.admission import Admission
 from extproc.adapters.runtime import ModelRuntime
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher

@@ -23,7 +23,7 @@ from extproc.adapters.budgets import shared_standings, shared_usage
 from extproc.adapters.budgets.gate import BudgetGate, Pass
 from extproc.adapters.budgets.shared import SharedBudgets, SharedTicket
 from extproc.adapters.config import parse_config
-from extproc.adapters.ext_proc.admission import Admission
+from extproc.adapters.request.admission import Admission
 from extproc.cli import main
 from extproc.core.budgets.book import Usage, day_of
 from extproc.core.budgets.ledger import Standing

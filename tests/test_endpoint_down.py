@@ -12,8 +12,8 @@ import asyncio
 
 import pytest
 
-from extproc.adapters.engines.dialects import DIALECTS
-from extproc.adapters.ext_proc.release_outcome import UPSTREAM_TIME_HEADER, engine_answer
+from extproc.adapters.ext_proc.attach.release_outcome import UPSTREAM_TIME_HEADER, engine_answer
+from extproc.adapters.protocol.dialects import DIALECTS
 from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import Band
 from extproc.core.cost import CostWeights

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.adapters.engines.dialects import MetricsError, parse_load
 from extproc.adapters.envoy.routes import ENGINE_RETRY_MAX_S
+from extproc.adapters.protocol.dialects import MetricsError, parse_load
 from extproc.core.bands import PEAK_S, Band, BandAdmission, Reservation
 from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.adaptive_limit import DECREASE, QUIET_S, REFUSAL_HOLD_S, ConcurrencyLimit, ItlWindow

@@ -31,7 +31,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.adapters.config import parse_config
 from extproc.adapters.envoy import render
-from extproc.adapters.ext_proc.epp_protocol import SERVED_KEY
+from extproc.adapters.protocol.epp_protocol import SERVED_KEY
 from extproc.tools import gie_gateway
 from extproc.tools.bench.overhead import idle_engine_metrics
 from extproc.tools.envoy_bin import EnvoyNotFound, find_envoy

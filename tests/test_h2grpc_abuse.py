@@ -25,8 +25,8 @@ from hyperframe.frame import PingFrame, WindowUpdateFrame
 
 from extproc.adapters.config import GrpcLimits
 from extproc.adapters.grpc.builtin.call import TRUNCATED, UNDECODABLE
-from extproc.adapters.grpc.builtin.peer_warnings import PeerWarnings
 from extproc.adapters.grpc.builtin.server import BuiltinServer
+from extproc.adapters.grpc.peer_warnings import PeerWarnings
 from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits
 from extproc.tools.procs import free_port
 from tests.h2raw import RawClient, message

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from extproc.adapters.config import parse_config
-from extproc.adapters.ext_proc.contract import REASON_HEADER
+from extproc.adapters.protocol.contract import REASON_HEADER
 from extproc.adapters.runtime import Dispatchers, build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import TOP_TENANTS, MetricsServer, build_app

@@ -19,7 +19,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.adapters.config import Config, load_config, parse_config
-from extproc.adapters.objectives import (
+from extproc.adapters.runtime import Dispatchers, build_runtimes
+from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.telemetry.model import DEMAND_READ_S
+from extproc.adapters.telemetry.objectives import (
     MET,
     MISSED,
     PREEMPTED,
@@ -30,9 +33,6 @@ from extproc.adapters.objectives import (
     Recent,
     TenantRecent,
 )
-from extproc.adapters.runtime import Dispatchers, build_runtimes
-from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.telemetry.model import DEMAND_READ_S
 from extproc.adapters.wiring import tenant_labels
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.values.engine_load import EngineLoad

@@ -21,10 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.adapters.config import ConfigError, parse_config
 from extproc.adapters.grpc.health import Health
-from extproc.adapters.grpc.registry import TRANSPORTS
 from extproc.adapters.grpc.tls import ServerTls
 from extproc.adapters.grpc.transport import Limits, Transport
 from extproc.adapters.server import ProcessorServer
+from extproc.adapters.transports import TRANSPORTS
 from extproc.tools.procs import free_port
 from tests.stackutil import metric, read_metrics
 from tests.tlsutil import CA, Pair, SecretVolume, common_name

@@ -1,7 +1,7 @@
 """The transport conformance suite: every implementation of transport.py's ``Transport``, attacked alike, behaves alike.
 
 Each case runs against every server ``listen.transport`` can choose
-(adapters/grpc/registry.py ``TRANSPORTS``: ``builtin``, ours, and ``grpcio``, the reference)
+(adapters/transports.py ``TRANSPORTS``: ``builtin``, ours, and ``grpcio``, the reference)
 serving a small fake service, through real clients: grpcio's
 C-core channel for conformance, and raw HTTP/2 with the ``h2`` library on
 asyncio sockets (or bare bytes) for what no well-behaved client sends. What
@@ -32,8 +32,8 @@ import pytest
 from google.protobuf import wrappers_pb2
 from hyperframe.frame import GoAwayFrame, PingFrame, SettingsFrame
 
-from extproc.adapters.grpc.registry import TRANSPORTS
 from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits, Transport
+from extproc.adapters.transports import TRANSPORTS
 from extproc.tools.procs import free_port
 from tests.test_h2grpc import ECHO, HOLD, Handlers
 

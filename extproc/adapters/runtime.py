@@ -30,11 +30,11 @@ import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.config import Config, ModelConfig
-from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.engines.discovery import watch_pool
-from extproc.adapters.ext_proc.contract import hold_timeout_for
-from extproc.adapters.ext_proc.prompt_prefix import Signer
-from extproc.adapters.ext_proc.replies import duration
+from extproc.adapters.ext_proc.attach.replies import duration
+from extproc.adapters.protocol.contract import hold_timeout_for
+from extproc.adapters.protocol.dialects import DIALECTS
+from extproc.adapters.request.prompt_prefix import Signer
 from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
 from extproc.adapters.wiring import build_dispatcher, live_settings, tenant_labels
 from extproc.core.dispatcher import ModelDispatcher

@@ -40,12 +40,12 @@ from extproc.adapters.engines.limits import cap_advice
 from extproc.adapters.engines.probe import probe_session
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.grpc.health import Health
-from extproc.adapters.grpc.registry import TRANSPORTS
 from extproc.adapters.grpc.tls import RELOAD_OUTCOMES, ServerTls
 from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits, Method
 from extproc.adapters.reload import ConfigSource, Plan, Reloader, rebuilt_model, removed_model
 from extproc.adapters.runtime import Dispatchers, ModelRuntime, build_runtimes
 from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.transports import TRANSPORTS
 from extproc.adapters.web.app import MetricsServer, build_app
 from extproc.adapters.wiring import cluster_forms, tenant_labels
 from extproc.core.values.outcomes import Refused

@@ -33,7 +33,7 @@ import aiohttp
 import yaml
 
 from extproc.adapters.envoy.filters import ADMISSION_STAT_PREFIX
-from extproc.adapters.ext_proc.contract import REASON_HEADER
+from extproc.adapters.protocol.contract import REASON_HEADER
 from extproc.core.values.outcomes import Refusal
 from extproc.tools import gie_gateway
 from extproc.tools.procs import cpu_seconds, free_port

@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from redis.exceptions import RedisError
 
@@ -44,10 +45,9 @@ from extproc.adapters.budgets.plan import plan
 from extproc.adapters.budgets.shared import SharedBudgets, SharedTicket, amounts, meters, share, view
 from extproc.adapters.budgets.shared_standings import ClusterStandings
 from extproc.adapters.config.budgets import BudgetSettings
-from extproc.adapters.ext_proc.admission import Admission
-from extproc.adapters.ext_proc.attach.base import Stream
-from extproc.adapters.ext_proc.engine_usage import Reported
-from extproc.adapters.ext_proc.request_fields import max_tokens
+from extproc.adapters.request.admission import Admission
+from extproc.adapters.request.engine_usage import Reported, UsageReader
+from extproc.adapters.request.request_fields import RequestFields, max_tokens
 from extproc.core.budgets.book import Usage
 from extproc.core.budgets.ledger import Budgets, Over, Standing, Ticket, over_reason
 from extproc.core.budgets.limits import Action, Kind
@@ -71,6 +71,18 @@ class Pass:
     tenant: str = ""
     model: str = ""
     over: bool = False
+
+
+
+class GatedStream(Protocol):
+    """What the gate reads and writes of a request's stream (``ext_proc/attach/base.py``'s ``Stream``): its fields,
+    the headers its release sets, the pass it carries to its end and the usage its response reported. Named here,
+    so the budgets import nothing of the stream handling that builds them."""
+
+    fields: RequestFields
+    headers: tuple[tuple[str, str], ...]
+    ticket: object
+    usage: UsageReader | None
 
 
 class BudgetGate:
@@ -104,7 +116,7 @@ class BudgetGate:
         self.budgets.reconfigure(plan(settings), self._clock())
         self._alone_instances = 0  # the share is taken again from the new plan when next needed
 
-    async def enter(self, admission: Admission, stream: Stream, dispatcher: ModelDispatcher,
+    async def enter(self, admission: Admission, stream: GatedStream, dispatcher: ModelDispatcher,
                     content_length: int | None) -> Admission:
         """Before the submit: ``admission`` as it goes on (:meth:`admit`, on what its model's cost model expects of
         it); raises the refusal. Its pass is kept on ``stream`` for :meth:`leave`, its rate headers for its release."""
@@ -114,7 +126,7 @@ class BudgetGate:
         stream.ticket = passed
         return admission
 
-    def leave(self, stream: Stream, held: Held | None) -> None:
+    def leave(self, stream: GatedStream, held: Held | None) -> None:
         """The request's end (``held`` None: refused before it was queued): its pass, if it has one, settled once
         (:meth:`end`) on the usage its response reported."""
         passed, stream.ticket = stream.ticket, None

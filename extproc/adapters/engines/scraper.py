@@ -32,9 +32,9 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from extproc.adapters.config import ModelConfig, is_ip_address
-from extproc.adapters.engines.dialects import DIALECTS, MetricsError, parse_load
 from extproc.adapters.engines.limits import read_limits
 from extproc.adapters.engines.probe import Answer, probe
+from extproc.adapters.protocol.dialects import DIALECTS, MetricsError, parse_load
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.values.engine_load import EngineLoad
 

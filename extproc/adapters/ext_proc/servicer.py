@@ -40,7 +40,7 @@ one its acknowledgement.
 
 A request that does not reach the engine ends in one of the core's named
 refusals (``core/values/outcomes.py``); what the client hears for each comes from
-``adapters/answers.py`` (``replies.py``), in its attachment's statuses.
+``adapters/protocol/answers.py`` (``replies.py``), in its attachment's statuses.
 """
 
 from __future__ import annotations
@@ -52,16 +52,16 @@ from typing import TYPE_CHECKING
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.config import Config
-from extproc.adapters.ext_proc.admission import Admission, Admissions
 from extproc.adapters.ext_proc.attach.base import Attachment, Stream
 from extproc.adapters.ext_proc.attach.endpoint_picker import EndpointPicker
 from extproc.adapters.ext_proc.attach.own_envoy import OwnEnvoy
+from extproc.adapters.ext_proc.attach.replies import content_length, headers_of, models_response, passed
+from extproc.adapters.ext_proc.attach.served import ServedModel
 from extproc.adapters.ext_proc.follow import follow
 from extproc.adapters.ext_proc.loop_lag import LoopLag
-from extproc.adapters.ext_proc.replies import content_length, headers_of, models_response, passed
-from extproc.adapters.ext_proc.request_fields import NO_PROMPT, from_metadata, max_tokens
-from extproc.adapters.ext_proc.served import ServedModel
 from extproc.adapters.ext_proc.shedding import Shedding
+from extproc.adapters.request.admission import Admission, Admissions
+from extproc.adapters.request.request_fields import NO_PROMPT, from_metadata, max_tokens
 from extproc.adapters.telemetry import UNKNOWN_MODEL, Admitted, Signed, Telemetry, TurnedAway
 from extproc.core.held import Held
 from extproc.core.prefix import NO_PREFIX, Prefix

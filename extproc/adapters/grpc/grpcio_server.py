@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from extproc.adapters.grpc.builtin.peer_warnings import WARN_EVERY_S
+from extproc.adapters.grpc.peer_warnings import WARN_EVERY_S
 from extproc.adapters.grpc.tls import ServerTls
 from extproc.adapters.grpc.transport import INTERNAL, GrpcError, Limits, Message, Method, Methods, Transport
 

@@ -18,11 +18,11 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from extproc.adapters.logs import DECISIONS
-from extproc.adapters.objectives import MET, MISSED, PREEMPTED, Objectives, verdict
 from extproc.adapters.telemetry.deferral import Deferral
 from extproc.adapters.telemetry.events import AdapterEvent, Admitted, ClusterTrip, ServedElsewhere, Signed, TurnedAway
 from extproc.adapters.telemetry.labels import NO_TENANT, TenantLabels
+from extproc.adapters.telemetry.logs import DECISIONS
+from extproc.adapters.telemetry.objectives import MET, MISSED, PREEMPTED, Objectives, verdict
 from extproc.adapters.telemetry.series import Series
 from extproc.core.demand import Demand
 from extproc.core.values.engine_load import EngineLoad

@@ -13,7 +13,7 @@ A request's way through :class:`Budgets`:
    action (``limits.Action``).
 2. **The end** (:meth:`Budgets.settle`): the reservation is replaced by what
    the request used, priced: the engine's own count where its response
-   reported one (the adapter reads it: ``ext_proc/engine_usage.py``), else
+   reported one (the adapter reads it: ``request/engine_usage.py``), else
    its output tokens as the cost model measured them at the end (the
    engine's decode rate times its occupancy, capped by ``max_tokens``:
    ``core/cost.py``), its prompt as estimated, its cached prompt tokens

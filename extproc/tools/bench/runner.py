@@ -50,8 +50,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.adapters.config import load_config
-from extproc.adapters.engines.dialects import MetricsError, parse_load
-from extproc.adapters.ext_proc.contract import QUEUE_WAIT_HEADER, REASON_HEADER
+from extproc.adapters.protocol.contract import QUEUE_WAIT_HEADER, REASON_HEADER
+from extproc.adapters.protocol.dialects import MetricsError, parse_load
 from extproc.core.values.outcomes import Refusal
 from extproc.tools.bench.arms import MODEL, PRIORITIES, Arm, api_key, arm_config, band_objectives, scale_objectives, write_config
 from extproc.tools.bench.load import Planned
@@ -76,7 +76,7 @@ RETRY_HEADER = "x-stainless-retry-count"
 # (a few of the processor's scrapes, so it sees the idle engine too). Wall clock.
 SETTLE_TIMEOUT_S = 60.0
 SETTLE_PAUSE_S = 0.5
-# The processors' decision log, one JSON line per request's outcome (adapters/logs.py).
+# The processors' decision log, one JSON line per request's outcome (adapters/telemetry/logs.py).
 SERVE_ARGS = ("--log-level", "debug", "--log-format", "json")
 DECISIONS_LOGGER = "extproc.decisions"
 

@@ -30,7 +30,7 @@ import asyncio
 
 from extproc.adapters.grpc.builtin.connection import Connection
 from extproc.adapters.grpc.builtin.hpack_decoder import mute_debug
-from extproc.adapters.grpc.builtin.peer_warnings import PeerWarnings
+from extproc.adapters.grpc.peer_warnings import PeerWarnings
 from extproc.adapters.grpc.tls import ServerTls
 from extproc.adapters.grpc.transport import Limits, Methods, Transport
 

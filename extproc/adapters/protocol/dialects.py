@@ -112,7 +112,7 @@ class EngineDialect:
     # the endpoint down (release_outcome.py). Empty: the engine has no queue cap.
     full_statuses: frozenset[int] = frozenset()
     # Whether a stream's first event (a JSON object with an "error") is such a refusal, made after the stream's
-    # status 200 went out (ext_proc/stream_start.py). None: the engine never refuses a stream so.
+    # status 200 went out (ext_proc/attach/stream_start.py). None: the engine never refuses a stream so.
     stream_refusal: Callable[[Mapping[str, Any]], bool] | None = None
     # Whether the engine says its queue cap where it says its limits (adapters/engines/limits.py: EngineLimits.max_held).
     says_cap: bool = False

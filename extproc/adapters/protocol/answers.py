@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from extproc.adapters.ext_proc.contract import REASON_HEADER
+from extproc.adapters.protocol.contract import REASON_HEADER
 from extproc.core.values.outcomes import Refusal
 
 # Retry-After: the refusing queue's drain time at the recent release rate, within these bounds.

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from extproc.adapters.config import Config, Identity, ModelConfig
-from extproc.adapters.ext_proc.contract import BATCH_LINE_HEADER
-from extproc.adapters.ext_proc.request_fields import RequestFields
+from extproc.adapters.protocol.contract import BATCH_LINE_HEADER
+from extproc.adapters.request.request_fields import RequestFields
 from extproc.core.entitlement import grant
 from extproc.core.values.outcomes import Refusal, Refused
 

@@ -25,7 +25,7 @@ import msgspec
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.adapters.ext_proc.contract import (
+from extproc.adapters.protocol.contract import (
     INCLUDE_USAGE_FIELD,
     METADATA_NAMESPACE,
     PROMPT_PREFIX_FIELD,
