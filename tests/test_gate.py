@@ -6,7 +6,7 @@ import pytest
 
 from extproc.adapters.envoy.routes import ENGINE_RETRY_MAX_S
 from extproc.adapters.protocol.dialects import MetricsError, parse_load
-from extproc.core.bands import PEAK_S, Band, BandAdmission, Reservation
+from extproc.core.bands import PEAK_S, Band, BandAllowance, Reservation
 from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.adaptive_limit import DECREASE, QUIET_S, REFUSAL_HOLD_S, ConcurrencyLimit, ItlWindow
 from extproc.core.release.answer import Answer
@@ -77,11 +77,11 @@ def band_allowance(gate: Pool, now: float, *, reserve: int = 0, idle_share: floa
     ``firm``: what it holds keeps its slot to the end once released (streams), else it can be taken back."""
     bands = (Band("first", 60.0), Band("lower", 60.0),
              Band("idle", 60.0, idle_only=True, idle_running_share=idle_share or 1.0))
-    admission = BandAdmission(bands, gate, reserved_waiting=reserve, held=lambda band: 0,
+    allowances = BandAllowance(bands, gate, reserved_waiting=reserve, held=lambda band: 0,
                               firm=lambda band: int(firm))
-    admission.arrived(0, now)  # the bands above arrive now: the lower band leaves the reserve,
-    admission.arrived(1, now)  # the idle-only band takes free slots only
-    return admission.allowance(1 if idle_share is None else 2, now)
+    allowances.arrived(0, now)  # the bands above arrive now: the lower band leaves the reserve,
+    allowances.arrived(1, now)  # the idle-only band takes free slots only
+    return allowances.allowance(1 if idle_share is None else 2, now)
 
 
 def test_without_metrics_the_gate_falls_back_to_a_small_in_flight_ceiling() -> None:

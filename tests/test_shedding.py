@@ -193,7 +193,7 @@ async def test_overloaded_batch_is_shed_and_interactive_acknowledged_and_admitte
     processor, telemetry = make({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "gate": "static_rate",
                                              "release_rate": 0.001, "reserved_waiting": 1}]})
     dispatcher = processor._models["m"].dispatcher  # noqa: SLF001 - what the test holds
-    dispatcher._state._admission.arrived(0, time.monotonic())  # noqa: SLF001 - a chat arrived a moment ago
+    dispatcher._state._allowance.arrived(0, time.monotonic())  # noqa: SLF001 - a chat arrived a moment ago
     queued = Stream(processor, headers_message(priority="batch"))
     assert (await queued.answers.get()).HasField("override_message_timeout")
     assert dispatcher.queued_in(2) == 1

@@ -85,7 +85,7 @@ class Conserving:
             streams = any(r.arrival.stream for r in sim.queued() if r.arrival.band == lowest)
             if streams and (any(band < lowest for band in held) or self._arriving_above(sim, lowest)):
                 capacity = sim.pool.capacity()
-                allowed = sim.dispatcher._state._admission.reservation.slots(lowest, capacity)  # noqa: SLF001
+                allowed = sim.dispatcher._state._allowance.reservation.slots(lowest, capacity)  # noqa: SLF001
                 if not 1 <= allowed <= max(1, math.floor(MAX_RESERVE_SHARE * capacity)):
                     self._violate(sim, f"a reserve of {allowed} on {capacity} slots")
                 self.reserve_kept += 1
@@ -160,7 +160,7 @@ async def test_the_old_average_reservation_would_fail_the_invariant() -> None:
     sim = CoreSim(engine(8), max_running=8, check=check)
     rng = np.random.default_rng(1)
     sim.run(poisson(rng, STANDARD, 2, 6.0, 0.0, 10.0), until=1.0)
-    admission = sim.dispatcher._state._admission  # noqa: SLF001 - the rule under test, replaced
+    admission = sim.dispatcher._state._allowance  # noqa: SLF001 - the rule under test, replaced
     original = admission.headroom
 
     def reserving(band: int, now: float, room: tuple[int, int] | None = None) -> int:
@@ -173,12 +173,12 @@ async def test_the_old_average_reservation_would_fail_the_invariant() -> None:
 
 def reserve(sim: CoreSim, band: int) -> int:
     """The free slots the rule under test keeps for the bands above ``band`` now."""
-    return sim.dispatcher._state._admission.reservation.slots(band, sim.pool.capacity())  # noqa: SLF001
+    return sim.dispatcher._state._allowance.reservation.slots(band, sim.pool.capacity())  # noqa: SLF001
 
 
 def keeping(sim: CoreSim, kept: Callable[[CoreSim, int], int]) -> None:
     """Replace the idle-only band's rule under test: it leaves ``kept(sim, band)`` of the engine's free slots free."""
-    admission = sim.dispatcher._state._admission  # noqa: SLF001 - the rule under test, replaced
+    admission = sim.dispatcher._state._allowance  # noqa: SLF001 - the rule under test, replaced
     original = admission.headroom
 
     def headroom(band: int, now: float, room: tuple[int, int] | None = None) -> int:

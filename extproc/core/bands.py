@@ -28,7 +28,7 @@ bands:
   ``idle_running_share`` of the engine's capacity (the operator's cap) —
   ``max_running`` when configured, else the most requests it was ever seen
   running. The reserve is lent again the moment the bands above stop
-  arriving (a wake-up then, :meth:`BandAdmission.next_change_in`). With
+  arriving (a wake-up then, :meth:`BandAllowance.next_change_in`). With
   ``share`` 1, no configured capacity and the engine full by the capacity
   learned so far, it probes past it (doubling, by at most ``target_waiting``
   a scrape, until the engine first shows a waiting queue, then one request
@@ -293,7 +293,7 @@ class Reservation:
             above += held
 
 
-class BandAdmission:
+class BandAllowance:
     """How many requests of each band may go now, and which band goes next (see the module docstring)."""
 
     def __init__(self, bands: tuple[Band, ...], pool: Pool, reserved_waiting: int, held: Callable[[int], int],

@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import aiohttp
 
+from extproc.adapters.batches.local_store import Pending
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.shapes import Json
-from extproc.adapters.batches.store import Pending
 from extproc.adapters.config import Config
 from extproc.adapters.config.batches import BatchSettings
 from extproc.adapters.envoy.batches import RUNNER_KEY_HEADER

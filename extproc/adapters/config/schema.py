@@ -332,7 +332,7 @@ INTAKE_PER_S = {"builtin": 1500, "grpcio": 750}
 
 
 @dataclass(frozen=True)
-class Admission:
+class AdmissionBucket:
     """Envoy's admission bucket as generated: its size and its refill per second."""
 
     tokens: int
@@ -372,7 +372,7 @@ class EnvoySettings(Section, frozen=True):
     processor_client_cert_file: NonEmpty | None = None
     processor_client_key_file: NonEmpty | None = None
 
-    def admission(self, transport: str) -> Admission:
+    def admission(self, transport: str) -> AdmissionBucket:
         """The bucket in front of a processor on ``transport``: each value as set, else from its intake."""
         per_second = self.admission_per_second
         if per_second is None:
@@ -380,7 +380,7 @@ class EnvoySettings(Section, frozen=True):
         tokens = self.admission_burst
         if tokens is None:  # what the processor takes in within the message timeout
             tokens = math.ceil(per_second / ADMISSION_REFILL_SHARE * self.message_timeout_ms / 1000)
-        return Admission(tokens, per_second)
+        return AdmissionBucket(tokens, per_second)
 
 
 class ConfigFile(Section, frozen=True):

@@ -1,6 +1,6 @@
 """The gRPC servers that carry the ext_proc streams (``listen.transport``), and what both serve beside them.
 
-* ``transport.py``     the seam: what a server owes (``Transport``), the methods table, ``GrpcError``, ``Limits``;
+* ``transport.py``     the seam: what a server owes (``Transport``), the methods table, ``GrpcError``, ``TransportLimits``;
 * ``builtin/``         ours (``listen.transport: builtin``): a gRPC server on its own HTTP/2 layer;
 * ``grpcio_server.py`` that seam on grpc.aio (``listen.transport: grpcio``), the reference;
 * ``tls.py``           TLS on the port (``listen.tls``), its files reloaded while serving;

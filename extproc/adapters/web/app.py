@@ -25,7 +25,7 @@ Routes, and why each exists:
 
 With a cluster, the budgets' counts are in Redis: ``refresh`` reads them
 before ``/metrics`` and ``/status.json`` are built (at most once a second,
-``adapters/budgets/shared_standings.py``), never on a request's path.
+``adapters/budgets/cluster_standings.py``), never on a request's path.
 
 Anything else is 404 with the OpenAI-style error body and ``x-extproc-reason``,
 as the processor's other answers, so an HTTP probe of a wrong path fails

@@ -32,7 +32,7 @@ from extproc.adapters.grpc.builtin.call import BIG, PREFIX, Call, refused, shown
 from extproc.adapters.grpc.builtin.frames import RESPONSE_HEADERS, ErrorCode
 from extproc.adapters.grpc.builtin.http2 import Http2Connection, Http2Error, StreamClosed
 from extproc.adapters.grpc.peer_warnings import PeerWarnings
-from extproc.adapters.grpc.transport import INTERNAL, OK, RESOURCE_EXHAUSTED, UNIMPLEMENTED, GrpcError, Limits, Methods
+from extproc.adapters.grpc.transport import INTERNAL, OK, RESOURCE_EXHAUSTED, UNIMPLEMENTED, GrpcError, Methods, TransportLimits
 
 log = logging.getLogger("extproc.adapters.grpc.builtin")
 
@@ -51,7 +51,7 @@ class Connection(Bounded):
     per-peer warnings.
     """
 
-    def __init__(self, methods: Methods, limits: Limits, connections: set[Connection],
+    def __init__(self, methods: Methods, limits: TransportLimits, connections: set[Connection],
                  warnings: PeerWarnings) -> None:
         grpc = limits.grpc
         super().__init__(grpc, Http2Connection(max_streams=grpc.max_streams_per_connection, stream_window=STREAM_WINDOW,
