@@ -22,8 +22,8 @@ from typing import Any
 import yaml
 
 from extproc.adapters.config import Config, ConfigError, load_config
+from extproc.adapters.logs import FORMATS, LEVELS, setup_logging
 from extproc.adapters.ports import bind_problem
-from extproc.adapters.telemetry.logs import FORMATS, LEVELS, setup_logging
 
 
 class CannotStart(RuntimeError):

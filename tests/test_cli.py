@@ -21,9 +21,10 @@ import pytest
 import yaml
 
 from extproc.adapters.config import parse_config
+from extproc.adapters.logs import JsonFormatter, setup_logging
 from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.telemetry.logs import DECISIONS, JsonFormatter, setup_logging
+from extproc.adapters.telemetry.model import DECISIONS
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.values.outcomes import Refused
 from extproc.tools.cli import build_parser as build_dev_parser

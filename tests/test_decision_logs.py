@@ -19,8 +19,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from extproc.adapters.logs import TEXT_FORMAT, JsonFormatter
 from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
-from extproc.adapters.telemetry.logs import DECISIONS, TEXT_FORMAT, JsonFormatter
+from extproc.adapters.telemetry.model import DECISIONS
 from extproc.core.values.outcomes import Refusal
 from extproc.core.values.report import RequestEvent, Step
 from extproc.tools.power_user import chat

@@ -11,7 +11,10 @@ from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.adaptive_limit import DECREASE, QUIET_S, REFUSAL_HOLD_S, ConcurrencyLimit, ItlWindow
 from extproc.core.release.answer import Answer
 from extproc.core.release.estimate import LoadEstimate
+from extproc.core.release.health import EndpointHealth
 from extproc.core.release.pool import Pool
+from extproc.core.release.rule import ReleaseRule
+from extproc.core.release.unconfirmed import UnconfirmedEnds
 from extproc.core.values.engine_load import EngineLoad
 
 pytestmark = pytest.mark.unit
@@ -69,6 +72,17 @@ def make_gate(
 ) -> Pool:
     settings = RuleSettings(target, **options)  # type: ignore[arg-type]
     return Pool(endpoints, RULES[kind], settings, stale_after_s=1.0, fallback_max_in_flight=fallback, pick_endpoints=pick)
+
+
+@pytest.mark.parametrize("kind", sorted(RULES))
+def test_the_pool_hands_out_none_of_its_pieces(kind: str) -> None:
+    """Whoever holds the pool asks it questions: no public name of it is its load estimate, endpoint health, rule or
+    unconfirmed ends, so none of them is reached into from outside (and each can change without its readers)."""
+    pool = make_gate(kind=kind, max_in_flight=2, release_rate=1.0)
+    pool.record_scrape("e1", EngineLoad(waiting=0, running=1), started_at=0.0)
+    pieces = (LoadEstimate, EndpointHealth, ReleaseRule, UnconfirmedEnds)
+    assert [name for name in dir(pool) if not name.startswith("_") and isinstance(getattr(pool, name), pieces)] == []
+    assert any(isinstance(value, pieces) for value in vars(pool).values())  # it has them: the check above can fail
 
 
 def band_allowance(gate: Pool, now: float, *, reserve: int = 0, idle_share: float | None = None,

@@ -20,7 +20,7 @@ from extproc.adapters.ext_proc.servicer import ACK_LAG_S, Processor
 from extproc.adapters.ext_proc.shedding import ARRIVING_SHARE, SUSTAINED_SHARE, Shedding
 from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.telemetry.logs import DECISIONS
+from extproc.adapters.telemetry.model import DECISIONS
 from tests.test_processor import Stream, headers_message
 
 pytestmark = pytest.mark.unit

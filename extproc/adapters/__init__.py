@@ -9,7 +9,8 @@
 * ``protocol/``      what crosses the wire: the Envoy contract, the answers, engine dialects, the EPP;
 * ``config/``       the typed YAML configuration: schema, rules, resolution, loading;
 * ``wiring.py``     the config turned into each model's dispatcher;
-* ``telemetry/``    the processor's Prometheus series, each model's recorder, the logs;
+* ``telemetry/``    the processor's Prometheus series, each model's recorder, the decision and health lines;
+* ``logs.py``       the process's log output, text or JSON (``extproc --log-format``);
 * ``server.py``     ``extproc serve``: all of the above in one process.
 
 They import the core and each other, never ``extproc.tools``, and their packages import each other one

@@ -26,7 +26,7 @@ from extproc.adapters.config.batches import BatchSettings
 from extproc.adapters.envoy.batches import RUNNER_KEY_HEADER
 from extproc.adapters.protocol.answers import ANSWERS, Retry
 from extproc.adapters.protocol.contract import BATCH_LINE_HEADER, REASON_HEADER
-from extproc.adapters.telemetry.logs import DECISIONS
+from extproc.adapters.telemetry.model import DECISIONS
 from extproc.core.values.outcomes import Refusal
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,7 @@
 * ``model.py``    each model's recorder (:class:`ModelTelemetry`): every event of the model, into its series;
 * ``deferral.py`` while the processor serves, those events written after the replies, not before;
 * ``process.py``  one processor's :class:`Telemetry`: its own registry, the series, each model's recorder;
-* ``objectives.py`` TTFT objectives met or missed, per class and tenant: the status page's view;
-* ``logs.py``     the process's log output (text or JSON), and where the decision lines go.
+* ``objectives.py`` TTFT objectives met or missed, per class and tenant: the status page's view.
 
 The names below are the package's surface; callers import them from here.
 """

@@ -76,7 +76,7 @@ RETRY_HEADER = "x-stainless-retry-count"
 # (a few of the processor's scrapes, so it sees the idle engine too). Wall clock.
 SETTLE_TIMEOUT_S = 60.0
 SETTLE_PAUSE_S = 0.5
-# The processors' decision log, one JSON line per request's outcome (adapters/telemetry/logs.py).
+# The processors' decision log, one JSON line per request's outcome (adapters/logs.py).
 SERVE_ARGS = ("--log-level", "debug", "--log-format", "json")
 DECISIONS_LOGGER = "extproc.decisions"
 

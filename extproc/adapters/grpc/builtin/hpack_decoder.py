@@ -14,7 +14,7 @@ hpack logs a debug line for most integers and headers it encodes or decodes;
 with DEBUG off, each call still costs a level check (23 a stream measured).
 ``mute_debug`` swaps its loggers for one whose ``debug`` does nothing, unless
 DEBUG is on for them when the transport starts (setup_logging never turns it
-on for libraries, adapters/telemetry/logs.py).
+on for libraries, adapters/logs.py).
 """
 
 from __future__ import annotations
