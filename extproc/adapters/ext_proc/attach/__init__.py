@@ -6,6 +6,7 @@
 * ``endpoint_picker.py``  a Gateway API Inference Extension gateway: the body read from the stream,
   the Endpoint Picker Protocol's release;
 * ``body.py``             what each body mode brings and wants back, and the one release builder;
+* ``served.py``           what a stream reads of its model (``ServedModel``), a narrow view of its runtime;
 * ``replies.py``          the replies every attachment builds from: a header, the JSON error, a pass;
 * ``release_outcome.py``  whether a response's headers show a live engine, a full one or a failed release;
 * ``stream_start.py``     a stream's first event, read before its headers go on: the engine's refusal inside a 200;
