@@ -5,7 +5,7 @@ into replies; a gRPC server of adapters/grpc/ carries them (server.py wires the 
 
 What every request shares is here: the request is read (by its attachment),
 admitted (``admission.py``: who asks, for which model, how urgently), signed
-when its model has prefix signatures (``prompt_prefix.py``), queued with its
+when its model has prefix signatures (``request/prompt_prefix.py``), queued with its
 model's dispatcher and held until the dispatcher decides; then released, and
 followed until the stream ends, which is the request's completion (the
 gate's in-flight count stays exact at no per-chunk cost). A client that
@@ -24,7 +24,7 @@ may preempt it (``core/preemption.py``), and the stream answers 503
 release): Envoy sends that to the client and resets the request to the
 engine, which aborts it.
 
-What the stream reads of its model is a narrow view (``served.py``) of the
+What the stream reads of its model is a narrow view (``attach/served.py``) of the
 model's runtime (``adapters/runtime.py``). With tenant budgets one gate
 stands around the submit (``adapters/budgets/gate.py``): asked before the
 request is queued (it may refuse or downgrade it), told at the request's end.
