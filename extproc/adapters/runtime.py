@@ -7,7 +7,7 @@ signatures), the reply that holds our Envoy while one of its requests waits,
 the statuses and the stream refusal by which its engine says it is full,
 its classes' engine priorities and, once a reload takes it out of service,
 its retirement. :class:`ModelRuntime` holds all of it. Readers get a narrow
-view: the stream handling reads ``ext_proc/served.py``'s ``ServedModel``,
+view: the stream handling reads ``ext_proc/attach/served.py``'s ``ServedModel``,
 the status page and readiness a read-only mapping of dispatchers
 (:class:`Dispatchers`).
 

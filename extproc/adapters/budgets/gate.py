@@ -14,7 +14,7 @@ rate headers), ``downgrade`` moves the request to the lowest class, ``report``
 lets it go as it is. Whatever then happens, the servicer hands the pass back
 with the request's :class:`~extproc.core.held.Held` (:meth:`BudgetGate.end`):
 served, it is charged the usage the engine reported in its response
-(``ext_proc/engine_usage.py``), or, where none came, what the cost model
+(``request/engine_usage.py``), or, where none came, what the cost model
 measured at its end; not served (refused in the queue, its client gone while
 queued, preempted before its response began), nothing.
 

@@ -31,12 +31,12 @@ class HealthLog:
         self._reported: set[str] = set()
         self._fallback: bool | None = None
         # What the last look saw (the pool's health version), and until when that look stays true.
-        self._version = (-1, -1)
+        self._version = -1
         self._until = -math.inf
 
     def note(self, now: float) -> None:
         pool = self._pool
-        version = pool.health_version()
+        version = pool.health_version
         if version == self._version and now <= self._until:
             return
         self._look(now)

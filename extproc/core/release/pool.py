@@ -60,8 +60,10 @@ class Pool:
         self._estimate = LoadEstimate(endpoints, stale_after_s=stale_after_s, per_endpoint=pick_endpoints)
         self._health = EndpointHealth(endpoints, stale_after_s=stale_after_s, fallback_max_in_flight=fallback_max_in_flight)
         self._rule = rule(settings, self._estimate, self._health)
-        # Counts the rules replaced (reconfigure): part of what health_version() tells.
-        self._rule_generation = 0
+        # Moves on every event that may change endpoint health or replaces the rule (a scrape, a response, a probe,
+        # new members, a reconfigure): while it stands, and until stable_until(), what degraded() and down() answer
+        # stands too. A plain value, so the health log's look before each dispatch (health_log.py) costs no call.
+        self.health_version = 0
         self._unconfirmed = UnconfirmedEnds(endpoints, per_endpoint=pick_endpoints)
         # Per endpoint, what is wrong with the engine's own settings (EngineLimits.too_tight).
         self._warnings: dict[str, str] = {}
@@ -124,11 +126,6 @@ class Pool:
     def caps_held(self) -> bool:
         """Whether an engine of the pool says it caps what it holds (it may refuse a release)."""
         return bool(self._capped)
-
-    def health_version(self) -> tuple[int, int]:
-        """Changes whenever endpoint health changes or the rule is replaced: an unchanged version, until
-        :meth:`stable_until`, means the health's answers have not changed."""
-        return self._health.version, self._rule_generation
 
     def stable_until(self, now: float) -> float:
         """Until when, with no event, what :meth:`degraded` answers stays as it is now (a page goes stale)."""
@@ -201,10 +198,11 @@ class Pool:
             raise ValueError(f"{rule.name} does not pick endpoints (it has no per-endpoint state)")
         self.settings = settings
         self._rule = rule(settings, self._estimate, self._health)
-        self._rule_generation += 1
+        self.health_version += 1
 
     def set_endpoints(self, endpoints: Sequence[str]) -> None:
         """The pool's members changed (DNS); new ones start degraded until scraped."""
+        self.health_version += 1
         self._estimate.set_endpoints(endpoints)
         self._health.set_endpoints(endpoints)
         self._rule.set_endpoints(self.endpoints)
@@ -281,6 +279,7 @@ class Pool:
         Alive, it is up (if it was down) and the ends before the probe are
         confirmed; otherwise it is down. True if slots came free.
         """
+        self.health_version += 1
         if not alive:
             self._health.mark_down(endpoint, started_at)
             self._forget_down()
@@ -302,6 +301,7 @@ class Pool:
         cap since its last usable page; any tells the rule (rule 5 of the
         adaptive limit).
         """
+        self.health_version += 1
         usable = self._health.record_scrape(endpoint, load, started_at, reachable=reachable)
         if not reachable:
             self._forget_down()
@@ -331,6 +331,7 @@ class Pool:
         ``endpoint`` is where it was picked; without picking only a pool of one
         tells where it went. Returns the endpoint the outcome was recorded for.
         """
+        self.health_version += 1
         target = endpoint if endpoint is not None else self.endpoints[0] if len(self.endpoints) == 1 else None
         if target is not None:
             alive = answer is not Answer.DOWN
@@ -397,7 +398,7 @@ class Pool:
         self._estimate.record_moved(request, endpoint)
 
     def endpoint_statuses(self, now: float) -> tuple[EndpointStatus, ...]:
-        """Each member as the status page shows it (``core/status.py``)."""
+        """Each member as the status page shows it (``core/values/status.py``)."""
         degraded, down = set(self.degraded(now)), set(self.down())
         statuses = []
         for url in self.endpoints:
