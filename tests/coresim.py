@@ -14,8 +14,10 @@ repeatable. What connects them is what Envoy and vLLM's API server do:
   answer's last token: its headers come with the whole answer);
 * a preempted request is aborted in the engine at once (Envoy resets it).
 
-``check`` runs after every event: the tests' invariants are asserted there,
-at every moment something happened, not at chosen ones.
+``check`` runs after every moment something happened, once its events are
+all done: the tests' invariants are asserted there, at every such moment, not
+at chosen ones. Events at one instant are one moment (a release that wakes
+the dispatcher again at once, as the event loop's next callback, is one).
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ class CoreSim:
             self.now = event.at
             event.run()
             self._notice()
-            if self._check is not None:
+            if self._check is not None and not (self._heap and self._heap[0].at == self.now):
                 self._check(self)
 
     def add(self, arrivals: Sequence[Arrival]) -> None:
