@@ -43,6 +43,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from extproc.core.bands import Band
 from extproc.core.drain_time import RATE_WINDOW_S
 from extproc.core.release.pool import Pool
 
@@ -97,15 +98,27 @@ class Flow:
 
 
 class DemandGauge:
-    """Reads one model's demand; remembers the size of its engines while none is ready (a pool scaled to zero)."""
+    """Reads one model's demand; keeps its flow, and the size of its engines while none is ready (a pool scaled to
+    zero)."""
 
     def __init__(self) -> None:
         self._per_engine: float | None = None
+        self._flow = Flow()
 
-    def read(self, pool: Pool, held: tuple[int, ...], in_flight: tuple[int, ...], release_rate: float, flow: Flow,
-             waits: tuple[float, ...], now: float) -> Demand:
-        """The demand of ``held`` and ``in_flight`` requests per class on ``pool``, released at ``release_rate`` per s,
-        arriving and served as ``flow`` measured; ``waits``: per class, how soon a held request must start."""
+    def arrived(self, now: float) -> None:
+        """A request arrived (queued)."""
+        self._flow.arrived(now)
+
+    def finished(self, in_flight_s: float) -> None:
+        """A released request finished, ``in_flight_s`` after its release."""
+        self._flow.finished(in_flight_s)
+
+    def read(self, pool: Pool, held: tuple[int, ...], in_flight: tuple[int, ...], release_rate: float,
+             bands: tuple[Band, ...], model_wait_s: float, now: float) -> Demand:
+        """The demand of ``held`` and ``in_flight`` requests per class (``bands``) on ``pool``, released at
+        ``release_rate`` per s; a held request must start within its class's queue wait (the model's
+        ``model_wait_s`` unless the class has its own)."""
+        waits = tuple(band.queue_wait_s(model_wait_s) for band in bands)
         ready = [e for e in pool.endpoints if pool.health.healthy(e, now)]
         limits = [limit for e in ready if (limit := pool.snapshot(e).limit) is not None]
         if limits:
@@ -114,7 +127,7 @@ class DemandGauge:
         if per_engine is None and pool.settings.max_running is not None:
             per_engine = float(pool.settings.max_running + pool.settings.target_waiting)
         queued, total = sum(held), sum(held) + sum(in_flight)
-        engines = 0.0 if not total else _places(flow, held, waits, total, now) / per_engine if per_engine else 1.0
+        engines = 0.0 if not total else _places(self._flow, held, waits, total, now) / per_engine if per_engine else 1.0
         drain_s = 0.0 if not queued else queued / release_rate if release_rate > 0 else math.inf
         loads = [load for e in ready if (load := pool.health.last_good(e)) is not None]
         kv = [load.kv_usage for load in loads if load.kv_usage is not None]

@@ -38,7 +38,7 @@ from extproc.core.bands import Band, BandAdmission
 from extproc.core.caps import overflow
 from extproc.core.cluster import Backlog
 from extproc.core.cost import CostWeights
-from extproc.core.demand import Demand, DemandGauge, Flow
+from extproc.core.demand import Demand, DemandGauge
 from extproc.core.drain_time import ReleaseRate
 from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
@@ -104,11 +104,9 @@ class ModelState:
                                         self._firm_held.__getitem__)
         self._preemption = Preemption(max_preemptions_per_s)
         self._release_rate = ReleaseRate()
-        # Released and not finished, per band; the engines' size while none is ready; arrivals and times in flight
-        # (demand.py).
+        # Released and not finished, per band; the engines' size, arrivals and times in flight (demand.py).
         self._in_flight = [0] * len(settings.bands)
         self._demand = DemandGauge()
-        self._flow = Flow()
         self._health_log = HealthLog(name, pool, report)
         self._expiry = Expiry(timers, clock, self._expire)
         self._follow_engine_priority()
@@ -176,7 +174,7 @@ class ModelState:
         held.firm = self._firm(held)
         self._firm_held[band] += held.firm
         self._admission.arrived(band, now)
-        self._flow.arrived(now)
+        self._demand.arrived(now)
         self._report(RequestEvent(Step.QUEUED, rules.name, tenant, tag=request.tag))
         self._expiry.add(held)
         return held, first
@@ -343,7 +341,7 @@ class ModelState:
         occupancy = self._pool.record_finish(held, now)
         self._admission.finished(held.request.band, now)
         self._in_flight[held.request.band] -= 1
-        self._flow.finished(now - held.released_at)
+        self._demand.finished(now - held.released_at)
         measured = held.charge = self._pricing.measure(held, occupancy)
         request, estimate = held.request, held.estimate
         self._queue.correct(request.band, request.tenant, measured.cost - estimate.cost)
@@ -484,19 +482,13 @@ class ModelState:
         now = self._clock()
         held = tuple(self._queue.band_len(band) for band in range(len(self._settings.bands)))
         return self._demand.read(self._pool, held, tuple(self._in_flight), self._release_rate.per_second(now),
-                                 self._flow, self._waits(), now)
-
-    def _waits(self) -> tuple[float, ...]:
-        """Per class, how soon a held request must start not to be refused: its queue wait (``demand.py``)."""
-        return tuple(band.queue_wait_s(self._settings.max_queue_wait_s) for band in self._settings.bands)
+                                 self._settings.bands, self._settings.max_queue_wait_s, now)
 
     def status(self, top: int, cluster: ClusterStatus | None) -> ModelStatus:
         now = self._clock()
         pool = self._pool
         return ModelStatus(
-            name=self.name,
-            rule=pool.rule.name,
-            uses_metrics=pool.rule.uses_metrics,
+            name=self.name, rule=pool.rule.name, uses_metrics=pool.rule.uses_metrics,
             rule_rate=pool.settings.release_rate,
             queued=len(self._queue),
             in_flight=pool.in_flight,
