@@ -54,7 +54,7 @@ import random
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -457,12 +457,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", help="keep the logs here (default: a temporary folder, removed at exit)")
 
 
-def run_autoscale(args: argparse.Namespace) -> int:
+def run_autoscale(args: argparse.Namespace, in_simulated_time: Callable[[Settings], Run]) -> int:
+    """The command: the day on the stack, or with ``--simulated`` through ``in_simulated_time`` (autoscale_sim.py,
+    which builds on this module)."""
     settings = Settings(**{name: getattr(args, name) for name in Settings.__dataclass_fields__})
     if args.simulated:
-        from extproc.tools.autoscale_sim import simulate_in_time  # it builds on this module
-
-        run = simulate_in_time(settings)
+        run = in_simulated_time(settings)
     else:
         with tempfile.TemporaryDirectory(prefix="extproc-autoscale-") as temporary:
             workdir = Path(args.workdir or temporary)
