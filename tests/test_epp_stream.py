@@ -241,7 +241,7 @@ async def test_with_no_endpoint_of_the_pool_up_requests_are_held_until_one_answe
     what waited too long, 429); a subset hint whose endpoints are down while another is up is still 503 at once."""
     pods = ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
     config = parse_config({"models": [{"name": "m", "endpoints": list(pods), "endpoint_picking": True,
-                                       "max_queue_wait_s": 0.05, "cold_start_wait_s": 0.3}]})
+                                       "max_queue_wait_s": 0.05, "cold_start_wait_s": 2.0}]})
     telemetry = Telemetry()
     dispatchers = build_dispatchers(config, telemetry)
     dispatcher = dispatchers["m"]
@@ -264,7 +264,7 @@ async def test_with_no_endpoint_of_the_pool_up_requests_are_held_until_one_answe
     dispatcher.record_scrape(pods[1], None, time.monotonic(), reachable=False)  # gone again: the pool is at zero
     late = Stream(processor, first_message(DUPLEX, subset=["10.0.0.1:8000"]))  # no endpoint up at all: held too
     send(late, body(chat(model="m")))
-    refusal = await late.answers.get()  # once its cold-start wait (0.3 s) ran out
+    refusal = await late.answers.get()  # once its cold-start wait (2 s) ran out
     assert refusal.immediate_response.status.code == 429
     error = json.loads(refusal.immediate_response.body)["error"]
     assert error["code"] == "queue_timeout" and "no engine of the pool was up" in error["message"]
