@@ -27,9 +27,9 @@ from extproc.adapters.ext_proc.attach import base
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.grpc.builtin.server import BuiltinServer
 from extproc.adapters.grpc.transport import Method
+from extproc.adapters.runtime import Dispatchers, build_runtimes
 from extproc.adapters.server import PROCESS_PATH
 from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.wiring import build_dispatchers
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.tools.procs import free_port
@@ -53,11 +53,11 @@ BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 
 def make() -> tuple[Processor, ModelDispatcher]:
     telemetry = Telemetry()
-    dispatchers = build_dispatchers(CONFIG, telemetry)
-    dispatcher = dispatchers["base"]
+    runtimes = build_runtimes(CONFIG, telemetry)
+    dispatcher = runtimes["base"].dispatcher
     for endpoint in ENDPOINTS:  # idle engines, so releases go at once
         dispatcher.record_scrape(endpoint, EngineLoad(waiting=0, running=0), 0.0)
-    return Processor(CONFIG, dispatchers, telemetry), dispatcher
+    return Processor(CONFIG, runtimes, telemetry), dispatcher
 
 
 def first_message(mode: int | None, headers: dict[str, str] | None = None, subset: list[str] | None = None,
@@ -218,8 +218,9 @@ async def test_shed_under_load_is_429() -> None:
     config = parse_config({"models": [{"name": "m", "endpoints": ["http://10.0.0.1:8000"], "endpoint_picking": True,
                                        "max_queued": 1, "advanced": {"fallback_max_in_flight": 1}}]})
     telemetry = Telemetry()
-    dispatchers = build_dispatchers(config, telemetry)
-    processor = Processor(config, dispatchers, telemetry)
+    runtimes = build_runtimes(config, telemetry)
+    dispatchers = Dispatchers(runtimes)
+    processor = Processor(config, runtimes, telemetry)
     streams = [Stream(processor, first_message(DUPLEX)) for _ in range(3)]
     for s in streams:
         send(s, body(chat(model="m")))
@@ -243,9 +244,9 @@ async def test_with_no_endpoint_of_the_pool_up_requests_are_held_until_one_answe
     config = parse_config({"models": [{"name": "m", "endpoints": list(pods), "endpoint_picking": True,
                                        "max_queue_wait_s": 0.05, "cold_start_wait_s": 2.0}]})
     telemetry = Telemetry()
-    dispatchers = build_dispatchers(config, telemetry)
-    dispatcher = dispatchers["m"]
-    processor = Processor(config, dispatchers, telemetry)
+    runtimes = build_runtimes(config, telemetry)
+    dispatcher = runtimes["m"].dispatcher
+    processor = Processor(config, runtimes, telemetry)
     for pod in pods:  # scaled to zero: nothing answers
         dispatcher.record_scrape(pod, None, time.monotonic(), reachable=False)
     early = Stream(processor, first_message(DUPLEX))

@@ -163,8 +163,8 @@ async def test_the_old_average_reservation_would_fail_the_invariant() -> None:
     admission = sim.dispatcher._state._admission  # noqa: SLF001 - the rule under test, replaced
     original = admission.headroom
 
-    def reserving(band: int, now: float) -> int:
-        return original(band, now) - (4 if band else 0)  # four slots always kept for interactive
+    def reserving(band: int, now: float, room: tuple[int, int] | None = None) -> int:
+        return original(band, now, room) - (4 if band else 0)  # four slots always kept for interactive
 
     admission.headroom = reserving  # type: ignore[method-assign]
     sim.run([], until=30.0)
@@ -181,10 +181,10 @@ def keeping(sim: CoreSim, kept: Callable[[CoreSim, int], int]) -> None:
     admission = sim.dispatcher._state._admission  # noqa: SLF001 - the rule under test, replaced
     original = admission.headroom
 
-    def headroom(band: int, now: float) -> int:
+    def headroom(band: int, now: float, room: tuple[int, int] | None = None) -> int:
         if not sim.bands[band].idle_only:
-            return original(band, now)
-        return min(original(band, now), sim.pool.free_slots(now) - kept(sim, band))
+            return original(band, now, room)
+        return min(original(band, now, room), sim.pool.free_slots(now) - kept(sim, band))
 
     admission.headroom = headroom  # type: ignore[method-assign]
 

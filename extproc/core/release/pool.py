@@ -117,12 +117,16 @@ class Pool:
         Work conservation is stated in these slots (``core/bands.py``): while
         one is free, nothing keeps a held request from it.
         """
-        if not self.rule.uses_metrics or self.degraded(now) or not self.health.serving():
+        if not self.rule.uses_metrics or not self.health.up or self.health.degraded(now):
             return 0
         estimate = self.estimate.now()
         if estimate.waiting > 0:
             return 0
         return max(0, math.floor(self.capacity() - estimate.held))
+
+    def room(self, now: float) -> tuple[int, int]:
+        """:meth:`headroom` and :meth:`free_slots` in one question: every release round asks both (``bands.py``)."""
+        return self.headroom(now), self.free_slots(now)
 
     def reconfigure(self, rule: type[ReleaseRule], settings: RuleSettings) -> None:
         """A new rule, or new settings for it: started afresh on the same load estimate and endpoint health.
@@ -152,6 +156,16 @@ class Pool:
         self.estimate.record_release(request, now, endpoint, into_free_slot)
         self.health.record_release(endpoint, now)
         self.rule.record_release(now)
+
+    def released(self, request: Hashable, now: float, endpoint: str | None, *, into_free_slot: bool,
+                 full_before: bool) -> tuple[bool, bool]:
+        """A release, recorded (:meth:`record_release`): whether to read its response headers for a failure
+        (:meth:`check_release`), and (asked with ``full_before``) whether the engines had no free slot before it
+        (:meth:`engine_full`). One question where every release asked three or four."""
+        checked = self.health.released(endpoint, now)
+        before = self.estimate.record_release(request, now, endpoint, into_free_slot, before=full_before)
+        self.rule.record_release(now)
+        return checked, before is not None and self.engine_full(before)
 
     def check_release(self, endpoint: str | None, now: float) -> bool:
         """Whether the response headers of this release should be read for a failure (``health.py``)."""
@@ -271,7 +285,7 @@ class Pool:
 
     def headroom(self, now: float) -> int:
         """The allowance before it is floored at 0: negative when more are out than allowed."""
-        if not self.health.serving():
+        if not self.health.up:
             return 0  # every engine down: hold everything until one returns
         if self.pick_endpoints:
             return sum(self._room(e, now) for e in self.endpoints)
