@@ -161,12 +161,43 @@ async def test_the_demand_counts_held_and_in_flight_per_class_over_what_one_engi
     for h in held:
         if h.future.done():
             d.end(h)
-    assert sum(d.demand().in_flight) == 0 and d.demand().engines == 16 / 7
+    # Their time in flight is known now (0.5 s): the flow's places by Little's law, 30 arrivals in the last 10 s, and
+    # the 16 held spread over their class's wait (1 s).
+    assert sum(d.demand().in_flight) == 0 and d.demand().engines == pytest.approx((30 / 10 * 0.5 + 16 * 0.5 / 1.0) / 7)
     for h in held:
         h.future.cancel()
         d.end(h)
     await asyncio.sleep(0)
     assert d.demand().engines == 0
+
+
+async def test_the_engines_needed_are_the_arrival_rate_times_the_time_in_flight_and_the_backlog_over_its_wait() -> None:
+    clock, releases = Clock(), Releases()
+    d = dispatcher(clock, releases, make_gate(max_running=4))  # 7 places an engine
+    d.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
+    running: list[tuple[float, Held]] = []
+    for tick in range(40):  # one request every 0.5 s, each in flight 2 s: 4 at a time, never held
+        clock.advance(tick * 0.5)
+        for ends, h in [(e, h) for e, h in running if e <= clock.now]:
+            d.end(h)
+            running.remove((ends, h))
+        held = d.submit(TENANTS[tick % 5], 1)
+        assert held.future.done()
+        running.append((clock.now + 2.0, held))
+    demand = d.demand()
+    assert demand.held == (0, 0) and sum(demand.in_flight) == 4
+    assert demand.engines == pytest.approx(20 / 10 * 2.0 / 7)  # 2 a second for 2 s each: 4 places
+    # A burst the engine cannot take: at most 7 in flight (its limit), and what the flow needs is the arrival rate's
+    # places, with each held request as the share of a place that starts it within its class's wait (1 s).
+    burst = [d.submit(TENANTS[i % 5], 1) for i in range(30)]
+    demand = d.demand()
+    held_now = demand.held[1]
+    assert sum(demand.in_flight) <= 7 and held_now >= 30 - 3
+    assert demand.engines == pytest.approx((50 / 10 * 2.0 + held_now * 2.0 / 1.0) / 7)
+    for h in burst + [h for _, h in running]:
+        h.future.cancel()
+        d.end(h)
+    await asyncio.sleep(0)
 
 
 async def test_without_a_known_size_any_demand_needs_one_engine() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 import grpc
@@ -213,7 +214,7 @@ async def test_fairness_id_objective_and_ttft_come_from_the_gateway_conventions(
     assert json.loads(answer.immediate_response.body)["error"]["param"] == "x-llm-d-slo-ttft-ms"
 
 
-async def test_shed_under_load_is_429_and_no_endpoint_up_is_503() -> None:
+async def test_shed_under_load_is_429() -> None:
     config = parse_config({"models": [{"name": "m", "endpoints": ["http://10.0.0.1:8000"], "endpoint_picking": True,
                                        "max_queued": 1, "advanced": {"fallback_max_in_flight": 1}}]})
     telemetry = Telemetry()
@@ -228,15 +229,50 @@ async def test_shed_under_load_is_429_and_no_endpoint_up_is_503() -> None:
     # One in flight (the unscraped engine's fallback cap), one held silently, the third shed: the protocol's 429.
     assert released[0].HasField("request_headers") and held == []
     assert shed[0].immediate_response.status.code == 429
-    dispatchers["m"].record_scrape("http://10.0.0.1:8000", None, 0.0, reachable=False)  # the engine is down
-    down = Stream(processor, first_message(DUPLEX))
-    send(down, body(chat(model="m")))
-    (answer,) = await answers(down)
-    assert answer.immediate_response.status.code == 503
     for s in streams:  # the clients leave: Envoy resets their streams
         s.task.cancel()
     await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
     assert dispatchers["m"].queued == 0 and dispatchers["m"].in_flight == 0
+
+
+async def test_with_no_endpoint_of_the_pool_up_requests_are_held_until_one_answers_then_refused_at_the_cold_start(
+) -> None:
+    """The cold start as on the fast path: held past the class's wait while no engine is up, released to the first
+    engine that answers; refused with Retry-After once the cold-start wait runs out (the protocol's status for
+    what waited too long, 429); a subset hint whose endpoints are down while another is up is still 503 at once."""
+    pods = ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
+    config = parse_config({"models": [{"name": "m", "endpoints": list(pods), "endpoint_picking": True,
+                                       "max_queue_wait_s": 0.05, "cold_start_wait_s": 2.0}]})
+    telemetry = Telemetry()
+    runtimes = build_runtimes(config, telemetry)
+    dispatcher = runtimes["m"].dispatcher
+    processor = Processor(config, runtimes, telemetry)
+    for pod in pods:  # scaled to zero: nothing answers
+        dispatcher.record_scrape(pod, None, time.monotonic(), reachable=False)
+    early = Stream(processor, first_message(DUPLEX))
+    send(early, body(chat(model="m")))
+    assert await answers(early) == []
+    await asyncio.sleep(0.1)  # past the class's wait (0.05 s): kept, no engine being up
+    assert await answers(early) == [] and dispatcher.queued == 1 and dispatcher.demand().engines > 0
+    dispatcher.record_scrape(pods[1], EngineLoad(waiting=0, running=0), time.monotonic())  # an engine answers
+    released = await answers(early)
+    assert destination(released[0])[0].split(",")[0] == "10.0.0.2:8000"
+    hinted = Stream(processor, first_message(DUPLEX, subset=["10.0.0.1:8000"]))  # down, while the other is up
+    send(hinted, body(chat(model="m")))
+    (answer,) = await answers(hinted)
+    assert answer.immediate_response.status.code == 503
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "no_endpoint"
+    dispatcher.record_scrape(pods[1], None, time.monotonic(), reachable=False)  # gone again: the pool is at zero
+    late = Stream(processor, first_message(DUPLEX, subset=["10.0.0.1:8000"]))  # no endpoint up at all: held too
+    send(late, body(chat(model="m")))
+    refusal = await late.answers.get()  # once its cold-start wait (2 s) ran out
+    assert refusal.immediate_response.status.code == 429
+    error = json.loads(refusal.immediate_response.body)["error"]
+    assert error["code"] == "queue_timeout" and "no engine of the pool was up" in error["message"]
+    assert any(h.header.key.lower() == "retry-after" for h in refusal.immediate_response.headers.set_headers)
+    early.close()
+    await asyncio.gather(early.task, hinted.task, late.task)
+    assert dispatcher.queued == 0
 
 
 async def test_the_served_endpoint_read_back_moves_the_count_and_marks_the_pick_down() -> None:

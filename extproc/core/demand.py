@@ -5,12 +5,23 @@ many requests are held, so an autoscaler reading the engines' metrics sees no
 demand. These numbers are the demand as the gateway holds it:
 
 * per class, the requests **held** here and **in flight** at the engines;
-* **engines needed**: held and in flight together, over what one endpoint
+* **engines needed**: the places the requests need, over what one endpoint
   holds at its learned limit (the release rule's per-endpoint limit: for the
-  adaptive rule its batch plus ``target_waiting``). The mean over the ready
-  endpoints; with none ready, the last mean seen (a pool scaled to zero keeps
-  its engines' size), else ``max_running + target_waiting`` where the operator
-  said the batch size; and with nothing known at all, 1 while anything is
+  adaptive rule its batch plus ``target_waiting``; the mean over the ready
+  endpoints; with none ready, the last mean seen, as a pool scaled to zero
+  keeps its engines' size; else ``max_running + target_waiting`` where the
+  operator said the batch size). The places are the flow's, by Little's law:
+  the arrival rate times the time a released request stays in flight (the
+  number the arrivals keep busy, however many happen to be in flight this
+  instant, which swings with every arrival and end), plus, for each held
+  request, the share of a place that starts it within its class's queue wait
+  (before it would be refused): its time in flight over that wait. A backlog
+  the engines there clear in time is no reason to start one (the classes'
+  objectives are kept by their order, not by more engines), and a queue that
+  keeps growing shows in the arrival rate already. At least one request's
+  place while anything is held or in flight, however slow the flow. Before
+  any request finished (no time in flight known), every request held or in
+  flight counts as a place; with no size known at all, 1 while anything is
   held. 0 with nothing held or in flight;
 * **time to drain**: how long the held requests take to leave at the release
   rate observed (``drain_time.py``): 0 with nothing held, inf while nothing
@@ -21,16 +32,23 @@ demand. These numbers are the demand as the gateway holds it:
   counted with the engines' own waiting (what those queues would hold without
   the gateway; with no endpoint ready, the whole queue).
 
-Computed on request (a Prometheus scrape), from state the model keeps anyway:
-nothing on a request's path.
+Computed on request (a Prometheus scrape), from state the model keeps anyway
+and the flow's two records (an arrival's time, a finished request's time in
+flight: an append each on a request's path).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
+from extproc.core.bands import Band
+from extproc.core.drain_time import RATE_WINDOW_S
 from extproc.core.release.pool import Pool
+
+# Finished requests whose times in flight are averaged.
+SERVICE_SAMPLES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +69,56 @@ class Demand:
     mean_kv_usage: float
 
 
+class Flow:
+    """The model's arrival rate (the last ``RATE_WINDOW_S``) and its requests' mean time in flight (the last
+    ``SERVICE_SAMPLES`` finished, however long ago: a pool scaled to zero keeps its requests' length)."""
+
+    def __init__(self) -> None:
+        self._arrivals: deque[float] = deque()
+        self._service: deque[float] = deque(maxlen=SERVICE_SAMPLES)
+
+    def arrived(self, now: float) -> None:
+        self._arrivals.append(now)
+        self._trim(now)
+
+    def finished(self, in_flight_s: float) -> None:
+        self._service.append(in_flight_s)
+
+    def arrival_rate(self, now: float) -> float:
+        self._trim(now)
+        return len(self._arrivals) / RATE_WINDOW_S
+
+    def service_s(self) -> float | None:
+        """The mean time in flight of the last finished requests; None before any finished."""
+        return sum(self._service) / len(self._service) if self._service else None
+
+    def _trim(self, now: float) -> None:
+        while self._arrivals and self._arrivals[0] <= now - RATE_WINDOW_S:
+            self._arrivals.popleft()
+
+
 class DemandGauge:
-    """Reads one model's demand; remembers the size of its engines while none is ready (a pool scaled to zero)."""
+    """Reads one model's demand; keeps its flow, and the size of its engines while none is ready (a pool scaled to
+    zero)."""
 
     def __init__(self) -> None:
         self._per_engine: float | None = None
+        self._flow = Flow()
+
+    def arrived(self, now: float) -> None:
+        """A request arrived (queued)."""
+        self._flow.arrived(now)
+
+    def finished(self, in_flight_s: float) -> None:
+        """A released request finished, ``in_flight_s`` after its release."""
+        self._flow.finished(in_flight_s)
 
     def read(self, pool: Pool, held: tuple[int, ...], in_flight: tuple[int, ...], release_rate: float,
-             now: float) -> Demand:
-        """The demand of ``held`` and ``in_flight`` requests per class on ``pool``, released at ``release_rate`` per s."""
+             bands: tuple[Band, ...], model_wait_s: float, now: float) -> Demand:
+        """The demand of ``held`` and ``in_flight`` requests per class (``bands``) on ``pool``, released at
+        ``release_rate`` per s; a held request must start within its class's queue wait (the model's
+        ``model_wait_s`` unless the class has its own)."""
+        waits = tuple(band.queue_wait_s(model_wait_s) for band in bands)
         ready = pool.ready(now)
         limits = [limit for e in ready if (limit := pool.snapshot(e).limit) is not None]
         if limits:
@@ -68,7 +127,7 @@ class DemandGauge:
         if per_engine is None and pool.settings.max_running is not None:
             per_engine = float(pool.settings.max_running + pool.settings.target_waiting)
         queued, total = sum(held), sum(held) + sum(in_flight)
-        engines = 0.0 if not total else total / per_engine if per_engine else 1.0
+        engines = 0.0 if not total else _places(self._flow, held, waits, total, now) / per_engine if per_engine else 1.0
         drain_s = 0.0 if not queued else queued / release_rate if release_rate > 0 else math.inf
         loads = [load for e in ready if (load := pool.last_good(e)) is not None]
         kv = [load.kv_usage for load in loads if load.kv_usage is not None]
@@ -80,3 +139,13 @@ class DemandGauge:
             mean_running=sum(load.running for load in loads) / count,
             mean_kv_usage=sum(kv) / count,
         )
+
+
+def _places(flow: Flow, held: tuple[int, ...], waits: tuple[float, ...], total: int, now: float) -> float:
+    """The places (running or waiting in an engine) that ``total`` requests held and in flight need, ``held`` of them
+    per class held here, each to start within its class's ``waits`` (see the module docstring)."""
+    service_s = flow.service_s()
+    if service_s is None:
+        return float(total)
+    backlog = sum(count * service_s / wait for count, wait in zip(held, waits, strict=True))
+    return max(1.0, flow.arrival_rate(now) * service_s + backlog)

@@ -105,7 +105,7 @@ class ModelState:
                                         self._queue.band_sizes.__getitem__, self._firm_held.__getitem__)
         self._preemption = Preemption(max_preemptions_per_s)
         self._release_rate = ReleaseRate()
-        # Released and not finished, per band; and the engines' size while none is ready (demand.py).
+        # Released and not finished, per band; the engines' size, arrivals and times in flight (demand.py).
         self._in_flight = [0] * len(settings.bands)
         self._demand = DemandGauge()
         self._health_log = HealthLog(name, pool, report)
@@ -178,6 +178,7 @@ class ModelState:
         first = self._queue.push(band, tenant, held)
         held.firm = self._firm(held)
         self._firm_held[band] += held.firm
+        self._demand.arrived(now)
         self._expiry.add(held)
         return held, first
 
@@ -339,6 +340,7 @@ class ModelState:
         occupancy = self._pool.record_finish(held, now)
         self._allowance.finished(held.request.band, now)
         self._in_flight[held.request.band] -= 1
+        self._demand.finished(now - held.released_at)
         measured = held.charge = self._pricing.measure(held, occupancy)
         request, estimate = held.request, held.estimate
         self._queue.correct(request.band, request.tenant, measured.cost - estimate.cost)
@@ -480,16 +482,14 @@ class ModelState:
     def demand(self) -> Demand:
         """What the held and in-flight requests ask of the engines now (``demand.py``)."""
         now = self._clock()
-        held = tuple(self._queue.band_len(band) for band in range(len(self._settings.bands)))
-        return self._demand.read(self._pool, held, tuple(self._in_flight), self._release_rate.per_second(now), now)
+        return self._demand.read(self._pool, tuple(self._queue.band_sizes), tuple(self._in_flight),
+                                 self._release_rate.per_second(now), self._settings.bands, self._settings.max_queue_wait_s, now)
 
     def status(self, top: int, cluster: ClusterStatus | None) -> ModelStatus:
         now = self._clock()
         pool = self._pool
         return ModelStatus(
-            name=self.name,
-            rule=pool.rule_type.name,
-            uses_metrics=pool.uses_metrics,
+            name=self.name, rule=pool.rule_type.name, uses_metrics=pool.uses_metrics,
             rule_rate=pool.settings.release_rate,
             queued=len(self._queue),
             in_flight=pool.in_flight,

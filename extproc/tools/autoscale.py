@@ -54,7 +54,7 @@ import random
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,7 +122,11 @@ class Settings:
 
     def needed_engine_s(self) -> float:
         """What the load needed: each second, the engines its rate needed at full batch, rounded up."""
-        return float(sum(math.ceil(self.load(s + 0.5) - 1e-9) for s in range(int(self.day_s))))
+        return float(sum(self.needed_at(s) for s in range(int(self.day_s))))
+
+    def needed_at(self, second: int) -> int:
+        """The engines the load needed in ``second`` (its middle): its rate at full batch, rounded up."""
+        return math.ceil(self.load(second + 0.5) - 1e-9)
 
     def sim_args(self) -> list[str]:
         return ["--max-num-seqs", str(self.max_num_seqs), "--step-ms", str(self.step_ms),
@@ -199,11 +203,36 @@ class Run:
             "engine_seconds_used_with_the_tail": round(sum(end - start for start, end in stopped), 1),
             "engine_seconds_needed": needed,
             "engine_seconds_over_needed": round(used / needed - 1, 4) if needed else math.nan,
+            "engine_seconds_apart": excess(self.settings, stopped),
             "engines_started": len(self.engines),
             "scaled_to_zero": self.scaled_to_zero,
             "most_engines": max((int(p["engines"]) for p in self.timeline), default=0),
             "engine_rps": round(self.settings.engine_rps, 3),
         }
+
+
+def excess(settings: Settings, engines: list[tuple[float, float]]) -> dict[str, float]:
+    """Where the engine-seconds used part from those needed, second by second over the day.
+
+    In each second, the k-th engine running (started, ready or not, and not
+    yet exited) is **over** what was needed if fewer than k were needed then:
+    ``after_need`` if k were needed within the stop rule's window before
+    (``down_window_s``, the 60 s the rule keeps an engine after its need ended),
+    ``above_need`` otherwise (an engine the load did not need at all then: a
+    start too early, a stop late beyond the rule's window, one above the peak).
+    The k-th engine needed and not running is **short**: a start later than the
+    need. used - needed = after_need + above_need - short.
+    """
+    after = above = short = 0.0
+    window = int(settings.down_window_s)
+    for second in range(int(settings.day_s)):
+        running = sum(start <= second + 0.5 < end for start, end in engines)
+        need = settings.needed_at(second)
+        recent = max(settings.needed_at(s) for s in range(max(0, second - window), second + 1))
+        short += max(0, need - running)
+        after += max(0, min(running, recent) - need)
+        above += max(0, running - max(recent, need))
+    return {"after_need": after, "above_need": above, "short": short}
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -232,6 +261,33 @@ def write_config(workdir: Path, settings: Settings) -> Path:
     return path
 
 
+class ScaleRule:
+    """The HPA's decisions with the guide's behaviour (the module docstring), on one value of the query at a time."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._desired: deque[tuple[float, int]] = deque()  # (time, desired) over the longer window
+        self._last_up = -math.inf
+
+    def decide(self, now: float, value: float, current: int) -> tuple[int, int]:
+        """What the HPA wants at ``now`` with ``current`` engines and the query at ``value``, and the engines it
+        runs: ``current + 1`` (start one), fewer (stop the surplus), or ``current``."""
+        s = self._settings
+        within = current and abs(value / current - 1) <= TOLERANCE
+        desired = current if within else min(s.max_engines, math.ceil(value - 1e-9))
+        self._desired.append((now, desired))
+        while self._desired and self._desired[0][0] < now - max(s.up_window_s, s.down_window_s):
+            self._desired.popleft()
+        lowest = min(d for t, d in self._desired if t >= now - s.up_window_s)  # needed all along the window
+        highest = max(d for t, d in self._desired if t >= now - s.down_window_s)
+        if (current == 0 and desired > 0) or (lowest > current and now - self._last_up >= s.up_every_s):
+            self._last_up = now
+            return desired, current + 1
+        if highest < current and now >= s.down_window_s:
+            return desired, highest
+        return desired, current
+
+
 class Autoscaler:
     """The HPA with the guide's behaviour, on the processor's demand series, starting and stopping engines."""
 
@@ -243,8 +299,7 @@ class Autoscaler:
         self._hosts = hosts
         self._workdir = workdir
         self._start = time.monotonic()
-        self._desired: deque[tuple[float, int]] = deque()  # (time, desired) over the longer window
-        self._last_up = -math.inf
+        self._rule = ScaleRule(run.settings)
         self._tasks: set[asyncio.Task[None]] = set()
         self._leaving: set[str] = set()  # out of the addresses, draining
 
@@ -259,44 +314,49 @@ class Autoscaler:
     def ready(self) -> int:
         return sum(e.ready for e in self.live)
 
-    async def demand(self, session: aiohttp.ClientSession) -> float:
-        """``sum(extproc_engines_needed{model})``, read from the processor's page as Prometheus would."""
+    async def demand(self, session: aiohttp.ClientSession) -> dict[str, float]:
+        """``sum(extproc_engines_needed{model})``, read from the processor's page as Prometheus would; with what it
+        is made of (the requests held and in flight, one engine's capacity) for the timeline."""
         async with session.get(self._stack.metrics_url) as response:
             text = await response.text()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(f'extproc_engines_needed{{model="{MODEL}"}}'))
+        values = {"demand": 0.0, "held": 0.0, "in_flight": 0.0}
+        for line in text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name == f'extproc_engines_needed{{model="{MODEL}"}}':
+                values["demand"] += float(value)
+            elif name == f'extproc_engine_capacity_requests{{model="{MODEL}"}}' and not math.isnan(float(value)):
+                values["capacity"] = float(value)
+            elif name.startswith(f'extproc_demand_requests{{model="{MODEL}"'):
+                values["held" if 'state="held"' in name else "in_flight"] += float(value)
+        return values
 
     async def run(self, stop: asyncio.Event) -> None:
         async with aiohttp.ClientSession() as session:
             while not stop.is_set():
-                await self.sync(await self.demand(session))
+                read = await self.demand(session)
+                await self.sync(read.pop("demand"), read)
                 try:
                     await asyncio.wait_for(stop.wait(), self._settings.sync_s)
                 except TimeoutError:
                     pass
         await asyncio.gather(*self._tasks)
 
-    async def sync(self, value: float) -> None:
-        """One decision on ``value``, the query's answer (the HPA's algorithm, its 10 % tolerance included)."""
-        s, now = self._settings, self.now()
+    async def sync(self, value: float, parts: dict[str, float] | None = None) -> None:
+        """One decision on ``value``, the query's answer (the HPA's algorithm, its 10 % tolerance included); ``parts``
+        (what the processor's page said beside it) goes to the timeline."""
+        now = self.now()
         current = len(self.live)
-        within = current and abs(value / current - 1) <= TOLERANCE
-        desired = current if within else min(s.max_engines, math.ceil(value - 1e-9))
-        self._desired.append((now, desired))
-        while self._desired and self._desired[0][0] < now - max(s.up_window_s, s.down_window_s):
-            self._desired.popleft()
-        lowest = min(d for t, d in self._desired if t >= now - s.up_window_s)  # needed all along the window
-        highest = max(d for t, d in self._desired if t >= now - s.down_window_s)
-        if (current == 0 and desired > 0) or (lowest > current and now - self._last_up >= s.up_every_s):
-            self._last_up = now
+        desired, target = self._rule.decide(now, value, current)
+        if target > current:
             self._spawn(self._start_engine())
-        elif highest < current and now >= s.down_window_s:
-            for engine in self.live[highest:]:  # the newest go
+        elif target < current:
+            for engine in self.live[target:]:  # the newest go
                 self._leaving.add(engine.url)
                 self._spawn(self._stop_engine(engine))
             self._write_hosts()
         self._run.timeline.append({"t": round(now, 1), "demand": round(value, 3), "desired": desired,
-                                   "engines": len(self.live), "ready": self.ready()})
+                                   "engines": len(self.live), "ready": self.ready(),
+                                   **{name: round(v, 3) for name, v in (parts or {}).items()}})
 
     def _spawn(self, job: Any) -> None:
         task = asyncio.create_task(job)
@@ -391,17 +451,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, name)
         parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
                             help=f"{text} (default: %(default)s)")
+    parser.add_argument("--simulated", action="store_true",
+                        help="run the day in simulated time (seconds, no processes; autoscale_sim.py) instead of on the stack")
     parser.add_argument("--out", help="write summary.json and timeline.json here (default: print only)")
     parser.add_argument("--workdir", help="keep the logs here (default: a temporary folder, removed at exit)")
 
 
-def run_autoscale(args: argparse.Namespace) -> int:
+def run_autoscale(args: argparse.Namespace, in_simulated_time: Callable[[Settings], Run]) -> int:
+    """The command: the day on the stack, or with ``--simulated`` through ``in_simulated_time`` (autoscale_sim.py,
+    which builds on this module)."""
     settings = Settings(**{name: getattr(args, name) for name in Settings.__dataclass_fields__})
-    with tempfile.TemporaryDirectory(prefix="extproc-autoscale-") as temporary:
-        workdir = Path(args.workdir or temporary)
-        workdir.mkdir(parents=True, exist_ok=True)
-        run = asyncio.run(simulate(settings, workdir))
-        summary = run.summary()
+    if args.simulated:
+        run = in_simulated_time(settings)
+    else:
+        with tempfile.TemporaryDirectory(prefix="extproc-autoscale-") as temporary:
+            workdir = Path(args.workdir or temporary)
+            workdir.mkdir(parents=True, exist_ok=True)
+            run = asyncio.run(simulate(settings, workdir))
+    summary = run.summary()
     print(json.dumps({"settings": asdict(settings), **summary}, indent=2))
     if args.out:
         out = Path(args.out)

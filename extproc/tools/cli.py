@@ -14,6 +14,7 @@ import argparse
 from extproc.cli import command_parser, log_options_after, run
 from extproc.tools.autoscale import add_arguments as add_autoscale_arguments
 from extproc.tools.autoscale import run_autoscale
+from extproc.tools.autoscale_sim import simulate_in_time
 from extproc.tools.bench.cli import add_arguments as add_bench_arguments
 from extproc.tools.bench.cli import run_bench
 from extproc.tools.demo import add_arguments as add_demo_arguments
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     autoscale = commands.add_parser("autoscale", help="a simulated autoscaler on the demand series, under a day of load "
                                     "in minutes: lost requests, TTFT, engine-seconds")
     add_autoscale_arguments(autoscale)
-    autoscale.set_defaults(func=run_autoscale)
+    autoscale.set_defaults(func=lambda args: run_autoscale(args, simulate_in_time))
     soak = commands.add_parser("soak", help="mixed traffic for an hour: memory, descriptors, tasks and release "
                                "latency over time, with a plot")
     add_soak_arguments(soak)

@@ -202,8 +202,10 @@ class Series:
     )
     engines_needed = _gauge(
         "extproc_engines_needed",
-        "Engines the model's demand needs now: its requests held and in flight over what one endpoint holds at its "
-        "learned limit (extproc_engine_capacity_requests); 1 while anything is held and that is not known yet.",
+        "Engines the model's demand needs now, over what one endpoint holds at its learned limit "
+        "(extproc_engine_capacity_requests): the arrival rate of the last 10 s times a request's mean time in flight "
+        "(Little's law), plus each held request's share of a place that starts it within its class's queue wait; "
+        "before any request finished, the requests held and in flight; 1 while anything is held and no size is known.",
         "model",
     )
     engine_capacity = _gauge(

@@ -6,8 +6,11 @@ the stream in the gateway's body mode (``body.py``) and its fields decoded
 other; the release speaks the Endpoint Picker Protocol (``epp_protocol.py``, docs/epp.md):
 
 * in: the gateway's subset hint bounds the pick (an empty or foreign one, or
-  no endpoint up: 503 at once); on the response, the endpoint that served
-  it (a fallback taken: the count moves there and the pick is marked down);
+  one with no endpoint up while another endpoint of the pool is: 503 at
+  once); with no endpoint of the pool up at all (scaled to zero, starting)
+  the request is held as on any attachment, up to the model's
+  ``cold_start_wait_s``; on the response, the endpoint that served it (a
+  fallback taken: the count moves there and the pick is marked down);
 * out: the picked endpoint and its fallbacks in
   ``x-gateway-destination-endpoint`` and in ``envoy.lb`` metadata, with the
   body passed back (``FULL_DUPLEX_STREAMED``, in chunks, and the response's
@@ -98,16 +101,17 @@ class EndpointPicker(Attachment):
 
     def eligible(self, stream: Stream, dispatcher: ModelDispatcher) -> frozenset[str] | None:
         """The protocol: pick only inside the gateway's subset hint, and 503 when it is empty or names no
-        endpoint of the pool, or no endpoint is ready."""
-        eligible = None
-        if stream.subset is not None:
-            eligible = frozenset(e for e in dispatcher.endpoints if epp.host_port(e) in stream.subset)
-            if not eligible:
-                raise Refused(Refusal.NO_ENDPOINT, "none of the endpoints in the gateway's subset hint "
-                              f"({', '.join(sorted(stream.subset)) or 'empty'}) is an endpoint of this pool")
-        if not dispatcher.serves(eligible):
-            raise Refused(Refusal.NO_ENDPOINT, f"no endpoint of model {dispatcher.name!r}"
-                          f"{' in the subset hint' if eligible else ''} is up; retry shortly")
+        endpoint of the pool, or none of it is up while another endpoint is. With no endpoint of the pool up the
+        request is held (the cold start: an autoscaler is bringing one), as the dispatcher holds any request then."""
+        if stream.subset is None:
+            return None
+        eligible = frozenset(e for e in dispatcher.endpoints if epp.host_port(e) in stream.subset)
+        if not eligible:
+            raise Refused(Refusal.NO_ENDPOINT, "none of the endpoints in the gateway's subset hint "
+                          f"({', '.join(sorted(stream.subset)) or 'empty'}) is an endpoint of this pool")
+        if dispatcher.serves() and not dispatcher.serves(eligible):
+            raise Refused(Refusal.NO_ENDPOINT, f"no endpoint of model {dispatcher.name!r} in the subset hint is up "
+                          "while others are; retry shortly")
         return eligible
 
     def release(self, stream: Stream, held: Held, model: str, waited_s: float,
