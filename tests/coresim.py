@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -31,12 +32,14 @@ from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
+from extproc.core.model_state import ModelState
 from extproc.core.outcomes import Refused
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
 from extproc.core.report import Event
+from extproc.core.strategy import Limit, LocalRelease
 from extproc.tools.sim.engine import Scheduler, SimRequest, SimSettings
 
 ENDPOINT = "http://engine"
@@ -133,13 +136,20 @@ class CoreSim:
         self.pool = Pool((ENDPOINT,), RULES["adaptive"], RuleSettings(target_waiting, max_running=max_running),
                          stale_after_s=10 * scrape_s, fallback_max_in_flight=4)
         every = Tenant(tuple(b.name for b in bands), bands[0].name, weight=1.0, max_queued=1_000_000)
+        # An extra limit on what the strategy lets go (``strategy.Limit``): a test's changed rule, set any time.
+        self.limit: Limit | None = None
         self.dispatcher = ModelDispatcher(
             "m", self.pool, bands, lambda event: self.events.append(event), lambda: self.now, policy=POLICIES[policy],
             tenant=lambda _: every, cost=CostWeights(), max_queued=1_000_000, max_queue_wait_s=max_queue_wait_s,
             reserved_waiting=reserved_waiting, max_preemptions_per_s=max_preemptions_per_s, timers=self,
-            engine_priority=engine_priority,
+            engine_priority=engine_priority, strategy=self._strategy,
         )
         self._at(0.0, self._scrape)
+
+    def _strategy(self, state: ModelState) -> LocalRelease:
+        """The dispatcher's own strategy, within :attr:`limit` when one is set; keeps ``state`` (:attr:`state`)."""
+        self.state = state
+        return LocalRelease(state, self, limit=lambda band, now: self.limit(band, now) if self.limit else sys.maxsize)
 
     # --- Timers (core/timers.py): the dispatcher's deadlines on the same heap -------------------------
 

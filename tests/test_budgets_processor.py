@@ -157,8 +157,8 @@ async def test_a_served_request_is_charged_the_usage_its_engine_reported() -> No
     # The answer is read: buffered, a body over Envoy's buffer limit sent in part (its usage then unread).
     assert release.mode_override.response_body_mode == ProcessingMode.BUFFERED_PARTIAL
     body = usage_body(37, 12, 16)
-    served._inbox.put_nowait(pb.ProcessingRequest(response_body=pb.HttpBody(body=body[:20])))
-    served._inbox.put_nowait(pb.ProcessingRequest(response_body=pb.HttpBody(body=body[20:], end_of_stream=True)))
+    served.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=body[:20])))
+    served.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=body[20:], end_of_stream=True)))
     for _ in range(2):  # each chunk goes on as it came
         assert await served.answers.get() == pb.ProcessingResponse(response_body=pb.BodyResponse())
     served.close()

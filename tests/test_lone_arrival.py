@@ -98,14 +98,18 @@ def _run(script: list[tuple[Any, ...]], policy: str, rule: str,
     timers = _Timers()
     kind: type[LocalRelease] = _GeneralRound if general else _Counted
 
+    states: list[ModelState] = []
+
     def strategy(state: ModelState) -> LocalRelease:
+        states.append(state)
         return kind(state, timers)
 
     def report(event: Event) -> None:
         events.append(event)
 
+    pool = RULES[rule]()
     d = ModelDispatcher(
-        "m", RULES[rule](), BANDS, report, lambda: clock[0],
+        "m", pool, BANDS, report, lambda: clock[0],
         policy=POLICIES[policy], timers=timers, tenant=tenants({"b": 2.0}), cost=CostWeights(), max_queued=1_000,
         max_queue_wait_s=3.0, reserved_waiting=1, max_preemptions_per_s=100.0, strategy=strategy,
     )
@@ -121,21 +125,19 @@ def _run(script: list[tuple[Any, ...]], policy: str, rule: str,
         elif step[0] == "scrape":
             d.record_scrape("e1", EngineLoad(waiting=step[1], running=step[2]), clock[0] - 0.05)
         else:  # "end" a released request, or "leave" one still queued
-            pool = [h for h in every if not h.ended and h.released == (step[0] == "end")]
-            if pool:
-                d.end(pool[step[1] % len(pool)])
-        seen.append(_decided(d, clock[0]))
+            candidates = [h for h in every if not h.ended and h.released == (step[0] == "end")]
+            if candidates:
+                d.end(candidates[step[1] % len(candidates)])
+        seen.append(_decided(states[0], pool, clock[0]))
     outcomes = [(h.released, h.released_at, h.endpoint, h.ended, h.future.done() and h.future.exception() is None)
                 for h in every]
     return events, outcomes, seen
 
 
-def _decided(d: ModelDispatcher, now: float) -> tuple[Any, ...]:
-    """What the next decisions read, left by the last step: the bands' credits, the load estimate, each band's
-    allowance (the state's own parts, read as the strategy reads them)."""
-    state = d._state  # noqa: SLF001 - the state a shortcut could leave otherwise than the round
-    pool = state._pool  # noqa: SLF001
-    return (tuple(state._admission.shares._credit), pool.estimate.now(),  # noqa: SLF001
+def _decided(state: ModelState, pool: Pool, now: float) -> tuple[Any, ...]:
+    """What the next decisions read, left by the last step (the state a shortcut could leave otherwise than the
+    round): the bands' credits, the load estimate, each band's allowance, read as the strategy reads them."""
+    return (state.admission().shares.credits, pool.load_now(),
             tuple(state.allowance(band, now) for band in range(len(BANDS))), state.free_slots(now))
 
 

@@ -160,6 +160,10 @@ class ModelDispatcher:
         """Released requests whose streams have not ended."""
         return self._pool.in_flight
 
+    def in_flight_on(self, endpoint: str) -> int:
+        """Released requests counted against ``endpoint`` (where the gateway said it served them, once it did)."""
+        return self._pool.in_flight_on(endpoint)
+
     def status(self, top: int) -> ModelStatus:
         """A read-only snapshot for the status page (``core/status.py``); ``top`` tenants listed per band."""
         return self._state.status(top, self._strategy.cluster())

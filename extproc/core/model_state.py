@@ -213,6 +213,9 @@ class ModelState:
     def free_slots(self, now: float) -> int:
         return self._pool.free_slots(now)
 
+    def admission(self) -> BandAdmission:  # the band rules, to read (their credits, reserves): tests' invariants do
+        return self._admission
+
     def next_release_in(self, now: float) -> float | None:
         """How long until more may go by time alone: the release rule's (a rate), or an idle-only band's reserve lent."""
         due = [d for d in (self._pool.next_change_in(now), self._admission.next_change_in(now)) if d is not None]
@@ -466,7 +469,6 @@ class ModelState:
         """Endpoints that left the pool: the pricing forgets their caches, and what they said of their queues."""
         self._pricing.forget(endpoints)
         self._follow_engine_priority()
-
 
     def queued_in(self, band: int) -> int:
         return self._queue.band_len(band)

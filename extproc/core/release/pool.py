@@ -75,6 +75,10 @@ class Pool:
     def in_flight(self) -> int:
         return self.estimate.in_flight
 
+    def in_flight_on(self, endpoint: str) -> int:
+        """Ours released to ``endpoint`` and not finished (endpoint picking: where the gateway said it served them)."""
+        return self.estimate.in_flight_on(endpoint)
+
     @property
     def cluster_in_flight(self) -> int:
         """Ours in flight and the other instances' (a cluster's); ours alone without one."""
