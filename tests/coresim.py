@@ -130,6 +130,10 @@ class CoreSim:
         self._by_sim: dict[SimRequest, Request] = {}
         self.requests: list[Request] = []
         self._active: list[Request] = []  # queued or in flight: what _notice looks at
+        # Of those, how many were queued and which were released at the last look (_notice skips a look that
+        # would find nothing to do: no queued request resolved, none released preempted or ended for ``ended``).
+        self._queued_seen = 0
+        self._released: list[Request] = []
         self._to_come = 0  # arrivals on the heap
         self.events: list[Event] = []
         self.limits: list[tuple[float, float]] = []  # (scrape time, the adaptive limit after it)
@@ -167,7 +171,8 @@ class CoreSim:
         """Replay ``arrivals``, then run until ``until`` (simulated seconds)."""
         self.add(arrivals)
         while self._heap and self._heap[0].at <= until:
-            if not self._to_come and not self._active and self.step_end is None and not self._inbox:
+            if (not self._to_come and not self._queued_seen and self.step_end is None and not self._inbox
+                    and not any(r.outcome == "released" for r in self._released)):
                 return  # everything answered: only scrapes are left
             event = heapq.heappop(self._heap)
             self.now = event.at
@@ -198,9 +203,17 @@ class CoreSim:
         request = Request(arrival, held)
         self.requests.append(request)
         self._active.append(request)
+        self._queued_seen += 1
 
     def _notice(self) -> None:
-        """Releases, refusals and preemptions the last event caused: what the ext_proc streams would do."""
+        """Releases, refusals and preemptions the last event caused: what the ext_proc streams would do.
+
+        Each look walks every request queued or in flight, in arrival order; most events change none of them, and
+        a look then is skipped: every queued request still queued (the dispatcher holds as many), and no released
+        one preempted, or ended where ``ended`` wants to hear of it. A request that ended is dropped at the next look.
+        """
+        if self._queued_seen == self.dispatcher.queued and not any(self._due(r) for r in self._released):
+            return
         for request in self._active:
             held = request.held
             if request.outcome == "queued" and held.future.done():
@@ -226,6 +239,14 @@ class CoreSim:
             if request.outcome in ("done", "preempted") and self._ended is not None:
                 self._ended(self, request)
         self._active = [r for r in self._active if r.outcome in ("queued", "released")]
+        self._queued_seen = sum(r.outcome == "queued" for r in self._active)
+        self._released = [r for r in self._active if r.outcome == "released"]
+
+    def _due(self, request: Request) -> bool:
+        """Whether a request released at the last look needs one now: preempted, or ended and ``ended`` is told."""
+        if request.outcome == "released":
+            return request.held.preempted is not None and request.held.preempted.done()
+        return self._ended is not None
 
     def _accepted(self, request: Request) -> None:
         if request.outcome == "released":
