@@ -44,11 +44,11 @@ from extproc.tools.hosts import command, write_hosts
 from extproc.tools.power_user import chat
 from extproc.tools.procs import ManagedProcess, free_port
 from extproc.tools.stack import start_sim, start_stack
+from tests.paths import ROOT
 from tests.stackutil import TENANT_KEYS, read_metrics, write_stack_config
 from tests.test_monitoring import query, tool
 from tests.waitutil import eventually
 
-ROOT = Path(__file__).resolve().parent.parent
 AUTOSCALING = ROOT / "deploy" / "autoscaling"
 SCHEMAS = AUTOSCALING / "schemas"
 K8S_VERSION = "1.33"

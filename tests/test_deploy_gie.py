@@ -35,11 +35,12 @@ from prometheus_client import CollectorRegistry
 
 from extproc.adapters.config import parse_config, split_address
 from extproc.adapters.web.app import build_app
+from tests.paths import FIXTURES, ROOT
 from tests.tlsutil import processor_tls
 
 pytestmark = pytest.mark.unit
 
-GIE = Path(__file__).resolve().parent.parent / "deploy" / "gie"
+GIE = ROOT / "deploy" / "gie"
 SCHEMAS = GIE / "schemas"
 # The Kubernetes version whose built-in schemas the manifests are validated against.
 K8S_VERSION = "1.33"
@@ -453,7 +454,7 @@ def test_the_configmap_parses_as_the_processor_config(tmp_path: Path) -> None:
 
 # The ``spec`` schema of each custom resource's upstream CRD, at the commit our schema names (the README there says
 # which repository, commit and file each comes from, and how it was taken), by the same file name as ours.
-UPSTREAM = Path(__file__).resolve().parent / "fixtures" / "upstream_crds"
+UPSTREAM = FIXTURES / "upstream_crds"
 
 
 def upstream_spec_schema(api_version: str, kind: str) -> dict[str, Any]:

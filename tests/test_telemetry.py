@@ -38,6 +38,7 @@ from extproc.core.outcomes import Refusal, Refused
 from extproc.core.report import RequestEvent, Step
 from extproc.tools.power_user import chat
 from extproc.tools.stack import start_stack
+from tests.paths import ROOT
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
 
 ENDPOINT = "http://127.0.0.1:1"
@@ -149,7 +150,7 @@ def test_an_api_keys_tenant_is_known_by_name_and_the_label_set_stays_the_configs
     both = parse_config({"models": CONFIG_MODELS, "tenants": {"alice": {}}, "envoy": {"api_keys": {"k": "alice"}}})
     assert tenant_labels(both).values == ("alice", "anonymous", "other")
     # The compose demo's own config: its four tenants have keys and no tenants: entries.
-    demo = load_config(Path(__file__).parents[1] / "extproc" / "data" / "compose.yaml")
+    demo = load_config(ROOT / "extproc" / "data" / "compose.yaml")
     assert tenant_labels(demo).values == ("alice", "anonymous", "bob", "carol", "dave", "other")
 
 
