@@ -12,18 +12,20 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import openai
 import pytest
 import yaml
-from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.tools.stack import Stack, start_stack
+from tests.lazy import openai
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
 from tests.test_preemption import BATCH_TOKENS, SIM, batch_client, config, flood_then_chat
 from tests.waitutil import eventually
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 pytestmark = pytest.mark.integration
 

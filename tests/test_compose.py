@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import openai
 import pytest
 import yaml
 
@@ -35,6 +34,7 @@ from extproc.tools.cli import build_parser as build_dev_parser
 from extproc.tools.envoy_bin import find_envoy
 from extproc.tools.power_user import PowerUser, run_power_user
 from extproc.tools.procs import free_port
+from tests.lazy import openai
 from tests.paths import ROOT
 from tests.stackutil import TENANT_KEYS, metric, read_metrics
 

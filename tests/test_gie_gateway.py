@@ -22,13 +22,11 @@ import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import openai
 import pytest
 import pytest_asyncio
-from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.adapters.config import parse_config
 from extproc.adapters.envoy import render
@@ -42,8 +40,12 @@ from extproc.tools.power_user import Outcome, chat
 from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack, start_stack
 from tests.envoyutil import bootstrap_message
+from tests.lazy import openai
 from tests.stackutil import metric, poll, read_metrics, wait_for_metric, write_stack_config
 from tests.tlsutil import CA, Pair
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 SHAPES = ("strict", "fail_open")
 BODIES: tuple[gie_gateway.BodyMode, ...] = ("duplex", "buffered")
