@@ -21,11 +21,11 @@ from extproc.tools.power_user import Outcome, chat
 from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, write_config
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]  # 40 s an arm: out first, not last in the run
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # 20 s an arm: out first, not last in the run
 
 SIM = ["--max-num-seqs", "8", "--step-ms", "20", "--time-scale", "0.25"]
-FLOOD = 300
-INTERACTIVE = 150
+FLOOD = 150  # about 6 s of the engine's 8 slots: twice the span of the interactive load (3 s)
+INTERACTIVE = 60
 
 
 async def interactive(session: aiohttp.ClientSession, stack: Stack, delay_s: float) -> Outcome:
@@ -38,7 +38,7 @@ async def run(stack: Stack, flood: bool) -> tuple[list[float], list[Outcome]]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         flooding = [asyncio.create_task(chat(session, stack.envoy_url, "alice", "m1", api_key=TENANT_KEYS["alice"],
                                              max_tokens=64)) for _ in range(FLOOD if flood else 0)]
-        asked = [asyncio.create_task(interactive(session, stack, 0.5 + 0.04 * i)) for i in range(INTERACTIVE)]
+        asked = [asyncio.create_task(interactive(session, stack, 0.5 + 0.05 * i)) for i in range(INTERACTIVE)]
         bob = await asyncio.gather(*asked)
         alice = await asyncio.gather(*flooding)
     assert all(o.status == 200 and o.ttft_s is not None for o in bob), [o.error for o in bob if o.error]
@@ -60,7 +60,8 @@ async def test_a_downgraded_flood_barely_moves_another_tenants_interactive_ttft(
         await run(stack, flood=False)  # warm up: the gate learns the engine
         alone, _ = await run(stack, flood=False)
         flooded, alice = await run(stack, flood=True)
-    assert all(o.status == 200 for o in alice)  # downgraded, not refused: every flood request was served
+    # Downgraded, not refused: every flood request was served.
+    assert all(o.status == 200 for o in alice), sorted({(o.status, o.error) for o in alice if o.status != 200})
     rise = p99(flooded) / p99(alone) - 1
     print(f"idle_running_share {idle_share}: interactive TTFT p99 {p99(alone) * 1000:.1f} ms alone, "
           f"{p99(flooded) * 1000:.1f} ms beside the downgraded flood ({rise:+.1%}); "

@@ -17,8 +17,8 @@ from extproc.adapters.budgets.gate import BudgetGate
 from extproc.adapters.config import parse_config
 from extproc.adapters.ext_proc.admission import Admission
 from extproc.adapters.ext_proc.servicer import Processor
+from extproc.adapters.runtime import ModelRuntime
 from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.wiring import build_dispatcher
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from tests.test_epp_stream import DUPLEX, answers, first_message, send
@@ -37,8 +37,9 @@ def make(budgets: dict[str, object], max_in_flight: int = 4) -> tuple[Processor,
                                        "advanced": {"fallback_max_in_flight": max_in_flight}}],
                            "budgets": budgets})
     telemetry = Telemetry()
-    dispatcher = build_dispatcher(config, config.models[0], telemetry)
-    processor = Processor(config, {"m": dispatcher}, telemetry)
+    runtime = ModelRuntime(config, config.models[0], telemetry)
+    dispatcher = runtime.dispatcher
+    processor = Processor(config, {"m": runtime}, telemetry)
     now = [NOON]
     assert processor.budgets is not None
     processor.budgets._clock = lambda: now[0]

@@ -22,8 +22,8 @@ import yaml
 
 from extproc.adapters.config import parse_config
 from extproc.adapters.logs import DECISIONS, JsonFormatter, setup_logging
+from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.wiring import build_dispatchers
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.outcomes import Refused
 from extproc.tools.cli import build_parser as build_dev_parser
@@ -159,7 +159,7 @@ def dispatcher_for_one_slot() -> ModelDispatcher:
         "models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "gate": "static_concurrency", "max_in_flight": 1}],
         "tenants": {"bob": {"max_queued": 1}},
     })
-    return build_dispatchers(config, Telemetry())["m"]
+    return build_runtimes(config, Telemetry())["m"].dispatcher
 
 
 @pytest.mark.unit

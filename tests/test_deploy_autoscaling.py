@@ -5,8 +5,8 @@ Nothing here runs Kubernetes, KEDA or prometheus-adapter. What is checked:
 * every document against a schema: the built-in kinds (the HPA among them) against Kubernetes'
   own OpenAPI schemas (``kubernetes-validate``, strict: an unknown field fails); KEDA's
   ScaledObject against its CRD's schema, vendored in deploy/autoscaling/schemas/ with every object
-  closed as ``kubectl --validate=strict`` closes it (and, where KEDA's repository is mirrored on this
-  machine, that file is what :func:`closed` makes of the CRD at the commit it names), plus its
+  closed as ``kubectl --validate=strict`` closes it (that file is what :func:`closed` makes of the
+  CRD at the commit it names, vendored verbatim in tests/fixtures/upstream/), plus its
   CEL rule; prometheus-adapter's config against a schema written from its ``pkg/config/config.go``
   (it parses with ``yaml.UnmarshalStrict``: an unknown key fails too); KEDA's Prometheus trigger's
   metadata against the scaler's own keys;
@@ -25,7 +25,6 @@ import copy
 import json
 import math
 import re
-import subprocess
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -56,6 +55,8 @@ SCALED_OBJECT = "scaledobject-v1alpha1.json"
 ADAPTER_CONFIG = "prometheus-adapter-config.json"
 # KEDA's ScaledObject CRD: where it is upstream, and the commit the vendored schema was made from.
 KEDA = ("kedacore/keda", "config/crd/bases/keda.sh_scaledobjects.yaml")
+# That CRD, vendored: the check below runs everywhere, reading nothing outside the repository.
+UPSTREAM_CRD = Path(__file__).resolve().parent / "fixtures" / "upstream" / "keda.sh_scaledobjects.yaml"
 # The Prometheus scaler's metadata keys (kedacore/keda 8b4f083c, pkg/scalers/prometheus_scaler.go,
 # prometheusMetadata's `keda:"name=..."` tags); its authentication's are not used here.
 PROMETHEUS_SCALER_KEYS = {"serverAddress", "query", "queryParameters", "threshold", "activationThreshold",
@@ -198,11 +199,9 @@ def test_the_vendored_scaled_object_schema_is_kedas_crd_closed_at_the_commit_it_
     comment = schema(SCALED_OBJECT)["$comment"]
     commit = re.search(r"@([0-9a-f]{40})", comment)
     assert commit is not None
-    mirror = Path("/work/.mirror/kedacore+keda/repo")
-    if not mirror.exists():
-        pytest.skip("KEDA's repository is not mirrored here")
-    crd = yaml.safe_load(subprocess.run(["git", "-C", str(mirror), "show", f"{commit[1]}:{KEDA[1]}"],
-                                        capture_output=True, text=True, check=True).stdout)
+    upstream = UPSTREAM_CRD.read_text(encoding="utf-8")
+    assert upstream.startswith(f"# {KEDA[0]}@{commit[1]}: {KEDA[1]},")  # the CRD at the commit the schema names
+    crd = yaml.safe_load(upstream)
     assert scaled_object_schema(crd, comment) == schema(SCALED_OBJECT)
 
 

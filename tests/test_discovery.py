@@ -21,8 +21,8 @@ from aiohttp import web
 from extproc.adapters.config import parse_config
 from extproc.adapters.engines import discovery
 from extproc.adapters.engines.probe import probe_session
+from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.wiring import build_dispatchers
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.tools.hosts import resolver, write_hosts
 from tests.httputil import serving
@@ -55,7 +55,7 @@ async def watched(resolve: Resolve, monkeypatch: pytest.MonkeyPatch) -> AsyncIte
     """The model's pool watched, its name answered by ``resolve``; the dispatcher, and how often ``synced`` was called."""
     monkeypatch.setattr(discovery, "resolve", resolve)
     config = parse_config({"models": [{"name": "m", "endpoints": [f"http://{NAME}:8000"], "dns_refresh_s": 0.05}]})
-    dispatcher = build_dispatchers(config, Telemetry())["m"]
+    dispatcher = build_runtimes(config, Telemetry())["m"].dispatcher
     synced: list[int] = []
     async with aiohttp.ClientSession() as session, probe_session() as probes:
         task = asyncio.create_task(discovery.watch_pool(session, probes, config.models[0], dispatcher,

@@ -14,9 +14,9 @@ from extproc.adapters.config import ENGINES, load_config
 from extproc.adapters.engines.limits import SOURCES, cap_advice, read_limits
 from extproc.adapters.engines.probe import probe_session
 from extproc.adapters.engines.scraper import scrape_endpoint
+from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import warnings
-from extproc.adapters.wiring import build_dispatchers
 from extproc.core.engine_load import EngineLimits, EngineLoad
 from extproc.core.release.adaptive_limit import ConcurrencyLimit
 from extproc.tools.sim import SimSettings, start_sim
@@ -104,7 +104,7 @@ async def test_a_tight_cap_said_by_the_engine_is_warned_in_the_log_the_status_an
         path = tmp_path / "config.yaml"
         path.write_text(yaml.safe_dump({"models": [{"name": "m1", "engine": "sglang", "endpoints": [sim.url]}]}))
         config = load_config(path)
-        dispatcher = build_dispatchers(config, Telemetry())["m1"]
+        dispatcher = build_runtimes(config, Telemetry())["m1"].dispatcher
         caplog.set_level(logging.INFO, logger="extproc.health")
         async with aiohttp.ClientSession() as session, probe_session() as probes:
             task = asyncio.create_task(scrape_endpoint(session, config.models[0], dispatcher, sim.url, probes))

@@ -26,9 +26,9 @@ from extproc.adapters.ext_proc.attach import base
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.grpc.builtin.server import BuiltinServer
 from extproc.adapters.grpc.transport import Method
+from extproc.adapters.runtime import Dispatchers, build_runtimes
 from extproc.adapters.server import PROCESS_PATH
 from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.wiring import build_dispatchers
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.tools.procs import free_port
@@ -52,11 +52,11 @@ BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 
 def make() -> tuple[Processor, ModelDispatcher]:
     telemetry = Telemetry()
-    dispatchers = build_dispatchers(CONFIG, telemetry)
-    dispatcher = dispatchers["base"]
+    runtimes = build_runtimes(CONFIG, telemetry)
+    dispatcher = runtimes["base"].dispatcher
     for endpoint in ENDPOINTS:  # idle engines, so releases go at once
         dispatcher.record_scrape(endpoint, EngineLoad(waiting=0, running=0), 0.0)
-    return Processor(CONFIG, dispatchers, telemetry), dispatcher
+    return Processor(CONFIG, runtimes, telemetry), dispatcher
 
 
 def first_message(mode: int | None, headers: dict[str, str] | None = None, subset: list[str] | None = None,
@@ -217,8 +217,9 @@ async def test_shed_under_load_is_429_and_no_endpoint_up_is_503() -> None:
     config = parse_config({"models": [{"name": "m", "endpoints": ["http://10.0.0.1:8000"], "endpoint_picking": True,
                                        "max_queued": 1, "advanced": {"fallback_max_in_flight": 1}}]})
     telemetry = Telemetry()
-    dispatchers = build_dispatchers(config, telemetry)
-    processor = Processor(config, dispatchers, telemetry)
+    runtimes = build_runtimes(config, telemetry)
+    dispatchers = Dispatchers(runtimes)
+    processor = Processor(config, runtimes, telemetry)
     streams = [Stream(processor, first_message(DUPLEX)) for _ in range(3)]
     for s in streams:
         send(s, body(chat(model="m")))
@@ -250,8 +251,9 @@ async def test_the_served_endpoint_read_back_moves_the_count_and_marks_the_pick_
     served.metadata_context.filter_metadata["envoy.lb"].CopyFrom(report)
     send(stream, served)
     await answers(stream)
-    assert dispatcher.in_flight_on(f"http://{fallback}") == 1 and dispatcher.in_flight_on(f"http://{picked}") == 0
-    assert f"http://{picked}" in [e.url for e in dispatcher.status(0).endpoints if e.down]
+    endpoints = {e.url: e for e in dispatcher.status(0).endpoints}  # where the count went
+    assert endpoints[f"http://{fallback}"].in_flight == 1 and endpoints[f"http://{picked}"].in_flight == 0
+    assert endpoints[f"http://{picked}"].down
     stream.close()
     await stream.task
 

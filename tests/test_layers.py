@@ -168,15 +168,6 @@ def test_no_import_cycles() -> None:
 
 
 # Where a module of this size has grown two concepts; the core and the adapters are kept under it.
-MAX_LINES = 500
-
-
-@pytest.mark.unit
-def test_core_and_adapter_modules_stay_small() -> None:
-    sizes = {str(p): len(p.read_text().splitlines()) for p in MODULES if p.relative_to(PACKAGE).parts[0] in ("core", "adapters")}
-    assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
-
-
 # --- the production command, run: no extproc.tools module in its process --------------------------
 
 # `extproc ARGS` in a child process; its last stderr line lists every module it loaded (sys.modules at its exit).
@@ -212,6 +203,19 @@ def test_config_commands_load_no_tools(argv: list[str]) -> None:
     done = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert tools_loaded(done.stderr) == []
+
+
+# The libraries of the optional extras (bench, s3, test): the image the compose demo runs has none of them,
+# and its `extproc-dev sim` must start there.
+EXTRAS = ("openai", "matplotlib", "numpy", "boto3", "moto", "h2", "hypothesis", "jwt", "jsonschema", "kubernetes_validate")
+
+
+@pytest.mark.unit
+def test_the_dev_command_loads_no_optional_extra() -> None:
+    child = "import json, sys\nimport extproc.tools.cli\nprint(json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert loaded(done.stderr, *EXTRAS) == []
 
 
 def free_port() -> int:

@@ -17,8 +17,8 @@ from extproc.adapters.envoy import hold_timeout_s
 from extproc.adapters.ext_proc.contract import HOLD_MARGIN_S
 from extproc.adapters.ext_proc.request_fields import RequestFields
 from extproc.adapters.ext_proc.servicer import Processor
+from extproc.adapters.runtime import ModelRuntime, build_runtimes
 from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.wiring import build_dispatcher, build_dispatchers
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.outcomes import Refusal, Refused
 
@@ -31,8 +31,8 @@ CONFIG = parse_config(
 
 def make_processor() -> tuple[Processor, ModelDispatcher]:
     telemetry = Telemetry()
-    dispatcher = build_dispatcher(CONFIG, CONFIG.models[0], telemetry)
-    return Processor(CONFIG, {"m": dispatcher}, telemetry), dispatcher
+    runtime = ModelRuntime(CONFIG, CONFIG.models[0], telemetry)
+    return Processor(CONFIG, {"m": runtime}, telemetry), runtime.dispatcher
 
 
 def headers_message(tenant: str = "t", model: str | None = "m", priority: str = "") -> pb.ProcessingRequest:
@@ -199,7 +199,7 @@ POLICY_CONFIG = parse_config(
 
 def make_policy_processor() -> tuple[Processor, Telemetry]:
     telemetry = Telemetry()
-    return Processor(POLICY_CONFIG, build_dispatchers(POLICY_CONFIG, telemetry), telemetry), telemetry
+    return Processor(POLICY_CONFIG, build_runtimes(POLICY_CONFIG, telemetry), telemetry), telemetry
 
 
 @pytest.mark.parametrize(
@@ -272,8 +272,9 @@ async def test_only_engine_priority_models_ask_for_the_body_and_get_it_rewritten
 
 
 def test_the_hold_outlasts_the_longest_class_wait() -> None:
-    processor, _ = make_policy_processor()
-    hold = processor.own_envoy.hold_reply("m")
+    runtimes = build_runtimes(POLICY_CONFIG, Telemetry())
+    processor = Processor(POLICY_CONFIG, runtimes, Telemetry())
+    hold = processor.own_envoy.hold_reply(runtimes["m"])
     assert hold is not None and hold.override_message_timeout.seconds == 300 + HOLD_MARGIN_S
 
 
@@ -281,7 +282,8 @@ def test_no_model_holds_longer_than_the_filter_allows() -> None:
     """Envoy ignores an override above max_message_timeout: fractional waits must not round past it."""
     config = parse_config({"models": [{"name": "a", "endpoints": ["http://127.0.0.1:1"], "max_queue_wait_s": 120.0004},
                                       {"name": "b", "endpoints": ["http://127.0.0.1:2"], "max_queue_wait_s": 0.5}]})
-    processor = Processor(config, build_dispatchers(config, Telemetry()), Telemetry())
+    runtimes = build_runtimes(config, Telemetry())
+    processor = Processor(config, runtimes, Telemetry())
     for model in ("a", "b"):
-        reply = processor.own_envoy.hold_reply(model)
+        reply = processor.own_envoy.hold_reply(runtimes[model])
         assert reply is not None and reply.override_message_timeout.ToMilliseconds() / 1000 <= hold_timeout_s(config)

@@ -24,9 +24,9 @@ from extproc.adapters.ext_proc.request_fields import Prompt, from_body, prompt_o
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.grpc.builtin.server import BuiltinServer
 from extproc.adapters.grpc.transport import Method
+from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.server import PROCESS_PATH
 from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.wiring import build_dispatchers
 from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.core.outcomes import Refused
@@ -134,8 +134,8 @@ def make(**model: Any) -> tuple[Processor, ModelDispatcher, list[Prefix]]:
     """A processor on an idle engine; the signatures it submits are recorded."""
     cfg = parse_config({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], **model}]})
     telemetry = Telemetry()
-    dispatchers = build_dispatchers(cfg, telemetry)
-    dispatcher = dispatchers["m"]
+    runtimes = build_runtimes(cfg, telemetry)
+    dispatcher = runtimes["m"].dispatcher
     dispatcher.record_scrape("http://127.0.0.1:1", EngineLoad(waiting=0, running=0), 0.0)
     submitted: list[Prefix] = []
     submit = dispatcher.submit
@@ -145,7 +145,7 @@ def make(**model: Any) -> tuple[Processor, ModelDispatcher, list[Prefix]]:
         return submit(*args, **kwargs)
 
     dispatcher.submit = recording  # type: ignore[method-assign]
-    return Processor(cfg, dispatchers, telemetry), dispatcher, submitted
+    return Processor(cfg, runtimes, telemetry), dispatcher, submitted
 
 
 def headers_message(body: bytes, metadata: dict[str, Any] | None = None) -> pb.ProcessingRequest:

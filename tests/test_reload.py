@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from extproc.adapters.config import Config, ConfigError, parse_config
-from extproc.adapters.reload import ConfigSource, Plan, Reloader, plan, removed_model, retire
+from extproc.adapters.reload import ConfigSource, Plan, Reloader, plan, removed_model
+from extproc.adapters.runtime import retire
 from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
 from extproc.core.outcomes import Refusal, Refused
 from extproc.core.report import RequestEvent, Step

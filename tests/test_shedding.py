@@ -19,8 +19,8 @@ from extproc.adapters.ext_proc.loop_lag import LoopLag
 from extproc.adapters.ext_proc.servicer import ACK_LAG_S, Processor
 from extproc.adapters.ext_proc.shedding import ARRIVING_SHARE, SUSTAINED_SHARE, Shedding
 from extproc.adapters.logs import DECISIONS
+from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.wiring import build_dispatchers
 from tests.test_processor import Stream, headers_message
 
 pytestmark = pytest.mark.unit
@@ -177,7 +177,7 @@ def make(doc: dict[str, Any] | None = None) -> tuple[Processor, Telemetry]:
         "models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "gate": "static_rate", "release_rate": 0.001}],
     })
     telemetry = Telemetry()
-    processor = Processor(config, build_dispatchers(config, telemetry), telemetry)
+    processor = Processor(config, build_runtimes(config, telemetry), telemetry)
     return processor, telemetry
 
 
@@ -193,8 +193,8 @@ async def test_overloaded_batch_is_shed_and_interactive_acknowledged_and_admitte
     config = parse_config({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "gate": "static_rate",
                                        "release_rate": 0.001, "reserved_waiting": 1}]})
     telemetry = Telemetry()
-    dispatchers = build_dispatchers(config, telemetry)
-    processor, dispatcher = Processor(config, dispatchers, telemetry), dispatchers["m"]
+    runtimes = build_runtimes(config, telemetry)
+    processor, dispatcher = Processor(config, runtimes, telemetry), runtimes["m"].dispatcher
     # A chat arrived a moment ago, while the pool had no engine, and its client left: it took no release.
     dispatcher.set_endpoints(())
     dispatcher.end(dispatcher.submit("t", 0))

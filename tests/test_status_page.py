@@ -25,9 +25,9 @@ import yaml
 
 from extproc.adapters.config import parse_config
 from extproc.adapters.ext_proc.contract import REASON_HEADER
+from extproc.adapters.runtime import Dispatchers, build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import TOP_TENANTS, MetricsServer, build_app
-from extproc.adapters.wiring import build_dispatchers
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.core.outcomes import Refusal
@@ -51,7 +51,7 @@ class Port:
 
     def __init__(self) -> None:
         self.telemetry = Telemetry()
-        self.dispatchers = build_dispatchers(CONFIG, self.telemetry)
+        self.dispatchers = Dispatchers(build_runtimes(CONFIG, self.telemetry))
         self.draining = False
         self.url = f"http://127.0.0.1:{free_port()}"
         port = int(self.url.rsplit(":", 1)[1])

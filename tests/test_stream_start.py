@@ -21,8 +21,8 @@ from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.ext_proc.attach.body import DUPLEX
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.ext_proc.stream_start import MOST_HELD_BYTES, FirstEvent, Verdict
+from extproc.adapters.runtime import Dispatchers, build_runtimes
 from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.wiring import build_dispatchers
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLimits, EngineLoad
 from tests.test_epp_stream import answers, body, chat, first_message
@@ -103,9 +103,9 @@ def make(check: bool | None = True, engine: str = "vllm", **top: Any) -> tuple[P
     model = {"name": "m", "endpoints": [ENDPOINT], "engine": engine, **({} if check is None else {"check_stream_start": check})}
     config = parse_config({"models": [model], **top})
     telemetry = Telemetry()
-    dispatchers = build_dispatchers(config, telemetry)
-    dispatchers["m"].record_scrape(ENDPOINT, EngineLoad(waiting=0, running=0), 0.0)
-    return Processor(config, dispatchers, telemetry), dispatchers["m"], telemetry
+    runtimes = build_runtimes(config, telemetry)
+    runtimes["m"].dispatcher.record_scrape(ENDPOINT, EngineLoad(waiting=0, running=0), 0.0)
+    return Processor(config, runtimes, telemetry), runtimes["m"].dispatcher, telemetry
 
 
 def request(stream: bool = True) -> pb.ProcessingRequest:
@@ -246,9 +246,10 @@ async def test_behind_an_endpoint_picker_gateway_in_duplex_the_check_costs_no_ov
     config = parse_config({"models": [{"name": "m", "endpoints": [ENDPOINT], "check_stream_start": True,
                                        "endpoint_picking": True}]})
     telemetry = Telemetry()
-    dispatchers = build_dispatchers(config, telemetry)
+    runtimes = build_runtimes(config, telemetry)
+    dispatchers = Dispatchers(runtimes)
     dispatchers["m"].record_scrape(ENDPOINT, EngineLoad(waiting=0, running=0), 0.0)
-    processor = Processor(config, dispatchers, telemetry)
+    processor = Processor(config, runtimes, telemetry)
     for first, refused in ((VLLM_REFUSED, True), (TOKEN, False)):
         stream = Stream(processor, first_message(DUPLEX))
         stream.send(body(chat("m", stream=True)))

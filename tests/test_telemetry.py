@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,9 +30,10 @@ from extproc.adapters.objectives import (
     Recent,
     TenantRecent,
 )
+from extproc.adapters.runtime import Dispatchers, build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.telemetry.model import DEMAND_READ_S
-from extproc.adapters.wiring import build_dispatchers, tenant_labels
+from extproc.adapters.wiring import tenant_labels
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.engine_load import EngineLoad
 from extproc.core.outcomes import Refusal, Refused
@@ -55,9 +57,9 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return sum(v for key, v in samples(registry, name).items() if labels.items() <= dict(key).items())
 
 
-def build(config: Config = CONFIG) -> tuple[Telemetry, dict[str, ModelDispatcher]]:
+def build(config: Config = CONFIG) -> tuple[Telemetry, Mapping[str, ModelDispatcher]]:
     telemetry = Telemetry()
-    return telemetry, build_dispatchers(config, telemetry)
+    return telemetry, Dispatchers(build_runtimes(config, telemetry))
 
 
 @pytest.mark.unit

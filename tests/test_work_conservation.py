@@ -86,7 +86,7 @@ class Conserving:
             streams = any(r.arrival.stream for r in sim.queued() if r.arrival.band == lowest)
             if streams and (any(band < lowest for band in held) or self._arriving_above(sim, lowest)):
                 capacity = sim.pool.capacity()
-                allowed = sim.state.admission().reserve(lowest)
+                allowed = sim.state.admission.reserve(lowest)
                 if not 1 <= allowed <= max(1, math.floor(MAX_RESERVE_SHARE * capacity)):
                     self._violate(sim, f"a reserve of {allowed} on {capacity} slots")
                 self.reserve_kept += 1
@@ -169,7 +169,7 @@ async def test_the_old_average_reservation_would_fail_the_invariant() -> None:
 
 def reserve(sim: CoreSim, band: int) -> int:
     """The free slots the rule under test keeps for the bands above ``band`` now."""
-    return sim.state.admission().reserve(band)
+    return sim.state.admission.reserve(band)
 
 
 def keeping(sim: CoreSim, kept: Callable[[CoreSim, int], int]) -> None:

@@ -7,15 +7,16 @@ restart can make (where the processor listens, TLS, the cluster, the largest
 message the transport takes, any setting not listed as live below) rejects
 the whole reload with its key path (``listen.grpc: changing it needs a
 restart``), and the old config keeps serving. Otherwise it is applied in one
-step on the event loop, between two requests (server.py ``apply``):
+step on the event loop, between two requests (server.py ``apply``), each
+model's change made to its one runtime (``runtime.py``):
 
 * tenants, weights, entitlements, caps, the classes' settings, a model's
-  limits and gate settings go to the live dispatcher in place
-  (``ModelDispatcher.reconfigure``): nothing queued moves, the next charge
+  limits and gate settings go to the live runtime and its dispatcher in place
+  (``ModelRuntime.update``): nothing queued moves, the next charge
   reads the new weight, the next arrival the new cap;
 * endpoints, the scrape interval, the engine's dialect: the model's scraper
   restarts on the new list (a member that leaves is forgotten, as when DNS drops it);
-* a new model gets its dispatcher and scraper, and serves the next request;
+* a new model gets its runtime (dispatcher, scraper and the rest), and serves the next request;
 * a removed model stops admitting (new requests get today's 404
   ``model_not_found``); what it holds keeps being released to its old
   endpoints for up to ``--drain-seconds``, then is answered 404
@@ -23,7 +24,7 @@ step on the event loop, between two requests (server.py ``apply``):
 * a model whose queue itself must change (its ``policy``, ``endpoint_picking``,
   the health settings its pool is built with, preemption's rate, or the
   classes' names and order for every model) is rebuilt: new requests go to a
-  new dispatcher, the old one drains the same way, its leftovers answered 503
+  new runtime, the old one drains the same way, its leftovers answered 503
   ``shutting_down`` (a retry lands in the new queue).
 
 In cluster mode (a ``cluster:`` section) only in-place changes apply: every
@@ -54,7 +55,6 @@ import msgspec
 from extproc.adapters.config import Config, ConfigError, ModelConfig, parse_config_text
 from extproc.adapters.envoy import bootstrap
 from extproc.adapters.telemetry import Telemetry
-from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.outcomes import Refusal, Refused
 
 log = logging.getLogger(__name__)
@@ -70,8 +70,6 @@ REBUILD_KEYS = ("policy", "endpoint_picking", "advanced.stale_after_s", "advance
                 "max_preemptions_per_s")
 # What the model's scraper reads: changed, it restarts on the same dispatcher.
 SCRAPE_KEYS = ("endpoints", "advanced.scrape_interval_s", "dns_refresh_s", "engine", "advanced.stale_after_s")
-# How often a retired dispatcher's queue is looked at while it drains.
-RETIRE_POLL_S = 0.05
 # How often --watch-config reads the file.
 WATCH_INTERVAL_S = 1.0
 RELOAD_OUTCOMES = ("applied", "rejected")
@@ -180,35 +178,6 @@ def rebuilt_model(name: str) -> Callable[[], Refused]:
     """The answer of a request still queued in a rebuilt model's old queue once its drain is over (503: retry)."""
     return lambda: Refused(Refusal.SHUTTING_DOWN, f"the queue of model {name!r} was rebuilt by a configuration "
                            "reload while this request waited; retry shortly")
-
-
-async def retire(dispatcher: ModelDispatcher, scraper: asyncio.Task[None], drain_s: float,
-                 leftover: Callable[[], Refused], gone: bool) -> None:
-    """Drain a dispatcher no request reaches any more: release what it holds for up to ``drain_s``, answer the rest.
-
-    Its scraper runs while it holds requests (the release rule needs the
-    engine's numbers), then stops. The task ends when its released requests
-    have ended on their own streams, so a shutdown meanwhile counts them as
-    in flight. ``gone``: the model left the config, so its endpoints' gauges go too.
-    """
-    deadline = time.monotonic() + drain_s
-    try:
-        while dispatcher.queued and time.monotonic() < deadline:
-            await asyncio.sleep(RETIRE_POLL_S)
-        if dispatcher.queued:
-            log.info("model %s: %d requests still queued after %gs of draining: answered %s", dispatcher.name,
-                     dispatcher.queued, drain_s, leftover().refusal.value)
-            dispatcher.reject_all(leftover)
-    finally:
-        if not scraper.cancelling():  # a shutdown may have cancelled it already
-            scraper.cancel()
-        # wait, not gather: a shutdown cancelling this task must not cancel the scraper's own cleanup
-        # a second time; the server's close() waits for it (ProcessorServer._retire).
-        await asyncio.wait([scraper])
-    while dispatcher.in_flight:
-        await asyncio.sleep(RETIRE_POLL_S)
-    if gone:
-        dispatcher.set_endpoints(())
 
 
 def envoy_document(config: Config) -> Any:

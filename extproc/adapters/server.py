@@ -35,8 +35,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.adapters.config import Config, ModelConfig, split_address
-from extproc.adapters.engines.discovery import watch_pool
+from extproc.adapters.config import Config, split_address
 from extproc.adapters.engines.limits import cap_advice
 from extproc.adapters.engines.probe import probe_session
 from extproc.adapters.ext_proc.servicer import Processor
@@ -44,11 +43,11 @@ from extproc.adapters.grpc.health import Health
 from extproc.adapters.grpc.registry import TRANSPORTS
 from extproc.adapters.grpc.tls import RELOAD_OUTCOMES, ServerTls
 from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits, Method
-from extproc.adapters.reload import ConfigSource, Plan, Reloader, rebuilt_model, removed_model, retire
+from extproc.adapters.reload import ConfigSource, Plan, Reloader, rebuilt_model, removed_model
+from extproc.adapters.runtime import Dispatchers, ModelRuntime, build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import MetricsServer, build_app
-from extproc.adapters.wiring import build_dispatcher, build_dispatchers, cluster_forms, live_settings, tenant_labels
-from extproc.core.dispatcher import ModelDispatcher
+from extproc.adapters.wiring import cluster_forms, tenant_labels
 from extproc.core.outcomes import Refused
 
 if TYPE_CHECKING:  # the optional features: each imported where its section is on (ProcessorServer.__init__)
@@ -81,8 +80,13 @@ class ProcessorServer:
             from extproc.adapters.cluster.link import ClusterConnection
 
             self._cluster = ClusterConnection(config.cluster, self.telemetry, cluster_forms(config), config.listen.grpc)
-        self.dispatchers = build_dispatchers(config, self.telemetry, self._cluster)
-        self.processor = Processor(config, self.dispatchers, self.telemetry)
+        # Each model's runtime (runtime.py), by model name: a reload updates, adds, replaces or retires one.
+        self._runtimes = build_runtimes(config, self.telemetry, self._cluster)
+        # Runtimes a reload took out of service (model removed or rebuilt), each draining in its task.
+        self._retired: set[ModelRuntime] = set()
+        # What the status page, readiness and the tests read of the serving models: their dispatchers.
+        self.dispatchers = Dispatchers(self._runtimes)
+        self.processor = Processor(config, self._runtimes, self.telemetry)
         # Tenant budgets (budgets:, docs/budgets.md): the gate is the processor's; their store, series and export here.
         self.budgets: BudgetService | None = None
         if config.budgets is not None:
@@ -106,10 +110,6 @@ class ProcessorServer:
         for outcome in RELOAD_OUTCOMES if tls is not None else ():
             self.telemetry.tls_reloads.labels(outcome=outcome)  # at 0 from the start
         self._tasks: list[asyncio.Task[None]] = []
-        # Each model's scraper (watch_pool), by model name: a reload restarts, adds or retires one.
-        self._scrapers: dict[str, asyncio.Task[None]] = {}
-        # Dispatchers a reload took out of service (model removed or rebuilt), each draining in its task.
-        self._retired: dict[asyncio.Task[None], ModelDispatcher] = {}
         # How long a retired dispatcher keeps releasing what it holds (serve's --drain-seconds).
         self.retire_drain_s = 30.0
         # Models a reload added or rebuilt: readiness does not wait for their first scrape.
@@ -172,7 +172,7 @@ class ProcessorServer:
         if self.budgets is not None and self.budgets.store is not None:
             self._tasks.append(asyncio.create_task(self.budgets.store.run()))
         for model in self.config.models:
-            self._start_scraper(model, self.dispatchers[model.name])
+            self._scrape(self._runtimes[model.name])
             log.info("model %s (%s): %s", model.name, model.engine, cap_advice(model.engine, model.target_waiting))
         if self._cluster is not None:
             self._cluster.start()
@@ -184,20 +184,19 @@ class ProcessorServer:
         """A task that lives as long as the server (cancelled by close)."""
         self._tasks.append(task)
 
-    def _every_dispatcher(self) -> list[ModelDispatcher]:
-        """The dispatchers serving and those a reload retired that still drain."""
-        return [*self.dispatchers.values(), *self._retired.values()]
+    def _every_runtime(self) -> list[ModelRuntime]:
+        """The models serving and those a reload retired that still drain."""
+        return [*self._runtimes.values(), *self._retired]
 
     def queued(self) -> int:
-        return sum(d.queued for d in self._every_dispatcher())
+        return sum(r.dispatcher.queued for r in self._every_runtime())
 
     def in_flight(self) -> int:
-        return sum(d.in_flight for d in self._every_dispatcher())
+        return sum(r.dispatcher.in_flight for r in self._every_runtime())
 
-    def _start_scraper(self, model: ModelConfig, dispatcher: ModelDispatcher) -> None:
+    def _scrape(self, runtime: ModelRuntime) -> None:
         assert self._session is not None and self._probes is not None
-        self._scrapers[model.name] = asyncio.create_task(
-            watch_pool(self._session, self._probes, model, dispatcher, lambda: self._synced.add(model.name)))
+        runtime.scrape(self._session, self._probes, self._synced.add)
 
     def accepts_reload(self) -> str | None:
         """Why a reload cannot be applied now, or None (adapters/reload.py asks first)."""
@@ -206,29 +205,25 @@ class ProcessorServer:
     def apply(self, config: Config, plan: Plan) -> None:
         """Apply a checked reload (adapters/reload.py says what each step keeps); synchronous: between two requests.
 
-        The dispatchers dict is changed in place: the processor, the status
-        page and readiness all read the same one.
+        Each model's change is made to its one runtime; the runtimes dict is
+        changed in place: the processor, the status page and readiness all
+        read the same one.
         """
         labels = tenant_labels(config)
         self.telemetry.expect((m.name for m in config.models), labels)
         for name in plan.removed:
             self._retire(name, removed_model(name), gone=True)
         for model in (*plan.rebuilt, *plan.added):
-            if model.name in self.dispatchers:
+            if model.name in self._runtimes:
                 self._retire(model.name, rebuilt_model(model.name), gone=False)
-            dispatcher = build_dispatcher(config, model, self.telemetry, cluster=self._cluster)
-            self.dispatchers[model.name] = dispatcher
+            runtime = self._runtimes[model.name] = ModelRuntime(config, model, self.telemetry, self._cluster)
             self._reloaded.add(model.name)
-            self._start_scraper(model, dispatcher)
+            self._scrape(runtime)
         for model in plan.kept:
-            dispatcher = self.dispatchers[model.name]
-            self.telemetry.models[model.name].relabel(labels, dispatcher.queued_by_tenant())
-            dispatcher.reconfigure(live_settings(config, model))
+            runtime = self._runtimes[model.name]
+            runtime.update(config, model, labels)
             if model.name in plan.rescraped:
-                old = self._scrapers.pop(model.name)
-                old.cancel()
-                self._stopping(old)
-                self._start_scraper(model, dispatcher)
+                self._scrape(runtime)
         self.processor.reconfigure(config)
         self._share_budgets(config)
         self.config = config
@@ -238,18 +233,11 @@ class ProcessorServer:
         if self.budgets is not None and self._cluster is not None and config.cluster is not None:
             self.budgets.share(self._cluster, config.cluster)
 
-    def _stopping(self, task: asyncio.Task[None]) -> None:
-        """A scraper taken out of service: close() waits for it to close its sessions (earlier ones that ended go)."""
-        self._tasks = [*(t for t in self._tasks if not t.done()), task]
-
     def _retire(self, name: str, leftover: Callable[[], Refused], *, gone: bool) -> None:
-        """Take ``name``'s dispatcher out of service; it drains in a task (adapters/reload.py ``retire``)."""
-        dispatcher = self.dispatchers.pop(name)
-        scraper = self._scrapers.pop(name)
-        self._stopping(scraper)
-        task = asyncio.create_task(retire(dispatcher, scraper, self.retire_drain_s, leftover, gone))
-        self._retired[task] = dispatcher
-        task.add_done_callback(self._retired.pop)
+        """Take ``name``'s runtime out of service; its dispatcher drains in a task (runtime.py ``retire``)."""
+        runtime = self._runtimes.pop(name)
+        self._retired.add(runtime)
+        runtime.retire(self.retire_drain_s, leftover, gone).add_done_callback(lambda _: self._retired.discard(runtime))
 
     async def drain_and_stop(
         self, drain_seconds: float, deadline_seconds: float, force: asyncio.Event | None = None
@@ -268,8 +256,8 @@ class ProcessorServer:
         await self._wait(lambda: self.queued() == 0, start + min(drain_seconds, deadline_seconds), force)
         if self.queued():
             log.info("drain deadline: answering %d queued requests shutting_down", self.queued())
-        for dispatcher in self._every_dispatcher():
-            dispatcher.reject_all()
+        for runtime in self._every_runtime():
+            runtime.dispatcher.reject_all()
         await self._wait(lambda: self.in_flight() == 0, start + deadline_seconds, force)
         if self.in_flight():
             log.warning("%s: exiting with %d responses still streaming (they go on without the processor)",
@@ -286,7 +274,7 @@ class ProcessorServer:
 
     async def close(self) -> None:
         await self.processor.lag.stop()
-        tasks = [*self._tasks, *self._scrapers.values(), *self._retired]
+        tasks = [*self._tasks, *(task for runtime in self._every_runtime() for task in runtime.tasks())]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -100,14 +100,6 @@ def build_dispatcher(
     return dispatcher
 
 
-def build_dispatchers(
-    config: Config, telemetry: Telemetry, cluster: ClusterConnection | None = None
-) -> dict[str, ModelDispatcher]:
-    """One dispatcher per configured model, by model name."""
-    telemetry.expect((model.name for model in config.models), tenant_labels(config))
-    return {model.name: build_dispatcher(config, model, telemetry, cluster=cluster) for model in config.models}
-
-
 def cluster_forms(config: Config) -> dict[str, str]:
     """Each model's policy's cluster form, by model name (the config refuses a policy without one)."""
     return {model.name: str(form) for model in config.models if (form := POLICIES[model.policy].cluster) is not None}

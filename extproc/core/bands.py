@@ -77,6 +77,10 @@ PEAK_S = 10.0
 # A wake-up for a band that stops arriving comes this much after the moment, so that it has stopped by then.
 _AFTER_S = 1e-6
 
+# The model's one release step (``model_state.py``): a request of the band leaves the queue at ``now``, ``free``: into
+# a free slot by the load estimate; False if its client had already left (nothing was released).
+Release = Callable[[int, float, bool], bool]
+
 
 @dataclass(frozen=True)
 class Band:
@@ -204,11 +208,6 @@ class BandShares:
         self._activity = activity
         self._credit = [0.0] * len(bands)
 
-    @property
-    def credits(self) -> tuple[float, ...]:
-        """Each band's credit toward its minimum share now: what the next picks read."""
-        return tuple(self._credit)
-
     def reconfigure(self, bands: tuple[Band, ...]) -> None:
         self._bands = bands
 
@@ -319,12 +318,17 @@ class BandAdmission:
         self._reserved_waiting = reserved_waiting
         self.shares.reconfigure(bands)
 
-    def arrived(self, band: int, now: float) -> None:
-        """A request of ``band`` was queued."""
+    def arrived(self, band: int, now: float, requested_s: float | None = None,
+                model_wait_s: float = math.inf) -> tuple[float | None, float]:
+        """A request of ``band`` is queued: counted as arriving; its TTFT objective (its own, ``requested_s``, as far
+        as the band trusts it: :meth:`Band.objective_s`) and how long it may stay queued (:meth:`Band.queue_wait_s`,
+        the model's limit ``model_wait_s``)."""
         self.activity.arrived(band, now)
+        rules = self._bands[band]
+        return rules.objective_s(requested_s), rules.queue_wait_s(model_wait_s)
 
     def released(self, band: int, now: float) -> None:
-        """A request of ``band`` was released to the engine."""
+        """A request of ``band`` was released to the engine outside :meth:`release_round` (a cluster's grant)."""
         self.reservation.released(band, now)
 
     def finished(self, band: int, now: float) -> None:
@@ -367,11 +371,55 @@ class BandAdmission:
         """
         return self._bands[band].idle_only and (self._firm(band) > 0 or self.wanted_above(band, now))
 
-    def headroom(self, band: int, now: float) -> int:
-        """The band's allowance before it is floored at 0 (a cluster adds it to what is in flight)."""
-        room = self._pool.headroom(now) + self.passed(band)
-        if band == 0:
-            return room
+    def release_round(self, now: float, limit: Callable[[int, float], int] | None, release: Release) -> bool:
+        """Let go what may go now; whether requests stay held (a wake-up may then be due: ``strategy.py``).
+
+        Pops while the first band's allowance lasts (``limit``: a further limit per band, a cluster seat's share),
+        each release from the band its shares pick, through ``release`` (the model's one release step,
+        ``model_state.py``: False if the request's client had already left). The strategy asks for the whole
+        round in one call, and it runs here, where the allowance, the shares and the queue's counts (``held``) are.
+        """
+        first = self._first()
+        if first is None:
+            return False
+        room = self._pool.room(now)
+        free = room[1]  # the engine's free slots, read once a round
+        allowance, allowance_band = self._limited(first, now, limit, room), first
+        while allowance > 0:
+            band = self.pick(first, now)
+            if release(band, now, free > 0):
+                self.reservation.released(band, now)
+                allowance -= 1
+                free -= 1
+            first = self._first()
+            if first is None:
+                return False
+            if first != allowance_band:  # a higher band ran empty: ask again for this one
+                allowance, allowance_band = self._limited(first, now, limit), first
+        return True
+
+    def _first(self) -> int | None:
+        """The highest band holding requests (the only one strict priority serves), or None."""
+        held = self._held
+        for band in range(len(self._bands)):
+            if held(band):
+                return band
+        return None
+
+    def _limited(self, band: int, now: float, limit: Callable[[int, float], int] | None,
+                 room: tuple[int, int] | None = None) -> int:
+        allowance = max(0, self.headroom(band, now, room))
+        return allowance if limit is None else min(allowance, limit(band, now))
+
+    def headroom(self, band: int, now: float, room: tuple[int, int] | None = None) -> int:
+        """The band's allowance before it is floored at 0 (a cluster adds it to what is in flight); ``room``: the
+        pool's headroom and free slots, where the caller asked for both already (``Pool.room``)."""
+        pool_room, free = (self._pool.headroom(now), None) if room is None else room
+        room_now = pool_room + self.passed(band)
+        return room_now if band == 0 else self._below_first(band, now, room_now, free)
+
+    def _below_first(self, band: int, now: float, room: int, free: int | None) -> int:
+        """:meth:`headroom` of a band below the first, whose pool room (``passed`` included) is ``room``."""
         above = self.wanted_above(band, now)
         if self._bands[band].idle_only and (above or self._firm(band) > 0):
             return self._idle_allowance(band, now, above)
@@ -380,7 +428,7 @@ class BandAdmission:
         if self.priority_queue:
             return room  # what it queues in the engine waits behind whatever comes above
         # Every free slot goes, whatever is reserved; of the engine's queue room, reserved_waiting is kept.
-        return min(room, max(self._pool.free_slots(now), room - self._reserved_waiting))
+        return min(room, max(self._pool.free_slots(now) if free is None else free, room - self._reserved_waiting))
 
     def passed(self, band: int) -> int:
         """In an engine whose queue is ordered by priority: how many of what it queues a request of ``band`` would

@@ -28,15 +28,15 @@ def overflow(
     model: str, queue: FairQueue[Any], tenant: str, tenant_cap: int, band: int, rules: Band, max_queued: int
 ) -> Overflow | None:
     """The cap a new request of ``tenant`` (who may hold ``tenant_cap``) in ``band`` (``rules``) would exceed, or None."""
-    own = queue.tenant_len(tenant)
+    own = queue.tenants.get(tenant, 0)  # the queue's counts, read without a call: every arrival asks
     if own >= tenant_cap:
         return Overflow(Refusal.TENANT_QUEUE_FULL, own,
                         f"tenant {tenant!r} already has {own} requests queued for model {model!r}")
-    in_band = queue.band_len(band)
+    in_band = queue.band_sizes[band]
     cap = rules.max_queued
     if cap is not None and in_band >= cap:
         return Overflow(Refusal.BAND_QUEUE_FULL, in_band, f"the {rules.name!r} queue for model {model!r} is full ({cap})")
-    queued = len(queue)
+    queued = queue.size
     if queued >= max_queued:
         return Overflow(Refusal.MODEL_QUEUE_FULL, queued, f"the queue for model {model!r} is full ({max_queued})")
     return None

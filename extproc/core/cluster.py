@@ -122,6 +122,15 @@ class ClusterOutlet(Outlet, Protocol):
     def bands(self) -> int:
         """How many bands the model has."""
 
+    def first_band(self) -> int | None:
+        """The highest band holding a request (the only one strict priority serves), or None."""
+
+    def allowance(self, band: int, now: float) -> int:
+        """How many requests of ``band`` may go now (the band rules above the release rule)."""
+
+    def free_slots(self, now: float) -> int:
+        """Slots the engines have free now by the load estimate (``Pool.free_slots``)."""
+
     @property
     def in_flight(self) -> int:
         """Our released requests whose streams have not ended."""

@@ -17,11 +17,12 @@ The dispatcher decides nothing itself and keeps no state of its own: it
 routes each event to the part that owns what it changes, and answers the
 adapters' questions. The model's state (``model_state.py``) owns the queue,
 the bands and their demand, the preemption book and the pricing; the pool
-(``release/pool.py``) gets the engines' events (scrapes, probes,
-membership); the release strategy (``strategy.py``: this instance alone, or
-a seat of a cluster, ``cluster.py``) decides what goes. Which request goes
-next is ``fair_queue.py`` and the band's policy (``policies/``); how many,
-``bands.py`` above the release rule (``release/``); where, ``release/pool.py``.
+gets the engines' events (scrapes, probes, membership, outcomes), reported as
+it then stands (``release/pool_report.py``); the release strategy
+(``strategy.py``: this instance alone, or a seat of a cluster, ``cluster.py``)
+decides what goes. Which request goes next is ``fair_queue.py`` and the
+band's policy (``policies/``); how many, ``bands.py`` above the release rule
+(``release/``); where, ``release/pool.py``.
 
 It takes plain values (built by ``adapters/wiring.py`` from the config),
 reports through :class:`~extproc.core.report.DispatchReport`, and leaves its
@@ -41,26 +42,22 @@ from extproc.core.engine_load import EngineLimits, EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.held import Held, Request
 from extproc.core.model_state import LiveSettings, ModelState
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.outcomes import Refused, shutting_down
 from extproc.core.policies import Policy
 from extproc.core.prefix import NO_PREFIX, Prefix
 from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
-from extproc.core.report import Change, DispatchReport, EndpointEvent, PoolEvent
+from extproc.core.release.pool_report import PoolReport
+from extproc.core.report import DispatchReport, PoolEvent, RequestEvent, Step
 from extproc.core.status import ModelStatus
 from extproc.core.strategy import LocalRelease, ReleaseStrategy
 from extproc.core.timers import Timers
 
-__all__ = ["Held", "LiveSettings", "ModelDispatcher", "shutting_down"]
+__all__ = ["Held", "LiveSettings", "ModelDispatcher"]
 
 # Builds a model's release strategy on its state, which it reads as an Outlet (strategy.py) or a
 # cluster seat's ClusterOutlet (default: LocalRelease, this instance alone).
 StrategyFactory = Callable[[ModelState], ReleaseStrategy]
-
-
-def shutting_down() -> Refused:
-    """The refusal while the processor drains (a new exception each time: one is raised per request)."""
-    return Refused(Refusal.SHUTTING_DOWN, "the gateway is restarting; retry shortly")
 
 
 class ModelDispatcher:
@@ -95,18 +92,20 @@ class ModelDispatcher:
         self._pool = pool
         self._report = report
         self._clock = clock
+        # The engines' events, reported as the pool then stands (release/pool_report.py).
+        self._pool_report = PoolReport(name, pool, report)
         settings = LiveSettings(bands, tenant, cost, max_queued, max_queue_wait_s, reserved_waiting,
                                 type(pool.rule), pool.settings, engine_priority, cold_start_wait_s)
         self._state = ModelState(name, pool, settings, report, clock, timers, policy, max_preemptions_per_s)
         self._strategy = (strategy or (lambda outlet: LocalRelease(outlet, timers)))(self._state)
+        self._band_names = tuple(band.name for band in bands)  # kept through reconfigure (same names, same order)
         self._probe: Callable[[tuple[str, ...]], None] | None = None
 
     def probe_with(self, probe: Callable[[tuple[str, ...]], None]) -> None:
         """Ask ``probe`` to look at endpoints after a request to them ended; their slots wait for its answer.
 
-        The adapter that can reach the engines (``adapters/engines/probe.py``)
-        calls it, and answers through :meth:`record_probe`
-        (``core/release/unconfirmed.py`` says why).
+        The adapter that can reach the engines (``adapters/engines/probe.py``) calls it, and answers through
+        :meth:`record_probe` (``core/release/unconfirmed.py`` says why).
         """
         self._probe = probe
         self._pool.probe_ends = True
@@ -128,7 +127,7 @@ class ModelDispatcher:
     def priority_first(self) -> str | None:
         """Which ``priority`` values the engines run first ("lower", "higher") where the adapter writes the band's
         ``engine_priority`` into each body (negated for "higher"); None: none is written (``model_state.py``)."""
-        return self._state.priority_first()
+        return self._state.engine_order
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -160,10 +159,6 @@ class ModelDispatcher:
         """Released requests whose streams have not ended."""
         return self._pool.in_flight
 
-    def in_flight_on(self, endpoint: str) -> int:
-        """Released requests counted against ``endpoint`` (where the gateway said it served them, once it did)."""
-        return self._pool.in_flight_on(endpoint)
-
     def status(self, top: int) -> ModelStatus:
         """A read-only snapshot for the status page (``core/status.py``); ``top`` tenants listed per band."""
         return self._state.status(top, self._strategy.cluster())
@@ -193,27 +188,24 @@ class ModelDispatcher:
     ) -> Held:
         """Queue a request and dispatch; the returned future may already be resolved.
 
-        ``affinity`` groups requests that share a prompt prefix (endpoint picking
-        keeps them on one engine); empty means the tenant. ``prefix`` is its
-        prompt's signature (``core/prefix.py``). ``eligible`` limits
-        where it may go (endpoint picking). ``ttft_objective_s`` is the
-        client's own objective (the band decides how far to trust it);
-        ``retried``: the client says it is a retry, so it is never preempted.
-        ``whole``: its answer is not streamed, so it can be taken back until it completes.
-        ``tag``: what its reports name it by (``Request.tag``).
+        ``affinity`` groups requests that share a prompt prefix (endpoint picking keeps them on one engine); empty
+        means the tenant. ``prefix`` is its prompt's signature (``core/prefix.py``). ``eligible`` limits where it may
+        go (endpoint picking). ``ttft_objective_s`` is the client's own objective (the band decides how far to trust
+        it); ``retried``: the client says it is a retry, so it is never preempted. ``whole``: its answer is not
+        streamed, so it can be taken back until it completes. ``tag``: what its reports name it by (``Request.tag``).
         Raises :class:`~extproc.core.outcomes.Refused` when a queue cap leaves no room.
         """
-        now = self._clock()
-        refused = self._state.refusal(tenant, band, now, tag)
-        if refused is not None:
+        now, request = self._clock(), Request(tenant, band, affinity or tenant, prefix, eligible, retried, whole, tag)
+        try:
+            held, first = self._state.enqueue(request, now, content_length, max_tokens, ttft_objective_s)
+        except Refused:
             self._report(PoolEvent(decision_s=self._clock() - now))
-            raise refused
-        request = Request(tenant, band, affinity or tenant, prefix, eligible, retried, whole, tag)
-        held, first = self._state.enqueue(request, now, content_length, max_tokens, ttft_objective_s)
+            raise
         clamped = held.estimate.clamped
         self._strategy.queued(band, tenant, first, now)
         self._preempt_at_risk(now)
-        self._report(PoolEvent(decision_s=self._clock() - now, cost_clamped=clamped))
+        self._report(RequestEvent(Step.QUEUED, self._band_names[band], tenant, tag=tag,
+                                  decision_s=self._clock() - now, cost_clamped=clamped))
         return held
 
     def end(self, held: Held) -> None:
@@ -250,12 +242,11 @@ class ModelDispatcher:
     def record_response(self, held: Held, answer: Answer) -> None:
         """A released request's response began: what the engine answered (:class:`Answer`).
 
-        ``DOWN`` (the engine unreachable, reset before answering) marks its
-        endpoint down before the stream ends, so the slot it frees is not
-        handed to the next held request: they wait for the engine, or go to an
-        endpoint that is up. ``FULL`` (the engine refused it, its own queue
-        cap reached) cuts the endpoint's limit and leaves it up, and the request was not served (a budget charges it
-        nothing). A stream refused inside its 200 is told twice: served at its headers, full at its first event.
+        ``DOWN`` (the engine unreachable, reset before answering) marks its endpoint down before the stream ends, so
+        the slot it frees is not handed to the next held request: they wait for the engine, or go to an endpoint that
+        is up. ``FULL`` (the engine refused it, its own queue cap reached) cuts the endpoint's limit and leaves it up,
+        and the request was not served (a budget charges it nothing). A stream refused inside its 200 is told twice:
+        served at its headers, full at its first event.
         """
         if self._state.started(held):
             held.refused = answer is Answer.FULL
@@ -269,32 +260,19 @@ class ModelDispatcher:
 
     def _release_outcome(self, endpoint: str | None, answer: Answer) -> None:
         """How a release to ``endpoint`` went; a change in who is down dispatches."""
-        pool = self._pool
-        down = pool.down()
-        target = pool.record_response(endpoint, answer, self._clock())
-        if answer is Answer.DOWN:
-            self._report(EndpointEvent(target, Change.RELEASE_FAILED))
-        elif answer is Answer.FULL:
-            limit = pool.snapshot(target).limit if target is not None else None
-            self._report(EndpointEvent(target, Change.REFUSED_FULL, limit=limit))
-        if pool.down() != down:
+        if self._pool_report.response(endpoint, answer, self._clock()):
             self.dispatch()  # reports the change; an endpoint back up takes held requests at once
 
     def record_probe(self, endpoint: str, alive: bool, started_at: float) -> None:
         """A probe of ``endpoint`` (started at ``started_at``): its engine answered, or nothing listens (down)."""
-        down = self._pool.down()
-        if self._pool.record_probe(endpoint, alive, started_at) or self._pool.down() != down:
+        if self._pool_report.probe(endpoint, alive, started_at):
             self.dispatch()  # slots confirmed free, or who is down changed (dispatch reports it)
 
     def record_scrape(self, endpoint: str, load: EngineLoad | None, started_at: float, *, reachable: bool = True) -> None:
         """A scrape's outcome (``load`` None: failed; ``reachable=False``: its connection was refused)."""
-        refused = self._pool.record_scrape(endpoint, load, started_at, reachable=reachable)
-        if load is None:
-            self._report(EndpointEvent(endpoint, Change.SCRAPE_FAILED))
-        else:
+        self._pool_report.scrape(endpoint, load, started_at, reachable)
+        if load is not None:
             self._state.scraped(endpoint, load, started_at)
-            snapshot = self._pool.snapshot(endpoint)
-            self._report(EndpointEvent(endpoint, Change.SCRAPED, load, snapshot.itl_s, snapshot.limit, refused=refused))
         self._strategy.scraped(self._clock())
         self._preempt_at_risk(self._clock())
 
@@ -303,24 +281,14 @@ class ModelDispatcher:
         return bool(self._pool.capped)
 
     def record_limits(self, endpoint: str, limits: EngineLimits) -> None:
-        """What the engine at ``endpoint`` says of its own limits: they bound the rule and the cost's context; a cap
-        too tight is told."""
-        warning = self._pool.record_limits(endpoint, limits)
-        if warning is None:
-            return
-        self._state.engine_said(limits.max_model_len)
-        said = ", ".join(f"{k} {v}" for k, v in vars(limits).items() if v is not None) or "nothing of its limits"
-        note = f"model {self.name}: engine {endpoint} says {said}" + (f"; {warning}" if warning else "")
-        self._report(EndpointEvent(endpoint, Change.LIMITS, note=note, warning=bool(warning)))
-        self.dispatch()
+        """What the engine at ``endpoint`` says of its own limits: they bound the rule and the cost's context."""
+        if self._pool_report.limits(endpoint, limits):
+            self._state.engine_said(limits.max_model_len)
+            self.dispatch()
 
     def set_endpoints(self, endpoints: tuple[str, ...]) -> None:
         """The pool's membership changed (DNS); forget the telemetry of endpoints that left."""
-        gone = set(self._pool.endpoints) - set(endpoints)
-        for endpoint in gone:
-            self._report(EndpointEvent(endpoint, Change.LEFT))
-        self._pool.set_endpoints(endpoints)
-        self._state.left(gone)
+        self._state.left(self._pool_report.members(endpoints))
 
     def reject_all(self, refused: Callable[[], Refused] = shutting_down) -> None:
         """Refuse every queued request with ``refused()`` (default ``shutting_down``: draining ran out of time)."""

@@ -30,54 +30,65 @@ Item = TypeVar("Item", bound=Hashable)
 
 
 class FairQueue(Generic[Item]):
-    """All requests held for one model: priority bands, each run by a band policy."""
+    """All requests held for one model: priority bands, each run by a band policy.
+
+    Its counts are plain attributes, read without a call on every arrival and
+    every release: ``size`` (all), ``band_sizes`` (per band) and ``tenants``
+    (per tenant over every band; a tenant with none has no entry). Only the
+    queue writes them.
+    """
 
     def __init__(self, bands: int, policy: Callable[[], BandPolicy[Item]] = TenantRoundRobin) -> None:
         if bands < 1:
             raise ValueError("a queue needs at least one priority band")
         self._bands: list[BandPolicy[Item]] = [policy() for _ in range(bands)]
-        self._size = 0
-        # Requests queued per tenant over every band; a tenant with none has no entry.
-        self._tenants: dict[str, int] = {}
+        self.size = 0
+        self.band_sizes = [0] * bands
+        self.tenants: dict[str, int] = {}
 
     def __len__(self) -> int:
-        return self._size
+        return self.size
 
-    def _entered(self, tenant: str) -> None:
-        self._size += 1
-        self._tenants[tenant] = self._tenants.get(tenant, 0) + 1
+    def _entered(self, band: int, tenant: str) -> None:
+        self.size += 1
+        self.band_sizes[band] += 1
+        self.tenants[tenant] = self.tenants.get(tenant, 0) + 1
 
-    def _left(self, tenant: str) -> None:
-        self._size -= 1
-        left = self._tenants[tenant] - 1
+    def _left(self, band: int, tenant: str) -> None:
+        self.size -= 1
+        self.band_sizes[band] -= 1
+        left = self.tenants[tenant] - 1
         if left:
-            self._tenants[tenant] = left
+            self.tenants[tenant] = left
         else:
-            del self._tenants[tenant]
+            del self.tenants[tenant]
 
     def band_len(self, band: int) -> int:
-        return len(self._bands[band])
+        return self.band_sizes[band]
 
-    def push(self, band: int, tenant: str, item: Item) -> None:
-        self._bands[band].push(tenant, item)
-        self._entered(tenant)
+    def push(self, band: int, tenant: str, item: Item) -> bool:
+        """Queue ``item``; whether it is ``tenant``'s first queued in ``band`` (it joins the band's backlog)."""
+        policy = self._bands[band]
+        first = policy.head(tenant) is None
+        policy.push(tenant, item)
+        self._entered(band, tenant)
+        return first
 
     def first_band(self) -> int | None:
         """The highest band holding a request (the only one strict priority may serve), or None."""
-        if not self._size:
-            return None
-        for index, band in enumerate(self._bands):
-            if band:
-                return index
+        if self.size:
+            for index, size in enumerate(self.band_sizes):
+                if size:
+                    return index
         return None
 
     def pop(self, band: int | None = None) -> tuple[int, str, Item]:
         """The next request to release: (band, tenant, item), of ``band`` (None: the first holding any). IndexError when empty."""
         index = self.first_band() if band is None else band
-        if index is None or not self._bands[index]:
+        if index is None or not self.band_sizes[index]:
             raise IndexError("pop from an empty FairQueue band")
         tenant, item = self._bands[index].pop()
-        self._left(tenant)
+        self._left(index, tenant)
         return index, tenant, item
 
     def head(self, band: int, tenant: str) -> Item | None:
@@ -88,18 +99,18 @@ class FairQueue(Generic[Item]):
         """Dequeue ``tenant``'s next request in ``band`` whatever the policy's turn (a cluster decided it)."""
         item = self._bands[band].take(tenant)
         if item is not None:
-            self._left(tenant)
+            self._left(band, tenant)
         return item
 
     def remove(self, band: int, tenant: str, item: Item) -> bool:
         removed = self._bands[band].remove(tenant, item)
         if removed:
-            self._left(tenant)
+            self._left(band, tenant)
         return removed
 
     def tenant_len(self, tenant: str) -> int:
         """Requests of ``tenant`` queued in every band."""
-        return self._tenants.get(tenant, 0)
+        return self.tenants.get(tenant, 0)
 
     def tenant_lengths(self, band: int) -> dict[str, int]:
         """Every tenant with requests queued in ``band``, and how many."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 from extproc.core.bands import Band, BandAdmission
 from extproc.core.caps import overflow
@@ -100,8 +101,8 @@ class ModelState:
             len(settings.bands), lambda: policy.new_band(self._weight, self._pricing.expected_hit))
         # Per band, the held requests that keep their slot to the end once released (``_firm``).
         self._firm_held = [0] * len(settings.bands)
-        self._admission = BandAdmission(settings.bands, pool, settings.reserved_waiting, self._queue.band_len,
-                                        self._firm_held.__getitem__)
+        self.admission = BandAdmission(settings.bands, pool, settings.reserved_waiting,
+                                        self._queue.band_sizes.__getitem__, self._firm_held.__getitem__)
         self._preemption = Preemption(max_preemptions_per_s)
         self._release_rate = ReleaseRate()
         # Released and not finished, per band; and the engines' size while none is ready (demand.py).
@@ -109,6 +110,11 @@ class ModelState:
         self._demand = DemandGauge()
         self._health_log = HealthLog(name, pool, report)
         self._expiry = Expiry(timers, clock, self._expire)
+        # A strategy's round (strategy.Outlet) is one call: the health log's note, the band rules' round itself.
+        self.note_health: Callable[[float], None] = self._health_log.note
+        self.release_round: Callable[[float, Callable[[int, float], int] | None], bool] = partial(
+            self.admission.release_round, release=self._release_next)
+        self.engine_order: str | None = None  # every request asks: kept as it changes (_follow_engine_priority)
         self._follow_engine_priority()
 
     def reconfigure(self, settings: LiveSettings) -> None:
@@ -121,31 +127,29 @@ class ModelState:
         if names != tuple(b.name for b in self._settings.bands):
             raise ValueError(f"the bands {names} are not the dispatcher's {tuple(b.name for b in self._settings.bands)}")
         self._settings = settings
-        self._admission.reconfigure(settings.bands, settings.reserved_waiting)
+        self.admission.reconfigure(settings.bands, settings.reserved_waiting)
         self._pricing.reweigh(settings.cost)
         pool = self._pool
         if (type(pool.rule), pool.settings) != (settings.rule, settings.rule_settings):
             pool.reconfigure(settings.rule, settings.rule_settings)
         self._follow_engine_priority()
 
-    def priority_first(self) -> str | None:
-        """Which ``priority`` values the engines run first ("lower", "higher") where the band's is written into each
-        body; None: none is written. As configured, else as every engine said (``LiveSettings.engine_priority``)."""
-        configured = self._settings.engine_priority
-        if configured is None:
-            return self._pool.priority_first()
-        return (self._pool.priority_first() or "lower") if configured else None
-
     def _follow_engine_priority(self) -> None:
-        """The bands count what is queued below them as passed while the engines order their queues by priority."""
-        self._admission.priority_queue = self.priority_first() is not None
+        """``engine_order``: which ``priority`` values the engines run first ("lower", "higher") where the band's is
+        written into each body; None: none is written. As configured, else as every engine said
+        (``LiveSettings.engine_priority``). Followed wherever it may change: the settings, what an engine said, the
+        pool's members. The bands count what is queued below them as passed while the engines order by priority."""
+        configured = self._settings.engine_priority
+        said = self._pool.priority_first()
+        self.engine_order = said if configured is None else (said or "lower") if configured else None
+        self.admission.priority_queue = self.engine_order is not None
 
     def _weight(self, tenant: str) -> float:
         return self._settings.tenant(tenant).weight
 
     # --- the door --------------------------------------------------------------------------------
 
-    def refusal(self, tenant: str, band: int, now: float, tag: str = "") -> Refused | None:
+    def _refusal(self, tenant: str, band: int, now: float, tag: str = "") -> Refused | None:
         """The refusal of a new request over a queue cap (reported), or None if it may enter."""
         settings = self._settings
         over = overflow(self.name, self._queue, tenant, settings.tenant(tenant).max_queued, band, settings.bands[band],
@@ -161,20 +165,19 @@ class ModelState:
 
     def enqueue(self, request: Request, now: float, content_length: int | None, max_tokens: float | None,
                 ttft_objective_s: float | None) -> tuple[Held, bool]:
-        """Queue ``request``, priced and given its deadlines; whether it is its tenant's first queued in its band."""
+        """Queue ``request``, priced and given its deadlines; whether it is its tenant's first queued in its band.
+        Raises :class:`~extproc.core.outcomes.Refused` (reported) over a queue cap; QUEUED is the dispatcher's."""
         band, tenant = request.band, request.tenant
-        rules = self._settings.bands[band]
-        objective = rules.objective_s(ttft_objective_s)
-        queue_wait = rules.queue_wait_s(self._settings.max_queue_wait_s)
+        refused = self._refusal(tenant, band, now, request.tag)
+        if refused is not None:
+            raise refused
+        objective, queue_wait = self.admission.arrived(band, now, ttft_objective_s, self._settings.max_queue_wait_s)
         held = Held(request, now, asyncio.get_running_loop().create_future(),
                     self._pricing.estimate(tenant, content_length, max_tokens), ttft_objective_s=objective,
                     deadline=now + (objective if objective is not None else queue_wait), queue_wait_s=queue_wait)
-        first = self._queue.head(band, tenant) is None
-        self._queue.push(band, tenant, held)
+        first = self._queue.push(band, tenant, held)
         held.firm = self._firm(held)
         self._firm_held[band] += held.firm
-        self._admission.arrived(band, now)
-        self._report(RequestEvent(Step.QUEUED, rules.name, tenant, tag=request.tag))
         self._expiry.add(held)
         return held, first
 
@@ -186,7 +189,7 @@ class ModelState:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return self._queue.size
 
     @property
     def in_flight(self) -> int:
@@ -198,27 +201,21 @@ class ModelState:
     def first_band(self) -> int | None:
         return self._queue.first_band()
 
-    def pick(self, first: int, now: float) -> int:
-        return self._admission.pick(first, now)
-
     def share(self, band: int, now: float) -> float:
-        return self._admission.share(band, now)
+        return self.admission.share(band, now)
 
     def allowance(self, band: int, now: float) -> int:
-        return self._admission.allowance(band, now)
+        return self.admission.allowance(band, now)
 
     def cap(self, band: int, now: float) -> int:
-        return self._admission.headroom(band, now) + self._pool.cluster_in_flight
+        return self.admission.headroom(band, now) + self._pool.cluster_in_flight
 
     def free_slots(self, now: float) -> int:
         return self._pool.free_slots(now)
 
-    def admission(self) -> BandAdmission:  # the band rules, to read (their credits, reserves): tests' invariants do
-        return self._admission
-
     def next_release_in(self, now: float) -> float | None:
         """How long until more may go by time alone: the release rule's (a rate), or an idle-only band's reserve lent."""
-        due = [d for d in (self._pool.next_change_in(now), self._admission.next_change_in(now)) if d is not None]
+        due = [d for d in (self._pool.next_change_in(now), self.admission.next_change_in(now)) if d is not None]
         return min(due) if due else None
 
     def service(self, tenant: str, cost: float) -> float:
@@ -227,22 +224,23 @@ class ModelState:
     def record_others(self, now: float, others: int) -> None:
         self._pool.record_others(now, others)
 
-    def note_health(self, now: float) -> None:
-        self._health_log.note(now)
-
     def backlog(self) -> Iterator[Backlog]:
         for band in range(len(self._settings.bands)):
             for tenant, count in self._queue.tenant_lengths(band).items():
                 head = self._queue.head(band, tenant)
                 yield Backlog(band, tenant, count, 0.0 if head is None else self.service(tenant, head.estimate.cost))
 
-    def release_next(self, band: int, now: float, *, free: bool) -> bool:
+    def _release_next(self, band: int, now: float, free: bool) -> bool:
+        """The release step of a round (``bands.Release``): the request the band's policy picks."""
         band, tenant, held = self._queue.pop(band)
         return self.release(band, tenant, held, now, free=free)
 
     def release_head(self, band: int, tenant: str, now: float, *, free: bool) -> bool:
         held = self._queue.take(band, tenant)
-        return held is not None and self.release(band, tenant, held, now, free=free)
+        if held is None or not self.release(band, tenant, held, now, free=free):
+            return False
+        self.admission.released(band, now)  # a round counts its own (BandAdmission.release_round)
+        return True
 
     def _firm(self, held: Held) -> bool:
         """Whether ``held``, once released, keeps its slot to the end: it is a stream (its response begins as the
@@ -271,14 +269,16 @@ class ModelState:
         ranked = pool.ranked(request.affinity, now, request.eligible, self._pricing.hit_at(held))
         held.endpoint, held.fallbacks = (ranked[0], tuple(ranked[1:])) if ranked else (None, ())
         held.estimate = self._pricing.at_release(held)
-        held.checked = pool.check_release(held.endpoint, now)
         rules = self._settings.bands[band]
         # Counted as running until a scrape shows it: a release into a free slot, and an idle-only band's
         # (sized to free slots, or its probe past the capacity learned so far: one per scrape).
-        into_free_slot = free or (rules.idle_only and self._admission.into_free_slots(band, now))
-        self._note_for_preemption(held, rules, now, into_free_slot)
-        pool.record_release(held, now, held.endpoint, into_free_slot=into_free_slot)
-        self._admission.released(band, now)
+        into_free_slot = free or (rules.idle_only and self.admission.into_free_slots(band, now))
+        book = self._preemption
+        # Preemption asks whether the engines were full before it, for a request with an objective.
+        held.checked, full = pool.released(held, now, held.endpoint, into_free_slot=into_free_slot,
+                                           full_before=book.enabled and held.ttft_objective_s is not None)
+        if book.enabled:
+            book.note_release(held, now, self._victim_place(held, rules, into_free_slot), full)
         self._release_rate.record(now)
         self._in_flight[band] += 1
         self._queue.charge(band, tenant, held.estimate.cost)
@@ -287,20 +287,16 @@ class ModelState:
                                   tag=held.request.tag))
         return True
 
-    def _note_for_preemption(self, held: Held, rules: Band, now: float, into_free_slot: bool) -> None:
-        """What preemption must know of a release: a victim to be (in a slot, or queued in the engine), and a request
-        with an objective that may wait in the engine for a slot."""
-        book = self._preemption
-        if not book.enabled:
-            return
+    def _victim_place(self, held: Held, rules: Band, into_free_slot: bool) -> Place | None:
+        """Where ``held``, just released, went as a victim to be (in a slot, or queued in the engine), its stream
+        told to watch for it; None: it cannot be one."""
         request = held.request
         # A stream begins as the engine accepts it, and a retry is never preempted: their streams need not watch.
-        if rules.preemptible and request.whole and not request.retried:
-            held.preempted = asyncio.get_running_loop().create_future()
-            queued = not into_free_slot and not self._admission.priority_queue
-            book.released(held, now, Place.OWN if not rules.idle_only else Place.QUEUED if queued else Place.LENT)
-        if held.ttft_objective_s is not None and book.candidates and self._pool.engine_full(self._pool.load_now()):
-            book.waits_in_engine(held)
+        if not (rules.preemptible and request.whole and not request.retried):
+            return None
+        held.preempted = asyncio.get_running_loop().create_future()
+        queued = not into_free_slot and not self.admission.priority_queue
+        return Place.OWN if not rules.idle_only else Place.QUEUED if queued else Place.LENT
 
     # --- a held request's end ----------------------------------------------------------------------
 
@@ -341,7 +337,7 @@ class ModelState:
     def finish(self, held: Held, now: float) -> float:
         """A released request is over (it ended, or was preempted): free its place, charge what it cost; the cost measured."""
         occupancy = self._pool.record_finish(held, now)
-        self._admission.finished(held.request.band, now)
+        self.admission.finished(held.request.band, now)
         self._in_flight[held.request.band] -= 1
         measured = held.charge = self._pricing.measure(held, occupancy)
         request, estimate = held.request, held.estimate
@@ -355,6 +351,10 @@ class ModelState:
     def victims(self, now: float) -> list[Held]:
         """The preemptible requests to end now, for the higher-band requests whose objective is at risk."""
         book = self._preemption
+        # Nobody in need (none queued here, none waiting in the engine): no victim, and the book need not be asked
+        # (once its bucket is filling, it refills all the same when next asked).
+        if not self._queue.size and not book.waiting_above and book.filled_at is not None:
+            return []
         if not book.candidates:
             return []
         pool = self._pool
@@ -364,7 +364,7 @@ class ModelState:
         capacity = pool.capacity()
         waiting = min(load.waiting, max(0.0, load.held - capacity)) if capacity > 0 else load.waiting
         # In an engine that orders its queue by priority, what the bands below queue is passed, not waited behind.
-        waiting = max(0.0, waiting - self._admission.passed(0))
+        waiting = max(0.0, waiting - self.admission.passed(0))
         return book.victims(book.needs(pool.engine_full(load), waiting, self._queued_needs(), now), now)
 
     def _queued_needs(self) -> Iterator[Held]:

@@ -74,3 +74,8 @@ class Refused(Exception):
     retry_in_s: float | None = None
     # Headers the answer carries beside the reason (a budget's x-ratelimit-*), as the adapter named them.
     headers: tuple[tuple[str, str], ...] = ()
+
+
+def shutting_down() -> Refused:
+    """The refusal while the processor drains (a new exception each time: one is raised per request)."""
+    return Refused(Refusal.SHUTTING_DOWN, "the gateway is restarting; retry shortly")

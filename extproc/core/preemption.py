@@ -110,21 +110,19 @@ class Preemption:
 
     def __init__(self, rate_per_s: float) -> None:
         self._rate = rate_per_s
+        # Read as attributes: every release and every event asks whether there is anything to do.
+        self.enabled = rate_per_s > 0
         self._tokens = min(1.0, rate_per_s)
-        self._filled_at: float | None = None
+        self.filled_at: float | None = None  # when the bucket was last filled (None: not started)
         # Released, response not begun, not a retry: in release order (the last is the youngest).
         self._victims: dict[Held, Place] = {}
         # Released requests of non-preemptible bands with an objective that went into an
         # engine without a free slot: they may be waiting in it (their needs).
-        self._waiting_above: dict[Held, None] = {}
+        self.waiting_above: dict[Held, None] = {}  # read as an attribute, written here only
         self._last_tenant: str | None = None
         # The measured interval between completions, and when the last one came.
         self._gap_s: float | None = None
         self._last_end: float | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self._rate > 0
 
     @property
     def candidates(self) -> int:
@@ -137,19 +135,27 @@ class Preemption:
             self._last_end = now
         self._victims[held] = place
 
+    def note_release(self, held: Held, now: float, place: Place | None, engine_full: bool) -> None:
+        """What a release means here, in one call: a victim to be (``place``: where it went; None: it cannot be one),
+        and a request with an objective (``held``'s) that went into an ``engine_full`` with none free may wait there."""
+        if place is not None:
+            self.released(held, now, place)
+        if engine_full and held.ttft_objective_s is not None and self._victims:
+            self.waits_in_engine(held)
+
     def waits_in_engine(self, held: Held) -> None:
         """``held``, with an objective, went into an engine without a free slot: it may wait there for one."""
-        self._waiting_above[held] = None
+        self.waiting_above[held] = None
 
     def started(self, held: Held) -> None:
         """Its response began: Envoy can no longer answer for it, and it waits for nothing."""
         self._victims.pop(held, None)
-        self._waiting_above.pop(held, None)
+        self.waiting_above.pop(held, None)
 
     def ended(self, held: Held, now: float) -> None:
         """A released request ended by itself (whatever the outcome): measure the interval between completions."""
         self._victims.pop(held, None)
-        self._waiting_above.pop(held, None)
+        self.waiting_above.pop(held, None)
         if self._last_end is not None:
             gap = now - self._last_end
             self._gap_s = gap if self._gap_s is None else self._gap_s + _GAP_WEIGHT * (gap - self._gap_s)
@@ -174,15 +180,15 @@ class Preemption:
         queues by the load estimate.
         """
         if not engine_full:
-            self._waiting_above.clear()
-        waiting = [*self._waiting_above, *queued]
+            self.waiting_above.clear()
+        waiting = [*self.waiting_above, *queued]
         again = now - AGAIN_AFTER_S
         deadlines = sorted(((due, held) for held in waiting
                             if (due := held.objective_due) is not None and held.room_made_at <= again),
                            key=lambda pair: pair[0])
         # Others waiting inside the engine (not these, which the estimate counts too) may be
         # served before them (an engine in arrival order).
-        others = max(0, int(engine_waiting) - len(self._waiting_above))
+        others = max(0, int(engine_waiting) - len(self.waiting_above))
         return [Need(held, deadline, others + ahead) for ahead, (deadline, held) in enumerate(deadlines)]
 
     def victims(self, needs: Iterable[Need], now: float) -> list[Held]:
@@ -221,7 +227,7 @@ class Preemption:
             self._tokens -= 1
         for victim in chosen:
             del self._victims[victim]
-            self._waiting_above.pop(victim, None)
+            self.waiting_above.pop(victim, None)
         return chosen
 
     def _choose(self, band: int, taken: list[Held], kinds: tuple[Place, ...],
@@ -243,6 +249,6 @@ class Preemption:
         return fallback
 
     def _refill(self, now: float) -> None:
-        if self._filled_at is not None:
-            self._tokens = min(max(1.0, self._rate), self._tokens + (now - self._filled_at) * self._rate)
-        self._filled_at = now
+        if self.filled_at is not None:
+            self._tokens = min(max(1.0, self._rate), self._tokens + (now - self.filled_at) * self._rate)
+        self.filled_at = now

@@ -33,7 +33,11 @@ class Step(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class RequestEvent:
-    """One request's step; every request that reaches the queue reports exactly one step after QUEUED."""
+    """One request's step; every request that reaches the queue reports QUEUED and exactly one step after it.
+
+    QUEUED is reported once the dispatcher has taken the arrival in (``decision_s``): a request released in that
+    same moment has reported its RELEASED just before.
+    """
 
     step: Step
     band: str
@@ -48,6 +52,10 @@ class RequestEvent:
     slack_s: float | None = None
     # The request's tag (``Request.tag``): empty for most.
     tag: str = ""
+    # QUEUED: how long the dispatcher took to take the arrival in (as PoolEvent.decision_s for one refused at the
+    # door), and whether its cost was clamped (PoolEvent.cost_clamped).
+    decision_s: float | None = None
+    cost_clamped: bool = False
 
     @property
     def outcome(self) -> str:

@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import openai
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -256,6 +255,8 @@ class Traffic:
         await self.every(period_s, burst, jitter=False)
 
     async def batches(self, period_s: float) -> None:
+        import openai  # a test extra, not in the image whose `extproc-dev sim` the compose demo runs
+
         client = openai.AsyncOpenAI(base_url=f"{self.stack.envoy_url}/v1", api_key=TENANT_KEYS["bob"], max_retries=3)
 
         async def batch() -> None:

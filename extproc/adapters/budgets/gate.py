@@ -1,7 +1,11 @@
 """Each request's budget check at admission, and its settlement when its stream ends.
 
-The servicer asks :meth:`BudgetGate.admit` once it knows the tenant, the model
-and the class, before the request is queued: within its limits the request
+To the servicer the gate is one object around the submit: :meth:`BudgetGate.enter`
+before the request is queued, :meth:`BudgetGate.leave` at its end, whatever the
+end was (the request's pass rides on its stream between the two).
+
+:meth:`BudgetGate.admit` is asked once the tenant, the model and the class are
+known, before the request is queued: within its limits the request
 goes on with its reservation made (and its rate headers, when the config
 wants them on responses); over one, the tenant's action decides (core:
 ``Verdict``): ``refuse`` raises the 429 (``rate_limit_exceeded`` or
@@ -41,10 +45,13 @@ from extproc.adapters.budgets.shared import SharedBudgets, SharedTicket, amounts
 from extproc.adapters.budgets.shared_standings import ClusterStandings
 from extproc.adapters.config.budgets import BudgetSettings
 from extproc.adapters.ext_proc.admission import Admission
+from extproc.adapters.ext_proc.attach.base import Stream
 from extproc.adapters.ext_proc.engine_usage import Reported
+from extproc.adapters.ext_proc.request_fields import max_tokens
 from extproc.core.budgets.book import Usage
 from extproc.core.budgets.ledger import Budgets, Over, Standing, Ticket, over_reason
 from extproc.core.budgets.limits import Action, Kind
+from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.held import Held
 from extproc.core.outcomes import Refusal, Refused
 
@@ -96,6 +103,23 @@ class BudgetGate:
         self._lowest = lowest_band
         self.budgets.reconfigure(plan(settings), self._clock())
         self._alone_instances = 0  # the share is taken again from the new plan when next needed
+
+    async def enter(self, admission: Admission, stream: Stream, dispatcher: ModelDispatcher,
+                    content_length: int | None) -> Admission:
+        """Before the submit: ``admission`` as it goes on (:meth:`admit`, on what its model's cost model expects of
+        it); raises the refusal. Its pass is kept on ``stream`` for :meth:`leave`, its rate headers for its release."""
+        expected = dispatcher.expect(admission.tenant, content_length, max_tokens(stream.fields))
+        admission, passed = await self.admit(admission, expected)
+        stream.headers = passed.headers
+        stream.ticket = passed
+        return admission
+
+    def leave(self, stream: Stream, held: Held | None) -> None:
+        """The request's end (``held`` None: refused before it was queued): its pass, if it has one, settled once
+        (:meth:`end`) on the usage its response reported."""
+        passed, stream.ticket = stream.ticket, None
+        if isinstance(passed, Pass):
+            self.end(passed, held, None if stream.usage is None else stream.usage.reported)
 
     async def admit(self, admission: Admission, expected: tuple[float, float]) -> tuple[Admission, Pass]:
         """``admission`` as it goes on (downgraded over a limit with that action) and its pass; raises the refusal.

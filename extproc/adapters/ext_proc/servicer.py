@@ -20,8 +20,14 @@ follows the body modes Envoy declared for the stream.
 
 A preemptible request's response headers are sent; until they come the core
 may preempt it (``core/preemption.py``), and the stream answers 503
-``preempted`` itself: Envoy sends that to the client and resets the request
-to the engine, which aborts it.
+``preempted`` itself (``follow.py``, which answers the stream after the
+release): Envoy sends that to the client and resets the request to the
+engine, which aborts it.
+
+What the stream reads of its model is a narrow view (``served.py``) of the
+model's runtime (``adapters/runtime.py``). With tenant budgets one gate
+stands around the submit (``adapters/budgets/gate.py``): asked before the
+request is queued (it may refuse or downgrade it), told at the request's end.
 
 Under a burst the first reply must still reach Envoy within its
 ``message_timeout``: while the event loop runs late (``loop_lag.py``) the
@@ -40,7 +46,7 @@ refusals (``core/outcomes.py``); what the client hears for each comes from
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -50,14 +56,15 @@ from extproc.adapters.ext_proc.admission import Admission, Admissions
 from extproc.adapters.ext_proc.attach.base import Attachment, Stream
 from extproc.adapters.ext_proc.attach.endpoint_picker import EndpointPicker
 from extproc.adapters.ext_proc.attach.own_envoy import OwnEnvoy
+from extproc.adapters.ext_proc.follow import follow
 from extproc.adapters.ext_proc.loop_lag import LoopLag
-from extproc.adapters.ext_proc.prompt_prefix import Signer
 from extproc.adapters.ext_proc.replies import content_length, headers_of, models_response, passed
 from extproc.adapters.ext_proc.request_fields import NO_PROMPT, from_metadata, max_tokens
+from extproc.adapters.ext_proc.served import ServedModel
 from extproc.adapters.ext_proc.shedding import Shedding
 from extproc.adapters.telemetry import UNKNOWN_MODEL, Admitted, Signed, Telemetry, TurnedAway
-from extproc.core.dispatcher import Held, ModelDispatcher, shutting_down
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.held import Held
+from extproc.core.outcomes import Refusal, Refused, shutting_down
 from extproc.core.prefix import NO_PREFIX, Prefix
 from extproc.core.report import RequestEvent, Step
 
@@ -81,8 +88,9 @@ class Processor:
     its open stream and its queue entry only.
     """
 
-    def __init__(self, config: Config, dispatchers: dict[str, ModelDispatcher], telemetry: Telemetry) -> None:
-        self._dispatchers = dispatchers
+    def __init__(self, config: Config, models: Mapping[str, ServedModel], telemetry: Telemetry) -> None:
+        """``models``: each configured model's view by name, read live (a reload changes it in place)."""
+        self._models = models
         self._telemetry = telemetry
         self.draining = False
         self.lag = LoopLag(late_s=ACK_LAG_S)
@@ -93,14 +101,14 @@ class Processor:
         self._derive(config)
 
     def _shedding(self, config: Config) -> Shedding:
-        dispatchers = self._dispatchers
+        models = self._models
         return Shedding(len(config.bands), config.envoy.message_timeout_ms / 1000,
-                        lambda band: sum(d.queued_in(band) for d in dispatchers.values()))
+                        lambda band: sum(m.dispatcher.queued_in(band) for m in models.values()))
 
     def reconfigure(self, config: Config) -> None:
-        """Read ``config`` from the next request on (a reload: adapters/reload.py); held streams keep their dispatcher.
+        """Read ``config`` from the next request on (a reload: adapters/reload.py); held streams keep their model's view.
 
-        The dispatchers (the same dict) must already hold its models. Shedding
+        The models (the same mapping) must already hold its models. Shedding
         keeps its history unless the classes or the message timeout changed.
         """
         old = self._config
@@ -111,7 +119,8 @@ class Processor:
         self._derive(config)
 
     def _budgets(self, config: Config) -> None:
-        """Tenant budgets (config.budgets), kept through reloads: their counts are the tenants' usage."""
+        """Tenant budgets (config.budgets): the gate around each submit, kept through reloads (its counts are the
+        tenants' usage)."""
         if config.budgets is None:
             self.budgets = None
         elif self.budgets is None:
@@ -125,12 +134,11 @@ class Processor:
         """What the processor keeps prebuilt from the config: the admission and both attachments."""
         self.admissions = Admissions(config)
         self.own_envoy = OwnEnvoy(config)
-        self.endpoint_picker = EndpointPicker(config, self._telemetry)
-        self._signers = {m.name: Signer(m) for m in config.models if m.prefix is not None}
+        self.endpoint_picker = EndpointPicker(config)
 
     async def process(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
         """One stream: read the request, admit it, hold it until the dispatcher decides, then follow the response."""
-        messages = aiter(requests)
+        messages = requests  # an iterator already: read as it is
         first = await anext(messages, None)
         if first is None:
             return
@@ -154,7 +162,7 @@ class Processor:
         if headers.get(":method") == "GET" and headers.get(":path", "").split("?")[0] == "/v1/models":
             yield models_response(self.admissions.names.listed())
             return
-        budgets, budget_pass = self.budgets, None
+        budgets = self.budgets  # the gate around the submit: a budget over its limit refuses (raises) or downgrades
         try:
             if side.reads(stream):  # else no generator: the fast path reads nothing more
                 async for reply in side.read(stream, messages, headers):
@@ -167,10 +175,11 @@ class Processor:
                 return
             if acknowledged and overloaded:
                 yield ack
-            dispatcher = self._dispatchers[admission.model]
-            side.check_start(stream, dispatcher)
+            model = self._models[admission.model]
+            dispatcher = model.dispatcher
+            side.check_start(stream, model)
             prefix = NO_PREFIX
-            signer = self._signers.get(admission.model)
+            signer = model.signer
             if signer is not None:
                 async for reply in side.read_prompt(stream, messages, headers):
                     yield reply
@@ -179,16 +188,14 @@ class Processor:
                     if acknowledged:
                         yield ack
                 prefix = signer.sign(stream.prompt, stream.fields.prompt_cache_key)
-                self._telemetry.report(admission.model)(Signed(len(prefix.blocks)))
+                model.report(Signed(len(prefix.blocks)))
             stream.prompt = NO_PROMPT  # its slices would keep the body alive through the hold
-            if budgets is not None:  # a budget over its limit refuses (raises) or downgrades
-                expected = dispatcher.expect(admission.tenant, content_length(headers), max_tokens(stream.fields))
-                admission, budget_pass = await budgets.admit(admission, expected)
-                stream.headers = budget_pass.headers
-            held = self._submit(side, stream, headers, admission, dispatcher, prefix)
+            if budgets is not None:
+                admission = await budgets.enter(admission, stream, dispatcher, content_length(headers))
+            held = self._submit(side, stream, headers, admission, model, prefix)
         except Refused as refused:
-            if budgets is not None and budget_pass is not None:
-                budgets.end(budget_pass, None)
+            if budgets is not None:
+                budgets.leave(stream, None)
             if refused.refusal not in _QUEUE_CAPS:  # the dispatcher counts its own
                 self._count_refusal(stream.fields.model, refused.refusal)
             yield side.refusal(refused)
@@ -200,7 +207,7 @@ class Processor:
         # any await or yield, and the request must leave the queue or the gate then.
         try:
             if not held.future.done() and not acknowledged:
-                hold = side.hold_reply(admission.model)
+                hold = side.hold_reply(model)
                 if hold is not None:
                     yield hold
             try:
@@ -209,22 +216,23 @@ class Processor:
                 yield side.refusal(refused)
                 return
             # A body read before the hold and dropped (nothing was to be written then) cannot be rewritten now.
-            priority = None if stream.held_on_body and not stream.body else self._engine_priority(admission, dispatcher)
+            priority = None if stream.held_on_body and not stream.body else model.engine_priority(admission.band)
             for reply in side.release(stream, held, admission.model, waited, priority):
                 yield reply
-            async for reply in _follow(side, stream, messages, dispatcher, held, priority):
+            async for reply in follow(side, stream, messages, model, held, priority):
                 yield reply
         finally:
             dispatcher.end(held)
-            if budgets is not None and budget_pass is not None:
-                budgets.end(budget_pass, held, None if stream.usage is None else stream.usage.reported)
+            if budgets is not None:
+                budgets.leave(stream, held)
 
     def _submit(self, side: Attachment, stream: Stream, headers: dict[str, str], admission: Admission,
-                dispatcher: ModelDispatcher, prefix: Prefix) -> Held:
+                model: ServedModel, prefix: Prefix) -> Held:
         """Queue the admitted request (raises Refused: its inputs, where it may go, or a queue cap)."""
         limit = max_tokens(stream.fields)
+        dispatcher = model.dispatcher
         eligible = side.eligible(stream, dispatcher)
-        self._count_admission(admission)
+        self._count_admission(admission, model)
         if not stream.duplex and dispatcher.priority_first is None:
             stream.body = b""  # neither given back nor rewritten: not worth its memory through the hold
         return dispatcher.submit(
@@ -238,10 +246,10 @@ class Processor:
             tag=admission.batch_line,
         )
 
-    def _count_admission(self, admission: Admission) -> None:
+    def _count_admission(self, admission: Admission, model: ServedModel) -> None:
         names = self._config.band_names
         downgraded = None if admission.requested is None else (names[admission.requested], names[admission.band])
-        self._telemetry.report(admission.model)(Admitted(admission.name, *(downgraded or (None, None))))
+        model.report(Admitted(admission.name, *(downgraded or (None, None))))
 
     def _sheds(self, admission: Admission) -> bool:
         """Whether to refuse the admitted request ``overloaded`` (shedding.py), counted if so.
@@ -263,66 +271,3 @@ class Processor:
         # Client-chosen names never become label values: unbounded series would sink Prometheus.
         resolved = self.admissions.names.resolve(body_model) if body_model else None
         self._telemetry.report(resolved[0] if resolved else UNKNOWN_MODEL)(TurnedAway(refusal))
-
-    def _engine_priority(self, admission: Admission, dispatcher: ModelDispatcher) -> int | None:
-        """The body ``priority`` to write for this request: its band's, negated for an engine that runs higher values
-        first; None where none is written (``ModelDispatcher.priority_first``)."""
-        first = dispatcher.priority_first
-        if first is None:
-            return None
-        value = self._config.bands[admission.band].engine_priority
-        return value if first == "lower" else -value
-
-
-async def _follow(side: Attachment, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
-                  dispatcher: ModelDispatcher, held: Held, priority: int | None) -> AsyncIterator[pb.ProcessingResponse]:
-    """After the release: answer the stream's messages until it ends, or ``held`` is preempted before its response began."""
-    async for message in messages if held.preempted is None else _until_preempted(messages, held):
-        for reply in side.after_release(stream, dispatcher, held, message, priority):
-            yield reply
-    if held.preempted is not None and held.preempted.done() and not held.started:
-        yield side.refusal(_preempted())
-
-
-def _preempted() -> Refused:
-    return Refused(Refusal.PREEMPTED, "a request of a higher priority class needed the engine before this one's "
-                   "response began; retry (it will not be preempted again)")
-
-
-async def _until_preempted(messages: AsyncIterator[pb.ProcessingRequest], held: Held) -> AsyncIterator[pb.ProcessingRequest]:
-    """The stream's messages after the release, until it ends or ``held`` is preempted before its response began.
-
-    Only a preemptible request pays for the race (a task per message until its
-    response headers come); every other stream reads its messages plainly.
-    The reading task is this stream's to end and its outcome this stream's to
-    take, however the wait ends: preempted, or cancelled (the client gone, the
-    server stopping). Left behind, it waits on a dead stream until it is
-    destroyed pending, or it ends (StopAsyncIteration: Envoy half-closes a
-    stream just before resetting it) with an exception nobody retrieves.
-    """
-    preempted = held.preempted
-    while preempted is not None and not held.started:
-        following = asyncio.ensure_future(anext(messages))
-        try:
-            await asyncio.wait((following, preempted), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # cancelled: the stream ends here, and the reader with it
-            await _end_reader(following)
-            raise
-        if preempted.done():  # preempted: the stream ends with our answer
-            # Its response headers may have come in the same instant: Envoy holds them for our reply (the mode
-            # sends them), so the 503 replaces them; answered CONTINUE, the client would get a cut 200.
-            await _end_reader(following)
-            return
-        try:
-            message = following.result()
-        except StopAsyncIteration:
-            return
-        yield message
-    async for message in messages:
-        yield message
-
-
-async def _end_reader(reader: asyncio.Future[pb.ProcessingRequest]) -> None:
-    """Cancel ``reader`` (if still reading) and wait for it, taking its outcome: a message, the stream's end, an error."""
-    reader.cancel()
-    await asyncio.gather(reader, return_exceptions=True)

@@ -1,7 +1,7 @@
 """Events written after the replies: a request's metrics leave its time to the gate.
 
-A request released at once reports four or five events on its way through
-(admitted, queued, released, the decision's latency), each a few Prometheus
+A request released at once reports three or four events on its way through
+(admitted, released, queued with the decision's latency, signed), each a few Prometheus
 writes under a lock; made where they happen, they sit between the request's
 arrival and its release reply, on the latency every request pays. While the
 processor serves, its recorders hand each event here instead, and the batch

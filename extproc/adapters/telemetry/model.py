@@ -200,6 +200,7 @@ class ModelTelemetry:
         key = (event.band, self._tenant(event.tenant))
         if event.step is Step.QUEUED:
             self._queued[key].inc()
+            self._took_in(event.decision_s, event.cost_clamped)
             return
         if event.step is Step.PREEMPTED:
             # Released before: not in the queue, and already counted released (not refused as well).
@@ -256,11 +257,15 @@ class ModelTelemetry:
             line += f" batch_line={event.tag}"
         DECISIONS.debug("%s", line, extra=fields)
 
-    def _pool(self, event: PoolEvent) -> None:
-        if event.decision_s is not None:
-            self._decision.observe(event.decision_s)
-        if event.cost_clamped:
+    def _took_in(self, decision_s: float | None, cost_clamped: bool) -> None:
+        """An arrival taken in (queued, or refused at the door): how long that took, and whether its cost was clamped."""
+        if decision_s is not None:
+            self._decision.observe(decision_s)
+        if cost_clamped:
             self._t.cost_clamped.labels(self._model).inc()
+
+    def _pool(self, event: PoolEvent) -> None:
+        self._took_in(event.decision_s, event.cost_clamped)
         if event.fallback is not None:
             self._t.gate_fallback.labels(self._model).set(1 if event.fallback else 0)
             if event.note:

@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from extproc.core.engine_load import EngineLoad
 
@@ -74,11 +74,11 @@ class LoadNow:
     held: float
     slots: float
     into_slots_since: int
+    # The engine's waiting queue now: a field, not a property, because every release reads it.
+    waiting: float = field(init=False)
 
-    @property
-    def waiting(self) -> float:
-        """The engine's waiting queue now."""
-        return max(0.0, self.held - self.slots)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "waiting", max(0.0, self.held - self.slots))
 
 
 class LoadEstimate:
@@ -148,10 +148,14 @@ class LoadEstimate:
         """Our requests released to ``endpoint`` and not finished (endpoint picking)."""
         return self._in_flight_on[endpoint]
 
-    def record_release(self, request: Hashable, now: float, endpoint: str | None, into_free_slot: bool) -> None:
+    def record_release(self, request: Hashable, now: float, endpoint: str | None, into_free_slot: bool, *,
+                       before: bool = False) -> LoadNow | None:
+        """Count a release; with ``before``, what the whole pool held just before it (``Pool.released``)."""
+        load = self.now() if before else None
         self._in_flight[request] = (now, endpoint, into_free_slot)
         self._in_flight_on[endpoint] += 1
         self._now.clear()
+        return load
 
     def record_moved(self, request: Hashable, endpoint: str) -> None:
         """``request`` runs on ``endpoint`` after all (the gateway fell back to it): count it there."""

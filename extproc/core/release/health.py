@@ -87,9 +87,10 @@ class EndpointHealth:
         # Counts the events that may change who is degraded or down (time aside: :meth:`stable_until`), so that a
         # reader (``health_log.py``) can tell nothing changed without looking at every endpoint.
         self.version = 0
-        # The last answers of serving() and degraded(), kept while the version holds (degraded: and while ``now`` stays
-        # between the staleness times that bound it): every release asks both twice, and they seldom change.
-        self._serving: tuple[int, tuple[str, ...]] = (-1, ())
+        # The endpoints that are up, kept as they change (``serving``): every release reads them.
+        self.up: tuple[str, ...] = ()
+        # The last answer of degraded(), kept while the version holds and while ``now`` stays between the staleness
+        # times that bound it: every release asks, and it seldom changes.
         self._degraded = _Degraded(-1, -math.inf, math.inf, ())
         self.set_endpoints(endpoints)
 
@@ -98,6 +99,10 @@ class EndpointHealth:
         self.version += 1
         self.endpoints = tuple(endpoints)
         self._health = {e: self._health.get(e) or _Health() for e in self.endpoints}
+        self._up_changed()
+
+    def _up_changed(self) -> None:
+        self.up = tuple(e for e, h in self._health.items() if h.down_at is None)
 
     def record_release(self, endpoint: str | None, now: float) -> None:
         """A release went to ``endpoint`` (None: not picked, anywhere in the pool)."""
@@ -145,6 +150,7 @@ class EndpointHealth:
     def _mark_up(self, health: _Health, now: float) -> None:
         self.version += 1
         health.down_at, health.up_at = None, now
+        self._up_changed()
 
     def check_release(self, endpoint: str | None, now: float) -> bool:
         """Whether to read the response headers of a release to ``endpoint`` (None: anywhere in the pool)."""
@@ -155,11 +161,19 @@ class EndpointHealth:
                 return True  # on probation
         return self._releases % CHECK_EVERY == 1
 
+    def released(self, endpoint: str | None, now: float) -> bool:
+        """A release went to ``endpoint``: recorded (:meth:`record_release`); whether to read its response headers for a
+        failure (:meth:`check_release`). One call where every release made two."""
+        checked = self.check_release(endpoint, now)
+        self.record_release(endpoint, now)
+        return checked
+
     def mark_down(self, endpoint: str, now: float) -> None:
         health = self._health.get(endpoint)
         if health is not None and health.down_at is None:
             self.version += 1
             health.down_at = now
+            self._up_changed()
 
     def is_down(self, endpoint: str) -> bool:
         return self._health[endpoint].down_at is not None
@@ -169,12 +183,8 @@ class EndpointHealth:
         return [e for e, h in self._health.items() if h.down_at is not None]
 
     def serving(self) -> tuple[str, ...]:
-        """Endpoints that are up (their metrics may still be degraded)."""
-        version, up = self._serving
-        if version != self.version:
-            up = tuple(e for e, h in self._health.items() if h.down_at is None)
-            self._serving = (self.version, up)
-        return up
+        """Endpoints that are up (their metrics may still be degraded): ``up``."""
+        return self.up
 
     def healthy(self, endpoint: str, now: float) -> bool:
         health = self._health[endpoint]

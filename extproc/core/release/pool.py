@@ -75,10 +75,6 @@ class Pool:
     def in_flight(self) -> int:
         return self.estimate.in_flight
 
-    def in_flight_on(self, endpoint: str) -> int:
-        """Ours released to ``endpoint`` and not finished (endpoint picking: where the gateway said it served them)."""
-        return self.estimate.in_flight_on(endpoint)
-
     @property
     def cluster_in_flight(self) -> int:
         """Ours in flight and the other instances' (a cluster's); ours alone without one."""
@@ -121,12 +117,16 @@ class Pool:
         Work conservation is stated in these slots (``core/bands.py``): while
         one is free, nothing keeps a held request from it.
         """
-        if not self.rule.uses_metrics or self.degraded(now) or not self.health.serving():
+        if not self.rule.uses_metrics or not self.health.up or self.health.degraded(now):
             return 0
         estimate = self.estimate.now()
         if estimate.waiting > 0:
             return 0
         return max(0, math.floor(self.capacity() - estimate.held))
+
+    def room(self, now: float) -> tuple[int, int]:
+        """:meth:`headroom` and :meth:`free_slots` in one question: every release round asks both (``bands.py``)."""
+        return self.headroom(now), self.free_slots(now)
 
     def reconfigure(self, rule: type[ReleaseRule], settings: RuleSettings) -> None:
         """A new rule, or new settings for it: started afresh on the same load estimate and endpoint health.
@@ -156,6 +156,16 @@ class Pool:
         self.estimate.record_release(request, now, endpoint, into_free_slot)
         self.health.record_release(endpoint, now)
         self.rule.record_release(now)
+
+    def released(self, request: Hashable, now: float, endpoint: str | None, *, into_free_slot: bool,
+                 full_before: bool) -> tuple[bool, bool]:
+        """A release, recorded (:meth:`record_release`): whether to read its response headers for a failure
+        (:meth:`check_release`), and (asked with ``full_before``) whether the engines had no free slot before it
+        (:meth:`engine_full`). One question where every release asked three or four."""
+        checked = self.health.released(endpoint, now)
+        before = self.estimate.record_release(request, now, endpoint, into_free_slot, before=full_before)
+        self.rule.record_release(now)
+        return checked, before is not None and self.engine_full(before)
 
     def check_release(self, endpoint: str | None, now: float) -> bool:
         """Whether the response headers of this release should be read for a failure (``health.py``)."""
@@ -275,7 +285,7 @@ class Pool:
 
     def headroom(self, now: float) -> int:
         """The allowance before it is floored at 0: negative when more are out than allowed."""
-        if not self.health.serving():
+        if not self.health.up:
             return 0  # every engine down: hold everything until one returns
         if self.pick_endpoints:
             return sum(self._room(e, now) for e in self.endpoints)
@@ -336,6 +346,7 @@ class Pool:
                 limit=self.rule.snapshot(url).limit,
                 degraded=url in degraded,
                 down=url in down,
+                in_flight=self.estimate.in_flight_on(url),
                 warning=self.warnings.get(url, ""),
             ))
         return tuple(statuses)

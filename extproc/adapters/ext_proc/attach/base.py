@@ -24,12 +24,12 @@ from collections.abc import AsyncIterator
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.config import Config
-from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.ext_proc.attach import body
 from extproc.adapters.ext_proc.engine_usage import UsageReader
 from extproc.adapters.ext_proc.release_outcome import engine_answer
 from extproc.adapters.ext_proc.replies import error_response, headers_of, passed
 from extproc.adapters.ext_proc.request_fields import Prompt, RequestFields
+from extproc.adapters.ext_proc.served import ServedModel
 from extproc.adapters.ext_proc.stream_start import FirstEvent, Verdict, error_message
 from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.outcomes import Refusal, Refused
@@ -55,7 +55,7 @@ class Stream:
     """
 
     __slots__ = ("request_mode", "response_mode", "has_body", "duplex", "response_duplex", "fields", "prompt", "body",
-                 "held_on_body", "subset", "headers", "usage", "start")
+                 "held_on_body", "subset", "headers", "usage", "start", "ticket")
 
     def __init__(self, first: pb.ProcessingRequest, fields: RequestFields, prompt: Prompt,
                  subset: frozenset[str] | None = None, usage: bool = False, undeclared: int = body.Mode.NONE) -> None:
@@ -82,6 +82,8 @@ class Stream:
         self.usage = UsageReader() if usage else None
         # The response's first event, read before its headers go on (stream_start.py); None: not read, or read.
         self.start: FirstEvent | None = None
+        # What the gate around the submit gave the request (a budget's pass), taken back at its end; None: nothing.
+        self.ticket: object = None
 
 
 class Attachment:
@@ -100,12 +102,6 @@ class Attachment:
     reads_start_in: frozenset[int] = frozenset({body.DUPLEX})
 
     def __init__(self, config: Config) -> None:
-        self._full_statuses = {m.name: DIALECTS[m.engine].full_statuses for m in config.models}
-        # The models whose streams may have their first event read, and how their engine's refusal reads; of
-        # those, the ones that leave it to their engines (only while one says it caps what it holds).
-        self._stream_refusals = {m.name: refusal for m in config.models
-                                 if m.may_check_stream_start() and (refusal := DIALECTS[m.engine].stream_refusal)}
-        self._stream_check_if_capped = {m.name for m in config.models if m.check_stream_start is None}
         # Budgets charge the engine's usage: each stream reads it where its response brings it (a stream's
         # chunk by chunk only if the section says so).
         self.reads_usage = config.budgets is not None
@@ -144,13 +140,12 @@ class Attachment:
         return
         yield
 
-    def check_start(self, stream: Stream, dispatcher: ModelDispatcher) -> None:
+    def check_start(self, stream: Stream, model: ServedModel) -> None:
         """Read the first event of ``stream``'s response before its headers go on, if its model checks its streams'
         start (``check_stream_start``; unset, while an engine of it says it caps what it holds) and the response
         will come in duplex (declared, or asked for in the release's override)."""
-        model = dispatcher.name
-        refusal = self._stream_refusals.get(model)
-        if refusal is None or model in self._stream_check_if_capped and not dispatcher.caps_held():
+        refusal = model.stream_refusal
+        if refusal is None or model.checks_start_if_capped and not model.dispatcher.caps_held():
             return
         if stream.fields.stream and stream.response_mode in self.reads_start_in:
             stream.start = FirstEvent(refusal)
@@ -160,7 +155,7 @@ class Attachment:
         """Where the request may go (raises Refused where nowhere can take it); None: wherever the pool picks."""
         return None
 
-    def hold_reply(self, model: str) -> pb.ProcessingResponse | None:
+    def hold_reply(self, model: ServedModel) -> pb.ProcessingResponse | None:
         """What keeps Envoy waiting while the request is held; None: nothing (the gateway's own timeout is long)."""
         return None
 
@@ -169,7 +164,7 @@ class Attachment:
         """The replies that let the held request go to ``held.endpoint``; ``priority``: the body's engine priority."""
         raise NotImplementedError
 
-    def after_release(self, stream: Stream, dispatcher: ModelDispatcher, held: Held, message: pb.ProcessingRequest,
+    def after_release(self, stream: Stream, model: ServedModel, held: Held, message: pb.ProcessingRequest,
                       priority: int | None) -> list[pb.ProcessingResponse]:
         """The answers to a message after the release, in the stream's body modes.
 
@@ -178,11 +173,11 @@ class Attachment:
         """
         start = stream.start
         if message.HasField("response_headers"):
-            headers = self.response_began(stream, dispatcher, held, message)
+            headers = self.response_began(stream, model, held, message)
             if start is not None:
                 if headers.get(":status") == "200" and headers.get("content-type", "").startswith("text/event-stream"):
                     start.headers_held = True
-                    hold = self.hold_reply(dispatcher.name)  # until the engine's first token
+                    hold = self.hold_reply(model)  # until the engine's first token
                     return [hold] if hold is not None else []
                 stream.start = None  # not a stream the engine began: nothing of it to read
         elif message.HasField("response_body"):
@@ -190,7 +185,7 @@ class Attachment:
             if stream.usage is not None:
                 stream.usage.feed(chunk.body)
             if start is not None and start.headers_held:
-                return self._first_event(stream, start, dispatcher, held, chunk)
+                return self._first_event(stream, start, model.dispatcher, held, chunk)
             if stream.response_duplex:  # passed back as it came
                 return body.streamed("response_body", chunk.body, chunk.end_of_stream)
             return _BODY_GOES_ON
@@ -219,11 +214,11 @@ class Attachment:
                                          f"token, its own queue being full ({said}); retry"))]
         return [_HEADERS_GO_ON, *body.streamed("response_body", start.held(), chunk.end_of_stream)]
 
-    def response_began(self, stream: Stream, dispatcher: ModelDispatcher, held: Held,
+    def response_began(self, stream: Stream, model: ServedModel, held: Held,
                        message: pb.ProcessingRequest) -> dict[str, str]:
         """The response's headers: whether the release reached a live engine, a full one or none (release_outcome.py)."""
         headers = headers_of(message.response_headers)
-        dispatcher.record_response(held, engine_answer(headers, self._full_statuses[dispatcher.name]))
+        model.dispatcher.record_response(held, engine_answer(headers, model.full_statuses))
         return headers
 
     def refusal(self, refused: Refused) -> pb.ProcessingResponse:

@@ -38,7 +38,8 @@ from extproc.adapters.ext_proc.attach.base import Attachment, Stream
 from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, QUEUE_WAIT_HEADER
 from extproc.adapters.ext_proc.replies import content_length, error_response, header
 from extproc.adapters.ext_proc.request_fields import NO_FIELDS, NO_PROMPT, RequestFields, from_body
-from extproc.adapters.telemetry import ServedElsewhere, Telemetry
+from extproc.adapters.ext_proc.served import ServedModel
+from extproc.adapters.telemetry import ServedElsewhere
 from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.outcomes import Refusal, Refused
 
@@ -66,9 +67,8 @@ def _told_without_body(mode: str) -> None:
 class EndpointPicker(Attachment):
     """Requests that come without our metadata: the body read from the stream, the release as the protocol says."""
 
-    def __init__(self, config: Config, telemetry: Telemetry) -> None:
+    def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self._telemetry = telemetry
         picker = config.endpoint_picker
         self._max_body_bytes = picker.max_body_bytes
         self._fallbacks = picker.fallbacks
@@ -126,15 +126,16 @@ class EndpointPicker(Attachment):
         stream.body = b""
         return replies
 
-    def response_began(self, stream: Stream, dispatcher: ModelDispatcher, held: Held,
+    def response_began(self, stream: Stream, model: ServedModel, held: Held,
                        message: pb.ProcessingRequest) -> dict[str, str]:
         """The endpoint that served, as the gateway reports it: a fallback taken moves the count there."""
         served = epp.served_endpoint(message)
+        dispatcher = model.dispatcher
         endpoint = next((e for e in dispatcher.endpoints if epp.host_port(e) == served), None)
         if endpoint is not None and endpoint != held.endpoint:
-            self._telemetry.report(dispatcher.name)(ServedElsewhere())
+            model.report(ServedElsewhere())
             dispatcher.record_served(held, endpoint)
-        return super().response_began(stream, dispatcher, held, message)
+        return super().response_began(stream, model, held, message)
 
     def refusal(self, refused: Refused) -> pb.ProcessingResponse:
         """A request shed under load gets the protocol's status (429 by default)."""

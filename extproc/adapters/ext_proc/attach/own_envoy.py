@@ -70,6 +70,7 @@ from extproc.adapters.ext_proc.contract import (
 )
 from extproc.adapters.ext_proc.replies import content_length, duration, error_response, header
 from extproc.adapters.ext_proc.request_fields import NO_FIELDS, NO_PROMPT, RequestFields, prompt_from_metadata, prompt_of
+from extproc.adapters.ext_proc.served import ServedModel
 from extproc.core.dispatcher import Held
 from extproc.core.outcomes import Refusal, Refused
 
@@ -145,17 +146,14 @@ class OwnEnvoy(Attachment):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self._max_body_bytes = config.endpoint_picker.max_body_bytes
-        # Prebuilt: one is sent to every request that has to wait.
-        self._hold_replies = {
-            m.name: pb.ProcessingResponse(override_message_timeout=duration(hold_timeout_for(config.longest_queue_wait_s(m))))
-            for m in config.models
-        }
         # The release replies built so far, reused (never changed once sent), by what varies among them: the model,
         # the queue wait (those under _REUSED_WAIT_MS: an uncontended gate's), the destination and the mode override.
         self._releases: dict[tuple[str, int, str | None, tuple[int, int, bool, bool, int | None, bool]],
                              pb.ProcessingResponse] = {}
         # Prebuilt: under a burst these are sent to every arrival, so they cost no construction.
-        self.acknowledgement = max(self._hold_replies.values(), key=lambda reply: reply.override_message_timeout.ToMilliseconds())
+        # The longest of the models' holds (each model's own is its runtime's, ServedModel.hold_reply).
+        self.acknowledgement = pb.ProcessingResponse(override_message_timeout=duration(
+            max(hold_timeout_for(config.longest_queue_wait_s(m)) for m in config.models)))
         self.overloaded = error_response(Refused(
             Refusal.OVERLOADED, "the gateway is overloaded and refuses the lowest class of requests first; retry shortly"
         ))
@@ -193,8 +191,8 @@ class OwnEnvoy(Attachment):
             stream.held_on_body = True
         stream.prompt = prompt_of(stream.body)
 
-    def hold_reply(self, model: str) -> pb.ProcessingResponse | None:
-        return self._hold_replies[model]
+    def hold_reply(self, model: ServedModel) -> pb.ProcessingResponse | None:
+        return model.hold_reply
 
     def release(self, stream: Stream, held: Held, model: str, waited_s: float,
                 priority: int | None) -> list[pb.ProcessingResponse]:

@@ -18,12 +18,16 @@ from extproc.adapters.grpc.transport import INTERNAL, INVALID_ARGUMENT, RESOURCE
 UNDECODABLE = "Exception deserializing request!"
 TRUNCATED = "the stream ended inside a message (its length prefix promised more bytes)"
 PREFIX = 5  # a message's compressed flag and 4-byte length
+# A stream holding at least this much unread is a candidate when its connection's cap is reached (builtin/connection.py).
+BIG = 64 * 1024
 
 
 class Consumer(Protocol):
-    """The connection, told when a handler took a message: its bytes may now be acknowledged."""
+    """The connection: what it buffers for its calls, and told when a handler took a message that matters to it."""
 
-    def consumed(self, call: Call, size: int) -> None: ...
+    buffered: int
+
+    def consumed(self, call: Call) -> None: ...
 
 
 class Call:
@@ -74,7 +78,12 @@ class Call:
         if not self.inbox:
             self.inbox = None  # an empty deque is about 600 bytes, kept by every held stream
         self.buffered -= size
-        self.owner.consumed(self, size)
+        self.born = 0.0  # a reset from now on is not premature: its work was asked for and done
+        owner = self.owner
+        owner.buffered -= size
+        # Most messages were handed back as they came (builtin/connection.py's _data): nothing more to tell.
+        if self.unacked or self.buffered + size >= BIG:
+            owner.consumed(self)
         return message
 
     def wake(self) -> None:

@@ -28,7 +28,7 @@ from typing import Any, cast
 
 from extproc.adapters.grpc.builtin import http2
 from extproc.adapters.grpc.builtin.bounds import OUTPUT, Bounded
-from extproc.adapters.grpc.builtin.call import PREFIX, Call, refused, shown, trailers
+from extproc.adapters.grpc.builtin.call import BIG, PREFIX, Call, refused, shown, trailers
 from extproc.adapters.grpc.builtin.frames import RESPONSE_HEADERS, ErrorCode
 from extproc.adapters.grpc.builtin.http2 import Http2Connection, Http2Error, StreamClosed
 from extproc.adapters.grpc.builtin.peer_warnings import PeerWarnings
@@ -39,8 +39,6 @@ log = logging.getLogger("extproc.adapters.grpc.builtin")
 # Receive windows: large enough that a buffered body arrives without waiting on window updates.
 STREAM_WINDOW = 1024 * 1024
 CONNECTION_WINDOW = 16 * 1024 * 1024
-# A stream holding at least this much unread is a candidate when its connection's cap is reached.
-BIG = 64 * 1024
 LAST_STREAM = 2**31 - 1
 _SHUTDOWN_PING = b"h2grpc\x00\x01"
 
@@ -249,7 +247,9 @@ class Connection(Bounded):
                         "(past advanced.grpc.output_buffer_bytes)")
             return
         headers = dict(header_list)
-        refusal = refused(headers)
+        # What Envoy sends is let through at once; anything else is looked at (refused says what a reference server does).
+        plain = headers.get(b"content-type") == b"application/grpc" and headers.get(b":method") == b"POST"
+        refusal = None if plain else refused(headers)
         if refusal is not None:
             self._warnings.warn(self._peer, "not a gRPC request: %s", refusal[2])
             self._close_stream(stream_id, [(b":status", refusal[0]), (b"content-type", b"application/grpc"),
@@ -286,10 +286,9 @@ class Connection(Bounded):
 
     # -- flow control ---------------------------------------------------------------------
 
-    def consumed(self, call: Call, size: int) -> None:
-        """A handler took a message: hand its bytes back to the peer (Call.__anext__)."""
-        call.born = 0.0  # a reset from now on is not premature: its work was asked for and done
-        self.buffered -= size
+    def consumed(self, call: Call) -> None:
+        """A handler took a message of a call that held BIG bytes or more, or has bytes to hand back (Call.__anext__,
+        which counted it off ``buffered``): its place among the big ones, and its bytes handed back to the peer."""
         self._account(call)
         if call.unacked and self._transport is not None:
             self._acknowledge(call)
@@ -328,16 +327,11 @@ class Connection(Bounded):
                 async for reply in call.method.handler(call):
                     if call.closing is not None:  # finished by the transport (bad input): nothing more to say
                         return
-                    if not call.started:
-                        self._h2.send_response_headers(call.stream_id)
-                        call.started = True
                     payload = reply.SerializeToString()
                     call.outgoing += b"\0" + len(payload).to_bytes(4, "big") + payload
-                    self._drain(call)
+                    if not self._drain(call):  # the stream was reset or closed while the reply was being made
+                        return
                     self._flush_soon()
-            except StreamClosed:  # the stream was reset or closed while the reply was being made
-                self._drop(call.stream_id)
-                return
             except GrpcError as exc:
                 status, message = exc.status, exc.message
             except Exception:
@@ -389,30 +383,32 @@ class Connection(Bounded):
             self._end_if_done()
         return call
 
-    def _drain(self, call: Call) -> None:
-        """Send as much of the call's pending reply bytes as the flow-control windows allow, while the peer reads."""
+    def _drain(self, call: Call) -> bool:
+        """Send as much of the call's pending reply bytes as the flow-control windows allow, while the peer reads
+        (its response headers first, with its first reply); False if the stream turned out closed (the call dropped)."""
         if self._pending.pop(call.stream_id, None) is not None:
             self._waiting -= call.parked
-        outgoing, sent = call.outgoing, 0  # what is left is cut off once, not after every frame
+        outgoing, headers = call.outgoing, not call.started
+        call.started = True
+        room = -1 if self._paused & OUTPUT else self._grpc.output_buffer_bytes - self._queued
         try:
-            while sent < len(outgoing):
-                size = min(len(outgoing) - sent, self._h2.local_flow_control_window(call.stream_id),
-                           self._h2.max_outbound_frame_size)
-                if size <= 0 or self._output_full():
-                    call.outgoing = outgoing[sent:]
-                    self._park(call)
-                    return
-                self._h2.send_data(call.stream_id, outgoing[sent:sent + size] if sent or size < len(outgoing) else outgoing)
-                self._queued += size
-                sent += size
-            call.outgoing = b""
-            call.wake()  # its handler may read on
+            sent = self._h2.send_reply(call.stream_id, outgoing, room, headers=headers)
         except StreamClosed:
             call.outgoing = b""
             self._drop(call.stream_id)
-            return
+            return False
+        self._queued += sent
+        if sent < len(outgoing):
+            call.outgoing = outgoing[sent:]  # what is left is cut off once, not after every frame
+            self._output_full()  # marks the write to wait for, if that is what stopped it
+            self._park(call)
+            return True
+        call.outgoing = b""
+        if call.waiter is not None:
+            call.wake()  # its handler may read on
         if call.closing is not None:
             self._close_stream(call.stream_id, call.closing)
+        return True
 
     def _park(self, call: Call) -> None:
         """The call's reply waits (at the back: the next window goes to the others first), counted as output the
@@ -458,7 +454,9 @@ class Connection(Bounded):
         transport = self._transport
         if transport is None or self._ended:
             return
-        data = self._h2.data_to_send()
+        out = self._h2.out  # data_to_send's two steps here: this runs once per loop cycle with work
+        data = bytes(out)
+        out.clear()
         self._queued = 0
         if data:
             transport.write(data)

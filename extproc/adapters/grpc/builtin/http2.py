@@ -89,7 +89,10 @@ class Http2Connection(FloodCounts, ClosedStreams):
         self._processed = 0
         self._peer_window = f.DEFAULT_WINDOW  # the peer's SETTINGS_INITIAL_WINDOW_SIZE: a new stream's send window
         self._max_block = MAX_BLOCK_FACTOR * max_header_list
-        self._out = bytearray()
+        # The frames to write, in order: data_to_send takes them (the connection's flush reads them itself).
+        self.out = bytearray()
+        # The last read's work was cut at max_frames_per_read: frames of it wait for receive_data(b"").
+        self.more_input = False
         self._in = _EMPTY
         self._preface = f.PREFACE  # what of the preface is still to come
         self._settled = False  # the peer's first frame, a SETTINGS, came
@@ -100,14 +103,14 @@ class Http2Connection(FloodCounts, ClosedStreams):
 
     def initiate_connection(self) -> None:
         """Our SETTINGS, and the connection's receive window opened to its size (its default is 64 KB)."""
-        self._out += f.settings(self._settings)
+        self.out += f.settings(self._settings)
         if self._connection_window > f.DEFAULT_WINDOW:
-            self._out += f.window_update(0, self._connection_window - f.DEFAULT_WINDOW)
+            self.out += f.window_update(0, self._connection_window - f.DEFAULT_WINDOW)
             self._recv_window = self._connection_window
 
     def data_to_send(self) -> bytes:
-        out = bytes(self._out)
-        self._out.clear()
+        out = bytes(self.out)
+        self.out.clear()
         return out
 
     def _open(self, stream_id: int) -> Stream:
@@ -120,13 +123,13 @@ class Http2Connection(FloodCounts, ClosedStreams):
         """RESPONSE_HEADERS on a stream, as constant bytes (the same two headers on every stream)."""
         self._open(stream_id)
         self.outbound_frames += 1
-        self._out += f.RESPONSE_FRAME + stream_id.to_bytes(4, "big") + f.RESPONSE_BLOCK
+        self.out += f.RESPONSE_FRAME + stream_id.to_bytes(4, "big") + f.RESPONSE_BLOCK
 
     def send_headers(self, stream_id: int, headers: Headers, *, end_stream: bool = True) -> None:
         """Headers (trailers, or a whole refusal) HPACK-encoded; with ``end_stream`` our half of the stream ends."""
         stream = self._open(stream_id)
         self.outbound_frames += 1
-        self._out += f.header_block(stream_id, self.encoder.encode(headers), end_stream, self.max_outbound_frame_size)
+        self.out += f.header_block(stream_id, self.encoder.encode(headers), end_stream, self.max_outbound_frame_size)
         if end_stream:
             stream.local_open = False
             if not stream.remote_open:
@@ -141,8 +144,24 @@ class Http2Connection(FloodCounts, ClosedStreams):
         self.outbound_flow_control_window -= size
         self.outbound_frames += 1
         self.data_frames_sent += 1
-        self._out += f.HEADER.pack(size >> 8, size & 0xFF, f.DATA, 0, stream_id)
-        self._out += data
+        self.out += f.HEADER.pack(size >> 8, size & 0xFF, f.DATA, 0, stream_id)
+        self.out += data
+
+    def send_reply(self, stream_id: int, data: bytes, room: int, *, headers: bool) -> int:
+        """One call per reply: RESPONSE_HEADERS first (``headers``), then of ``data`` what the windows let go, each
+        DATA frame sent while ``room`` (what the writer still takes, less each frame) is not negative; how much went."""
+        stream = self._open(stream_id)
+        if headers:
+            self.send_response_headers(stream_id)
+        sent, total = 0, len(data)
+        while sent < total and room >= 0:
+            size = min(total - sent, stream.send_window, self.outbound_flow_control_window, self.max_outbound_frame_size)
+            if size <= 0:
+                break
+            self.send_data(stream_id, data[sent:sent + size] if sent or size < total else data)
+            sent += size
+            room -= size
+        return sent
 
     def local_flow_control_window(self, stream_id: int) -> int:
         """How much DATA may go out on the stream now: the smaller of its window and the connection's."""
@@ -151,7 +170,7 @@ class Http2Connection(FloodCounts, ClosedStreams):
     def reset_stream(self, stream_id: int, code: int) -> None:
         """RST_STREAM, if the stream is still open (a closed one has nothing to reset: nothing is sent)."""
         if self.streams.pop(stream_id, None) is not None:
-            self._out += f.rst_stream(stream_id, code)
+            self.out += f.rst_stream(stream_id, code)
             self.own_control_frame()
             self._remember(stream_id, BY_US)
 
@@ -163,7 +182,7 @@ class Http2Connection(FloodCounts, ClosedStreams):
             self._processed = 0
             self._recv_window += increment
             self.outbound_frames += 1
-            self._out += f.window_update(0, increment)
+            self.out += f.window_update(0, increment)
         stream = self.streams.get(stream_id)
         if stream is None or not stream.remote_open:  # the peer sends nothing more on it
             return
@@ -173,20 +192,21 @@ class Http2Connection(FloodCounts, ClosedStreams):
             stream.processed = 0
             stream.recv_window += increment
             self.outbound_frames += 1
-            self._out += f.window_update(stream_id, increment)
+            self.out += f.window_update(stream_id, increment)
 
     def send_goaway(self, last_stream_id: int, code: int = 0, debug: bytes = b"") -> None:
         """GOAWAY as a message (no new streams after ``last_stream_id``): the connection decides when it ends."""
-        self._out += f.goaway(last_stream_id, code, debug)
+        self.out += f.goaway(last_stream_id, code, debug)
 
     def ping(self, data: bytes) -> None:
-        self._out += f.ping(data)
+        self.out += f.ping(data)
 
     # -- the peer's side --------------------------------------------------------------------------
 
     def receive_data(self, data: bytes, work: int = 0) -> list[Event]:
         """The events the peer's bytes make, in order (``work`` of max_frames_per_read already spent: more_input).
         Raises Http2Error (its GOAWAY queued) on a connection error."""
+        self.more_input = False
         if self._broken:
             return []
         buffer = self._in + data if self._in else data
@@ -223,17 +243,13 @@ class Http2Connection(FloodCounts, ClosedStreams):
             self._in = _EMPTY
             raise
         self._in = buffer[position:]
+        self.more_input = self.work > budget and len(self._in) >= f.HEADER_SIZE
         return events
-
-    @property
-    def more_input(self) -> bool:
-        """The last read's work was cut at max_frames_per_read: frames of it wait for receive_data(b"")."""
-        return self.work > self.max_work and len(self._in) >= f.HEADER_SIZE
 
     def _fail(self, code: ErrorCode, message: str) -> NoReturn:
         """A connection error: GOAWAY with the last stream we took, and nothing more is read."""
         self._broken = True
-        self._out += f.goaway(self.highest_inbound_stream_id, code)
+        self.out += f.goaway(self.highest_inbound_stream_id, code)
         raise Http2Error(code, message)
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes, events: list[Event]) -> None:
@@ -270,7 +286,7 @@ class Http2Connection(FloodCounts, ClosedStreams):
     def _stream_error(self, stream_id: int, code: ErrorCode, events: list[Event]) -> None:
         """A stream error (RFC 9113, 5.4.2): RST_STREAM; an open stream ends as if reset."""
         self.control_frame()
-        self._out += f.rst_stream(stream_id, code)
+        self.out += f.rst_stream(stream_id, code)
         if stream_id in self.streams or stream_id in self._closed:  # one never opened stays so (as h2 has it)
             self._remember(stream_id, BY_US)
         if self.streams.pop(stream_id, None) is not None:
@@ -429,7 +445,7 @@ class Http2Connection(FloodCounts, ClosedStreams):
             self._setting(code, value, events)
         self._settled = True
         self.control_frame()
-        self._out += f.frame(f.SETTINGS, f.ACK, 0)
+        self.out += f.frame(f.SETTINGS, f.ACK, 0)
         events.append((SETTLED, 0, None, 0))
 
     def _setting(self, code: int, value: int, events: list[Event]) -> None:
@@ -463,7 +479,7 @@ class Http2Connection(FloodCounts, ClosedStreams):
             events.append((PONG, 0, payload, 0))
         else:
             self.control_frame()
-            self._out += f.ping(payload, ack=True)
+            self.out += f.ping(payload, ack=True)
 
     def _priority(self, stream_id: int, payload: bytes, events: list[Event]) -> None:
         """Read and ignored (RFC 9113 deprecates priorities), but for what makes it an error."""
