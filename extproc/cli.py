@@ -157,7 +157,7 @@ def _cluster_usage(config: Config, since: str) -> list[Any]:
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
-    from extproc.adapters.budgets import shared_usage
+    from extproc.adapters.budgets import cluster_usage
     from extproc.core.budgets.book import day_of
 
     assert config.cluster is not None
@@ -166,7 +166,7 @@ def _cluster_usage(config: Config, since: str) -> list[Any]:
     async def read() -> list[Any]:
         client = aioredis.from_url(cluster.redis_url, socket_connect_timeout=5, socket_timeout=10)
         try:
-            return await shared_usage.rows(client, f"{cluster.key_prefix}:budget", day_of(since), time.time(), 30)
+            return await cluster_usage.rows(client, f"{cluster.key_prefix}:budget", day_of(since), time.time(), 30)
         finally:
             await client.aclose()
 
@@ -181,7 +181,7 @@ def _stored_usage(path: str, config: Config, since: str) -> list[Any]:
     """This instance's usage rows from ``since`` (YYYY-MM-DD), read from its ``budgets.store``."""
     import sqlite3
 
-    from extproc.adapters.budgets.store import UsageStore
+    from extproc.adapters.budgets.usage_store import UsageStore
 
     store = None if config.budgets is None else config.budgets.store
     if store is None:

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator
 import uvloop
 from google.protobuf import wrappers_pb2
 
-from extproc.adapters.grpc.registry import TRANSPORTS
-from extproc.adapters.grpc.transport import Limits, Method
+from extproc.adapters.grpc.transport import Method, TransportLimits
+from extproc.adapters.transports import TRANSPORTS
 from tests.test_h2grpc import ECHO, HOLD, Handlers
 
 Bytes = wrappers_pb2.BytesValue
@@ -42,7 +42,7 @@ async def release(requests: AsyncIterator[Bytes]) -> AsyncIterator[Bytes]:
 
 async def serve(transport: str, port: int) -> None:
     methods = {**Handlers().methods(ECHO, HOLD), RELEASE: Method(Bytes.FromString, release)}
-    server = TRANSPORTS[transport](methods, Limits())
+    server = TRANSPORTS[transport](methods, TransportLimits())
     await server.start("127.0.0.1", port)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

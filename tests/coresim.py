@@ -14,32 +14,36 @@ repeatable. What connects them is what Envoy and vLLM's API server do:
   answer's last token: its headers come with the whole answer);
 * a preempted request is aborted in the engine at once (Envoy resets it).
 
-``check`` runs after every event: the tests' invariants are asserted there,
-at every moment something happened, not at chosen ones.
+``check`` runs after every moment something happened, once its events are
+all done: the tests' invariants are asserted there, at every such moment, not
+at chosen ones. Events at one instant are one moment (a release that wakes
+the dispatcher again at once, as the event loop's next callback, is one).
 """
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import Held, ModelDispatcher
-from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.model_state import ModelState
-from extproc.core.outcomes import Refused
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
-from extproc.core.report import Event
 from extproc.core.strategy import Limit, LocalRelease
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.outcomes import Refused
+from extproc.core.values.report import Event
 from extproc.tools.sim.engine import Scheduler, SimRequest, SimSettings
 
 ENDPOINT = "http://engine"
@@ -162,6 +166,9 @@ class CoreSim:
         self._at(deadline, lambda: None if timer.cancelled else callback())
         return timer
 
+    def future(self) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().create_future()
+
     def _at(self, at: float, run: Callable[[], None]) -> None:
         heapq.heappush(self._heap, _Event(at, next(self._seq), run))
 
@@ -178,7 +185,7 @@ class CoreSim:
             self.now = event.at
             event.run()
             self._notice()
-            if self._check is not None:
+            if self._check is not None and not (self._heap and self._heap[0].at == self.now):
                 self._check(self)
 
     def add(self, arrivals: Sequence[Arrival]) -> None:
@@ -295,7 +302,7 @@ class CoreSim:
         load = EngineLoad(waiting=scheduler.shown_waiting, running=scheduler.shown_running,
                           kv_usage=scheduler.kv_usage)
         self.dispatcher.record_scrape(ENDPOINT, load, self.now)
-        limit = self.pool.rule.snapshot(ENDPOINT).limit
+        limit = self.pool.snapshot(ENDPOINT).limit
         if limit is not None:
             self.limits.append((self.now, limit))
         self._at(self.now + self.scrape_s, self._scrape)
@@ -312,7 +319,7 @@ class CoreSim:
         pool = self.pool
         if pool.degraded(self.now):
             return 0
-        estimate = pool.estimate.now()
+        estimate = pool.load_now()
         if estimate.waiting > 0:
             return 0
         return max(0, math.floor(pool.capacity() - estimate.held))

@@ -42,7 +42,7 @@ import grpc
 import pytest
 from google.protobuf import wrappers_pb2
 
-from extproc.adapters.grpc.registry import TRANSPORTS
+from extproc.adapters.transports import TRANSPORTS
 from extproc.tools.procs import free_port
 from tests.abuseserver import RELEASE
 from tests.h2attack import ATTACKS, Attack, Outcome

@@ -43,7 +43,7 @@ import pytest_asyncio
 from extproc.adapters.config import Config
 from extproc.adapters.envoy import bootstrap
 from extproc.adapters.envoy.filters import EXT_PROC_FILTER, http_filters
-from extproc.adapters.ext_proc.contract import METADATA_NAMESPACE
+from extproc.adapters.protocol.contract import METADATA_NAMESPACE
 from extproc.tools import gie_gateway
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.power_user import chat

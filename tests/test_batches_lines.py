@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from extproc.adapters.batches.lines import Limits, Line, LineError, Reading, Unusable, raw_lines
+from extproc.adapters.batches.lines import Line, LineError, LineLimits, Reading, Unusable, raw_lines
 
 pytestmark = pytest.mark.unit
 
-LIMITS = Limits(max_lines=10, max_line_bytes=400)
+LIMITS = LineLimits(max_lines=10, max_line_bytes=400)
 CHAT = "/v1/chat/completions"
 
 

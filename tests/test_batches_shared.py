@@ -1,4 +1,4 @@
-"""A cluster's batch state in a real Redis (``adapters/batches/shared.py`` and ``shared.lua``), two instances by name.
+"""A cluster's batch state in a real Redis (``adapters/batches/cluster_store.py`` and ``shared.lua``), two instances by name.
 
 The rules that keep a line from running or counting twice, each step as
 the runners make it: a line is leased to one instance at a time and comes
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from extproc.adapters.batches.cluster_store import ClusterState
 from extproc.adapters.batches.files import DirectoryFiles
 from extproc.adapters.batches.shapes import batch_object
-from extproc.adapters.batches.shared import SharedState
 from tests.redisutil import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -30,13 +30,13 @@ TOKENS = itertools.count()
 
 
 @pytest.fixture
-async def state(redis_server: RedisServer, tmp_path: Path) -> AsyncIterator[SharedState]:
+async def state(redis_server: RedisServer, tmp_path: Path) -> AsyncIterator[ClusterState]:
     client = aioredis.from_url(redis_server.url)
-    yield SharedState(client, "t", 1.0, DirectoryFiles(tmp_path))
+    yield ClusterState(client, "t", 1.0, DirectoryFiles(tmp_path))
     await client.aclose()
 
 
-async def in_progress(state: SharedState, lines: int) -> str:
+async def in_progress(state: ClusterState, lines: int) -> str:
     """A batch of bob's, validated with ``lines`` lines, in progress."""
     doc = batch_object("batch_x", "/v1/chat/completions", "file-in", "24h", 0, 10**10, None)
     await state.add_batch("bob", doc)
@@ -45,18 +45,18 @@ async def in_progress(state: SharedState, lines: int) -> str:
     return "batch_x"
 
 
-async def claim(state: SharedState, batch_id: str, me: str, n: int) -> list[int]:
+async def claim(state: ClusterState, batch_id: str, me: str, n: int) -> list[int]:
     answer = await state.call("claim", id=batch_id, me=me, n=n, lease_ms=LEASE_MS)
     return [int(index) for index, _ in answer["lines"] or []]
 
 
-async def renew(state: SharedState, batch_id: str, me: str, held: list[int]) -> list[int]:
+async def renew(state: ClusterState, batch_id: str, me: str, held: list[int]) -> list[int]:
     """The lines of ``held`` that are no longer ``me``'s."""
     answer = await state.call("renew", id=batch_id, me=me, held=held, lease_ms=LEASE_MS)
     return [int(index) for index in answer["lost"] or []]  # cjson writes an empty list as an object
 
 
-async def record(state: SharedState, batch_id: str, index: int, token: str = "") -> str:
+async def record(state: ClusterState, batch_id: str, index: int, token: str = "") -> str:
     """``token``: the attempt's (each attempt its own unless given)."""
     answer = await state.call("record", id=batch_id, index=index, ok=True, result=json.dumps({"ok": True}),
                               token=token or f"t{next(TOKENS)}")
@@ -64,7 +64,7 @@ async def record(state: SharedState, batch_id: str, index: int, token: str = "")
     return outcome
 
 
-async def test_a_line_is_leased_to_one_instance_until_its_lease_lapses_or_is_released(state: SharedState) -> None:
+async def test_a_line_is_leased_to_one_instance_until_its_lease_lapses_or_is_released(state: ClusterState) -> None:
     batch_id = await in_progress(state, 4)
     assert await claim(state, batch_id, "a", 2) == [0, 1]
     assert await claim(state, batch_id, "b", 5) == [2, 3]  # in file order, none twice
@@ -77,7 +77,7 @@ async def test_a_line_is_leased_to_one_instance_until_its_lease_lapses_or_is_rel
     assert sorted(await claim(state, batch_id, "a", 5)) == [0, 1, 3]  # the lapsed ones, a's own included
 
 
-async def test_an_outcome_is_recorded_once_and_only_while_the_batch_runs(state: SharedState) -> None:
+async def test_an_outcome_is_recorded_once_and_only_while_the_batch_runs(state: ClusterState) -> None:
     batch_id = await in_progress(state, 3)
     assert await claim(state, batch_id, "a", 3) == [0, 1, 2]
     await asyncio.sleep(LEASE_MS / 1000 + 0.1)
@@ -95,7 +95,7 @@ async def test_an_outcome_is_recorded_once_and_only_while_the_batch_runs(state: 
     assert await claim(state, batch_id, "a", 5) == []
 
 
-async def test_a_batch_in_progress_never_loses_its_lines_to_a_validation_redone(state: SharedState) -> None:
+async def test_a_batch_in_progress_never_loses_its_lines_to_a_validation_redone(state: ClusterState) -> None:
     batch_id = await in_progress(state, 2)
     assert await record(state, batch_id, 0) == "recorded"
     assert not await state.put_lines(batch_id, [(0, "x")], [])  # another instance's late validation: refused
@@ -103,7 +103,7 @@ async def test_a_batch_in_progress_never_loses_its_lines_to_a_validation_redone(
     assert not (await state.call("drop", id=batch_id, when=["validating"]))["dropped"]
 
 
-async def test_each_tenant_reads_and_lists_its_own_and_the_statuses_are_counted(state: SharedState,
+async def test_each_tenant_reads_and_lists_its_own_and_the_statuses_are_counted(state: ClusterState,
                                                                                tmp_path: Path) -> None:
     batch_id = await in_progress(state, 1)
     assert await state.tenants_batch("alice", batch_id) is None

@@ -8,16 +8,16 @@ import pytest
 
 from extproc.adapters.batches.files import DirectoryFiles
 from extproc.adapters.batches.lines import Line, LineError
+from extproc.adapters.batches.local_store import LocalStore
 from extproc.adapters.batches.shapes import batch_object
-from extproc.adapters.batches.store import Store
 
 pytestmark = pytest.mark.unit
 
 OK = {"response": {"status_code": 200, "request_id": "r", "body": {"ok": True}}, "error": None}
 
 
-def started(tmp_path: Path, lines: int = 4) -> Store:
-    store = Store(tmp_path, DirectoryFiles(tmp_path / "files"))
+def started(tmp_path: Path, lines: int = 4) -> LocalStore:
+    store = LocalStore(tmp_path, DirectoryFiles(tmp_path / "files"))
     store.add_batch("bob", batch_object("batch_x", "/v1/chat/completions", "file-in", "24h", 0, 100, None))
     items: list[Line | LineError] = [Line(i, f"c{i}", b"{}") for i in range(lines)]
     items.insert(1, LineError(lines, None, "invalid_json_line", "bad"))
@@ -26,7 +26,7 @@ def started(tmp_path: Path, lines: int = 4) -> Store:
     return store
 
 
-def content(store: Store, file_id: str) -> bytes:
+def content(store: LocalStore, file_id: str) -> bytes:
     with store.contents.open(file_id) as source:
         return source.read()
 
@@ -60,14 +60,14 @@ def test_state_survives_a_new_store_on_the_same_directory(tmp_path: Path) -> Non
     store = started(tmp_path)
     store.record("batch_x", 0, True, OK)
     store.close()
-    again = Store(tmp_path, DirectoryFiles(tmp_path / "files"))
+    again = LocalStore(tmp_path, DirectoryFiles(tmp_path / "files"))
     assert again.active() == ["batch_x"]
     assert [p.index for p in again.pending("batch_x", -1, 10)] == [1, 2, 3]
     assert again.batch("batch_x", "alice") is None and again.batch("batch_x", "bob") is not None
 
 
 def test_pages_follow_after_and_an_unknown_after_gives_none(tmp_path: Path) -> None:
-    store = Store(tmp_path, DirectoryFiles(tmp_path / "files"))
+    store = LocalStore(tmp_path, DirectoryFiles(tmp_path / "files"))
     for i in range(3):
         store.add_batch("bob", batch_object(f"batch_{i}", "/v1/chat/completions", "file-in", "24h", i, 100, None))
     assert [b["id"] for b in store.batches("bob", None, 2)[0]] == ["batch_2", "batch_1"]

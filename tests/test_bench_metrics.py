@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from extproc.adapters.config import ConfigError, parse_config
-from extproc.adapters.ext_proc.contract import REASON_HEADER
+from extproc.adapters.protocol.contract import REASON_HEADER
 from extproc.tools.bench.arms import ARMS, Arm, arm_config, band_objectives, scale_objectives
 from extproc.tools.bench.load import LogNormal, Planned, Stream
 from extproc.tools.bench.metrics import (

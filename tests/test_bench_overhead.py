@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from extproc.adapters.config import parse_config
-from extproc.adapters.engines.dialects import parse_load
+from extproc.adapters.protocol.dialects import parse_load
 from extproc.tools.bench.arms import MODEL
 from extproc.tools.bench.held import run_held
 from extproc.tools.bench.overhead import REQUEST_BODY, overhead_config, run_overhead, summarize_overhead, upstream_bootstrap

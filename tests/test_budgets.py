@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from extproc.core.budgets.book import Book, Usage
 from extproc.core.budgets.ledger import Budgets, Over, Ticket
-from extproc.core.budgets.limits import Action, Kind, Limits, Plan, Prices, Scope, TenantPlan
+from extproc.core.budgets.limits import Action, BudgetLimits, Kind, Plan, Prices, Scope, TenantPlan
 from extproc.core.budgets.meters import DAY_S, day_start, month_start, next_month
 from tests.propertyutil import examples
 
@@ -31,7 +31,7 @@ NOON = float(calendar.timegm((2026, 12, 3, 12, 0, 0)))
 PRICES = {"m": Prices(input=1.0, cached_input=0.1, output=2.0)}
 
 
-def budgets(limits: Limits, action: Action = Action.REFUSE, **plan: object) -> Budgets:
+def budgets(limits: BudgetLimits, action: Action = Action.REFUSE, **plan: object) -> Budgets:
     return Budgets(Plan(default=TenantPlan(action, limits), prices=PRICES, **plan))  # type: ignore[arg-type]
 
 
@@ -44,7 +44,7 @@ def test_calendar_periods_start_and_end_at_utc_midnight() -> None:
 
 
 def test_a_request_window_refills_continuously_and_says_when() -> None:
-    b = budgets(Limits(requests_per_minute=60))
+    b = budgets(BudgetLimits(requests_per_minute=60))
     for _ in range(60):
         assert b.admit("a", "m", Usage(10, 0, 10), NOON).over is None
     verdict = b.admit("a", "m", Usage(10, 0, 10), NOON)
@@ -59,7 +59,7 @@ def test_a_request_window_refills_continuously_and_says_when() -> None:
 
 
 def test_a_refused_request_reserves_nothing_and_other_tenants_have_their_own_window() -> None:
-    b = budgets(Limits(output_tokens_per_minute=1000))
+    b = budgets(BudgetLimits(output_tokens_per_minute=1000))
     assert b.admit("a", "m", Usage(1, 0, 1000), NOON).over is None
     refused = b.admit("a", "m", Usage(1, 0, 500), NOON)
     assert refused.refused and refused.retry_after_s == pytest.approx(30.0)
@@ -69,7 +69,7 @@ def test_a_refused_request_reserves_nothing_and_other_tenants_have_their_own_win
 
 
 def test_the_end_gives_back_what_was_reserved_and_not_used() -> None:
-    b = budgets(Limits(output_tokens_per_minute=1000))
+    b = budgets(BudgetLimits(output_tokens_per_minute=1000))
     first = b.admit("a", "m", Usage(100, 0, 800), NOON)
     assert b.admit("a", "m", Usage(100, 0, 800), NOON).over is Over.RATE
     b.settle(first.ticket, Usage(100, 0, 50), NOON)
@@ -77,14 +77,14 @@ def test_the_end_gives_back_what_was_reserved_and_not_used() -> None:
 
 
 def test_a_request_larger_than_the_whole_window_needs_an_empty_one() -> None:
-    b = budgets(Limits(output_tokens_per_minute=1000))
+    b = budgets(BudgetLimits(output_tokens_per_minute=1000))
     assert b.admit("a", "m", Usage(1, 0, 32_768), NOON).over is None  # absurd max_tokens, clamped to the context
     verdict = b.admit("a", "m", Usage(1, 0, 32_768), NOON)
     assert verdict.over is Over.RATE and verdict.retry_after_s == pytest.approx(32.768 * 60)
 
 
 def test_a_day_budget_resets_exactly_at_midnight_utc_and_retry_after_says_so() -> None:
-    b = budgets(Limits(tokens_per_day=1000))
+    b = budgets(BudgetLimits(tokens_per_day=1000))
     ticket = b.admit("a", "m", Usage(400, 0, 500), NOON).ticket
     b.settle(ticket, Usage(400, 0, 500), NOON + 1)
     verdict = b.admit("a", "m", Usage(100, 0, 100), NOON + 2)
@@ -95,7 +95,7 @@ def test_a_day_budget_resets_exactly_at_midnight_utc_and_retry_after_says_so() -
 
 
 def test_money_is_priced_per_million_and_cached_input_is_cheaper() -> None:
-    b = budgets(Limits(cost_per_month=0.0035))
+    b = budgets(BudgetLimits(cost_per_month=0.0035))
     ticket = b.admit("a", "m", Usage(1000, 0, 500), NOON).ticket  # reserved: 1000 x 1 + 500 x 2 per million
     assert ticket.cost == pytest.approx(0.002)
     assert b.settle(ticket, Usage(1000, 800, 500), NOON) == pytest.approx((200 + 80 + 1000) / 1e6)
@@ -104,14 +104,14 @@ def test_money_is_priced_per_million_and_cached_input_is_cheaper() -> None:
 
 
 def test_a_budget_over_is_insufficient_quota_before_a_rate() -> None:
-    b = budgets(Limits(requests_per_minute=1, tokens_per_day=10))
+    b = budgets(BudgetLimits(requests_per_minute=1, tokens_per_day=10))
     b.settle(b.admit("a", "m", Usage(5, 0, 5), NOON).ticket, Usage(5, 0, 5), NOON)
     verdict = b.admit("a", "m", Usage(5, 0, 5), NOON)
     assert verdict.over is Over.BUDGET and "tokens per day" in verdict.reason
 
 
 def test_cancel_gives_everything_back() -> None:
-    b = budgets(Limits(requests_per_minute=1, output_tokens_per_minute=100, tokens_per_day=200, cost_per_day=1.0))
+    b = budgets(BudgetLimits(requests_per_minute=1, output_tokens_per_minute=100, tokens_per_day=200, cost_per_day=1.0))
     before = list(b.standings(NOON))
     ticket = b.admit("a", "m", Usage(50, 0, 100), NOON).ticket
     assert list(b.standings(NOON)) != before
@@ -122,7 +122,7 @@ def test_cancel_gives_everything_back() -> None:
 
 
 def test_downgrade_serves_over_the_limit_counted_in_the_budget_not_the_window() -> None:
-    b = budgets(Limits(requests_per_minute=1, tokens_per_day=1_000_000), Action.DOWNGRADE)
+    b = budgets(BudgetLimits(requests_per_minute=1, tokens_per_day=1_000_000), Action.DOWNGRADE)
     assert not b.admit("a", "m", Usage(1, 0, 1), NOON).downgraded
     verdict = b.admit("a", "m", Usage(1, 0, 1), NOON)
     assert verdict.downgraded and not verdict.refused and verdict.ticket.open
@@ -135,9 +135,9 @@ def test_downgrade_serves_over_the_limit_counted_in_the_budget_not_the_window() 
 
 
 def test_groups_and_models_count_beside_the_tenant() -> None:
-    plan = Plan(tenants={"a": TenantPlan(models={"m": Limits(requests_per_minute=5)}, groups=("g",)),
+    plan = Plan(tenants={"a": TenantPlan(models={"m": BudgetLimits(requests_per_minute=5)}, groups=("g",)),
                          "b": TenantPlan(groups=("g",))},
-                groups={"g": Limits(requests_per_minute=3)}, prices=PRICES)
+                groups={"g": BudgetLimits(requests_per_minute=3)}, prices=PRICES)
     b = Budgets(plan)
     assert [a.scope for a in b.accounts("a", "m", NOON)] == [Scope(Kind.TENANT_MODEL, "a", "m"), Scope(Kind.GROUP, "g")]
     for tenant in ("a", "b", "a"):
@@ -148,9 +148,9 @@ def test_groups_and_models_count_beside_the_tenant() -> None:
 
 
 def test_a_reload_keeps_every_count_and_a_new_budget_starts_from_the_book() -> None:
-    b = budgets(Limits(requests_per_minute=2))
+    b = budgets(BudgetLimits(requests_per_minute=2))
     b.settle(b.admit("a", "m", Usage(100, 0, 100), NOON).ticket, Usage(100, 0, 100), NOON)
-    b.reconfigure(Plan(default=TenantPlan(limits=Limits(requests_per_minute=3, tokens_per_day=250)), prices=PRICES),
+    b.reconfigure(Plan(default=TenantPlan(limits=BudgetLimits(requests_per_minute=3, tokens_per_day=250)), prices=PRICES),
                   NOON)
     standing = {s.limit: s.used for s in b.standings(NOON)}
     assert standing == {"requests_per_minute": 1, "tokens_per_day": 200}
@@ -159,11 +159,11 @@ def test_a_reload_keeps_every_count_and_a_new_budget_starts_from_the_book() -> N
 
 
 def test_a_restart_in_the_middle_of_a_day_budget_starts_from_the_stored_book() -> None:
-    b = budgets(Limits(tokens_per_day=1000, cost_per_month=1.0))
+    b = budgets(BudgetLimits(tokens_per_day=1000, cost_per_month=1.0))
     b.settle(b.admit("a", "m", Usage(300, 0, 300), NOON).ticket, Usage(300, 0, 300), NOON)
     b.book.add("a", "m", day_start(NOON) - DAY_S, Usage(100, 0, 0), 100 / 1e6)  # yesterday
     stored = b.book.take_dirty()
-    again = budgets(Limits(tokens_per_day=1000, cost_per_month=1.0))
+    again = budgets(BudgetLimits(tokens_per_day=1000, cost_per_month=1.0))
     again.book.load(stored)
     assert {s.limit: s.used for s in again.standings(NOON)} == {}  # accounts are made on first use
     again.accounts("a", "m", NOON)
@@ -173,7 +173,7 @@ def test_a_restart_in_the_middle_of_a_day_budget_starts_from_the_stored_book() -
 
 
 def test_a_clock_set_back_neither_refills_a_window_nor_resets_a_day() -> None:
-    b = budgets(Limits(requests_per_minute=1, tokens_per_day=10))
+    b = budgets(BudgetLimits(requests_per_minute=1, tokens_per_day=10))
     b.settle(b.admit("a", "m", Usage(5, 0, 5), NOON).ticket, Usage(5, 0, 5), NOON)
     back = NOON - DAY_S  # an hour's NTP step is rarer; a day back crosses midnight
     assert b.admit("a", "m", Usage(1, 0, 1), back).over is Over.BUDGET
@@ -185,7 +185,7 @@ def test_a_clock_set_back_neither_refills_a_window_nor_resets_a_day() -> None:
 def test_a_tenant_at_its_token_rate_gets_within_two_percent_of_it_over_five_minutes() -> None:
     """A closed-loop client sends as fast as it is let in; each request uses what it reserved, or less."""
     limit = 20_000.0
-    b = budgets(Limits(output_tokens_per_minute=limit))
+    b = budgets(BudgetLimits(output_tokens_per_minute=limit))
     now, served, step = NOON, 0.0, 0.05
     running: list[tuple[float, Ticket, float]] = []
     # It has been at its limit before the five minutes start: the bucket is full.
@@ -209,7 +209,7 @@ def test_a_tenant_at_its_token_rate_gets_within_two_percent_of_it_over_five_minu
 TENANTS = st.sampled_from(["a", "b", "c"])
 STEPS = st.lists(st.tuples(st.sampled_from(["admit", "settle", "cancel", "wait"]), TENANTS,
                            st.floats(0, 3000), st.floats(0, 3000), st.floats(0, 1.0)), max_size=60)
-LIMITS = Limits(requests_per_minute=20, input_tokens_per_minute=5000, output_tokens_per_minute=8000,
+LIMITS = BudgetLimits(requests_per_minute=20, input_tokens_per_minute=5000, output_tokens_per_minute=8000,
                 tokens_per_day=40_000, cost_per_day=0.05, cost_per_month=0.5)
 
 
@@ -248,7 +248,7 @@ def test_counts_are_what_was_used_once_every_request_ended(steps: list[tuple[str
 def test_with_refuse_a_budget_is_never_passed_when_requests_use_at_most_their_reservation(
         requests: list[tuple[str, float, float]]) -> None:
     """Concurrent requests, all in flight at once, then ending: the day's count never passes the limit."""
-    b = budgets(Limits(tokens_per_day=50_000, output_tokens_per_minute=30_000))
+    b = budgets(BudgetLimits(tokens_per_day=50_000, output_tokens_per_minute=30_000))
     tickets = []
     for tenant, tokens, _ in requests:
         verdict = b.admit(tenant, "m", Usage(tokens / 4, 0, tokens), NOON)

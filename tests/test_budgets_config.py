@@ -6,7 +6,7 @@ import pytest
 
 from extproc.adapters.budgets.plan import plan
 from extproc.adapters.config import ConfigError, parse_config
-from extproc.core.budgets.limits import Action, Kind, Limits, Prices, Scope
+from extproc.core.budgets.limits import Action, BudgetLimits, Kind, Prices, Scope
 
 pytestmark = pytest.mark.unit
 
@@ -63,8 +63,8 @@ def test_a_tenant_inherits_from_default_field_by_field_and_per_model() -> None:
     resolved = plan(config.budgets)
     x = resolved.tenant("x")
     assert x.action is Action.DOWNGRADE and x.groups == ("eval",)
-    assert x.limits == Limits(requests_per_minute=600, output_tokens_per_minute=50)
-    assert x.models == {"m": Limits(requests_per_minute=5, tokens_per_day=10_000), "n": Limits(cost_per_day=1)}
+    assert x.limits == BudgetLimits(requests_per_minute=600, output_tokens_per_minute=50)
+    assert x.models == {"m": BudgetLimits(requests_per_minute=5, tokens_per_day=10_000), "n": BudgetLimits(cost_per_day=1)}
     assert resolved.tenant("anyone") is resolved.default and resolved.default.action is Action.REFUSE
     assert resolved.price("m") == Prices(0.5, 0.5, 1.5) and resolved.price("n") == Prices()
     assert [s for s, _ in resolved.scopes("x", "m")] == [

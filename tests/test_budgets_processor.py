@@ -15,12 +15,12 @@ from google.protobuf import struct_pb2
 
 from extproc.adapters.budgets.gate import BudgetGate
 from extproc.adapters.config import parse_config
-from extproc.adapters.ext_proc.admission import Admission
 from extproc.adapters.ext_proc.servicer import Processor
+from extproc.adapters.request.admission import Admission
 from extproc.adapters.runtime import ModelRuntime
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLoad
+from extproc.core.values.engine_load import EngineLoad
 from tests.test_epp_stream import DUPLEX, answers, first_message, send
 from tests.test_processor import Stream, settle
 

@@ -19,16 +19,16 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from extproc.adapters.budgets import shared_standings, shared_usage
+from extproc.adapters.budgets import cluster_standings, cluster_usage
+from extproc.adapters.budgets.cluster_ledger import ClusterBudgets, ClusterTicket
 from extproc.adapters.budgets.gate import BudgetGate, Pass
-from extproc.adapters.budgets.shared import SharedBudgets, SharedTicket
 from extproc.adapters.config import parse_config
-from extproc.adapters.ext_proc.admission import Admission
+from extproc.adapters.request.admission import Admission
 from extproc.cli import main
 from extproc.core.budgets.book import Usage, day_of
 from extproc.core.budgets.ledger import Standing
 from extproc.core.budgets.limits import Plan
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 from extproc.tools.power_user import chat
 from extproc.tools.stack import start_stack
 from tests.redisutil import RedisServer
@@ -46,7 +46,7 @@ def gates(redis: aioredis.Redis, budgets: dict[str, object], now: list[float]) -
     made = []
     for _ in range(2):
         gate = BudgetGate(config.budgets, 2, clock=lambda: now[0])
-        gate.share(SharedBudgets(redis, "test", 0.5, lambda: 2))
+        gate.share(ClusterBudgets(redis, "test", 0.5, lambda: 2))
         made.append(gate)
     return made[0], made[1]
 
@@ -63,7 +63,7 @@ async def test_two_instances_enforce_one_limit_and_a_cancel_gives_back_to_both(r
     now = [NOON]
     a, b = gates(client, {"tenants": {"default": {"requests_per_minute": 4, "tokens_per_day": 1000}}}, now)
     passes = [await admitted(gate) for gate in (a, b, a, b)]
-    assert all(isinstance(p, Pass) and isinstance(p.ticket, SharedTicket) for p in passes)
+    assert all(isinstance(p, Pass) and isinstance(p.ticket, ClusterTicket) for p in passes)
     refused = await admitted(a)
     assert isinstance(refused, Refused) and refused.refusal is Refusal.RATE_LIMIT_EXCEEDED
     assert refused.retry_in_s == pytest.approx(15.0)
@@ -85,7 +85,7 @@ async def test_two_instances_enforce_one_limit_and_a_cancel_gives_back_to_both(r
     await client.aclose()
 
 
-async def _corrections(shared: SharedBudgets) -> None:
+async def _corrections(shared: ClusterBudgets) -> None:
     for task in list(shared._corrections):
         await task
 
@@ -105,7 +105,7 @@ async def test_the_end_replaces_the_reservation_by_what_was_used_in_the_period_i
     now = [NOON]
     a, b = gates(client, {"tenants": {"default": {"output_tokens_per_minute": 1000, "tokens_per_day": 1000}}}, now)
     passed = await admitted(a, tokens=400.0)  # reserves 800 of the day, 400 of the window
-    assert isinstance(passed, Pass) and isinstance(passed.ticket, SharedTicket) and a.shared is not None
+    assert isinstance(passed, Pass) and isinstance(passed.ticket, ClusterTicket) and a.shared is not None
     a.shared.correct(passed.ticket, tuple(100.0 if m.counts == "output" else 200.0 for m in passed.ticket.meters), now[0])
     await _corrections(a.shared)
     assert isinstance(await admitted(b, tokens=350.0), Pass)  # 200 used + 700 reserved <= 1000
@@ -167,18 +167,18 @@ async def test_the_end_adds_each_charge_to_the_clusters_usage_book(redis_server:
     a, b = gates(client, {"tenants": {"default": {"requests_per_minute": 60}}}, now)
     assert a.shared is not None and b.shared is not None
     passed = await admitted(a)
-    assert isinstance(passed, Pass) and isinstance(passed.ticket, SharedTicket)
+    assert isinstance(passed, Pass) and isinstance(passed.ticket, ClusterTicket)
     day = day_of("2026-12-03")
-    a.shared.correct(passed.ticket, (1.0,), NOON, shared_usage.charge("t", "m", day, Usage(100, 40, 7), 0.25, False))
-    b.shared.record(shared_usage.charge("t", "m", day, Usage(50, 0, 3), 0.5, True), NOON)  # decided on b's share
-    b.shared.record(shared_usage.charge("u", "m", day + 86_400, Usage(1, 0, 1), 0.0, False), NOON)
+    a.shared.correct(passed.ticket, (1.0,), NOON, cluster_usage.charge("t", "m", day, Usage(100, 40, 7), 0.25, False))
+    b.shared.record(cluster_usage.charge("t", "m", day, Usage(50, 0, 3), 0.5, True), NOON)  # decided on b's share
+    b.shared.record(cluster_usage.charge("u", "m", day + 86_400, Usage(1, 0, 1), 0.0, False), NOON)
     await _corrections(a.shared)
     await _corrections(b.shared)
-    rows = await shared_usage.rows(client, b.shared.prefix, day_of("2026-12-01"), NOON, 1.0)
+    rows = await cluster_usage.rows(client, b.shared.prefix, day_of("2026-12-01"), NOON, 1.0)
     assert [(key, row.values()) for key, row in rows] == [
         (("t", "m", "2026-12-03"), (2, 150.0, 40.0, 10.0, 0.75, 1)),
         (("u", "m", "2026-12-04"), (1, 1.0, 0.0, 1.0, 0.0, 0))]  # a clock ahead of today's: still exported
-    assert await shared_usage.rows(client, b.shared.prefix, day_of("2026-12-04"), NOON, 1.0) == rows[1:]
+    assert await cluster_usage.rows(client, b.shared.prefix, day_of("2026-12-04"), NOON, 1.0) == rows[1:]
     await client.aclose()
 
 
@@ -254,12 +254,12 @@ async def test_the_clusters_counts_are_read_at_most_once_a_second_however_many_a
         monkeypatch: pytest.MonkeyPatch) -> None:
     reads: list[float] = []
 
-    async def read(shared: SharedBudgets, plan: Plan, now: float) -> list[Standing]:
+    async def read(shared: ClusterBudgets, plan: Plan, now: float) -> list[Standing]:
         reads.append(now)
         await asyncio.sleep(0.05)  # a round trip: those asking meanwhile wait for its rows
         return []
 
-    monkeypatch.setattr(shared_standings, "read", read)
+    monkeypatch.setattr(cluster_standings, "read", read)
     a, _ = gates(aioredis.Redis(), {"tenants": {"t": {"requests_per_minute": 6}}}, [NOON])
     await asyncio.gather(*(a.refresh() for _ in range(5)))
     assert len(reads) == 1 and a.standings() == ([], False)

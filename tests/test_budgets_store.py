@@ -10,7 +10,7 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
-from extproc.adapters.budgets.store import StoreWriter, UsageStore
+from extproc.adapters.budgets.usage_store import StoreWriter, UsageStore
 from extproc.adapters.config import load_config, parse_config
 from extproc.adapters.server import ProcessorServer
 from extproc.adapters.web.app import build_app

@@ -1,6 +1,6 @@
 """The engine's usage charged through real parts: the OpenAI SDK, Envoy, ``extproc serve`` and the simulator.
 
-A budget is charged what the engine reports (``ext_proc/engine_usage.py``):
+A budget is charged what the engine reports (``request/engine_usage.py``):
 in a whole JSON answer, and at the end of a stream whose client asked for it
 (``stream_options.include_usage``); a stream without it is charged the cost
 model's estimate, and each client sees exactly the answer it asked for. A

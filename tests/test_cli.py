@@ -21,11 +21,12 @@ import pytest
 import yaml
 
 from extproc.adapters.config import parse_config
-from extproc.adapters.logs import DECISIONS, JsonFormatter, setup_logging
+from extproc.adapters.logs import JsonFormatter, setup_logging
 from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.telemetry.model import DECISIONS
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.outcomes import Refused
+from extproc.core.values.outcomes import Refused
 from extproc.tools.cli import build_parser as build_dev_parser
 from extproc.tools.demo import DEMO_CONFIG, PORT_OFFSETS, with_port_base
 from extproc.tools.procs import free_port

@@ -9,10 +9,10 @@ from extproc.core.bands import Band
 from extproc.core.cluster import Backlog, ClusterOutlet, ClusterSeat, Grant, Release
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
 from extproc.core.release.pool import Pool
+from extproc.core.values.engine_load import EngineLoad
 from tests.test_endpoint_down import Report
 from tests.test_gate import make_gate
 

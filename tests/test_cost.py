@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from extproc.adapters.answers import ANSWERS, MAX_RETRY_AFTER_S, retry_after_s
-from extproc.adapters.ext_proc.priority_body import with_priority
+from extproc.adapters.ext_proc.attach.priority_body import with_priority
+from extproc.adapters.protocol.answers import ANSWERS, MAX_RETRY_AFTER_S, retry_after_s
 from extproc.core.cost import Charge, CostModel, CostWeights, DecodeRate
 from extproc.core.drain_time import RATE_WINDOW_S, ReleaseRate
-from extproc.core.outcomes import Refusal
+from extproc.core.values.outcomes import Refusal
 
 pytestmark = pytest.mark.unit
 

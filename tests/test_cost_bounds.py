@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from extproc.adapters.config import ConfigError, parse_config
 from extproc.core.cost import DEFAULT_CONTEXT_TOKENS, CostModel, CostWeights, DecodeRate, Estimate
 from extproc.core.dispatcher import Held
-from extproc.core.engine_load import EngineLimits
 from extproc.core.policies import POLICIES, BandPolicy, Policy
 from extproc.core.policies.vtc import MAX_SERVICE, VirtualTokenCounter
+from extproc.core.values.engine_load import EngineLimits
 from tests.propertyutil import examples
 from tests.test_locality_dispatch import dispatcher
 from tests.test_processor import Stream, headers_message, make_processor

@@ -19,10 +19,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.adapters.logs import DECISIONS, TEXT_FORMAT, JsonFormatter
+from extproc.adapters.logs import TEXT_FORMAT, JsonFormatter
 from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
-from extproc.core.outcomes import Refusal
-from extproc.core.report import RequestEvent, Step
+from extproc.adapters.telemetry.model import DECISIONS
+from extproc.core.values.outcomes import Refusal
+from extproc.core.values.report import RequestEvent, Step
 from extproc.tools.power_user import chat
 from extproc.tools.stack import start_stack
 from tests.stackutil import TENANT_KEYS, write_config

@@ -9,18 +9,19 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import Held, ModelDispatcher
-from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
-from extproc.core.outcomes import Refusal, Refused
 from extproc.core.policies import POLICIES
 from extproc.core.release.pool import Pool
-from extproc.core.report import Event, RequestEvent, Step
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.outcomes import Refusal, Refused
+from extproc.core.values.report import Event, RequestEvent, Step
 from tests.test_gate import make_gate
 
 pytestmark = pytest.mark.unit
@@ -46,6 +47,9 @@ class Clock:
 
     def cancel(self) -> None:
         raise AssertionError("not cancelled here")
+
+    def future(self) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().create_future()
 
     def advance(self, to: float) -> None:
         while due := sorted(a for a in self._armed if a[0] <= to):

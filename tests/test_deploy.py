@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from extproc.adapters.config import Config, parse_config, split_address
 from extproc.adapters.envoy import drop_in, hold_timeout_s
 from extproc.adapters.envoy.filters import DROP_IN_FILTER_PREFIX
-from extproc.adapters.ext_proc.contract import METADATA_NAMESPACE, MODEL_HEADER
+from extproc.adapters.protocol.contract import METADATA_NAMESPACE, MODEL_HEADER
 from extproc.adapters.web.app import build_app
 from tests.envoyutil import bootstrap_message
 from tests.paths import ROOT

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from extproc.adapters.config import Config, ConfigError, load_config
 from extproc.adapters.envoy import DROP_IN_HEADER, LLM_PREFIXES, bootstrap, drop_in, merge, render
-from extproc.adapters.ext_proc.contract import MODEL_HEADER
+from extproc.adapters.protocol.contract import MODEL_HEADER
 from extproc.cli import main
 from extproc.tools.envoy_bin import find_envoy
 from extproc.tools.envoy_proc import start_envoy

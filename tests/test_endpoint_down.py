@@ -12,19 +12,19 @@ import asyncio
 
 import pytest
 
-from extproc.adapters.engines.dialects import DIALECTS
-from extproc.adapters.ext_proc.release_outcome import UPSTREAM_TIME_HEADER, engine_answer
+from extproc.adapters.ext_proc.attach.release_outcome import UPSTREAM_TIME_HEADER, engine_answer
+from extproc.adapters.protocol.dialects import DIALECTS
 from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES
 from extproc.core.release.answer import Answer
 from extproc.core.release.health import CHECK_EVERY, PROBATION_S
-from extproc.core.report import Change, EndpointEvent, Event
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.report import Change, EndpointEvent, Event
 from tests.test_gate import make_gate
 
 pytestmark = pytest.mark.unit

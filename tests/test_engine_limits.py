@@ -17,8 +17,8 @@ from extproc.adapters.engines.scraper import scrape_endpoint
 from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import warnings
-from extproc.core.engine_load import EngineLimits, EngineLoad
 from extproc.core.release.adaptive_limit import ConcurrencyLimit
+from extproc.core.values.engine_load import EngineLimits, EngineLoad
 from extproc.tools.sim import SimSettings, start_sim
 
 pytestmark = pytest.mark.unit

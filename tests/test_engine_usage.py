@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.adapters.ext_proc.engine_usage import Reported, UsageReader
+from extproc.adapters.request.engine_usage import Reported, UsageReader
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 
 from extproc.adapters.config import ENGINES
-from extproc.adapters.engines.dialects import DIALECTS, MetricsError, parse_load
-from extproc.core.engine_load import EngineLoad
+from extproc.adapters.protocol.dialects import DIALECTS, MetricsError, parse_load
+from extproc.core.values.engine_load import EngineLoad
 from extproc.tools.sim.dialects import DIALECT_NAMES
 from extproc.tools.sim.engine import SimSettings
 from extproc.tools.sim.server import start_sim

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.core.entitlement import Granted, Tenant, grant
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 pytestmark = pytest.mark.unit
 

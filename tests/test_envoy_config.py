@@ -16,13 +16,13 @@ import pytest
 import yaml
 from google.protobuf.json_format import ParseError
 
-from extproc.adapters.answers import ANSWERS
 from extproc.adapters.config import ConfigError, load_config, parse_config
 from extproc.adapters.envoy import DROP_IN_HEADER, bootstrap, drop_in, hold_timeout_s, render
 from extproc.adapters.envoy.clusters import model_cluster_name
 from extproc.adapters.envoy.filters import FILTERS, Chain, drop_in_name
 from extproc.adapters.envoy.local_replies import LOCAL_REPLIES
-from extproc.adapters.ext_proc.contract import MODEL_HEADER
+from extproc.adapters.protocol.answers import ANSWERS
+from extproc.adapters.protocol.contract import MODEL_HEADER
 from extproc.cli import main
 from extproc.tools.bench.overhead import upstream_bootstrap
 from extproc.tools.envoy_bin import ENV_VAR, EnvoyNotFound, find_envoy

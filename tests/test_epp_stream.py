@@ -30,7 +30,7 @@ from extproc.adapters.runtime import Dispatchers, build_runtimes
 from extproc.adapters.server import PROCESS_PATH
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLoad
+from extproc.core.values.engine_load import EngineLoad
 from extproc.tools.procs import free_port
 from tests.test_processor import Stream, settle
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -27,6 +28,9 @@ class _Timers:
 
     def cancel(self) -> None:
         raise AssertionError("expiry never cancels")
+
+    def future(self) -> asyncio.Future[Any]:
+        raise AssertionError("expiry makes no future")
 
     def fire(self) -> None:
         self.now, callback = self.armed.pop(0)

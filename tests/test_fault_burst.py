@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from extproc.adapters.ext_proc.loop_lag import LoopLag
-from extproc.core.outcomes import Refusal
+from extproc.core.values.outcomes import Refusal
 from extproc.tools.burst import BurstReport, bucket_shed, burst_and_hold, holding_config
 from extproc.tools.stack import start_stack
 from tests.test_processor import Stream, headers_message, make_processor

@@ -37,7 +37,7 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.adapters.ext_proc.contract import REASON_HEADER
+from extproc.adapters.protocol.contract import REASON_HEADER
 from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import poll, read_metrics

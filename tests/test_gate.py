@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.adapters.engines.dialects import MetricsError, parse_load
 from extproc.adapters.envoy.routes import ENGINE_RETRY_MAX_S
-from extproc.core.bands import PEAK_S, Band, BandAdmission, Reservation
-from extproc.core.engine_load import EngineLoad
+from extproc.adapters.protocol.dialects import MetricsError, parse_load
+from extproc.core.bands import PEAK_S, Band, BandAllowance, Reservation
 from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.adaptive_limit import DECREASE, QUIET_S, REFUSAL_HOLD_S, ConcurrencyLimit, ItlWindow
 from extproc.core.release.answer import Answer
 from extproc.core.release.estimate import LoadEstimate
+from extproc.core.release.health import EndpointHealth
 from extproc.core.release.pool import Pool
+from extproc.core.release.rule import ReleaseRule
+from extproc.core.release.unconfirmed import UnconfirmedEnds
+from extproc.core.values.engine_load import EngineLoad
 
 pytestmark = pytest.mark.unit
 
@@ -71,17 +74,28 @@ def make_gate(
     return Pool(endpoints, RULES[kind], settings, stale_after_s=1.0, fallback_max_in_flight=fallback, pick_endpoints=pick)
 
 
+@pytest.mark.parametrize("kind", sorted(RULES))
+def test_the_pool_hands_out_none_of_its_pieces(kind: str) -> None:
+    """Whoever holds the pool asks it questions: no public name of it is its load estimate, endpoint health, rule or
+    unconfirmed ends, so none of them is reached into from outside (and each can change without its readers)."""
+    pool = make_gate(kind=kind, max_in_flight=2, release_rate=1.0)
+    pool.record_scrape("e1", EngineLoad(waiting=0, running=1), started_at=0.0)
+    pieces = (LoadEstimate, EndpointHealth, ReleaseRule, UnconfirmedEnds)
+    assert [name for name in dir(pool) if not name.startswith("_") and isinstance(getattr(pool, name), pieces)] == []
+    assert any(isinstance(value, pieces) for value in vars(pool).values())  # it has them: the check above can fail
+
+
 def band_allowance(gate: Pool, now: float, *, reserve: int = 0, idle_share: float | None = None,
                    firm: bool = True) -> int:
     """What a band below the first (with ``reserve``), or an idle-only band (``idle_share``), may release now;
     ``firm``: what it holds keeps its slot to the end once released (streams), else it can be taken back."""
     bands = (Band("first", 60.0), Band("lower", 60.0),
              Band("idle", 60.0, idle_only=True, idle_running_share=idle_share or 1.0))
-    admission = BandAdmission(bands, gate, reserved_waiting=reserve, held=lambda band: 0,
+    allowances = BandAllowance(bands, gate, reserved_waiting=reserve, held=lambda band: 0,
                               firm=lambda band: int(firm))
-    admission.arrived(0, now)  # the bands above arrive now: the lower band leaves the reserve,
-    admission.arrived(1, now)  # the idle-only band takes free slots only
-    return admission.allowance(1 if idle_share is None else 2, now)
+    allowances.arrived(0, now)  # the bands above arrive now: the lower band leaves the reserve,
+    allowances.arrived(1, now)  # the idle-only band takes free slots only
+    return allowances.allowance(1 if idle_share is None else 2, now)
 
 
 def test_without_metrics_the_gate_falls_back_to_a_small_in_flight_ceiling() -> None:
@@ -146,7 +160,7 @@ def test_traffic_around_the_gateway_counts_once_the_page_shows_it() -> None:
     gate = make_gate(target=3)
     gate.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
     gate.record_scrape("e1", EngineLoad(waiting=2, running=4), started_at=0.1)  # learned: batch 4
-    assert gate.rule.snapshot("e1").limit == 7 and gate.allowance(0.1) == 1
+    assert gate.snapshot("e1").limit == 7 and gate.allowance(0.1) == 1
     for i in range(2):
         gate.record_release(i, 0.2)
     # The page holds our 2 and 5 that are not ours: all 7 count.
@@ -185,7 +199,7 @@ def test_a_pool_is_healthy_only_when_every_endpoint_is() -> None:
     gate.record_scrape("e1", EngineLoad(waiting=1, running=0), started_at=0.0)
     assert gate.allowance(0.0) == 8  # fallback: 4 per endpoint
     gate.record_scrape("e2", EngineLoad(waiting=2, running=0), started_at=0.0)
-    assert gate.estimate.pool_load() == EngineLoad(waiting=3, running=0)
+    assert gate.scraped_load() == EngineLoad(waiting=3, running=0)
     assert gate.allowance(0.0) == 3  # target 3 per endpoint, 3 already waiting
 
 
@@ -252,7 +266,7 @@ def test_a_cut_limit_recovers_once_the_queue_drains_whether_or_not_the_gate_fill
 def limit_after(gate: Pool, load: EngineLoad, at: float) -> float:
     """The limit of endpoint e1 once a scrape that started at ``at`` returned ``load``."""
     gate.record_scrape("e1", load, started_at=at)
-    limit = gate.rule.snapshot("e1").limit
+    limit = gate.snapshot("e1").limit
     assert limit is not None
     return limit
 
@@ -265,7 +279,7 @@ def test_the_engine_refusing_at_its_own_queue_cap_cuts_the_limit_until_the_refus
     # Something around the gateway filled the engine to its cap of 8 and it refused two requests. Its pages lag
     # (vLLM's: 50-400 ms), and never show it holding as much as the line while the gate holds back.
     assert gate.record_scrape("e1", EngineLoad(waiting=2, running=4, rejected=2), started_at=0.1) == 2  # cut from 6
-    assert gate.rule.snapshot("e1").limit == pytest.approx(6 * DECREASE)
+    assert gate.snapshot("e1").limit == pytest.approx(6 * DECREASE)
     # It refuses more (the gateway's retry of a request it refused): within the window, one cut; no growth meanwhile.
     assert limit_after(gate, EngineLoad(waiting=2, running=4, rejected=3), 0.5) == pytest.approx(6 * DECREASE)
     # The refusals are over: rule 2 would grow the limit to the line, but only once QUIET_S passed without one.
@@ -276,7 +290,7 @@ def test_the_engine_refusing_at_its_own_queue_cap_cuts_the_limit_until_the_refus
     fresh = make_gate(max_running=4)
     assert fresh.record_scrape("e1", EngineLoad(waiting=3, running=4, rejected=50), started_at=0.0) == 0
     assert fresh.record_scrape("e1", EngineLoad(waiting=3, running=4, rejected=0), started_at=0.1) == 0
-    assert fresh.rule.snapshot("e1").limit == 7
+    assert fresh.snapshot("e1").limit == 7
 
 
 def test_the_quiet_after_a_refusal_outlasts_the_gateways_back_off_between_retries() -> None:
@@ -292,12 +306,12 @@ def test_refusals_that_come_again_once_the_limit_could_grow_cut_it_and_hold_it()
     gate = make_gate(max_running=4, itl_window_s=5.0)
     assert limit_after(gate, EngineLoad(waiting=2, running=4, rejected=0), 0.0) == 7
     assert gate.record_scrape("e1", EngineLoad(waiting=2, running=4, rejected=1), started_at=0.1) == 1
-    assert gate.rule.snapshot("e1").limit == pytest.approx(6 * DECREASE)
+    assert gate.snapshot("e1").limit == pytest.approx(6 * DECREASE)
     assert limit_after(gate, EngineLoad(waiting=2, running=4, rejected=1), 0.1 + QUIET_S) == 7
     again = 0.2 + QUIET_S
     assert again - 0.1 < 5.0  # within the window of the first cut
     assert gate.record_scrape("e1", EngineLoad(waiting=2, running=4, rejected=2), started_at=again) == 1
-    assert gate.rule.snapshot("e1").limit == pytest.approx(6 * DECREASE)
+    assert gate.snapshot("e1").limit == pytest.approx(6 * DECREASE)
     for at in (again + 0.1, again + QUIET_S, again + REFUSAL_HOLD_S / 2, again + REFUSAL_HOLD_S - 0.1):
         assert limit_after(gate, EngineLoad(waiting=1, running=4, rejected=2), at) == pytest.approx(6 * DECREASE)
     assert limit_after(gate, EngineLoad(waiting=1, running=4, rejected=2), again + REFUSAL_HOLD_S) == 7
@@ -316,7 +330,7 @@ def test_refusals_of_traffic_around_the_gateway_are_not_held_as_the_gates_own_do
     assert limit_after(gate, EngineLoad(waiting=4, running=4, rejected=3), 0.1 + QUIET_S) == 7
     second = 0.2 + QUIET_S
     assert gate.record_scrape("e1", EngineLoad(waiting=4, running=4, rejected=6), started_at=second) == 3
-    assert gate.rule.snapshot("e1").limit == pytest.approx(7 * DECREASE)
+    assert gate.snapshot("e1").limit == pytest.approx(7 * DECREASE)
     assert limit_after(gate, EngineLoad(waiting=4, running=4, rejected=6), second + QUIET_S) == 7
     # Nor is a release answered "full" while the gate held clearly less than its limit (5 of 7: the engine was full
     # of traffic around the gateway its pages did not show yet).
@@ -325,7 +339,7 @@ def test_refusals_of_traffic_around_the_gateway_are_not_held_as_the_gates_own_do
         gate.record_release(request, third - 0.3)
     assert limit_after(gate, EngineLoad(waiting=1, running=4, rejected=6), third - 0.2) == 7
     gate.record_response(None, Answer.FULL, third)
-    assert gate.rule.snapshot("e1").limit == pytest.approx(5 * DECREASE)  # from what it held: ours, in a pool of one
+    assert gate.snapshot("e1").limit == pytest.approx(5 * DECREASE)  # from what it held: ours, in a pool of one
     assert limit_after(gate, EngineLoad(waiting=1, running=4, rejected=6), third + QUIET_S) == 7
 
 
@@ -400,13 +414,13 @@ def test_adaptive_learns_capacity_the_waiting_rule_never_sees() -> None:
     # The engine ran all 15 without a queue: the adaptive limit grows past what it saw...
     for gate in (adaptive, waiting):
         gate.record_scrape("e1", EngineLoad(waiting=0, running=15), started_at=0.4)
-    assert adaptive.allowance(0.4) == 3 and adaptive.rule.snapshot("e1").limit == 18
+    assert adaptive.allowance(0.4) == 3 and adaptive.snapshot("e1").limit == 18
     assert waiting.allowance(0.4) == 3  # ...the waiting rule only ever target beyond it
     for gate in (adaptive, waiting):
         for i in range(200, 203):
             gate.record_release(i, 0.4)
         gate.record_scrape("e1", EngineLoad(waiting=0, running=18), started_at=0.5)
-    assert adaptive.rule.snapshot("e1").limit == 21 and adaptive.allowance(0.5) == 3
+    assert adaptive.snapshot("e1").limit == 21 and adaptive.allowance(0.5) == 3
     assert waiting.allowance(0.5) == 3
 
 
@@ -427,11 +441,11 @@ def test_static_variants_ignore_metrics(kind: str) -> None:
     gate.record_release("a", 0.0)
     if kind == "static_rate":
         assert gate.allowance(0.0) == 0
-        assert gate.rule.next_change_in(0.0) == pytest.approx(0.1)
+        assert gate.next_change_in(0.0) == pytest.approx(0.1)
         assert gate.allowance(0.1) == 1
     else:
         assert gate.allowance(0.0) == 1
-        assert gate.rule.next_change_in(0.0) is None
+        assert gate.next_change_in(0.0) is None
 
 
 def test_a_degraded_endpoint_keeps_half_of_what_it_last_ran() -> None:
@@ -439,7 +453,7 @@ def test_a_degraded_endpoint_keeps_half_of_what_it_last_ran() -> None:
     gate.record_scrape("e1", EngineLoad(waiting=3, running=40), started_at=0.0)
     gate.record_scrape("e1", None, started_at=0.1)  # failing from now on
     assert gate.degraded(0.1) == ("e1",)
-    assert gate.health.fallback_limit("e1") == 20
+    assert gate.fallback_limit("e1") == 20
     assert gate.allowance(0.1) == 20
     gate.record_scrape("e1", EngineLoad(waiting=0, running=20), started_at=0.5)  # recovers by itself
     assert gate.degraded(0.5) == ()
@@ -484,7 +498,7 @@ def test_picking_keeps_a_key_on_its_endpoint_within_bounded_load() -> None:
     assert picks.count(favourite) == picks.count(other) == 11
     assert gate.allowance(0.1) == 0
     gate.record_finish(picks.index(other), 0.2)
-    assert gate.rule.endpoint_allowance(other, 0.2) == 1 and gate.rule.endpoint_allowance(favourite, 0.2) == 0
+    assert gate.endpoint_room(other, 0.2) == 1 and gate.endpoint_room(favourite, 0.2) == 0
 
 
 def test_endpoints_can_join_and_leave_the_pool() -> None:

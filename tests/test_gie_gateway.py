@@ -30,7 +30,7 @@ import pytest_asyncio
 
 from extproc.adapters.config import parse_config
 from extproc.adapters.envoy import render
-from extproc.adapters.ext_proc.epp_protocol import SERVED_KEY
+from extproc.adapters.protocol.epp_protocol import SERVED_KEY
 from extproc.core.release import picking
 from extproc.tools import gie_gateway
 from extproc.tools.bench.overhead import idle_engine_metrics

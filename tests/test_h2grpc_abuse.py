@@ -26,9 +26,9 @@ from hyperframe.frame import PingFrame, WindowUpdateFrame
 
 from extproc.adapters.config import GrpcLimits
 from extproc.adapters.grpc.builtin.call import TRUNCATED, UNDECODABLE
-from extproc.adapters.grpc.builtin.peer_warnings import PeerWarnings
 from extproc.adapters.grpc.builtin.server import BuiltinServer
-from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits
+from extproc.adapters.grpc.peer_warnings import PeerWarnings
+from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, TransportLimits
 from extproc.tools.procs import free_port
 from tests.h2raw import RawClient, message
 from tests.test_h2grpc import Handlers
@@ -63,7 +63,8 @@ class _Served:
 
 @asynccontextmanager
 async def _serving(handlers: Handlers, **limits: Any) -> AsyncIterator[_Served]:
-    server = BuiltinServer(handlers.methods(*(p.decode() for p in (ECHO, HOLD, GATE))), limits=Limits(GrpcLimits(**limits)))
+    server = BuiltinServer(handlers.methods(*(p.decode() for p in (ECHO, HOLD, GATE))),
+                           limits=TransportLimits(GrpcLimits(**limits)))
     served = _Served(server, free_port())
     await server.start("127.0.0.1", served.port)
     try:

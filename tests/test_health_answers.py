@@ -14,8 +14,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from extproc.core.engine_load import EngineLoad
 from extproc.core.release.health import EndpointHealth
+from extproc.core.values.engine_load import EngineLoad
 from tests.propertyutil import examples
 
 pytestmark = pytest.mark.unit

@@ -2,7 +2,7 @@
 
 * ``extproc/core`` (queues, policies, band and release rules, load estimate,
   cost, the dispatcher) takes plain values and reports through
-  ``core/report.py``; it imports only the core. An import from the core into
+  ``core/values/report.py``; it imports only the core. An import from the core into
   the adapters would bring I/O and their settings into code tested as pure.
 * ``extproc/adapters`` (the ext_proc servicer, engine metrics and scraping,
   Envoy config generation, telemetry, config, wiring, the server) import the
@@ -17,6 +17,9 @@
   the commands themselves show when run in a child process.
 * Imports do not loop, those under ``TYPE_CHECKING`` included: two modules
   that need each other's types are one concept, or a seam in the wrong place.
+  Nor do packages (each folder one node, a subpackage apart from its parent):
+  what both sides of such a loop read belongs in a package below them both.
+  The config imports no other adapter but the protocols' facts (``adapters/protocol/``).
 * The optional features (the Batch API, tenant budgets, the cluster link and
   the grpcio transport) are imported only where their section (or
   ``listen.transport``) is on: ``extproc serve`` with the README's config, run
@@ -129,10 +132,9 @@ def module_imports(path: Path, ours: set[str]) -> set[str]:
     return found & ours
 
 
-def import_cycles() -> list[list[str]]:
-    """Every set of modules that import each other, directly or around a loop (Tarjan's strongly connected components)."""
-    ours = {module_name(p): p for p in MODULES}
-    graph = {name: module_imports(path, set(ours)) for name, path in ours.items()}
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of nodes that reach each other around a loop (Tarjan's strongly connected components), a node that
+    reaches itself included."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -160,11 +162,86 @@ def import_cycles() -> list[list[str]]:
     return cycles
 
 
+def module_graph() -> dict[str, set[str]]:
+    """Each module of ours and the modules of ours it imports."""
+    ours = {module_name(p): p for p in MODULES}
+    return {name: module_imports(path, set(ours)) for name, path in ours.items()}
+
+
+def import_cycles() -> list[list[str]]:
+    """Every set of modules that import each other, directly or around a loop."""
+    return strongly_connected(module_graph())
+
+
 # The modules whose imports must not loop, type-level imports included: a loop is a seam in the wrong place.
 @pytest.mark.unit
 def test_no_import_cycles() -> None:
     """No two modules import each other, even only for types: each such loop is a seam in the wrong place."""
     assert import_cycles() == []
+
+
+@pytest.mark.unit
+def test_the_cycle_finder_finds_a_loop() -> None:
+    """The two tests above and below can fail: a loop of three, and a node that imports itself, are found."""
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}) == [["a", "b", "c"], ["e"]]
+
+
+# --- the package graph: each folder one node, holding its own modules --------------------------------
+
+# The `extproc-dev` command's entry point imports every tool it runs (the benchmark among them) and nothing
+# imports it: a node of its own, as the `extproc` command's entry point (ENTRY) is outside the layers.
+DEV_COMMAND = {"extproc.tools.cli", "extproc.tools.__main__"}
+
+
+def package(name: str) -> str:
+    """The folder a module is in (a package's ``__init__`` is its folder's); the dev command's entry point alone."""
+    if name in DEV_COMMAND:
+        return "extproc-dev"
+    return name if (PACKAGE.parent / name.replace(".", "/")).is_dir() else name.rpartition(".")[0]
+
+
+def package_graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+    """Each package and the packages it imports (type-level and function-level imports included); and, per edge, the
+    module imports that make it."""
+    graph: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], list[str]] = {}
+    for name, imported in module_graph().items():
+        graph.setdefault(package(name), set())
+        for other in imported:
+            edge = (package(name), package(other))
+            if edge[0] != edge[1]:
+                graph[edge[0]].add(edge[1])
+                why.setdefault(edge, []).append(f"{name} -> {other}")
+    return graph, why
+
+
+@pytest.mark.unit
+def test_no_package_cycles() -> None:
+    """No two packages import each other, even around a loop, and a package and its subpackage count as two: a
+    parent's modules that compose its subpackages import them, and the subpackages import none of those.
+
+    A loop here is a value or a fact kept in the wrong package: the values both
+    sides read go below them (``core/values/``, ``adapters/protocol/``,
+    ``adapters/request/``), so the arrows run one way.
+    """
+    graph, why = package_graph()
+    loops = strongly_connected(graph)
+    assert loops == [], {" <-> ".join(loop): [m for (a, b), ms in why.items() if a in loop and b in loop for m in ms]
+                         for loop in loops}
+
+
+# The packages the config may import of the adapters: its own, and the protocols' facts it checks names against.
+CONFIG_READS = ("extproc.adapters.config", "extproc.adapters.protocol")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("path", [p for p in MODULES if module_name(p).startswith("extproc.adapters.config")],
+                         ids=module_name)
+def test_the_config_imports_no_other_adapter(path: Path) -> None:
+    """Every adapter reads the config, so the config reads none of them (the protocols' facts are no adapter's)."""
+    outside = sorted(name for name in imports(path) if layer(name) == "adapters"
+                     and not any(name == p or name.startswith(p + ".") for p in CONFIG_READS))
+    assert not outside, f"{module_name(path)} imports {outside}"
 
 
 # Where a module of this size has grown two concepts; the core and the adapters are kept under it.

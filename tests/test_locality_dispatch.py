@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from extproc.adapters.timers import LoopTimers
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import Held, ModelDispatcher
-from extproc.core.engine_load import EngineLoad
 from extproc.core.policies import POLICIES
 from extproc.core.policies.locality import OVERTAKES
 from extproc.core.prefix import Prefix, signature
-from extproc.core.report import Charged, DispatchReport
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.report import Charged, DispatchReport
 from tests.propertyutil import examples
 from tests.test_endpoint_down import Report
 from tests.test_gate import make_gate

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.core.engine_load import EngineLoad
 from extproc.core.policies import POLICIES
 from extproc.core.policies.locality import LOOKAHEAD, OVERTAKES, QUANTUM_REQUESTS, LocalityBand
 from extproc.core.prefix import Prefix, signature
 from extproc.core.prefix_cache import EndpointCache, PrefixCaches
+from extproc.core.values.engine_load import EngineLoad
 from tests.propertyutil import examples
 
 pytestmark = pytest.mark.unit

@@ -33,7 +33,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from extproc.adapters.config import load_config
-from extproc.core.report import RequestEvent, Step
+from extproc.core.values.report import RequestEvent, Step
 from extproc.tools.power_user import chat
 from extproc.tools.procs import ManagedProcess, free_port
 from extproc.tools.stack import start_stack

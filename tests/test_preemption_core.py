@@ -11,14 +11,14 @@ import math
 import pytest
 
 from extproc.adapters.timers import LoopTimers
-from extproc.core.bands import ARRIVING_S, MAX_DEFAULT_SHARE, SHARE_S, Band, BandActivity, BandAdmission, BandShares
+from extproc.core.bands import ARRIVING_S, MAX_DEFAULT_SHARE, SHARE_S, Band, BandActivity, BandAllowance, BandShares
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import Held, ModelDispatcher
-from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
 from extproc.core.release.answer import Answer
-from extproc.core.report import Event, RequestEvent, Step
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.report import Event, RequestEvent, Step
 from tests.test_gate import make_gate
 
 pytestmark = pytest.mark.unit
@@ -76,22 +76,22 @@ def test_a_lower_band_is_lent_everything_while_nobody_above_has_work() -> None:
     pool = make_gate(target=3, max_running=4)
     pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
     held, firm = [0, 0, 0], [0, 0, 0]
-    admission = BandAdmission(BANDS, pool, reserved_waiting=2, held=held.__getitem__, firm=firm.__getitem__)
-    assert admission.allowance(STANDARD, 0.0) == 7  # 4 slots and the queue room of 3
-    admission.arrived(INTERACTIVE, 0.0)  # chats arrive: standard leaves them 2 of the queue room...
-    assert admission.allowance(STANDARD, 0.0) == 5
+    allowances = BandAllowance(BANDS, pool, reserved_waiting=2, held=held.__getitem__, firm=firm.__getitem__)
+    assert allowances.allowance(STANDARD, 0.0) == 7  # 4 slots and the queue room of 3
+    allowances.arrived(INTERACTIVE, 0.0)  # chats arrive: standard leaves them 2 of the queue room...
+    assert allowances.allowance(STANDARD, 0.0) == 5
     # ...and batch goes into free slots only: all of them while what it holds can be taken back...
-    assert admission.allowance(BATCH, 0.0) == 4
+    assert allowances.allowance(BATCH, 0.0) == 4
     # ...while it holds streams, which cannot once begun, it leaves the chats a reserve of 1 (35 % of 4, rounded).
     firm[BATCH] = 1
-    assert admission.allowance(BATCH, 0.0) == 3
+    assert allowances.allowance(BATCH, 0.0) == 3
     pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=3 * ARRIVING_S)
-    assert admission.allowance(STANDARD, 3 * ARRIVING_S) == 7  # they stopped: lent again
-    assert admission.allowance(BATCH, 3 * ARRIVING_S) == 4  # the reserve too: its free slots (streams never queue)
+    assert allowances.allowance(STANDARD, 3 * ARRIVING_S) == 7  # they stopped: lent again
+    assert allowances.allowance(BATCH, 3 * ARRIVING_S) == 4  # the reserve too: its free slots (streams never queue)
     firm[BATCH] = 0
-    assert admission.allowance(BATCH, 3 * ARRIVING_S) == 7  # what can be taken back: the queue room too
+    assert allowances.allowance(BATCH, 3 * ARRIVING_S) == 7  # what can be taken back: the queue room too
     held[INTERACTIVE] = 1  # one is held here (strict priority serves it first anyway)
-    assert admission.allowance(STANDARD, 3 * ARRIVING_S) == 5
+    assert allowances.allowance(STANDARD, 3 * ARRIVING_S) == 5
 
 
 def test_the_reserve_is_lent_again_the_moment_the_bands_above_stop_arriving() -> None:
@@ -100,30 +100,30 @@ def test_the_reserve_is_lent_again_the_moment_the_bands_above_stop_arriving() ->
     pool = make_gate(target=3, max_running=4)
     pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
     held = [0, 0, 0]
-    admission = BandAdmission(BANDS, pool, reserved_waiting=0, held=held.__getitem__)
-    admission.arrived(INTERACTIVE, 0.0)
-    assert admission.next_change_in(0.0) is None  # nothing held: nothing to wake
+    allowances = BandAllowance(BANDS, pool, reserved_waiting=0, held=held.__getitem__)
+    allowances.arrived(INTERACTIVE, 0.0)
+    assert allowances.next_change_in(0.0) is None  # nothing held: nothing to wake
     held[BATCH] = 5
-    lapse = admission.next_change_in(0.0)
+    lapse = allowances.next_change_in(0.0)
     assert lapse is not None and lapse == pytest.approx(ARRIVING_S * math.log(2), abs=1e-5)  # one arrival, to half
     pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=lapse - 0.01)
-    assert admission.allowance(BATCH, lapse - 0.01) == 3 and admission.allowance(BATCH, lapse) == 4
+    assert allowances.allowance(BATCH, lapse - 0.01) == 3 and allowances.allowance(BATCH, lapse) == 4
     held[INTERACTIVE] = 1
-    assert admission.next_change_in(0.0) is None  # a chat held: only its release changes anything
+    assert allowances.next_change_in(0.0) is None  # a chat held: only its release changes anything
 
 
 def test_free_slots_are_never_kept_back_for_the_bands_above() -> None:
     """Work conservation: whatever the reserve, a free slot goes to whoever is held."""
     pool = make_gate(target=3, max_running=4)
     pool.record_scrape("e1", EngineLoad(waiting=0, running=0), started_at=0.0)
-    admission = BandAdmission(BANDS, pool, reserved_waiting=100, held=lambda band: 0)
-    admission.arrived(INTERACTIVE, 0.0)
-    assert pool.free_slots(0.0) == 4 and admission.allowance(STANDARD, 0.0) == 4
+    allowances = BandAllowance(BANDS, pool, reserved_waiting=100, held=lambda band: 0)
+    allowances.arrived(INTERACTIVE, 0.0)
+    assert pool.free_slots(0.0) == 4 and allowances.allowance(STANDARD, 0.0) == 4
     for i in range(3):
         pool.record_release(i, 0.0, into_free_slot=True)
-    assert pool.free_slots(0.0) == 1 and admission.allowance(STANDARD, 0.0) == 1
+    assert pool.free_slots(0.0) == 1 and allowances.allowance(STANDARD, 0.0) == 1
     pool.record_release(3, 0.0, into_free_slot=True)
-    assert pool.free_slots(0.0) == 0 and admission.allowance(STANDARD, 0.0) == 0
+    assert pool.free_slots(0.0) == 0 and allowances.allowance(STANDARD, 0.0) == 0
     assert pool.allowance(0.0) == 3  # the queue room stays the chats'
 
 
@@ -161,11 +161,11 @@ def test_an_idle_only_band_alone_is_released_like_any_other() -> None:
     """Work conservation: with nothing above it working, batch fills the engine's queue to its target too."""
     pool = make_gate(target=3, max_running=2)
     pool.record_scrape("e1", EngineLoad(waiting=0, running=2), started_at=0.0)
-    admission = BandAdmission(BANDS, pool, reserved_waiting=0, held=lambda band: 0)
-    alone = admission.allowance(BATCH, 0.1)
-    assert not admission.into_free_slots(BATCH, 0.1) and alone == pool.allowance(0.1) and alone > 0
-    admission.arrived(INTERACTIVE, 0.1)
-    assert admission.into_free_slots(BATCH, 0.2) and admission.allowance(BATCH, 0.2) == 0  # no slot is free
+    allowances = BandAllowance(BANDS, pool, reserved_waiting=0, held=lambda band: 0)
+    alone = allowances.allowance(BATCH, 0.1)
+    assert not allowances.into_free_slots(BATCH, 0.1) and alone == pool.allowance(0.1) and alone > 0
+    allowances.arrived(INTERACTIVE, 0.1)
+    assert allowances.into_free_slots(BATCH, 0.2) and allowances.allowance(BATCH, 0.2) == 0  # no slot is free
 
 
 async def test_a_chat_at_risk_preempts_the_youngest_batch_request_once() -> None:

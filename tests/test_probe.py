@@ -18,7 +18,7 @@ import yaml
 from aiohttp import web
 
 from extproc.adapters.config import Config, load_config
-from extproc.adapters.engines.probe import Answer, Prober, listening, probe, probe_session
+from extproc.adapters.engines.probe import Prober, ProbeResult, listening, probe, probe_session
 from extproc.adapters.engines.scraper import scrape_endpoint
 from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import Band
@@ -27,7 +27,7 @@ from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
 from extproc.core.release.pool import Pool
-from extproc.core.report import Change, DispatchReport, EndpointEvent
+from extproc.core.values.report import Change, DispatchReport, EndpointEvent
 from extproc.tools.procs import free_port
 from tests.httputil import serving
 from tests.test_gate import make_gate
@@ -80,9 +80,10 @@ def _dispatcher(endpoint: str, report: DispatchReport = lambda _: None) -> tuple
 
 
 @pytest.mark.parametrize(("health", "expected"), [
-    (_status(200), Answer.ALIVE), (_status(404), Answer.ALIVE), (_status(503), Answer.UNKNOWN), (_reset, Answer.UNREACHABLE),
+    (_status(200), ProbeResult.ALIVE), (_status(404), ProbeResult.ALIVE), (_status(503), ProbeResult.UNKNOWN),
+    (_reset, ProbeResult.UNREACHABLE),
 ], ids=["200", "404", "503", "reset"])
-async def test_a_probe_tells_a_live_process_from_one_that_does_not_answer(health: Handler, expected: Answer) -> None:
+async def test_a_probe_tells_a_live_process_from_one_that_does_not_answer(health: Handler, expected: ProbeResult) -> None:
     async with engine(_page, health) as url, probe_session() as session:
         assert await probe(session, url + "/health", 1.0) is expected
 
@@ -90,13 +91,13 @@ async def test_a_probe_tells_a_live_process_from_one_that_does_not_answer(health
 async def test_a_port_nothing_listens_on_is_unreachable_to_either_look() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     async with probe_session() as session:
-        assert await probe(session, url + "/health", 1.0) is Answer.UNREACHABLE
-    assert await listening(url, 1.0) is Answer.UNREACHABLE
+        assert await probe(session, url + "/health", 1.0) is ProbeResult.UNREACHABLE
+    assert await listening(url, 1.0) is ProbeResult.UNREACHABLE
 
 
 async def test_a_port_that_accepts_is_alive_to_the_cheap_look() -> None:
     async with engine(_reset, _reset) as url:
-        assert await listening(url, 1.0) is Answer.ALIVE
+        assert await listening(url, 1.0) is ProbeResult.ALIVE
 
 
 @pytest.mark.parametrize(("health", "down"), [(_status(200), False), (_reset, True)], ids=["health-answers", "health-resets"])
@@ -118,7 +119,7 @@ async def test_a_reset_metrics_connection_is_down_only_when_the_engine_does_not_
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert pool.down() == ([url] if down else [])
-    assert pool.health.degraded(0.0) == (url,)  # either way its metrics cannot be used
+    assert pool.unusable_metrics(0.0) == (url,)  # either way its metrics cannot be used
 
 
 async def test_an_end_is_probed_and_its_slot_freed_when_the_engine_answers(tmp_path: Path) -> None:

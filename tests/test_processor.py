@@ -11,16 +11,16 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.adapters.answers import ANSWERS
 from extproc.adapters.config import parse_config
 from extproc.adapters.envoy import hold_timeout_s
-from extproc.adapters.ext_proc.contract import HOLD_MARGIN_S
-from extproc.adapters.ext_proc.request_fields import RequestFields
 from extproc.adapters.ext_proc.servicer import Processor
+from extproc.adapters.protocol.answers import ANSWERS
+from extproc.adapters.protocol.contract import HOLD_MARGIN_S
+from extproc.adapters.request.request_fields import RequestFields
 from extproc.adapters.runtime import ModelRuntime, build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 pytestmark = pytest.mark.unit
 

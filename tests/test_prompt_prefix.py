@@ -19,18 +19,18 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc.adapters.config import ConfigError, parse_config
-from extproc.adapters.ext_proc.prompt_prefix import Signer, leading_text
-from extproc.adapters.ext_proc.request_fields import Prompt, from_body, prompt_of
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.grpc.builtin.server import BuiltinServer
 from extproc.adapters.grpc.transport import Method
+from extproc.adapters.request.prompt_prefix import Signer, leading_text
+from extproc.adapters.request.request_fields import Prompt, from_body, prompt_of
 from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.server import PROCESS_PATH
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import Held, ModelDispatcher
-from extproc.core.engine_load import EngineLoad
-from extproc.core.outcomes import Refused
 from extproc.core.prefix import NO_PREFIX, Prefix
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.outcomes import Refused
 from extproc.tools.procs import free_port
 from tests.test_epp_stream import BUFFERED, DUPLEX, first_message
 from tests.test_processor import Stream, settle

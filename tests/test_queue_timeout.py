@@ -15,8 +15,8 @@ from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.entitlement import Tenant
-from extproc.core.outcomes import Refusal, Refused
 from extproc.core.policies import POLICIES
+from extproc.core.values.outcomes import Refusal, Refused
 from tests.test_endpoint_down import Report
 from tests.test_gate import make_gate
 

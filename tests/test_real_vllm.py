@@ -27,9 +27,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from extproc.adapters.engines.dialects import parse_load
-from extproc.adapters.ext_proc.contract import QUEUE_WAIT_HEADER
-from extproc.core.engine_load import EngineLoad
+from extproc.adapters.protocol.contract import QUEUE_WAIT_HEADER
+from extproc.adapters.protocol.dialects import parse_load
+from extproc.core.values.engine_load import EngineLoad
 from extproc.tools.realvllm import BLOCK_SIZE, MAX_MODEL_LEN, REQUEST_EXTRAS
 from extproc.tools.stack import Stack, start_stack
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config

@@ -20,8 +20,8 @@ from extproc.adapters.config import Config, ConfigError, parse_config
 from extproc.adapters.reload import ConfigSource, Plan, Reloader, plan, removed_model
 from extproc.adapters.runtime import retire
 from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
-from extproc.core.outcomes import Refusal, Refused
-from extproc.core.report import RequestEvent, Step
+from extproc.core.values.outcomes import Refusal, Refused
+from extproc.core.values.report import RequestEvent, Step
 from tests.stackutil import metric
 from tests.test_reload_core import dispatcher
 from tests.waitutil import eventually

@@ -23,9 +23,9 @@ from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import Held, LiveSettings, ModelDispatcher
 from extproc.core.entitlement import Tenant
-from extproc.core.outcomes import Refusal, Refused
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES, RuleSettings
+from extproc.core.values.outcomes import Refusal, Refused
 from tests.propertyutil import examples
 from tests.test_endpoint_down import Report
 from tests.test_gate import make_gate

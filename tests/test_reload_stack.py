@@ -30,7 +30,7 @@ from extproc.adapters.config import ModelConfig, load_config
 from extproc.adapters.envoy import bootstrap
 from extproc.adapters.reload import ConfigSource, Reloader
 from extproc.adapters.server import ProcessorServer
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.power_user import Outcome, chat
 from extproc.tools.procs import free_port

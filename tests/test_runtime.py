@@ -12,9 +12,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.budgets.gate import BudgetGate
 from extproc.adapters.config import Config, parse_config
-from extproc.adapters.ext_proc.admission import Admission
 from extproc.adapters.ext_proc.attach.own_envoy import OwnEnvoy
-from extproc.adapters.ext_proc.contract import HOLD_MARGIN_S
+from extproc.adapters.protocol.contract import HOLD_MARGIN_S
+from extproc.adapters.request.admission import Admission
 from extproc.adapters.runtime import Dispatchers, ModelRuntime, build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.wiring import tenant_labels

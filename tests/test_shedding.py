@@ -18,9 +18,9 @@ from extproc.adapters.config import parse_config
 from extproc.adapters.ext_proc.loop_lag import LoopLag
 from extproc.adapters.ext_proc.servicer import ACK_LAG_S, Processor
 from extproc.adapters.ext_proc.shedding import ARRIVING_SHARE, SUSTAINED_SHARE, Shedding
-from extproc.adapters.logs import DECISIONS
 from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.telemetry.model import DECISIONS
 from tests.test_processor import Stream, headers_message
 
 pytestmark = pytest.mark.unit

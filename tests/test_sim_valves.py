@@ -8,7 +8,7 @@ import json
 import aiohttp
 import pytest
 
-from extproc.adapters.engines.dialects import parse_load
+from extproc.adapters.protocol.dialects import parse_load
 from extproc.tools.sim import SimSettings, start_sim
 
 pytestmark = pytest.mark.unit

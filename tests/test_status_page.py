@@ -24,14 +24,14 @@ import pytest
 import yaml
 
 from extproc.adapters.config import parse_config
-from extproc.adapters.ext_proc.contract import REASON_HEADER
+from extproc.adapters.protocol.contract import REASON_HEADER
 from extproc.adapters.runtime import Dispatchers, build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.web.app import TOP_TENANTS, MetricsServer, build_app
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLoad
-from extproc.core.outcomes import Refusal
-from extproc.core.report import RequestEvent, Step
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.outcomes import Refusal
+from extproc.core.values.report import RequestEvent, Step
 from extproc.tools.procs import free_port
 from extproc.tools.stack import start_stack
 from tests.stackutil import API_KEYS, TENANT_KEYS, wait_for_metric, write_config

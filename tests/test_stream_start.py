@@ -17,14 +17,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc.adapters.config import ConfigError, parse_config
-from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.ext_proc.attach.body import DUPLEX
+from extproc.adapters.ext_proc.attach.stream_start import MOST_HELD_BYTES, FirstEvent, Verdict
 from extproc.adapters.ext_proc.servicer import Processor
-from extproc.adapters.ext_proc.stream_start import MOST_HELD_BYTES, FirstEvent, Verdict
+from extproc.adapters.protocol.dialects import DIALECTS
 from extproc.adapters.runtime import Dispatchers, build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLimits, EngineLoad
+from extproc.core.values.engine_load import EngineLimits, EngineLoad
 from tests.test_epp_stream import answers, body, chat, first_message
 from tests.test_processor import Stream
 

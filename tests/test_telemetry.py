@@ -19,7 +19,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.adapters.config import Config, load_config, parse_config
-from extproc.adapters.objectives import (
+from extproc.adapters.runtime import Dispatchers, build_runtimes
+from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.telemetry.model import DEMAND_READ_S
+from extproc.adapters.telemetry.objectives import (
     MET,
     MISSED,
     PREEMPTED,
@@ -30,14 +33,11 @@ from extproc.adapters.objectives import (
     Recent,
     TenantRecent,
 )
-from extproc.adapters.runtime import Dispatchers, build_runtimes
-from extproc.adapters.telemetry import Telemetry
-from extproc.adapters.telemetry.model import DEMAND_READ_S
 from extproc.adapters.wiring import tenant_labels
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLoad
-from extproc.core.outcomes import Refusal, Refused
-from extproc.core.report import RequestEvent, Step
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.outcomes import Refusal, Refused
+from extproc.core.values.report import RequestEvent, Step
 from extproc.tools.power_user import chat
 from extproc.tools.stack import start_stack
 from tests.paths import ROOT

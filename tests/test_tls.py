@@ -21,10 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.adapters.config import ConfigError, parse_config
 from extproc.adapters.grpc.health import Health
-from extproc.adapters.grpc.registry import TRANSPORTS
 from extproc.adapters.grpc.tls import ServerTls
-from extproc.adapters.grpc.transport import Limits, Transport
+from extproc.adapters.grpc.transport import Transport, TransportLimits
 from extproc.adapters.server import ProcessorServer
+from extproc.adapters.transports import TRANSPORTS
 from extproc.tools.procs import free_port
 from tests.stackutil import metric, read_metrics
 from tests.tlsutil import CA, Pair, SecretVolume, common_name
@@ -91,7 +91,7 @@ async def _serving(tls: ServerTls, transport: str) -> tuple[Transport, int]:
     health = Health(lambda: True)
     health.start()
     port = free_port()
-    server = TRANSPORTS[transport](health.methods(), Limits())
+    server = TRANSPORTS[transport](health.methods(), TransportLimits())
     await server.start("127.0.0.1", port, tls)
     return server, port
 

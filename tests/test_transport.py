@@ -12,7 +12,7 @@ import pytest
 
 from extproc.adapters.config import parse_config
 from extproc.adapters.config.schema import OLD_TRANSPORT_NAMES, TRANSPORT_NAMES
-from extproc.adapters.grpc.registry import TRANSPORTS
+from extproc.adapters.transports import TRANSPORTS
 
 pytestmark = pytest.mark.unit
 

@@ -1,7 +1,7 @@
 """The transport conformance suite: every implementation of transport.py's ``Transport``, attacked alike, behaves alike.
 
 Each case runs against every server ``listen.transport`` can choose
-(adapters/grpc/registry.py ``TRANSPORTS``: ``builtin``, ours, and ``grpcio``, the reference)
+(adapters/transports.py ``TRANSPORTS``: ``builtin``, ours, and ``grpcio``, the reference)
 serving a small fake service, through real clients: grpcio's
 C-core channel for conformance, and raw HTTP/2 with the ``h2`` library on
 asyncio sockets (or bare bytes) for what no well-behaved client sends. What
@@ -32,8 +32,8 @@ import pytest
 from google.protobuf import wrappers_pb2
 from hyperframe.frame import GoAwayFrame, PingFrame, SettingsFrame
 
-from extproc.adapters.grpc.registry import TRANSPORTS
-from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits, Transport
+from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Transport, TransportLimits
+from extproc.adapters.transports import TRANSPORTS
 from extproc.tools.procs import free_port
 from tests.test_h2grpc import ECHO, HOLD, Handlers
 
@@ -74,7 +74,7 @@ class Served:
 @pytest.fixture(params=list(TRANSPORTS))
 async def served(request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Served]:
     handlers = Handlers()
-    server = TRANSPORTS[request.param](handlers.methods(ECHO, HOLD), Limits())
+    server = TRANSPORTS[request.param](handlers.methods(ECHO, HOLD), TransportLimits())
     port = free_port()
     await server.start("127.0.0.1", port)
     it = Served(request.param, server, port, handlers)
@@ -287,7 +287,7 @@ async def test_a_port_in_use_is_an_os_error(transport: str) -> None:
         holder.bind(("127.0.0.1", port))
         holder.listen()
         with pytest.raises(OSError):
-            await TRANSPORTS[transport]({}, Limits()).start("127.0.0.1", port)
+            await TRANSPORTS[transport]({}, TransportLimits()).start("127.0.0.1", port)
 
 
 # --- conformance: per-stream failures stay in their stream -------------------------------------------------

@@ -16,12 +16,12 @@ from extproc.adapters.timers import LoopTimers
 from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
 from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
 from extproc.core.release.unconfirmed import UnconfirmedEnds
+from extproc.core.values.engine_load import EngineLoad
 from tests.test_gate import make_gate
 
 pytestmark = pytest.mark.unit
@@ -58,11 +58,11 @@ def test_a_scrape_or_a_checked_response_after_the_end_confirms_it_too() -> None:
         gate.record_finish("a", 1.0)
         if confirm == "scrape":
             gate.record_scrape("e1", None, started_at=1.1)  # a failed page proves nothing
-            assert gate.unconfirmed.count() == 1 and gate.allowance(1.2) == 1  # 2 slots, one held
+            assert gate.unconfirmed() == 1 and gate.allowance(1.2) == 1  # 2 slots, one held
             gate.record_scrape("e1", IDLE, started_at=1.2)
         else:
             gate.record_response("e1", Answer.SERVED, 1.2)
-        assert gate.unconfirmed.count() == 0, confirm
+        assert gate.unconfirmed() == 0, confirm
 
 
 def test_a_refused_probe_marks_the_engine_down_and_nothing_goes_to_it() -> None:
@@ -75,7 +75,7 @@ def test_a_refused_probe_marks_the_engine_down_and_nothing_goes_to_it() -> None:
         assert gate.allowance(1.0) == 0
     assert not gate.record_probe("e1", False, 1.0)
     assert gate.down() == ["e1"] and gate.allowance(1.1) == 0
-    assert gate.unconfirmed.count() == 0  # what it held is gone; its return starts afresh
+    assert gate.unconfirmed() == 0  # what it held is gone; its return starts afresh
     gate.record_scrape("e1", IDLE, started_at=3.0)
     assert gate.down() == [] and gate.allowance(3.0) == 2
 

@@ -86,7 +86,7 @@ class Conserving:
             streams = any(r.arrival.stream for r in sim.queued() if r.arrival.band == lowest)
             if streams and (any(band < lowest for band in held) or self._arriving_above(sim, lowest)):
                 capacity = sim.pool.capacity()
-                allowed = sim.state.admission.reserve(lowest)
+                allowed = sim.state.band_allowance.reserve(lowest)
                 if not 1 <= allowed <= max(1, math.floor(MAX_RESERVE_SHARE * capacity)):
                     self._violate(sim, f"a reserve of {allowed} on {capacity} slots")
                 self.reserve_kept += 1
@@ -162,14 +162,14 @@ async def test_the_old_average_reservation_would_fail_the_invariant() -> None:
     rng = np.random.default_rng(1)
     sim.run(poisson(rng, STANDARD, 2, 6.0, 0.0, 10.0), until=1.0)
     # The rule under test, changed: four slots always kept for interactive.
-    sim.limit = lambda band, now: sim.state.allowance(band, now) - (4 if band else 0)
+    sim.limit = lambda band, now: sim.state.band_allowance.allowance(band, now) - (4 if band else 0)
     sim.run([], until=30.0)
     assert check.violations
 
 
 def reserve(sim: CoreSim, band: int) -> int:
     """The free slots the rule under test keeps for the bands above ``band`` now."""
-    return sim.state.admission.reserve(band)
+    return sim.state.band_allowance.reserve(band)
 
 
 def keeping(sim: CoreSim, kept: Callable[[CoreSim, int], int]) -> None:

@@ -28,10 +28,6 @@ from typing import Literal
 LogFormat = Literal["text", "json"]
 FORMATS: tuple[LogFormat, ...] = ("text", "json")
 LEVELS = ("debug", "info", "warning", "error")
-# Where the per-request decision lines go: one line per request that entered a queue, and one more if
-# it was preempted after its release.
-DECISIONS = logging.getLogger("extproc.decisions")
-
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -55,7 +55,7 @@ import msgspec
 from extproc.adapters.config import Config, ConfigError, ModelConfig, parse_config_text
 from extproc.adapters.envoy import bootstrap
 from extproc.adapters.telemetry import Telemetry
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ signatures), the reply that holds our Envoy while one of its requests waits,
 the statuses and the stream refusal by which its engine says it is full,
 its classes' engine priorities and, once a reload takes it out of service,
 its retirement. :class:`ModelRuntime` holds all of it. Readers get a narrow
-view: the stream handling reads ``ext_proc/served.py``'s ``ServedModel``,
+view: the stream handling reads ``ext_proc/attach/served.py``'s ``ServedModel``,
 the status page and readiness a read-only mapping of dispatchers
 (:class:`Dispatchers`).
 
@@ -30,15 +30,15 @@ import aiohttp
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.config import Config, ModelConfig
-from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.engines.discovery import watch_pool
-from extproc.adapters.ext_proc.contract import hold_timeout_for
-from extproc.adapters.ext_proc.prompt_prefix import Signer
-from extproc.adapters.ext_proc.replies import duration
+from extproc.adapters.ext_proc.attach.replies import duration
+from extproc.adapters.protocol.contract import hold_timeout_for
+from extproc.adapters.protocol.dialects import DIALECTS
+from extproc.adapters.request.prompt_prefix import Signer
 from extproc.adapters.telemetry import ModelTelemetry, Telemetry, TenantLabels
 from extproc.adapters.wiring import build_dispatcher, live_settings, tenant_labels
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.outcomes import Refused
+from extproc.core.values.outcomes import Refused
 
 if TYPE_CHECKING:  # built by server.py only with a cluster: section
     from extproc.adapters.cluster.link import ClusterConnection

@@ -40,15 +40,15 @@ from extproc.adapters.engines.limits import cap_advice
 from extproc.adapters.engines.probe import probe_session
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.grpc.health import Health
-from extproc.adapters.grpc.registry import TRANSPORTS
 from extproc.adapters.grpc.tls import RELOAD_OUTCOMES, ServerTls
-from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Limits, Method
+from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES, Method, TransportLimits
 from extproc.adapters.reload import ConfigSource, Plan, Reloader, rebuilt_model, removed_model
 from extproc.adapters.runtime import Dispatchers, ModelRuntime, build_runtimes
 from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.transports import TRANSPORTS
 from extproc.adapters.web.app import MetricsServer, build_app
 from extproc.adapters.wiring import cluster_forms, tenant_labels
-from extproc.core.outcomes import Refused
+from extproc.core.values.outcomes import Refused
 
 if TYPE_CHECKING:  # the optional features: each imported where its section is on (ProcessorServer.__init__)
     from extproc.adapters.batches.service import BatchService
@@ -103,7 +103,8 @@ class ProcessorServer:
         self._grpc = TRANSPORTS[config.listen.transport]({
             PROCESS_PATH: Method(pb.ProcessingRequest.FromString, self.processor.process),
             **self._health.methods(),
-        }, Limits(config.advanced.grpc, max(MAX_MESSAGE_BYTES, config.endpoint_picker.max_body_bytes + BODY_MESSAGE_MARGIN)))
+        }, TransportLimits(config.advanced.grpc,
+                           max(MAX_MESSAGE_BYTES, config.endpoint_picker.max_body_bytes + BODY_MESSAGE_MARGIN)))
         # TLS on the gRPC port (listen.tls), its files reloaded while serving.
         tls = config.listen.tls
         self._tls = None if tls is None else ServerTls(tls, self.telemetry.tls_reloaded)

@@ -1,4 +1,4 @@
-"""The core's deadlines (``core/timers.py``) as event-loop timers.
+"""The core's deadlines (``core/timers.py``) as event-loop timers, and its futures on the same loop.
 
 The loop's timers do not run on the core's clock: libuv (uvloop) times them
 from the loop's cached time, which can lag ``time.monotonic``, so a timer may
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 class LoopTimers:
@@ -22,6 +23,9 @@ class LoopTimers:
 
     def at(self, deadline: float, callback: Callable[[], None]) -> LoopTimer:
         return LoopTimer(self._clock, deadline, callback)
+
+    def future(self) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().create_future()
 
 
 class LoopTimer:

@@ -6,8 +6,8 @@
 * ``bands.py``, ``release/`` how many may go now: the band rules above the model's release rule;
 * ``cost.py``, ``pricing.py``, ``drain_time.py`` what a release costs (vtc, with the engines' caches),
   when a refused client may retry;
-* ``outcomes.py``, ``report.py``, ``engine_load.py`` the values it takes and gives: named refusals,
-  what it reports, what a scrape said.
+* ``values/`` the values it takes and gives (named refusals, what it reports, what a scrape said,
+  its status), below both the core and ``release/``.
 
 docs/architecture.md has the map and one request's path through it.
 """

@@ -28,7 +28,7 @@ bands:
   ``idle_running_share`` of the engine's capacity (the operator's cap) —
   ``max_running`` when configured, else the most requests it was ever seen
   running. The reserve is lent again the moment the bands above stop
-  arriving (a wake-up then, :meth:`BandAdmission.next_change_in`). With
+  arriving (a wake-up then, :meth:`BandAllowance.next_change_in`). With
   ``share`` 1, no configured capacity and the engine full by the capacity
   learned so far, it probes past it (doubling, by at most ``target_waiting``
   a scrape, until the engine first shows a waiting queue, then one request
@@ -293,7 +293,7 @@ class Reservation:
             above += held
 
 
-class BandAdmission:
+class BandAllowance:
     """How many requests of each band may go now, and which band goes next (see the module docstring)."""
 
     def __init__(self, bands: tuple[Band, ...], pool: Pool, reserved_waiting: int, held: Callable[[int], int],
@@ -448,9 +448,9 @@ class BandAdmission:
         """An idle-only band's free slots: while a band above has work now (``above``), less its reserve and within
         its share; else (it holds streams) all of them."""
         pool, settings = self._pool, self._pool.settings
-        if not pool.rule.uses_metrics or pool.degraded(now):
+        if not pool.uses_metrics or pool.degraded(now):
             return max(0, pool.allowance(now) - (max(1, self._reserved_waiting) if above else 0))
-        estimate = pool.estimate.now()
+        estimate = pool.load_now()
         if estimate.waiting > 0:
             return 0
         share = self._bands[band].idle_running_share if above else 1.0
@@ -468,6 +468,6 @@ class BandAdmission:
         # that does not fit leaves no more than the target waiting) until the
         # engine first queued, then one more per scrape; streams only until then
         # (one that queues cannot be taken back for a request above).
-        if pool.estimate.seen_waiting:
+        if pool.seen_waiting:
             return 0 if firm else 1
         return max(1, min(int(estimate.held), settings.target_waiting))

@@ -12,7 +12,7 @@ from typing import Any
 
 from extproc.core.bands import Band
 from extproc.core.fair_queue import FairQueue
-from extproc.core.outcomes import Refusal
+from extproc.core.values.outcomes import Refusal
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from extproc.core.status import ClusterStatus
 from extproc.core.strategy import LocalRelease, Outlet
 from extproc.core.timers import Timers
+from extproc.core.values.status import ClusterStatus
 
 
 @dataclass(frozen=True, slots=True)

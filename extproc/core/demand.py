@@ -60,7 +60,7 @@ class DemandGauge:
     def read(self, pool: Pool, held: tuple[int, ...], in_flight: tuple[int, ...], release_rate: float,
              now: float) -> Demand:
         """The demand of ``held`` and ``in_flight`` requests per class on ``pool``, released at ``release_rate`` per s."""
-        ready = [e for e in pool.endpoints if pool.health.healthy(e, now)]
+        ready = pool.ready(now)
         limits = [limit for e in ready if (limit := pool.snapshot(e).limit) is not None]
         if limits:
             self._per_engine = sum(limits) / len(limits)
@@ -70,7 +70,7 @@ class DemandGauge:
         queued, total = sum(held), sum(held) + sum(in_flight)
         engines = 0.0 if not total else total / per_engine if per_engine else 1.0
         drain_s = 0.0 if not queued else queued / release_rate if release_rate > 0 else math.inf
-        loads = [load for e in ready if (load := pool.health.last_good(e)) is not None]
+        loads = [load for e in ready if (load := pool.last_good(e)) is not None]
         kv = [load.kv_usage for load in loads if load.kv_usage is not None]
         count = max(1, len(ready))
         return Demand(

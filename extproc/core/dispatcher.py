@@ -7,7 +7,7 @@ reported (or, for a rate, the next release fell due). There is no polling
 loop; an idle model costs nothing.
 
 Every request that enters ends exactly one way: released (future result),
-refused (future exception :class:`~extproc.core.outcomes.Refused`), or
+refused (future exception :class:`~extproc.core.values.outcomes.Refused`), or
 abandoned (its client left: the stream's task was cancelled and the entry is
 removed at once). A request over a queue cap is refused before it enters
 (``submit`` raises). Outcomes are named here; what the client hears is the
@@ -25,7 +25,7 @@ band's policy (``policies/``); how many, ``bands.py`` above the release rule
 (``release/``); where, ``release/pool.py``.
 
 It takes plain values (built by ``adapters/wiring.py`` from the config),
-reports through :class:`~extproc.core.report.DispatchReport`, and leaves its
+reports through :class:`~extproc.core.values.report.DispatchReport`, and leaves its
 deadlines (a queued request's longest wait, a rate's next release) to the
 injected :class:`~extproc.core.timers.Timers`: the core keeps no event loop.
 """
@@ -38,20 +38,20 @@ from collections.abc import Callable
 from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.demand import Demand
-from extproc.core.engine_load import EngineLimits, EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.held import Held, Request
 from extproc.core.model_state import LiveSettings, ModelState
-from extproc.core.outcomes import Refused, shutting_down
 from extproc.core.policies import Policy
 from extproc.core.prefix import NO_PREFIX, Prefix
 from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
 from extproc.core.release.pool_report import PoolReport
-from extproc.core.report import DispatchReport, PoolEvent, RequestEvent, Step
-from extproc.core.status import ModelStatus
 from extproc.core.strategy import LocalRelease, ReleaseStrategy
 from extproc.core.timers import Timers
+from extproc.core.values.engine_load import EngineLimits, EngineLoad
+from extproc.core.values.outcomes import Refused, shutting_down
+from extproc.core.values.report import DispatchReport, PoolEvent, RequestEvent, Step
+from extproc.core.values.status import ModelStatus
 
 __all__ = ["Held", "LiveSettings", "ModelDispatcher"]
 
@@ -95,7 +95,7 @@ class ModelDispatcher:
         # The engines' events, reported as the pool then stands (release/pool_report.py).
         self._pool_report = PoolReport(name, pool, report)
         settings = LiveSettings(bands, tenant, cost, max_queued, max_queue_wait_s, reserved_waiting,
-                                type(pool.rule), pool.settings, engine_priority, cold_start_wait_s)
+                                pool.rule_type, pool.settings, engine_priority, cold_start_wait_s)
         self._state = ModelState(name, pool, settings, report, clock, timers, policy, max_preemptions_per_s)
         self._strategy = (strategy or (lambda outlet: LocalRelease(outlet, timers)))(self._state)
         self._band_names = tuple(band.name for band in bands)  # kept through reconfigure (same names, same order)
@@ -160,7 +160,7 @@ class ModelDispatcher:
         return self._pool.in_flight
 
     def status(self, top: int) -> ModelStatus:
-        """A read-only snapshot for the status page (``core/status.py``); ``top`` tenants listed per band."""
+        """A read-only snapshot for the status page (``core/values/status.py``); ``top`` tenants listed per band."""
         return self._state.status(top, self._strategy.cluster())
 
     def demand(self) -> Demand:
@@ -193,7 +193,7 @@ class ModelDispatcher:
         go (endpoint picking). ``ttft_objective_s`` is the client's own objective (the band decides how far to trust
         it); ``retried``: the client says it is a retry, so it is never preempted. ``whole``: its answer is not
         streamed, so it can be taken back until it completes. ``tag``: what its reports name it by (``Request.tag``).
-        Raises :class:`~extproc.core.outcomes.Refused` when a queue cap leaves no room.
+        Raises :class:`~extproc.core.values.outcomes.Refused` when a queue cap leaves no room.
         """
         now, request = self._clock(), Request(tenant, band, affinity or tenant, prefix, eligible, retried, whole, tag)
         try:
@@ -278,7 +278,7 @@ class ModelDispatcher:
 
     def caps_held(self) -> bool:
         """Whether an engine of the pool says it caps what it holds, so it may refuse what the gateway released."""
-        return bool(self._pool.capped)
+        return self._pool.caps_held()
 
     def record_limits(self, endpoint: str, limits: EngineLimits) -> None:
         """What the engine at ``endpoint`` says of its own limits: they bound the rule and the cost's context."""

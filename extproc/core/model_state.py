@@ -17,9 +17,9 @@ and the release reported.
 
 It reads the pool (``release/pool.py``) and tells it of releases and finishes;
 the pool's own events (scrapes, probes, membership) reach it from the
-dispatcher. Pure but for the futures it resolves: time is passed in, and the
-queued requests' longest waits (``expiry.py``) are left to the injected
-:class:`~extproc.core.timers.Timers`.
+dispatcher. Pure: time is passed in; the queued requests' longest waits
+(``expiry.py``) and the futures the streams await (which it only resolves) are
+the injected :class:`~extproc.core.timers.Timers`' to make.
 
 **No engine up** (a pool scaled to zero, its engines starting, every one
 down): a queued request whose class's wait runs out is kept, up to the
@@ -30,32 +30,31 @@ held requests go in class and fairness order as ever.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
-from extproc.core.bands import Band, BandAdmission
+from extproc.core.bands import Band, BandAllowance
 from extproc.core.caps import overflow
 from extproc.core.cluster import Backlog
 from extproc.core.cost import CostWeights
 from extproc.core.demand import Demand, DemandGauge
 from extproc.core.drain_time import ReleaseRate
-from extproc.core.engine_load import EngineLoad
 from extproc.core.entitlement import Tenant
 from extproc.core.expiry import Expiry
 from extproc.core.fair_queue import FairQueue
 from extproc.core.held import Held, Request
-from extproc.core.outcomes import Refusal, Refused
 from extproc.core.policies import Policy
 from extproc.core.preemption import Place, Preemption
 from extproc.core.pricing import Pricing
 from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
 from extproc.core.release.rule import ReleaseRule, RuleSettings
-from extproc.core.report import Charged, DispatchReport, RequestEvent, Step
-from extproc.core.status import ClusterStatus, ModelStatus, band_status
 from extproc.core.timers import Timers
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.outcomes import Refusal, Refused
+from extproc.core.values.report import Charged, DispatchReport, RequestEvent, Step
+from extproc.core.values.status import ClusterStatus, ModelStatus, band_status
 
 
 @dataclass(frozen=True)
@@ -96,12 +95,13 @@ class ModelState:
         self._report = report
         self._clock = clock
         self._policy = policy
+        self._timers = timers
         self._pricing = Pricing(pool, settings.cost)
         self._queue: FairQueue[Held] = FairQueue(
             len(settings.bands), lambda: policy.new_band(self._weight, self._pricing.expected_hit))
         # Per band, the held requests that keep their slot to the end once released (``_firm``).
         self._firm_held = [0] * len(settings.bands)
-        self.admission = BandAdmission(settings.bands, pool, settings.reserved_waiting,
+        self.band_allowance = BandAllowance(settings.bands, pool, settings.reserved_waiting,
                                         self._queue.band_sizes.__getitem__, self._firm_held.__getitem__)
         self._preemption = Preemption(max_preemptions_per_s)
         self._release_rate = ReleaseRate()
@@ -113,7 +113,7 @@ class ModelState:
         # A strategy's round (strategy.Outlet) is one call: the health log's note, the band rules' round itself.
         self.note_health: Callable[[float], None] = self._health_log.note
         self.release_round: Callable[[float, Callable[[int, float], int] | None], bool] = partial(
-            self.admission.release_round, release=self._release_next)
+            self.band_allowance.release_round, release=self._release_next)
         self.engine_order: str | None = None  # every request asks: kept as it changes (_follow_engine_priority)
         self._follow_engine_priority()
 
@@ -127,10 +127,10 @@ class ModelState:
         if names != tuple(b.name for b in self._settings.bands):
             raise ValueError(f"the bands {names} are not the dispatcher's {tuple(b.name for b in self._settings.bands)}")
         self._settings = settings
-        self.admission.reconfigure(settings.bands, settings.reserved_waiting)
+        self.band_allowance.reconfigure(settings.bands, settings.reserved_waiting)
         self._pricing.reweigh(settings.cost)
         pool = self._pool
-        if (type(pool.rule), pool.settings) != (settings.rule, settings.rule_settings):
+        if (pool.rule_type, pool.settings) != (settings.rule, settings.rule_settings):
             pool.reconfigure(settings.rule, settings.rule_settings)
         self._follow_engine_priority()
 
@@ -142,7 +142,7 @@ class ModelState:
         configured = self._settings.engine_priority
         said = self._pool.priority_first()
         self.engine_order = said if configured is None else (said or "lower") if configured else None
-        self.admission.priority_queue = self.engine_order is not None
+        self.band_allowance.priority_queue = self.engine_order is not None
 
     def _weight(self, tenant: str) -> float:
         return self._settings.tenant(tenant).weight
@@ -166,13 +166,13 @@ class ModelState:
     def enqueue(self, request: Request, now: float, content_length: int | None, max_tokens: float | None,
                 ttft_objective_s: float | None) -> tuple[Held, bool]:
         """Queue ``request``, priced and given its deadlines; whether it is its tenant's first queued in its band.
-        Raises :class:`~extproc.core.outcomes.Refused` (reported) over a queue cap; QUEUED is the dispatcher's."""
+        Raises :class:`~extproc.core.values.outcomes.Refused` (reported) over a queue cap; QUEUED is the dispatcher's."""
         band, tenant = request.band, request.tenant
         refused = self._refusal(tenant, band, now, request.tag)
         if refused is not None:
             raise refused
-        objective, queue_wait = self.admission.arrived(band, now, ttft_objective_s, self._settings.max_queue_wait_s)
-        held = Held(request, now, asyncio.get_running_loop().create_future(),
+        objective, queue_wait = self.band_allowance.arrived(band, now, ttft_objective_s, self._settings.max_queue_wait_s)
+        held = Held(request, now, self._timers.future(),
                     self._pricing.estimate(tenant, content_length, max_tokens), ttft_objective_s=objective,
                     deadline=now + (objective if objective is not None else queue_wait), queue_wait_s=queue_wait)
         first = self._queue.push(band, tenant, held)
@@ -202,20 +202,20 @@ class ModelState:
         return self._queue.first_band()
 
     def share(self, band: int, now: float) -> float:
-        return self.admission.share(band, now)
+        return self.band_allowance.share(band, now)
 
     def allowance(self, band: int, now: float) -> int:
-        return self.admission.allowance(band, now)
+        return self.band_allowance.allowance(band, now)
 
     def cap(self, band: int, now: float) -> int:
-        return self.admission.headroom(band, now) + self._pool.cluster_in_flight
+        return self.band_allowance.headroom(band, now) + self._pool.cluster_in_flight
 
     def free_slots(self, now: float) -> int:
         return self._pool.free_slots(now)
 
     def next_release_in(self, now: float) -> float | None:
         """How long until more may go by time alone: the release rule's (a rate), or an idle-only band's reserve lent."""
-        due = [d for d in (self._pool.next_change_in(now), self.admission.next_change_in(now)) if d is not None]
+        due = [d for d in (self._pool.next_change_in(now), self.band_allowance.next_change_in(now)) if d is not None]
         return min(due) if due else None
 
     def service(self, tenant: str, cost: float) -> float:
@@ -239,7 +239,7 @@ class ModelState:
         held = self._queue.take(band, tenant)
         if held is None or not self.release(band, tenant, held, now, free=free):
             return False
-        self.admission.released(band, now)  # a round counts its own (BandAdmission.release_round)
+        self.band_allowance.released(band, now)  # a round counts its own (BandAllowance.release_round)
         return True
 
     def _firm(self, held: Held) -> bool:
@@ -272,7 +272,7 @@ class ModelState:
         rules = self._settings.bands[band]
         # Counted as running until a scrape shows it: a release into a free slot, and an idle-only band's
         # (sized to free slots, or its probe past the capacity learned so far: one per scrape).
-        into_free_slot = free or (rules.idle_only and self.admission.into_free_slots(band, now))
+        into_free_slot = free or (rules.idle_only and self.band_allowance.into_free_slots(band, now))
         book = self._preemption
         # Preemption asks whether the engines were full before it, for a request with an objective.
         held.checked, full = pool.released(held, now, held.endpoint, into_free_slot=into_free_slot,
@@ -294,8 +294,8 @@ class ModelState:
         # A stream begins as the engine accepts it, and a retry is never preempted: their streams need not watch.
         if not (rules.preemptible and request.whole and not request.retried):
             return None
-        held.preempted = asyncio.get_running_loop().create_future()
-        queued = not into_free_slot and not self.admission.priority_queue
+        held.preempted = self._timers.future()
+        queued = not into_free_slot and not self.band_allowance.priority_queue
         return Place.OWN if not rules.idle_only else Place.QUEUED if queued else Place.LENT
 
     # --- a held request's end ----------------------------------------------------------------------
@@ -337,7 +337,7 @@ class ModelState:
     def finish(self, held: Held, now: float) -> float:
         """A released request is over (it ended, or was preempted): free its place, charge what it cost; the cost measured."""
         occupancy = self._pool.record_finish(held, now)
-        self.admission.finished(held.request.band, now)
+        self.band_allowance.finished(held.request.band, now)
         self._in_flight[held.request.band] -= 1
         measured = held.charge = self._pricing.measure(held, occupancy)
         request, estimate = held.request, held.estimate
@@ -364,7 +364,7 @@ class ModelState:
         capacity = pool.capacity()
         waiting = min(load.waiting, max(0.0, load.held - capacity)) if capacity > 0 else load.waiting
         # In an engine that orders its queue by priority, what the bands below queue is passed, not waited behind.
-        waiting = max(0.0, waiting - self.admission.passed(0))
+        waiting = max(0.0, waiting - self.band_allowance.passed(0))
         return book.victims(book.needs(pool.engine_full(load), waiting, self._queued_needs(), now), now)
 
     def _queued_needs(self) -> Iterator[Held]:
@@ -488,8 +488,8 @@ class ModelState:
         pool = self._pool
         return ModelStatus(
             name=self.name,
-            rule=pool.rule.name,
-            uses_metrics=pool.rule.uses_metrics,
+            rule=pool.rule_type.name,
+            uses_metrics=pool.uses_metrics,
             rule_rate=pool.settings.release_rate,
             queued=len(self._queue),
             in_flight=pool.in_flight,

@@ -8,7 +8,7 @@ A request whose leading blocks are cached skips their prefill.
 
 The processor sees text, not tokens, so a block here is ``block_bytes`` bytes
 of the request's leading prompt text (the adapter builds it from the body:
-``adapters/ext_proc/prompt_prefix.py``), about ``block_tokens`` tokens at the
+``adapters/request/prompt_prefix.py``), about ``block_tokens`` tokens at the
 cost model's bytes per token. The hashes are the same chain as the engine's,
 over bytes instead of token ids: two requests share their first *n* hashes
 exactly when their first *n* blocks of text match, which is when the engine's

@@ -39,8 +39,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from extproc.core.engine_load import EngineLoad
 from extproc.core.prefix import Prefix
+from extproc.core.values.engine_load import EngineLoad
 
 # An engine's KV cache until its page says its size: a small GPU's.
 DEFAULT_CAPACITY_TOKENS = 65_536.0

@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from extproc.core.cost import Charge, CostModel, CostWeights, DecodeRate, Estimate
-from extproc.core.engine_load import EngineLoad
 from extproc.core.held import Held
 from extproc.core.prefix_cache import PrefixCaches
 from extproc.core.release.pool import Pool
+from extproc.core.values.engine_load import EngineLoad
 
 
 class Pricing:

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from extproc.core.status import ClusterStatus
 from extproc.core.timers import Timer, Timers
+from extproc.core.values.status import ClusterStatus
 
 # An extra per-band limit on what may go now (a cluster seat's share), from the band and ``now``.
 Limit = Callable[[int, float], int]
@@ -88,7 +88,7 @@ class LocalRelease:
 
     def changed(self, now: float) -> None:
         """A round: pop from the fair queue while the first band's allowance lasts, each release from the band its
-        shares pick (``BandAdmission.release_round``); a wake-up if requests stay held."""
+        shares pick (``BandAllowance.release_round``); a wake-up if requests stay held."""
         outlet = self._outlet
         outlet.note_health(now)
         if outlet.release_round(now, self._limit):

@@ -33,15 +33,15 @@ import aiohttp
 import yaml
 
 from extproc.adapters.envoy.filters import ADMISSION_STAT_PREFIX
-from extproc.adapters.ext_proc.contract import REASON_HEADER
-from extproc.core.outcomes import Refusal
+from extproc.adapters.protocol.contract import REASON_HEADER
+from extproc.core.values.outcomes import Refusal
 from extproc.tools import gie_gateway
 from extproc.tools.procs import cpu_seconds, free_port
 from extproc.tools.stack import Stack, start_stack
 
 
 @dataclass(frozen=True)
-class Answer:
+class Received:
     status: int
     reason: str  # the x-extproc-reason header, "" when absent
     json_error: bool  # the body is {"error": {...}}
@@ -50,20 +50,20 @@ class Answer:
 
 @dataclass
 class BurstReport:
-    answers: list[Answer] = field(default_factory=list)
+    answers: list[Received] = field(default_factory=list)
 
     @property
-    def bare(self) -> list[Answer]:
+    def bare(self) -> list[Received]:
         """Failures that say no reason (e.g. Envoy's 504 for a missed message timeout), or no answer at all."""
         return [a for a in self.answers if not (200 <= a.status < 300 or a.reason)]
 
     @property
-    def not_json(self) -> list[Answer]:
+    def not_json(self) -> list[Received]:
         """Failures whose body is not the OpenAI-style JSON error."""
         return [a for a in self.answers if not (200 <= a.status < 300 or a.json_error)]
 
     @property
-    def missed(self) -> list[Answer]:
+    def missed(self) -> list[Received]:
         """Streams that outran the message timeout: answered by the routes, never scheduled."""
         return [a for a in self.answers if a.reason == Refusal.PROCESSOR_UNAVAILABLE.value]
 
@@ -71,7 +71,7 @@ class BurstReport:
         return Counter((a.status, a.reason or a.details) for a in self.answers)
 
 
-async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int) -> Answer:
+async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int) -> Received:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
     try:
         async with session.post(f"{url}/v1/chat/completions", json=body) as response:
@@ -81,9 +81,9 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: str
             except ValueError:
                 parsed = None
             json_error = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
-            return Answer(response.status, response.headers.get(REASON_HEADER, ""), json_error)
+            return Received(response.status, response.headers.get(REASON_HEADER, ""), json_error)
     except (TimeoutError, aiohttp.ClientError) as exc:
-        return Answer(0, "", False, details=type(exc).__name__)
+        return Received(0, "", False, details=type(exc).__name__)
 
 
 async def fire(

@@ -99,9 +99,9 @@ from typing import Any, Literal
 
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.envoy.batches import API_PREFIXES, API_TIMEOUT_S, RUNNER_KEY_HEADER
-from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, EXT_PROC_SERVICE
-from extproc.adapters.ext_proc.epp_protocol import DESTINATION_NAMESPACE as LB_NAMESPACE
-from extproc.adapters.ext_proc.epp_protocol import SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
+from extproc.adapters.protocol.contract import DESTINATION_HEADER, EXT_PROC_SERVICE
+from extproc.adapters.protocol.epp_protocol import DESTINATION_NAMESPACE as LB_NAMESPACE
+from extproc.adapters.protocol.epp_protocol import SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
 
 BodyMode = Literal["duplex", "buffered"]
 # AI Gateway's annotation values (aigateway.envoyproxy.io/processing-body-mode) and the body mode each sets.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from extproc.adapters.ext_proc.contract import QUEUE_WAIT_HEADER
+from extproc.adapters.protocol.contract import QUEUE_WAIT_HEADER
 
 
 @dataclass(frozen=True)

@@ -396,7 +396,7 @@ def verdict(soak: Soak) -> dict[str, Any]:
 def plot(soak: Soak, path: Path) -> None:
     """Memory, descriptors, tasks and the release latency against minutes: the warm-up shaded, and for memory and
     descriptors the band the verdict allows (5 % around the first window's level)."""
-    from extproc.tools.bench.report import pyplot
+    from extproc.tools.plots import pyplot
 
     judged = verdict(soak)
     warm = judged["from_s"] / 60

@@ -7,7 +7,7 @@ Where it is served and where it runs:
   ``/v1/batches`` to it after the auth filter, ext_proc off on those routes,
   so the tenant header Envoy's auth set is trusted exactly as for live
   requests: a tenant sees and cancels only its own files and batches.
-* The runner (``runner.py``) is part of ``extproc serve`` too: it shares the
+* The runner (``local_runner.py``) is part of ``extproc serve`` too: it shares the
   config, the metrics registry and the process's lifecycle, and it only
   waits on HTTP. It sends each line through Envoy, on a listener of its own
   (``batches.runner_listen``: the same filter chain without the auth
@@ -23,21 +23,21 @@ Where it is served and where it runs:
   lines. A line the gateway answers with a retryable refusal (``preempted``,
   ``queue_timeout``, ...) is sent again after its Retry-After, never failed
   for it.
-* State is in SQLite under ``batches.directory`` (``store.py``) and the
+* State is in SQLite under ``batches.directory`` (``local_store.py``) and the
   files' contents in a file store (``files.py``: ``batches.directory/files``,
   or an S3 bucket, ``s3.py``): each line's outcome is committed before its
   slot goes to the next line, so a restart resumes without losing or
   duplicating one (a line in flight at the crash is sent again).
 * With ``cluster:`` the instances share the batches instead: state, line
-  leases and each outcome once in the cluster's Redis (``shared.py``,
-  ``shared.lua``), the files in a bucket or on a directory every instance
+  leases and each outcome once in the cluster's Redis (``cluster_store.py``,
+  ``cluster_store.lua``), the files in a bucket or on a directory every instance
   mounts, and every instance runs a share of every batch's lines
-  (``spread.py``). ``batches:`` is refused with ``shards:``.
+  (``cluster_runner.py``). ``batches:`` is refused with ``shards:``.
 
 Modules: ``files.py`` and ``s3.py`` (the files' contents), ``lines.py`` (an
 input file read and validated, pure), ``shapes.py`` (OpenAI's objects and
-errors), ``sender.py`` (one line through the gateway), ``store.py`` and
-``runner.py`` (one instance), ``shared.py`` and ``spread.py`` (a cluster),
+errors), ``sender.py`` (one line through the gateway), ``local_store.py`` and
+``local_runner.py`` (one instance), ``cluster_store.py`` and ``cluster_runner.py`` (a cluster),
 ``books.py`` (the API's seam over either), ``api.py``, ``metrics.py``,
 ``service.py`` (wired into ``extproc serve``).
 """

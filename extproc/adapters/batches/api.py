@@ -1,7 +1,7 @@
 """The HTTP API: OpenAI's files and batches endpoints, on aiohttp, for Envoy's routes only.
 
 Who calls is the tenant Envoy's auth named, read as admission reads it
-(``ext_proc/admission.py``): every object is the caller's, and another
+(``request/admission.py``): every object is the caller's, and another
 tenant's id answers 404 like an unknown one. Errors are OpenAI's: the status
 and ``{"error": {"message", "type", "param", "code"}}`` (``shapes.ApiError``).
 """
@@ -22,8 +22,8 @@ from extproc.adapters.batches.files import FileStore, FilesUnavailable, Writer
 from extproc.adapters.batches.shapes import ENDPOINTS, ApiError, Json, batch_object, new_id, not_found, page
 from extproc.adapters.config import Config
 from extproc.adapters.config.batches import window_s
-from extproc.adapters.ext_proc.admission import identified_tenant
-from extproc.core.outcomes import Refused
+from extproc.adapters.request.admission import identified_tenant
+from extproc.core.values.outcomes import Refused
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What the API asks of where batches live and run: :class:`Books`, and the single instance's :class:`LocalBooks`.
 
 Two implementations: :class:`LocalBooks` (the SQLite store and the runner of
-one instance) and ``shared.py``'s ``SharedBooks`` (state in the cluster's
+one instance) and ``cluster_store.py``'s ``ClusterBooks`` (state in the cluster's
 Redis). The API (``api.py``) sees only this seam and the file store's
 (``files.py``: where the contents are), so its handlers, its validation and
 OpenAI's shapes are the same whichever keeps the books.
@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from extproc.adapters.batches.runner import Runner
+from extproc.adapters.batches.local_runner import LocalRunner
+from extproc.adapters.batches.local_store import LocalStore
 from extproc.adapters.batches.shapes import Json
-from extproc.adapters.batches.store import Store
 
 
 class BooksUnavailable(Exception):
@@ -50,7 +50,7 @@ class Books(Protocol):
 class LocalBooks:
     """One instance's books: the SQLite store, and its own runner for the batches it creates."""
 
-    def __init__(self, store: Store, runner: Runner) -> None:
+    def __init__(self, store: LocalStore, runner: LocalRunner) -> None:
         self._store, self._runner = store, runner
 
     async def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, size: int,

@@ -51,7 +51,7 @@ class Unusable(Exception):
 
 
 @dataclass(frozen=True)
-class Limits:
+class LineLimits:
     max_lines: int
     max_line_bytes: int
 
@@ -80,7 +80,7 @@ def raw_lines(source: BinaryIO, limit: int) -> Iterator[bytes]:
 class Reading:
     """One file's validation: :meth:`items` yields its lines; ``model`` is the batch's once they are read."""
 
-    def __init__(self, endpoint: str, limits: Limits) -> None:
+    def __init__(self, endpoint: str, limits: LineLimits) -> None:
         self.endpoint, self.limits = endpoint, limits
         self.model: str | None = None
         self._seen: set[str] = set()

@@ -3,7 +3,7 @@
 The line goes to Envoy's runner listener (docs/batches.md says why Envoy and
 not the queue directly) as the batch's tenant, in the lowest class its
 entitlement allows. An answer the gateway marks retryable (its reason's
-Retry-After rule in ``adapters/answers.py``: ``preempted``, ``queue_timeout``,
+Retry-After rule in ``adapters/protocol/answers.py``: ``preempted``, ``queue_timeout``,
 ...) or no answer at all is sent again after its Retry-After, never reported
 as a failure. What to do with the final answer (record it once) is the
 runner's: the single instance's SQLite store, or the cluster's Redis.
@@ -18,16 +18,16 @@ from collections.abc import Callable
 
 import aiohttp
 
-from extproc.adapters.answers import ANSWERS, Retry
+from extproc.adapters.batches.local_store import Pending
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.shapes import Json
-from extproc.adapters.batches.store import Pending
 from extproc.adapters.config import Config
 from extproc.adapters.config.batches import BatchSettings
 from extproc.adapters.envoy.batches import RUNNER_KEY_HEADER
-from extproc.adapters.ext_proc.contract import BATCH_LINE_HEADER, REASON_HEADER
-from extproc.adapters.logs import DECISIONS
-from extproc.core.outcomes import Refusal
+from extproc.adapters.protocol.answers import ANSWERS, Retry
+from extproc.adapters.protocol.contract import BATCH_LINE_HEADER, REASON_HEADER
+from extproc.adapters.telemetry.model import DECISIONS
+from extproc.core.values.outcomes import Refusal
 
 log = logging.getLogger(__name__)
 

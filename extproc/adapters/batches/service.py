@@ -2,8 +2,8 @@
 
 One instance (no ``cluster:``): the SQLite store under ``batches.directory``
 and a runner for the batches it keeps. A cluster: state and leases in the
-cluster's Redis (``shared.py``); every instance serves the API and runs a
-share of every batch's lines (``spread.py``). Either way the files' contents
+cluster's Redis (``cluster_store.py``); every instance serves the API and runs a
+share of every batch's lines (``cluster_runner.py``). Either way the files' contents
 are in the file store (``files.py``): ``batches.directory/files`` (a
 cluster's: a directory every instance mounts) or, with ``batches.files.s3``,
 an S3 bucket (``s3.py``).
@@ -28,13 +28,13 @@ from redis.backoff import NoBackoff
 
 from extproc.adapters.batches.api import Api
 from extproc.adapters.batches.books import Books, LocalBooks
+from extproc.adapters.batches.cluster_runner import ClusterRunner
+from extproc.adapters.batches.cluster_store import ClusterBooks, ClusterState
 from extproc.adapters.batches.files import DirectoryFiles, FileStore
+from extproc.adapters.batches.local_runner import LocalRunner
+from extproc.adapters.batches.local_store import LocalStore
 from extproc.adapters.batches.metrics import BatchMetrics
-from extproc.adapters.batches.runner import Runner
 from extproc.adapters.batches.shapes import PROGRESS_LISTED, Json
-from extproc.adapters.batches.shared import SharedBooks, SharedState
-from extproc.adapters.batches.spread import SpreadRunner
-from extproc.adapters.batches.store import Store
 from extproc.adapters.config import Config, split_address
 from extproc.adapters.config.batches import BatchSettings
 from extproc.adapters.telemetry.labels import TenantLabels
@@ -61,15 +61,15 @@ class BatchService:
         self.listen = settings.listen
         self.metrics = BatchMetrics(registry, tenants)
         self._clock = clock
-        self._store: Store | None = None
+        self._store: LocalStore | None = None
         self._client: aioredis.Redis | None = None
-        self._runner: Runner | SpreadRunner
+        self._runner: LocalRunner | ClusterRunner
         self._files = file_store(settings)
         books: Books
         if cluster is None:
             assert settings.directory is not None  # config/batches.py: required without cluster:
-            self._store = Store(settings.directory, self._files)
-            self._runner = Runner(current, self._store, self.metrics, clock)
+            self._store = LocalStore(settings.directory, self._files)
+            self._runner = LocalRunner(current, self._store, self.metrics, clock)
             books = LocalBooks(self._store, self._runner)
         else:
             shared = cluster.settings
@@ -77,10 +77,10 @@ class BatchService:
             timeout_s = max(shared.redis_timeout_ms / 1000, MIN_REDIS_TIMEOUT_S)
             self._client = aioredis.from_url(shared.redis_url, socket_timeout=timeout_s,
                                              socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
-            state = SharedState(self._client, shared.key_prefix, timeout_s, self._files)
-            self._runner = SpreadRunner(current, state, self.metrics, cluster.instance, shared.lease_s,
+            state = ClusterState(self._client, shared.key_prefix, timeout_s, self._files)
+            self._runner = ClusterRunner(current, state, self.metrics, cluster.instance, shared.lease_s,
                                         shared.heartbeat_interval_s, clock)
-            books = SharedBooks(state)
+            books = ClusterBooks(state)
         self._stopped = False
         self._site_runner = web.AppRunner(Api(current, books, self._files, clock).app(), access_log=None, handle_signals=False)
 
@@ -100,7 +100,7 @@ class BatchService:
         if self._stopped:
             return []
         if self._store is None:
-            assert isinstance(self._runner, SpreadRunner)
+            assert isinstance(self._runner, ClusterRunner)
             return self._runner.progress()
         return self._store.progress(self._clock(), PROGRESS_LISTED)
 

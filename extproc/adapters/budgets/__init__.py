@@ -4,11 +4,11 @@
 * ``plan.py``    the ``budgets:`` section resolved into the core's plan;
 * ``service.py`` what ``extproc serve`` runs beside the gate: the store, the series, the usage export;
 * ``headers.py`` OpenAI's ``x-ratelimit-*`` headers from a tenant's tightest windows;
-* ``store.py``   the usage book in SQLite, written behind (day and month budgets survive a restart);
+* ``usage_store.py``   the usage book in SQLite, written behind (day and month budgets survive a restart);
 * ``usage.py``   the usage rows as finance reads them: CSV or JSON, by tenant, model and day;
-* ``shared.py``  with ``cluster:``, the counts in Redis: one round trip per decision (``budgets.lua``);
-* ``shared_standings.py`` the cluster's limits read back from Redis, for the metrics and the status page;
-* ``shared_usage.py`` the cluster's usage book in Redis: added to at each end, read by the export.
+* ``cluster_ledger.py``  with ``cluster:``, the counts in Redis: one round trip per decision (``budgets.lua``);
+* ``cluster_standings.py`` the cluster's limits read back from Redis, for the metrics and the status page;
+* ``cluster_usage.py`` the cluster's usage book in Redis: added to at each end, read by the export.
 
 Loaded only where a config has a ``budgets:`` section (server.py builds the
 service, the servicer the gate). docs/budgets.md says what holds for the

@@ -1,5 +1,5 @@
 -- A cluster's tenant budgets: one decision (check and reserve every meter of a request) or one correction,
--- atomic (a script runs alone in Redis), so instances never both take the same room (adapters/budgets/shared.py).
+-- atomic (a script runs alone in Redis), so instances never both take the same room (adapters/budgets/cluster_ledger.py).
 --
 -- The semantics are the core's (core/budgets/meters.py): a window is a token bucket kept as what is
 -- used, draining at limit / 60 per second; a period is what requests that ended used plus what those in
@@ -14,7 +14,7 @@
 --   ARGV[1]  { op = "take", now, meters = [[name, kind, limit, amount, ttl_s]] }: reserves without a check (a
 --            request served over a limit: downgraded, or only reported); returns { ok = true, used = [after] }
 --   ARGV[1]  { op = "correct", now, meters = [[name, kind, limit, used_delta, reserved_delta, ttl_s]],
---              usage = { day, ttl, add = [[field, amount]] } (optional: the request's charge, shared_usage.py) }
+--              usage = { day, ttl, add = [[field, amount]] } (optional: the request's charge, cluster_usage.py) }
 --            returns { ok = true }
 
 local P = KEYS[1]

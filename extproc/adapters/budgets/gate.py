@@ -14,15 +14,15 @@ rate headers), ``downgrade`` moves the request to the lowest class, ``report``
 lets it go as it is. Whatever then happens, the servicer hands the pass back
 with the request's :class:`~extproc.core.held.Held` (:meth:`BudgetGate.end`):
 served, it is charged the usage the engine reported in its response
-(``ext_proc/engine_usage.py``), or, where none came, what the cost model
+(``request/engine_usage.py``), or, where none came, what the cost model
 measured at its end; not served (refused in the queue, its client gone while
 queued, preempted before its response began), nothing.
 
-With ``cluster:`` the counts are the cluster's, in Redis (``shared.py``): one
+With ``cluster:`` the counts are the cluster's, in Redis (``cluster_ledger.py``): one
 round trip per decision; Redis away, this instance's share of each limit. The
 end's correction, sent without waiting, carries the request's charge to the
-cluster's usage book (``shared_usage.py``); the limits as they stand are read
-back for the metrics and the status page (``shared_standings.py``).
+cluster's usage book (``cluster_usage.py``); the limits as they stand are read
+back for the metrics and the status page (``cluster_standings.py``).
 
 Time is the wall clock: budgets are per calendar day and month (UTC).
 """
@@ -35,25 +35,25 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from extproc.adapters.budgets import shared_usage
+from extproc.adapters.budgets import cluster_usage
+from extproc.adapters.budgets.cluster_ledger import ClusterBudgets, ClusterTicket, amounts, meters, share, view
+from extproc.adapters.budgets.cluster_standings import ClusterStandings
 from extproc.adapters.budgets.headers import NO_RETRY, rate_headers
 from extproc.adapters.budgets.plan import plan
-from extproc.adapters.budgets.shared import SharedBudgets, SharedTicket, amounts, meters, share, view
-from extproc.adapters.budgets.shared_standings import ClusterStandings
 from extproc.adapters.config.budgets import BudgetSettings
-from extproc.adapters.ext_proc.admission import Admission
-from extproc.adapters.ext_proc.attach.base import Stream
-from extproc.adapters.ext_proc.engine_usage import Reported
-from extproc.adapters.ext_proc.request_fields import max_tokens
+from extproc.adapters.request.admission import Admission
+from extproc.adapters.request.engine_usage import Reported, UsageReader
+from extproc.adapters.request.request_fields import RequestFields, max_tokens
 from extproc.core.budgets.book import Usage
 from extproc.core.budgets.ledger import Budgets, Over, Standing, Ticket, over_reason
 from extproc.core.budgets.limits import Action, Kind
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.held import Held
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +64,25 @@ REFUSALS = {Over.RATE: Refusal.RATE_LIMIT_EXCEEDED, Over.BUDGET: Refusal.INSUFFI
 class Pass:
     """An admitted request's reservation (in this instance's ledger, or the cluster's), and its response's headers."""
 
-    ticket: Ticket | SharedTicket
+    ticket: Ticket | ClusterTicket
     headers: tuple[tuple[str, str], ...] = ()
     # The ledger the ticket is in (None: the cluster's), and what the book needs of a shared one.
     ledger: Budgets | None = None
     tenant: str = ""
     model: str = ""
     over: bool = False
+
+
+
+class GatedStream(Protocol):
+    """What the gate reads and writes of a request's stream (``ext_proc/attach/base.py``'s ``Stream``): its fields,
+    the headers its release sets, the pass it carries to its end and the usage its response reported. Named here,
+    so the budgets import nothing of the stream handling that builds them."""
+
+    fields: RequestFields
+    headers: tuple[tuple[str, str], ...]
+    ticket: object
+    usage: UsageReader | None
 
 
 class BudgetGate:
@@ -86,13 +98,13 @@ class BudgetGate:
         # What was charged since start, by (tenant, model): requests, input, cached, output tokens, cost (the metrics').
         self.usage: dict[tuple[str, str], list[float]] = {}
         # With cluster: the counts in Redis; and this instance's share while Redis is away (same book).
-        self.shared: SharedBudgets | None = None
+        self.shared: ClusterBudgets | None = None
         self._standings: ClusterStandings | None = None
         self._alone: Budgets | None = None
         self._alone_instances = 0
         self._warned = False
 
-    def share(self, shared: SharedBudgets) -> None:
+    def share(self, shared: ClusterBudgets) -> None:
         """Count in the cluster's Redis from the next request on (``cluster:``)."""
         self.shared = shared
         self._standings = ClusterStandings(shared, self._clock)
@@ -104,7 +116,7 @@ class BudgetGate:
         self.budgets.reconfigure(plan(settings), self._clock())
         self._alone_instances = 0  # the share is taken again from the new plan when next needed
 
-    async def enter(self, admission: Admission, stream: Stream, dispatcher: ModelDispatcher,
+    async def enter(self, admission: Admission, stream: GatedStream, dispatcher: ModelDispatcher,
                     content_length: int | None) -> Admission:
         """Before the submit: ``admission`` as it goes on (:meth:`admit`, on what its model's cost model expects of
         it); raises the refusal. Its pass is kept on ``stream`` for :meth:`leave`, its rate headers for its release."""
@@ -114,7 +126,7 @@ class BudgetGate:
         stream.ticket = passed
         return admission
 
-    def leave(self, stream: Stream, held: Held | None) -> None:
+    def leave(self, stream: GatedStream, held: Held | None) -> None:
         """The request's end (``held`` None: refused before it was queued): its pass, if it has one, settled once
         (:meth:`end`) on the usage its response reported."""
         passed, stream.ticket = stream.ticket, None
@@ -165,13 +177,13 @@ class BudgetGate:
             return admission, passed
         return self._over(admission, passed, over, verdict.action, verdict.retry_after_s, verdict.reason)
 
-    async def _admit_shared(self, shared: SharedBudgets, admission: Admission, usage: Usage,
+    async def _admit_shared(self, shared: ClusterBudgets, admission: Admission, usage: Usage,
                             now: float) -> tuple[Admission, Pass]:
         budgets = self.budgets
         found = meters(budgets.plan, admission.tenant, admission.model, now, shared.calendar)
         cost = budgets.plan.price(admission.model).cost(usage.input_tokens, 0.0, usage.output_tokens)
         reserve = amounts(found, usage, cost)
-        ticket = SharedTicket(found, reserve, rated=True)
+        ticket = ClusterTicket(found, reserve, rated=True)
         if not found:
             return admission, Pass(ticket, (), None, admission.tenant, admission.model)
         verdict = await shared.admit(found, reserve, now)
@@ -186,7 +198,7 @@ class BudgetGate:
             ticket.rated = action is Action.REPORT
             kept = tuple(amount if ticket.rated or meter.kind == "p" else 0.0 for meter, amount in zip(found, reserve,
                                                                                                       strict=True))
-            ticket = SharedTicket(found, kept, ticket.rated)
+            ticket = ClusterTicket(found, kept, ticket.rated)
             await shared.admit(found, kept, now, check=False)
         passed = Pass(ticket, headers, None, admission.tenant, admission.model, True)
         named = found[verdict.at]
@@ -244,7 +256,7 @@ class BudgetGate:
         charge = held.charge if held is not None else None
         served = held is not None and charge is not None and held.served
         if not served or held is None or charge is None:
-            if isinstance(ticket, SharedTicket):
+            if isinstance(ticket, ClusterTicket):
                 if self.shared is not None:
                     self.shared.correct(ticket, None, now)
             elif passed.ledger is not None:
@@ -256,17 +268,17 @@ class BudgetGate:
             cached = charge.cached_tokens if reported.cached_tokens is None else reported.cached_tokens
             used = Usage(reported.prompt_tokens, cached, reported.completion_tokens)
         day = self.budgets.calendar_day(now)
-        if isinstance(ticket, SharedTicket):
+        if isinstance(ticket, ClusterTicket):
             cost = self.budgets.plan.price(passed.model).cost(used.input_tokens, used.cached_tokens, used.output_tokens)
             if self.shared is not None:
                 self.shared.correct(ticket, amounts(ticket.meters, used, cost), now,
-                                    shared_usage.charge(passed.tenant, passed.model, day, used, cost, passed.over))
+                                    cluster_usage.charge(passed.tenant, passed.model, day, used, cost, passed.over))
             self.budgets.book.add(passed.tenant, passed.model, day, used, cost, over=passed.over)
         else:
             assert passed.ledger is not None
             cost = passed.ledger.settle(ticket, used, now)
             if self.shared is not None:  # decided on this instance's share (Redis away): its charge is the cluster's too
-                self.shared.record(shared_usage.charge(passed.tenant, passed.model, day, used, cost, passed.over), now)
+                self.shared.record(cluster_usage.charge(passed.tenant, passed.model, day, used, cost, passed.over), now)
         totals = self.usage.get((passed.tenant, passed.model))
         if totals is None:
             totals = self.usage[(passed.tenant, passed.model)] = [0.0] * 5

@@ -7,7 +7,7 @@
   bound, so they are not series (the usage export has them all);
 * ``extproc_budget_reset_seconds``: until the window is empty or the period over;
   with ``cluster:`` these are the cluster's counts as read from Redis
-  (``shared_standings.py``), left out while Redis does not answer;
+  (``cluster_standings.py``), left out while Redis does not answer;
 * ``extproc_budget_stale``: 1 while they are left out so (the cluster's counts
   unknown), 0 else;
 * ``extproc_budget_over_total{tenant, over, action}``: requests over a limit;

@@ -9,21 +9,21 @@ from __future__ import annotations
 from dataclasses import fields, replace
 
 from extproc.adapters.config.budgets import DEFAULT_KEY, BudgetSettings, LimitSettings, PriceSettings, TenantBudget
-from extproc.core.budgets.limits import Action, Limits, Plan, Prices, TenantPlan
+from extproc.core.budgets.limits import Action, BudgetLimits, Plan, Prices, TenantPlan
 
 
 def _written(settings: LimitSettings) -> dict[str, float]:
-    """The limits ``settings`` sets, by :class:`Limits`' field names (which its fields are named as)."""
-    return {f.name: getattr(settings, f.name) for f in fields(Limits) if getattr(settings, f.name) is not None}
+    """The limits ``settings`` sets, by :class:`BudgetLimits`' field names (which its fields are named as)."""
+    return {f.name: getattr(settings, f.name) for f in fields(BudgetLimits) if getattr(settings, f.name) is not None}
 
 
-def _limits(written: LimitSettings | None, base: Limits) -> Limits:
+def _limits(written: LimitSettings | None, base: BudgetLimits) -> BudgetLimits:
     return base if written is None else replace(base, **_written(written))
 
 
 def _tenant(written: TenantBudget, base: TenantPlan) -> TenantPlan:
     """``written`` over ``base`` field by field; per model, over ``base``'s limits for that model."""
-    models = {**base.models, **{name: _limits(limits, base.models.get(name, Limits()))
+    models = {**base.models, **{name: _limits(limits, base.models.get(name, BudgetLimits()))
                                 for name, limits in written.models.items()}}
     return TenantPlan(
         action=base.action if written.action is None else Action(written.action),
@@ -43,6 +43,6 @@ def plan(budgets: BudgetSettings) -> Plan:
     return Plan(
         tenants={name: _tenant(entry, default) for name, entry in budgets.tenants.items() if name != DEFAULT_KEY},
         default=default,
-        groups={name: _limits(limits, Limits()) for name, limits in budgets.groups.items()},
+        groups={name: _limits(limits, BudgetLimits()) for name, limits in budgets.groups.items()},
         prices={name: _prices(price) for name, price in budgets.prices.items()},
     )

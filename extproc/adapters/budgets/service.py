@@ -2,10 +2,10 @@
 
 The gate (``gate.py``) decides each request inside the ext_proc servicer; this
 is the rest of the section's life in the process: the usage book read from
-SQLite at start and written behind (``store.py``), the budgets' series on the
+SQLite at start and written behind (``usage_store.py``), the budgets' series on the
 metrics registry (``metrics.py``), their standings and the usage export for
 the metrics port, and with ``cluster:`` the counts shared in Redis
-(``shared.py``). server.py builds it only when the config has a ``budgets:``
+(``cluster_ledger.py``). server.py builds it only when the config has a ``budgets:``
 section, so a processor without one loads none of this package.
 """
 
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
-from extproc.adapters.budgets import shared_usage
+from extproc.adapters.budgets import cluster_usage
+from extproc.adapters.budgets.cluster_ledger import ClusterBudgets
 from extproc.adapters.budgets.metrics import BudgetCollector
-from extproc.adapters.budgets.shared import SharedBudgets
-from extproc.adapters.budgets.store import StoreWriter, UsageStore
 from extproc.adapters.budgets.usage import Per, Unavailable, records
+from extproc.adapters.budgets.usage_store import StoreWriter, UsageStore
 from extproc.adapters.config import ClusterSettings
 from extproc.adapters.config.budgets import BudgetSettings
 from extproc.core.budgets.book import Book, day_of
@@ -75,12 +75,12 @@ class BudgetService:
             log.error("budgets.store: cannot write %s at exit (%s)", self.store.store.path, exc)
 
     def share(self, cluster: ClusterConnection, settings: ClusterSettings) -> None:
-        """With a cluster, the budgets' counts are the cluster's, in Redis (shared.py); once."""
+        """With a cluster, the budgets' counts are the cluster's, in Redis (cluster_ledger.py); once."""
         gate = self._gate()
         if gate is None or gate.shared is not None:
             return
         expected = max(1, len(settings.instances))
-        gate.share(SharedBudgets(
+        gate.share(ClusterBudgets(
             cluster.client, settings.key_prefix, settings.redis_timeout_ms / 1000,
             lambda: max([expected, *(seat.instances for seat in cluster.seats.values())])))
 
@@ -98,7 +98,7 @@ class BudgetService:
     async def usage(self, since: str, per: Per) -> list[dict[str, Any]] | None:
         """The usage export (usage.py) from ``since`` (YYYY-MM-DD).
 
-        With a cluster, the cluster's rows in Redis (shared_usage.py; raises Unavailable
+        With a cluster, the cluster's rows in Redis (cluster_usage.py; raises Unavailable
         when Redis does not answer). Else, with a store, what changed is written first and the file is read
         (every day it holds); else the processor's memory (the days since it started).
         """
@@ -109,7 +109,7 @@ class BudgetService:
         if gate.shared is not None:
             shared = gate.shared
             try:
-                found = await shared_usage.rows(shared.client, shared.prefix, day_of(since), time.time(),
+                found = await cluster_usage.rows(shared.client, shared.prefix, day_of(since), time.time(),
                                                 USAGE_TIMEOUT_S)
             except (RedisError, OSError, TimeoutError) as exc:
                 raise Unavailable(f"the cluster's usage is in Redis, which did not answer ({str(exc) or 'timeout'}); "

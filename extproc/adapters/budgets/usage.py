@@ -4,7 +4,7 @@ One row per tenant, model and period: requests served, input tokens (of
 which cached), output tokens, cost (from ``budgets.prices``, in the prices'
 currency), and how many of the requests were served over a limit
 (downgraded or only reported). With ``cluster:``, the cluster's rows in
-Redis (``shared_usage.py``: every instance's charges); else read from the
+Redis (``cluster_usage.py``: every instance's charges); else read from the
 store where there is one (every day the instance served), else from the
 processor's memory (since it started). Served at ``GET /usage`` on the
 metrics port and by ``extproc usage`` (which reads Redis, or the store file,

@@ -16,7 +16,7 @@ from extproc.adapters.config.values import Count, Count0, Positive, Section
 
 
 class GrpcLimits(Section, frozen=True):
-    """The gRPC port's bounds on what one peer can hold (adapters/grpc/transport.py ``Limits``).
+    """The gRPC port's bounds on what one peer can hold (adapters/grpc/transport.py ``TransportLimits``).
 
     Far above what Envoy's held requests need, each held request being one
     stream (docs/configuration.md, "The gRPC port's limits").

@@ -44,7 +44,8 @@ class _Entry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 
 class LimitSettings(_Entry, frozen=True):
-    """One scope's limits as written, named as :class:`~extproc.core.budgets.limits.Limits`' fields; unset: none, or inherited."""
+    """One scope's limits as written, named as :class:`~extproc.core.budgets.limits.BudgetLimits`' fields; unset:
+    none, or inherited."""
 
     requests_per_minute: Positive | None = None
     input_tokens_per_minute: Positive | None = None

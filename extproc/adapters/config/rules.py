@@ -27,9 +27,9 @@ from extproc.adapters.config.schema import (
     TenantSettings,
     TlsSettings,
 )
+from extproc.adapters.config.tls import TlsFileError, load_context
 from extproc.adapters.config.validate import Problems, Rules
-from extproc.adapters.engines.dialects import DIALECTS
-from extproc.adapters.grpc.tls import TlsFileError, load_context
+from extproc.adapters.protocol.dialects import DIALECTS
 from extproc.core import release
 from extproc.core.policies import POLICIES
 

@@ -45,14 +45,14 @@ from extproc.adapters.config.values import (
     Share,
     choice,
 )
-from extproc.adapters.engines.dialects import DIALECTS
-from extproc.adapters.ext_proc.contract import MODEL_HEADER
+from extproc.adapters.protocol.contract import MODEL_HEADER
+from extproc.adapters.protocol.dialects import DIALECTS
 from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES
 
-# The engines whose /metrics the gate reads (adapters/engines/dialects.py owns the list).
+# The engines whose /metrics the gate reads (adapters/protocol/dialects.py owns the list).
 ENGINES = tuple(DIALECTS)
 
 
@@ -72,7 +72,7 @@ class TlsSettings(Section, frozen=True):
 
 log = logging.getLogger(__name__)
 
-# The gRPC servers `listen.transport` names (adapters/grpc/registry.py TRANSPORTS): `builtin`, ours, built into the
+# The gRPC servers `listen.transport` names (adapters/transports.py TRANSPORTS): `builtin`, ours, built into the
 # package (adapters/grpc/builtin/: its own HTTP/2 layer), and `grpcio`, grpc.aio. And `h2`, the name ours had when it
 # ran on the `h2` library, still read as `builtin` with a warning.
 TRANSPORT_NAMES = ("builtin", "grpcio")
@@ -153,7 +153,7 @@ class CostSettings(Section, frozen=True):
 
 
 class PrefixSettings(Section, frozen=True):
-    """Prefix signatures for a model (adapters/ext_proc/prompt_prefix.py, core/prefix.py).
+    """Prefix signatures for a model (adapters/request/prompt_prefix.py, core/prefix.py).
 
     Present, the processor reads each request's body before it holds it (one
     more ext_proc message behind the generated Envoy) to hash its prompt's
@@ -332,7 +332,7 @@ INTAKE_PER_S = {"builtin": 1500, "grpcio": 750}
 
 
 @dataclass(frozen=True)
-class Admission:
+class AdmissionBucket:
     """Envoy's admission bucket as generated: its size and its refill per second."""
 
     tokens: int
@@ -372,7 +372,7 @@ class EnvoySettings(Section, frozen=True):
     processor_client_cert_file: NonEmpty | None = None
     processor_client_key_file: NonEmpty | None = None
 
-    def admission(self, transport: str) -> Admission:
+    def admission(self, transport: str) -> AdmissionBucket:
         """The bucket in front of a processor on ``transport``: each value as set, else from its intake."""
         per_second = self.admission_per_second
         if per_second is None:
@@ -380,7 +380,7 @@ class EnvoySettings(Section, frozen=True):
         tokens = self.admission_burst
         if tokens is None:  # what the processor takes in within the message timeout
             tokens = math.ceil(per_second / ADMISSION_REFILL_SHARE * self.message_timeout_ms / 1000)
-        return Admission(tokens, per_second)
+        return AdmissionBucket(tokens, per_second)
 
 
 class ConfigFile(Section, frozen=True):

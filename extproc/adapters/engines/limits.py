@@ -37,7 +37,7 @@ from typing import Any
 
 import aiohttp
 
-from extproc.core.engine_load import EngineLimits
+from extproc.core.values.engine_load import EngineLimits
 
 
 def _int(value: Any) -> int | None:

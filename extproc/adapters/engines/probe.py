@@ -44,26 +44,26 @@ from extproc.core.dispatcher import ModelDispatcher
 SETTLE_S = 0.02
 
 
-class Answer(Enum):
+class ProbeResult(Enum):
     ALIVE = "alive"
     UNREACHABLE = "unreachable"
     UNKNOWN = "unknown"
 
 
-async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float) -> Answer:
+async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float) -> ProbeResult:
     """What one ``GET url`` on a fresh connection of ``session`` (``force_close``) says of the engine."""
     try:
         async with asyncio.timeout(timeout_s), session.get(url) as response:
-            return Answer.UNKNOWN if response.status >= 500 else Answer.ALIVE
+            return ProbeResult.UNKNOWN if response.status >= 500 else ProbeResult.ALIVE
     except TimeoutError:
-        return Answer.UNKNOWN
+        return ProbeResult.UNKNOWN
     except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
-        return Answer.UNREACHABLE  # refused, reset, closed before an answer: nothing serves there
+        return ProbeResult.UNREACHABLE  # refused, reset, closed before an answer: nothing serves there
     except aiohttp.ClientError:
-        return Answer.UNKNOWN
+        return ProbeResult.UNKNOWN
 
 
-async def listening(endpoint: str, timeout_s: float) -> Answer:
+async def listening(endpoint: str, timeout_s: float) -> ProbeResult:
     """Whether anything accepts a TCP connection at ``endpoint``'s host and port (closed at once)."""
     parts = urlsplit(endpoint)
     port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -71,11 +71,11 @@ async def listening(endpoint: str, timeout_s: float) -> Answer:
         async with asyncio.timeout(timeout_s):
             transport, _ = await asyncio.get_running_loop().create_connection(asyncio.Protocol, parts.hostname or "", port)
     except TimeoutError:
-        return Answer.UNKNOWN
+        return ProbeResult.UNKNOWN
     except OSError:
-        return Answer.UNREACHABLE  # refused, reset, no route: nothing serves there
+        return ProbeResult.UNREACHABLE  # refused, reset, no route: nothing serves there
     transport.close()
-    return Answer.ALIVE
+    return ProbeResult.ALIVE
 
 
 def probe_session() -> aiohttp.ClientSession:
@@ -103,12 +103,12 @@ class Prober:
                 await asyncio.sleep(SETTLE_S)
                 started = time.monotonic()
                 answer = await listening(endpoint, self._model.advanced.stale_after_s)
-                if answer is Answer.UNKNOWN:
+                if answer is ProbeResult.UNKNOWN:
                     await asyncio.sleep(self._model.advanced.scrape_interval_s)  # a scrape may settle it meanwhile
                     continue
                 # A port that still accepts shows life only for the ends at least SETTLE_S before the look.
-                self._dispatcher.record_probe(endpoint, answer is Answer.ALIVE, started - SETTLE_S)
-                if answer is Answer.UNREACHABLE:
+                self._dispatcher.record_probe(endpoint, answer is ProbeResult.ALIVE, started - SETTLE_S)
+                if answer is ProbeResult.UNREACHABLE:
                     break
         finally:
             self._running.pop(endpoint, None)

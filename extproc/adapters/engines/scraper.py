@@ -32,11 +32,11 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from extproc.adapters.config import ModelConfig, is_ip_address
-from extproc.adapters.engines.dialects import DIALECTS, MetricsError, parse_load
 from extproc.adapters.engines.limits import read_limits
-from extproc.adapters.engines.probe import Answer, probe
+from extproc.adapters.engines.probe import ProbeResult, probe
+from extproc.adapters.protocol.dialects import DIALECTS, MetricsError, parse_load
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.engine_load import EngineLoad
+from extproc.core.values.engine_load import EngineLoad
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ async def scrape_endpoint(
                 reachable = False
             elif isinstance(exc, aiohttp.ClientOSError | aiohttp.ServerDisconnectedError):
                 answer = await probe(probes, endpoint + DIALECTS[model.engine].health_path, model.advanced.stale_after_s)
-                reachable = answer is not Answer.UNREACHABLE
-                if answer is Answer.ALIVE:
+                reachable = answer is not ProbeResult.UNREACHABLE
+                if answer is ProbeResult.ALIVE:
                     dispatcher.record_probe(endpoint, True, started)
             if healthy is not False:
                 log.warning("model %s: cannot read %s: %s%s", model.name, url, exc or type(exc).__name__,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.adapters.config import Config
-from extproc.adapters.ext_proc.contract import HOLD_MARGIN_S, hold_timeout_for
+from extproc.adapters.protocol.contract import HOLD_MARGIN_S, hold_timeout_for
 
 Json = dict[str, Any]
 

@@ -20,7 +20,7 @@ from extproc.adapters.envoy.base import Json, duration, typed
 from extproc.adapters.envoy.clusters import Upstream, upstream
 from extproc.adapters.envoy.filters import EXT_PROC_FILTER
 from extproc.adapters.envoy.local_replies import direct_reply
-from extproc.core.outcomes import Refusal
+from extproc.core.values.outcomes import Refusal
 
 BATCH_API_CLUSTER = "extproc_batch_api"
 API_PREFIXES = ("/v1/files", "/v1/batches")
@@ -29,7 +29,7 @@ API_TIMEOUT_S = 600.0
 API_CONNECT_TIMEOUT_S = 5.0
 # A call to an instance that is down goes to another (a cluster's instances all serve the API).
 API_RETRIES = 2
-# The header the runner listener's routes require with batches.runner_key (adapters/batches/runner.py sends it).
+# The header the runner listener's routes require with batches.runner_key (adapters/batches/local_runner.py sends it).
 RUNNER_KEY_HEADER = "x-extproc-batch-key"
 
 

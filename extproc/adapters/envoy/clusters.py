@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from extproc.adapters.config import Config, is_ip_address, split_address
 from extproc.adapters.envoy.base import Json, duration, typed
-from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, EXT_PROC_SERVICE
+from extproc.adapters.protocol.contract import DESTINATION_HEADER, EXT_PROC_SERVICE
 
 EXTPROC_CLUSTER = "extproc"
 # Endpoint picking (Gateway API Inference Extension): the ORIGINAL_DST cluster.

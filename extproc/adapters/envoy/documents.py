@@ -21,7 +21,7 @@ from extproc.adapters.envoy.clusters import clusters, socket_address
 from extproc.adapters.envoy.filters import FILTERS, IDENTITY_FILTERS, Chain, drop_in_filters, drop_in_name, http_filters
 from extproc.adapters.envoy.local_replies import cel, local_reply_config
 from extproc.adapters.envoy.routes import RouteScope, routes
-from extproc.adapters.ext_proc.contract import MODEL_HEADER
+from extproc.adapters.protocol.contract import MODEL_HEADER
 
 # JSON bodies are buffered by json_to_metadata before ext_proc runs; with
 # Envoy's default 1 MiB per-connection buffer a longer prompt gets 413.

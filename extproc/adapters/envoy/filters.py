@@ -30,7 +30,7 @@ The request path:
    stream just ends). On the releases it checks, the processor turns on
    ``response_header_mode`` (``mode_override``) to see the status: the
    router's own 503 for an unreachable engine marks the endpoint down
-   (``ext_proc/release_outcome.py``). ``failure_mode_allow``: an unreachable
+   (``ext_proc/attach/release_outcome.py``). ``failure_mode_allow``: an unreachable
    processor sets no model header, and the routes decide
    (``envoy.processor_failure``, routes.py); a released response keeps
    streaming if the processor dies meanwhile.
@@ -46,7 +46,7 @@ from enum import Enum
 from extproc.adapters.config import Config
 from extproc.adapters.envoy.base import Json, duration, hold_timeout_s, typed
 from extproc.adapters.envoy.clusters import EXTPROC_CLUSTER, JWKS_CLUSTER
-from extproc.adapters.ext_proc.contract import (
+from extproc.adapters.protocol.contract import (
     BATCH_LINE_HEADER,
     DESTINATION_HEADER,
     INCLUDE_USAGE_FIELD,
@@ -56,7 +56,7 @@ from extproc.adapters.ext_proc.contract import (
     QUEUE_WAIT_HEADER,
     STREAM_FIELD,
 )
-from extproc.core.outcomes import Refusal
+from extproc.core.values.outcomes import Refusal
 
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 JWT_PROVIDER = "tenant"

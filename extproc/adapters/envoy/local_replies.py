@@ -4,7 +4,7 @@ Envoy's own replies (an auth filter's 401, an unreachable engine, timeouts,
 a body too large) are plain text or empty; OpenAI clients expect the error
 object and operators the reason header. The HTTP connection manager's
 ``local_reply_config`` matches each kind and rewrites it; status, error type
-and Retry-After are the reason's (``adapters/answers.py``).
+and Retry-After are the reason's (``adapters/protocol/answers.py``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import copy
 import json
 from dataclasses import dataclass
 
-from extproc.adapters.answers import ANSWERS, answer_headers, error_body, retry_after_s
 from extproc.adapters.envoy.base import Json, header_values, typed
-from extproc.adapters.ext_proc.contract import REASON_HEADER
-from extproc.core.outcomes import Refusal
+from extproc.adapters.protocol.answers import ANSWERS, answer_headers, error_body, retry_after_s
+from extproc.adapters.protocol.contract import REASON_HEADER
+from extproc.core.values.outcomes import Refusal
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from extproc.adapters.config import Config
-from extproc.adapters.engines.dialects import DIALECTS
 from extproc.adapters.envoy.base import Json, duration, header_values, idle_timeout_s, typed
 from extproc.adapters.envoy.clusters import PICKED_CLUSTER, cluster_names, picks_endpoints, shard_cluster_name
 from extproc.adapters.envoy.filters import ECHOED_HEADERS, EXT_PROC_FILTER
 from extproc.adapters.envoy.local_replies import direct_reply
-from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, METADATA_NAMESPACE, MODEL_HEADER
-from extproc.core.outcomes import Refusal
+from extproc.adapters.protocol.contract import DESTINATION_HEADER, METADATA_NAMESPACE, MODEL_HEADER
+from extproc.adapters.protocol.dialects import DIALECTS
+from extproc.core.values.outcomes import Refusal
 
 # Retries of a request the engine never started: it could not be reached, or it
 # refused the request as full (its own queue cap). Envoy's back-off is jittered:

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.ext_proc.attach.base import Attachment, Stream
-from extproc.adapters.ext_proc.served import ServedModel
+from extproc.adapters.ext_proc.attach.served import ServedModel
 from extproc.core.held import Held
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 
 async def follow(side: Attachment, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],

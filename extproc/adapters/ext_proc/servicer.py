@@ -5,7 +5,7 @@ into replies; a gRPC server of adapters/grpc/ carries them (server.py wires the 
 
 What every request shares is here: the request is read (by its attachment),
 admitted (``admission.py``: who asks, for which model, how urgently), signed
-when its model has prefix signatures (``prompt_prefix.py``), queued with its
+when its model has prefix signatures (``request/prompt_prefix.py``), queued with its
 model's dispatcher and held until the dispatcher decides; then released, and
 followed until the stream ends, which is the request's completion (the
 gate's in-flight count stays exact at no per-chunk cost). A client that
@@ -24,7 +24,7 @@ may preempt it (``core/preemption.py``), and the stream answers 503
 release): Envoy sends that to the client and resets the request to the
 engine, which aborts it.
 
-What the stream reads of its model is a narrow view (``served.py``) of the
+What the stream reads of its model is a narrow view (``attach/served.py``) of the
 model's runtime (``adapters/runtime.py``). With tenant budgets one gate
 stands around the submit (``adapters/budgets/gate.py``): asked before the
 request is queued (it may refuse or downgrade it), told at the request's end.
@@ -39,8 +39,8 @@ class is decided first, so that a shed stream gets one reply and an admitted
 one its acknowledgement.
 
 A request that does not reach the engine ends in one of the core's named
-refusals (``core/outcomes.py``); what the client hears for each comes from
-``adapters/answers.py`` (``replies.py``), in its attachment's statuses.
+refusals (``core/values/outcomes.py``); what the client hears for each comes from
+``adapters/protocol/answers.py`` (``replies.py``), in its attachment's statuses.
 """
 
 from __future__ import annotations
@@ -52,21 +52,21 @@ from typing import TYPE_CHECKING
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.config import Config
-from extproc.adapters.ext_proc.admission import Admission, Admissions
 from extproc.adapters.ext_proc.attach.base import Attachment, Stream
 from extproc.adapters.ext_proc.attach.endpoint_picker import EndpointPicker
 from extproc.adapters.ext_proc.attach.own_envoy import OwnEnvoy
+from extproc.adapters.ext_proc.attach.replies import content_length, headers_of, models_response, passed
+from extproc.adapters.ext_proc.attach.served import ServedModel
 from extproc.adapters.ext_proc.follow import follow
 from extproc.adapters.ext_proc.loop_lag import LoopLag
-from extproc.adapters.ext_proc.replies import content_length, headers_of, models_response, passed
-from extproc.adapters.ext_proc.request_fields import NO_PROMPT, from_metadata, max_tokens
-from extproc.adapters.ext_proc.served import ServedModel
 from extproc.adapters.ext_proc.shedding import Shedding
+from extproc.adapters.request.admission import Admission, Admissions
+from extproc.adapters.request.request_fields import NO_PROMPT, from_metadata, max_tokens
 from extproc.adapters.telemetry import UNKNOWN_MODEL, Admitted, Signed, Telemetry, TurnedAway
 from extproc.core.held import Held
-from extproc.core.outcomes import Refusal, Refused, shutting_down
 from extproc.core.prefix import NO_PREFIX, Prefix
-from extproc.core.report import RequestEvent, Step
+from extproc.core.values.outcomes import Refusal, Refused, shutting_down
+from extproc.core.values.report import RequestEvent, Step
 
 if TYPE_CHECKING:  # imported where a budgets: section is configured (_budgets)
     from extproc.adapters.budgets.gate import BudgetGate

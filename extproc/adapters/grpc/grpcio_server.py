@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from extproc.adapters.grpc.builtin.peer_warnings import WARN_EVERY_S
+from extproc.adapters.grpc.peer_warnings import WARN_EVERY_S
 from extproc.adapters.grpc.tls import ServerTls
-from extproc.adapters.grpc.transport import INTERNAL, GrpcError, Limits, Message, Method, Methods, Transport
+from extproc.adapters.grpc.transport import INTERNAL, GrpcError, Message, Method, Methods, Transport, TransportLimits
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +116,9 @@ class _Handlers(_GenericRpcHandler):
 class GrpcioServer(Transport):
     """Serves ``methods`` on grpc.aio (transport.py says what it owes)."""
 
-    def __init__(self, methods: Methods, limits: Limits | None = None) -> None:
+    def __init__(self, methods: Methods, limits: TransportLimits | None = None) -> None:
         self.methods = methods
-        self.limits = limits or Limits()
+        self.limits = limits or TransportLimits()
         self._active = 0
         self._server: grpc.aio.Server | None = None
 

@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator, Callable
 
 from grpc_health.v1 import health_pb2
 
-from extproc.adapters.ext_proc.contract import EXT_PROC_SERVICE
 from extproc.adapters.grpc.transport import NOT_FOUND, GrpcError, Method, Methods
+from extproc.adapters.protocol.contract import EXT_PROC_SERVICE
 
 CHECK_PATH = "/grpc.health.v1.Health/Check"
 LIVENESS, READINESS = "liveness", "readiness"

@@ -3,8 +3,8 @@
 The ext_proc servicer and the health service hand a transport a table of
 :class:`Method` by gRPC path and end a call early by raising
 :class:`GrpcError`; they never learn which server carries them. Two servers
-implement :class:`Transport`, chosen by ``listen.transport`` (registry.py
-``TRANSPORTS``): ``builtin`` (builtin/, ours, a few KB per held request) and
+implement :class:`Transport`, chosen by ``listen.transport`` (``TRANSPORTS``,
+``adapters/transports.py``): ``builtin`` (builtin/, ours, a few KB per held request) and
 ``grpcio`` (grpcio_server.py, grpc.aio, the reference). Each maps its
 library's failures to ours at this seam, so a caller sees the same errors and
 statuses whichever runs. tests/test_transport_differential.py is the
@@ -60,7 +60,7 @@ Methods = Mapping[str, Method]  # by gRPC path, ``/package.Service/Method``
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class TransportLimits:
     """What a transport lets its peers hold: ``advanced.grpc``'s bounds as configured, and the largest message.
 
     The bounds are read from the config's own struct (its defaults are far
@@ -100,4 +100,4 @@ class Transport(Protocol):
         ...
 
 
-TransportFactory = Callable[[Methods, Limits], Transport]
+TransportFactory = Callable[[Methods, TransportLimits], Transport]

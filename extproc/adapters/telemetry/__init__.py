@@ -5,7 +5,8 @@
 * ``events.py``   what the adapters report of a model beside the core's events;
 * ``model.py``    each model's recorder (:class:`ModelTelemetry`): every event of the model, into its series;
 * ``deferral.py`` while the processor serves, those events written after the replies, not before;
-* ``process.py``  one processor's :class:`Telemetry`: its own registry, the series, each model's recorder.
+* ``process.py``  one processor's :class:`Telemetry`: its own registry, the series, each model's recorder;
+* ``objectives.py`` TTFT objectives met or missed, per class and tenant: the status page's view.
 
 The names below are the package's surface; callers import them from here.
 """

@@ -1,6 +1,6 @@
 """What the adapters report of a model beside the core's events: admissions, refusals, signatures, round trips.
 
-They take the same road as the core's (``core/report.py``): into the model's
+They take the same road as the core's (``core/values/report.py``): into the model's
 recorder (model.py), which writes their series.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from extproc.core.outcomes import Refusal
+from extproc.core.values.outcomes import Refusal
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,19 +18,21 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from extproc.adapters.logs import DECISIONS
-from extproc.adapters.objectives import MET, MISSED, PREEMPTED, Objectives, verdict
 from extproc.adapters.telemetry.deferral import Deferral
 from extproc.adapters.telemetry.events import AdapterEvent, Admitted, ClusterTrip, ServedElsewhere, Signed, TurnedAway
 from extproc.adapters.telemetry.labels import NO_TENANT, TenantLabels
+from extproc.adapters.telemetry.objectives import MET, MISSED, PREEMPTED, Objectives, verdict
 from extproc.adapters.telemetry.series import Series
 from extproc.core.demand import Demand
-from extproc.core.engine_load import EngineLoad
-from extproc.core.outcomes import Refusal
-from extproc.core.report import Change, Charged, EndpointEvent, Event, PoolEvent, RequestEvent, Step
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.outcomes import Refusal
+from extproc.core.values.report import Change, Charged, EndpointEvent, Event, PoolEvent, RequestEvent, Step
 
 # Endpoint health changes, as the core's events tell them (core/release/health_log.py).
 HEALTH = logging.getLogger("extproc.health")
+# Where the per-request decision lines go (adapters/logs.py says their shape): one line per request that entered
+# a queue, and one more if it was preempted after its release; the Batch API's runner adds its lines' attempts.
+DECISIONS = logging.getLogger("extproc.decisions")
 # The engine refusing requests at its own queue cap is logged at most this often per endpoint.
 REJECTIONS_LOG_S = 10.0
 # One reading of a model's demand serves every series of one scrape (read within this long of each other).
@@ -56,7 +58,7 @@ class _DemandReading:
 class ModelTelemetry:
     """One model's series, its decision lines and its health log lines: every report of the model comes here.
 
-    The core's events (``core/report.py``) and the adapters' own (the
+    The core's events (``core/values/report.py``) and the adapters' own (the
     servicer's admissions, the cluster link's round trips) take this one road.
     """
 

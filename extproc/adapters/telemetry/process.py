@@ -21,7 +21,7 @@ from extproc.adapters.telemetry.deferral import Deferral
 from extproc.adapters.telemetry.labels import NO_TENANT, UNKNOWN_MODEL, TenantLabels
 from extproc.adapters.telemetry.model import ModelTelemetry
 from extproc.adapters.telemetry.series import Series
-from extproc.core.outcomes import Refusal
+from extproc.core.values.outcomes import Refusal
 
 # Refusals the ext_proc adapter decides before a request reaches a model's queue: all the model label
 # can be when the model is not served, and the refusals a known model gets before its tenant is known.

@@ -141,7 +141,7 @@ class Series:
         "model",
     )
     abandoned = _counter("extproc_abandoned", "Requests whose client left while they were queued.", "model", "priority", "tenant")
-    # TTFT objectives (adapters/objectives.py: what met and missed mean).
+    # TTFT objectives (adapters/telemetry/objectives.py: what met and missed mean).
     objective = _counter(
         "extproc_objective_requests",
         "Requests with a TTFT objective by outcome: met (released by its deadline) or missed (released after it, or "

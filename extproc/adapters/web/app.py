@@ -15,17 +15,17 @@ Routes, and why each exists:
   settings the operator should fix (a queue cap below what the gate sends), which do not make it unready.
 * ``/`` and ``/status.json``: the live status page (``status.html``), which
   polls the JSON. The JSON is built on request from the dispatchers' state
-  (``core/status.py``); the hot path does no work for it. Each model's
+  (``core/values/status.py``); the hot path does no work for it. Each model's
   ``objectives`` (met, missed, preempted per class and tenant, the last
   minute's slack at release) come from its telemetry, which keeps them as it
-  counts them (``adapters/objectives.py``). With ``batches:``, the batch
+  counts them (``adapters/telemetry/objectives.py``). With ``batches:``, the batch
   API's batches in progress (``adapters/batches``), read from its store.
 * ``/usage``: with tenant budgets, what each tenant used per model and day or
   month, as CSV or JSON (``adapters/budgets/usage.py``), for finance.
 
 With a cluster, the budgets' counts are in Redis: ``refresh`` reads them
 before ``/metrics`` and ``/status.json`` are built (at most once a second,
-``adapters/budgets/shared_standings.py``), never on a request's path.
+``adapters/budgets/cluster_standings.py``), never on a request's path.
 
 Anything else is 404 with the OpenAI-style error body and ``x-extproc-reason``,
 as the processor's other answers, so an HTTP probe of a wrong path fails
@@ -44,12 +44,12 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from extproc.adapters.answers import ANSWERS, answer_headers, error_body, retry_after_s
-from extproc.adapters.objectives import ObjectivesStatus
+from extproc.adapters.protocol.answers import ANSWERS, answer_headers, error_body, retry_after_s
 from extproc.adapters.telemetry import Telemetry
+from extproc.adapters.telemetry.objectives import ObjectivesStatus
 from extproc.core.dispatcher import ModelDispatcher
-from extproc.core.outcomes import Refusal
-from extproc.core.status import ModelStatus
+from extproc.core.values.outcomes import Refusal
+from extproc.core.values.status import ModelStatus
 
 if TYPE_CHECKING:
     from extproc.adapters.budgets.usage import Per
@@ -60,7 +60,7 @@ PAGE = resources.files(__package__).joinpath("status.html").read_bytes()
 
 
 def error(refusal: Refusal, message: str) -> web.Response:
-    """The OpenAI-style JSON error, as the processor's and Envoy's own answers (adapters/answers.py)."""
+    """The OpenAI-style JSON error, as the processor's and Envoy's own answers (adapters/protocol/answers.py)."""
     return web.json_response(error_body(refusal, message), status=ANSWERS[refusal].status,
                              headers=dict(answer_headers(refusal, retry_after_s(refusal))))
 

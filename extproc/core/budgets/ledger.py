@@ -13,7 +13,7 @@ A request's way through :class:`Budgets`:
    action (``limits.Action``).
 2. **The end** (:meth:`Budgets.settle`): the reservation is replaced by what
    the request used, priced: the engine's own count where its response
-   reported one (the adapter reads it: ``ext_proc/engine_usage.py``), else
+   reported one (the adapter reads it: ``request/engine_usage.py``), else
    its output tokens as the cost model measured them at the end (the
    engine's decode rate times its occupancy, capped by ``max_tokens``:
    ``core/cost.py``), its prompt as estimated, its cached prompt tokens
@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from extproc.core.budgets.book import Book, Usage
-from extproc.core.budgets.limits import Action, Kind, Limits, Plan, Scope
+from extproc.core.budgets.limits import Action, BudgetLimits, Kind, Plan, Scope
 from extproc.core.budgets.meters import Calendar, Period, Window
 
 # The limits a verdict can name, in the order they are checked (the message names the first over).
@@ -80,7 +80,7 @@ class Account:
 
     __slots__ = ("scope", "limits", "requests", "input", "output", "day_tokens", "day_cost", "month_cost")
 
-    def __init__(self, scope: Scope, limits: Limits) -> None:
+    def __init__(self, scope: Scope, limits: BudgetLimits) -> None:
         self.scope = scope
         self.limits = limits
         self.requests: Window | None = None
@@ -212,7 +212,7 @@ class Budgets:
             route = self._routes[(tenant, model)] = tuple(found)
         return route
 
-    def _limit(self, account: Account, limits: Limits, now: float) -> None:
+    def _limit(self, account: Account, limits: BudgetLimits, now: float) -> None:
         """``account`` under ``limits``: windows keep what they used, a new budget is the book's sum for its period."""
         account.limits = limits
         account.requests = _window(account.requests, limits.requests_per_minute, now)

@@ -27,7 +27,7 @@ class Action(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class BudgetLimits:
     """One scope's limits; None: no such limit. Rates are per minute, budgets per calendar day or month (UTC)."""
 
     requests_per_minute: float | None = None
@@ -44,7 +44,7 @@ class Limits:
         return all(getattr(self, name) is None for name in self.__slots__)
 
 
-NO_LIMITS = Limits()
+NO_LIMITS = BudgetLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +86,8 @@ class TenantPlan:
     """One tenant's limits: on all its models, per model, and its action over any of them (its groups' included)."""
 
     action: Action = Action.REFUSE
-    limits: Limits = NO_LIMITS
-    models: Mapping[str, Limits] = field(default_factory=dict)
+    limits: BudgetLimits = NO_LIMITS
+    models: Mapping[str, BudgetLimits] = field(default_factory=dict)
     groups: tuple[str, ...] = ()
 
 
@@ -97,13 +97,13 @@ class Plan:
 
     tenants: Mapping[str, TenantPlan] = field(default_factory=dict)
     default: TenantPlan = field(default_factory=TenantPlan)
-    groups: Mapping[str, Limits] = field(default_factory=dict)
+    groups: Mapping[str, BudgetLimits] = field(default_factory=dict)
     prices: Mapping[str, Prices] = field(default_factory=dict)
 
     def tenant(self, name: str) -> TenantPlan:
         return self.tenants.get(name, self.default)
 
-    def scopes(self, tenant: str, model: str) -> list[tuple[Scope, Limits]]:
+    def scopes(self, tenant: str, model: str) -> list[tuple[Scope, BudgetLimits]]:
         """The scopes a request of ``tenant`` for ``model`` counts in, each with its limits (scopes without any left out)."""
         plan = self.tenant(tenant)
         found = [(Scope(Kind.TENANT, tenant), plan.limits),
@@ -111,7 +111,7 @@ class Plan:
                  *((Scope(Kind.GROUP, group), self.groups.get(group, NO_LIMITS)) for group in plan.groups)]
         return [(scope, limits) for scope, limits in found if not limits.empty]
 
-    def named(self) -> Iterator[tuple[Scope, Limits]]:
+    def named(self) -> Iterator[tuple[Scope, BudgetLimits]]:
         """Each named scope and its limits: the tenants named under ``budgets.tenants``, their models, the groups."""
         for tenant, entry in self.tenants.items():
             yield Scope(Kind.TENANT, tenant), entry.limits
@@ -120,7 +120,7 @@ class Plan:
         for group, limits in self.groups.items():
             yield Scope(Kind.GROUP, group), limits
 
-    def limits(self, scope: Scope) -> Limits:
+    def limits(self, scope: Scope) -> BudgetLimits:
         """``scope``'s limits under this plan (none: NO_LIMITS)."""
         if scope.kind is Kind.GROUP:
             return self.groups.get(scope.name, NO_LIMITS)

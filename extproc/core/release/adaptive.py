@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from extproc.core.engine_load import EngineLimits, EngineLoad
 from extproc.core.release.adaptive_limit import ConcurrencyLimit
 from extproc.core.release.estimate import LoadEstimate
 from extproc.core.release.health import EndpointHealth
 from extproc.core.release.metric_rule import MetricRule
 from extproc.core.release.rule import RuleSettings, RuleSnapshot
+from extproc.core.values.engine_load import EngineLimits, EngineLoad
 
 
 class Adaptive(MetricRule):

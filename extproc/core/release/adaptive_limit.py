@@ -78,7 +78,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from extproc.core.engine_load import EngineLoad
+from extproc.core.values.engine_load import EngineLoad
 
 # Multiplicative decrease on a ceiling breach.
 DECREASE = 0.8

@@ -12,7 +12,7 @@ Three answers, because they call for three different reactions:
   before a response): nothing more goes to it until it shows life.
 
 The adapters read it from what they see of the response
-(``adapters/ext_proc/release_outcome.py``); the core acts on it.
+(``adapters/ext_proc/attach/release_outcome.py``); the core acts on it.
 """
 
 from __future__ import annotations

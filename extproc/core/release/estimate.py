@@ -49,7 +49,7 @@ from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from extproc.core.engine_load import EngineLoad
+from extproc.core.values.engine_load import EngineLoad
 
 
 @dataclass

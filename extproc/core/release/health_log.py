@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from extproc.core.release.pool import Pool
-from extproc.core.report import Change, DispatchReport, EndpointEvent, PoolEvent
+from extproc.core.values.report import Change, DispatchReport, EndpointEvent, PoolEvent
 
 
 class HealthLog:
@@ -30,19 +30,18 @@ class HealthLog:
         # Endpoints whose up/down state was reported: each is reported once at first, then on changes.
         self._reported: set[str] = set()
         self._fallback: bool | None = None
-        # What the last look saw (the health's version, the rule), and until when that look stays true.
+        # What the last look saw (the pool's health version), and until when that look stays true.
         self._version = -1
-        self._rule: object = None
         self._until = -math.inf
 
     def note(self, now: float) -> None:
         pool = self._pool
-        health, rule = pool.health, pool.rule
-        if health.version == self._version and rule is self._rule and now <= self._until:
+        version = pool.health_version
+        if version == self._version and now <= self._until:
             return
         self._look(now)
-        self._version, self._rule = health.version, rule
-        self._until = health.stable_until(now) if rule.uses_metrics else math.inf
+        self._version = version
+        self._until = pool.stable_until(now)
 
     def _look(self, now: float) -> None:
         self._note_down()
@@ -50,10 +49,10 @@ class HealthLog:
         degraded = unusable - self._down  # a down endpoint is reported as down, not as degraded
         for endpoint in degraded - self._degraded:
             # Not scraped yet (start-up, a new DNS member): nothing to tell, the scraper reports failures.
-            scraped = self._pool.health.last_good(endpoint) is not None
+            scraped = self._pool.last_good(endpoint) is not None
             self._report(EndpointEvent(endpoint, Change.DEGRADED, note=(
                 f"model {self._model}: metrics of {endpoint} unusable (failing or stale), capping it at "
-                f"{self._pool.health.fallback_limit(endpoint)} in flight") if scraped else ""))
+                f"{self._pool.fallback_limit(endpoint)} in flight") if scraped else ""))
         for endpoint in self._degraded - degraded:
             self._report(EndpointEvent(endpoint, Change.USABLE, note=f"model {self._model}: metrics of {endpoint} usable again"))
         self._degraded = degraded

@@ -4,16 +4,16 @@ The dispatcher routes every engine event to the pool: a released request's
 outcome, a probe's answer, a scrape, what an engine says of its own limits,
 a change of members. What the pool then holds (who is down, an endpoint's
 limit and latency) is the pool's, so it is read and reported here, beside
-it, through the model's :class:`~extproc.core.report.DispatchReport`; the
+it, through the model's :class:`~extproc.core.values.report.DispatchReport`; the
 dispatcher only learns whether the event calls for a dispatch.
 """
 
 from __future__ import annotations
 
-from extproc.core.engine_load import EngineLimits, EngineLoad
 from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
-from extproc.core.report import Change, DispatchReport, EndpointEvent
+from extproc.core.values.engine_load import EngineLimits, EngineLoad
+from extproc.core.values.report import Change, DispatchReport, EndpointEvent
 
 
 class PoolReport:

@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from extproc.core.engine_load import EngineLimits, EngineLoad
 from extproc.core.release.estimate import LoadEstimate
 from extproc.core.release.health import EndpointHealth
+from extproc.core.values.engine_load import EngineLimits, EngineLoad
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc.adapters.config import load_config
-from extproc.adapters.ext_proc.contract import METADATA_NAMESPACE
+from extproc.adapters.protocol.contract import METADATA_NAMESPACE
 from extproc.tools.burst import holding_config, queued, rss_bytes
 from extproc.tools.procs import cpu_seconds
 from extproc.tools.stack import Stack, start_sim

@@ -27,11 +27,11 @@ from pathlib import Path
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.adapters.ext_proc.contract import MODEL_HEADER
-from extproc.adapters.ext_proc.replies import header, passed
+from extproc.adapters.ext_proc.attach.replies import header, passed
 from extproc.adapters.grpc.builtin.server import BuiltinServer
 from extproc.adapters.grpc.health import Health
 from extproc.adapters.grpc.transport import Method
+from extproc.adapters.protocol.contract import MODEL_HEADER
 from extproc.adapters.server import PROCESS_PATH
 from extproc.tools.procs import ManagedProcess, ProcessStartError, log_tail
 

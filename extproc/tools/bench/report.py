@@ -12,7 +12,6 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from extproc.tools.bench.arms import DIRECT, TARGET_WAITING, Arm
@@ -29,6 +28,7 @@ from extproc.tools.bench.scenarios import (
     Scenario,
 )
 from extproc.tools.bench.trace import describe
+from extproc.tools.plots import pyplot
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -701,20 +701,6 @@ def markdown(
 
 
 @functools.cache
-def pyplot() -> ModuleType:
-    """matplotlib's pyplot, drawing to files only: imported on the first plot, not with the module.
-
-    It takes 0.4 s of CPU to import; the report's tables and every command
-    that only reads results need none of it.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _save(fig: Figure, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)

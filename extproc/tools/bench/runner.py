@@ -50,9 +50,9 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.adapters.config import load_config
-from extproc.adapters.engines.dialects import MetricsError, parse_load
-from extproc.adapters.ext_proc.contract import QUEUE_WAIT_HEADER, REASON_HEADER
-from extproc.core.outcomes import Refusal
+from extproc.adapters.protocol.contract import QUEUE_WAIT_HEADER, REASON_HEADER
+from extproc.adapters.protocol.dialects import MetricsError, parse_load
+from extproc.core.values.outcomes import Refusal
 from extproc.tools.bench.arms import MODEL, PRIORITIES, Arm, api_key, arm_config, band_objectives, scale_objectives, write_config
 from extproc.tools.bench.load import Planned
 from extproc.tools.bench.scenarios import Engine, Scenario

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from extproc.adapters.engines.dialects import DIALECTS
+from extproc.adapters.protocol.dialects import DIALECTS
 from extproc.tools.sim.engine import FINISH_ABORT, Scheduler, SimRequest, TokenEvent
 
 # Every dialect the gateway reads; each needs its branch below (tests/test_engines.py checks that it speaks).

@@ -5,7 +5,12 @@
 * ``own_envoy.py``        our own Envoy config or drop-in: the body's fields in our metadata, the fast path;
 * ``endpoint_picker.py``  a Gateway API Inference Extension gateway: the body read from the stream,
   the Endpoint Picker Protocol's release;
-* ``body.py``             what each body mode brings and wants back, and the one release builder.
+* ``body.py``             what each body mode brings and wants back, and the one release builder;
+* ``served.py``           what a stream reads of its model (``ServedModel``), a narrow view of its runtime;
+* ``replies.py``          the replies every attachment builds from: a header, the JSON error, a pass;
+* ``release_outcome.py``  whether a response's headers show a live engine, a full one or a failed release;
+* ``stream_start.py``     a stream's first event, read before its headers go on: the engine's refusal inside a 200;
+* ``priority_body.py``    the band's priority written into the body (engine_priority models).
 
 The servicer picks :class:`~own_envoy.OwnEnvoy` when the first message
 carries our metadata namespace, else :class:`~endpoint_picker.EndpointPicker`;

@@ -25,15 +25,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.config import Config
 from extproc.adapters.ext_proc.attach import body
-from extproc.adapters.ext_proc.engine_usage import UsageReader
-from extproc.adapters.ext_proc.release_outcome import engine_answer
-from extproc.adapters.ext_proc.replies import error_response, headers_of, passed
-from extproc.adapters.ext_proc.request_fields import Prompt, RequestFields
-from extproc.adapters.ext_proc.served import ServedModel
-from extproc.adapters.ext_proc.stream_start import FirstEvent, Verdict, error_message
+from extproc.adapters.ext_proc.attach.release_outcome import engine_answer
+from extproc.adapters.ext_proc.attach.replies import error_response, headers_of, passed
+from extproc.adapters.ext_proc.attach.served import ServedModel
+from extproc.adapters.ext_proc.attach.stream_start import FirstEvent, Verdict, error_message
+from extproc.adapters.request.engine_usage import UsageReader
+from extproc.adapters.request.request_fields import Prompt, RequestFields
 from extproc.core.dispatcher import Held, ModelDispatcher
-from extproc.core.outcomes import Refusal, Refused
 from extproc.core.release.answer import Answer
+from extproc.core.values.outcomes import Refusal, Refused
 
 log = logging.getLogger(__name__)
 

@@ -39,9 +39,9 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.adapters.ext_proc.priority_body import with_priority
-from extproc.adapters.ext_proc.replies import header
-from extproc.core.outcomes import Refusal, Refused
+from extproc.adapters.ext_proc.attach.priority_body import with_priority
+from extproc.adapters.ext_proc.attach.replies import header
+from extproc.core.values.outcomes import Refusal, Refused
 
 log = logging.getLogger(__name__)
 

@@ -30,18 +30,18 @@ from collections.abc import AsyncIterator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.adapters.answers import SHED
 from extproc.adapters.config import Config
-from extproc.adapters.ext_proc import epp_protocol as epp
 from extproc.adapters.ext_proc.attach import body
 from extproc.adapters.ext_proc.attach.base import Attachment, Stream
-from extproc.adapters.ext_proc.contract import DESTINATION_HEADER, QUEUE_WAIT_HEADER
-from extproc.adapters.ext_proc.replies import content_length, error_response, header
-from extproc.adapters.ext_proc.request_fields import NO_FIELDS, NO_PROMPT, RequestFields, from_body
-from extproc.adapters.ext_proc.served import ServedModel
+from extproc.adapters.ext_proc.attach.replies import content_length, error_response, header
+from extproc.adapters.ext_proc.attach.served import ServedModel
+from extproc.adapters.protocol import epp_protocol as epp
+from extproc.adapters.protocol.answers import SHED
+from extproc.adapters.protocol.contract import DESTINATION_HEADER, QUEUE_WAIT_HEADER
+from extproc.adapters.request.request_fields import NO_FIELDS, NO_PROMPT, RequestFields, from_body
 from extproc.adapters.telemetry import ServedElsewhere
 from extproc.core.dispatcher import Held, ModelDispatcher
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 log = logging.getLogger(__name__)
 

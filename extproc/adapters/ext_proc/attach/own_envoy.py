@@ -58,21 +58,21 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.config import Config
-from extproc.adapters.ext_proc import epp_protocol as epp
 from extproc.adapters.ext_proc.attach import body
 from extproc.adapters.ext_proc.attach.base import Attachment, Stream
-from extproc.adapters.ext_proc.contract import (
+from extproc.adapters.ext_proc.attach.replies import content_length, duration, error_response, header
+from extproc.adapters.ext_proc.attach.served import ServedModel
+from extproc.adapters.protocol import epp_protocol as epp
+from extproc.adapters.protocol.contract import (
     DESTINATION_HEADER,
     MODEL_HEADER,
     PROCESSING_MODE,
     QUEUE_WAIT_HEADER,
     hold_timeout_for,
 )
-from extproc.adapters.ext_proc.replies import content_length, duration, error_response, header
-from extproc.adapters.ext_proc.request_fields import NO_FIELDS, NO_PROMPT, RequestFields, prompt_from_metadata, prompt_of
-from extproc.adapters.ext_proc.served import ServedModel
+from extproc.adapters.request.request_fields import NO_FIELDS, NO_PROMPT, RequestFields, prompt_from_metadata, prompt_of
 from extproc.core.dispatcher import Held
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 _MODES = body.Mode.BodySendMode.values()
 # A release reply is built once for each queue wait below this many milliseconds (and each model, destination and

@@ -12,6 +12,8 @@ the top down:
 * ``streams.py``       its streams: an open one's record, a closed one's memory;
 * ``flood.py``         frames that oblige an answer or carry nothing, counted and limited as Envoy's codec does;
 * ``frames.py``        HTTP/2 frames as bytes;
-* ``hpack_decoder.py`` HPACK decoding, a repeated header block decoded once while the table is unchanged;
-* ``peer_warnings.py`` warnings about peers, rate-limited per peer host.
+* ``hpack_decoder.py`` HPACK decoding, a repeated header block decoded once while the table is unchanged.
+
+It imports the seam (``grpc/transport.py``), TLS and the peer warnings from the package above, which imports
+nothing of it: the registry that picks a server is ``adapters/transports.py``.
 """

@@ -25,7 +25,7 @@ from extproc.adapters.config import GrpcLimits
 from extproc.adapters.grpc.builtin import http2
 from extproc.adapters.grpc.builtin.frames import ErrorCode
 from extproc.adapters.grpc.builtin.http2 import Http2Connection
-from extproc.adapters.grpc.builtin.peer_warnings import PeerWarnings
+from extproc.adapters.grpc.peer_warnings import PeerWarnings
 
 # Why reading is paused: our output waits on the peer, or the rest of a read waits for the next loop cycle.
 OUTPUT, INPUT = 1, 2

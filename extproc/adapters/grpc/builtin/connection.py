@@ -5,7 +5,7 @@ held request of its share as a stream, so a mistake that ends a connection
 ends all of them. Everything a peer can send therefore ends at most its own
 stream, with the status a reference gRPC server would send, or, for a broken
 connection (an HTTP/2 protocol error), that connection; never a traceback,
-and a warning at most once per peer per 10 s (builtin/peer_warnings.py).
+and a warning at most once per peer per 10 s (grpc/peer_warnings.py).
 
 Memory is bounded by flow control. A stream's bytes are handed back to the
 peer (WINDOW_UPDATE) as its handler takes its messages, beyond what one whole
@@ -31,8 +31,8 @@ from extproc.adapters.grpc.builtin.bounds import OUTPUT, Bounded
 from extproc.adapters.grpc.builtin.call import BIG, PREFIX, Call, refused, shown, trailers
 from extproc.adapters.grpc.builtin.frames import RESPONSE_HEADERS, ErrorCode
 from extproc.adapters.grpc.builtin.http2 import Http2Connection, Http2Error, StreamClosed
-from extproc.adapters.grpc.builtin.peer_warnings import PeerWarnings
-from extproc.adapters.grpc.transport import INTERNAL, OK, RESOURCE_EXHAUSTED, UNIMPLEMENTED, GrpcError, Limits, Methods
+from extproc.adapters.grpc.peer_warnings import PeerWarnings
+from extproc.adapters.grpc.transport import INTERNAL, OK, RESOURCE_EXHAUSTED, UNIMPLEMENTED, GrpcError, Methods, TransportLimits
 
 log = logging.getLogger("extproc.adapters.grpc.builtin")
 
@@ -51,7 +51,7 @@ class Connection(Bounded):
     per-peer warnings.
     """
 
-    def __init__(self, methods: Methods, limits: Limits, connections: set[Connection],
+    def __init__(self, methods: Methods, limits: TransportLimits, connections: set[Connection],
                  warnings: PeerWarnings) -> None:
         grpc = limits.grpc
         super().__init__(grpc, Http2Connection(max_streams=grpc.max_streams_per_connection, stream_window=STREAM_WINDOW,

@@ -18,7 +18,7 @@ once (a client that leaves while queued: the queue entry goes at once).
 It is the most exposed port we have, so it is hardened as a reference server
 is (docs/reports/reliability.md, "The gRPC port under abuse"): a peer's bad
 bytes end only its stream, flow control bounds what it can make us buffer,
-streams per connection and connections are limited (Limits, far above the
+streams per connection and connections are limited (TransportLimits, far above the
 held requests we expect), stalled and idle connections are closed, GOAWAY
 is graceful both ways. Its pieces, one module each, are listed in the
 package's docstring (``builtin/__init__.py``).
@@ -30,9 +30,9 @@ import asyncio
 
 from extproc.adapters.grpc.builtin.connection import Connection
 from extproc.adapters.grpc.builtin.hpack_decoder import mute_debug
-from extproc.adapters.grpc.builtin.peer_warnings import PeerWarnings
+from extproc.adapters.grpc.peer_warnings import PeerWarnings
 from extproc.adapters.grpc.tls import ServerTls
-from extproc.adapters.grpc.transport import Limits, Methods, Transport
+from extproc.adapters.grpc.transport import Methods, Transport, TransportLimits
 
 __all__ = ["BuiltinServer"]
 
@@ -40,9 +40,9 @@ __all__ = ["BuiltinServer"]
 class BuiltinServer(Transport):
     """Serves ``methods`` on one listening address over HTTP/2 (transport.py says what it owes)."""
 
-    def __init__(self, methods: Methods, limits: Limits | None = None) -> None:
+    def __init__(self, methods: Methods, limits: TransportLimits | None = None) -> None:
         self.methods = methods
-        self.limits = limits or Limits()
+        self.limits = limits or TransportLimits()
         self.warnings = PeerWarnings()
         self.connections: set[Connection] = set()
         self._listener: asyncio.Server | None = None

@@ -1,6 +1,6 @@
 """What one engine endpoint's ``/metrics`` said: the one value the adapters hand the core per scrape.
 
-The engine adapter (``adapters/engines/dialects.py``) reads each engine's own
+The engine adapter (``adapters/protocol/dialects.py``) reads each engine's own
 metric names into it; the release side (``core/release``), the cost model's
 decode rate and the telemetry read it. It lives alone so that none of them
 has to import another to name it.

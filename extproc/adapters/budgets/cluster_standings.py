@@ -1,6 +1,6 @@
 """A cluster's limits as they stand, read from Redis for the metrics and the status page (never on a request's path).
 
-With ``cluster:`` every limit's count is in Redis (``shared.py``); this
+With ``cluster:`` every limit's count is in Redis (``cluster_ledger.py``); this
 instance's ledger holds none of them (only its share while Redis is away).
 :class:`ClusterStandings` reads each limit of each named scope (a tenant named
 under ``budgets.tenants``, its models, a group) in one pipelined round trip,
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from extproc.adapters.budgets.shared import SharedBudgets, scope_meters
+from extproc.adapters.budgets.cluster_ledger import ClusterBudgets, scope_meters
 from extproc.core.budgets.ledger import Standing
 from extproc.core.budgets.limits import Plan
 from extproc.core.budgets.meters import Window
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 READ_INTERVAL_S = 1.0
 
 
-async def read(shared: SharedBudgets, plan: Plan, now: float) -> list[Standing]:
+async def read(shared: ClusterBudgets, plan: Plan, now: float) -> list[Standing]:
     """Every limit of every named scope as Redis holds it ``now``; raises RedisError, OSError or TimeoutError."""
     day, month = shared.calendar.starts(now)
     found = [(scope, name, meter) for scope, limits in plan.named() for name, meter in scope_meters(scope, limits, day, month)]
@@ -71,7 +71,7 @@ def _number(value: bytes | None, default: float = 0.0) -> float:
 class ClusterStandings:
     """The last rows read from Redis, whether the last read failed (``stale``), read again when asked and due."""
 
-    def __init__(self, shared: SharedBudgets, clock: Callable[[], float]) -> None:
+    def __init__(self, shared: ClusterBudgets, clock: Callable[[], float]) -> None:
         self._shared = shared
         self._clock = clock
         self.rows: list[Standing] = []

@@ -3,7 +3,7 @@
 The core names what happened (:class:`Refusal`) and the facts behind it
 (:class:`Refused`); what the client hears — the HTTP status, the
 OpenAI-style JSON body, ``Retry-After`` — is the adapters' choice, made in
-one table (``adapters/answers.py``). So another front end (a different proxy
+one table (``adapters/protocol/answers.py``). So another front end (a different proxy
 protocol, a batch API) can answer the same outcomes its own way.
 
 Every reason a client can read in ``x-extproc-reason`` is a member, also

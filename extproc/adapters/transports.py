@@ -8,6 +8,8 @@ class, a :data:`~extproc.adapters.grpc.transport.TransportFactory` (mypy checks
 each against :class:`~extproc.adapters.grpc.transport.Transport` here).
 tests/test_transport_differential.py, the conformance suite, runs every case
 against each entry; config/schema.py ``TRANSPORT_NAMES`` names the same ones.
+It sits above ``grpc/`` and ``grpc/builtin/``, which import the seam from
+``grpc/`` and never this registry, so the packages import each other one way.
 """
 
 from __future__ import annotations

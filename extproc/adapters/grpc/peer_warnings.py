@@ -1,4 +1,4 @@
-"""How the builtin transport tells the operator about peers that break the rules (or its limits, transport.py ``Limits``).
+"""How the builtin transport tells the operator about peers that break the rules (or its ``TransportLimits``).
 
 The limits are the ``listen`` section's (config/schema.py, docs/configuration.md), built in transport.py.
 The warnings are rate-limited per peer host: whatever a peer sends can cost it

@@ -3,7 +3,7 @@
 Every engine says the same few things under different names: how many
 requests wait, how many run, how full the KV cache is, and how long a token
 takes. A :class:`EngineDialect` names them; :func:`parse_load` reads them into
-one :class:`~extproc.core.engine_load.EngineLoad`. The names were checked against each
+one :class:`~extproc.core.values.engine_load.EngineLoad`. The names were checked against each
 project's own source (see ``docs/gate.md`` for the file each comes from):
 
 * ``vllm``      vLLM v1 (``vllm/v1/metrics/loggers.py``, checked against a
@@ -46,7 +46,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.core.engine_load import EngineLoad
+from extproc.core.values.engine_load import EngineLoad
 
 
 class MetricsError(ValueError):
@@ -112,7 +112,7 @@ class EngineDialect:
     # the endpoint down (release_outcome.py). Empty: the engine has no queue cap.
     full_statuses: frozenset[int] = frozenset()
     # Whether a stream's first event (a JSON object with an "error") is such a refusal, made after the stream's
-    # status 200 went out (ext_proc/stream_start.py). None: the engine never refuses a stream so.
+    # status 200 went out (ext_proc/attach/stream_start.py). None: the engine never refuses a stream so.
     stream_refusal: Callable[[Mapping[str, Any]], bool] | None = None
     # Whether the engine says its queue cap where it says its limits (adapters/engines/limits.py: EngineLimits.max_held).
     says_cap: bool = False

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from extproc.adapters.config import ModelConfig
-from extproc.adapters.ext_proc.request_fields import Prompt
+from extproc.adapters.request.request_fields import Prompt
 from extproc.core.prefix import NO_PREFIX, Prefix, signature
 
 

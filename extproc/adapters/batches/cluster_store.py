@@ -1,7 +1,7 @@
 """A cluster's batches (``cluster:``): state and line leases in the cluster's Redis, files in a shared file store.
 
 Every instance serves the API and runs every active batch; what keeps a line
-from running twice is its lease (``shared.lua``, atomic):
+from running twice is its lease (``cluster_store.lua``, atomic):
 
 * a runner *claims* lines (up to its free slots), each leased to it for
   ``cluster.lease_s`` and renewed every heartbeat while it runs; a lease
@@ -43,7 +43,7 @@ from extproc.adapters.batches.books import BooksUnavailable
 from extproc.adapters.batches.files import FileStore
 from extproc.adapters.batches.shapes import Json, file_object
 
-SCRIPT = files("extproc.adapters.batches").joinpath("shared.lua").read_text()
+SCRIPT = files("extproc.adapters.batches").joinpath("cluster_store.lua").read_text()
 # Internal fields of a batch's hash (the rest are OpenAI's fields, each as JSON text).
 _INTERNAL = ("_status", "_tenant", "_seq", "_total", "_completed", "_failed", "_expired")
 # Records written per pipeline (a validation's lines, a finalization's outcomes).
@@ -66,7 +66,7 @@ class Batch:
         return status
 
 
-class SharedState:
+class ClusterState:
     """The Redis side: files, batches and lines; every call raises one of ``FAILURES`` when Redis is away."""
 
     def __init__(self, client: aioredis.Redis, key_prefix: str, timeout_s: float, contents: FileStore) -> None:
@@ -250,10 +250,10 @@ class SharedState:
                                                                                                   strict=True)]
 
 
-class SharedBooks:
+class ClusterBooks:
     """The cluster's books for the API (``books.Books``): Redis failures answer 503."""
 
-    def __init__(self, state: SharedState, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, state: ClusterState, clock: Callable[[], float] = time.time) -> None:
         self._state, self._clock = state, clock
 
     async def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, size: int,

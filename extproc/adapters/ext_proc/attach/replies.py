@@ -2,7 +2,7 @@
 
 Messages only, no decision: which reply a stream gets is the servicer's and
 its attachment's (``attach/``). An error's status, OpenAI-style body and
-``Retry-After`` come from ``adapters/answers.py``, the table Envoy's own
+``Retry-After`` come from ``adapters/protocol/answers.py``, the table Envoy's own
 answers use too.
 """
 
@@ -15,9 +15,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
 
-from extproc.adapters.answers import ANSWERS, answer_headers, error_body, retry_after_s
-from extproc.adapters.ext_proc.contract import QUEUE_WAIT_HEADER
-from extproc.core.outcomes import Refused
+from extproc.adapters.protocol.answers import ANSWERS, answer_headers, error_body, retry_after_s
+from extproc.adapters.protocol.contract import QUEUE_WAIT_HEADER
+from extproc.core.values.outcomes import Refused
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 

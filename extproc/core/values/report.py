@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from extproc.core.engine_load import EngineLoad
-from extproc.core.outcomes import Refusal
+from extproc.core.values.engine_load import EngineLoad
+from extproc.core.values.outcomes import Refusal
 
 
 class Step(StrEnum):

@@ -4,7 +4,7 @@ One owner of batch state (the runner and the API both go through it). The
 rules that make a restart lose and duplicate nothing:
 
 * a line's outcome and the batch's counts change in one transaction, and
-  only while the line is still pending (:meth:`Store.record` returns False
+  only while the line is still pending (:meth:`LocalStore.record` returns False
   for a line already recorded), so an answer is counted once however often
   the line was sent;
 * a file's content is committed to the file store (``files.py``: whole or not
@@ -58,7 +58,7 @@ class Pending:
     body: bytes
 
 
-class Store:
+class LocalStore:
     """The SQLite database under ``directory`` (created if missing), and the files' contents in ``contents``."""
 
     def __init__(self, directory: str | Path, contents: FileStore) -> None:

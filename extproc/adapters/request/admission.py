@@ -21,10 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from extproc.adapters.config import Config, Identity, ModelConfig
-from extproc.adapters.ext_proc.contract import BATCH_LINE_HEADER
-from extproc.adapters.ext_proc.request_fields import RequestFields
+from extproc.adapters.protocol.contract import BATCH_LINE_HEADER
+from extproc.adapters.request.request_fields import RequestFields
 from extproc.core.entitlement import grant
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 # The longest batch-line tag kept (a batch id and a line number are far shorter): a log line stays a line.
 MAX_BATCH_LINE = 128

@@ -1,4 +1,4 @@
-"""A cluster instance's runner: every active batch's lines, taken from Redis under leases (``shared.py``).
+"""A cluster instance's runner: every active batch's lines, taken from Redis under leases (``cluster_store.py``).
 
 Each instance runs every active batch it finds in Redis (a look each
 heartbeat, ``cluster.heartbeat_s``): it claims lines up to its free slots
@@ -25,22 +25,22 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from extproc.adapters.batches.cluster_store import FAILURES, Batch, ClusterState
 from extproc.adapters.batches.files import FilesUnavailable, Writer
-from extproc.adapters.batches.lines import Limits, Line, LineError, Reading, Unusable, open_input, raw_lines
+from extproc.adapters.batches.lines import Line, LineError, LineLimits, Reading, Unusable, open_input, raw_lines
+from extproc.adapters.batches.local_store import Pending, Usage
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.sender import Sender, decided
 from extproc.adapters.batches.shapes import ENDINGS, FINAL, PROGRESS_LISTED, Json, output_line, request_id
-from extproc.adapters.batches.shared import FAILURES, Batch, SharedState
-from extproc.adapters.batches.store import Pending, Usage
 from extproc.adapters.config import Config
 
 log = logging.getLogger(__name__)
 
 
-class SpreadRunner:
+class ClusterRunner:
     """This instance's share of the cluster's batches."""
 
-    def __init__(self, current: Callable[[], Config], state: SharedState, metrics: BatchMetrics, instance: str,
+    def __init__(self, current: Callable[[], Config], state: ClusterState, metrics: BatchMetrics, instance: str,
                  lease_s: float, heartbeat_s: float, clock: Callable[[], float] = time.time) -> None:
         settings = current().batches
         assert settings is not None
@@ -330,7 +330,7 @@ class SpreadRunner:
     def _read(self, batch_id: str, doc: Json) -> tuple[list[tuple[int, str]], list[tuple[int, str]], str | None]:
         """(index, line) of each valid line, whose body goes to the lines file; (index, outcome) of each bad one."""
         settings = self._settings
-        reading = Reading(doc["endpoint"], Limits(settings.max_lines, settings.max_line_bytes))
+        reading = Reading(doc["endpoint"], LineLimits(settings.max_lines, settings.max_line_bytes))
         source = open_input(self._state.contents, doc["input_file_id"])
         lines, bad = [], []
         with source, self._state.contents.create(_lines_name(batch_id)) as out:

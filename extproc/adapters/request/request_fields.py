@@ -25,13 +25,13 @@ import msgspec
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.adapters.ext_proc.contract import (
+from extproc.adapters.protocol.contract import (
     INCLUDE_USAGE_FIELD,
     METADATA_NAMESPACE,
     PROMPT_PREFIX_FIELD,
     STREAM_FIELD,
 )
-from extproc.core.outcomes import Refusal, Refused
+from extproc.core.values.outcomes import Refusal, Refused
 
 # The body's output limits, in the order they are read: the later one wins (as in vLLM).
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")

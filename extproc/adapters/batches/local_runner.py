@@ -1,12 +1,12 @@
 """The runner: each active batch's lines sent through the gateway as its tenant, at a bounded pace.
 
-One task per active batch (:class:`Runner` owns them). A batch is validated
+One task per active batch (:class:`LocalRunner` owns them). A batch is validated
 (its input file read into lines, ``lines.py``), then its pending lines are
 sent, at most ``in_flight_per_batch`` at once and ``max_in_flight`` over all
 batches, to Envoy's runner listener (docs/batches.md says why Envoy and not
 the queue directly): as the batch's tenant, in the lowest class its
 entitlement allows. Each answer is recorded before the line's slot is given
-to the next (``store.py``); ``sender.py`` sends a line again while the
+to the next (``local_store.py``); ``sender.py`` sends a line again while the
 gateway's answer says a retry helps. A batch ends ``completed`` when
 every line has an outcome, ``cancelled`` when cancelled, ``expired`` at its
 window's end; the output and error files are written then.
@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 
 from extproc.adapters.batches.files import FilesUnavailable
-from extproc.adapters.batches.lines import Limits, Reading, Unusable, open_input, raw_lines
+from extproc.adapters.batches.lines import LineLimits, Reading, Unusable, open_input, raw_lines
+from extproc.adapters.batches.local_store import LocalStore, Pending
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.sender import Sender, decided
 from extproc.adapters.batches.shapes import ENDINGS, Json
-from extproc.adapters.batches.store import Pending, Store
 from extproc.adapters.config import Config
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,10 @@ CHUNK = 256
 FILES_RETRY_S = 1.0
 
 
-class Runner:
+class LocalRunner:
     """Every active batch's task; ``start`` resumes those a previous process left."""
 
-    def __init__(self, current: Callable[[], Config], store: Store, metrics: BatchMetrics,
+    def __init__(self, current: Callable[[], Config], store: LocalStore, metrics: BatchMetrics,
                  clock: Callable[[], float] = time.time) -> None:
         """``current``: the config now (a reload changes identity and entitlements; ``batches:`` needs a restart)."""
         settings = current().batches
@@ -139,7 +139,7 @@ class Runner:
 
     def _read(self, batch_id: str, doc: Json) -> tuple[int, int, str | None]:
         settings = self._settings
-        reading = Reading(doc["endpoint"], Limits(settings.max_lines, settings.max_line_bytes))
+        reading = Reading(doc["endpoint"], LineLimits(settings.max_lines, settings.max_line_bytes))
         source = open_input(self._store.contents, doc["input_file_id"])
         with source:
             valid, bad = self._store.put_lines(batch_id, reading.items(raw_lines(source, settings.max_line_bytes)))

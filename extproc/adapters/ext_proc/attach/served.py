@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.adapters.ext_proc.prompt_prefix import Signer
+from extproc.adapters.request.prompt_prefix import Signer
 from extproc.adapters.telemetry import ModelTelemetry
 from extproc.core.dispatcher import ModelDispatcher
 

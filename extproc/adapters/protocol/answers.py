@@ -1,4 +1,4 @@
-"""What a client hears for each :class:`~extproc.core.outcomes.Refusal`: status, OpenAI error type, Retry-After.
+"""What a client hears for each :class:`~extproc.core.values.outcomes.Refusal`: status, OpenAI error type, Retry-After.
 
 One table for every front end that answers instead of the engine: the
 processor's ext_proc answers (``ext_proc/servicer.py``), the answers Envoy
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from extproc.adapters.ext_proc.contract import REASON_HEADER
-from extproc.core.outcomes import Refusal
+from extproc.adapters.protocol.contract import REASON_HEADER
+from extproc.core.values.outcomes import Refusal
 
 # Retry-After: the refusing queue's drain time at the recent release rate, within these bounds.
 MIN_RETRY_AFTER_S = 1
@@ -33,48 +33,48 @@ class Retry(Enum):
 
 
 @dataclass(frozen=True)
-class Answer:
+class RefusalAnswer:
     status: int
     error_type: str  # OpenAI's error ``type``
     retry: Retry = Retry.NO
 
 
-_BAD = Answer(400, "invalid_request_error")
-_DOWN = Answer(503, "server_error")
+_BAD = RefusalAnswer(400, "invalid_request_error")
+_DOWN = RefusalAnswer(503, "server_error")
 # 429 only where the tenant's own backlog is the cause (it sends faster than its
 # share: slow down); a full class or model, a timeout and draining are
 # server-side conditions, 503 for everyone.
-ANSWERS: dict[Refusal, Answer] = {
+ANSWERS: dict[Refusal, RefusalAnswer] = {
     Refusal.MODEL_MISSING: _BAD,
-    Refusal.MODEL_NOT_FOUND: Answer(404, "invalid_request_error"),
+    Refusal.MODEL_NOT_FOUND: RefusalAnswer(404, "invalid_request_error"),
     Refusal.INVALID_MAX_TOKENS: _BAD,
     Refusal.INVALID_BODY: _BAD,
-    Refusal.BODY_TOO_LARGE: Answer(413, "invalid_request_error"),
+    Refusal.BODY_TOO_LARGE: RefusalAnswer(413, "invalid_request_error"),
     Refusal.INVALID_TTFT_OBJECTIVE: _BAD,
     Refusal.NO_ENDPOINT: _DOWN,
-    Refusal.TENANT_MISSING: Answer(401, "authentication_error"),
-    Refusal.PRIORITY_NOT_ALLOWED: Answer(403, "permission_error"),
-    Refusal.TENANT_QUEUE_FULL: Answer(429, "rate_limit_error", Retry.DRAIN),
-    Refusal.RATE_LIMIT_EXCEEDED: Answer(429, "rate_limit_error", Retry.WINDOW),
-    Refusal.INSUFFICIENT_QUOTA: Answer(429, "insufficient_quota", Retry.WINDOW),
-    Refusal.BAND_QUEUE_FULL: Answer(503, "server_error", Retry.DRAIN),
-    Refusal.MODEL_QUEUE_FULL: Answer(503, "server_error", Retry.DRAIN),
-    Refusal.QUEUE_TIMEOUT: Answer(503, "server_error", Retry.DRAIN),
-    Refusal.SHUTTING_DOWN: Answer(503, "server_error", Retry.SOON),
-    Refusal.OVERLOADED: Answer(503, "server_error", Retry.SOON),
-    Refusal.PREEMPTED: Answer(503, "server_error", Retry.SOON),
-    Refusal.ENGINE_FULL: Answer(503, "server_error", Retry.SOON),
-    Refusal.PROCESSOR_UNAVAILABLE: Answer(503, "server_error", Retry.SOON),
-    Refusal.UNAUTHENTICATED: Answer(401, "authentication_error"),
-    Refusal.PERMISSION_DENIED: Answer(403, "permission_error"),
-    Refusal.ENGINE_UNAVAILABLE: Answer(503, "server_error", Retry.SOON),
-    Refusal.UPSTREAM_TIMEOUT: Answer(504, "server_error"),
-    Refusal.REQUEST_TIMEOUT: Answer(408, "invalid_request_error"),
-    Refusal.REQUEST_TOO_LARGE: Answer(413, "invalid_request_error"),
-    Refusal.GATEWAY_ERROR: Answer(500, "server_error"),
+    Refusal.TENANT_MISSING: RefusalAnswer(401, "authentication_error"),
+    Refusal.PRIORITY_NOT_ALLOWED: RefusalAnswer(403, "permission_error"),
+    Refusal.TENANT_QUEUE_FULL: RefusalAnswer(429, "rate_limit_error", Retry.DRAIN),
+    Refusal.RATE_LIMIT_EXCEEDED: RefusalAnswer(429, "rate_limit_error", Retry.WINDOW),
+    Refusal.INSUFFICIENT_QUOTA: RefusalAnswer(429, "insufficient_quota", Retry.WINDOW),
+    Refusal.BAND_QUEUE_FULL: RefusalAnswer(503, "server_error", Retry.DRAIN),
+    Refusal.MODEL_QUEUE_FULL: RefusalAnswer(503, "server_error", Retry.DRAIN),
+    Refusal.QUEUE_TIMEOUT: RefusalAnswer(503, "server_error", Retry.DRAIN),
+    Refusal.SHUTTING_DOWN: RefusalAnswer(503, "server_error", Retry.SOON),
+    Refusal.OVERLOADED: RefusalAnswer(503, "server_error", Retry.SOON),
+    Refusal.PREEMPTED: RefusalAnswer(503, "server_error", Retry.SOON),
+    Refusal.ENGINE_FULL: RefusalAnswer(503, "server_error", Retry.SOON),
+    Refusal.PROCESSOR_UNAVAILABLE: RefusalAnswer(503, "server_error", Retry.SOON),
+    Refusal.UNAUTHENTICATED: RefusalAnswer(401, "authentication_error"),
+    Refusal.PERMISSION_DENIED: RefusalAnswer(403, "permission_error"),
+    Refusal.ENGINE_UNAVAILABLE: RefusalAnswer(503, "server_error", Retry.SOON),
+    Refusal.UPSTREAM_TIMEOUT: RefusalAnswer(504, "server_error"),
+    Refusal.REQUEST_TIMEOUT: RefusalAnswer(408, "invalid_request_error"),
+    Refusal.REQUEST_TOO_LARGE: RefusalAnswer(413, "invalid_request_error"),
+    Refusal.GATEWAY_ERROR: RefusalAnswer(500, "server_error"),
     Refusal.BAD_REQUEST: _BAD,
-    Refusal.NOT_FOUND: Answer(404, "invalid_request_error"),
-    Refusal.METHOD_NOT_ALLOWED: Answer(405, "invalid_request_error"),
+    Refusal.NOT_FOUND: RefusalAnswer(404, "invalid_request_error"),
+    Refusal.METHOD_NOT_ALLOWED: RefusalAnswer(405, "invalid_request_error"),
     Refusal.NOT_READY: _DOWN,
 }
 # Refusals of a request shed under load: the Endpoint Picker Protocol answers them 429

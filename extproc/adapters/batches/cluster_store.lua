@@ -1,5 +1,5 @@
 -- A cluster's batches: the steps that must be atomic, so instances never run a line twice or record it twice
--- (adapters/batches/shared.py). A script runs alone in Redis.
+-- (adapters/batches/cluster_store.py). A script runs alone in Redis.
 --
 --   KEYS[1]  the batches' key prefix, "<key_prefix>:batches"
 --   ARGV[1]  { op, ... } as below; the answer is JSON.
@@ -210,4 +210,4 @@ if op == 'drop' then
   return cjson.encode({ dropped = false })
 end
 
-return redis.error_reply('shared.lua: no such op: ' .. tostring(op))
+return redis.error_reply('cluster_store.lua: no such op: ' .. tostring(op))

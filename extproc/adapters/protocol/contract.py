@@ -13,7 +13,7 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Dynamic-metadata namespace that Envoy's json_to_metadata filter writes the body fields into.
 METADATA_NAMESPACE = "extproc"
 # A string in that namespace an operator's own filter may fill with a request's leading
-# prompt text: hashed as it is (prompt_prefix.py), so such a model's body need not be sent.
+# prompt text: hashed as it is (request/prompt_prefix.py), so such a model's body need not be sent.
 PROMPT_PREFIX_FIELD = "prompt_prefix"
 # Where budgets are on, json_to_metadata also writes the body's `stream` and `stream_options.include_usage` there:
 # whether the engine's usage comes in one JSON answer, at a stream's end, or not at all (engine_usage.py); and

@@ -5,7 +5,7 @@ an admission is one ``EVALSHA`` that checks every meter of the request (each
 limit of each scope it counts in) and reserves all of them or none, atomic,
 so N instances enforce one limit, not N. The end is one more (the correction:
 what was reserved replaced by what was used, and the request's charge added to
-the cluster's usage book, ``shared_usage.py``), sent without waiting for it.
+the cluster's usage book, ``cluster_usage.py``), sent without waiting for it.
 The semantics are the core's (``core/budgets``): the same windows, periods,
 reservation and actions; only where the counts live differs.
 
@@ -13,7 +13,7 @@ reservation and actions; only where the counts live differs.
 instance decides on its own counts (the core's ledger), each limit divided by
 the instances last seen live (at least ``cluster.instances``' count), as the
 cluster shares an engine's capacity. A request decided so is corrected there
-too, and its charge still sent to the cluster's usage book (:meth:`SharedBudgets.record`).
+too, and its charge still sent to the cluster's usage book (:meth:`ClusterBudgets.record`).
 Each instance keeps its own book (and store) either way.
 """
 
@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 
 from extproc.core.budgets.book import Usage
 from extproc.core.budgets.ledger import BUDGET_LIMITS, RATE_LIMITS, Over, RateView
-from extproc.core.budgets.limits import Limits, Plan, Scope, TenantPlan
+from extproc.core.budgets.limits import BudgetLimits, Plan, Scope, TenantPlan
 from extproc.core.budgets.meters import Calendar, next_month
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Meter:
 
 
 @dataclass(slots=True)
-class SharedTicket:
+class ClusterTicket:
     """A request's reservation in Redis: the meters and amounts, until corrected once."""
 
     meters: tuple[Meter, ...]
@@ -89,7 +89,7 @@ def meters(plan: Plan, tenant: str, model: str, now: float, calendar: Calendar) 
                  for _, meter in scope_meters(scope, limits, day, month))
 
 
-def scope_meters(scope: Scope, limits: Limits, day: float, month: float) -> list[tuple[str, Meter]]:
+def scope_meters(scope: Scope, limits: BudgetLimits, day: float, month: float) -> list[tuple[str, Meter]]:
     """Each limit of ``scope`` and its meter, the periods' those of the day and month starting at ``day``, ``month``."""
     found = []
     for name in RATE_LIMITS:
@@ -132,9 +132,9 @@ def share(plan: Plan, instances: int) -> Plan:
     if instances <= 1:
         return plan
 
-    def part(limits: Limits) -> Limits:
+    def part(limits: BudgetLimits) -> BudgetLimits:
         return replace(limits, **{f.name: getattr(limits, f.name) / instances
-                                  for f in fields(Limits) if getattr(limits, f.name) is not None})
+                                  for f in fields(BudgetLimits) if getattr(limits, f.name) is not None})
 
     def tenant(entry: TenantPlan) -> TenantPlan:
         return replace(entry, limits=part(entry.limits), models={m: part(lim) for m, lim in entry.models.items()})
@@ -154,7 +154,7 @@ class SharedVerdict:
     at: int = 0
 
 
-class SharedBudgets:
+class ClusterBudgets:
     """The Redis side: one script call per decision and per correction; raises on Redis trouble (the gate falls back)."""
 
     def __init__(self, client: aioredis.Redis, key_prefix: str, timeout_s: float, instances: Callable[[], int]) -> None:
@@ -185,11 +185,11 @@ class SharedBudgets:
             return SharedVerdict(None, used=used)
         return SharedVerdict(Over(answer["over"]), answer["wait"], used, answer["at"] - 1)
 
-    def correct(self, ticket: SharedTicket, used: tuple[float, ...] | None, now: float,
+    def correct(self, ticket: ClusterTicket, used: tuple[float, ...] | None, now: float,
                 charged: dict[str, Any] | None = None) -> None:
         """Replace ``ticket``'s reservation by ``used`` (None: nothing, the request was not served), in a task.
 
-        ``charged``: the request's charge for the cluster's usage book (``shared_usage.charge``), in the same call.
+        ``charged``: the request's charge for the cluster's usage book (``cluster_usage.charge``), in the same call.
         """
         if not ticket.open:
             return
@@ -223,7 +223,7 @@ class SharedBudgets:
             await self._call(payload)
         except (RedisError, OSError, TimeoutError) as exc:
             # Windows drain by themselves; a period keeps the reservation until it ends: counted high, never low.
-            # The charge is in this instance's book only (shared_usage.py). Said once per outage: every end fails.
+            # The charge is in this instance's book only (cluster_usage.py). Said once per outage: every end fails.
             if not self._lost:
                 self._lost = True
                 log.warning("budgets: a correction did not reach Redis (%s); its reservation stands, its usage "

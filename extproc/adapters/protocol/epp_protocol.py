@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from extproc.adapters.ext_proc.contract import DESTINATION_HEADER
+from extproc.adapters.protocol.contract import DESTINATION_HEADER
 
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
