@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import openai
 import yaml
 
 from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack
+from tests.lazy import openai
 from tests.stackutil import TENANT_KEYS, write_stack_config
 
 

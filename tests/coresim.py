@@ -26,6 +26,7 @@ import asyncio
 import heapq
 import itertools
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,10 +35,12 @@ from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.entitlement import Tenant
+from extproc.core.model_state import ModelState
 from extproc.core.policies import POLICIES
 from extproc.core.release import RULES, RuleSettings
 from extproc.core.release.answer import Answer
 from extproc.core.release.pool import Pool
+from extproc.core.strategy import Limit, LocalRelease
 from extproc.core.values.engine_load import EngineLoad
 from extproc.core.values.outcomes import Refused
 from extproc.core.values.report import Event
@@ -131,19 +134,30 @@ class CoreSim:
         self._by_sim: dict[SimRequest, Request] = {}
         self.requests: list[Request] = []
         self._active: list[Request] = []  # queued or in flight: what _notice looks at
+        # Of those, how many were queued and which were released at the last look (_notice skips a look that
+        # would find nothing to do: no queued request resolved, none released preempted or ended for ``ended``).
+        self._queued_seen = 0
+        self._released: list[Request] = []
         self._to_come = 0  # arrivals on the heap
         self.events: list[Event] = []
         self.limits: list[tuple[float, float]] = []  # (scrape time, the adaptive limit after it)
         self.pool = Pool((ENDPOINT,), RULES["adaptive"], RuleSettings(target_waiting, max_running=max_running),
                          stale_after_s=10 * scrape_s, fallback_max_in_flight=4)
         every = Tenant(tuple(b.name for b in bands), bands[0].name, weight=1.0, max_queued=1_000_000)
+        # An extra limit on what the strategy lets go (``strategy.Limit``): a test's changed rule, set any time.
+        self.limit: Limit | None = None
         self.dispatcher = ModelDispatcher(
             "m", self.pool, bands, lambda event: self.events.append(event), lambda: self.now, policy=POLICIES[policy],
             tenant=lambda _: every, cost=CostWeights(), max_queued=1_000_000, max_queue_wait_s=max_queue_wait_s,
             reserved_waiting=reserved_waiting, max_preemptions_per_s=max_preemptions_per_s, timers=self,
-            engine_priority=engine_priority,
+            engine_priority=engine_priority, strategy=self._strategy,
         )
         self._at(0.0, self._scrape)
+
+    def _strategy(self, state: ModelState) -> LocalRelease:
+        """The dispatcher's own strategy, within :attr:`limit` when one is set; keeps ``state`` (:attr:`state`)."""
+        self.state = state
+        return LocalRelease(state, self, limit=lambda band, now: self.limit(band, now) if self.limit else sys.maxsize)
 
     # --- Timers (core/timers.py): the dispatcher's deadlines on the same heap -------------------------
 
@@ -164,7 +178,8 @@ class CoreSim:
         """Replay ``arrivals``, then run until ``until`` (simulated seconds)."""
         self.add(arrivals)
         while self._heap and self._heap[0].at <= until:
-            if not self._to_come and not self._active and self.step_end is None and not self._inbox:
+            if (not self._to_come and not self._queued_seen and self.step_end is None and not self._inbox
+                    and not any(r.outcome == "released" for r in self._released)):
                 return  # everything answered: only scrapes are left
             event = heapq.heappop(self._heap)
             self.now = event.at
@@ -195,9 +210,17 @@ class CoreSim:
         request = Request(arrival, held)
         self.requests.append(request)
         self._active.append(request)
+        self._queued_seen += 1
 
     def _notice(self) -> None:
-        """Releases, refusals and preemptions the last event caused: what the ext_proc streams would do."""
+        """Releases, refusals and preemptions the last event caused: what the ext_proc streams would do.
+
+        Each look walks every request queued or in flight, in arrival order; most events change none of them, and
+        a look then is skipped: every queued request still queued (the dispatcher holds as many), and no released
+        one preempted, or ended where ``ended`` wants to hear of it. A request that ended is dropped at the next look.
+        """
+        if self._queued_seen == self.dispatcher.queued and not any(self._due(r) for r in self._released):
+            return
         for request in self._active:
             held = request.held
             if request.outcome == "queued" and held.future.done():
@@ -223,6 +246,14 @@ class CoreSim:
             if request.outcome in ("done", "preempted") and self._ended is not None:
                 self._ended(self, request)
         self._active = [r for r in self._active if r.outcome in ("queued", "released")]
+        self._queued_seen = sum(r.outcome == "queued" for r in self._active)
+        self._released = [r for r in self._active if r.outcome == "released"]
+
+    def _due(self, request: Request) -> bool:
+        """Whether a request released at the last look needs one now: preempted, or ended and ``ended`` is told."""
+        if request.outcome == "released":
+            return request.held.preempted is not None and request.held.preempted.done()
+        return self._ended is not None
 
     def _accepted(self, request: Request) -> None:
         if request.outcome == "released":

@@ -46,6 +46,7 @@ from extproc.adapters.transports import TRANSPORTS
 from extproc.tools.procs import free_port
 from tests.abuseserver import RELEASE
 from tests.h2attack import ATTACKS, Attack, Outcome
+from tests.paths import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
@@ -81,7 +82,7 @@ def serving(transport: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     with log.open("w") as stderr:
         process = subprocess.Popen([sys.executable, "-m", "tests.abuseserver", transport, str(port)],
                                    stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                   cwd=Path(__file__).resolve().parents[1])
+                                   cwd=ROOT)
     try:
         assert process.stdout is not None and process.stdout.readline().strip() == "ready"
         yield Server(transport, port, process, log)
@@ -163,7 +164,7 @@ class Attacker:
     def __init__(self, attack: Attack, port: int) -> None:
         self.process = subprocess.Popen([sys.executable, "-m", "tests.h2attack", attack.name, str(port), str(ATTACK_S)],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                        cwd=Path(__file__).resolve().parents[1])
+                                        cwd=ROOT)
         assert self.process.stdout is not None and self.process.stdout.readline().strip() == "ready"
 
     def start(self) -> asyncio.Future[Outcome]:

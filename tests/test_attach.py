@@ -44,8 +44,8 @@ async def test_metadata_in_full_duplex_holds_on_the_body_and_gives_it_back_in_ch
     processor, dispatcher, _ = make()
     stream = Stream(processor, declared(headers_message(BODY), DUPLEX))
     assert await all_answers(stream) == []  # no reply before the body is in: a headers reply would let it go
-    stream._inbox.put_nowait(pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY[:100])))
-    stream._inbox.put_nowait(body_message(BODY[100:]))
+    stream.send(pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY[:100])))
+    stream.send(body_message(BODY[100:]))
     released = await all_answers(stream)
     assert released[0].HasField("request_headers") and released[0].request_headers.response.clear_route_cache
     assert released_headers(released[0])["x-model"] == b"m"
@@ -54,8 +54,8 @@ async def test_metadata_in_full_duplex_holds_on_the_body_and_gives_it_back_in_ch
     assert b"".join(g.body for g in given_back) == BODY and given_back[-1].end_of_stream
     assert dispatcher.in_flight == 1
     # Every later body answer is a streamed one: a plain body reply is "spurious" to Envoy there (500).
-    stream._inbox.put_nowait(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
-    stream._inbox.put_nowait(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: one\n\n", end_of_stream=True)))
+    stream.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+    stream.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: one\n\n", end_of_stream=True)))
     headers_reply, chunk = await all_answers(stream)
     assert headers_reply.HasField("response_headers")
     assert chunk.response_body.response.body_mutation.streamed_response.body == b"data: one\n\n"
@@ -67,7 +67,7 @@ async def test_metadata_in_full_duplex_holds_on_the_body_and_gives_it_back_in_ch
 async def test_metadata_in_full_duplex_rewrites_the_engine_priority_in_the_chunks_given_back() -> None:
     processor, _, _ = make(engine_priority=True)
     stream = Stream(processor, declared(headers_message(BODY), DUPLEX))
-    stream._inbox.put_nowait(body_message(BODY))
+    stream.send(body_message(BODY))
     released = await all_answers(stream)
     body = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in released[1:])
     assert json.loads(body) == {**json.loads(BODY), "priority": 1}  # the default class, standard
@@ -84,7 +84,7 @@ async def test_metadata_buffered_releases_on_the_headers_keeping_the_declared_mo
     override = released.mode_override
     if released.HasField("mode_override"):  # a checked release: the response headers on, the bodies as declared
         assert (override.request_body_mode, override.response_body_mode) == (BUFFERED, BUFFERED)
-    stream._inbox.put_nowait(body_message(BODY))  # Envoy sends the buffered body once the headers are answered
+    stream.send(body_message(BODY))  # Envoy sends the buffered body once the headers are answered
     (passed,) = await all_answers(stream)
     assert passed.HasField("request_body") and not passed.request_body.HasField("response")
     stream.close()
@@ -96,7 +96,7 @@ async def test_metadata_buffered_with_engine_priority_rewrites_the_body_that_fol
     stream = Stream(processor, declared(headers_message(BODY), BUFFERED))
     (released,) = await all_answers(stream)
     assert released.mode_override.request_body_mode == BUFFERED
-    stream._inbox.put_nowait(body_message(BODY))
+    stream.send(body_message(BODY))
     (rewritten,) = await all_answers(stream)
     assert json.loads(rewritten.request_body.response.body_mutation.body)["priority"] == 1  # standard
     stream.close()
@@ -110,7 +110,7 @@ async def test_a_body_asked_for_and_not_sent_is_refused_and_logged_once(caplog: 
         stream = Stream(processor, headers_message(BODY))
         (asked,) = await all_answers(stream)
         assert asked.mode_override.request_body_mode == BUFFERED
-        stream._inbox.put_nowait(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))  # no body: the response
+        stream.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))  # no body: the response
         (refused,) = await all_answers(stream)
         assert refused.immediate_response.status.code == 500
         assert json.loads(refused.immediate_response.body)["error"]["code"] == "gateway_error"
@@ -138,7 +138,7 @@ async def test_no_metadata_duplex_and_buffered_still_read_the_body() -> None:
         processor, dispatcher, _ = make()
         stream = Stream(processor, first_message(mode))
         await all_answers(stream)
-        stream._inbox.put_nowait(body_message(chat(model="m")))
+        stream.send(body_message(chat(model="m")))
         released = await all_answers(stream)
         assert released and dispatcher.in_flight == 1, mode
         stream.close()
@@ -160,7 +160,7 @@ async def test_release_replies_are_reused_for_short_waits_and_bounded_as_endpoin
         held.endpoint = f"http://10.1.{i // 250}.{i % 250}:8000"
         reply = own.release(stream, held, "m", 0.004, None)[0]
         assert released_headers(reply)["x-gateway-destination-endpoint"] == f"10.1.{i // 250}.{i % 250}:8000".encode()
-    assert len(own._releases) <= 1024  # noqa: SLF001
+    assert own.reused_replies <= 1024
 
 
 async def test_a_preemption_that_meets_the_response_headers_answers_them_with_the_503() -> None:
@@ -183,7 +183,7 @@ async def test_a_preemption_that_meets_the_response_headers_answers_them_with_th
     assert released.mode_override.response_header_mode == processing_mode_pb2.ProcessingMode.SEND
     [held] = helds
     assert held.preempted is not None
-    stream._inbox.put_nowait(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+    stream.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
     held.preempted.set_result(None)  # in the same instant, before the stream reads the headers
     (answer,) = await all_answers(stream)
     assert answer.immediate_response.status.code == 503

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -29,6 +28,7 @@ from extproc.adapters.batches.service import BatchService
 from extproc.adapters.config import Config, parse_config
 from extproc.adapters.telemetry.labels import TenantLabels
 from extproc.tools.procs import free_port
+from tests.lazy import openai
 
 pytestmark = pytest.mark.unit
 

@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
 from extproc.tools.stack import Stack, start_stack
 from tests.batchutil import chat_line, cluster_config, completed_count, entries, instance_api, jsonl, wait_final
+from tests.lazy import openai
 from tests.redisutil import RedisServer
 from tests.stackutil import metric, read_metrics
 

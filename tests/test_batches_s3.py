@@ -18,13 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
 from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack, start_stack
 from tests import batchutil
 from tests.batchutil import chat_line, cluster_config, completed_count, entries, instance_api, jsonl, wait_final
+from tests.lazy import openai
 from tests.redisutil import RedisServer
 from tests.s3util import S3Server
 from tests.stackutil import metric, read_metrics, write_stack_config

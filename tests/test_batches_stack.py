@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
 
 from extproc.tools.power_user import chat
@@ -27,6 +26,7 @@ from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack, start_stack
 from tests import batchutil
 from tests.batchutil import chat_line, completed_count, entries, jsonl, wait_final
+from tests.lazy import openai
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_stack_config
 
 pytestmark = pytest.mark.integration

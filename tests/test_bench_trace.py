@@ -314,12 +314,12 @@ async def test_the_runner_cuts_what_the_window_leaves_unanswered() -> None:
             prompts = {"fast": 0.0, "slow": 0.0, "held": 0.0, "late": 5.0}
             plan = [Planned(at, kind, "interactive", 40, 4) for kind, at in prompts.items()]
             done: list[int] = []
-            started = time.monotonic()
+            # The held request is answered only once the replay has returned (``finally``): that it returns at all
+            # says it was cut at the window, not waited for.
             results = await replay(
-                [url], plan, time_scale=1.0, api_keys={}, t0=started, on_done=lambda: done.append(1),
+                [url], plan, time_scale=1.0, api_keys={}, t0=time.monotonic(), on_done=lambda: done.append(1),
                 engine=Engine(chars_per_token=1, request_extras={}), unique_prompts=True, window=0.5,
             )
-            assert time.monotonic() - started < 5  # cut at 0.5 s, not when the held request is answered
         finally:
             engine.release.set()
     by = {r.tenant: r for r in results}
@@ -327,4 +327,5 @@ async def test_the_runner_cuts_what_the_window_leaves_unanswered() -> None:
     assert by["fast"].ok and not by["fast"].cut and by["fast"].tokens == 1
     assert by["slow"].cut and not by["slow"].ok and by["slow"].tokens == 1 and by["slow"].ttft is not None
     assert by["held"].cut and by["held"].ttft is None and by["held"].tokens == 0 and by["held"].status == 0
-    assert by["slow"].e2e == pytest.approx(0.5, abs=0.05) and by["held"].error == "not answered in the window"
+    # Cut at the window, not before it (a lower bound: a busy machine only makes it later).
+    assert by["slow"].e2e >= 0.5 - 0.01 and by["held"].error == "not answered in the window"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import calendar
 import json
-import math
-import time
+import sys
+import types
 
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -28,6 +28,8 @@ pytestmark = pytest.mark.unit
 
 NOON = float(calendar.timegm((2026, 12, 3, 12, 0, 0)))
 MIDNIGHT = float(calendar.timegm((2026, 12, 4, 0, 0, 0)))
+# The Python calls one admit and end may make with three scopes of limits (119 measured; a margin for small changes).
+CALLS_PER_ADMISSION = 180
 
 
 def make(budgets: dict[str, object], max_in_flight: int = 4) -> tuple[Processor, ModelDispatcher, list[float]]:
@@ -158,8 +160,8 @@ async def test_a_served_request_is_charged_the_usage_its_engine_reported() -> No
     # The answer is read: buffered, a body over Envoy's buffer limit sent in part (its usage then unread).
     assert release.mode_override.response_body_mode == ProcessingMode.BUFFERED_PARTIAL
     body = usage_body(37, 12, 16)
-    served._inbox.put_nowait(pb.ProcessingRequest(response_body=pb.HttpBody(body=body[:20])))
-    served._inbox.put_nowait(pb.ProcessingRequest(response_body=pb.HttpBody(body=body[20:], end_of_stream=True)))
+    served.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=body[:20])))
+    served.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=body[20:], end_of_stream=True)))
     for _ in range(2):  # each chunk goes on as it came
         assert await served.answers.get() == pb.ProcessingResponse(response_body=pb.BodyResponse())
     served.close()
@@ -249,8 +251,11 @@ async def test_an_absurd_max_tokens_reserves_the_context_not_infinity() -> None:
     assert (await Stream(processor, request(max_tokens=10)).answers.get()).HasField("request_headers")
 
 
-async def test_the_admission_check_costs_little() -> None:
-    """Measured locally: the gate's admit and end for one request with three scopes of limits (target: 50 us)."""
+async def test_the_admission_check_does_a_fixed_small_amount_of_work() -> None:
+    """The gate's admit and end for one request with three scopes of limits: the same Python calls for the first
+    request after the tenant's first and for one after thousands (nothing grows with the requests before it), and few. The time it
+    takes is the overhead benchmark's to measure (``extproc-dev bench``), not a test's: a bound in microseconds fails
+    on a busy machine."""
     config = parse_config({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"]}], "budgets": {
         "prices": {"m": {"input": 1, "output": 2}}, "groups": {"g": {"requests_per_minute": 1e9}},
         "tenants": {"default": {"requests_per_minute": 1e9, "output_tokens_per_minute": 1e12, "tokens_per_day": 1e15,
@@ -258,12 +263,30 @@ async def test_the_admission_check_costs_little() -> None:
     assert config.budgets is not None
     gate = BudgetGate(config.budgets, 2, clock=lambda: NOON)
     admission = Admission("m", "t", 1)
-    rounds, best = 5_000, math.inf
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(rounds):
-            _, passed = await gate.admit(admission, (100.0, 200.0))
-            gate.end(passed, None)
-        best = min(best, (time.perf_counter() - start) / rounds)
-    print(f"admission check: {best * 1e6:.1f} us per request")
-    assert best < 200e-6  # the target is 50 us on an idle machine; shared CI cores get headroom
+
+    async def one() -> None:
+        _, passed = await gate.admit(admission, (100.0, 200.0))
+        gate.end(passed, None)
+
+    async def calls() -> int:
+        """The Python function calls one admit and end make (coroutine steps included)."""
+        counted = 0
+
+        def count(frame: types.FrameType, event: str, arg: object) -> None:
+            nonlocal counted
+            counted += event == "call"
+
+        sys.setprofile(count)
+        try:
+            await one()
+        finally:
+            sys.setprofile(None)
+        return counted
+
+    await one()  # the tenant's first request sets up its scopes' books
+    second = await calls()
+    for _ in range(5_000):
+        await one()
+    later = await calls()
+    print(f"admission check: {second} Python calls per request")
+    assert later == second and second <= CALLS_PER_ADMISSION, (second, later)

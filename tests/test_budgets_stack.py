@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
-import openai
 import pytest
 import yaml
 
 from extproc.tools.stack import Stack, start_stack
+from tests.lazy import openai
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
 from tests.waitutil import eventually
 

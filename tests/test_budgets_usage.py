@@ -12,18 +12,20 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import openai
 import pytest
 import yaml
-from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.tools.stack import Stack, start_stack
-from tests import test_preemption
+from tests.lazy import openai
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_config
+from tests.test_preemption import BATCH_TOKENS, SIM, batch_client, config, flood_then_chat
 from tests.waitutil import eventually
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 pytestmark = pytest.mark.integration
 
@@ -85,9 +87,9 @@ async def test_a_budget_is_charged_the_engines_usage_whole_and_streamed_and_the_
 
 
 async def test_a_preempted_request_retried_by_the_sdk_is_charged_once(tmp_path: Path) -> None:
-    path = with_budgets(test_preemption.config(tmp_path))
-    async with await start_stack(path, tmp_path, sim_args=test_preemption.SIM) as stack:
-        results, _, _ = await test_preemption.flood_then_chat(stack, test_preemption.batch_client(stack, retries=2))
+    path = with_budgets(config(tmp_path))
+    async with await start_stack(path, tmp_path, sim_args=SIM) as stack:
+        results, _, _ = await flood_then_chat(stack, batch_client(stack, retries=2))
         assert [o for o, _ in results] == ["ok", "ok"], results
         samples = await read_metrics(stack.metrics_url)
         assert metric(samples, "extproc_preemptions_total", tenant="bob") == 1  # one was preempted, then retried
@@ -99,4 +101,4 @@ async def test_a_preempted_request_retried_by_the_sdk_is_charged_once(tmp_path: 
     # what the engine counted for it.
     assert prompt is not None
     assert (rows["bob"]["requests"], rows["bob"]["input_tokens"], rows["bob"]["output_tokens"]) == (
-        2, 2 * prompt.prompt_tokens, 2 * test_preemption.BATCH_TOKENS)
+        2, 2 * prompt.prompt_tokens, 2 * BATCH_TOKENS)

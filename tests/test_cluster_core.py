@@ -11,6 +11,7 @@ from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
+from extproc.core.release.pool import Pool
 from extproc.core.values.engine_load import EngineLoad
 from tests.test_endpoint_down import Report
 from tests.test_gate import make_gate
@@ -32,7 +33,7 @@ def grant(*releases: tuple[int, str], others: int = 0, instances: int = 1) -> Gr
 
 def seat_of(
     max_in_flight: int = 4, policy: str = "round_robin", expected: int = 1
-) -> tuple[ModelDispatcher, ClusterSeat, Link]:
+) -> tuple[ModelDispatcher, ClusterSeat, Link, Pool]:
     link = Link()
     timers = LoopTimers(lambda: 0.0)
     seats: list[ClusterSeat] = []
@@ -41,17 +42,18 @@ def seat_of(
         seats.append(ClusterSeat(outlet, timers, link, expected_instances=expected))
         return seats[0]
 
+    pool = make_gate(kind="static_concurrency", max_in_flight=max_in_flight)
     dispatcher = ModelDispatcher(
-        "m", make_gate(kind="static_concurrency", max_in_flight=max_in_flight), (Band("standard", 60.0),),
+        "m", pool, (Band("standard", 60.0),),
         Report(), lambda: 0.0,
         policy=POLICIES[policy], tenant=lambda _: Tenant(("standard",), "standard", weight=1.0, max_queued=100),
         cost=CostWeights(), max_queued=100, max_queue_wait_s=120.0, reserved_waiting=0, timers=timers, strategy=strategy,
     )
-    return dispatcher, seats[0], link
+    return dispatcher, seats[0], link, pool
 
 
 async def test_a_joined_seat_releases_only_what_the_cluster_grants() -> None:
-    dispatcher, seat, link = seat_of()
+    dispatcher, seat, link, pool = seat_of()
     seat.granted(grant(instances=2))
     alice = [dispatcher.submit("alice", 0) for _ in range(3)]
     bob = dispatcher.submit("bob", 0)
@@ -70,11 +72,11 @@ async def test_a_joined_seat_releases_only_what_the_cluster_grants() -> None:
     # The other instances' request counts as ours: 2 here + 1 there, of a cap of 4.
     ask = seat.ask()
     assert ask.in_flight == 2 and ask.caps == (4,)
-    assert dispatcher._pool.allowance(0.0) == 1  # noqa: SLF001 - the rule counts them
+    assert pool.allowance(0.0) == 1  # the rule counts them
 
 
 async def test_a_grant_for_a_tenant_that_left_is_skipped() -> None:
-    dispatcher, seat, _ = seat_of()
+    dispatcher, seat, _, _ = seat_of()
     seat.granted(grant())
     held = dispatcher.submit("alice", 0)
     dispatcher.end(held)  # its client left
@@ -83,7 +85,7 @@ async def test_a_grant_for_a_tenant_that_left_is_skipped() -> None:
 
 
 async def test_cut_off_from_the_cluster_a_seat_releases_its_share_of_the_cap() -> None:
-    dispatcher, seat, _ = seat_of(max_in_flight=6, expected=3)
+    dispatcher, seat, _, _ = seat_of(max_in_flight=6, expected=3)
     held = [dispatcher.submit("alice", 0) for _ in range(5)]
     # Not joined yet (as when Redis is down): it releases 6 // 3 = 2 on its own, not the whole cap.
     assert sum(h.future.done() for h in held) == 2
@@ -95,7 +97,7 @@ async def test_cut_off_from_the_cluster_a_seat_releases_its_share_of_the_cap() -
 
 
 async def test_cost_corrections_travel_with_the_next_ask_and_survive_a_lost_one() -> None:
-    dispatcher, seat, _ = seat_of(policy="vtc")
+    dispatcher, seat, _, _ = seat_of(policy="vtc")
     seat.granted(grant())
     for at, generated in ((0.0, 0.0), (1.0, 10.0)):  # a decode rate of 10 tokens/s: measured costs
         dispatcher.record_scrape("e1", EngineLoad(waiting=0, running=1, generation_tokens=generated), at)
@@ -112,7 +114,7 @@ async def test_cost_corrections_travel_with_the_next_ask_and_survive_a_lost_one(
 
 
 async def test_a_scrape_asks_the_cluster_only_when_it_lets_this_instance_release() -> None:
-    dispatcher, seat, link = seat_of(max_in_flight=2)
+    dispatcher, seat, link, _ = seat_of(max_in_flight=2)
     seat.granted(grant())
     held = [dispatcher.submit("alice", 0) for _ in range(3)]
     link.asks.clear()

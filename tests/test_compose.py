@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import openai
 import pytest
 import yaml
 
@@ -35,9 +34,10 @@ from extproc.tools.cli import build_parser as build_dev_parser
 from extproc.tools.envoy_bin import find_envoy
 from extproc.tools.power_user import PowerUser, run_power_user
 from extproc.tools.procs import free_port
+from tests.lazy import openai
+from tests.paths import ROOT
 from tests.stackutil import TENANT_KEYS, metric, read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 # What `up` starts; the `monitoring` profile (official Prometheus and Grafana images) is opt-in.

@@ -14,7 +14,6 @@ import socket
 import sys
 from pathlib import Path
 
-import openai
 import pytest
 import yaml
 
@@ -22,6 +21,7 @@ from extproc.adapters.config import parse_config, split_address
 from extproc.adapters.ports import bind_problem
 from extproc.tools.demo import DEMO_CONFIG, ENGINES_OFFSET, with_port_base
 from extproc.tools.procs import port_range
+from tests.lazy import openai
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -24,10 +24,11 @@ from extproc.adapters.envoy.filters import DROP_IN_FILTER_PREFIX
 from extproc.adapters.protocol.contract import METADATA_NAMESPACE, MODEL_HEADER
 from extproc.adapters.web.app import build_app
 from tests.envoyutil import bootstrap_message
+from tests.paths import ROOT
 
 pytestmark = pytest.mark.unit
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = ROOT / "deploy"
 PREFIXES = ("/v1/chat/completions", "/v1/completions")
 
 

@@ -43,11 +43,11 @@ from extproc.tools.hosts import command, write_hosts
 from extproc.tools.power_user import chat
 from extproc.tools.procs import ManagedProcess, free_port
 from extproc.tools.stack import start_sim, start_stack
+from tests.paths import FIXTURES, ROOT
 from tests.stackutil import TENANT_KEYS, read_metrics, write_stack_config
 from tests.test_monitoring import query, tool
 from tests.waitutil import eventually
 
-ROOT = Path(__file__).resolve().parent.parent
 AUTOSCALING = ROOT / "deploy" / "autoscaling"
 SCHEMAS = AUTOSCALING / "schemas"
 K8S_VERSION = "1.33"
@@ -56,7 +56,7 @@ ADAPTER_CONFIG = "prometheus-adapter-config.json"
 # KEDA's ScaledObject CRD: where it is upstream, and the commit the vendored schema was made from.
 KEDA = ("kedacore/keda", "config/crd/bases/keda.sh_scaledobjects.yaml")
 # That CRD, vendored: the check below runs everywhere, reading nothing outside the repository.
-UPSTREAM_CRD = Path(__file__).resolve().parent / "fixtures" / "upstream" / "keda.sh_scaledobjects.yaml"
+UPSTREAM_CRD = FIXTURES / "upstream" / "keda.sh_scaledobjects.yaml"
 # The Prometheus scaler's metadata keys (kedacore/keda 8b4f083c, pkg/scalers/prometheus_scaler.go,
 # prometheusMetadata's `keda:"name=..."` tags); its authentication's are not used here.
 PROMETHEUS_SCALER_KEYS = {"serverAddress", "query", "queryParameters", "threshold", "activationThreshold",

@@ -10,9 +10,9 @@ Nothing here runs Kubernetes or a gateway controller. What is checked:
 * that the documents agree with each other and with the processor's config in the ConfigMap
   (selectors, ports, probes, the TLS Secret, Redis for more than one replica);
 * that validation can fail (mutated manifests are refused);
-* where the upstream repositories are mirrored on this machine (not in CI: that test skips),
-  our manifests against the upstream CRDs' own openAPIV3Schema, read from the mirror with git at
-  the commit our schemas cite, and that our schemas refuse every mutation the upstream one refuses.
+* our manifests against the upstream CRDs' own openAPIV3Schema at the commit our schemas cite
+  (vendored in tests/fixtures/upstream_crds/, whose README names each source), and that our
+  schemas refuse every mutation the upstream one refuses.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -36,11 +35,12 @@ from prometheus_client import CollectorRegistry
 
 from extproc.adapters.config import parse_config, split_address
 from extproc.adapters.web.app import build_app
+from tests.paths import FIXTURES, ROOT
 from tests.tlsutil import processor_tls
 
 pytestmark = pytest.mark.unit
 
-GIE = Path(__file__).resolve().parent.parent / "deploy" / "gie"
+GIE = ROOT / "deploy" / "gie"
 SCHEMAS = GIE / "schemas"
 # The Kubernetes version whose built-in schemas the manifests are validated against.
 K8S_VERSION = "1.33"
@@ -450,53 +450,17 @@ def test_the_configmap_parses_as_the_processor_config(tmp_path: Path) -> None:
     assert config.cluster is not None and config.cluster.redis_url == raw_config()["cluster"]["redis_url"]
 
 
-# --- local only: the upstream CRDs, read from the mirrors ------------------------------------------
+# --- the upstream CRDs, vendored -------------------------------------------------------------------
 
-MIRRORS = Path("/work/.mirror")
-# (apiVersion, kind) -> (repository, commit, CRD path): the sources our schemas name.
-UPSTREAM = {
-    ("inference.networking.k8s.io/v1", "InferencePool"): (
-        "kubernetes-sigs/gateway-api-inference-extension", "84436a96b9e6ce2b59ddacd3d04c31b4fbd442de",
-        "config/crd/bases/inference.networking.k8s.io_inferencepools.yaml"),
-    ("gateway.networking.k8s.io/v1", "HTTPRoute"): (
-        "kubernetes-sigs/gateway-api", "4564255ac2c35d582249b3cdf261bdf51c8bca32",
-        "config/crd/standard/gateway.networking.k8s.io_httproutes.yaml"),
-    ("gateway.networking.k8s.io/v1", "Gateway"): (
-        "kubernetes-sigs/gateway-api", "4564255ac2c35d582249b3cdf261bdf51c8bca32",
-        "config/crd/standard/gateway.networking.k8s.io_gateways.yaml"),
-    ("gateway.networking.k8s.io/v1", "GatewayClass"): (
-        "kubernetes-sigs/gateway-api", "4564255ac2c35d582249b3cdf261bdf51c8bca32",
-        "config/crd/standard/gateway.networking.k8s.io_gatewayclasses.yaml"),
-    ("aigateway.envoyproxy.io/v1beta1", "AIGatewayRoute"): (
-        "envoyproxy/ai-gateway", "c217da8a539570ba3f6014a60c2687c29a945f1f",
-        "manifests/charts/ai-gateway-crds-helm/templates/aigateway.envoyproxy.io_aigatewayroutes.yaml"),
-    ("cert-manager.io/v1", "Issuer"): (
-        "cert-manager/cert-manager", "2d0d7f7f74241a9cbf79f0e2a7bb247238ee09fd", "deploy/crds/cert-manager.io_issuers.yaml"),
-    ("cert-manager.io/v1", "Certificate"): (
-        "cert-manager/cert-manager", "2d0d7f7f74241a9cbf79f0e2a7bb247238ee09fd",
-        "deploy/crds/cert-manager.io_certificates.yaml"),
-    ("networking.istio.io/v1", "DestinationRule"): (
-        "istio/api", "b8f8791d9653b2edc77a071d48887e582cfe84bf", "kubernetes/customresourcedefinitions.gen.yaml"),
-}
+# The ``spec`` schema of each custom resource's upstream CRD, at the commit our schema names (the README there says
+# which repository, commit and file each comes from, and how it was taken), by the same file name as ours.
+UPSTREAM = FIXTURES / "upstream_crds"
 
 
-def upstream_spec_schema(api_version: str, kind: str) -> dict[str, Any] | None:
-    """The upstream CRD's openAPIV3Schema of ``spec``, made strict; None where the mirror is absent."""
-    repo, commit, path = UPSTREAM[(api_version, kind)]
-    git_dir = MIRRORS / repo.replace("/", "+") / "repo"
-    if not git_dir.is_dir():
-        return None
-    shown = subprocess.run(["git", "-C", str(git_dir), "show", f"{commit}:{path}"],
-                           capture_output=True, text=True, check=False)
-    if shown.returncode != 0:
-        return None
-    version = api_version.rpartition("/")[2]
-    for crd in yaml.safe_load_all(shown.stdout):
-        if crd and crd.get("kind") == "CustomResourceDefinition" and crd["spec"]["names"]["kind"] == kind:
-            [served] = [v for v in crd["spec"]["versions"] if v["name"] == version]
-            spec: dict[str, Any] = strict(served["schema"]["openAPIV3Schema"]["properties"]["spec"])
-            return spec
-    raise AssertionError(f"no {kind} {version} in {repo}@{commit}:{path}")
+def upstream_spec_schema(api_version: str, kind: str) -> dict[str, Any]:
+    """The upstream CRD's openAPIV3Schema of ``spec``, made strict."""
+    spec: dict[str, Any] = strict(json.loads((UPSTREAM / CUSTOM[(api_version, kind)]).read_text()))
+    return spec
 
 
 def strict(node: Any) -> Any:
@@ -562,12 +526,9 @@ def leaf_mutants(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[str, A
             yield f"{name}: a string", at(where, "x")
 
 
-@pytest.mark.parametrize("kind", sorted(UPSTREAM), ids=lambda k: f"{k[1]}.{k[0]}")
+@pytest.mark.parametrize("kind", sorted(CUSTOM), ids=lambda k: f"{k[1]}.{k[0]}")
 def test_our_manifests_pass_the_upstream_crd_and_our_schema_is_not_looser(kind: tuple[str, str]) -> None:
     upstream = upstream_spec_schema(*kind)
-    if upstream is None:
-        repo, commit, path = UPSTREAM[kind]
-        pytest.skip(f"local only: no mirror of {repo} at {commit} under {MIRRORS} (CI has none)")
     validator = jsonschema.Draft202012Validator(upstream)
     docs = [d for d in all_documents() if (d.body["apiVersion"], d.kind) == kind]
     assert docs

@@ -31,9 +31,10 @@ from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.procs import ManagedProcess, free_port
 from extproc.tools.stack import PYTHON, start_sim
 from tests.envoyutil import DEMO_CONFIG, JWT_CONFIG, bootstrap_message
+from tests.paths import FIXTURES
 from tests.stackutil import metric, read_metrics, write_config, write_stack_config
 
-USER_ENVOY = Path(__file__).parent / "fixtures" / "user-envoy.yaml"
+USER_ENVOY = FIXTURES / "user-envoy.yaml"
 FAST_SIM = ["--max-num-seqs", "4", "--step-ms", "20", "--time-scale", "0.1"]
 
 

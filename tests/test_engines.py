@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -14,10 +13,11 @@ from extproc.core.values.engine_load import EngineLoad
 from extproc.tools.sim.dialects import DIALECT_NAMES
 from extproc.tools.sim.engine import SimSettings
 from extproc.tools.sim.server import start_sim
+from tests.paths import FIXTURES as TEST_FIXTURES
 
 pytestmark = pytest.mark.unit
 
-FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
+FIXTURES = TEST_FIXTURES / "metrics"
 
 
 @pytest.mark.parametrize(

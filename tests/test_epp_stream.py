@@ -96,7 +96,7 @@ async def answers(stream: Stream) -> list[pb.ProcessingResponse]:
 
 
 def send(stream: Stream, message: pb.ProcessingRequest) -> None:
-    stream._inbox.put_nowait(message)
+    stream.send(message)
 
 
 def destination(answer: pb.ProcessingResponse) -> tuple[str, str]:
@@ -287,9 +287,9 @@ async def test_the_served_endpoint_read_back_moves_the_count_and_marks_the_pick_
     served.metadata_context.filter_metadata["envoy.lb"].CopyFrom(report)
     send(stream, served)
     await answers(stream)
-    pool = dispatcher._pool  # noqa: SLF001 - where the count went
-    assert pool.in_flight_on(f"http://{fallback}") == 1 and pool.in_flight_on(f"http://{picked}") == 0
-    assert f"http://{picked}" in pool.down()
+    endpoints = {e.url: e for e in dispatcher.status(0).endpoints}  # where the count went
+    assert endpoints[f"http://{fallback}"].in_flight == 1 and endpoints[f"http://{picked}"].in_flight == 0
+    assert endpoints[f"http://{picked}"].down
     stream.close()
     await stream.task
 
@@ -301,7 +301,6 @@ async def test_an_envoy_before_1_34_declares_no_mode_and_its_buffered_body_is_as
     stream, as it sends it, is taken as BUFFERED, its one mode that brings the body before the request goes upstream.
     The headers get an empty answer, the body comes, the release answers it; one warning names the version. A stream
     whose filter sends no body (NONE: the request went on) is answered 500, not held."""
-    base._told_undeclared.cache_clear()  # noqa: SLF001 - each test sees its own first warning
     processor, dispatcher = make()
     server = BuiltinServer({PROCESS_PATH: Method(pb.ProcessingRequest.FromString, processor.process)})
     port = free_port()

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
 
 from extproc.tools.power_user import Outcome
 from extproc.tools.stack import Stack, start_stack
+from tests.lazy import openai
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, send_chat, wait_for_metric, write_config
 
 pytestmark = pytest.mark.integration

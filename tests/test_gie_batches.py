@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
 
 from extproc.adapters.config import Config
@@ -23,6 +22,7 @@ from extproc.tools import gie_gateway
 from extproc.tools.procs import free_port
 from extproc.tools.stack import start_stack
 from tests.batchutil import chat_line, entries, jsonl, wait_final
+from tests.lazy import openai
 from tests.stackutil import metric, read_metrics, write_stack_config
 
 pytestmark = pytest.mark.integration

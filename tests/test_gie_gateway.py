@@ -15,23 +15,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import statistics
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import openai
 import pytest
 import pytest_asyncio
-from openai.types.chat import ChatCompletionMessageParam
 
 from extproc.adapters.config import parse_config
 from extproc.adapters.envoy import render
 from extproc.adapters.protocol.epp_protocol import SERVED_KEY
+from extproc.core.release import picking
 from extproc.tools import gie_gateway
 from extproc.tools.bench.overhead import idle_engine_metrics
 from extproc.tools.envoy_bin import EnvoyNotFound, find_envoy
@@ -40,8 +40,12 @@ from extproc.tools.power_user import Outcome, chat
 from extproc.tools.procs import free_port
 from extproc.tools.stack import Stack, start_stack
 from tests.envoyutil import bootstrap_message
+from tests.lazy import openai
 from tests.stackutil import metric, poll, read_metrics, wait_for_metric, write_stack_config
 from tests.tlsutil import CA, Pair
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 SHAPES = ("strict", "fail_open")
 BODIES: tuple[gie_gateway.BodyMode, ...] = ("duplex", "buffered")
@@ -389,14 +393,24 @@ async def test_gateway_destination_endpoint_served_walks_the_fallbacks(gateways:
     """
     url = gateways.url("fail_open/duplex")
     hint = f"{gateways.broken},{gateways.pods[0]}"
+    broken, pod = f"http://{gateways.broken}", f"http://{gateways.pods[0]}"
+    # Each tenant's favourite of the two, both idle, is its rendezvous-hash first (core/release/picking.py): three
+    # tenants chosen to go to the broken endpoint first, and one to the pod, computed with the processor's own ranking.
+    tenants = (f"fallback-{i}" for i in itertools.count())
+    to_broken = list(itertools.islice((t for t in tenants if picking.ranked(t, [broken, pod], lambda _: 1, 0)[0] == broken), 3))
+    to_pod = next(t for t in tenants if picking.ranked(t, [broken, pod], lambda _: 1, 0)[0] == pod)
     before = metric(await read_metrics(gateways.open.metrics_url), "extproc_served_elsewhere_total", model=MODEL)
-    # A tenant each: each has its own favourite endpoint (rendezvous hash), so about half
-    # of them come to the broken one first (all ten missing it: one run in a thousand).
-    seen = [await _served(url, hint=hint, tenant=f"fallback-{i}") for i in range(10)]
+    seen = []
+    for tenant in [*to_broken, to_pod]:
+        # A failure there marks it down until its next scrape (idle, as ever) brings it back: wait for that.
+        assert await wait_for_metric(gateways.open.metrics_url, "extproc_endpoint_up", lambda v: v == 1,
+                                     model=MODEL, endpoint=broken) == 1
+        seen.append(await _served(url, hint=hint, tenant=tenant))
     assert {served for served, _, _ in seen} == {gateways.pods[0]}, seen
     assert all(set(picked.split(",")) <= set(hint.split(",")) for _, picked, _ in seen)
-    fallbacks = sum(picked.split(",")[0] == gateways.broken for _, picked, _ in seen)
-    assert fallbacks >= 1, seen  # the list was really walked
+    firsts = [picked.split(",")[0] for _, picked, _ in seen]
+    assert firsts == [gateways.broken] * 3 + [gateways.pods[0]], seen  # the list was really walked, where it should be
+    fallbacks = firsts.count(gateways.broken)
     after = metric(await read_metrics(gateways.open.metrics_url), "extproc_served_elsewhere_total", model=MODEL)
     assert after - before == fallbacks  # each one reported back: served is not picked
 

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
 
 from extproc.tools.power_user import Outcome, PowerUser, chat, run_power_user, summarize
 from extproc.tools.stack import Stack, start_stack
+from tests.lazy import openai
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.alone]

@@ -41,9 +41,10 @@ from pathlib import Path
 import pytest
 
 from extproc.adapters.config import load_config
+from tests.paths import FIXTURES, ROOT
 from tests.test_readme import ADDRESS, readme_blocks
 
-PACKAGE = Path(__file__).resolve().parent.parent / "extproc"
+PACKAGE = ROOT / "extproc"
 ENTRY = {"extproc", "extproc.__main__", "extproc.cli"}
 
 
@@ -105,9 +106,9 @@ def test_the_entry_point_does_not_import_tools(path: Path) -> None:
 @pytest.mark.unit
 def test_every_module_is_in_the_architecture_map() -> None:
     """docs/architecture.md's package map names every module, so a newcomer finds each one there."""
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    doc = (ROOT / "docs" / "architecture.md").read_text()
     block = doc.split("```")[1]  # the map is the first code block
-    package = Path(__file__).resolve().parent.parent / "extproc"
+    package = ROOT / "extproc"
     modules = [f for f in package.rglob("*") if f.suffix in (".py", ".lua", ".html") and f.name != "__init__.py"]
     assert modules
     assert [str(m.relative_to(package)) for m in modules if f" {m.name} " not in block] == []
@@ -255,7 +256,7 @@ CHILD = (
     "sys.exit(code)\n"
 )
 DEMO_CONFIG = PACKAGE / "data" / "demo.yaml"
-USER_ENVOY = Path(__file__).resolve().parent / "fixtures" / "user-envoy.yaml"
+USER_ENVOY = FIXTURES / "user-envoy.yaml"
 
 
 def loaded(stderr: str, *packages: str) -> list[str]:

@@ -17,7 +17,6 @@ from typing import Any
 
 import aiohttp
 import grpc
-import openai
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -27,6 +26,7 @@ from extproc.adapters.envoy import bootstrap
 from extproc.tools.envoy_proc import start_envoy
 from extproc.tools.stack import start_stack
 from tests.envoyutil import free_port_config
+from tests.lazy import openai
 from tests.stackutil import TENANT_KEYS, wait_for_metric, write_config
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "extproc"
+from tests.paths import ROOT
+
+PACKAGE = ROOT / "extproc"
 BOUND = 500
 # Relative to extproc/: the modules held to a tighter bound.
 TIGHT = {"adapters/ext_proc/servicer.py": 300, "core/dispatcher.py": 300}

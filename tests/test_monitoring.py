@@ -37,11 +37,11 @@ from extproc.core.values.report import RequestEvent, Step
 from extproc.tools.power_user import chat
 from extproc.tools.procs import ManagedProcess, free_port
 from extproc.tools.stack import start_stack
+from tests.paths import ROOT
 from tests.redisutil import RedisServer
 from tests.stackutil import TENANT_KEYS, write_stack_config
 from tests.test_status_page import OBJECTIVE_EVENTS, Port
 
-ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "monitoring"
 RULES = MONITORING / "prometheus" / "alerts.yml"
 DASHBOARD = json.loads((MONITORING / "grafana" / "dashboards" / "extproc.json").read_text())

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
 
 from extproc.tools.power_user import chat
 from extproc.tools.stack import Stack, start_stack
+from tests.lazy import openai
 from tests.stackutil import TENANT_KEYS, poll, read_metrics, write_config
 
 pytestmark = pytest.mark.integration

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
 
 from extproc.adapters.envoy.clusters import EXTPROC_CLUSTER
 from extproc.tools.stack import Stack, start_stack
+from tests.lazy import openai
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, write_stack_config
 
 pytestmark = pytest.mark.integration

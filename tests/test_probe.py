@@ -26,6 +26,7 @@ from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import ModelDispatcher
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
+from extproc.core.release.pool import Pool
 from extproc.core.values.report import Change, DispatchReport, EndpointEvent
 from extproc.tools.procs import free_port
 from tests.httputil import serving
@@ -68,13 +69,14 @@ def _config(endpoint: str, tmp_path: Path) -> Config:
     return load_config(path)
 
 
-def _dispatcher(endpoint: str, report: DispatchReport = lambda _: None) -> ModelDispatcher:
+def _dispatcher(endpoint: str, report: DispatchReport = lambda _: None) -> tuple[ModelDispatcher, Pool]:
+    pool = make_gate(endpoints=(endpoint,), kind="static_concurrency", max_in_flight=1)
     return ModelDispatcher(
-        "m1", make_gate(endpoints=(endpoint,), kind="static_concurrency", max_in_flight=1), (Band("standard", 60.0),),
+        "m1", pool, (Band("standard", 60.0),),
         report, policy=POLICIES["round_robin"],
         tenant=lambda _: Tenant(("standard",), "standard", weight=1.0, max_queued=100),
         cost=CostWeights(), max_queued=100, max_queue_wait_s=60.0, reserved_waiting=0, timers=LoopTimers(),
-    )
+    ), pool
 
 
 @pytest.mark.parametrize(("health", "expected"), [
@@ -110,20 +112,19 @@ async def test_a_reset_metrics_connection_is_down_only_when_the_engine_does_not_
             if isinstance(event, EndpointEvent) and event.change is Change.SCRAPE_FAILED:
                 failed.append(event)
 
-        dispatcher = _dispatcher(url, report)
+        dispatcher, pool = _dispatcher(url, report)
         task = asyncio.create_task(scrape_endpoint(session, model, dispatcher, url, probes))
         # The first failed scrape (its probe included) decides both; the next ones must not change that.
         await eventually(lambda: len(failed) >= 3, what="3 failed scrapes")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    pool = dispatcher._pool  # noqa: SLF001 - what the scrape told it
     assert pool.down() == ([url] if down else [])
     assert pool.unusable_metrics(0.0) == (url,)  # either way its metrics cannot be used
 
 
 async def test_an_end_is_probed_and_its_slot_freed_when_the_engine_answers(tmp_path: Path) -> None:
     async with engine(_page, _status(200)) as url:
-        dispatcher = _dispatcher(url)
+        dispatcher, _ = _dispatcher(url)
         prober = Prober(_config(url, tmp_path).models[0], dispatcher)
         dispatcher.probe_with(prober)
         first, second = dispatcher.submit("alice", 0), dispatcher.submit("alice", 0)
@@ -137,16 +138,16 @@ async def test_an_end_is_probed_and_its_slot_freed_when_the_engine_answers(tmp_p
 
 async def test_an_end_whose_probe_is_refused_marks_the_engine_down(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    dispatcher = _dispatcher(url)
+    dispatcher, pool = _dispatcher(url)
     prober = Prober(_config(url, tmp_path).models[0], dispatcher)
     dispatcher.probe_with(prober)
     first, second = dispatcher.submit("alice", 0), dispatcher.submit("alice", 0)
     dispatcher.end(first)
     for _ in range(100):
-        if dispatcher._pool.down():  # noqa: SLF001 - what the probe told it
+        if pool.down():  # what the probe told it
             break
         await asyncio.sleep(0.01)
-    assert dispatcher._pool.down() == [url] and not second.future.done()  # noqa: SLF001
+    assert pool.down() == [url] and not second.future.done()
     second.future.cancel()
     dispatcher.end(second)
     await prober.close()

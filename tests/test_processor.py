@@ -57,7 +57,7 @@ class Stream:
 
     def __init__(self, processor: Processor, first: pb.ProcessingRequest) -> None:
         self._inbox: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
-        self._inbox.put_nowait(first)
+        self.send(first)
         self.answers: asyncio.Queue[pb.ProcessingResponse] = asyncio.Queue()
         self.task = asyncio.create_task(self._run(processor))
 
@@ -68,6 +68,10 @@ class Stream:
     async def _run(self, processor: Processor) -> None:
         async for answer in processor.process(self._requests()):
             await self.answers.put(answer)
+
+    def send(self, message: pb.ProcessingRequest) -> None:
+        """Envoy's next message on the stream."""
+        self._inbox.put_nowait(message)
 
     def close(self) -> None:
         """The response finished: Envoy half-closes the stream."""
@@ -256,7 +260,7 @@ async def test_only_engine_priority_models_ask_for_the_body_and_get_it_rewritten
     released = await prio.answers.get()
     assert released.mode_override.request_body_mode == released.mode_override.BUFFERED
     assert released.mode_override.response_trailer_mode == released.mode_override.SEND  # completion still seen
-    prio._inbox.put_nowait(pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"model":"p","priority":-5}',
+    prio.send(pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"model":"p","priority":-5}',
                                                                          end_of_stream=True)))
     mutation = (await prio.answers.get()).request_body.response
     assert json.loads(mutation.body_mutation.body) == {"model": "p", "priority": 0}

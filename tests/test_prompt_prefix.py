@@ -175,7 +175,7 @@ async def test_a_model_with_signatures_asks_for_the_body_first_and_releases_in_t
     assert first.mode_override.response_header_mode == first.mode_override.SEND
     assert first.mode_override.response_trailer_mode == first.mode_override.SEND
     assert submitted == []  # not queued before its body came
-    stream._inbox.put_nowait(body_message(BODY))
+    stream.send(body_message(BODY))
     released = await stream.answers.get()
     common = released.request_body.response
     headers = {h.header.key: h.header.raw_value for h in common.header_mutation.set_headers}
@@ -202,7 +202,7 @@ async def test_engine_priority_with_signatures_writes_the_priority_into_the_body
     processor, _, submitted = make(prefix={}, engine_priority=True)
     stream = Stream(processor, headers_message(BODY))
     await stream.answers.get()
-    stream._inbox.put_nowait(body_message(BODY))
+    stream.send(body_message(BODY))
     common = (await stream.answers.get()).request_body.response
     rewritten = common.body_mutation.body
     assert json.loads(rewritten) == {**CHAT, "priority": 1}  # the default class, standard: the second
@@ -230,11 +230,11 @@ async def test_a_queued_request_with_signatures_is_held_on_its_body_message() ->
                                             max_in_flight=1)
     first = Stream(processor, headers_message(BODY))
     await first.answers.get()
-    first._inbox.put_nowait(body_message(BODY))
+    first.send(body_message(BODY))
     assert (await first.answers.get()).HasField("request_body")  # released: it takes the one slot
     second = Stream(processor, headers_message(BODY))
     await second.answers.get()
-    second._inbox.put_nowait(body_message(BODY))
+    second.send(body_message(BODY))
     hold = await second.answers.get()
     assert hold.HasField("override_message_timeout")  # extends the body message's timer while queued
     assert dispatcher.queued == 1
@@ -252,13 +252,13 @@ async def test_a_late_loop_acknowledges_the_body_message_too() -> None:
     occupying = Stream(processor, headers_message(BODY))
     assert (await occupying.answers.get()).HasField("override_message_timeout")  # the headers' acknowledgement
     assert (await occupying.answers.get()).mode_override.request_body_mode == BUFFERED
-    occupying._inbox.put_nowait(body_message(BODY))
+    occupying.send(body_message(BODY))
     assert (await occupying.answers.get()).HasField("override_message_timeout")  # the body's own: Envoy took one per message
     assert (await occupying.answers.get()).HasField("request_body")  # released
     waiting = Stream(processor, headers_message(BODY))
     for _ in range(2):
         await waiting.answers.get()
-    waiting._inbox.put_nowait(body_message(BODY))
+    waiting.send(body_message(BODY))
     assert (await waiting.answers.get()).HasField("override_message_timeout")
     await settle()
     assert waiting.answers.empty()  # queued: the acknowledgement was its hold, no second override (Envoy ignores it)
@@ -272,7 +272,7 @@ async def test_a_late_loop_acknowledges_the_body_message_too() -> None:
 async def test_attached_by_ext_proc_alone_the_body_read_for_its_fields_gives_the_signature(mode: int) -> None:
     processor, _, submitted = make(prefix={})
     stream = Stream(processor, first_message(mode, {"x-tenant-id": "t"}))
-    stream._inbox.put_nowait(body_message(BODY))
+    stream.send(body_message(BODY))
     while not (answer := await asyncio.wait_for(stream.answers.get(), 5)).HasField("request_body"):
         assert not answer.HasField("immediate_response"), answer
     [prefix] = submitted

@@ -28,11 +28,11 @@ import pytest
 from extproc.adapters.config import load_config
 from extproc.tools.envoy_bin import find_envoy
 from extproc.tools.procs import ManagedProcess, free_port
+from tests.paths import ROOT
 from tests.stackutil import metric, read_metrics
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"<!-- newcomer: (\w+) -->\n```\w*\n(.*?)```", re.DOTALL)
 ADDRESS = re.compile(r"127\.0\.0\.1:(\d+)")
 # Not part of a checkout an operator gets: virtualenvs, caches, build leftovers, benchmark output.

@@ -39,13 +39,13 @@ from pathlib import Path
 from typing import Literal
 
 import aiohttp
-import openai
 import pytest
 import pytest_asyncio
 
 from extproc.core.release.adaptive_limit import REFUSAL_HOLD_S
 from extproc.tools.realvllm import REQUEST_EXTRAS
 from extproc.tools.stack import Stack, start_stack
+from tests.lazy import openai
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, wait_for_metric, write_stack_config
 from tests.vllmutil import VllmFleet, VllmServer
 

@@ -190,10 +190,15 @@ def rejected(telemetry: Telemetry, reason: str, tenant: str) -> float:
 async def test_overloaded_batch_is_shed_and_interactive_acknowledged_and_admitted_while_batch_is_queued() -> None:
     # While interactive requests arrive, one release is kept back for them (reserved_waiting): batch is held,
     # interactive goes.
-    processor, telemetry = make({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "gate": "static_rate",
-                                             "release_rate": 0.001, "reserved_waiting": 1}]})
-    dispatcher = processor._models["m"].dispatcher  # noqa: SLF001 - what the test holds
-    dispatcher._state._allowance.arrived(0, time.monotonic())  # noqa: SLF001 - a chat arrived a moment ago
+    config = parse_config({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "gate": "static_rate",
+                                       "release_rate": 0.001, "reserved_waiting": 1}]})
+    telemetry = Telemetry()
+    runtimes = build_runtimes(config, telemetry)
+    processor, dispatcher = Processor(config, runtimes, telemetry), runtimes["m"].dispatcher
+    # A chat arrived a moment ago, while the pool had no engine, and its client left: it took no release.
+    dispatcher.set_endpoints(())
+    dispatcher.end(dispatcher.submit("t", 0))
+    dispatcher.set_endpoints(("http://127.0.0.1:1",))
     queued = Stream(processor, headers_message(priority="batch"))
     assert (await queued.answers.get()).HasField("override_message_timeout")
     assert dispatcher.queued_in(2) == 1
@@ -256,8 +261,7 @@ async def test_attached_by_ext_proc_alone_the_body_priority_is_read_before_the_c
         stream = Stream(processor, _epp_first(priority))
         assert (await stream.answers.get()).HasField("request_headers")  # the gateway's go-ahead for the body
         body = json.dumps({"model": "m", "priority": priority}).encode()
-        stream._inbox.put_nowait(pb.ProcessingRequest(  # noqa: SLF001 - Envoy's side of the stream
-            request_body=pb.HttpBody(body=body, end_of_stream=True)))
+        stream.send(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
         if shed:
             answer = (await stream.answers.get()).immediate_response
             assert answer.status.code == 429  # endpoint_picker.shed_status

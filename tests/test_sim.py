@@ -18,12 +18,12 @@ import pytest
 from hypothesis import given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
-from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.tools.sim import RunningSim, SimSettings, add_arguments, start_sim
 from extproc.tools.sim.engine import RequestTooLong, Scheduler, SimEngine, SimRequest, TokenEvent
 from extproc.tools.sim.server import estimate_tokens, run, settings_from_args
+from tests.lazy import openai
 from tests.propertyutil import examples
 
 pytestmark = pytest.mark.unit
@@ -372,11 +372,11 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 @pytest.fixture
-async def openai_for() -> AsyncIterator[Callable[[RunningSim], AsyncOpenAI]]:
-    clients: list[AsyncOpenAI] = []
+async def openai_for() -> AsyncIterator[Callable[[RunningSim], openai.AsyncOpenAI]]:
+    clients: list[openai.AsyncOpenAI] = []
 
-    def make(sim: RunningSim) -> AsyncOpenAI:
-        client = AsyncOpenAI(base_url=f"{sim.url}/v1", api_key="unused", max_retries=0)
+    def make(sim: RunningSim) -> openai.AsyncOpenAI:
+        client = openai.AsyncOpenAI(base_url=f"{sim.url}/v1", api_key="unused", max_retries=0)
         clients.append(client)
         return client
 
@@ -412,7 +412,7 @@ async def _metrics(http: aiohttp.ClientSession, sim: RunningSim) -> str:
 
 
 async def test_streaming_chat_with_usage_via_openai_sdk(
-    sim_factory: StartSim, openai_for: Callable[[RunningSim], AsyncOpenAI]
+    sim_factory: StartSim, openai_for: Callable[[RunningSim], openai.AsyncOpenAI]
 ) -> None:
     sim = await sim_factory()
     client = openai_for(sim)
@@ -456,7 +456,7 @@ async def test_stream_ends_with_done_and_no_usage_unless_asked(
 
 
 async def test_non_streaming_completion(
-    sim_factory: StartSim, openai_for: Callable[[RunningSim], AsyncOpenAI]
+    sim_factory: StartSim, openai_for: Callable[[RunningSim], openai.AsyncOpenAI]
 ) -> None:
     sim = await sim_factory(default_max_tokens=4)
     client = openai_for(sim)

@@ -99,13 +99,13 @@ def test_a_check_on_an_engine_without_a_cap_is_refused() -> None:
 ENDPOINT = "http://10.0.0.1:8000"
 
 
-def make(check: bool | None = True, engine: str = "vllm", **top: Any) -> tuple[Processor, ModelDispatcher]:
+def make(check: bool | None = True, engine: str = "vllm", **top: Any) -> tuple[Processor, ModelDispatcher, Telemetry]:
     model = {"name": "m", "endpoints": [ENDPOINT], "engine": engine, **({} if check is None else {"check_stream_start": check})}
     config = parse_config({"models": [model], **top})
     telemetry = Telemetry()
     runtimes = build_runtimes(config, telemetry)
     runtimes["m"].dispatcher.record_scrape(ENDPOINT, EngineLoad(waiting=0, running=0), 0.0)
-    return Processor(config, runtimes, telemetry), runtimes["m"].dispatcher
+    return Processor(config, runtimes, telemetry), runtimes["m"].dispatcher, telemetry
 
 
 def request(stream: bool = True) -> pb.ProcessingRequest:
@@ -132,8 +132,8 @@ def chunk(data: bytes, end: bool = False) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=end))
 
 
-def refused_full(processor: Processor) -> float:
-    return sum(s.value for m in processor._telemetry.registry.collect() for s in m.samples  # noqa: SLF001
+def refused_full(telemetry: Telemetry) -> float:
+    return sum(s.value for m in telemetry.registry.collect() for s in m.samples
                if s.name == "extproc_release_refused_full_total")
 
 
@@ -149,68 +149,68 @@ async def released(processor: Processor, message: pb.ProcessingRequest) -> tuple
 
 
 async def test_a_refusal_as_the_first_event_is_answered_503_engine_full_in_place_of_the_200() -> None:
-    processor, dispatcher = make()
+    processor, dispatcher, telemetry = make()
     stream, release = await released(processor, request())
     # The release asks for the response headers and, in duplex, its body: the headers wait while its chunks come.
     assert release.mode_override.response_header_mode == release.mode_override.SEND
     assert release.mode_override.response_body_mode == DUPLEX
-    stream._inbox.put_nowait(response_headers())
+    stream.send(response_headers())
     (hold,) = await answers(stream)
     assert hold.HasField("override_message_timeout")  # until the engine's first token, not Envoy's 2 s
-    stream._inbox.put_nowait(chunk(VLLM_REFUSED[:40]))
+    stream.send(chunk(VLLM_REFUSED[:40]))
     assert await answers(stream) == []  # the event is not whole yet
-    stream._inbox.put_nowait(chunk(VLLM_REFUSED[40:]))
+    stream.send(chunk(VLLM_REFUSED[40:]))
     (refused,) = await answers(stream)
     answer = refused.immediate_response
     headers = {h.header.key: h.header.raw_value.decode() for h in answer.headers.set_headers}
     assert answer.status.code == 503 and headers["x-extproc-reason"] == "engine_full" and headers["retry-after"] == "1"
     error: dict[str, Any] = json.loads(answer.body)["error"]
     assert error["code"] == "engine_full" and "The engine is currently busy" in error["message"]
-    assert refused_full(processor) == 1  # the gate read it as the engine's refusal: its limit cut there
+    assert refused_full(telemetry) == 1  # the gate read it as the engine's refusal: its limit cut there
     stream.close()
     await stream.task
     assert dispatcher.in_flight == 0
 
 
 async def test_a_first_token_lets_the_headers_go_and_every_chunk_comes_back_as_it_came() -> None:
-    processor, dispatcher = make()
+    processor, dispatcher, telemetry = make()
     stream, _ = await released(processor, request())
-    stream._inbox.put_nowait(response_headers())
+    stream.send(response_headers())
     await answers(stream)
-    stream._inbox.put_nowait(chunk(TOKEN[:10]))
-    stream._inbox.put_nowait(chunk(TOKEN[10:]))
+    stream.send(chunk(TOKEN[:10]))
+    stream.send(chunk(TOKEN[10:]))
     first = await answers(stream)
     assert first[0].HasField("response_headers") and not first[0].response_headers.HasField("response")
     assert given_back(first) == [(TOKEN, False)]
-    stream._inbox.put_nowait(chunk(TOKEN))
-    stream._inbox.put_nowait(chunk(b"", end=True))
+    stream.send(chunk(TOKEN))
+    stream.send(chunk(b"", end=True))
     assert given_back(await answers(stream)) == [(TOKEN, False), (b"", True)]
     stream.close()
     await stream.task
-    assert dispatcher.in_flight == 0 and refused_full(processor) == 0
+    assert dispatcher.in_flight == 0 and refused_full(telemetry) == 0
 
 
 @pytest.mark.parametrize(("status", "content_type"), [("200", "application/json"), ("400", "application/json"),
                                                       ("503", "text/event-stream")])
 async def test_a_response_that_is_no_stream_begun_goes_on_at_once(status: str, content_type: str) -> None:
-    processor, _ = make()
+    processor, _, _ = make()
     stream, _ = await released(processor, request())
-    stream._inbox.put_nowait(response_headers(status, content_type))
+    stream.send(response_headers(status, content_type))
     (headers_reply,) = await answers(stream)
     assert headers_reply.HasField("response_headers")
-    stream._inbox.put_nowait(chunk(VLLM_REFUSED, end=True))  # whatever it says: passed back
+    stream.send(chunk(VLLM_REFUSED, end=True))  # whatever it says: passed back
     assert given_back(await answers(stream)) == [(VLLM_REFUSED, True)]
     stream.close()
     await stream.task
 
 
 async def test_trailers_before_any_event_let_everything_go() -> None:
-    processor, _ = make()
+    processor, _, _ = make()
     stream, _ = await released(processor, request())
-    stream._inbox.put_nowait(response_headers())
+    stream.send(response_headers())
     await answers(stream)
-    stream._inbox.put_nowait(chunk(b": keep-alive"))
-    stream._inbox.put_nowait(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+    stream.send(chunk(b": keep-alive"))
+    stream.send(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
     headers_reply, *rest, trailers_reply = await answers(stream)
     assert headers_reply.HasField("response_headers") and trailers_reply.HasField("response_trailers")
     assert given_back(rest) == [(b": keep-alive", False)]
@@ -220,7 +220,7 @@ async def test_trailers_before_any_event_let_everything_go() -> None:
 
 @pytest.mark.parametrize(("check", "stream_requested"), [(False, True), (True, False)])
 async def test_no_check_unless_the_model_checks_and_the_request_is_a_stream(check: bool, stream_requested: bool) -> None:
-    processor, _ = make(check)
+    processor, _, _ = make(check)
     stream, release = await released(processor, request(stream_requested))
     assert release.mode_override.response_body_mode != DUPLEX
     stream.close()
@@ -228,11 +228,11 @@ async def test_no_check_unless_the_model_checks_and_the_request_is_a_stream(chec
 
 
 async def test_a_budget_charges_a_stream_its_engine_refused_nothing_and_a_served_one_its_use() -> None:
-    processor, _ = make(budgets={"tenants": {"default": {"requests_per_minute": 100}}})
+    processor, _, _ = make(budgets={"tenants": {"default": {"requests_per_minute": 100}}})
     for first in (VLLM_REFUSED, TOKEN):
         stream, _ = await released(processor, request())
-        stream._inbox.put_nowait(response_headers())
-        stream._inbox.put_nowait(chunk(first))
+        stream.send(response_headers())
+        stream.send(chunk(first))
         await answers(stream)
         stream.close()
         await stream.task
@@ -252,12 +252,12 @@ async def test_behind_an_endpoint_picker_gateway_in_duplex_the_check_costs_no_ov
     processor = Processor(config, runtimes, telemetry)
     for first, refused in ((VLLM_REFUSED, True), (TOKEN, False)):
         stream = Stream(processor, first_message(DUPLEX))
-        stream._inbox.put_nowait(body(chat("m", stream=True)))
+        stream.send(body(chat("m", stream=True)))
         released = await answers(stream)
         assert released[0].HasField("request_headers") and not released[0].HasField("mode_override")
-        stream._inbox.put_nowait(response_headers())
+        stream.send(response_headers())
         assert await answers(stream) == []  # held, silently
-        stream._inbox.put_nowait(chunk(first))
+        stream.send(chunk(first))
         replies = await answers(stream)
         if refused:
             assert replies[0].immediate_response.status.code == 503
@@ -272,7 +272,7 @@ async def test_behind_an_endpoint_picker_gateway_in_duplex_the_check_costs_no_ov
 async def test_unset_the_check_follows_what_the_engine_says_of_its_cap(engine: str) -> None:
     """SGLang says its --max-queued-requests (/server_info), TGI its --max-concurrent-requests (/info): while one of
     the model's engines says it caps what it holds, its streams are checked. vLLM says nothing of its caps."""
-    processor, dispatcher = make(None, engine)
+    processor, dispatcher, _ = make(None, engine)
 
     async def checked() -> bool:
         stream, release = await released(processor, request())

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
-import openai
 import pytest
 
 from extproc.tools.power_user import Outcome
 from extproc.tools.stack import start_stack
+from tests.lazy import openai
 from tests.stackutil import TENANT_KEYS, metric, read_metrics, send_chat, write_config
 
 pytestmark = pytest.mark.integration

@@ -126,8 +126,9 @@ def test_without_a_prober_ends_free_their_slots_at_once() -> None:
 async def test_a_crash_cuts_what_the_engine_held_and_the_queue_waits_for_its_return() -> None:
     now = [0.0]
     probed: list[tuple[str, ...]] = []
+    pool = make_gate(kind="static_concurrency", max_in_flight=2)
     dispatcher = ModelDispatcher(
-        "m", make_gate(kind="static_concurrency", max_in_flight=2), (Band("standard", 60.0),),
+        "m", pool, (Band("standard", 60.0),),
         lambda _: None, lambda: now[0],
         policy=POLICIES["round_robin"], tenant=lambda _: Tenant(("standard",), "standard", weight=1.0, max_queued=100),
         cost=CostWeights(), max_queued=100, max_queue_wait_s=120.0, reserved_waiting=0, timers=LoopTimers(lambda: now[0]),
@@ -148,7 +149,7 @@ async def test_a_crash_cuts_what_the_engine_held_and_the_queue_waits_for_its_ret
         dispatcher.end(h)
     assert dispatcher.queued == 3 and dispatcher.in_flight == 0
     dispatcher.record_probe("e1", False, 2.0)
-    assert dispatcher._pool.down() == ["e1"] and dispatcher.queued == 3  # noqa: SLF001
+    assert pool.down() == ["e1"] and dispatcher.queued == 3
     now[0] = 5.0
     dispatcher.record_scrape("e1", IDLE, 4.9)  # back
     assert dispatcher.queued == 1 and dispatcher.in_flight == 2
@@ -160,8 +161,9 @@ async def test_a_crash_cuts_what_the_engine_held_and_the_queue_waits_for_its_ret
 
 async def test_with_nothing_queued_an_end_is_not_held_nor_looked_at() -> None:
     probed: list[tuple[str, ...]] = []
+    pool = make_gate(kind="static_concurrency", max_in_flight=1)
     dispatcher = ModelDispatcher(
-        "m", make_gate(kind="static_concurrency", max_in_flight=1), (Band("standard", 60.0),),
+        "m", pool, (Band("standard", 60.0),),
         lambda _: None, lambda: 0.0,
         policy=POLICIES["round_robin"], tenant=lambda _: Tenant(("standard",), "standard", weight=1.0, max_queued=100),
         cost=CostWeights(), max_queued=100, max_queue_wait_s=120.0, reserved_waiting=0, timers=LoopTimers(lambda: 0.0),
@@ -169,7 +171,7 @@ async def test_with_nothing_queued_an_end_is_not_held_nor_looked_at() -> None:
     dispatcher.probe_with(probed.append)
     alone = dispatcher.submit("alice", 0)
     dispatcher.end(alone)
-    assert probed == [] and dispatcher._pool.allowance(0.0) == 1  # noqa: SLF001
+    assert probed == [] and pool.allowance(0.0) == 1
     arrival = dispatcher.submit("alice", 0)
     assert arrival.future.done()
     dispatcher.end(arrival)

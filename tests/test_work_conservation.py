@@ -9,6 +9,7 @@ invariant is checked after every event of the run.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -85,7 +86,7 @@ class Conserving:
             streams = any(r.arrival.stream for r in sim.queued() if r.arrival.band == lowest)
             if streams and (any(band < lowest for band in held) or self._arriving_above(sim, lowest)):
                 capacity = sim.pool.capacity()
-                allowed = sim.dispatcher._state._allowance.reservation.slots(lowest, capacity)  # noqa: SLF001
+                allowed = sim.state.band_allowance.reserve(lowest)
                 if not 1 <= allowed <= max(1, math.floor(MAX_RESERVE_SHARE * capacity)):
                     self._violate(sim, f"a reserve of {allowed} on {capacity} slots")
                 self.reserve_kept += 1
@@ -160,33 +161,23 @@ async def test_the_old_average_reservation_would_fail_the_invariant() -> None:
     sim = CoreSim(engine(8), max_running=8, check=check)
     rng = np.random.default_rng(1)
     sim.run(poisson(rng, STANDARD, 2, 6.0, 0.0, 10.0), until=1.0)
-    admission = sim.dispatcher._state._allowance  # noqa: SLF001 - the rule under test, replaced
-    original = admission.headroom
-
-    def reserving(band: int, now: float, room: tuple[int, int] | None = None) -> int:
-        return original(band, now, room) - (4 if band else 0)  # four slots always kept for interactive
-
-    admission.headroom = reserving  # type: ignore[method-assign]
+    # The rule under test, changed: four slots always kept for interactive.
+    sim.limit = lambda band, now: sim.state.band_allowance.allowance(band, now) - (4 if band else 0)
     sim.run([], until=30.0)
     assert check.violations
 
 
 def reserve(sim: CoreSim, band: int) -> int:
     """The free slots the rule under test keeps for the bands above ``band`` now."""
-    return sim.dispatcher._state._allowance.reservation.slots(band, sim.pool.capacity())  # noqa: SLF001
+    return sim.state.band_allowance.reserve(band)
 
 
 def keeping(sim: CoreSim, kept: Callable[[CoreSim, int], int]) -> None:
     """Replace the idle-only band's rule under test: it leaves ``kept(sim, band)`` of the engine's free slots free."""
-    admission = sim.dispatcher._state._allowance  # noqa: SLF001 - the rule under test, replaced
-    original = admission.headroom
+    def limit(band: int, now: float) -> int:
+        return sys.maxsize if not sim.bands[band].idle_only else sim.pool.free_slots(now) - kept(sim, band)
 
-    def headroom(band: int, now: float, room: tuple[int, int] | None = None) -> int:
-        if not sim.bands[band].idle_only:
-            return original(band, now, room)
-        return min(original(band, now, room), sim.pool.free_slots(now) - kept(sim, band))
-
-    admission.headroom = headroom  # type: ignore[method-assign]
+    sim.limit = limit  # the rule under test, changed
 
 
 def batch(check: Conserving, *, chats: bool, kept: Callable[[CoreSim, int], int] | None = None,

@@ -440,6 +440,10 @@ class BandAllowance:
         below = self.reservation.below(band)
         return int(min(self._pool.load_now().waiting, below)) if below else 0
 
+    def reserve(self, band: int) -> int:
+        """The free slots idle-only ``band`` keeps for the bands above while one has work (:class:`Reservation`)."""
+        return self.reservation.slots(band, self._pool.capacity(), self._bands[band].reserve_share)
+
     def _idle_allowance(self, band: int, now: float, above: bool) -> int:
         """An idle-only band's free slots: while a band above has work now (``above``), less its reserve and within
         its share; else (it holds streams) all of them."""
@@ -454,7 +458,7 @@ class BandAllowance:
         room = math.ceil(share * capacity - estimate.held)
         firm = self._firm(band) > 0
         # Work that can be taken back keeps nothing free: a request above that needs its slot ends it (preemption.py).
-        reserve = self.reservation.slots(band, capacity, self._bands[band].reserve_share) if firm and above else 0
+        reserve = self.reserve(band) if firm and above else 0
         free = min(room, math.ceil(capacity - estimate.held) - reserve)
         if free >= 1:
             return free

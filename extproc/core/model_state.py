@@ -101,7 +101,7 @@ class ModelState:
             len(settings.bands), lambda: policy.new_band(self._weight, self._pricing.expected_hit))
         # Per band, the held requests that keep their slot to the end once released (``_firm``).
         self._firm_held = [0] * len(settings.bands)
-        self._allowance = BandAllowance(settings.bands, pool, settings.reserved_waiting,
+        self.band_allowance = BandAllowance(settings.bands, pool, settings.reserved_waiting,
                                         self._queue.band_sizes.__getitem__, self._firm_held.__getitem__)
         self._preemption = Preemption(max_preemptions_per_s)
         self._release_rate = ReleaseRate()
@@ -113,7 +113,7 @@ class ModelState:
         # A strategy's round (strategy.Outlet) is one call: the health log's note, the band rules' round itself.
         self.note_health: Callable[[float], None] = self._health_log.note
         self.release_round: Callable[[float, Callable[[int, float], int] | None], bool] = partial(
-            self._allowance.release_round, release=self._release_next)
+            self.band_allowance.release_round, release=self._release_next)
         self.engine_order: str | None = None  # every request asks: kept as it changes (_follow_engine_priority)
         self._follow_engine_priority()
 
@@ -127,7 +127,7 @@ class ModelState:
         if names != tuple(b.name for b in self._settings.bands):
             raise ValueError(f"the bands {names} are not the dispatcher's {tuple(b.name for b in self._settings.bands)}")
         self._settings = settings
-        self._allowance.reconfigure(settings.bands, settings.reserved_waiting)
+        self.band_allowance.reconfigure(settings.bands, settings.reserved_waiting)
         self._pricing.reweigh(settings.cost)
         pool = self._pool
         if (pool.rule_type, pool.settings) != (settings.rule, settings.rule_settings):
@@ -142,7 +142,7 @@ class ModelState:
         configured = self._settings.engine_priority
         said = self._pool.priority_first()
         self.engine_order = said if configured is None else (said or "lower") if configured else None
-        self._allowance.priority_queue = self.engine_order is not None
+        self.band_allowance.priority_queue = self.engine_order is not None
 
     def _weight(self, tenant: str) -> float:
         return self._settings.tenant(tenant).weight
@@ -171,7 +171,7 @@ class ModelState:
         refused = self._refusal(tenant, band, now, request.tag)
         if refused is not None:
             raise refused
-        objective, queue_wait = self._allowance.arrived(band, now, ttft_objective_s, self._settings.max_queue_wait_s)
+        objective, queue_wait = self.band_allowance.arrived(band, now, ttft_objective_s, self._settings.max_queue_wait_s)
         held = Held(request, now, self._timers.future(),
                     self._pricing.estimate(tenant, content_length, max_tokens), ttft_objective_s=objective,
                     deadline=now + (objective if objective is not None else queue_wait), queue_wait_s=queue_wait)
@@ -203,20 +203,20 @@ class ModelState:
         return self._queue.first_band()
 
     def share(self, band: int, now: float) -> float:
-        return self._allowance.share(band, now)
+        return self.band_allowance.share(band, now)
 
     def allowance(self, band: int, now: float) -> int:
-        return self._allowance.allowance(band, now)
+        return self.band_allowance.allowance(band, now)
 
     def cap(self, band: int, now: float) -> int:
-        return self._allowance.headroom(band, now) + self._pool.cluster_in_flight
+        return self.band_allowance.headroom(band, now) + self._pool.cluster_in_flight
 
     def free_slots(self, now: float) -> int:
         return self._pool.free_slots(now)
 
     def next_release_in(self, now: float) -> float | None:
         """How long until more may go by time alone: the release rule's (a rate), or an idle-only band's reserve lent."""
-        due = [d for d in (self._pool.next_change_in(now), self._allowance.next_change_in(now)) if d is not None]
+        due = [d for d in (self._pool.next_change_in(now), self.band_allowance.next_change_in(now)) if d is not None]
         return min(due) if due else None
 
     def service(self, tenant: str, cost: float) -> float:
@@ -240,7 +240,7 @@ class ModelState:
         held = self._queue.take(band, tenant)
         if held is None or not self.release(band, tenant, held, now, free=free):
             return False
-        self._allowance.released(band, now)  # a round counts its own (BandAllowance.release_round)
+        self.band_allowance.released(band, now)  # a round counts its own (BandAllowance.release_round)
         return True
 
     def _firm(self, held: Held) -> bool:
@@ -273,7 +273,7 @@ class ModelState:
         rules = self._settings.bands[band]
         # Counted as running until a scrape shows it: a release into a free slot, and an idle-only band's
         # (sized to free slots, or its probe past the capacity learned so far: one per scrape).
-        into_free_slot = free or (rules.idle_only and self._allowance.into_free_slots(band, now))
+        into_free_slot = free or (rules.idle_only and self.band_allowance.into_free_slots(band, now))
         book = self._preemption
         # Preemption asks whether the engines were full before it, for a request with an objective.
         held.checked, full = pool.released(held, now, held.endpoint, into_free_slot=into_free_slot,
@@ -296,7 +296,7 @@ class ModelState:
         if not (rules.preemptible and request.whole and not request.retried):
             return None
         held.preempted = self._timers.future()
-        queued = not into_free_slot and not self._allowance.priority_queue
+        queued = not into_free_slot and not self.band_allowance.priority_queue
         return Place.OWN if not rules.idle_only else Place.QUEUED if queued else Place.LENT
 
     # --- a held request's end ----------------------------------------------------------------------
@@ -338,7 +338,7 @@ class ModelState:
     def finish(self, held: Held, now: float) -> float:
         """A released request is over (it ended, or was preempted): free its place, charge what it cost; the cost measured."""
         occupancy = self._pool.record_finish(held, now)
-        self._allowance.finished(held.request.band, now)
+        self.band_allowance.finished(held.request.band, now)
         self._in_flight[held.request.band] -= 1
         self._demand.finished(now - held.released_at)
         measured = held.charge = self._pricing.measure(held, occupancy)
@@ -366,7 +366,7 @@ class ModelState:
         capacity = pool.capacity()
         waiting = min(load.waiting, max(0.0, load.held - capacity)) if capacity > 0 else load.waiting
         # In an engine that orders its queue by priority, what the bands below queue is passed, not waited behind.
-        waiting = max(0.0, waiting - self._allowance.passed(0))
+        waiting = max(0.0, waiting - self.band_allowance.passed(0))
         return book.victims(book.needs(pool.engine_full(load), waiting, self._queued_needs(), now), now)
 
     def _queued_needs(self) -> Iterator[Held]:

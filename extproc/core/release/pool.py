@@ -412,6 +412,7 @@ class Pool:
                 limit=self._rule.snapshot(url).limit,
                 degraded=url in degraded,
                 down=url in down,
+                in_flight=self._estimate.in_flight_on(url),
                 warning=self._warnings.get(url, ""),
             ))
         return tuple(statuses)

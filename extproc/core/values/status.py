@@ -44,6 +44,8 @@ class EndpointStatus:
     # Metrics unusable now (the rule falls back to a cautious cap), or the engine unreachable.
     degraded: bool
     down: bool
+    # Released requests counted against it and not finished (with endpoint picking; 0 otherwise).
+    in_flight: int
     # What the operator must fix about the engine's own settings ("": nothing), e.g. a queue cap too tight.
     warning: str = ""
 

@@ -18,7 +18,6 @@ follows the body modes Envoy declared for the stream (:class:`Stream`,
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import AsyncIterator
 
@@ -45,21 +44,6 @@ _HEADERS_GO_ON = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 # The first Envoy that declares its filter's body modes on each stream (``ProcessingRequest.protocol_config``,
 # envoyproxy/envoy 1609d78876cf7893f5844c4b7ef2a9a04ff3f9ca, 2025-03-18: in 1.34.0, as FULL_DUPLEX_STREAMED is).
 DECLARES_MODES_SINCE = "1.34"
-
-
-def undeclared(first: pb.ProcessingRequest, attachment: str, assumed: int) -> int:
-    """The request body mode ``attachment`` takes a stream in where Envoy declares none: ``assumed``, said once."""
-    if not first.HasField("protocol_config"):
-        _told_undeclared(attachment, body.mode_name(assumed))
-    return assumed
-
-
-@functools.cache  # once per attachment: a gateway's Envoy sends every stream so
-def _told_undeclared(attachment: str, assumed: str) -> None:
-    log.warning("ext_proc streams arrive without protocol_config: the gateway's Envoy is older than %s, the first that "
-                "declares its body modes (FULL_DUPLEX_STREAMED came with it). The %s attachment takes the request body "
-                "as %s; set the ext_proc filter's request_body_mode so, or run Envoy %s or later. Logged once.",
-                DECLARES_MODES_SINCE, attachment, assumed, DECLARES_MODES_SINCE)
 
 
 class Stream:
@@ -122,6 +106,20 @@ class Attachment:
         # chunk by chunk only if the section says so).
         self.reads_usage = config.budgets is not None
         self.reads_streams = config.budgets is not None and config.budgets.stream_usage
+        # Whether a stream without declared body modes was told of (once per configuration: a gateway's Envoy
+        # sends every stream so).
+        self._told_undeclared = False
+
+    def undeclared(self, first: pb.ProcessingRequest, attachment: str, assumed: int) -> int:
+        """The request body mode ``attachment`` takes a stream in where Envoy declares none: ``assumed``, said once."""
+        if not first.HasField("protocol_config") and not self._told_undeclared:
+            self._told_undeclared = True
+            log.warning("ext_proc streams arrive without protocol_config: the gateway's Envoy is older than %s, the "
+                        "first that declares its body modes (FULL_DUPLEX_STREAMED came with it). The %s attachment "
+                        "takes the request body as %s; set the ext_proc filter's request_body_mode so, or run Envoy %s "
+                        "or later. Logged once per configuration.",
+                        DECLARES_MODES_SINCE, attachment, body.mode_name(assumed), DECLARES_MODES_SINCE)
+        return assumed
 
     def open(self, first: pb.ProcessingRequest, metadata: RequestFields | None) -> Stream:
         """The stream of ``first`` (its request headers), with ``metadata``: our namespace's fields, if Envoy sent them."""

@@ -35,7 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.config import Config
 from extproc.adapters.ext_proc.attach import body
-from extproc.adapters.ext_proc.attach.base import Attachment, Stream, undeclared
+from extproc.adapters.ext_proc.attach.base import Attachment, Stream
 from extproc.adapters.ext_proc.attach.replies import content_length, error_response, header
 from extproc.adapters.ext_proc.attach.served import ServedModel
 from extproc.adapters.protocol import epp_protocol as epp
@@ -84,7 +84,7 @@ class EndpointPicker(Attachment):
         # An Envoy before 1.34 declares no body mode, and has no duplex one: BUFFERED is the one mode of it that brings
         # the body before the request goes upstream (any other sends it on unrouted, answered 500 by body.read).
         return Stream(first, NO_FIELDS, NO_PROMPT, epp.subset_hint(first), usage=self.reads_usage,
-                      undeclared=undeclared(first, "Endpoint Picker", body.Mode.BUFFERED))
+                      undeclared=self.undeclared(first, "Endpoint Picker", body.Mode.BUFFERED))
 
     async def read(self, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
                    headers: dict[str, str]) -> AsyncIterator[pb.ProcessingResponse]:

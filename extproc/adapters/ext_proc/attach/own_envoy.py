@@ -158,6 +158,11 @@ class OwnEnvoy(Attachment):
             Refusal.OVERLOADED, "the gateway is overloaded and refuses the lowest class of requests first; retry shortly"
         ))
 
+    @property
+    def reused_replies(self) -> int:
+        """How many release replies are kept for reuse now: at most ``_MAX_REUSED``, however the endpoints change."""
+        return len(self._releases)
+
     def open(self, first: pb.ProcessingRequest, metadata: RequestFields | None) -> Stream:
         # Where Envoy declares no body mode (before 1.34), the generated filter's is taken: no body.
         return Stream(first, metadata or NO_FIELDS, prompt_from_metadata(first) or NO_PROMPT, usage=self.reads_usage)
