@@ -6,7 +6,7 @@ Nothing here runs Kubernetes, KEDA or prometheus-adapter. What is checked:
   own OpenAPI schemas (``kubernetes-validate``, strict: an unknown field fails); KEDA's
   ScaledObject against its CRD's schema, vendored in deploy/autoscaling/schemas/ with every object
   closed as ``kubectl --validate=strict`` closes it (that file is what :func:`closed` makes of the
-  CRD at the commit it names, vendored verbatim in tests/fixtures/upstream/), plus its
+  CRD at the commit it names, vendored verbatim in tests/fixtures/upstream_crds/), plus its
   CEL rule; prometheus-adapter's config against a schema written from its ``pkg/config/config.go``
   (it parses with ``yaml.UnmarshalStrict``: an unknown key fails too); KEDA's Prometheus trigger's
   metadata against the scaler's own keys;
