@@ -56,7 +56,7 @@ ADAPTER_CONFIG = "prometheus-adapter-config.json"
 # KEDA's ScaledObject CRD: where it is upstream, and the commit the vendored schema was made from.
 KEDA = ("kedacore/keda", "config/crd/bases/keda.sh_scaledobjects.yaml")
 # That CRD, vendored: the check below runs everywhere, reading nothing outside the repository.
-UPSTREAM_CRD = FIXTURES / "upstream" / "keda.sh_scaledobjects.yaml"
+UPSTREAM_CRD = FIXTURES / "upstream_crds" / "keda.sh_scaledobjects.yaml"
 # The Prometheus scaler's metadata keys (kedacore/keda 8b4f083c, pkg/scalers/prometheus_scaler.go,
 # prometheusMetadata's `keda:"name=..."` tags); its authentication's are not used here.
 PROMETHEUS_SCALER_KEYS = {"serverAddress", "query", "queryParameters", "threshold", "activationThreshold",
