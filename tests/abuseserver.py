@@ -1,7 +1,7 @@
-"""A gRPC server on one transport in a process of its own, for the abuse suite (tests/test_abuse.py) to attack.
+"""A gRPC server on one transport in a process of its own, for the abuse suite (tests/stack/test_abuse.py) to attack.
 
 ``python -m tests.abuseserver TRANSPORT PORT`` serves the fake service of
-tests/test_h2grpc.py (Echo, Hold) and Release, a held request released
+tests/adapters/grpc/test_h2grpc.py (Echo, Hold) and Release, a held request released
 after RELEASE_S, on ``listen.transport`` TRANSPORT with the limits a config
 gets by default, on uvloop as ``extproc serve`` runs. Its own process so
 that the suite reads its memory from outside (/proc/PID/status) and its
@@ -22,7 +22,7 @@ from google.protobuf import wrappers_pb2
 
 from extproc.adapters.grpc.transport import Method, TransportLimits
 from extproc.adapters.transports import TRANSPORTS
-from tests.test_h2grpc import ECHO, HOLD, Handlers
+from tests.helpers.h2grpc import ECHO, HOLD, Handlers
 
 Bytes = wrappers_pb2.BytesValue
 RELEASE = "/t.T/Release"

@@ -1,6 +1,6 @@
 """A bare HTTP/2 client (h2's state machine on an asyncio socket), for what no gRPC client sends.
 
-tests/test_h2grpc_abuse.py attacks the ext_proc transport with it: bad
+tests/adapters/grpc/test_h2grpc_abuse.py attacks the ext_proc transport with it: bad
 messages, GOAWAYs, streams past the limits, non-gRPC requests, frames in
 bulk. It records every event per stream so a test asserts what the peer saw.
 """

@@ -41,8 +41,8 @@ from pathlib import Path
 import pytest
 
 from extproc.adapters.config import load_config
+from tests.helpers.readme import ADDRESS, readme_blocks
 from tests.paths import FIXTURES, ROOT
-from tests.test_readme import ADDRESS, readme_blocks
 
 PACKAGE = ROOT / "extproc"
 ENTRY = {"extproc", "extproc.__main__", "extproc.cli"}

@@ -19,9 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,10 +35,11 @@ from extproc.core.values.report import RequestEvent, Step
 from extproc.tools.power_user import chat
 from extproc.tools.procs import ManagedProcess, free_port
 from extproc.tools.stack import start_stack
+from tests.helpers.monitoring import query, tool
+from tests.helpers.status_page import OBJECTIVE_EVENTS, Port
 from tests.paths import ROOT
 from tests.redisutil import RedisServer
 from tests.stackutil import TENANT_KEYS, write_stack_config
-from tests.test_status_page import OBJECTIVE_EVENTS, Port
 
 MONITORING = ROOT / "monitoring"
 RULES = MONITORING / "prometheus" / "alerts.yml"
@@ -54,16 +53,6 @@ THRESHOLD = re.compile(r"^(?P<signal>.*\S)\s*(?:>=|<=|==|!=|>|<)\s*[-+0-9.e]+\s*
 EVENTFUL = re.compile(r"extproc_(objective_requests|release_slack|release_lateness|preemptions|preempted_occupancy)")
 # A small, fast GPU (4 sequences, 10x real time): a steady flood keeps requests queued.
 FAST_SIM = ["--max-num-seqs", "4", "--step-ms", "20", "--time-scale", "0.1"]
-
-
-def tool(name: str) -> str:
-    found = shutil.which(name)
-    if found is None:
-        reason = f"{name} is not installed (Debian: apt-get install prometheus)"
-        if os.environ.get("EXTPROC_PROMETHEUS") == "require":
-            pytest.fail(f"EXTPROC_PROMETHEUS=require: {reason}")
-        pytest.skip(reason)
-    return found
 
 
 def panel_queries() -> Iterator[tuple[str, str]]:
@@ -139,13 +128,6 @@ async def flood(envoy_url: str, stop: asyncio.Event) -> int:
             ))
             sent += 6
     return sent
-
-
-async def query(session: aiohttp.ClientSession, prometheus: str, expr: str) -> list[dict[str, Any]]:
-    async with session.get(f"{prometheus}/api/v1/query", params={"query": expr}) as response:
-        body = await response.json()
-    assert body["status"] == "success", (expr, body)
-    return list(body["data"]["result"])
 
 
 def has_data(result: list[dict[str, Any]], positive: bool = False) -> bool:

@@ -14,7 +14,6 @@ restart (several run at once on a test machine).
 
 from __future__ import annotations
 
-import re
 import shlex
 import shutil
 import subprocess
@@ -28,21 +27,14 @@ import pytest
 from extproc.adapters.config import load_config
 from extproc.tools.envoy_bin import find_envoy
 from extproc.tools.procs import ManagedProcess, free_port
+from tests.helpers.readme import ADDRESS, readme_blocks
 from tests.paths import ROOT
 from tests.stackutil import metric, read_metrics
 
 pytestmark = pytest.mark.integration
 
-BLOCK = re.compile(r"<!-- newcomer: (\w+) -->\n```\w*\n(.*?)```", re.DOTALL)
-ADDRESS = re.compile(r"127\.0\.0\.1:(\d+)")
 # Not part of a checkout an operator gets: virtualenvs, caches, build leftovers, benchmark output.
 LEFT_OUT = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.egg-info", "build", "dist", ".*_cache", "bench-out")
-
-
-def readme_blocks() -> dict[str, str]:
-    blocks = dict(BLOCK.findall((ROOT / "README.md").read_text(encoding="utf-8")))
-    assert set(blocks) == {"install", "config", "run", "client"}, sorted(blocks)
-    return blocks
 
 
 def commands(block: str) -> list[list[str]]:

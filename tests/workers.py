@@ -37,15 +37,15 @@ from xdist.scheduler import LoadScopeScheduling
 
 ALONE = "alone"
 VLLM_MODULES = frozenset({
-    "tests/test_real_vllm.py",
-    "tests/test_real_vllm_valves.py",
-    "tests/test_sim_prefix.py",
-    "tests/test_batches_vllm.py",
+    "tests/stack/test_real_vllm.py",
+    "tests/stack/test_real_vllm_valves.py",
+    "tests/tools/sim/test_sim_prefix.py",
+    "tests/stack/test_batches_vllm.py",
 })
 # Modules of long tests that share no fixture: each test is a scope of its own, so they spread over the workers.
 SPREAD_MODULES = frozenset({
-    "tests/test_bench_smoke.py",
-    "tests/test_budgets_downgrade.py",
+    "tests/tools/bench/test_bench_smoke.py",
+    "tests/stack/test_budgets_downgrade.py",
 })
 # Workers per core with ``-n auto``: most tests spend their time waiting on processes, sockets and
 # timers they started (Envoy, the simulator, Redis, Docker), so one worker per core leaves the cores

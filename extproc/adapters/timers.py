@@ -4,7 +4,7 @@ The loop's timers do not run on the core's clock: libuv (uvloop) times them
 from the loop's cached time, which can lag ``time.monotonic``, so a timer may
 fire early by the core's clock. A timer that fires early re-arms itself for
 the time that remains, so a request is refused only once it has waited its
-limit (tests/test_queue_timeout.py).
+limit (tests/core/test_queue_timeout.py).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class LoopTimer:
     def cancel(self) -> None:
         self._handle.cancel()
         # The callback holds what it was armed for (a held request), which holds this timer: dropped, the two
-        # are freed at once instead of waiting for the cyclic GC (tests/test_loop_timer.py).
+        # are freed at once instead of waiting for the cyclic GC (tests/adapters/test_loop_timer.py).
         self._callback = _nothing
 
 

@@ -6,7 +6,7 @@ optional extras only when a client asks for them. Listing the names imports
 nothing; ``TRANSPORTS[name]`` imports that server's module and returns its
 class, a :data:`~extproc.adapters.grpc.transport.TransportFactory` (mypy checks
 each against :class:`~extproc.adapters.grpc.transport.Transport` here).
-tests/test_transport_differential.py, the conformance suite, runs every case
+tests/adapters/grpc/test_transport_differential.py, the conformance suite, runs every case
 against each entry; config/schema.py ``TRANSPORT_NAMES`` names the same ones.
 It sits above ``grpc/`` and ``grpc/builtin/``, which import the seam from
 ``grpc/`` and never this registry, so the packages import each other one way.

@@ -8,7 +8,7 @@
 * ``stack.py``    the local deployment as child processes: simulators, ``extproc serve``, Envoy
   (``procs.py`` runs children, ``envoy_proc.py`` runs Envoy, ``envoy_bin.py`` finds its binary);
 * ``realvllm.py`` a real vLLM (the CPU build, in a virtualenv of its own) on a small model that
-  ``realvllm_model.py`` builds: the engine of ``tests/test_real_vllm.py`` and the benchmark.
+  ``realvllm_model.py`` builds: the engine of ``tests/stack/test_real_vllm.py`` and the benchmark.
 
 Tools may import the adapters, the core and the ``extproc`` command's conventions
 (``extproc/cli.py``); nothing outside ``tools/`` imports them (tests/test_layers.py).

@@ -1,6 +1,6 @@
 """A burst of requests arriving at once, and what each client got back.
 
-Used by tests/test_fault_burst.py and, run as ``python -m extproc.tools.burst``,
+Used by tests/stack/test_fault_burst.py and, run as ``python -m extproc.tools.burst``,
 for the figures in docs/reports/reliability.md: it starts the real stack (simulator,
 processor, Envoy with the generated config) with a gate that holds every
 request, fires ``--n`` requests at once, samples the processor's and Envoy's

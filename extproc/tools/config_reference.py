@@ -7,7 +7,7 @@ engine says it at run time: ``explain.py``'s tables) and what its value must
 be come from the code; the meaning is carried over from the page by key, so
 a key added to the schema appears as a row whose meaning is still to write.
 ``python -m extproc.tools.config_reference --write`` rewrites the tables in
-place; ``tests/test_config_reference.py`` fails while the page and the code differ.
+place; ``tests/tools/test_config_reference.py`` fails while the page and the code differ.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Our processor attached as a conformant Endpoint Picker (EPP) by ext_proc
 alone: no ``json_to_metadata``, no auth filter, nothing of our own generator
 (``adapters/envoy/``); the processor reads the body itself. The tests
-(``tests/test_gie_gateway.py``) and the overhead benchmark's ``gie-*`` arms run
+(``tests/stack/test_gie_gateway.py``) and the overhead benchmark's ``gie-*`` arms run
 these through a real Envoy.
 
 ``strict(config, model, body=...)`` is what Envoy AI Gateway writes for an

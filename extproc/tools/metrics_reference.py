@@ -4,7 +4,7 @@ The table between the page's two markers is generated: one row per series
 declared on :class:`~extproc.adapters.telemetry.series.Series`, in its order,
 then the build's and the process's series. The prose around it is written by
 hand. ``python -m extproc.tools.metrics_reference --write`` rewrites the
-table in place; ``tests/test_metrics_reference.py`` fails while the page and
+table in place; ``tests/tools/test_metrics_reference.py`` fails while the page and
 the code differ.
 """
 

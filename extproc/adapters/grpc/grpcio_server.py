@@ -1,7 +1,7 @@
 """The same gRPC server as builtin/server.py on grpc.aio (``listen.transport: grpcio``): the reference transport.
 
 Why keep it: grpcio's C-core is the battle-tested HTTP/2 and gRPC stack that
-our own transport is compared with (tests/test_transport_differential.py), and
+our own transport is compared with (tests/adapters/grpc/test_transport_differential.py), and
 an operator who distrusts ours can switch to it. It costs more per held
 request (21–24 KB of native state per stream against about 3 KB,
 docs/decisions.md) and more CPU per request (docs/reports/benchmarks.md).

@@ -7,7 +7,7 @@ implement :class:`Transport`, chosen by ``listen.transport`` (``TRANSPORTS``,
 ``adapters/transports.py``): ``builtin`` (builtin/, ours, a few KB per held request) and
 ``grpcio`` (grpcio_server.py, grpc.aio, the reference). Each maps its
 library's failures to ours at this seam, so a caller sees the same errors and
-statuses whichever runs. tests/test_transport_differential.py is the
+statuses whichever runs. tests/adapters/grpc/test_transport_differential.py is the
 conformance suite: every case runs against each entry of ``TRANSPORTS``.
 """
 

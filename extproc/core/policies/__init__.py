@@ -11,7 +11,7 @@ One module per policy, each behind :class:`~extproc.core.policies.base.BandPolic
 
 To add one: copy round_robin.py, give its ``POLICY`` a new name, and list it
 below. The config accepts the name from then on, and the shared conformance
-test (tests/test_policy_conformance.py) runs it: every request ends exactly
+test (tests/core/policies/test_policy_conformance.py) runs it: every request ends exactly
 once, each tenant's requests leave in order (arrival, or deadline for a
 ``by_deadline`` policy; a policy may declare ``overtakes``), no tenant starves, and the ``U + K·E`` bound of
 :class:`~extproc.core.policies.base.Policy` holds, plus its declared

@@ -84,7 +84,7 @@ class Policy:
     ``service`` is what the policy keeps equal between continuously
     backlogged tenants, per release, from the request's cost and its tenant's
     weight. Every policy promises the same bound in its own measure, which
-    the shared conformance test (tests/test_policy_conformance.py) checks:
+    the shared conformance test (tests/core/policies/test_policy_conformance.py) checks:
     the service released to two such tenants differs by at most ``U + K·E``,
     where U is the most service one request gives, E the largest error of one
     estimate (in service) and K the most requests in flight at once.

@@ -17,7 +17,7 @@ endpoints fall back to their caps through metric_rule.py) or
 static_concurrency.py (one that ignores them), give the class a new ``name``,
 list it below. The config accepts the name from then on
 (``requires`` and ``per_endpoint`` become its cross-field checks), and
-tests/test_gate.py's lag tests show whether it keeps the engine's queue short
+tests/core/release/test_gate.py's lag tests show whether it keeps the engine's queue short
 when the metrics lag.
 """
 

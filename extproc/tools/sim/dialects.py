@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from extproc.adapters.protocol.dialects import DIALECTS
 from extproc.tools.sim.engine import FINISH_ABORT, Scheduler, SimRequest, TokenEvent
 
-# Every dialect the gateway reads; each needs its branch below (tests/test_engines.py checks that it speaks).
+# Every dialect the gateway reads; each needs its branch below (tests/adapters/engines/test_engines.py checks that it speaks).
 DIALECT_NAMES = tuple(DIALECTS)
 
 # sglang/srt/metrics/collector.py TokenizerMetricsCollector defaults.

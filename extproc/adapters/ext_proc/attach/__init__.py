@@ -16,7 +16,7 @@ The servicer picks :class:`~own_envoy.OwnEnvoy` when the first message
 carries our metadata namespace, else :class:`~endpoint_picker.EndpointPicker`;
 the shape of every reply follows the body modes Envoy declared for the
 stream, whichever it picked. With both bodies in one mode (as the gateways
-set them; ``tests/test_attach_matrix.py`` runs each through Envoy 1.40):
+set them; ``tests/stack/test_attach_matrix.py`` runs each through Envoy 1.40):
 
 ============================  ======================  ==========================  ==========================
                               ``NONE``                ``BUFFERED``                ``FULL_DUPLEX_STREAMED``

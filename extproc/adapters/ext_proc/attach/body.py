@@ -8,7 +8,7 @@ source/extensions/filters/http/ext_proc/ext_proc.cc at
 294012761b5c38055c8a65dd755bc5733043588e, ``ProcessorState::handleHeadersResponse``
 and ``handleBodyResponse`` in processor_state.cc at
 055a650d3bfa4b2cad214cdb649eee0d85051b28; each combination run through
-Envoy 1.40 by tests/test_attach_matrix.py):
+Envoy 1.40 by tests/stack/test_attach_matrix.py):
 
 * ``NONE``: no body. The headers reply continues the request.
   ``STREAMED``: the same, then the chunks, each answered as it comes.

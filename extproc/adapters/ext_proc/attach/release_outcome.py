@@ -4,7 +4,7 @@ Envoy's router answers itself when it cannot get a response from the engine
 (connection refused, reset before the response began, after its retries):
 a local reply, 503 (or 502/504), without the ``x-envoy-upstream-service-time``
 header the router puts on every response that came from upstream (checked
-with Envoy 1.40, tests/test_fault_engine.py). That is ``DOWN``: the gate
+with Envoy 1.40, tests/stack/test_fault_engine.py). That is ``DOWN``: the gate
 marks the endpoint down instead of refilling the slot at once, which would
 turn a queue held for the engine's restart into a burst of errors.
 

@@ -10,7 +10,7 @@ override, or the gateway's own mode) the headers wait for their answer while
 the body's chunks are sent at once (``Filter::onData`` and
 ``ProcessorState::getCallbackStateAfterHeaderResp`` in envoyproxy/envoy's
 source/extensions/filters/http/ext_proc, measured with Envoy 1.40:
-tests/test_stream_start.py). The processor reads the chunks up to the first
+tests/adapters/ext_proc/test_stream_start.py). The processor reads the chunks up to the first
 event that carries data; a refusal becomes the processor's own answer, 503
 ``engine_full`` with Retry-After, which the SDKs retry; anything else lets the
 headers go and gives the chunks back as they came.

@@ -10,7 +10,7 @@ stream error resets that stream and is reported as its reset; frames that
 oblige an answer or carry nothing are counted as Envoy counts them
 (builtin/flood.py). It replaced the ``h2`` library, whose generality cost a
 quarter of the processor's CPU per request (docs/decisions.md), and is
-checked against h2's state machine (tests/test_h2grpc_conformance.py).
+checked against h2's state machine (tests/adapters/grpc/test_h2grpc_conformance.py).
 
 Left out, as a gRPC server may: server push (a client's PUSH_PROMISE is a
 connection error), priorities (read, checked and ignored, as RFC 9113 lets

@@ -2,7 +2,7 @@
 
 Apart so that what RFC 9113 (5.1) says of a frame on a closed stream reads in
 one place, as the conformance test against the ``h2`` library found it
-(tests/test_h2grpc_conformance.py): it depends on how the stream closed.
+(tests/adapters/grpc/test_h2grpc_conformance.py): it depends on how the stream closed.
 """
 
 from __future__ import annotations
