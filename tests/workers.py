@@ -49,9 +49,9 @@ SPREAD_MODULES = frozenset({
 })
 # Workers per core with ``-n auto``: most tests spend their time waiting on processes, sockets and
 # timers they started (Envoy, the simulator, Redis, Docker), so one worker per core leaves the cores
-# half idle; two keep them busy. Measured on 2 cores (2026-12-05): the tests not marked ``alone``,
-# 438 s with 2 workers, 234 s with 4; the unit tier 28 s and 21 s.
-WORKERS_PER_CORE = 2
+# half idle. Measured on 2 cores, the tests not marked ``alone``: 438 s with 2 workers, 234 s with 4
+# (2026-12-05); 372 s with 4, 276 s with 6 (2026-12-07, more tests since).
+WORKERS_PER_CORE = 3
 
 
 @contextmanager

@@ -48,7 +48,7 @@ VLLM_SERVERS = (FCFS, PRIORITY, PREFILL)  # started at once with the other modul
 
 FLOOD = 40  # alice's requests per flood
 MAX_TOKENS = 32
-ROUNDS = 5  # floods per path; a gate with a 50 ms visibility grace overshot in 3 or 4 of 5
+ROUNDS = 3  # floods per path; a gate with a 50 ms visibility grace overshot in 3 or 4 of 5
 TARGET_WAITING = 3  # the gateway's default
 SAMPLE_S = 0.02  # how often the tests read vLLM's own /metrics
 

@@ -60,7 +60,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.adapters.config import Config
 from extproc.adapters.ext_proc.attach import body
 from extproc.adapters.ext_proc.attach.base import Attachment, Stream
-from extproc.adapters.ext_proc.attach.replies import content_length, duration, error_response, header
+from extproc.adapters.ext_proc.attach.replies import content_length, duration, error_response, headers
 from extproc.adapters.ext_proc.attach.served import ServedModel
 from extproc.adapters.protocol import epp_protocol as epp
 from extproc.adapters.protocol.contract import (
@@ -208,10 +208,9 @@ class OwnEnvoy(Attachment):
         key = (model, waited_ms, destination, override_key)
         if plain and waited_ms < _REUSED_WAIT_MS and (reply := self._releases.get(key)) is not None:
             return [reply]
-        routing = [header(QUEUE_WAIT_HEADER, str(waited_ms)), header(MODEL_HEADER, model),
-                   *(header(name, value) for name, value in stream.headers)]
-        if destination:
-            routing.append(header(DESTINATION_HEADER, destination))
+        # One call however many headers: the request path's count of entries does not depend on the request.
+        routing = headers((QUEUE_WAIT_HEADER, str(waited_ms)), (MODEL_HEADER, model), *stream.headers,
+                          *(((DESTINATION_HEADER, destination),) if destination else ()))
         replies = body.release(duplex=stream.duplex, held_on_body=stream.held_on_body, body=stream.body, routing=routing,
                                metadata=None, priority=priority, override=_OVERRIDES.get(override_key))
         stream.body = b""
