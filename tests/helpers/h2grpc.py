@@ -5,6 +5,7 @@ for its tests).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 from google.protobuf import wrappers_pb2
@@ -75,3 +76,15 @@ class Handlers:
         async for _ in requests:
             raise ValueError("a bug")
         yield Bytes()
+
+
+def tracebacks(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
+    """The records of ``records`` that carry a traceback or an error, but grpc.aio's callbacks for an event loop an
+    earlier test closed: its poller is the process's, bound to the loop it first ran on, and calls back there after
+    that test's loop is gone ("Event loop is closed"), whichever test is running then. Nothing of the server under
+    test is in those."""
+    def closed_loop(r: logging.LogRecord) -> bool:
+        error = r.exc_info[1] if r.exc_info else None
+        return (r.name == "asyncio" and "PollerCompletionQueue._handle_events" in r.getMessage()
+                and isinstance(error, RuntimeError) and "Event loop is closed" in str(error))
+    return [r for r in records if (r.exc_info or r.levelno >= logging.ERROR) and not closed_loop(r)]

@@ -25,7 +25,7 @@ from extproc.adapters.grpc.builtin.call import TRUNCATED, UNDECODABLE
 from extproc.adapters.grpc.peer_warnings import PeerWarnings
 from extproc.adapters.grpc.transport import MAX_MESSAGE_BYTES
 from tests.h2raw import message
-from tests.helpers.h2grpc import Handlers
+from tests.helpers.h2grpc import Handlers, tracebacks
 from tests.helpers.h2grpc_abuse import (
     ECHO,
     GATE,
@@ -51,7 +51,7 @@ NOT_PROTOBUF = b"\x0a\x05ab"  # field 1 says 5 bytes follow, 2 do
 def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     caplog.set_level(logging.INFO)
     yield caplog
-    assert [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
+    assert tracebacks(caplog.records) == []
 
 
 async def test_an_undecodable_message_ends_only_its_stream(no_tracebacks: pytest.LogCaptureFixture) -> None:

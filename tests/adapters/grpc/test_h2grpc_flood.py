@@ -24,7 +24,7 @@ from extproc.adapters.grpc.builtin import http2
 from extproc.adapters.grpc.builtin.frames import ErrorCode
 from extproc.adapters.grpc.builtin.http2 import Http2Error
 from tests.h2raw import RawClient, message
-from tests.helpers.h2grpc import Handlers
+from tests.helpers.h2grpc import Handlers, tracebacks
 from tests.helpers.h2grpc_abuse import HI, HOLD, _connected, _echoes, _held, _serving
 from tests.helpers.h2grpc_http2 import REQUEST, block, connection_error, headers_frame, server, written
 from tests.waitutil import eventually
@@ -147,7 +147,7 @@ def test_a_read_is_handled_in_slices_of_max_frames_per_read_with_the_same_events
 def warnings(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     caplog.set_level(logging.INFO)
     yield caplog
-    assert [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
+    assert tracebacks(caplog.records) == []
 
 
 def named(caplog: pytest.LogCaptureFixture, key: str) -> list[str]:
