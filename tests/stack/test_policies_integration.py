@@ -23,6 +23,7 @@ from jwt.algorithms import RSAAlgorithm
 from extproc.core.bands import ARRIVING_COUNT, ARRIVING_S, MAX_RESERVE_SHARE
 from extproc.tools.power_user import Outcome, chat, percentile
 from extproc.tools.stack import Stack, start_stack
+from tests.helpers.integration import sample_engine
 from tests.helpers.policies_integration import HEAVY_PROMPT, LIGHT_PROMPT, send, service_while_both_backlogged, session, weighted
 from tests.stackutil import TENANT_KEYS, metric, poll, read_metrics, wait_for_metric, write_stack_config
 
@@ -64,16 +65,6 @@ async def test_vtc_shares_weighted_tokens_where_round_robin_shares_requests(tmp_
 
 
 # --- priority classes ---------------------------------------------------------------------------
-
-
-async def sample_engine(url: str, stop: asyncio.Event) -> list[tuple[float, float]]:
-    """(running, waiting) from the engine's /metrics every 20 ms until ``stop``."""
-    seen = []
-    while not stop.is_set():
-        samples = await read_metrics(f"{url}/metrics")
-        seen.append((metric(samples, "vllm:num_requests_running"), metric(samples, "vllm:num_requests_waiting")))
-        await asyncio.sleep(0.02)
-    return seen
 
 
 async def test_batch_fills_an_idle_engine_and_interactive_overtakes_within_a_slot(tmp_path: Path) -> None:
