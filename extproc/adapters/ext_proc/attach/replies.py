@@ -30,9 +30,8 @@ def header(name: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 def headers(*pairs: tuple[str, str]) -> list[base_pb2.HeaderValueOption]:
-    """Each ``(name, value)`` of ``pairs`` as :func:`header` makes it: one call for a reply's set."""
-    return [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
-                                       append_action=_OVERWRITE) for name, value in pairs]
+    """Each ``(name, value)`` of ``pairs`` as :func:`header` makes it: one call into this module for a reply's set."""
+    return [header(name, value) for name, value in pairs]
 
 
 def duration(seconds: float) -> duration_pb2.Duration:
