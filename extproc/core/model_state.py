@@ -172,6 +172,7 @@ class ModelState:
         if refused is not None:
             raise refused
         objective, queue_wait = self.band_allowance.arrived(band, now, ttft_objective_s, self._settings.max_queue_wait_s)
+        self._preemption.arrived(band, now, objective)
         held = Held(request, now, self._timers.future(),
                     self._pricing.estimate(tenant, content_length, max_tokens), ttft_objective_s=objective,
                     deadline=now + (objective if objective is not None else queue_wait), queue_wait_s=queue_wait)
@@ -274,12 +275,11 @@ class ModelState:
         # Counted as running until a scrape shows it: a release into a free slot, and an idle-only band's
         # (sized to free slots, or its probe past the capacity learned so far: one per scrape).
         into_free_slot = free or (rules.idle_only and self.band_allowance.into_free_slots(band, now))
-        book = self._preemption
         # Preemption asks whether the engines were full before it, for a request with an objective.
         held.checked, full = pool.released(held, now, held.endpoint, into_free_slot=into_free_slot,
-                                           full_before=book.enabled and held.ttft_objective_s is not None)
+                                           full_before=(book := self._preemption).enabled and held.ttft_objective_s is not None)
         if book.enabled:
-            book.note_release(held, now, self._victim_place(held, rules, into_free_slot), full)
+            book.note_release(held, now, self._victim_place(held, rules, into_free_slot, now), full)
         self._release_rate.record(now)
         self._in_flight[band] += 1
         self._queue.charge(band, tenant, held.estimate.cost)
@@ -288,16 +288,16 @@ class ModelState:
                                   tag=held.request.tag))
         return True
 
-    def _victim_place(self, held: Held, rules: Band, into_free_slot: bool) -> Place | None:
-        """Where ``held``, just released, went as a victim to be (in a slot, or queued in the engine), its stream
-        told to watch for it; None: it cannot be one."""
+    def _victim_place(self, held: Held, rules: Band, into_free_slot: bool, now: float) -> Place | None:
+        """Where ``held``, just released, went as a victim to be, its stream told to watch for it; None: it cannot be
+        one (a stream begins as the engine accepts it; a retry is never preempted), or not worth the watch."""
         request = held.request
-        # A stream begins as the engine accepts it, and a retry is never preempted: their streams need not watch.
         if not (rules.preemptible and request.whole and not request.retried):
             return None
-        held.preempted = self._timers.future()
         queued = not into_free_slot and not self.band_allowance.priority_queue
-        return Place.OWN if not rules.idle_only else Place.QUEUED if queued else Place.LENT
+        if (place := self._preemption.place(request.band, rules.idle_only, queued, now)) is not None:
+            held.preempted = self._timers.future()
+        return place
 
     # --- a held request's end ----------------------------------------------------------------------
 

@@ -52,6 +52,14 @@ The rules, in order:
   ``x-stainless-retry-count``) is never a victim: a preempted request comes
   back as such and then runs to the end. Each request is taken back at most
   once, and its client sees one 503 ``preempted`` at most.
+* **Watched only while it may be needed.** A victim's stream asks Envoy for
+  its response's headers (that is how it learns the response began): one
+  more message each way, the hop's largest cost. A request of an idle-only
+  band is always watched (it is taken back cheaply, for any need); one of a
+  band that is not idle-only is taken back only for an objective at risk, so
+  it is watched only while a band above it with an objective has had an
+  arrival in the last :data:`WATCH_S`. A class alone on its model (or whose
+  classes above have been quiet for that long) pays nothing for preemption.
 * **Bounded rate.** For objectives at risk, at most ``max_preemptions_per_s``
   (a token bucket of that rate, holding at most one second's worth); 0 turns
   preemption off, queued places included.
@@ -81,6 +89,11 @@ _GAP_WEIGHT = 0.2
 # enough for the engine to abort it and for a scrape to show it (real vLLM shows a
 # change 50-400 ms late), so one slot freed is not mistaken for none.
 AGAIN_AFTER_S = 1.0
+# How long after a band's last arrival with an objective the releases below it are watched: longer than most
+# requests run, so what was released in a quiet spell above is rarely still running when the class above returns.
+WATCH_S = 60.0
+
+
 class Place(enum.Enum):
     """Where a released request of a preemptible band went, which says what taking it back costs."""
 
@@ -123,11 +136,27 @@ class Preemption:
         # The measured interval between completions, and when the last one came.
         self._gap_s: float | None = None
         self._last_end: float | None = None
+        # By band: when a request with an objective last arrived (what makes the releases below it worth watching).
+        self._needed_at: dict[int, float] = {}
 
     @property
     def candidates(self) -> int:
         """Preemptible requests in flight whose response has not begun."""
         return len(self._victims)
+
+    def arrived(self, band: int, now: float, objective_s: float | None) -> None:
+        """A request arrived in ``band``: with an objective, the releases below it are watched for a while."""
+        if objective_s is not None:
+            self._needed_at[band] = now
+
+    def place(self, band: int, idle_only: bool, queued: bool, now: float) -> Place | None:
+        """Where a release of a preemptible ``band`` goes as a victim to be (``queued``: into an engine queue served in
+        arrival order); None while it is not worth its stream's watch (only an objective at risk could take it back,
+        and no band above with an objective had an arrival for :data:`WATCH_S`)."""
+        if idle_only:
+            return Place.QUEUED if queued else Place.LENT
+        since = now - WATCH_S
+        return Place.OWN if any(above < band and at >= since for above, at in self._needed_at.items()) else None
 
     def released(self, held: Held, now: float, place: Place) -> None:
         """``held``, of a preemptible band and not a retry, went to the engine: it may be ended later."""

@@ -16,6 +16,7 @@ from extproc.core.cost import CostWeights
 from extproc.core.dispatcher import Held, ModelDispatcher
 from extproc.core.entitlement import Tenant
 from extproc.core.policies import POLICIES
+from extproc.core.preemption import WATCH_S
 from extproc.core.release.answer import Answer
 from extproc.core.values.engine_load import EngineLoad
 from extproc.core.values.report import Event, RequestEvent, Step
@@ -58,6 +59,11 @@ def fill(dispatcher: ModelDispatcher, tenants: tuple[str, ...] = ("bob", "bob"))
     batch = [dispatcher.submit(tenant, BATCH, whole=True) for tenant in tenants]
     assert all(h.future.done() for h in batch)
     return batch
+
+
+def chats_came(dispatcher: ModelDispatcher) -> None:
+    """A chat came and went: the class above batch is active, so batch's releases are watched (preemption.WATCH_S)."""
+    dispatcher.end(dispatcher.submit("dave", INTERACTIVE))
 
 
 def test_a_band_arrives_now_for_a_couple_of_seconds_after_a_request() -> None:
@@ -190,6 +196,7 @@ async def test_a_chat_at_risk_preempts_the_youngest_batch_request_once() -> None
 async def test_a_slot_that_is_its_own_is_not_preempted_while_no_objective_is_at_risk() -> None:
     now = [0.0]
     dispatcher, steps = make(now, bands=OWN_SLOTS)
+    chats_came(dispatcher)
     fill(dispatcher)
     now[0] = 0.05  # a slot is as likely to free itself within 0.2 s as not: no reason to preempt
     standard = dispatcher.submit("alice", STANDARD)  # no objective at all
@@ -222,9 +229,29 @@ async def test_a_stream_is_never_a_victim_its_response_begins_as_the_engine_acce
     assert all(s.preempted is None for s in streams)
 
 
+async def test_own_slots_are_watched_only_while_a_class_above_with_an_objective_comes() -> None:
+    """Watching a release for its response's start costs a message each way: work whose slot is its own is watched (and
+    can be taken back) only while a class above with an objective has had an arrival within WATCH_S; an idle-only
+    band's always is."""
+    now = [0.0]
+    dispatcher, steps = make(now, bands=OWN_SLOTS)
+    quiet = fill(dispatcher, ("bob",))
+    assert quiet[0].preempted is None  # nobody above ever came: its stream asks for nothing more
+    chats_came(dispatcher)
+    watched = fill(dispatcher, ("carol",))
+    assert watched[0].preempted is not None
+    dispatcher.end(watched[0])
+    now[0] = WATCH_S + 1.0  # the chats have been quiet since
+    assert fill(dispatcher, ("carol",))[0].preempted is None
+    lent, _ = make(now)
+    assert fill(lent, ("bob",))[0].preempted is not None  # idle-only: taken back cheaply for any need
+    assert not steps.of(Step.PREEMPTED)
+
+
 async def test_preemptions_for_objectives_at_risk_are_rate_bounded_and_spread_over_tenants() -> None:
     now = [0.0]
     dispatcher, steps = make(now, rate=1.0, slots=3, bands=OWN_SLOTS)
+    chats_came(dispatcher)
     fill(dispatcher, ("bob", "bob", "carol"))
     now[0] = 1.0
     chats = [dispatcher.submit("alice", INTERACTIVE) for _ in range(2)]
