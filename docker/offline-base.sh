@@ -16,6 +16,11 @@ rootfs_image=extproc-rootfs:$suite
 apt_mirror=$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null | head -n 1 || true)
 mirror=${EXTPROC_DEBIAN_MIRROR:-${apt_mirror:-http://deb.debian.org/debian}}
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/extproc
+# One build at a time (CI starts one early, and the compose test's ./dev compose may come while it runs):
+# the second waits, then finds everything made.
+mkdir -p "$cache"
+exec 9>"$cache/offline-base.lock"
+flock 9
 
 if ! docker image inspect "$rootfs_image" >/dev/null 2>&1; then
   command -v debootstrap >/dev/null || { echo "offline-base: needs debootstrap (apt-get install debootstrap)" >&2; exit 1; }

@@ -88,7 +88,7 @@ async def test_two_instances_keep_the_newcomer_fast_and_the_engine_queue_at_targ
         [mine] = [o for o in gated if o.tenant == newcomer]
         [fifo] = [o for o in direct if o.tenant == newcomer]
         assert mine.ttft_s is not None and fifo.ttft_s is not None
-        assert mine.ttft_s * 4 < fifo.ttft_s, (mine, fifo)
+        assert mine.ttft_s * 2.5 < fifo.ttft_s, (mine, fifo)  # FIFO: behind the whole flood (4-10x here)
     # Both instances together keep the engine's queue as one does: target + 2 at most.
     assert max(waiting) <= TARGET + 2, waiting
     assert max(r for r, _ in engine) >= 1, engine  # the sampler really watched the run: it saw the engine serve it

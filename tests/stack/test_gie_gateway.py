@@ -276,7 +276,7 @@ MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Write
 
 
 async def _served(url: str, *, hint: str | None = None, stream: bool = False, tenant: str = "conformance",
-                  max_tokens: int = 8) -> tuple[str, str, str]:
+                  max_tokens: int = 8, messages: list[ChatCompletionMessageParam] = MESSAGES) -> tuple[str, str, str]:
     """One chat completion through the SDK: (the endpoint that served it, what the EPP picked, the text)."""
     headers = {FAIRNESS_HEADER: tenant}
     if hint is not None:
@@ -284,7 +284,7 @@ async def _served(url: str, *, hint: str | None = None, stream: bool = False, te
     async with _client(url) as client:
         if stream:
             raw_stream = await client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=MESSAGES, max_tokens=max_tokens, stream=True, extra_headers=headers,
+                model=MODEL, messages=messages, max_tokens=max_tokens, stream=True, extra_headers=headers,
                 stream_options={"include_usage": True},
             )
             pieces, usage = [], None
@@ -295,7 +295,7 @@ async def _served(url: str, *, hint: str | None = None, stream: bool = False, te
             text, headers_seen = "".join(pieces), raw_stream.headers
         else:
             raw = await client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=MESSAGES, max_tokens=max_tokens, extra_headers=headers,
+                model=MODEL, messages=messages, max_tokens=max_tokens, extra_headers=headers,
             )
             completion = raw.parse()
             assert completion.usage is not None and completion.usage.completion_tokens == max_tokens
@@ -405,7 +405,10 @@ async def test_gateway_destination_endpoint_served_walks_the_fallbacks(gateways:
         # A failure there marks it down until its next scrape (idle, as ever) brings it back: wait for that.
         assert await wait_for_metric(gateways.open.metrics_url, "extproc_endpoint_up", lambda v: v == 1,
                                      model=MODEL, endpoint=broken) == 1
-        seen.append(await _served(url, hint=hint, tenant=tenant))
+        # A prompt of its own: the endpoint that served the earlier ones holds their prefix in its cache, and the
+        # processor's picking would prefer it over the tenant's favourite.
+        own: list[ChatCompletionMessageParam] = [{"role": "user", "content": f"{tenant}: {MESSAGES[0]['content']}"}]
+        seen.append(await _served(url, hint=hint, tenant=tenant, messages=own))
     assert {served for served, _, _ in seen} == {gateways.pods[0]}, seen
     assert all(set(picked.split(",")) <= set(hint.split(",")) for _, picked, _ in seen)
     firsts = [picked.split(",")[0] for _, picked, _ in seen]
