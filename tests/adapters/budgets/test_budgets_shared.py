@@ -33,6 +33,7 @@ from extproc.tools.power_user import chat
 from extproc.tools.stack import start_stack
 from tests.redisutil import RedisServer
 from tests.stackutil import TENANT_KEYS, metric, poll, read_metrics, write_stack_config
+from tests.waitutil import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -86,8 +87,8 @@ async def test_two_instances_enforce_one_limit_and_a_cancel_gives_back_to_both(r
 
 
 async def _corrections(shared: ClusterBudgets) -> None:
-    for task in list(shared._corrections):
-        await task
+    """Until every correction sent so far has had Redis's answer (or failed)."""
+    await eventually(lambda: shared.corrections_in_flight == 0, what="the corrections answered")
 
 
 async def test_with_redis_away_each_instance_enforces_its_share(redis_server: RedisServer) -> None:
