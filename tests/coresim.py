@@ -2,7 +2,7 @@
 
 The scheduling core (``ModelDispatcher`` with the adaptive gate) and the
 simulator's pure continuous-batching ``Scheduler`` run on one heap of timed
-events, so a minute of traffic takes milliseconds and every run is exactly
+events (``extproc/tools/simclock.py``), so a minute of traffic takes milliseconds and every run is exactly
 repeatable. What connects them is what Envoy and vLLM's API server do:
 
 * a released request reaches the engine ``lag_s`` later, and only at the start
@@ -22,14 +22,10 @@ the dispatcher again at once, as the event loop's next callback, is one).
 
 from __future__ import annotations
 
-import asyncio
-import heapq
-import itertools
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from extproc.core.bands import Band
 from extproc.core.cost import CostWeights
@@ -45,6 +41,7 @@ from extproc.core.values.engine_load import EngineLoad
 from extproc.core.values.outcomes import Refused
 from extproc.core.values.report import Event
 from extproc.tools.sim.engine import Scheduler, SimRequest, SimSettings
+from extproc.tools.simclock import EventHeap
 
 ENDPOINT = "http://engine"
 BANDS = (Band("interactive", ttft_objective_s=5.0), Band("standard", ttft_objective_s=60.0),
@@ -77,23 +74,9 @@ class Request:
     outcome: str = "queued"  # released, done, refused, preempted
 
 
-class _Timer:
-    def __init__(self) -> None:
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-@dataclass(order=True)
-class _Event:
-    at: float
-    seq: int
-    run: Callable[[], None] = field(compare=False)
-
-
-class CoreSim:
-    """The dispatcher and the simulated engine on one event heap (see the module docstring)."""
+class CoreSim(EventHeap):
+    """The dispatcher and the simulated engine on one event heap (see the module docstring); its timers are the
+    dispatcher's."""
 
     def __init__(
         self,
@@ -114,7 +97,7 @@ class CoreSim:
         check: Callable[[CoreSim], None] | None = None,
         ended: Callable[[CoreSim, Request], None] | None = None,
     ) -> None:
-        self.now = 0.0
+        super().__init__()
         self.bands = bands
         self.scrape_s = scrape_s
         self.lag_s = lag_s
@@ -126,8 +109,6 @@ class CoreSim:
         self._check = check
         # Told of each released request that ended (done or preempted): a client that sends more (``add``).
         self._ended = ended
-        self._heap: list[_Event] = []
-        self._seq = itertools.count()
         self.scheduler = Scheduler(engine)
         self.step_end: float | None = None
         self._inbox: list[tuple[SimRequest, Request]] = []
@@ -152,46 +133,31 @@ class CoreSim:
             reserved_waiting=reserved_waiting, max_preemptions_per_s=max_preemptions_per_s, timers=self,
             engine_priority=engine_priority, strategy=self._strategy,
         )
-        self._at(0.0, self._scrape)
+        self.call_at(0.0, self._scrape)
 
     def _strategy(self, state: ModelState) -> LocalRelease:
         """The dispatcher's own strategy, within :attr:`limit` when one is set; keeps ``state`` (:attr:`state`)."""
         self.state = state
         return LocalRelease(state, self, limit=lambda band, now: self.limit(band, now) if self.limit else sys.maxsize)
 
-    # --- Timers (core/timers.py): the dispatcher's deadlines on the same heap -------------------------
-
-    def at(self, deadline: float, callback: Callable[[], None]) -> _Timer:
-        timer = _Timer()
-        self._at(deadline, lambda: None if timer.cancelled else callback())
-        return timer
-
-    def future(self) -> asyncio.Future[Any]:
-        return asyncio.get_running_loop().create_future()
-
-    def _at(self, at: float, run: Callable[[], None]) -> None:
-        heapq.heappush(self._heap, _Event(at, next(self._seq), run))
-
     # --- the run ----------------------------------------------------------------------------------------
 
     def run(self, arrivals: Sequence[Arrival], until: float) -> None:
         """Replay ``arrivals``, then run until ``until`` (simulated seconds)."""
         self.add(arrivals)
-        while self._heap and self._heap[0].at <= until:
+        while (due := self.next_at()) is not None and due <= until:
             if (not self._to_come and not self._queued_seen and self.step_end is None and not self._inbox
                     and not any(r.outcome == "released" for r in self._released)):
                 return  # everything answered: only scrapes are left
-            event = heapq.heappop(self._heap)
-            self.now = event.at
-            event.run()
+            self.run_next()
             self._notice()
-            if self._check is not None and not (self._heap and self._heap[0].at == self.now):
+            if self._check is not None and self.next_at() != self.now:  # the moment's last event
                 self._check(self)
 
     def add(self, arrivals: Sequence[Arrival]) -> None:
         """More arrivals, before or during a run (at or after ``now``)."""
         for arrival in arrivals:
-            self._at(arrival.at, lambda a=arrival: self._arrive(a))  # type: ignore[misc]
+            self.call_at(arrival.at, lambda a=arrival: self._arrive(a))  # type: ignore[misc]
         self._to_come += len(arrivals)
 
     @property
@@ -232,9 +198,9 @@ class CoreSim:
                                  arrival=self.now, priority=request.arrival.band if self.engine_priority else 0)
                 request.sim = sim
                 self._by_sim[sim] = request
-                self._at(self.now + self.lag_s, lambda s=sim, r=request: self._reach(s, r))  # type: ignore[misc]
+                self.call_at(self.now + self.lag_s, lambda s=sim, r=request: self._reach(s, r))  # type: ignore[misc]
                 if self.stream_begins_at_accept and request.arrival.stream:
-                    self._at(self.now + self.end_lag_s, lambda r=request: self._accepted(r))  # type: ignore[misc]
+                    self.call_at(self.now + self.end_lag_s, lambda r=request: self._accepted(r))  # type: ignore[misc]
             if request.outcome == "released" and held.preempted is not None and held.preempted.done():
                 request.outcome, request.ended_at = "preempted", self.now
                 if request.sim is not None and not request.sim.finished and request.sim in self._by_sim:
@@ -275,7 +241,7 @@ class CoreSim:
             return
         step = self.scheduler.schedule(self.now)
         self.step_end = self.now + step.duration
-        self._at(self.step_end, self._complete)
+        self.call_at(self.step_end, self._complete)
 
     def _complete(self) -> None:
         for token in self.scheduler.complete(self.now):
@@ -288,7 +254,7 @@ class CoreSim:
             if begins or (token.request.finished and not request.arrival.stream):
                 self.dispatcher.record_response(request.held, Answer.SERVED)
             if token.request.finished:
-                self._at(self.now + self.end_lag_s, lambda r=request: self._end(r))  # type: ignore[misc]
+                self.call_at(self.now + self.end_lag_s, lambda r=request: self._end(r))  # type: ignore[misc]
         self.step_end = None
         self._step()
 
@@ -305,7 +271,7 @@ class CoreSim:
         limit = self.pool.snapshot(ENDPOINT).limit
         if limit is not None:
             self.limits.append((self.now, limit))
-        self._at(self.now + self.scrape_s, self._scrape)
+        self.call_at(self.now + self.scrape_s, self._scrape)
 
     # --- what the tests read -----------------------------------------------------------------------------
 
@@ -343,17 +309,15 @@ class CoreSim:
         return [r for r in self.requests if r.arrival.band == band]
 
 
-class DirectSim:
+class DirectSim(EventHeap):
     """The same engine with clients straight to it, no gateway: each arrival reaches it ``lag_s`` later, with its band as
     its priority (an engine with a priority queue orders by it; one in arrival order ignores it). The reference a
     gateway is held against."""
 
     def __init__(self, engine: SimSettings, *, lag_s: float = 0.06) -> None:
-        self.now = 0.0
+        super().__init__()
         self.lag_s = lag_s
         self.scheduler = Scheduler(engine)
-        self._heap: list[_Event] = []
-        self._seq = itertools.count()
         self._inbox: list[SimRequest] = []
         self._step_end: float | None = None
         self.requests: list[tuple[Arrival, SimRequest]] = []
@@ -363,15 +327,12 @@ class DirectSim:
 
     def add(self, arrivals: Sequence[Arrival]) -> None:
         for arrival in arrivals:
-            heapq.heappush(self._heap, _Event(arrival.at + self.lag_s, next(self._seq),
-                                              lambda a=arrival: self._reach(a)))  # type: ignore[misc]
+            self.call_at(arrival.at + self.lag_s, lambda a=arrival: self._reach(a))  # type: ignore[misc]
 
     def run(self, arrivals: Sequence[Arrival], until: float) -> None:
         self.add(arrivals)
-        while self._heap and self._heap[0].at <= until:
-            event = heapq.heappop(self._heap)
-            self.now = event.at
-            event.run()
+        while (due := self.next_at()) is not None and due <= until:
+            self.run_next()
 
     def _reach(self, arrival: Arrival) -> None:
         sim = SimRequest(arrival.prompt_tokens, arrival.max_tokens, self.now, priority=arrival.band)
@@ -389,7 +350,7 @@ class DirectSim:
             self._step_end = None
             return
         self._step_end = self.now + self.scheduler.schedule(self.now).duration
-        heapq.heappush(self._heap, _Event(self._step_end, next(self._seq), self._complete))
+        self.call_at(self._step_end, self._complete)
 
     def _complete(self) -> None:
         for token in self.scheduler.complete(self.now):

@@ -6,7 +6,7 @@ numbers. What runs is the model's dispatcher as ``extproc serve`` builds it
 from the same config (its bands, gate, cold-start wait, endpoint picking),
 one simulated engine per pod (the simulator's pure ``Scheduler``, the stack
 run's engine settings), the same arrivals and the same :class:`ScaleRule`,
-on one heap of timed events. What connects them is what the stack does:
+on one heap of timed events (``simclock.py``). What connects them is what the stack does:
 
 * the processor looks the pool's name up every ``dns_refresh_s`` and
   scrapes each member every ``scrape_interval_s`` (the config's);
@@ -24,14 +24,11 @@ they add tens of milliseconds and, on a loaded machine, more).
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import math
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from extproc.adapters.config import load_config
 from extproc.adapters.wiring import build_pool
@@ -41,6 +38,7 @@ from extproc.core.release.answer import Answer
 from extproc.core.values.engine_load import EngineLoad
 from extproc.tools.autoscale import MODEL, TENANTS, Engine, Result, Run, ScaleRule, Settings, arrivals, write_config
 from extproc.tools.sim.engine import Scheduler, SimRequest, SimSettings
+from extproc.tools.simclock import EventHeap
 
 # From a release to the engine (Envoy and the API server), and from the last token to the stream's end.
 LAG_S = 0.06
@@ -70,32 +68,15 @@ class _Request:
     done: bool = False
 
 
-@dataclass(order=True)
-class _Event:
-    at: float
-    seq: int
-    run: Callable[[], None] = field(compare=False)
-
-
-class _Timer:
-    def __init__(self) -> None:
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class DaySim:
-    """The day on one event heap (see the module docstring)."""
+class DaySim(EventHeap):
+    """The day on one event heap (see the module docstring); its timers are the dispatcher's."""
 
     def __init__(self, settings: Settings, workdir: Path) -> None:
+        super().__init__()
         config = load_config(write_config(workdir, settings))
         model = config.models[0]
         self.settings = settings
         self.run = Run(settings, objective_s=config.bands[0].ttft_objective_s or math.nan)
-        self.now = 0.0
-        self._heap: list[_Event] = []
-        self._seq = itertools.count()
         self._scrape_s = model.advanced.scrape_interval_s
         self._bands = config.band_names
         self.dispatcher = ModelDispatcher(
@@ -112,34 +93,17 @@ class DaySim:
         self._released: dict[int, _Request] = {}
         self._to_come = 0
 
-    # --- the dispatcher's timers on the heap ----------------------------------------------------------
-
-    def at(self, deadline: float, callback: Callable[[], None]) -> _Timer:
-        timer = _Timer()
-        self._at(deadline, lambda: None if timer.cancelled else callback())
-        return timer
-
-    def future(self) -> asyncio.Future[Any]:
-        return asyncio.get_running_loop().create_future()
-
-    def _at(self, at: float, run: Callable[[], None]) -> None:
-        heapq.heappush(self._heap, _Event(at, next(self._seq), run))
-
     # --- the run ----------------------------------------------------------------------------------------
 
     def simulate(self) -> Run:
         for at, key, band in arrivals(self.settings):
-            self._at(at, lambda a=at, k=key, b=band: self._arrive(a, k, b))  # type: ignore[misc]
+            self.call_at(at, lambda a=at, k=key, b=band: self._arrive(a, k, b))  # type: ignore[misc]
             self._to_come += 1
-        self._at(0.0, self._lookup)
-        self._at(self.settings.sync_s, self._sync)
+        self.call_at(0.0, self._lookup)
+        self.call_at(self.settings.sync_s, self._sync)
         deadline = math.inf
-        while self._heap:
-            event = heapq.heappop(self._heap)
-            if event.at > deadline:
-                break
-            self.now = event.at
-            event.run()
+        while (due := self.next_at()) is not None and due <= deadline:
+            self.run_next()
             self._notice()
             if deadline == math.inf and not self._to_come and not self._queued and not self._released:
                 # The day is over: the autoscaler lets the engines go as it would, down to zero.
@@ -182,7 +146,7 @@ class DaySim:
             return
         sim = SimRequest(prompt_tokens=PROMPT_TOKENS, max_tokens=self.settings.tokens, arrival=self.now)
         self._released[id(sim)] = request
-        self._at(self.now + LAG_S, lambda: self._reach(pod, sim, request))
+        self.call_at(self.now + LAG_S, lambda: self._reach(pod, sim, request))
 
     def _reach(self, pod: _Pod, sim: SimRequest, request: _Request) -> None:
         pod.inbox.append((sim, request))
@@ -200,7 +164,7 @@ class DaySim:
             return
         step = pod.scheduler.schedule(self.now)
         pod.step_end = self.now + step.duration
-        self._at(pod.step_end, lambda: self._complete(pod))
+        self.call_at(pod.step_end, lambda: self._complete(pod))
 
     def _complete(self, pod: _Pod) -> None:
         for token in pod.scheduler.complete(self.now):
@@ -209,7 +173,7 @@ class DaySim:
                 request.first_token_at = self.now
                 self.dispatcher.record_response(request.held, Answer.SERVED)
             if token.request.finished:
-                self._at(self.now + END_LAG_S, lambda s=token.request, r=request: self._end(s, r))  # type: ignore[misc]
+                self.call_at(self.now + END_LAG_S, lambda s=token.request, r=request: self._end(s, r))  # type: ignore[misc]
         pod.step_end = None
         self._step(pod)
 
@@ -229,7 +193,7 @@ class DaySim:
                         if p.record.ready and p.record.stopped is None and not p.leaving)
         if set(members) != set(self.dispatcher.endpoints):
             self.dispatcher.set_endpoints(members)
-        self._at(self.now + self.settings.dns_refresh_s, self._lookup)
+        self.call_at(self.now + self.settings.dns_refresh_s, self._lookup)
 
     def _scrape(self, url: str) -> None:
         pod = self._pods[url]
@@ -239,7 +203,7 @@ class DaySim:
             s = pod.scheduler
             self.dispatcher.record_scrape(url, EngineLoad(waiting=s.shown_waiting, running=s.shown_running,
                                                           kv_usage=s.kv_usage), self.now)
-        self._at(self.now + self._scrape_s, lambda: self._scrape(url))
+        self.call_at(self.now + self._scrape_s, lambda: self._scrape(url))
 
     def _sync(self) -> None:
         value = self.dispatcher.demand().engines
@@ -249,14 +213,14 @@ class DaySim:
             self._start()
         for pod in live[target:]:  # the newest go
             pod.leaving = True
-            self._at(self.now + 2 * self.settings.dns_refresh_s, lambda p=pod: self._sigterm(p))  # type: ignore[misc]
+            self.call_at(self.now + 2 * self.settings.dns_refresh_s, lambda p=pod: self._sigterm(p))  # type: ignore[misc]
         demand = self.dispatcher.demand()
         self.run.timeline.append({
             "t": round(self.now, 1), "demand": round(value, 3), "desired": desired, "engines": len(self._live()),
             "ready": sum(p.record.ready for p in self._live()), "held": sum(demand.held),
             "in_flight": sum(demand.in_flight), **({} if demand.per_engine is None else {"capacity": demand.per_engine}),
         })
-        self._at(self.now + self.settings.sync_s, self._sync)
+        self.call_at(self.now + self.settings.sync_s, self._sync)
 
     def _start(self) -> None:
         s = self.settings
@@ -271,7 +235,7 @@ class DaySim:
             pod.record.ready = True
             self._scrape(url)
 
-        self._at(self.now + s.engine_start_s, ready)
+        self.call_at(self.now + s.engine_start_s, ready)
 
     def _sigterm(self, pod: _Pod) -> None:
         pod.sigterm = True

@@ -88,7 +88,7 @@ def _table_of(key: Key) -> str:
     return "top"
 
 
-def _inline(key: Key) -> bool:
+def inline(key: Key) -> bool:
     """A section that is always there and whose keys are rows of the same table: it needs no row of its own."""
     return key.section and isinstance(key.default, msgspec.Struct) and key.path not in SECTIONS
 
@@ -97,7 +97,7 @@ def _shown(key: Key, table: str) -> str:
     return key.path.removeprefix(SECTIONS.get(table, ""))
 
 
-def _meanings(page: str) -> dict[tuple[str, str], str]:
+def read_meanings(page: str) -> dict[tuple[str, str], str]:
     """(table, key) -> the meaning written in the page's generated tables."""
     found: dict[tuple[str, str], str] = {}
     for table in TABLES:
@@ -112,7 +112,7 @@ def _meanings(page: str) -> dict[tuple[str, str], str]:
 def table(name: str, meanings: dict[tuple[str, str], str]) -> str:
     """The generated table ``name``, markers included, with the meanings given by key."""
     rows = []
-    for key in (key for key in keys() if _table_of(key) == name and not _inline(key)):
+    for key in (key for key in keys() if _table_of(key) == name and not inline(key)):
         shown = _shown(key, name)
         cells = [f"`{shown}`", default(key), key.must_be, meanings.get((name, shown), UNWRITTEN)]
         rows.append("| " + " | ".join(cell.replace("|", "\\|") if i < 3 else cell for i, cell in enumerate(cells)) + " |")
@@ -128,7 +128,7 @@ def _block(page: str, name: str) -> str:
 
 def rewrite(page: str) -> str:
     """``page`` with every generated table written again from the schema, its meanings kept."""
-    meanings = _meanings(page)
+    meanings = read_meanings(page)
     for name in TABLES:
         head, rest = page.split(BEGIN.format(name=name), 1)
         tail = rest.split(END.format(name=name), 1)[1]
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         PAGE.write_text(rewrite(page), encoding="utf-8")
     else:
-        meanings = _meanings(page)
+        meanings = read_meanings(page)
         print("\n\n".join(table(name, meanings) for name in TABLES))
     return 0
 

@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.adapters.config import ConfigError, parse_config
+from extproc.adapters.telemetry import Telemetry
 from extproc.core.cost import DEFAULT_CONTEXT_TOKENS, CostModel, CostWeights, DecodeRate, Estimate
 from extproc.core.dispatcher import Held
 from extproc.core.policies import POLICIES, BandPolicy, Policy
@@ -175,7 +176,8 @@ def with_limits(**fields: Any) -> pb.ProcessingRequest:
     ],
 )
 async def test_an_invalid_output_limit_is_a_400_naming_the_field(fields: dict[str, Any], param: str, shown: str) -> None:
-    processor, dispatcher = make_processor()
+    telemetry = Telemetry()
+    processor, dispatcher = make_processor(telemetry)
     answer = await Stream(processor, with_limits(**fields)).answers.get()
     reply = answer.immediate_response
     assert reply.status.code == 400
@@ -185,7 +187,7 @@ async def test_an_invalid_output_limit_is_a_400_naming_the_field(fields: dict[st
     assert any(h.header.key == "x-extproc-reason" and h.header.raw_value == b"invalid_max_tokens"
                for h in reply.headers.set_headers)
     assert dispatcher.queued == 0 and dispatcher.in_flight == 0
-    rejected = [s for m in processor._telemetry.registry.collect() for s in m.samples
+    rejected = [s for m in telemetry.registry.collect() for s in m.samples
                 if m.name == "extproc_rejected" and s.name.endswith("_total")]
     assert [(s.labels["model"], s.labels["reason"], s.value) for s in rejected] == [("m", "invalid_max_tokens", 1.0)]
 

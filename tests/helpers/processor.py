@@ -1,5 +1,5 @@
 """What other test modules share of test_processor.py's: CONFIG, Stream, headers_message, make_processor, settle
-(written for its tests).
+(written for its tests), and LateLoop, a loop lag to give a processor.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc.adapters.config import parse_config
+from extproc.adapters.ext_proc.loop_lag import LoopLag
 from extproc.adapters.ext_proc.servicer import Processor
 from extproc.adapters.runtime import ModelRuntime
 from extproc.adapters.telemetry import Telemetry
@@ -22,8 +23,9 @@ CONFIG = parse_config(
 )
 
 
-def make_processor() -> tuple[Processor, ModelDispatcher]:
-    telemetry = Telemetry()
+def make_processor(telemetry: Telemetry | None = None) -> tuple[Processor, ModelDispatcher]:
+    """The processor of CONFIG and its one model's dispatcher; ``telemetry`` given: its metrics are read there."""
+    telemetry = telemetry or Telemetry()
     runtime = ModelRuntime(CONFIG, CONFIG.models[0], telemetry)
     return Processor(CONFIG, {"m": runtime}, telemetry), runtime.dispatcher
 
@@ -74,3 +76,18 @@ class Stream:
 async def settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
+
+
+class LateLoop(LoopLag):
+    """A loop that runs ``lag_s`` late, as under a burst, and has for ``late_for_s`` (0: one stall, now over)."""
+
+    def __init__(self, lag_s: float, late_for_s: float = 0.0) -> None:
+        super().__init__()
+        self.lag_s = lag_s
+        self.late_for_s = late_for_s
+
+    def seconds(self, now: float) -> float:
+        return self.lag_s
+
+    def late_for(self, now: float) -> float:
+        return self.late_for_s

@@ -7,7 +7,7 @@ Envoy sends each request where the processor picked (``endpoint_picking``),
 as it cannot resolve the file's names itself.
 
 * Up from zero: requests held while the name has no address are all served
-  once an engine appears, the first within a second of its readiness.
+  once an engine appears, the first within a tenth of their hold of its readiness.
 * Down and out: an engine leaving a loaded pool takes nothing new, finishes
   what it runs, and comes back; no request fails, and neither engine's own
   queue passes its target.
@@ -52,7 +52,7 @@ async def timed(session: aiohttp.ClientSession, url: str, key: str, max_tokens: 
     return outcome, started + outcome.ttft_s if outcome.ttft_s is not None else float("inf")
 
 
-async def test_requests_held_with_no_engine_are_all_served_the_first_within_a_second_of_one_being_ready(
+async def test_requests_held_with_no_engine_are_all_served_the_first_at_once_when_one_is_ready(
     tmp_path: Path,
 ) -> None:
     """No engine, 50 requests from 5 tenants, an engine 10 s later. The class's wait (3 s) is far shorter than
@@ -80,7 +80,9 @@ async def test_requests_held_with_no_engine_are_all_served_the_first_within_a_se
         page = await read_metrics(stack.metrics_url)
     assert [o.status for o, _ in results] == [200] * 50, [o.error for o, _ in results if o.status != 200]
     first = min(at for _, at in results)
-    assert first - ready < 1.0, f"the first token came {first - ready:.2f} s after the engine was ready"
+    # At once, against the hold they came through (10 s and more, while no engine was there): a tenth of it at most.
+    assert first - ready < 0.1 * (ready - sent), (
+        f"the first token came {first - ready:.2f} s after the engine was ready, {ready - sent:.2f} s after the requests")
     assert metric(page, "extproc_rejected_total", model="m1", reason="queue_timeout") == 0
     assert metric(page, "extproc_released_total", model="m1") == 50
 

@@ -232,7 +232,9 @@ async def test_a_chat_at_risk_preempts_a_batch_line_which_runs_again_and_complet
         async with aiohttp.ClientSession() as session:
             outcome = await chat(session, stack.envoy_url, "alice", "m1", api_key=TENANT_KEYS["alice"],
                                  max_tokens=4, extra_headers={"x-priority": "interactive"})
-        assert outcome.status == 200 and outcome.ttft_s is not None and outcome.ttft_s < 1.0, outcome
+        assert outcome.status == 200 and outcome.ttft_s is not None, outcome
+        # It went ahead of the lines (3 s of steps each): answered before either running line ended.
+        assert await completed_count(sdk, batch_id) == 0, outcome
         batch = await wait_final(sdk, batch_id)
         assert batch.status == "completed" and batch.request_counts is not None
         assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 0)

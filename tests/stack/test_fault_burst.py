@@ -23,7 +23,7 @@ from extproc.adapters.ext_proc.loop_lag import LoopLag
 from extproc.core.values.outcomes import Refusal
 from extproc.tools.burst import BurstReport, bucket_shed, burst_and_hold, holding_config
 from extproc.tools.stack import start_stack
-from tests.helpers.processor import Stream, headers_message, make_processor
+from tests.helpers.processor import LateLoop, Stream, headers_message, make_processor
 from tests.waitutil import eventually
 
 SIM = ["--max-num-seqs", "1"]
@@ -132,25 +132,10 @@ class _Counted(LoopLag):
         super().record(fired_at, late_s)
 
 
-class _Late(LoopLag):
-    """A loop that runs this late, as under a burst, and has for ``late_for_s`` (0: one stall, now over)."""
-
-    def __init__(self, lag_s: float, late_for_s: float = 0.0) -> None:
-        super().__init__()
-        self._lag_s = lag_s
-        self._late_for_s = late_for_s
-
-    def seconds(self, now: float) -> float:
-        return self._lag_s
-
-    def late_for(self, now: float) -> float:
-        return self._late_for_s
-
-
 @pytest.mark.unit
 async def test_late_for_long_a_new_stream_is_shed_as_json_overloaded_and_never_queued() -> None:
     processor, dispatcher = make_processor()
-    processor.lag = _Late(10.0, late_for_s=10.0)
+    processor.lag = LateLoop(10.0, late_for_s=10.0)
     answer = (await Stream(processor, headers_message()).answers.get()).immediate_response
     headers = {h.header.key: h.header.raw_value.decode() for h in answer.headers.set_headers}
     assert answer.status.code == 503 and headers["x-extproc-reason"] == Refusal.OVERLOADED.value
@@ -162,7 +147,7 @@ async def test_late_for_long_a_new_stream_is_shed_as_json_overloaded_and_never_q
 async def test_far_behind_once_a_new_stream_is_acknowledged_and_decided_not_shed() -> None:
     """One stall, however long, is over once measured: the acknowledgement costs no more than a refusal."""
     processor, dispatcher = make_processor()
-    processor.lag = _Late(10.0)
+    processor.lag = LateLoop(10.0)
     stream = Stream(processor, headers_message())
     assert (await stream.answers.get()).HasField("override_message_timeout")
     assert (await stream.answers.get()).HasField("request_headers")  # released (fallback limit 1)
@@ -173,7 +158,7 @@ async def test_far_behind_once_a_new_stream_is_acknowledged_and_decided_not_shed
 @pytest.mark.unit
 async def test_somewhat_behind_a_stream_is_acknowledged_before_it_is_decided() -> None:
     processor, dispatcher = make_processor()
-    processor.lag = _Late(0.2)
+    processor.lag = LateLoop(0.2)
     first = Stream(processor, headers_message())
     assert (await first.answers.get()).HasField("override_message_timeout")  # before admission
     assert (await first.answers.get()).HasField("request_headers")  # then released (fallback limit 1)

@@ -19,11 +19,11 @@ def test_the_pages_tables_are_what_the_schema_generates() -> None:
 
 def test_every_key_of_the_schema_has_a_row_with_a_meaning() -> None:
     page = config_reference.PAGE.read_text(encoding="utf-8")
-    tables = "\n".join(config_reference.table(name, config_reference._meanings(page))
+    tables = "\n".join(config_reference.table(name, config_reference.read_meanings(page))
                        for name in config_reference.TABLES)
     assert config_reference.UNWRITTEN not in tables, "a key's meaning is still to be written in docs/configuration.md"
     rows = [line for line in tables.splitlines() if line.startswith("| `")]
-    shown = [key for key in keys() if not config_reference._inline(key)]
+    shown = [key for key in keys() if not config_reference.inline(key)]
     assert len(rows) == len(shown)
 
 

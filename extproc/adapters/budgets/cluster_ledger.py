@@ -167,6 +167,11 @@ class ClusterBudgets:
         self._corrections: set[asyncio.Task[None]] = set()
         self._lost = False  # the last correction did not reach Redis (warned once until one does)
 
+    @property
+    def corrections_in_flight(self) -> int:
+        """Corrections sent to Redis and not answered yet: a Redis that falls behind shows here first."""
+        return len(self._corrections)
+
     async def _call(self, payload: dict[str, Any]) -> Any:
         async with asyncio.timeout(self.timeout_s):
             reply = await self._script(keys=[self.prefix], args=[json.dumps(payload)])

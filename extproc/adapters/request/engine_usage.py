@@ -53,6 +53,11 @@ class UsageReader:
         self._pending = b""
         self.reported: Reported | None = None
 
+    @property
+    def kept(self) -> int:
+        """Bytes of the body kept for the next chunk: a held response's memory here, bounded whatever the body."""
+        return len(self._pending)
+
     def feed(self, chunk: bytes) -> None:
         """The next chunk of the body."""
         data = self._pending + chunk if self._pending else chunk

@@ -80,6 +80,12 @@ class VirtualTokenCounter(TenantQueues[Item]):
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, self._floor)
 
+    @property
+    def remembered(self) -> int:
+        """The tenants the band keeps state for, backlogged or idle above the floor: its memory, which the sweep
+        bounds by the active tenants however many come and go."""
+        return len(self._counters)
+
     def push(self, tenant: str, item: Item) -> None:
         queue = self._queues.get(tenant)
         if queue is None:
@@ -159,6 +165,11 @@ class LargestCharge(VirtualTokenCounter[Item]):
     def largest(self, tenant: str) -> float:
         """The largest weighted charge of ``tenant`` (0 before its first)."""
         return self._largest.get(tenant, 0.0)
+
+    @property
+    def remembered(self) -> int:
+        """As ``vtc``'s, counting too a tenant whose largest charge outlived its counter (the sweep takes both)."""
+        return len(self._counters.keys() | self._largest.keys())
 
     def charge(self, tenant: str, cost: float) -> None:
         self._largest[tenant] = max(self.largest(tenant), self._add(tenant, cost))

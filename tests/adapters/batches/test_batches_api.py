@@ -103,6 +103,9 @@ class Served:
         await self._gateway.setup()
         await web.TCPSite(self._gateway, "127.0.0.1", self.gateway_port).start()
 
+    async def stop_gateway(self) -> None:
+        await self._gateway.cleanup()
+
     async def start(self) -> None:
         self.registry = CollectorRegistry()
         self.service = BatchService(lambda: self.config, self.registry, TenantLabels(["bob"]), clock=self.clock)
@@ -130,7 +133,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
     yield served
     served.gateway.release.set()
     await served.stop()
-    await served._gateway.cleanup()
+    await served.stop_gateway()
 
 
 def chat_lines(count: int, prefix: str = "r") -> bytes:

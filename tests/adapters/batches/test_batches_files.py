@@ -159,7 +159,9 @@ def test_an_unreachable_store_is_unavailable_soon_for_every_call(s3_server: S3Se
         cut.write(b"{}\n")
         with pytest.raises(FilesUnavailable):
             cut.commit()
-        assert time.monotonic() - began < 10
+        # Refused connections, never a wait on an answer: the four calls together end before one read timeout of
+        # the store's could (the bound s3.py promises per attempt), however slow the machine.
+        assert time.monotonic() - began < s3.READ_TIMEOUT_S
     finally:
         s3_server.start()  # back, on the same port (the module's other tests use it): what was committed is there
     assert read(store, "file-g") == b"{}\n"

@@ -33,6 +33,7 @@ from extproc.tools.power_user import chat
 from extproc.tools.stack import start_stack
 from tests.redisutil import RedisServer
 from tests.stackutil import TENANT_KEYS, metric, poll, read_metrics, write_stack_config
+from tests.waitutil import TIMEOUT_S, eventually
 
 pytestmark = pytest.mark.integration
 
@@ -86,8 +87,8 @@ async def test_two_instances_enforce_one_limit_and_a_cancel_gives_back_to_both(r
 
 
 async def _corrections(shared: ClusterBudgets) -> None:
-    for task in list(shared._corrections):
-        await task
+    """Until every correction sent so far has had Redis's answer (or failed)."""
+    await eventually(lambda: shared.corrections_in_flight == 0, what="the corrections answered")
 
 
 async def test_with_redis_away_each_instance_enforces_its_share(redis_server: RedisServer) -> None:
@@ -152,9 +153,7 @@ async def test_each_instance_reads_the_clusters_counts_and_marks_them_stale_with
     assert [(r.used, r.reset_s) for r in a.standings()[0] if r.limit == "requests_per_minute"] == [(0.0, 0.0)]
     await redis_server.stop()
     await asyncio.sleep(1.0)
-    started = time.monotonic()
-    await a.refresh()
-    assert time.monotonic() - started < 2.0  # within the Redis timeout, not a hang
+    await asyncio.wait_for(a.refresh(), TIMEOUT_S)  # a hang bound: the read ends at the gate's Redis timeout (0.5 s)
     rows, stale = a.standings()
     assert stale and len(rows) == 3  # the last rows read, said to be stale
     assert {row["stale"] for row in a.named()} == {True}
@@ -230,17 +229,13 @@ async def test_two_instances_show_the_clusters_counts_and_usage(tmp_path: Path, 
                 async with http.get(f"{base}/status.json") as answer:
                     return list((await answer.json())["budgets"])
 
-            started = time.monotonic()
-            rows_after = await poll(status, lambda rows: all(r["stale"] for r in rows), timeout_s=10)
+            rows_after = await poll(status, lambda rows: all(r["stale"] for r in rows))  # its timeout: a hang bound
             assert rows_after and all(r["stale"] for r in rows_after), name
-            assert time.monotonic() - started < 5.0
             samples = await read_metrics(stack.metrics_urls[name])
             assert metric(samples, "extproc_budget_stale") == 1
             assert metric(samples, "extproc_budget_limit") == 0  # left out, not shown from this instance's counts
-            started = time.monotonic()
-            async with http.get(f"{base}/usage") as answer:
+            async with asyncio.timeout(TIMEOUT_S), http.get(f"{base}/usage") as answer:  # a hang bound
                 assert answer.status == 500 and "Redis" in (await answer.json())["error"]["message"]
-            assert time.monotonic() - started < 15.0
 
 
 def _bobs(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], limit: str) -> float:

@@ -150,8 +150,9 @@ async def test_usage_is_exported_by_the_metrics_port_and_the_command_and_budgets
     assert not any(dict(labels).get("name") == "u" for _, labels in samples)  # unnamed: no per-scope series
     assert samples[("extproc_budget_usage_output_tokens_total", (("model", "m"), ("tenant", "other")))] == 200
     assert samples[("extproc_budget_usage_cost_total", (("model", "m"), ("tenant", "t")))] == pytest.approx(0.001)
+    assert server.budgets is not None
     app = build_app(server.telemetry.registry, server.dispatchers, lambda: False, usage=server.usage,
-                    budgets=server._budget_standings)
+                    budgets=server.budgets.standings)
     async with TestClient(TestServer(app)) as client:
         answer = await client.get("/usage", params={"since": today, "format": "csv", "per": "month"})
         assert answer.status == 200 and answer.content_type == "text/csv"

@@ -70,8 +70,8 @@ async def cluster(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[Cluste
     try:
         yield connection, connection.seats["m"], script
     finally:
-        await connection.client.aclose()
-        await connection._subscriber.aclose()
+        script.link, script.answers = None, script.trips + len(connection.links)  # the stop's leave: answered
+        await connection.stop()  # closes both of its Redis clients
 
 
 async def ended(task: asyncio.Task[Any]) -> None:

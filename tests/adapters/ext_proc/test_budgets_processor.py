@@ -40,8 +40,8 @@ def make(budgets: dict[str, object], max_in_flight: int = 4) -> tuple[Processor,
     dispatcher = runtime.dispatcher
     processor = Processor(config, {"m": runtime}, telemetry)
     now = [NOON]
-    assert processor.budgets is not None
-    processor.budgets._clock = lambda: now[0]
+    assert processor.budgets is not None and config.budgets is not None
+    processor.budgets = BudgetGate(config.budgets, len(config.bands) - 1, clock=lambda: now[0])  # the same, on our clock
     return processor, dispatcher, now
 
 

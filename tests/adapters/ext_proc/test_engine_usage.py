@@ -81,4 +81,4 @@ def test_a_long_text_after_a_broken_usage_key_is_not_kept() -> None:
     reader.feed(b'{"usage": {"prompt_tokens": 1, ')
     for _ in range(100):
         reader.feed(b"x" * 1000)
-    assert len(reader._pending) < 10_000 and reader.reported is None
+    assert reader.kept < 10_000 and reader.reported is None

@@ -63,7 +63,8 @@ async def test_queued_client_gone_leaves_the_queue() -> None:
 
 async def test_draining_answers_the_queue_and_newcomers_once_each_and_counts_them() -> None:
     """The drain deadline (reject_all) and arrivals while draining: 503 shutting_down, each counted once."""
-    processor, dispatcher = make_processor()
+    telemetry = Telemetry()
+    processor, dispatcher = make_processor(telemetry)
     running = Stream(processor, headers_message())
     assert (await running.answers.get()).HasField("request_headers")
     queued = [Stream(processor, headers_message(tenant=f"t{i}")) for i in range(2)]
@@ -79,7 +80,7 @@ async def test_draining_answers_the_queue_and_newcomers_once_each_and_counts_the
         assert stream.answers.empty()
     # The running response is untouched: it ends when its stream does.
     assert running.answers.empty() and dispatcher.in_flight == 1 and dispatcher.queued == 0
-    rejected = {s.labels["tenant"]: s.value for m in processor._telemetry.registry.collect() for s in m.samples
+    rejected = {s.labels["tenant"]: s.value for m in telemetry.registry.collect() for s in m.samples
                 if s.name == "extproc_rejected_total" and s.labels["reason"] == "shutting_down" and s.value}
     # The two queued ones by their (unnamed: "other") tenant, the newcomer before its tenant counted.
     assert rejected == {"other": 2, "(none)": 1}
@@ -96,13 +97,14 @@ async def test_draining_answers_the_queue_and_newcomers_once_each_and_counts_the
     ],
 )
 async def test_rejections_are_immediate_json_answers(message: pb.ProcessingRequest, status: int, code: str) -> None:
-    processor, dispatcher = make_processor()
+    telemetry = Telemetry()
+    processor, dispatcher = make_processor(telemetry)
     stream = Stream(processor, message)
     answer = await stream.answers.get()
     assert answer.immediate_response.status.code == status
     assert f'"code": "{code}"'.encode() in answer.immediate_response.body
     assert dispatcher.queued == 0 and dispatcher.in_flight == 0
-    samples = {s.labels["model"] for m in processor._telemetry.registry.collect() for s in m.samples
+    samples = {s.labels["model"] for m in telemetry.registry.collect() for s in m.samples
                if m.name == "extproc_rejected"}
     assert samples == {"(unknown)"}  # neither "other" nor "" became a label value
 

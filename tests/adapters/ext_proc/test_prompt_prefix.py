@@ -26,7 +26,7 @@ from extproc.core.prefix import NO_PREFIX, Prefix
 from extproc.core.values.outcomes import Refused
 from extproc.tools.procs import free_port
 from tests.helpers.epp_stream import BUFFERED, DUPLEX, first_message
-from tests.helpers.processor import Stream, settle
+from tests.helpers.processor import LateLoop, Stream, settle
 from tests.helpers.prompt_prefix import BODY, CHAT, SYSTEM, body_message, headers_message, make
 
 pytestmark = pytest.mark.unit
@@ -201,7 +201,7 @@ async def test_a_queued_request_with_signatures_is_held_on_its_body_message() ->
 
 async def test_a_late_loop_acknowledges_the_body_message_too() -> None:
     processor, _, _ = make(prefix={}, gate="static_concurrency", max_in_flight=1)
-    processor.lag._measured = 0.2  # the loop runs late (not yet for long: no shedding)
+    processor.lag = LateLoop(0.2)  # the loop runs late (not yet for long: no shedding)
     occupying = Stream(processor, headers_message(BODY))
     assert (await occupying.answers.get()).HasField("override_message_timeout")  # the headers' acknowledgement
     assert (await occupying.answers.get()).mode_override.request_body_mode == BUFFERED

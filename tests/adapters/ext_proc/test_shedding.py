@@ -21,7 +21,7 @@ from extproc.adapters.ext_proc.shedding import ARRIVING_SHARE, SUSTAINED_SHARE, 
 from extproc.adapters.runtime import build_runtimes
 from extproc.adapters.telemetry import Telemetry
 from extproc.adapters.telemetry.model import DECISIONS
-from tests.helpers.processor import Stream, headers_message
+from tests.helpers.processor import LateLoop, Stream, headers_message
 
 pytestmark = pytest.mark.unit
 
@@ -160,18 +160,6 @@ def test_an_arrival_is_shed_exactly_when_overloaded_and_no_lower_class_is_presen
 
 # The servicer: a class is decided before any reply under sustained overload, and counted.
 
-class _Late(LoopLag):
-    def __init__(self, lag_s: float, late_for_s: float) -> None:
-        super().__init__()
-        self._lag_s, self._late_for_s = lag_s, late_for_s
-
-    def seconds(self, now: float) -> float:
-        return self._lag_s
-
-    def late_for(self, now: float) -> float:
-        return self._late_for_s
-
-
 def make(doc: dict[str, Any] | None = None) -> tuple[Processor, Telemetry]:
     config = parse_config(doc or {
         "models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "gate": "static_rate", "release_rate": 0.001}],
@@ -203,7 +191,7 @@ async def test_overloaded_batch_is_shed_and_interactive_acknowledged_and_admitte
     assert (await queued.answers.get()).HasField("override_message_timeout")
     assert dispatcher.queued_in(2) == 1
 
-    processor.lag = _Late(1.2, late_for_s=5.0)
+    processor.lag = LateLoop(1.2, late_for_s=5.0)
     shed = Stream(processor, headers_message(priority="batch"))
     answer = await shed.answers.get()
     assert answer.immediate_response.status.code == 503, answer  # one reply: no acknowledgement before it
@@ -226,7 +214,7 @@ async def test_overloaded_batch_is_shed_and_interactive_acknowledged_and_admitte
 async def test_a_shed_request_names_its_class_in_the_decision_log(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.DEBUG, logger=DECISIONS.name):
         processor, _ = make()  # the decision log is read once, as the dispatchers are built
-        processor.lag = _Late(1.2, late_for_s=5.0)
+        processor.lag = LateLoop(1.2, late_for_s=5.0)
         stream = Stream(processor, headers_message(priority="batch"))
         assert (await stream.answers.get()).HasField("immediate_response")
     [line] = [r for r in caplog.records if r.name == DECISIONS.name]
@@ -238,7 +226,7 @@ async def test_a_downgraded_request_is_shed_by_the_class_it_is_granted() -> None
         "models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"], "gate": "static_rate", "release_rate": 0.001}],
         "tenants": {"alice": {"priorities": ["batch"], "default_priority": "batch"}},
     })
-    processor.lag = _Late(1.2, late_for_s=5.0)
+    processor.lag = LateLoop(1.2, late_for_s=5.0)
     processor.shedding.arrived(1, asyncio.get_running_loop().time(), overloaded=False)  # standard is arriving too
     stream = Stream(processor, headers_message(tenant="alice", priority="interactive"))  # granted batch
     assert (await stream.answers.get()).immediate_response.status.code == 503
@@ -255,7 +243,7 @@ def _epp_first(priority: str | None) -> pb.ProcessingRequest:
 
 async def test_attached_by_ext_proc_alone_the_body_priority_is_read_before_the_class_is_decided() -> None:
     processor, _ = make()
-    processor.lag = _Late(1.2, late_for_s=5.0)
+    processor.lag = LateLoop(1.2, late_for_s=5.0)
     processor.shedding.arrived(2, asyncio.get_running_loop().time(), overloaded=False)  # batch is arriving
     for priority, shed in (("interactive", False), ("batch", True)):
         stream = Stream(processor, _epp_first(priority))

@@ -272,7 +272,7 @@ def feed(pieces: list[bytes]) -> Run:
             run.their_goaway += [o for o in their_out if o[0] == "goaway"]
         if run.our_error is not None and run.their_error is not None:
             break
-    run.pending = len(us._in) >= f.HEADER_SIZE
+    run.pending = us.unparsed >= f.HEADER_SIZE
     return run
 
 

@@ -223,9 +223,8 @@ async def test_a_peer_that_does_not_read_is_not_read_from(warnings: pytest.LogCa
             if not peer.ask():
                 break
             await asyncio.sleep(0.01)
-        await eventually(lambda: conn._paused != 0, what="reading paused")
-        assert conn._transport is not None
-        assert conn._transport.get_write_buffer_size() + conn._waiting <= 8 * 1024 * 1024
+        await eventually(lambda: conn.reading_paused, what="reading paused")
+        assert conn.unread_bytes + conn.waiting_bytes <= 8 * 1024 * 1024
         assert conn in served.server.connections and await _echoes(await served.connect())
         peer.sock.close()
 
@@ -253,9 +252,9 @@ async def test_a_peer_that_opens_no_window_gets_no_new_stream_past_the_output_bu
         await eventually(lambda: len(served.server.connections) == 1)
         (conn,) = served.server.connections
         peer.ask()
-        await eventually(lambda: conn._waiting > 0, what="a reply waiting")
+        await eventually(lambda: conn.waiting_bytes > 0, what="a reply waiting")
         peer.ask()  # 1.6 MB waiting
-        await eventually(lambda: conn._waiting > 1024 * 1024, what="two replies waiting")
+        await eventually(lambda: conn.waiting_bytes > 1024 * 1024, what="two replies waiting")
         assert conn in served.server.connections
         peer.ask()
         await eventually(lambda: not served.server.connections, what="the connection ended")

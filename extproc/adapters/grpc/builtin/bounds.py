@@ -90,6 +90,30 @@ class Bounded(asyncio.Protocol):
         self._premature = 0  # calls the peer reset before their handler took a message, soon after opening
         self._waiting = 0  # reply bytes waiting on the peer's windows (or on our output): Connection's _park
         self._cycle_work = -1  # max_frames_per_read spent in this loop cycle's reads; -1: none yet
+        self.writes = 0  # socket writes made: a loop cycle's replies, of every stream, leave in one
+
+    # -- the connection's state, read-only: what an operator looks at to see a peer that does not keep up --------
+
+    @property
+    def reading_paused(self) -> bool:
+        """Whether reading from the peer is paused: it left our output unread, or a read waits for the next cycle."""
+        return self._paused != 0
+
+    @property
+    def unread_bytes(self) -> int:
+        """Bytes written to the socket that the peer has not taken yet (0 once the connection is lost)."""
+        return 0 if self._transport is None else self._transport.get_write_buffer_size()
+
+    @property
+    def waiting_bytes(self) -> int:
+        """Reply bytes waiting on the peer's windows (or on our output); with ``unread_bytes``, within
+        ``max_output_buffer_bytes``."""
+        return self._waiting
+
+    @property
+    def open_streams(self) -> int:
+        """Streams the HTTP/2 layer keeps state for: the open ones (a stream's state goes once it closes)."""
+        return len(self._h2.streams)
 
     def pause_writing(self) -> None:
         """The peer has not taken output_buffer_bytes of ours: read nothing more from it until it does."""
@@ -177,6 +201,7 @@ class Bounded(asyncio.Protocol):
         data = self._h2.data_to_send()
         if data:
             transport.write(data)
+            self.writes += 1
         if transport.get_write_buffer_size():
             transport.abort()
         else:

@@ -460,6 +460,7 @@ class Connection(Bounded):
         self._queued = 0
         if data:
             transport.write(data)
+            self.writes += 1
             self._output_check(len(data))
         if self._parked and not self._paused & OUTPUT:  # taken: the replies that waited on this write go on
             self._parked = False

@@ -246,6 +246,11 @@ class Http2Connection(FloodCounts, ClosedStreams):
         self.more_input = self.work > budget and len(self._in) >= f.HEADER_SIZE
         return events
 
+    @property
+    def unparsed(self) -> int:
+        """Received bytes not yet made into events (part of a frame, or a cut read's rest): what a peer makes us hold."""
+        return len(self._in)
+
     def _fail(self, code: ErrorCode, message: str) -> NoReturn:
         """A connection error: GOAWAY with the last stream we took, and nothing more is read."""
         self._broken = True
