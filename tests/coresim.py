@@ -27,7 +27,7 @@ import heapq
 import itertools
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,7 @@ from extproc.core.values.engine_load import EngineLoad
 from extproc.core.values.outcomes import Refused
 from extproc.core.values.report import Event
 from extproc.tools.sim.engine import Scheduler, SimRequest, SimSettings
+from extproc.tools.sim.kvcache import block_hashes
 
 ENDPOINT = "http://engine"
 BANDS = (Band("interactive", ttft_objective_s=5.0), Band("standard", ttft_objective_s=60.0),
@@ -62,6 +63,8 @@ class Arrival:
     stream: bool = True
     # The client says it is a retry (a preempted request sent again): never preempted.
     retried: bool = False
+    # The prompt's tokens (any hashable units), hashed for an engine with prefix caching; none: nothing hits.
+    units: tuple[Hashable, ...] = ()
 
 
 @dataclass
@@ -228,8 +231,11 @@ class CoreSim:
                     request.outcome, request.ended_at = "refused", self.now
                     continue
                 request.outcome, request.released_at = "released", self.now
+                engine = self.scheduler
+                hashes = block_hashes(request.arrival.units, engine.block_size) if engine.prefix_caching else ()
                 sim = SimRequest(prompt_tokens=request.arrival.prompt_tokens, max_tokens=request.arrival.max_tokens,
-                                 arrival=self.now, priority=request.arrival.band if self.engine_priority else 0)
+                                 arrival=self.now, priority=request.arrival.band if self.engine_priority else 0,
+                                 block_hashes=hashes)
                 request.sim = sim
                 self._by_sim[sim] = request
                 self._at(self.now + self.lag_s, lambda s=sim, r=request: self._reach(s, r))  # type: ignore[misc]
