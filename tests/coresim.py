@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from extproc.core.bands import Band
@@ -41,6 +41,7 @@ from extproc.core.values.engine_load import EngineLoad
 from extproc.core.values.outcomes import Refused
 from extproc.core.values.report import Event
 from extproc.tools.sim.engine import Scheduler, SimRequest, SimSettings
+from extproc.tools.sim.kvcache import block_hashes
 from extproc.tools.simclock import EventHeap
 
 ENDPOINT = "http://engine"
@@ -59,6 +60,8 @@ class Arrival:
     stream: bool = True
     # The client says it is a retry (a preempted request sent again): never preempted.
     retried: bool = False
+    # The prompt's tokens (any hashable units), hashed for an engine with prefix caching; none: nothing hits.
+    units: tuple[Hashable, ...] = ()
 
 
 @dataclass
@@ -194,8 +197,11 @@ class CoreSim(EventHeap):
                     request.outcome, request.ended_at = "refused", self.now
                     continue
                 request.outcome, request.released_at = "released", self.now
+                engine = self.scheduler
+                hashes = block_hashes(request.arrival.units, engine.block_size) if engine.prefix_caching else ()
                 sim = SimRequest(prompt_tokens=request.arrival.prompt_tokens, max_tokens=request.arrival.max_tokens,
-                                 arrival=self.now, priority=request.arrival.band if self.engine_priority else 0)
+                                 arrival=self.now, priority=request.arrival.band if self.engine_priority else 0,
+                                 block_hashes=hashes)
                 request.sim = sim
                 self._by_sim[sim] = request
                 self.call_at(self.now + self.lag_s, lambda s=sim, r=request: self._reach(s, r))  # type: ignore[misc]

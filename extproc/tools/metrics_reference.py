@@ -36,6 +36,7 @@ _OTHERS = (
      "[budgets.md](../budgets.md#usage-and-metrics)."),
     ("`extproc_batch_*`, `extproc_batches`", "counter, gauge", "tenant, outcome (tenant, reason; tenant; status)",
      "With a `batches:` section: batch lines with an outcome (`_lines_total`), sent again (`_line_retries_total`), "
+     "long lines' continuations (`_line_chunks_total`), "
      "in flight and still to run (`_lines_in_flight`, `_lines_pending`), batches by status: "
      "[batches.md](../batches.md#seen-from-outside)."),
 )

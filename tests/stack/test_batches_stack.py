@@ -23,6 +23,7 @@ import pytest
 
 from extproc.tools.power_user import chat
 from extproc.tools.procs import free_port
+from extproc.tools.sim.server import estimate_tokens
 from extproc.tools.stack import Stack, start_stack
 from tests import batchutil
 from tests.batchutil import chat_line, completed_count, entries, jsonl, wait_final
@@ -47,7 +48,9 @@ def batch_config(tmp_path: Path, **batches: Any) -> Path:
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
     serve_args = ["--log-format", "json", "--log-level", "debug"]  # the decision log, read by the workflow test
-    async with await start_stack(batch_config(tmp_path), tmp_path, sim_args=FAST_SIM, serve_args=serve_args) as running:
+    # chunk_tokens: the lines of 8 tokens below are sent whole; the long lines of the chunk test in chunks.
+    path = batch_config(tmp_path, chunk_tokens=16)
+    async with await start_stack(path, tmp_path, sim_args=FAST_SIM, serve_args=serve_args) as running:
         yield running
 
 
@@ -89,6 +92,38 @@ async def test_the_sdk_workflow_end_to_end(stack: Stack) -> None:
     released = [d for d in logged if d["logger"] == "extproc.decisions" and d.get("outcome") == "released"]
     assert sorted(d["batch_line"] for d in released) == sorted(f"{batch.id}/{i}" for i in range(30))
     assert {(d["tenant"], d["class"]) for d in released} == {("bob", "batch")}
+
+
+async def test_a_long_line_runs_in_chunks_through_the_queue_and_is_recorded_as_one_answer(stack: Stack) -> None:
+    """40 tokens at chunk_tokens 16: three requests (16, 16, 8), each released through the fair queue."""
+    completion = {"custom_id": "long", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "m1", "prompt": "say long", "max_tokens": 40}}
+    before = await read_metrics(f"{stack.sim_url('m1')}/metrics")
+    async with client(stack, "bob") as sdk:
+        answers = {}
+        for endpoint, line in (("/v1/chat/completions", chat_line("long", max_tokens=40)), ("/v1/completions", completion)):
+            uploaded = await sdk.files.create(file=("in.jsonl", jsonl([line])), purpose="batch")
+            done = await wait_final(sdk, (await sdk.batches.create(input_file_id=uploaded.id, endpoint=endpoint,  # type: ignore[arg-type]
+                                                                   completion_window="24h")).id)
+            assert done.status == "completed" and done.usage is not None, done
+            assert (done.usage.input_tokens, done.usage.output_tokens) == (estimate_tokens("say long"), 40)
+            (entry,) = await entries(sdk, done.output_file_id)
+            answers[endpoint] = entry["response"]["body"]
+    chat_answer, text_answer = answers["/v1/chat/completions"], answers["/v1/completions"]
+    for body, text in ((chat_answer, chat_answer["choices"][0]["message"]["content"]),
+                       (text_answer, text_answer["choices"][0]["text"])):
+        # One answer: every chunk's words in one text, the last chunk's finish, the usage of one request.
+        assert len(text.split()) == 40 and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"] == {"prompt_tokens": estimate_tokens("say long"), "completion_tokens": 40,
+                                 "total_tokens": estimate_tokens("say long") + 40}
+    after = await read_metrics(f"{stack.sim_url('m1')}/metrics")
+    finished = metric(after, "vllm:request_success_total") - metric(before, "vllm:request_success_total")
+    read = metric(after, "vllm:prompt_tokens_total") - metric(before, "vllm:prompt_tokens_total")
+    assert finished == 6  # three chunks a line
+    assert read > 6 * estimate_tokens("say long")  # each continuation re-read the text so far
+    samples = await read_metrics(stack.metrics_url)
+    assert metric(samples, "extproc_released_total", tenant="bob", priority="batch") == 6
+    assert metric(samples, "extproc_batch_line_chunks_total", tenant="bob") == 4
 
 
 async def test_a_tenant_sees_only_its_own_files_and_batches(stack: Stack) -> None:

@@ -36,7 +36,8 @@ Where it is served and where it runs:
 
 Modules: ``files.py`` and ``s3.py`` (the files' contents), ``lines.py`` (an
 input file read and validated, pure), ``shapes.py`` (OpenAI's objects and
-errors), ``sender.py`` (one line through the gateway), ``local_store.py`` and
+errors), ``sender.py`` (one line through the gateway), ``continuation.py`` (a long
+line as chunks, pure), ``local_store.py`` and
 ``local_runner.py`` (one instance), ``cluster_store.py`` and ``cluster_runner.py`` (a cluster),
 ``books.py`` (the API's seam over either), ``api.py``, ``metrics.py``,
 ``service.py`` (wired into ``extproc serve``).

@@ -21,6 +21,8 @@ class BatchMetrics:
         self.retries = Counter("extproc_batch_line_retries", "Batch lines sent again: the gateway's answer said a "
                                "retry helps (preempted, queue_timeout, ...) or it could not be reached (connection)",
                                ["tenant", "reason"], registry=registry)
+        self.chunks = Counter("extproc_batch_line_chunks", "Continuations sent: the chunks of long batch lines after "
+                              "each line's first (batches.chunk_tokens)", ["tenant"], registry=registry)
         self.in_flight = Gauge("extproc_batch_lines_in_flight", "Batch lines sent and not yet answered",
                                ["tenant"], registry=registry)
         self.pending = Gauge("extproc_batch_lines_pending", "Batch lines of active batches still to run",

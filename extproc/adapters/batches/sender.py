@@ -5,8 +5,11 @@ not the queue directly) as the batch's tenant, in the lowest class its
 entitlement allows. An answer the gateway marks retryable (its reason's
 Retry-After rule in ``adapters/protocol/answers.py``: ``preempted``, ``queue_timeout``,
 ...) or no answer at all is sent again after its Retry-After, never reported
-as a failure. What to do with the final answer (record it once) is the
-runner's: the single instance's SQLite store, or the cluster's Redis.
+as a failure. A line asking for more than ``batches.chunk_tokens`` tokens is
+sent as chunks, each continuing the last and each one request of its own
+through the gateway (``continuation.py``), its answer the chunks' merged.
+What to do with the final answer (record it once) is the runner's: the
+single instance's SQLite store, or the cluster's Redis.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable
 
 import aiohttp
 
+from extproc.adapters.batches.continuation import Chunks, plan
 from extproc.adapters.batches.local_store import Pending
 from extproc.adapters.batches.metrics import BatchMetrics
 from extproc.adapters.batches.shapes import Json
@@ -36,6 +40,8 @@ MIN_RETRY_S = 1.0
 MAX_RETRY_S = 60.0
 # Statuses the gateway answers when a retry helps, without a reason header (the engine's own 429).
 _RETRY_STATUSES = frozenset({429})
+# The engines whose chat template takes vLLM's continue_final_message (docs/batches.md, Long generations).
+CONTINUING_ENGINES = frozenset({"vllm"})
 
 
 def retry_after(status: int, headers: Callable[[str], str | None]) -> tuple[str, float] | None:
@@ -76,14 +82,43 @@ class Sender:
             await self._session.close()
 
     async def send(self, batch_id: str, tenant: str, endpoint: str, line: Pending) -> tuple[bool, Json]:
-        """Send ``line`` until its answer is final: (a 2xx?, its output-file entry)."""
+        """Send ``line`` until its answer is final, in chunks where it is long (continuation.py): (a 2xx?, its entry)."""
+        chunks = self._chunks(endpoint, line.body)
+        if chunks is None:
+            status, request_id, parsed = await self._final(batch_id, tenant, endpoint, line, line.body)
+        else:
+            first_id = None
+            while True:
+                status, request_id, parsed = await self._final(batch_id, tenant, endpoint, line, chunks.request())
+                first_id = first_id or request_id
+                if not (200 <= status < 300 and isinstance(parsed, dict)):
+                    break  # a final refusal or the engine's error: the line's answer, as a whole line's would be
+                if not chunks.add(parsed):
+                    parsed, request_id = chunks.answer(), first_id
+                    break
+                self._metrics.chunks.labels(tenant=self._metrics.tenant(tenant)).inc()
+                decided(batch_id, line, tenant, f"chunk:{chunks.generated}")
+        return 200 <= status < 300, {"response": {"status_code": status, "request_id": request_id, "body": parsed},
+                                     "error": None}
+
+    def _chunks(self, endpoint: str, body: bytes) -> Chunks | None:
+        """The line's chunks: with ``chunk_tokens`` set, for a model served by vLLM, whose answer they can rebuild."""
+        found = plan(endpoint, body, self._settings.chunk_tokens)
+        if found is None:
+            return None
+        model = self._current().model(str(found.body.get("model")))
+        return Chunks(found) if model is not None and model.engine in CONTINUING_ENGINES else None
+
+    async def _final(self, batch_id: str, tenant: str, endpoint: str, line: Pending,
+                     body: bytes) -> tuple[int, str | None, Json]:
+        """POST ``body`` until the answer is final: its status, request id and body (JSON, else its text)."""
         assert self._session is not None
         label = self._metrics.tenant(tenant)
         preempted = 0
         while True:
             self._metrics.in_flight.labels(tenant=label).inc()
             try:
-                async with self._session.post(f"{self._url}{endpoint}", data=line.body,
+                async with self._session.post(f"{self._url}{endpoint}", data=body,
                                               headers=self._headers(batch_id, line, tenant, preempted)) as response:
                     raw = await response.read()
                     status, answer = response.status, response.headers
@@ -106,8 +141,7 @@ class Sender:
         except ValueError:
             parsed = {"text": raw.decode("utf-8", "replace")}
         response_id = answer.get("x-request-id") or (parsed.get("id") if isinstance(parsed, dict) else None)
-        return 200 <= status < 300, {"response": {"status_code": status, "request_id": response_id, "body": parsed},
-                                     "error": None}
+        return status, response_id, parsed
 
     def _headers(self, batch_id: str, line: Pending, tenant: str, preempted: int) -> dict[str, str]:
         """The line's identity for the runner listener: the tenant, the lowest class it may use, the batch line.

@@ -15,11 +15,14 @@ from msgspec import Meta
 
 from extproc.adapters.config.instances import ClusterSettings
 from extproc.adapters.config.validate import Problems
-from extproc.adapters.config.values import Address, Count, HttpUrl, NonEmpty, Section
+from extproc.adapters.config.values import Address, Count, Count0, HttpUrl, NonEmpty, Section
 
 # A completion window as written: a whole number of seconds, minutes, hours or days ("24h").
 WINDOW = re.compile(r"([1-9][0-9]*)([smhd])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# The smallest chunk_tokens but 0 (off): each chunk is a request through the gateway and re-reads the prompt
+# and the text so far; below this the path's own cost per chunk outweighs the slot it frees.
+MIN_CHUNK_TOKENS = 16
 
 
 def window_s(window: str) -> int | None:
@@ -78,6 +81,9 @@ class BatchSettings(Section, frozen=True):
     # Lines of one batch in flight at once (queued in the fair queue or running), and over all batches.
     in_flight_per_batch: Count = 32
     max_in_flight: Count = 256
+    # A line asking for more tokens is sent as chunks of at most this many, each continuing the last, so the
+    # engine slot frees at each chunk's end (docs/batches.md, Long generations). 0: every line sent whole.
+    chunk_tokens: Count0 = 0
     # The completion windows a batch may ask for (OpenAI: 24h only).
     completion_windows: Annotated[tuple[Window, ...], Meta(min_length=1)] = ("24h",)
     # OpenAI's limits: 200 MB a file, 50,000 requests a batch.
@@ -92,6 +98,9 @@ def batch_problems(settings: BatchSettings) -> Problems:
     if settings.in_flight_per_batch > settings.max_in_flight:
         yield "in_flight_per_batch", (f"must be <= max_in_flight ({settings.max_in_flight}), "
                                       f"got {settings.in_flight_per_batch}")
+    if 0 < settings.chunk_tokens < MIN_CHUNK_TOKENS:
+        yield "chunk_tokens", (f"must be 0 (every line sent whole) or at least {MIN_CHUNK_TOKENS} (each chunk is a "
+                               f"request of its own), got {settings.chunk_tokens}")
     if settings.listen == settings.runner_listen:
         yield "runner_listen", "must differ from listen (the API and Envoy's runner listener are two ports)"
     s3 = settings.files.s3

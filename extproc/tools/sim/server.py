@@ -12,7 +12,10 @@ Request handling, also as in vLLM:
   message texts, as there is no tokenizer: the prompt's tokens are its
   successive 4-character chunks (:func:`prompt_units`), so with
   ``--prefix-caching`` prompts with the same leading text share their
-  leading KV blocks (a list of token ids is its own tokens);
+  leading KV blocks (a list of token ids is its own tokens): a completion's
+  prompt followed by its answer so far, or a chat continued with
+  ``continue_final_message`` (``add_generation_prompt: false``; both true is
+  vLLM's 400), hits the first request's prompt blocks (:func:`chat_prompt`);
 * the output is exactly ``max_completion_tokens``/``max_tokens`` tokens (else
   ``--default-max-tokens``), finish reason ``length``; ``min_tokens``, stop
   strings and sampling parameters are accepted and ignored; ``n`` must be 1;
@@ -147,7 +150,17 @@ def _message_text(message: object, index: int) -> str:
 
 
 def chat_prompt(body: dict[str, Any]) -> str:
-    """The chat prompt: the message texts, concatenated in order."""
+    """The chat prompt: the message texts, concatenated in order.
+
+    No role markers and no generation prompt (a template's header for the
+    answer) are counted, so ``add_generation_prompt`` changes nothing here;
+    ``continue_final_message`` with it is refused as vLLM's request validator
+    refuses it. A final assistant message left open to continue is thus the
+    prompt's last text: the prompt of a continuation is the first request's
+    prompt followed by the text so far, and shares its leading blocks.
+    """
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        raise _bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad_request("'messages' must be a non-empty list", "messages")

@@ -52,6 +52,7 @@ class Gateway:
     answer: Answer = lambda custom_id, attempt: completion(custom_id)
     attempts: Counter[str] = field(default_factory=Counter)
     headers: list[dict[str, str]] = field(default_factory=list)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
     most_in_flight: int = 0
     release: asyncio.Event = field(default_factory=asyncio.Event)
@@ -61,6 +62,7 @@ class Gateway:
         custom_id = body["messages"][0]["content"]
         self.attempts[custom_id] += 1
         self.headers.append(dict(request.headers))
+        self.bodies.append(body)
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
@@ -77,7 +79,9 @@ class Gateway:
 def config(tmp_path: Path, gateway_port: int, **batches: Any) -> Config:
     return parse_config({
         "priorities": ["interactive", "standard", "batch"],
-        "models": [{"name": "m1", "endpoints": ["http://127.0.0.1:1"]}],
+        # m2's engine is not vLLM: its lines are never chunked.
+        "models": [{"name": "m1", "endpoints": ["http://127.0.0.1:1"]},
+                   {"name": "m2", "endpoints": ["http://127.0.0.1:2"], "engine": "sglang"}],
         "tenants": {"bob": {"priorities": ["interactive", "standard"]}},
         "batches": {"directory": str(tmp_path / "batches"), "listen": f"127.0.0.1:{free_port()}",
                     "gateway_url": f"http://127.0.0.1:{gateway_port}", "runner_key": "k",
@@ -204,6 +208,53 @@ async def test_lines_go_as_the_tenant_in_its_lowest_class_paced_and_a_preempted_
     # The decision log marks each attempt's end of a batch line.
     decided = Counter(getattr(r, "outcome", "") for r in caplog.records if getattr(r, "batch", None) == batch.id)
     assert decided == Counter({"completed": 9, "failed:400": 1, "retry:preempted": 4})
+
+
+def chunk(text: str, tokens: int, finish: str = "length") -> web.Response:
+    return web.json_response({"id": f"chatcmpl-{text.strip()}", "object": "chat.completion",
+                              "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                           "finish_reason": finish}],
+                              "usage": {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}})
+
+
+def line(custom_id: str, max_tokens: int, model: str = "m1") -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": custom_id}], "max_tokens": max_tokens}}
+
+
+async def test_a_long_line_runs_as_chunks_a_preempted_chunk_is_sent_again_and_its_answer_is_one(
+        served: Served, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """chunk_tokens 16: a line of 40 tokens is three requests (16, 16, 8), the second preempted once and sent again."""
+    caplog.set_level(logging.DEBUG, logger="extproc.decisions")
+    await served.stop()
+    served.config = config(tmp_path, served.gateway_port, chunk_tokens=16)
+    await served.start()
+    long = {1: chunk(" a", 16), 2: refusal("preempted"), 3: chunk(" b", 16), 4: chunk(" c", 8)}
+    served.gateway.answer = lambda cid, attempt: long[attempt] if cid == "long" else chunk(f" {cid}", 8, "stop")
+    async with served.client("bob") as sdk:
+        chunked = await final(sdk, await start_batch(sdk, b"".join(
+            json.dumps(x).encode() + b"\n" for x in (line("long", 40), line("short", 8)))))
+        whole = await final(sdk, await start_batch(sdk, json.dumps(line("other", 40, "m2")).encode()))
+        out = {e["custom_id"]: e["response"] for e in await lines_of(sdk, chunked.output_file_id)}
+    assert chunked.status == whole.status == "completed"
+    assert served.gateway.attempts == Counter({"long": 4, "short": 1, "other": 1})
+    sent = [(body, headers.get("x-stainless-retry-count", "0"))
+            for body, headers in zip(served.gateway.bodies, served.gateway.headers, strict=True)
+            if body["messages"][0]["content"] == "long"]
+    assert [(body["max_tokens"], retry) for body, retry in sent] == [(16, "0"), (16, "0"), (16, "1"), (8, "0")]
+    assert sent[0][0] == line("long", 16)["body"]
+    assert sent[1][0] == sent[2][0] == {**line("long", 16)["body"], "continue_final_message": True,
+                                        "add_generation_prompt": False, "messages": [
+                                            {"role": "user", "content": "long"}, {"role": "assistant", "content": " a"}]}
+    assert sent[3][0]["messages"][-1] == {"role": "assistant", "content": " a b"}
+    assert out["long"]["request_id"] == "chatcmpl-a" and out["long"]["body"]["id"] == "chatcmpl-a"
+    assert out["long"]["body"]["choices"][0]["message"] == {"role": "assistant", "content": " a b c"}
+    assert out["long"]["body"]["usage"] == {"prompt_tokens": 5, "completion_tokens": 40, "total_tokens": 45}
+    assert out["short"]["body"]["choices"][0]["message"]["content"] == " short"
+    assert [body["max_tokens"] for body in served.gateway.bodies if body["model"] == "m2"] == [40]  # sent whole
+    assert served.sample("extproc_batch_line_chunks_total", tenant="bob") == 2
+    decided = Counter(getattr(r, "outcome", "") for r in caplog.records if getattr(r, "batch", None) == chunked.id)
+    assert decided == Counter({"completed": 2, "chunk:16": 1, "chunk:32": 1, "retry:preempted": 1})
 
 
 async def test_a_restart_mid_batch_loses_and_duplicates_no_line(served: Served) -> None:

@@ -112,6 +112,8 @@ def test_a_cluster_with_its_files_in_s3_needs_no_directory() -> None:
     ({"completion_windows": ["24 hours"]}, {}, "batches.completion_windows[0]: must be a window such as 24h"),
     ({"in_flight_per_batch": 500}, {}, "batches.in_flight_per_batch: must be <= max_in_flight (256)"),
     ({"listen": "127.0.0.1:9000", "runner_listen": "127.0.0.1:9000"}, {}, "batches.runner_listen: must differ"),
+    ({"chunk_tokens": -1}, {}, "batches.chunk_tokens: must be"),
+    ({"chunk_tokens": 8}, {}, "batches.chunk_tokens: must be 0 (every line sent whole) or at least 16"),
     ({}, {"shards": {"s": {"grpc": "127.0.0.1:9001", "metrics": "127.0.0.1:9002", "models": ["m-one", "m/two"]}}},
      "batches: cannot be used with shards:"),
     ({}, {"cluster": {"redis_url": "redis://127.0.0.1:6379/0",

@@ -393,3 +393,42 @@ async def test_the_simulator_evicts_what_real_vllm_evicts(vllm: VllmServers) -> 
         async with await start_sim(_like_the_session_vllm()) as sim:
             simulated = await _hits_per_request(http, sim.url, prompts)
     assert real == simulated == EVICTION_HITS
+
+
+FAST: dict[str, Any] = {"step_ms": 1.0, "visibility_delay_ms": 0.0, "visibility_delay_per_pending_ms": 0.0}
+
+
+@pytest.mark.unit
+async def test_a_continuation_as_vllm_takes_it_hits_the_first_requests_prompt(http: aiohttp.ClientSession) -> None:
+    """A chat's answer so far as an open final assistant message, a completion's prompt followed by its text.
+
+    The batch runner's chunks (adapters/batches/continuation.py) send these:
+    each re-reads the prompt, whose full blocks the first request cached.
+    """
+    async with await start_sim(SimSettings(model=MODEL, prefix_caching=True, **FAST)) as sim:
+        async def post(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+            async with http.post(f"{sim.url}{path}", json={"model": MODEL, "max_tokens": 8, **body}) as response:
+                return response.status, await response.json()
+
+        question = [{"role": "user", "content": LONG}]
+        status, first = await post("/v1/chat/completions", {"messages": question})
+        assert status == 200
+        text = first["choices"][0]["message"]["content"]
+        continued = [*question, {"role": "assistant", "content": text}]
+        status, refused = await post("/v1/chat/completions", {"messages": continued, "continue_final_message": True,
+                                                              "add_generation_prompt": True})
+        assert status == 400
+        assert refused["error"]["message"] == ("Cannot set both `continue_final_message` and `add_generation_prompt` "
+                                               "to True.")
+        status, second = await post("/v1/chat/completions", {"messages": continued, "continue_final_message": True,
+                                                             "add_generation_prompt": False})
+        assert status == 200 and second["usage"]["prompt_tokens"] == len(prompt_units(LONG + text))
+        chat_hit = len(LONG) // 4 // 16 * 16  # the first prompt's full blocks; the text so far is prefilled
+        assert _one(await _samples(http, sim), "vllm:prefix_cache_hits_total") == chat_hit
+
+        document = "Another document, continued as a completion. " * 60
+        status, first = await post("/v1/completions", {"prompt": document})
+        assert status == 200
+        status, second = await post("/v1/completions", {"prompt": document + first["choices"][0]["text"]})
+        assert status == 200
+        assert _one(await _samples(http, sim), "vllm:prefix_cache_hits_total") == chat_hit + len(document) // 4 // 16 * 16
