@@ -44,11 +44,12 @@ JAIN_VTC = 0.99
 FLOOD_SLOWDOWN = 1.5
 # The hop's cost on the metadata fast path (the overhead benchmark): processor CPU per request at
 # saturation (32 connections), the rate it then holds and releases against Envoy alone's in the same
-# run, the latency it adds at the fixed rate, and the processor's memory per held request on the h2
-# transport. In the targets table, so that a feature that costs shows at once.
+# run, the latency it adds at the fixed rate over what the hop alone adds in the same run (a processor
+# that only says CONTINUE: the floor, which moves with the machine's load), and the processor's memory
+# per held request on the h2 transport. In the targets table, so that a feature that costs shows at once.
 CPU_US_PER_REQUEST = 250
 RATE_VS_ENVOY = 0.45
-ADDED_P50_MS = 0.5
+ADDED_OVER_FLOOR_P50_MS = 0.2
 KB_PER_HELD = 5.0
 # The targets of priority inside the engine.
 WITHIN_OBJECTIVE = 0.99
@@ -189,9 +190,12 @@ def _overhead_targets(overhead: Mapping[str, Any]) -> list[dict[str, Any]]:
             f"{share:.2f} ({_get(hop, 'max', 'rate'):,.0f} vs {_get(overhead, 'paths', 'envoy', 'max', 'rate'):,.0f} "
             "req/s)", share >= RATE_VS_ENVOY)
     added = _get(overhead, "extproc_added_ms", "p50")
-    if added is not None:
-        add(f"ext_proc added p50 <= {ADDED_P50_MS:g} ms at {overhead['fixed_rate']} req/s", FAST_PATH, added,
-            f"{added:.2f} ms", added <= ADDED_P50_MS)
+    floor = _get(overhead, "floor", "added_ms", "p50")
+    if added is not None and floor is not None:
+        over = added - floor
+        add(f"ext_proc added p50 <= the hop's floor + {ADDED_OVER_FLOOR_P50_MS:g} ms at {overhead['fixed_rate']} "
+            "req/s (same run)", FAST_PATH, over, f"{added:.2f} ms (floor {floor:.2f} ms: +{over:.2f})",
+            over <= ADDED_OVER_FLOOR_P50_MS + 1e-9)
     held = _get(overhead, "transports", "builtin")
     kb = _get(held, "kb_per_held")
     if kb is not None:
