@@ -23,6 +23,7 @@ the dispatcher again at once, as the event loop's next callback, is one).
 from __future__ import annotations
 
 import math
+import random
 import sys
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,15 @@ class Arrival:
     retried: bool = False
     # The prompt's tokens (any hashable units), hashed for an engine with prefix caching; none: nothing hits.
     units: tuple[Hashable, ...] = ()
+
+
+def chat_arrivals(start: float, until: float, poisson: bool, seed: int) -> list[Arrival]:
+    """alice's chats (10 prompt tokens, 16 out) from ``start`` to ``until``: 4 a second, Poisson or every 250 ms."""
+    rng, arrivals, at = random.Random(seed), [], start
+    while at < until:
+        arrivals.append(Arrival(at, 0, "alice", 10, 16))
+        at += rng.expovariate(4.0) if poisson else 0.25
+    return arrivals
 
 
 @dataclass

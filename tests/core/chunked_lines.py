@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import random
 import statistics
 
 from extproc.tools.sim.engine import SimSettings
-from tests.coresim import Arrival, CoreSim, Request
+from tests.coresim import Arrival, CoreSim, Request, chat_arrivals
 
 INTERACTIVE, BATCH = 0, 2
 CHATS_FROM, CHATS_UNTIL = 20.0, 140.0
@@ -31,11 +30,7 @@ PROMPT, TOKENS, IN_FLIGHT = 200, 1024, 32
 
 
 def chats(poisson: bool, seed: int) -> list[Arrival]:
-    rng, arrivals, at = random.Random(seed), [], CHATS_FROM
-    while at < CHATS_UNTIL:
-        arrivals.append(Arrival(at, INTERACTIVE, "alice", 10, 16))
-        at += rng.expovariate(4.0) if poisson else 0.25
-    return arrivals
+    return chat_arrivals(CHATS_FROM, CHATS_UNTIL, poisson, seed)
 
 
 def run(chunk: int, poisson: bool, seed: int, prefix_caching: bool = True) -> dict[str, float]:

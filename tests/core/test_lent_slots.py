@@ -22,7 +22,7 @@ import statistics
 import pytest
 
 from extproc.tools.sim.engine import SimSettings
-from tests.coresim import Arrival, CoreSim, DirectSim, Request
+from tests.coresim import Arrival, CoreSim, DirectSim, Request, chat_arrivals
 
 pytestmark = pytest.mark.unit
 
@@ -36,11 +36,7 @@ def p99(values: list[float]) -> float:
 
 
 def chats(poisson: bool, seed: int) -> list[Arrival]:
-    rng, arrivals, at = random.Random(seed), [], CHATS_FROM
-    while at < CHATS_UNTIL:
-        arrivals.append(Arrival(at, INTERACTIVE, "alice", 10, 16))
-        at += rng.expovariate(4.0) if poisson else 0.25
-    return arrivals
+    return chat_arrivals(CHATS_FROM, CHATS_UNTIL, poisson, seed)
 
 
 def line(lines: random.Random, at: float, retried: bool = False) -> Arrival:
