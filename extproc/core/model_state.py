@@ -45,7 +45,7 @@ from extproc.core.expiry import Expiry
 from extproc.core.fair_queue import FairQueue
 from extproc.core.held import Held, Request
 from extproc.core.policies import Policy
-from extproc.core.preemption import Place, Preemption
+from extproc.core.preemption import Preemption
 from extproc.core.pricing import Pricing
 from extproc.core.release.health_log import HealthLog
 from extproc.core.release.pool import Pool
@@ -278,8 +278,8 @@ class ModelState:
         # Preemption asks whether the engines were full before it, for a request with an objective.
         held.checked, full = pool.released(held, now, held.endpoint, into_free_slot=into_free_slot,
                                            full_before=(book := self._preemption).enabled and held.ttft_objective_s is not None)
-        if book.enabled:
-            book.note_release(held, now, self._victim_place(held, rules, into_free_slot, now), full)
+        if book.enabled and book.note_release(held, now, self._victim(held, rules, into_free_slot), full) is not None:
+            held.preempted = self._timers.future()  # its stream watches for it (follow.py)
         self._release_rate.record(now)
         self._in_flight[band] += 1
         self._queue.charge(band, tenant, held.estimate.cost)
@@ -288,16 +288,14 @@ class ModelState:
                                   tag=held.request.tag))
         return True
 
-    def _victim_place(self, held: Held, rules: Band, into_free_slot: bool, now: float) -> Place | None:
-        """Where ``held``, just released, went as a victim to be, its stream told to watch for it; None: it cannot be
-        one (a stream begins as the engine accepts it; a retry is never preempted), or not worth the watch."""
+    def _victim(self, held: Held, rules: Band, into_free_slot: bool) -> tuple[bool, bool] | None:
+        """Whether ``held``, just released, is a victim to be, as :meth:`Preemption.note_release` asks: its band
+        idle-only, and it queued in an engine that serves in arrival order; None: it cannot be one (a stream begins as
+        the engine accepts it; a retry is never preempted)."""
         request = held.request
         if not (rules.preemptible and request.whole and not request.retried):
             return None
-        queued = not into_free_slot and not self.band_allowance.priority_queue
-        if (place := self._preemption.place(request.band, rules.idle_only, queued, now)) is not None:
-            held.preempted = self._timers.future()
-        return place
+        return rules.idle_only, not into_free_slot and not self.band_allowance.priority_queue
 
     # --- a held request's end ----------------------------------------------------------------------
 

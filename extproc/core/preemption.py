@@ -149,7 +149,7 @@ class Preemption:
         if objective_s is not None:
             self._needed_at[band] = now
 
-    def place(self, band: int, idle_only: bool, queued: bool, now: float) -> Place | None:
+    def _place(self, band: int, idle_only: bool, queued: bool, now: float) -> Place | None:
         """Where a release of a preemptible ``band`` goes as a victim to be (``queued``: into an engine queue served in
         arrival order); None while it is not worth its stream's watch (only an objective at risk could take it back,
         and no band above with an objective had an arrival for :data:`WATCH_S`)."""
@@ -164,13 +164,17 @@ class Preemption:
             self._last_end = now
         self._victims[held] = place
 
-    def note_release(self, held: Held, now: float, place: Place | None, engine_full: bool) -> None:
-        """What a release means here, in one call: a victim to be (``place``: where it went; None: it cannot be one),
-        and a request with an objective (``held``'s) that went into an ``engine_full`` with none free may wait there."""
+    def note_release(self, held: Held, now: float, victim: tuple[bool, bool] | None, engine_full: bool) -> Place | None:
+        """What a release means here, in one call: a victim to be, where it went (``victim``: whether its band is
+        idle-only and whether it went into an engine queue served in arrival order; None: it cannot be one), if worth
+        its stream's watch (None: not); and a request with an objective (``held``'s) that went into an ``engine_full``
+        with none free may wait there."""
+        place = None if victim is None else self._place(held.request.band, *victim, now)
         if place is not None:
             self.released(held, now, place)
         if engine_full and held.ttft_objective_s is not None and self._victims:
             self.waits_in_engine(held)
+        return place
 
     def waits_in_engine(self, held: Held) -> None:
         """``held``, with an objective, went into an engine without a free slot: it may wait there for one."""

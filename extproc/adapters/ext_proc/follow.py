@@ -23,7 +23,13 @@ from extproc.core.values.outcomes import Refusal, Refused
 
 async def follow(side: Attachment, stream: Stream, messages: AsyncIterator[pb.ProcessingRequest],
                  model: ServedModel, held: Held, priority: int | None) -> AsyncIterator[pb.ProcessingResponse]:
-    """After the release: answer the stream's messages until it ends, or ``held`` is preempted before its response began."""
+    """After the release: answer the stream's messages until it ends, or ``held`` is preempted before its response began.
+
+    The release's reply is written once the loop has run what is ready (the
+    transports write many streams' replies at once): this waits for that
+    turn first, so that nothing here comes before the write.
+    """
+    await asyncio.sleep(0)
     async for message in messages if held.preempted is None else _until_preempted(messages, held):
         for reply in side.after_release(stream, model, held, message, priority):
             yield reply
