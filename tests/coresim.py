@@ -198,7 +198,7 @@ class CoreSim(EventHeap):
         a look then is skipped: every queued request still queued (the dispatcher holds as many), and no released
         one preempted, or ended where ``ended`` wants to hear of it. A request that ended is dropped at the next look.
         """
-        if self._queued_seen == self.dispatcher.queued and not any(self._due(r) for r in self._released):
+        if self._queued_seen == self.dispatcher.queued and not self._any_due():
             return
         for request in self._active:
             held = request.held
@@ -227,15 +227,32 @@ class CoreSim(EventHeap):
                 self.dispatcher.end(held)
             if request.outcome in ("done", "preempted") and self._ended is not None:
                 self._ended(self, request)
-        self._active = [r for r in self._active if r.outcome in ("queued", "released")]
-        self._queued_seen = sum(r.outcome == "queued" for r in self._active)
-        self._released = [r for r in self._active if r.outcome == "released"]
+        active: list[Request] = []
+        released: list[Request] = []
+        for request in self._active:  # one pass over what is left: a look walks every request in flight
+            if request.outcome == "released":
+                released.append(request)
+            elif request.outcome != "queued":
+                continue
+            active.append(request)
+        self._active, self._released = active, released
+        self._queued_seen = len(active) - len(released)
 
-    def _due(self, request: Request) -> bool:
-        """Whether a request released at the last look needs one now: preempted, or ended and ``ended`` is told."""
-        if request.outcome == "released":
-            return request.held.preempted is not None and request.held.preempted.done()
-        return self._ended is not None
+    def _any_due(self) -> bool:
+        """Whether a request released at the last look needs one now: preempted, or ended and ``ended`` is told.
+
+        One loop, no call per request: it runs after every event of every replay.
+        """
+        told = self._ended is not None
+        for request in self._released:
+            if request.outcome != "released":
+                if told:
+                    return True
+                continue
+            preempted = request.held.preempted
+            if preempted is not None and preempted.done():
+                return True
+        return False
 
     def _accepted(self, request: Request) -> None:
         if request.outcome == "released":

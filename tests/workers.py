@@ -46,12 +46,20 @@ VLLM_MODULES = frozenset({
 SPREAD_MODULES = frozenset({
     "tests/tools/bench/test_bench_smoke.py",
     "tests/stack/test_budgets_downgrade.py",
+    # The unit tier's longest modules (real-time simulators, batch services on sockets): one worker each was its long pole.
+    "tests/tools/sim/test_sim.py",
+    "tests/adapters/batches/test_batches_api.py",
+    "tests/adapters/grpc/test_h2grpc_abuse.py",
 })
 # Workers per core with ``-n auto``: most tests spend their time waiting on processes, sockets and
 # timers they started (Envoy, the simulator, Redis, Docker), so one worker per core leaves the cores
 # half idle. Measured on 2 cores, the tests not marked ``alone``: 438 s with 2 workers, 234 s with 4
 # (2026-12-05); 372 s with 4, 276 s with 6 (2026-12-07, more tests since).
 WORKERS_PER_CORE = 3
+# ``-m unit`` alone (the quick loop): its tests are in-process and mostly busy, and each worker costs
+# about 2.6 s of CPU to start (importing and collecting every test module), so six workers on 2 cores
+# spent more on starting than the waits they overlapped saved.
+UNIT_WORKERS_PER_CORE = 2
 
 
 @contextmanager
@@ -127,10 +135,14 @@ class Scopes(LoadScopeScheduling):  # type: ignore[misc]  # xdist ships no type 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """``-n auto``: ``WORKERS_PER_CORE`` per core as xdist counts them (``PYTEST_XDIST_AUTO_NUM_WORKERS`` still wins)."""
+    """``-n auto``: ``WORKERS_PER_CORE`` per core as xdist counts them, ``UNIT_WORKERS_PER_CORE`` for ``-m unit``.
+
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still wins.
+    """
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
-    return WORKERS_PER_CORE * int(xdist.plugin.pytest_xdist_auto_num_workers(config))
+    per_core = UNIT_WORKERS_PER_CORE if config.getoption("markexpr") == "unit" else WORKERS_PER_CORE
+    return per_core * int(xdist.plugin.pytest_xdist_auto_num_workers(config))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> Scopes | None:

@@ -15,15 +15,7 @@ import asyncio
 import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
-
-
-@dataclass(order=True)
-class _Event:
-    at: float
-    seq: int
-    run: Callable[[], None] = field(compare=False)
 
 
 class SimTimer:
@@ -41,22 +33,22 @@ class EventHeap:
 
     def __init__(self) -> None:
         self.now = 0.0
-        self._heap: list[_Event] = []
+        # (at, seq, run): plain tuples, compared in C; ``seq`` is unique, so ``run`` is never compared.
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
 
     def call_at(self, at: float, run: Callable[[], None]) -> None:
         """Run ``run`` when the simulated time reaches ``at``, after what was scheduled for then before it."""
-        heapq.heappush(self._heap, _Event(at, next(self._seq), run))
+        heapq.heappush(self._heap, (at, next(self._seq), run))
 
     def next_at(self) -> float | None:
         """When the next event is due; None once none is left."""
-        return self._heap[0].at if self._heap else None
+        return self._heap[0][0] if self._heap else None
 
     def run_next(self) -> None:
         """The next event: the time moves to it, and it runs."""
-        event = heapq.heappop(self._heap)
-        self.now = event.at
-        event.run()
+        self.now, _, run = heapq.heappop(self._heap)
+        run()
 
     # --- Timers (core/timers.py): the dispatcher's deadlines on the same heap -------------------------
 

@@ -534,6 +534,7 @@ class Scheduler:
         Requests aborted while the step ran are simply no longer in the batch.
         """
         events: list[TokenEvent] = []
+        ended = False  # one pass: the simulated-time replays call this for every step of every run
         for request in self.batch:
             previous = request.arrival if request.last_token_at is None else request.last_token_at
             events.append(TokenEvent(request, request.num_generated, now - previous))
@@ -544,8 +545,9 @@ class Scheduler:
             if request.num_generated >= request.max_tokens:
                 request.finish_reason = FINISH_LENGTH
                 self._free(request)
-        if any(r.finished for r in self.batch):
-            self.running = [r for r in self.running if not r.finished]
+            ended = ended or request.finish_reason is not None
+        if ended:
+            self.running = [r for r in self.running if r.finish_reason is None]
         self.batch = []
         self._show()
         return events
