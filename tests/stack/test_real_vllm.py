@@ -47,7 +47,7 @@ PREFILL = VllmServer(PREFILL_MODEL, size="prefill", max_num_seqs=4)
 VLLM_SERVERS = (FCFS, PRIORITY, PREFILL)  # started at once with the other modules' (vllm_fleet, tests/conftest.py)
 
 FLOOD = 40  # alice's requests per flood
-MAX_TOKENS = 32
+MAX_TOKENS = 16  # long enough for a flood to fill vLLM for seconds; each token is a step of every request
 ROUNDS = 3  # floods per path; a gate with a 50 ms visibility grace overshot in 3 or 4 of 5
 TARGET_WAITING = 3  # the gateway's default
 SAMPLE_S = 0.02  # how often the tests read vLLM's own /metrics
@@ -440,7 +440,7 @@ async def dialect_load(http: aiohttp.ClientSession, url: str) -> EngineLoad:
 
 @IN_SESSION_LOOP
 async def test_a_prompt_sent_again_hits_vllms_prefix_cache_and_starts_sooner(prefill_vllm: str) -> None:
-    """Each of three 2,000-token prompts twice: the second time vLLM finds 15 blocks cached.
+    """Each of two 2,000-token prompts twice: the second time vLLM finds 15 blocks cached.
 
     Our vLLM dialect reads the hits off the real page (prefix_cache_queries/hits
     counters, the capacity from cache_config_info), and the cached prompt's
@@ -448,7 +448,7 @@ async def test_a_prompt_sent_again_hits_vllms_prefix_cache_and_starts_sooner(pre
     the margin is for the other processes sharing them).
     """
     rng = random.Random(21)
-    prompts = [[rng.randrange(2, 2048) for _ in range(LONG_PROMPT)] for _ in range(3)]
+    prompts = [[rng.randrange(2, 2048) for _ in range(LONG_PROMPT)] for _ in range(2)]
     async with session() as http:
         await first_token_s(http, prefill_vllm, [5] * 300)  # the first request after start-up is slow
         before = await dialect_load(http, prefill_vllm)

@@ -64,7 +64,7 @@ LONG_PROMPT = " ".join(["word"] * 60)
 FLOOD = 40  # alice's requests per flood, half streamed, half through the OpenAI SDK
 BYPASS = 8  # requests sent straight to vLLM, at once, BYPASS_AFTER_S into the flood
 BYPASS_AFTER_S = 1.0
-MAX_TOKENS = 32
+MAX_TOKENS = 16  # long enough for a flood to fill vLLM for seconds; each token is a step of every request
 # The measuring server's request cap: the gateway's line plus room for one request around it.
 ROOMY_REQS = QUEUED_REQS + 1
 # Floods per kind (streamed, SDK) and arm (with and without the bypass), the arms alternating.
