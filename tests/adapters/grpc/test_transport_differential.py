@@ -422,6 +422,12 @@ async def test_stream_flood_stays_within_the_advertised_limit_and_every_handler_
     assert await settle(lambda: served.server.calls() == 0 and served.handlers.running == 0)
 
 
+async def _bounded(client: RawClient) -> bool:
+    """The connection still serves, or the server ended it (GOAWAY, close): asked in that order, since a server that
+    is slow to count a flood (grpcio on a busy machine) may end the connection while the echo stream is on it."""
+    return await client.alive() or client.closed or client.goaway is not None
+
+
 async def _flood(served: Served, raw: Connect, frame: bytes, count: int) -> RawClient:
     client = await raw()
     client.write_raw(frame * count)
@@ -434,13 +440,13 @@ async def _flood(served: Served, raw: Connect, frame: bytes, count: int) -> RawC
 async def test_ping_flood_does_not_stop_other_connections(served: Served, raw: Connect) -> None:
     client = await _flood(served, raw, bytes(PingFrame(0, opaque_data=b"12345678").serialize()), 20_000)
     # The reference answers pings and bounds abuse by closing (GOAWAY ENHANCE_YOUR_CALM); either way, not a crash.
-    assert client.closed or client.goaway is not None or await client.alive()
+    assert await _bounded(client)
 
 
 async def test_settings_flood_does_not_stop_other_connections(served: Served, raw: Connect) -> None:
     settings = bytes(SettingsFrame(0, settings={SettingsFrame.INITIAL_WINDOW_SIZE: 65_535}).serialize())
     client = await _flood(served, raw, settings, 20_000)
-    assert client.closed or client.goaway is not None or await client.alive()
+    assert await _bounded(client)
 
 
 async def test_header_bomb_never_reaches_a_handler(served: Served, raw: Connect) -> None:
