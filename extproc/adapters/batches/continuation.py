@@ -38,8 +38,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
+from extproc.adapters.batches.shapes import CHAT, COMPLETIONS
+
 # The limit's fields, in the order vLLM reads them (max_completion_tokens wins where both are set).
 _LIMITS = ("max_completion_tokens", "max_tokens")
 # Fields whose answer is not the concatenation of the chunks' answers: set (not null, false or the default),

@@ -18,7 +18,9 @@ Json = dict[str, Any]
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "expired", "cancelled")
 # The endpoints a batch may name: what the gateway schedules.
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS, "/v1/embeddings")
 # How a batch ends, by the status it reached: its final status, and the error of each line not run.
 ENDINGS: dict[str, tuple[str, Json | None]] = {
     "finalizing": ("completed", None),

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from extproc.adapters.batches.continuation import CHAT, COMPLETIONS, Chunks, Plan, continuation, merged_usage, plan
+from extproc.adapters.batches.continuation import Chunks, Plan, continuation, merged_usage, plan
+from extproc.adapters.batches.shapes import CHAT, COMPLETIONS
 
 pytestmark = pytest.mark.unit
 
